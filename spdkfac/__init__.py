@@ -1,0 +1,13 @@
+"""spdkfac: distributed K-FAC with pipelined factor communication and load-balanced inversion.
+
+Quick start::
+
+    from spdkfac import SPDKFACOptimizer
+    optimizer = SPDKFACOptimizer(model, lr=0.1, momentum=0.9)   # instead of torch.optim.SGD
+"""
+from .optimizer import NonFiniteFactorError, SPDKFACOptimizer
+from .variants import VARIANTS, make_optimizer
+
+__version__ = "0.1.0"
+
+__all__ = ["SPDKFACOptimizer", "NonFiniteFactorError", "VARIANTS", "make_optimizer", "__version__"]

@@ -1,0 +1,59 @@
+"""Communication engines behind one interface, and ``backend='auto'`` selection."""
+from __future__ import annotations
+
+import os
+from typing import Union
+
+from .base import CommBackend, CompletedHandle, Handle, SingleProcessBackend
+
+__all__ = ["CommBackend", "Handle", "CompletedHandle", "SingleProcessBackend", "get_backend", "detect_launcher"]
+
+_HOROVOD_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_GLOO_RENDEZVOUS_ADDR")
+_MPI_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+_TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE")
+
+
+def detect_launcher() -> str:
+    """Guess which engine launched this process: 'horovod', 'torch' or 'single'."""
+    env = os.environ
+    if any(v in env for v in _HOROVOD_VARS):
+        return "horovod"
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return "torch"
+    except Exception:  # pragma: no cover
+        pass
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "torch"
+    if any(v in env for v in _MPI_VARS):
+        return "horovod"  # mpirun-launched Horovod jobs only set MPI variables
+    return "single"
+
+
+def get_backend(backend: Union[str, CommBackend] = "auto") -> CommBackend:
+    """Return a communication engine.
+
+    Args:
+        backend: an engine instance (returned as is), or one of ``'auto'``
+            (Horovod under ``horovodrun``/``mpirun``, torch.distributed under
+            ``torchrun`` or an initialised process group, otherwise single
+            process), ``'horovod'``, ``'torch'``, ``'single'``.
+    """
+    if isinstance(backend, CommBackend):
+        return backend
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string or a CommBackend, got {type(backend).__name__}")
+    choice = detect_launcher() if backend == "auto" else backend
+    if choice == "horovod":
+        from .horovod_backend import HorovodBackend
+
+        return HorovodBackend()
+    if choice == "torch":
+        from .torch_backend import TorchDistributedBackend
+
+        return TorchDistributedBackend()
+    if choice == "single":
+        return SingleProcessBackend()
+    raise ValueError(f"backend must be 'auto', 'horovod', 'torch', 'single' or a CommBackend, got {backend!r}")

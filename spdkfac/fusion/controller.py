@@ -1,0 +1,187 @@
+"""TensorFusionController: packs ready factors into fused buffers and all-reduces them.
+
+Hooks hand each freshly computed batch factor to :meth:`submit` (by
+reference). The controller copies its upper triangle into the buffer of the
+factor's fusion group; when the group's last member arrives it starts an
+asynchronous all-reduce and returns at once, so the communication of early
+layers runs while later layers compute. :meth:`wait_all` (called from
+``step()``) blocks on the handles and returns the averaged full matrices.
+
+Without a plan for a pass (the first iterations, while the per-layer times
+are being profiled) every factor is launched alone, in arrival order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..comm.base import CommBackend, Handle
+from ..linalg import pack_upper, triangle_size, unpack_upper
+from ..timeline import IterationRecord, Timeline
+
+__all__ = ["TensorFusionController", "FactorKey"]
+
+FactorKey = Tuple[str, str]  # (kind 'A' | 'G', layer name)
+
+
+@dataclass
+class _Group:
+    members: List[FactorKey]
+    gid: int
+    arrived: Dict[FactorKey, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class _InFlight:
+    handle: Handle
+    buffer: torch.Tensor
+    layout: List[Tuple[FactorKey, int, int]]  # (key, dim, offset)
+    gid: int
+    kind: str
+
+
+class TensorFusionController:
+    """Fuses and all-reduces Kronecker factors as they become ready."""
+
+    def __init__(self, backend: CommBackend) -> None:
+        self.backend = backend
+        self.record: Optional[IterationRecord] = None
+        self._plans: Dict[str, Optional[List[List[FactorKey]]]] = {"A": None, "G": None}
+        self._group_of: Dict[FactorKey, _Group] = {}
+        self._groups: List[_Group] = []
+        self._in_flight: List[_InFlight] = []
+        self._local: Dict[FactorKey, torch.Tensor] = {}
+        self._arrivals: Dict[str, List[FactorKey]] = {"A": [], "G": []}
+        self._next_gid = 0
+
+    # -- configuration -------------------------------------------------------------
+    def set_plan(self, kind: str, groups: Optional[Sequence[Sequence[FactorKey]]]) -> None:
+        """Use ``groups`` (lists of factor keys) for pass ``kind``; None means layer-wise."""
+        if self._groups or self._in_flight:
+            raise RuntimeError("cannot change the fusion plan while factors are in flight")
+        self._plans[kind] = [list(g) for g in groups] if groups is not None else None
+
+    def plan(self, kind: str) -> Optional[List[List[FactorKey]]]:
+        return self._plans[kind]
+
+    def arrival_order(self, kind: str) -> List[FactorKey]:
+        """Keys of pass ``kind`` in the order they were submitted this iteration."""
+        return list(self._arrivals[kind])
+
+    # -- per iteration ---------------------------------------------------------------
+    def begin_iteration(self, record: Optional[IterationRecord] = None) -> None:
+        """Reset per-iteration state; ``record`` receives timeline events if given."""
+        if self._in_flight or any(g.arrived for g in self._groups):
+            raise RuntimeError("previous iteration's factors were never waited for")
+        self.record = record
+        self._arrivals = {"A": [], "G": []}
+        self._local = {}
+        self._groups = []
+        self._group_of = {}
+        self._next_gid = 0
+        for kind, plan in self._plans.items():
+            if plan is None:
+                continue
+            for members in plan:
+                group = _Group(members=members, gid=self._next_gid)
+                self._next_gid += 1
+                self._groups.append(group)
+                for key in members:
+                    self._group_of[key] = group
+
+    def submit(self, key: FactorKey, factor: torch.Tensor) -> None:
+        """Hand over a freshly computed batch factor; may launch an all-reduce."""
+        kind = key[0]
+        if key in self._arrivals[kind]:
+            raise RuntimeError(
+                f"factor {key[0]} of layer {key[1]!r} was computed twice in one step; a preconditioned "
+                "layer must run exactly once per forward/backward (no weight sharing)"
+            )
+        self._arrivals[kind].append(key)
+        if self.backend.size == 1:
+            self._local[key] = factor  # nothing to average: keep the reference
+            return
+        group = self._group_of.get(key)
+        if group is None:
+            if self._plans[kind] is not None:
+                raise RuntimeError(f"factor {key} is not in the fusion plan (the model's layers changed?)")
+            group = _Group(members=[key], gid=self._next_gid)
+            self._next_gid += 1
+            self._groups.append(group)
+        group.arrived[key] = factor
+        if len(group.arrived) == len(group.members):
+            self._launch(group)
+
+    def _launch(self, group: _Group) -> None:
+        first = group.arrived[group.members[0]]
+        total = sum(triangle_size(group.arrived[k].shape[0]) for k in group.members)
+        buffer = torch.empty(total, dtype=first.dtype, device=first.device)
+        layout = []
+        offset = 0
+        for key in group.members:
+            mat = group.arrived[key]
+            n = triangle_size(mat.shape[0])
+            pack_upper(mat, out=buffer[offset : offset + n])
+            layout.append((key, mat.shape[0], offset))
+            offset += n
+        group.arrived.clear()
+        kind = group.members[0][0]
+        name = f"spdkfac.factor.{kind}.{group.members[0][1]}.{len(group.members)}"
+        rec = self.record
+        if rec is not None:
+            t = rec.rel(Timeline.now())
+            for key in group.members:
+                ev = rec.factors.get(f"{key[0]}:{key[1]}")
+                if ev is not None:
+                    ev.comm_start = t
+                    ev.group = group.gid
+        handle = self.backend.allreduce_async(buffer, name)
+        self._in_flight.append(_InFlight(handle, buffer, layout, group.gid, kind))
+
+    def poll(self) -> None:
+        """Record completion times of finished all-reduces (timeline only)."""
+        rec = self.record
+        if rec is None:
+            return
+        t = rec.rel(Timeline.now())
+        for job in self._in_flight:
+            first = rec.factors.get(f"{job.layout[0][0][0]}:{job.layout[0][0][1]}")
+            if first is not None and first.comm_end is None and job.handle.done():
+                for key, _, _ in job.layout:
+                    ev = rec.factors.get(f"{key[0]}:{key[1]}")
+                    if ev is not None:
+                        ev.comm_end = t
+
+    def wait_all(self) -> Dict[FactorKey, torch.Tensor]:
+        """Block until every launched all-reduce is done; return the averaged factors."""
+        missing = [k for g in self._groups for k in g.members if g.arrived and k not in g.arrived]
+        if missing:
+            for g in self._groups:
+                g.arrived.clear()
+            self._in_flight.clear()
+            raise RuntimeError(
+                "these factors were never computed in this factor-update step, so their fused all-reduce "
+                f"could not start: {missing}. Every preconditioned layer must run in every step."
+            )
+        results: Dict[FactorKey, torch.Tensor] = dict(self._local)
+        rec = self.record
+        t_wait = Timeline.now() if rec is not None else 0.0
+        for job in self._in_flight:
+            job.handle.wait()
+            if rec is not None:
+                t = rec.rel(Timeline.now())
+                for key, _, _ in job.layout:
+                    ev = rec.factors.get(f"{key[0]}:{key[1]}")
+                    if ev is not None and ev.comm_end is None:
+                        ev.comm_end = t
+            for key, dim, offset in job.layout:
+                results[key] = unpack_upper(job.buffer[offset : offset + triangle_size(dim)], dim)
+        if rec is not None:
+            rec.factor_wait += Timeline.now() - t_wait
+        self._in_flight = []
+        self._local = {}
+        for g in self._groups:
+            g.arrived.clear()
+        return results

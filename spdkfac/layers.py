@@ -1,0 +1,234 @@
+"""Per-layer K-FAC maths: Kronecker factors, running averages, preconditioning.
+
+One :class:`KFACLayer` class holds the maths for every supported layer; the
+only thing Linear and Conv2d differ in is how their inputs and output
+gradients are turned into rows (a small :class:`RowExtractor`).
+
+Factor normalisation (chosen so that P workers with local batch ``b`` give the
+same factors as one worker with batch ``P*b``): with ``n`` the local batch size
+and ``R`` the number of rows (``n`` for Linear on 2-D input, ``n*h*w`` for a
+convolution's im2col patches, ``n*T`` for sequence input),
+
+* ``A = a^T a / R`` where ``a`` are the layer-input rows (with a ones column
+  for the bias), i.e. the mean over samples and spatial positions;
+* ``G = (n g)^T (n g) / R`` where ``g`` are the output-gradient rows. The
+  factor ``n`` undoes the ``1/n`` a batch-mean loss puts in every per-sample
+  gradient, so ``G`` is also a per-sample mean.
+
+Both are means over the local batch, so averaging them over workers equals the
+mean over the global batch. This assumes the loss is a *mean* over the local
+batch, which is PyTorch's default reduction.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["KFACLayer", "RowExtractor", "make_extractor", "FACTOR_KINDS"]
+
+FACTOR_KINDS = ("A", "G")
+
+
+class RowExtractor(abc.ABC):
+    """Turns a layer's input / output-gradient tensors into 2-D row matrices."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @property
+    def has_bias(self) -> bool:
+        return getattr(self.module, "bias", None) is not None
+
+    @abc.abstractmethod
+    def input_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of the (im2col-expanded) layer input, without the bias column."""
+
+    @abc.abstractmethod
+    def grad_output_rows(self, g: torch.Tensor) -> torch.Tensor:
+        """Rows of the gradient with respect to the layer output."""
+
+    @property
+    @abc.abstractmethod
+    def in_dim(self) -> int:
+        """Width of an input row, without the bias column."""
+
+    @property
+    @abc.abstractmethod
+    def out_dim(self) -> int:
+        """Width of an output-gradient row."""
+
+
+class _LinearRows(RowExtractor):
+    def input_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, x.shape[-1])
+
+    def grad_output_rows(self, g: torch.Tensor) -> torch.Tensor:
+        return g.reshape(-1, g.shape[-1])
+
+    @property
+    def in_dim(self) -> int:
+        return self.module.in_features
+
+    @property
+    def out_dim(self) -> int:
+        return self.module.out_features
+
+
+class _Conv2dRows(RowExtractor):
+    def __init__(self, module: nn.Conv2d, padding: Tuple[int, int]) -> None:
+        super().__init__(module)
+        self.padding = padding
+
+    def input_rows(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        patches = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=self.padding, stride=m.stride)
+        # (n, C*kh*kw, L) -> (n*L, C*kh*kw)
+        return patches.transpose(1, 2).reshape(-1, patches.shape[1])
+
+    def grad_output_rows(self, g: torch.Tensor) -> torch.Tensor:
+        return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
+
+    @property
+    def in_dim(self) -> int:
+        m = self.module
+        return m.in_channels * m.kernel_size[0] * m.kernel_size[1]
+
+    @property
+    def out_dim(self) -> int:
+        return self.module.out_channels
+
+
+def _explicit_conv_padding(m: nn.Conv2d) -> Optional[Tuple[int, int]]:
+    """Integer padding of a conv layer, or None when im2col cannot express it."""
+    if m.padding_mode != "zeros":
+        return None
+    if isinstance(m.padding, str):
+        if m.padding == "valid":
+            return (0, 0)
+        pads = []
+        for k, d in zip(m.kernel_size, m.dilation):
+            total = d * (k - 1)
+            if total % 2:
+                return None  # asymmetric 'same' padding
+            pads.append(total // 2)
+        return (pads[0], pads[1])
+    return (int(m.padding[0]), int(m.padding[1]))
+
+
+def make_extractor(module: nn.Module) -> Optional[RowExtractor]:
+    """The row extractor for a supported layer, or None (the layer then gets plain SGD)."""
+    if isinstance(module, nn.Linear):
+        return _LinearRows(module)
+    if isinstance(module, nn.Conv2d) and type(module) is nn.Conv2d:
+        if module.groups != 1:
+            return None
+        padding = _explicit_conv_padding(module)
+        if padding is None:
+            return None
+        return _Conv2dRows(module, padding)
+    return None
+
+
+class KFACLayer:
+    """K-FAC state and maths of one preconditioned layer.
+
+    Holds the running averages ``A`` and ``G`` and the damped inverses
+    ``A_inv = (A + γI)^-1`` and ``G_inv = (G + γI)^-1``; preconditions the
+    layer's gradient as ``G_inv @ grad @ A_inv``, which equals
+    ``((A+γI) ⊗ (G+γI))^-1 vec(grad)`` for column-stacked ``vec``.
+    """
+
+    def __init__(self, name: str, module: nn.Module, extractor: RowExtractor) -> None:
+        self.name = name
+        self.module = module
+        self.rows = extractor
+        self.has_bias = extractor.has_bias
+        self.a_dim = extractor.in_dim + (1 if self.has_bias else 0)
+        self.g_dim = extractor.out_dim
+        self.A: Optional[torch.Tensor] = None
+        self.G: Optional[torch.Tensor] = None
+        self.A_inv: Optional[torch.Tensor] = None
+        self.G_inv: Optional[torch.Tensor] = None
+
+    def __repr__(self) -> str:
+        return f"KFACLayer({self.name!r}, {type(self.module).__name__}, A {self.a_dim}x{self.a_dim}, G {self.g_dim}x{self.g_dim})"
+
+    def dim(self, kind: str) -> int:
+        """Dimension of factor ``kind`` ('A' or 'G')."""
+        return self.a_dim if kind == "A" else self.g_dim
+
+    # -- factor computation (called from hooks) ---------------------------------
+    def compute_a(self, x: torch.Tensor) -> torch.Tensor:
+        """Batch factor ``A`` from the layer input (mean over rows)."""
+        rows = self.rows.input_rows(x.detach())
+        if self.has_bias:
+            rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+        return (rows.t() @ rows).div_(rows.shape[0])
+
+    def compute_g(self, grad_output: torch.Tensor) -> torch.Tensor:
+        """Batch factor ``G`` from the output gradient (mean over rows of batch-rescaled gradients)."""
+        batch = grad_output.shape[0]
+        rows = self.rows.grad_output_rows(grad_output.detach()) * batch
+        return (rows.t() @ rows).div_(rows.shape[0])
+
+    # -- running averages and inverses -------------------------------------------
+    def update_factor(self, kind: str, batch_factor: torch.Tensor, decay: float) -> None:
+        """Fold a (worker-averaged) batch factor into the running average.
+
+        The first factor initialises the average; after that
+        ``F <- decay * F + (1 - decay) * batch``.
+        """
+        current = self.A if kind == "A" else self.G
+        if current is None:
+            new = batch_factor.clone()
+        else:
+            new = current.mul_(decay).add_(batch_factor, alpha=1.0 - decay)
+        if kind == "A":
+            self.A = new
+        else:
+            self.G = new
+
+    def factor(self, kind: str) -> Optional[torch.Tensor]:
+        return self.A if kind == "A" else self.G
+
+    def set_inverse(self, kind: str, inverse: torch.Tensor) -> None:
+        if kind == "A":
+            self.A_inv = inverse
+        else:
+            self.G_inv = inverse
+
+    # -- gradients -----------------------------------------------------------------
+    def grad_matrix(self) -> Optional[torch.Tensor]:
+        """The layer gradient as a ``g_dim x a_dim`` matrix (bias as the last column)."""
+        weight = self.module.weight
+        if weight.grad is None:
+            return None
+        grad = weight.grad.reshape(weight.shape[0], -1)
+        if self.has_bias:
+            bias = self.module.bias
+            bias_grad = bias.grad if bias.grad is not None else torch.zeros_like(bias)
+            grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
+        return grad
+
+    def precondition(self, grad: torch.Tensor) -> torch.Tensor:
+        """``G_inv @ grad @ A_inv``."""
+        if self.A_inv is None or self.G_inv is None:
+            raise RuntimeError(f"layer {self.name!r} has no inverses yet; factors were never updated")
+        return self.G_inv @ grad @ self.A_inv
+
+    def write_grad(self, grad: torch.Tensor) -> None:
+        """Copy a ``g_dim x a_dim`` matrix back into the weight (and bias) gradients."""
+        weight = self.module.weight
+        if self.has_bias:
+            w_part, b_part = grad[:, :-1], grad[:, -1]
+            bias = self.module.bias
+            if bias.grad is None:
+                bias.grad = torch.zeros_like(bias)
+            bias.grad.copy_(b_part.reshape(bias.shape))
+        else:
+            w_part = grad
+        weight.grad.copy_(w_part.reshape(weight.shape))

@@ -1,0 +1,112 @@
+"""Linear-algebra kernels of K-FAC: symmetric packing and damped SPD inversion.
+
+Kronecker factors and their inverses are symmetric, so only the upper triangle
+(``d(d+1)/2`` elements) ever travels over the network. The inversion uses a
+Cholesky factorisation, which is both the fastest and the most stable inverse
+for a symmetric positive-definite matrix; on CUDA it goes through cuSOLVER
+(via cupy when installed, via torch otherwise).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Dict, Tuple
+
+import torch
+
+__all__ = [
+    "triangle_size",
+    "pack_upper",
+    "unpack_upper",
+    "invert_spd",
+    "cupy_available",
+]
+
+
+def triangle_size(dim: int) -> int:
+    """Number of elements in the upper triangle (with diagonal) of a ``dim x dim`` matrix."""
+    return dim * (dim + 1) // 2
+
+
+_TRIU_CACHE: Dict[Tuple[int, str], torch.Tensor] = {}
+
+
+def _flat_upper_indices(dim: int, device: torch.device) -> torch.Tensor:
+    """Flat (row-major) indices of the upper triangle, cached per dimension and device."""
+    key = (dim, str(device))
+    idx = _TRIU_CACHE.get(key)
+    if idx is None:
+        rows, cols = torch.triu_indices(dim, dim, device=device)
+        idx = rows * dim + cols
+        _TRIU_CACHE[key] = idx
+    return idx
+
+
+def pack_upper(matrix: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy the upper triangle of a square matrix into a flat vector (``out`` if given)."""
+    dim = matrix.shape[0]
+    idx = _flat_upper_indices(dim, matrix.device)
+    flat = matrix.reshape(-1)
+    if out is None:
+        return flat.index_select(0, idx)
+    torch.index_select(flat, 0, idx, out=out)
+    return out
+
+
+def unpack_upper(packed: torch.Tensor, dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rebuild the full symmetric ``dim x dim`` matrix from its packed upper triangle."""
+    if packed.numel() != triangle_size(dim):
+        raise ValueError(
+            f"packed triangle has {packed.numel()} elements, expected {triangle_size(dim)} for dim={dim}"
+        )
+    if out is None:
+        out = packed.new_zeros(dim, dim)
+    else:
+        out.zero_()
+    idx = _flat_upper_indices(dim, packed.device)
+    out.view(-1).index_copy_(0, idx, packed)
+    # Mirror the strict upper triangle into the lower one.
+    lower = torch.tril(out.transpose(0, 1), diagonal=-1)
+    out.add_(lower)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def cupy_available() -> bool:
+    """True when cupy imports and sees a CUDA device."""
+    try:
+        import cupy  # noqa: F401
+        import cupyx.linalg  # noqa: F401
+
+        return bool(cupy.cuda.runtime.getDeviceCount() > 0)
+    except Exception:  # pragma: no cover - depends on the machine
+        return False
+
+
+def invert_spd(matrix: torch.Tensor, damping: float, use_cupy: bool = True) -> torch.Tensor:
+    """Return ``(matrix + damping * I)^-1`` for a symmetric positive semi-definite matrix.
+
+    Uses a Cholesky factorisation (cuSOLVER ``potrf``/``potrs`` through
+    ``cupyx.linalg.invh`` when the tensor is on CUDA and cupy is installed,
+    ``torch.linalg.cholesky`` + ``torch.cholesky_inverse`` otherwise). The
+    result is symmetrised so that packing its upper triangle loses nothing.
+
+    Raises:
+        torch.linalg.LinAlgError: if the damped matrix is not positive definite
+            (damping too small for a rank-deficient factor).
+    """
+    if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
+        raise ValueError(f"invert_spd expects a square matrix, got shape {tuple(matrix.shape)}")
+    damped = matrix.clone()
+    damped.diagonal().add_(damping)
+    if use_cupy and damped.is_cuda and cupy_available():  # pragma: no cover - needs a GPU
+        import cupy
+        import cupyx.linalg
+
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream(damped.device).cuda_stream):
+            inv_cp = cupyx.linalg.invh(cupy.from_dlpack(damped))
+            inv = torch.from_dlpack(inv_cp)
+    else:
+        chol = torch.linalg.cholesky(damped)
+        inv = torch.cholesky_inverse(chol)
+    # Force exact symmetry: packing keeps only the upper triangle.
+    return torch.triu(inv) + torch.triu(inv, diagonal=1).transpose(0, 1)

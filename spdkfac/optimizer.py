@@ -1,0 +1,571 @@
+"""SPDKFACOptimizer: distributed K-FAC as a drop-in replacement for ``torch.optim.SGD``.
+
+The optimizer is a *schedule*: it registers hooks, decides when factors and
+inverses are updated, and in ``step()`` orders the work. The maths lives in
+:mod:`spdkfac.layers`, factor communication in :mod:`spdkfac.fusion`,
+inversion placement in :mod:`spdkfac.placement` (driven by
+:mod:`spdkfac.perfmodels`), and collectives in :mod:`spdkfac.comm`.
+
+Per step, on every worker:
+
+1. forward: a pre-hook computes each layer's batch factor ``A`` and hands it
+   to the :class:`~spdkfac.fusion.TensorFusionController`, which all-reduces
+   fused groups asynchronously while later layers compute;
+2. backward: a full backward hook does the same for ``G``; per-parameter
+   hooks start the gradient all-reduces (as Horovod's DistributedOptimizer);
+3. ``step()``: wait for gradients and factors, fold the averaged factors into
+   running averages, invert them per the placement plan (owners broadcast the
+   upper triangle of their inverses while inverting the next one), precondition
+   ``grad <- (G+γI)^-1 grad (A+γI)^-1``, scale by the KL-clip factor, and apply
+   momentum SGD with weight decay to every parameter.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import warnings
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from .comm import CommBackend, Handle, get_backend
+from .fusion import FUSION_POLICIES, TensorFusionController, plan_groups
+from .layers import FACTOR_KINDS, KFACLayer, make_extractor
+from .linalg import invert_spd, pack_upper, triangle_size, unpack_upper
+from .perfmodels import PerfModel, load_perf_model
+from .placement import ALL, PLACEMENTS, PlacementPlan, place
+from .timeline import FactorEvent, IterationRecord, Timeline
+
+__all__ = ["SPDKFACOptimizer", "NonFiniteFactorError"]
+
+FactorKey = Tuple[str, str]
+
+
+class NonFiniteFactorError(FloatingPointError):
+    """A Kronecker factor contained NaN or Inf; running averages were left untouched."""
+
+    def __init__(self, layers: List[FactorKey], step: int) -> None:
+        self.layers = layers
+        names = ", ".join(f"{kind} of {name!r}" for kind, name in layers)
+        super().__init__(
+            f"non-finite Kronecker factor(s) at step {step}: {names}. The running averages were not "
+            "updated and no parameter was changed. Check the inputs/loss of that step (or lower the "
+            "learning rate)."
+        )
+
+
+def _check_number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    v = float(value)
+    ok = math.isfinite(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+    if not ok:
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        raise ValueError(f"{name} must be in {lo}{low}, {high}{hi}, got {value!r}")
+    return v
+
+
+def _check_freq(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+class SPDKFACOptimizer(torch.optim.Optimizer):
+    """Distributed K-FAC with pipelined factor communication and load-balanced inversion.
+
+    Replace ``torch.optim.SGD(model.parameters(), lr=..., momentum=...)`` by
+    ``SPDKFACOptimizer(model, lr=..., momentum=...)``; the optimizer averages
+    gradients across workers itself, so do not also wrap it in Horovod's
+    DistributedOptimizer or the model in DDP. The loss must be a mean over the
+    local batch (PyTorch's default).
+
+    Args:
+        model: the network; every ``nn.Linear`` and ``nn.Conv2d`` (groups=1,
+            zero padding) with a trainable weight is preconditioned, every other
+            parameter gets the plain momentum-SGD update.
+        lr: learning rate (read from ``param_groups`` each step, so LR
+            schedulers work).
+        momentum: SGD momentum.
+        weight_decay: L2 penalty added to the (preconditioned) gradient.
+        damping: Tikhonov damping γ: inverses are ``(F + γI)^-1``.
+        factor_decay: running-average weight of the old factor.
+        kl_clip: KL-clip bound on the preconditioned update (None disables).
+        factor_update_freq: update factors every this many steps.
+        inv_update_freq: recompute inverses every this many steps (a multiple
+            of ``factor_update_freq``).
+        backend: ``'auto'``, ``'horovod'``, ``'torch'``, ``'single'`` or a
+            :class:`~spdkfac.comm.CommBackend`.
+        fusion: factor all-reduce fusion policy: ``'optimal'`` (Eq. 15),
+            ``'threshold'``, ``'layerwise'`` or ``'naive'``.
+        pipelining: all-reduce factors from the hooks as they are computed
+            (True) or all at once after the backward pass (False, as D-KFAC).
+        placement: inversion placement: ``'lbp'`` (Algorithm 1), ``'seq'``
+            (MPD-KFAC) or ``'local'`` (D-KFAC).
+        perf_model: path to a fitted performance-model JSON, a
+            :class:`~spdkfac.perfmodels.PerfModel`, or None for the built-in
+            uncalibrated default (warns once).
+        fusion_threshold_bytes: buffer size of the ``'threshold'`` policy.
+        profile_steps: factor-update steps timed (after one warm-up step)
+            before the ``'optimal'`` fusion plan is made.
+        timeline: record a per-iteration :class:`~spdkfac.timeline.Timeline`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        damping: float = 0.003,
+        factor_decay: float = 0.95,
+        kl_clip: Optional[float] = 0.001,
+        factor_update_freq: int = 1,
+        inv_update_freq: int = 1,
+        backend: Union[str, CommBackend] = "auto",
+        fusion: str = "optimal",
+        pipelining: bool = True,
+        placement: str = "lbp",
+        perf_model: Union[None, str, PerfModel] = None,
+        fusion_threshold_bytes: int = 64 * 1024 * 1024,
+        profile_steps: int = 3,
+        timeline: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        _check_number("lr", lr, 0.0)
+        _check_number("momentum", momentum, 0.0, 1.0)
+        _check_number("weight_decay", weight_decay, 0.0)
+        _check_number("damping", damping, 0.0, low_open=True)
+        _check_number("factor_decay", factor_decay, 0.0, 1.0)
+        if kl_clip is not None:
+            _check_number("kl_clip", kl_clip, 0.0, low_open=True)
+        _check_freq("factor_update_freq", factor_update_freq)
+        _check_freq("inv_update_freq", inv_update_freq)
+        if inv_update_freq % factor_update_freq:
+            raise ValueError(
+                f"inv_update_freq ({inv_update_freq}) must be a multiple of factor_update_freq ({factor_update_freq})"
+            )
+        if fusion not in FUSION_POLICIES:
+            raise ValueError(f"fusion must be one of {FUSION_POLICIES}, got {fusion!r}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        if not isinstance(pipelining, bool):
+            raise TypeError(f"pipelining must be a bool, got {type(pipelining).__name__}")
+        _check_freq("profile_steps", profile_steps)
+        if isinstance(fusion_threshold_bytes, bool) or not isinstance(fusion_threshold_bytes, int) or fusion_threshold_bytes <= 0:
+            raise ValueError(f"fusion_threshold_bytes must be a positive integer, got {fusion_threshold_bytes!r}")
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("model has no trainable parameters")
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, damping=damping, factor_decay=factor_decay, kl_clip=kl_clip)
+        super().__init__(params, defaults)
+
+        self.model = model
+        self.factor_update_freq = factor_update_freq
+        self.inv_update_freq = inv_update_freq
+        self.fusion = fusion
+        self.pipelining = pipelining
+        self.placement_strategy = placement
+        self.fusion_threshold_bytes = fusion_threshold_bytes
+        self.profile_steps = profile_steps
+        self.steps = 0
+
+        self.layers: List[KFACLayer] = []
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if weight is None or not weight.requires_grad:
+                continue
+            extractor = make_extractor(module)
+            if extractor is not None:
+                self.layers.append(KFACLayer(name or type(module).__name__, module, extractor))
+        if not self.layers:
+            raise ValueError(
+                "model has no layer SPDKFACOptimizer can precondition (nn.Linear or nn.Conv2d with groups=1 "
+                "and zero padding, with a trainable weight); use torch.optim.SGD for this model"
+            )
+        self._layer_by_name = {layer.name: layer for layer in self.layers}
+
+        self.backend = get_backend(backend)
+        self.perf_model = load_perf_model(perf_model)
+        self.perf_model.check_world_size(self.backend.size)
+
+        self.controller = TensorFusionController(self.backend)
+        self.timeline: Optional[Timeline] = Timeline() if timeline else None
+        self._record: Optional[IterationRecord] = None
+        self._profile: Dict[str, List[List[float]]] = {"A": [], "G": []}
+        self._ready: Dict[str, List[float]] = {"A": [], "G": []}
+        self._pass_t0: Dict[str, Optional[float]] = {"A": None, "G": None}
+        self._factor_steps_seen = 0
+        self._planned = fusion == "layerwise"
+        self._stash: List[Tuple[FactorKey, torch.Tensor]] = []
+
+        self.placement_plan: PlacementPlan = place(
+            placement,
+            [((kind, layer.name), layer.dim(kind)) for layer in self.layers for kind in FACTOR_KINDS],
+            self.backend.size,
+            self.perf_model.inverse,
+            self.perf_model.broadcast,
+        )
+
+        self._grad_handles: Dict[torch.Tensor, Handle] = {}
+        self._param_names = {p: n for n, p in model.named_parameters()}
+        self._hook_handles: List[Any] = []
+        for layer in self.layers:
+            self._hook_handles.append(layer.module.register_forward_pre_hook(self._make_a_hook(layer)))
+            self._hook_handles.append(layer.module.register_full_backward_hook(self._make_g_hook(layer)))
+        if self.backend.size > 1:
+            for p in params:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+        self._begin_iteration()
+
+    # ------------------------------------------------------------------ schedule
+    def _is_factor_step(self) -> bool:
+        return self.steps % self.factor_update_freq == 0
+
+    def _is_inverse_step(self) -> bool:
+        return self.steps % self.inv_update_freq == 0
+
+    @property
+    def _profiling(self) -> bool:
+        return not self._planned
+
+    def _begin_iteration(self) -> None:
+        self._record = self.timeline.begin(self.steps) if (self.timeline is not None and self._is_factor_step()) else None
+        self._ready = {"A": [], "G": []}
+        self._pass_t0 = {"A": None, "G": None}
+        self._stash = []
+        self._a_taken: set = set()
+        self.controller.begin_iteration(self._record)
+
+    # ---------------------------------------------------------------------- hooks
+    def _collecting(self, module: nn.Module) -> bool:
+        return module.training and torch.is_grad_enabled() and self._is_factor_step()
+
+    def _submit(self, layer: KFACLayer, kind: str, compute: Callable[[], torch.Tensor]) -> None:
+        timed = self._record is not None or self._profiling
+        if timed:
+            if self._profiling and torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t_start = Timeline.now()
+            if self._pass_t0[kind] is None:
+                self._pass_t0[kind] = t_start
+        factor = compute()
+        key = (kind, layer.name)
+        if kind == "A":
+            self._a_taken.add(layer.name)
+        if timed:
+            if self._profiling and factor.is_cuda:
+                torch.cuda.synchronize()
+            t_end = Timeline.now()
+            self._ready[kind].append(t_end - self._pass_t0[kind])
+            if self._record is not None:
+                rec = self._record
+                rec.factors[f"{kind}:{layer.name}"] = FactorEvent(kind, layer.name, rec.rel(t_start), rec.rel(t_end))
+                self.controller.poll()
+        if self.pipelining:
+            self.controller.submit(key, factor)
+        else:
+            self._stash.append((key, factor))
+
+    def _make_a_hook(self, layer: KFACLayer) -> Callable:
+        def hook(module: nn.Module, inputs: Tuple[Any, ...]) -> None:
+            if self._collecting(module):
+                self._submit(layer, "A", lambda: layer.compute_a(inputs[0]))
+
+        return hook
+
+    def _make_g_hook(self, layer: KFACLayer) -> Callable:
+        def hook(module: nn.Module, grad_input: Any, grad_output: Tuple[torch.Tensor, ...]) -> None:
+            # Autograd runs hooks with grad mode off: G is due for layers whose A was taken this step.
+            if layer.name in self._a_taken and grad_output[0] is not None:
+                self._submit(layer, "G", lambda: layer.compute_g(grad_output[0]))
+
+        return hook
+
+    def _grad_hook(self, p: torch.Tensor) -> None:
+        if p in self._grad_handles:
+            raise RuntimeError(
+                f"parameter {self._param_names.get(p, '?')!r} received a second gradient before step(); "
+                "SPDKFACOptimizer averages gradients once per backward pass (no gradient accumulation)"
+            )
+        self._grad_handles[p] = self.backend.allreduce_async(p.grad, f"spdkfac.grad.{self._param_names.get(p, id(p))}")
+
+    # ----------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """Precondition the gradients and take one momentum-SGD step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        try:
+            self._synchronize_gradients()
+            if self._is_factor_step():
+                self._update_factors()
+            if self._is_inverse_step():
+                self._update_inverses()
+            self._precondition()
+            self._sgd_update()
+            self.steps += 1
+        finally:
+            self._grad_handles.clear()
+            self._begin_iteration()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._grad_handles:
+            raise RuntimeError("zero_grad() called while gradient all-reduces are pending; call step() first")
+        super().zero_grad(set_to_none=set_to_none)
+
+    def _synchronize_gradients(self) -> None:
+        if self.backend.size == 1:
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p not in self._grad_handles:
+                    # Gradient set outside autograd's accumulation (or hook not fired): average it now.
+                    self._grad_handles[p] = self.backend.allreduce_async(p.grad, f"spdkfac.grad.{self._param_names.get(p, id(p))}")
+        for handle in self._grad_handles.values():
+            handle.wait()
+
+    def _update_factors(self) -> None:
+        if not self.pipelining:
+            for key, factor in self._stash:
+                self.controller.submit(key, factor)
+            self._stash = []
+        arrived = {kind: self.controller.arrival_order(kind) for kind in FACTOR_KINDS}
+        factors = self.controller.wait_all()
+        if not factors:
+            raise RuntimeError(
+                "step() was called on a factor-update step but no Kronecker factor was computed: run the "
+                "forward and backward pass in training mode (model.train()) with gradients enabled before step()"
+            )
+        expected = {(kind, layer.name) for layer in self.layers for kind in FACTOR_KINDS}
+        missing = sorted(expected - factors.keys())
+        if missing:
+            raise RuntimeError(f"no factor was computed for {missing} in this step; every preconditioned layer must run")
+        bad = [key for key, mat in factors.items() if not bool(torch.isfinite(mat).all())]
+        if bad:
+            raise NonFiniteFactorError(sorted(bad), self.steps)
+        decay = self.param_groups[0]["factor_decay"]
+        for (kind, name), mat in factors.items():
+            self._layer_by_name[name].update_factor(kind, mat, decay)
+        self._factor_steps_seen += 1
+        if self._profiling:
+            self._profile_and_plan(arrived)
+
+    # ------------------------------------------------------------ fusion planning
+    def _profile_and_plan(self, arrived: Dict[str, List[FactorKey]]) -> None:
+        """Collect ready times; once enough are in, make the fusion plan from rank 0's profile."""
+        if self._factor_steps_seen > 1:  # the first factor step is a warm-up
+            for kind in FACTOR_KINDS:
+                self._profile[kind].append(list(self._ready[kind]))
+        needed = self.profile_steps if self.fusion == "optimal" else 0
+        if self._factor_steps_seen < 1 + needed:
+            return
+        plans = {}
+        for kind in FACTOR_KINDS:
+            order = arrived[kind]
+            if self.pipelining:
+                samples = [s for s in self._profile[kind] if len(s) == len(order)]
+                ready = [statistics.median(col) for col in zip(*samples)] if samples else [0.0] * len(order)
+            else:
+                ready = [0.0] * len(order)  # launched together after backward: no pipeline to exploit
+            ready = self._agree_on_profile(kind, order, ready)
+            ready = [max(ready[: i + 1]) for i in range(len(ready))]  # non-decreasing
+            sizes = [triangle_size(self._layer_by_name[name].dim(k)) for k, name in order]
+            groups = plan_groups(
+                self.fusion,
+                ready,
+                sizes,
+                self.perf_model.allreduce.alpha,
+                self.perf_model.allreduce.beta,
+                self.fusion_threshold_bytes,
+                element_size=4,
+            )
+            plans[kind] = [[order[i] for i in g] for g in groups]
+        for kind, groups in plans.items():
+            self.controller.set_plan(kind, groups)
+        self._planned = True
+        self._profile = {"A": [], "G": []}
+
+    def _agree_on_profile(self, kind: str, order: List[FactorKey], ready: List[float]) -> List[float]:
+        """Every rank adopts rank 0's ready times; the factor order must match everywhere."""
+        if self.backend.size == 1:
+            return ready
+        index = {layer.name: i for i, layer in enumerate(self.layers)}
+        payload = torch.tensor([float(index[name]) for _, name in order] + ready, dtype=torch.float64)
+        self.backend.broadcast_async(payload, 0, f"spdkfac.profile.{kind}").wait()
+        n = len(order)
+        root_order = [int(v) for v in payload[:n].tolist()]
+        if root_order != [index[name] for _, name in order]:
+            raise RuntimeError(
+                f"the {kind} factors were computed in a different order on rank {self.backend.rank} than on "
+                "rank 0; all workers must run the same model graph"
+            )
+        return payload[n:].tolist()
+
+    # -------------------------------------------------------------- inversions
+    def _update_inverses(self) -> None:
+        damping = self.param_groups[0]["damping"]
+        rec = self._record
+        t0 = Timeline.now() if rec is not None else 0.0
+        rank = self.backend.rank
+        plan = self.placement_plan
+        in_flight: List[Tuple[Handle, torch.Tensor, FactorKey]] = []
+        for a in plan.broadcast_order():
+            kind, name = a.key
+            layer = self._layer_by_name[name]
+            if a.owner == rank:
+                inverse = invert_spd(layer.factor(kind), damping)
+                layer.set_inverse(kind, inverse)
+                packed = pack_upper(inverse)
+            else:
+                ref = layer.factor(kind)
+                packed = torch.empty(triangle_size(a.dim), dtype=ref.dtype, device=ref.device)
+            handle = self.backend.broadcast_async(packed, a.owner, f"spdkfac.inverse.{kind}.{name}")
+            if a.owner != rank:
+                in_flight.append((handle, packed, a.key))
+            else:
+                in_flight.append((handle, packed, None))
+        for a in plan.assignments:
+            if a.owner == ALL:
+                kind, name = a.key
+                layer = self._layer_by_name[name]
+                layer.set_inverse(kind, invert_spd(layer.factor(kind), damping))
+        t_wait = Timeline.now() if rec is not None else 0.0
+        for handle, packed, key in in_flight:
+            handle.wait()
+            if key is not None:
+                kind, name = key
+                layer = self._layer_by_name[name]
+                layer.set_inverse(kind, unpack_upper(packed, layer.dim(kind)))
+        if rec is not None:
+            t1 = Timeline.now()
+            rec.inverse_wait += t1 - t_wait
+            rec.inverse_stage += t1 - t0
+
+    # ----------------------------------------------------------- preconditioning
+    def _precondition(self) -> None:
+        group = self.param_groups[0]
+        rec = self._record
+        t0 = Timeline.now() if rec is not None else 0.0
+        updates: List[Tuple[KFACLayer, torch.Tensor]] = []
+        vg_sum = 0.0
+        for layer in self.layers:
+            grad = layer.grad_matrix()
+            if grad is None:
+                continue
+            update = layer.precondition(grad)
+            updates.append((layer, update))
+            if group["kl_clip"] is not None:
+                vg_sum += float((update * grad).sum()) * group["lr"] ** 2
+        scale = 1.0
+        if group["kl_clip"] is not None and vg_sum > 0:
+            scale = min(1.0, math.sqrt(group["kl_clip"] / vg_sum))
+        for layer, update in updates:
+            layer.write_grad(update.mul_(scale) if scale != 1.0 else update)
+        if rec is not None:
+            rec.precondition += Timeline.now() - t0
+
+    def _sgd_update(self) -> None:
+        for group in self.param_groups:
+            lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                d_p = p.grad
+                if wd != 0:
+                    d_p = d_p.add(p, alpha=wd)
+                if momentum != 0:
+                    state = self.state[p]
+                    buf = state.get("momentum_buffer")
+                    if buf is None:
+                        buf = state["momentum_buffer"] = d_p.detach().clone()
+                    else:
+                        buf.mul_(momentum).add_(d_p)
+                    d_p = buf
+                p.add_(d_p, alpha=-lr)
+
+    # --------------------------------------------------------------- state
+    def state_dict(self) -> Dict[str, Any]:
+        """Optimizer state plus K-FAC state (step counter, factors, inverses) for exact resume."""
+        sd = super().state_dict()
+        sd["kfac"] = {
+            "steps": self.steps,
+            "layers": {
+                layer.name: {
+                    "dims": [layer.a_dim, layer.g_dim],
+                    "A": layer.A,
+                    "G": layer.G,
+                    "A_inv": layer.A_inv,
+                    "G_inv": layer.G_inv,
+                }
+                for layer in self.layers
+            },
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore a checkpoint made by :meth:`state_dict` for the same model."""
+        if not isinstance(state_dict, dict) or "kfac" not in state_dict:
+            raise ValueError("not an SPDKFACOptimizer checkpoint: the 'kfac' entry is missing")
+        kfac = state_dict["kfac"]
+        saved = kfac.get("layers", {})
+        mine = {layer.name: [layer.a_dim, layer.g_dim] for layer in self.layers}
+        theirs = {name: list(entry.get("dims", [])) for name, entry in saved.items()}
+        if mine != theirs:
+            only_mine = sorted(set(mine) - set(theirs))
+            only_theirs = sorted(set(theirs) - set(mine))
+            differ = sorted(n for n in set(mine) & set(theirs) if mine[n] != theirs[n])
+            raise ValueError(
+                "checkpoint was saved for a different model: "
+                f"layers missing from checkpoint {only_mine}, unknown layers in checkpoint {only_theirs}, "
+                f"layers with different factor dimensions {differ}"
+            )
+        rest = {k: v for k, v in state_dict.items() if k != "kfac"}
+        super().load_state_dict(rest)
+        for layer in self.layers:
+            entry = saved[layer.name]
+            device = layer.module.weight.device
+            for attr in ("A", "G", "A_inv", "G_inv"):
+                value = entry.get(attr)
+                setattr(layer, attr, value.detach().clone().to(device) if value is not None else None)
+        self.steps = int(kfac["steps"])
+        self._begin_iteration()
+
+    # ------------------------------------------------------------ reporting
+    def memory_usage(self) -> Dict[str, int]:
+        """Bytes held by factors and inverses (per kind)."""
+        out = {"A": 0, "G": 0, "A_inv": 0, "G_inv": 0}
+        for layer in self.layers:
+            for attr in out:
+                t = getattr(layer, attr)
+                if t is not None:
+                    out[attr] += t.numel() * t.element_size()
+        return out
+
+    def fusion_plan(self) -> Dict[str, Optional[List[List[FactorKey]]]]:
+        """Current fusion groups per pass (None while profiling, or for ``'layerwise'``)."""
+        return {kind: self.controller.plan(kind) for kind in FACTOR_KINDS}
+
+    def remove_hooks(self) -> None:
+        """Detach every hook from the model (the optimizer is unusable afterwards)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    def __repr__(self) -> str:
+        g = self.param_groups[0]
+        return (
+            f"SPDKFACOptimizer(layers={len(self.layers)}, lr={g['lr']}, momentum={g['momentum']}, "
+            f"weight_decay={g['weight_decay']}, damping={g['damping']}, factor_decay={g['factor_decay']}, "
+            f"kl_clip={g['kl_clip']}, factor_update_freq={self.factor_update_freq}, "
+            f"inv_update_freq={self.inv_update_freq}, backend={self.backend.name}(rank {self.backend.rank}/"
+            f"{self.backend.size}), fusion={self.fusion!r}, pipelining={self.pipelining}, "
+            f"placement={self.placement_strategy!r}, perf_model={self.perf_model.source!r})"
+        )

@@ -1,0 +1,28 @@
+"""Cluster performance models: fitting, storing, loading (and benchmarking via ``python -m``)."""
+from .models import (
+    AllReduceModel,
+    BroadcastModel,
+    InverseModel,
+    PerfModel,
+    PerfModelError,
+    fit_cubic,
+    fit_exponential,
+    fit_inverse_model,
+    fit_linear,
+    load_perf_model,
+    r_squared,
+)
+
+__all__ = [
+    "AllReduceModel",
+    "BroadcastModel",
+    "InverseModel",
+    "PerfModel",
+    "PerfModelError",
+    "fit_linear",
+    "fit_exponential",
+    "fit_cubic",
+    "fit_inverse_model",
+    "load_perf_model",
+    "r_squared",
+]

@@ -1,0 +1,309 @@
+"""Performance models of the cluster, fitted once and stored as JSON (paper Eq. 14, 26, 27).
+
+* all-reduce of ``m`` elements:      ``t_ar(m)    = alpha_ar + beta_ar * m``
+* broadcast of a ``d x d`` inverse:  ``t_bcast(d) = alpha_bc + beta_bc * d(d+1)/2``
+* inversion of a ``d x d`` SPD matrix: ``t_inv(d) = alpha_inv * exp(beta_inv * d)``
+  or, where that fits the measurements badly, a cubic ``c0 + c1 d + c2 d^2 + c3 d^3``.
+
+Every rank loads the same file, so every rank makes the same fusion and
+placement decisions.
+"""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import numpy as np
+
+__all__ = [
+    "AllReduceModel",
+    "BroadcastModel",
+    "InverseModel",
+    "PerfModel",
+    "PerfModelError",
+    "fit_linear",
+    "fit_exponential",
+    "fit_cubic",
+    "fit_inverse_model",
+    "r_squared",
+    "load_perf_model",
+]
+
+FORMAT_VERSION = 1
+
+
+class PerfModelError(ValueError):
+    """A performance-model file or object is unusable; the message says why."""
+
+
+def _positive_finite(name: str, value: Any) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError) as exc:
+        raise PerfModelError(f"{name} must be a number, got {value!r}") from exc
+    if not math.isfinite(v) or v <= 0:
+        raise PerfModelError(f"{name} must be positive and finite, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class AllReduceModel:
+    """``t(m) = alpha + beta * m`` with ``m`` in elements, times in seconds."""
+
+    alpha: float
+    beta: float
+
+    def __post_init__(self) -> None:
+        _positive_finite("allreduce.alpha", self.alpha)
+        _positive_finite("allreduce.beta", self.beta)
+
+    def __call__(self, elements: float) -> float:
+        return self.alpha + self.beta * elements
+
+
+@dataclass(frozen=True)
+class BroadcastModel:
+    """``t(d) = alpha + beta * d(d+1)/2``: broadcasting the upper triangle of a ``d x d`` inverse."""
+
+    alpha: float
+    beta: float
+
+    def __post_init__(self) -> None:
+        _positive_finite("broadcast.alpha", self.alpha)
+        _positive_finite("broadcast.beta", self.beta)
+
+    def __call__(self, dim: float) -> float:
+        return self.alpha + self.beta * dim * (dim + 1) / 2
+
+
+@dataclass(frozen=True)
+class InverseModel:
+    """Inversion time of a ``d x d`` SPD matrix.
+
+    ``kind='exp'``: ``alpha * exp(beta * d)`` (Eq. 26); ``kind='cubic'``:
+    ``sum(coeffs[k] * d^k)``, clamped below at the smallest measured time.
+    """
+
+    kind: str
+    params: Dict[str, Any]
+
+    def __post_init__(self) -> None:
+        if self.kind == "exp":
+            _positive_finite("inverse.alpha", self.params.get("alpha"))
+            _positive_finite("inverse.beta", self.params.get("beta"))
+        elif self.kind == "cubic":
+            coeffs = self.params.get("coeffs")
+            if not isinstance(coeffs, (list, tuple)) or len(coeffs) != 4:
+                raise PerfModelError("inverse.coeffs must be a list of 4 numbers (c0..c3)")
+            if not all(math.isfinite(float(c)) for c in coeffs):
+                raise PerfModelError("inverse.coeffs must be finite")
+            _positive_finite("inverse.floor", self.params.get("floor"))
+        else:
+            raise PerfModelError(f"inverse.kind must be 'exp' or 'cubic', got {self.kind!r}")
+
+    def __call__(self, dim: float) -> float:
+        if self.kind == "exp":
+            return self.params["alpha"] * math.exp(self.params["beta"] * dim)
+        c = self.params["coeffs"]
+        value = c[0] + c[1] * dim + c[2] * dim**2 + c[3] * dim**3
+        return max(value, self.params["floor"])
+
+
+@dataclass
+class PerfModel:
+    """The three fitted models plus where they were measured."""
+
+    allreduce: AllReduceModel
+    broadcast: BroadcastModel
+    inverse: InverseModel
+    meta: Dict[str, Any] = field(default_factory=dict)
+    measurements: Dict[str, Any] = field(default_factory=dict)
+    fit_quality: Dict[str, Any] = field(default_factory=dict)
+    source: str = "object"
+
+    @property
+    def world_size(self) -> Optional[int]:
+        ws = self.meta.get("world_size")
+        return int(ws) if ws is not None else None
+
+    def check_world_size(self, world_size: int) -> None:
+        """Warn when the file was measured on another number of workers."""
+        measured = self.world_size
+        if measured is not None and measured != world_size and world_size > 1:
+            warnings.warn(
+                f"performance model {self.source} was measured with {measured} workers but this run has "
+                f"{world_size}; broadcast and all-reduce costs grow with the worker count, so placement "
+                "and fusion decisions may be off. Re-run `python -m spdkfac.perfmodels benchmark` under "
+                "this launch configuration.",
+                stacklevel=3,
+            )
+
+    # -- (de)serialisation -------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "allreduce": {"alpha": self.allreduce.alpha, "beta": self.allreduce.beta, "unit": "seconds, elements"},
+            "broadcast": {"alpha": self.broadcast.alpha, "beta": self.broadcast.beta, "unit": "seconds, d(d+1)/2 elements"},
+            "inverse": {"kind": self.inverse.kind, **self.inverse.params, "unit": "seconds, dimension d"},
+            "meta": self.meta,
+            "fit_quality": self.fit_quality,
+            "measurements": self.measurements,
+        }
+
+    def save(self, path: Union[str, Path]) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1, sort_keys=False))
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any], source: str = "dict") -> "PerfModel":
+        if not isinstance(data, dict):
+            raise PerfModelError(f"{source}: expected a JSON object at top level")
+        missing = [k for k in ("allreduce", "broadcast", "inverse") if k not in data]
+        if missing:
+            raise PerfModelError(f"{source}: missing field(s) {missing}")
+        try:
+            ar = AllReduceModel(data["allreduce"]["alpha"], data["allreduce"]["beta"])
+            bc = BroadcastModel(data["broadcast"]["alpha"], data["broadcast"]["beta"])
+            inv_d = dict(data["inverse"])
+            kind = inv_d.pop("kind", "exp")
+            inv_d.pop("unit", None)
+            inv = InverseModel(kind, inv_d)
+        except PerfModelError as exc:
+            raise PerfModelError(f"{source}: {exc}") from None
+        except (KeyError, TypeError) as exc:
+            raise PerfModelError(f"{source}: missing or malformed field {exc}") from None
+        return cls(
+            allreduce=ar,
+            broadcast=bc,
+            inverse=inv,
+            meta=dict(data.get("meta", {})),
+            measurements=dict(data.get("measurements", {})),
+            fit_quality=dict(data.get("fit_quality", {})),
+            source=source,
+        )
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "PerfModel":
+        p = Path(path)
+        if not p.is_file():
+            raise PerfModelError(f"performance model file {p} does not exist")
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as exc:
+            raise PerfModelError(f"{p}: not valid JSON ({exc})") from None
+        return cls.from_dict(data, source=str(p))
+
+    @classmethod
+    def default(cls) -> "PerfModel":
+        """Uncalibrated defaults (roughly a 2-worker CPU/gloo machine); fit your own."""
+        return cls(
+            allreduce=AllReduceModel(2.0e-4, 2.0e-9),
+            broadcast=BroadcastModel(2.0e-4, 2.0e-9),
+            inverse=InverseModel("cubic", {"coeffs": [5.0e-5, 0.0, 0.0, 1.5e-11], "floor": 5.0e-5}),
+            meta={"label": "built-in default (uncalibrated)"},
+            source="built-in default (uncalibrated)",
+        )
+
+
+def load_perf_model(perf_model: Union[None, str, Path, PerfModel]) -> PerfModel:
+    """Resolve the optimizer's ``perf_model=`` argument (path, object, or None for the default)."""
+    if perf_model is None:
+        warnings.warn(
+            "no perf_model given: using the built-in, uncalibrated default performance model for fusion "
+            "and placement decisions. Fit one for your cluster with `python -m spdkfac.perfmodels "
+            "benchmark --out perfmodels/<name>.json` and pass perf_model=<that file>.",
+            stacklevel=3,
+        )
+        return PerfModel.default()
+    if isinstance(perf_model, PerfModel):
+        return perf_model
+    if isinstance(perf_model, (str, Path)):
+        return PerfModel.load(perf_model)
+    raise TypeError(f"perf_model must be a path, a PerfModel or None, got {type(perf_model).__name__}")
+
+
+# -- fitting ----------------------------------------------------------------------------
+def r_squared(y: Sequence[float], y_hat: Sequence[float]) -> float:
+    """Coefficient of determination of predictions ``y_hat`` for ``y``."""
+    y_a = np.asarray(y, dtype=float)
+    r = y_a - np.asarray(y_hat, dtype=float)
+    ss_tot = float(((y_a - y_a.mean()) ** 2).sum())
+    return 1.0 - float((r**2).sum()) / ss_tot if ss_tot > 0 else 1.0
+
+
+def _relative_weights(y: np.ndarray) -> np.ndarray:
+    return 1.0 / np.maximum(y, 1e-12)
+
+
+def fit_linear(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``y = alpha + beta * x`` weighted by ``1/y`` (relative error).
+
+    Relative weighting keeps the small messages (which decide alpha) from being
+    swamped by the large ones. Non-positive coefficients are clamped to a tiny
+    positive value, because a model must never predict free communication.
+    """
+    xa = np.asarray(x, dtype=float)
+    ya = np.asarray(y, dtype=float)
+    if xa.size < 2:
+        raise PerfModelError("need at least two measurements to fit a line")
+    w = _relative_weights(ya)
+    design = np.stack([np.ones_like(xa), xa], axis=1) * w[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(design, ya * w, rcond=None)
+    return max(float(alpha), 1e-9), max(float(beta), 1e-18)
+
+
+def fit_exponential(d: Sequence[float], t: Sequence[float]) -> tuple[float, float]:
+    """Fit ``t = alpha * exp(beta * d)`` by least squares on ``log t``."""
+    da = np.asarray(d, dtype=float)
+    ta = np.asarray(t, dtype=float)
+    if np.any(ta <= 0):
+        raise PerfModelError("inversion times must be positive to fit an exponential")
+    beta, log_alpha = np.polyfit(da, np.log(ta), 1)
+    return float(np.exp(log_alpha)), max(float(beta), 1e-12)
+
+
+def fit_cubic(d: Sequence[float], t: Sequence[float]) -> List[float]:
+    """Fit ``t = c0 + c1 d + c2 d^2 + c3 d^3`` weighted by ``1/t`` (relative error)."""
+    da = np.asarray(d, dtype=float)
+    ta = np.asarray(t, dtype=float)
+    w = _relative_weights(ta)
+    design = np.stack([da**k for k in range(4)], axis=1) * w[:, None]
+    coeffs, *_ = np.linalg.lstsq(design, ta * w, rcond=None)
+    return [float(c) for c in coeffs]
+
+
+def _mean_relative_error(t: np.ndarray, pred: np.ndarray) -> float:
+    return float(np.mean(np.abs(pred - t) / t))
+
+
+def fit_inverse_model(d: Sequence[float], t: Sequence[float]) -> tuple[InverseModel, Dict[str, Any]]:
+    """Fit both the exponential (Eq. 26) and a cubic; keep the one with lower mean relative error."""
+    da = np.asarray(d, dtype=float)
+    ta = np.asarray(t, dtype=float)
+    a, b = fit_exponential(da, ta)
+    exp_model = InverseModel("exp", {"alpha": a, "beta": b})
+    quality: Dict[str, Any] = {
+        "exp": {
+            "alpha": a,
+            "beta": b,
+            "mean_rel_error": _mean_relative_error(ta, np.array([exp_model(x) for x in da])),
+            "r2": r_squared(ta, [exp_model(x) for x in da]),
+        }
+    }
+    best = exp_model
+    if da.size >= 4:
+        coeffs = fit_cubic(da, ta)
+        cubic = InverseModel("cubic", {"coeffs": coeffs, "floor": float(max(ta.min() * 0.5, 1e-9))})
+        pred = np.array([cubic(x) for x in da])
+        quality["cubic"] = {
+            "coeffs": coeffs,
+            "mean_rel_error": _mean_relative_error(ta, pred),
+            "r2": r_squared(ta, pred),
+        }
+        if quality["cubic"]["mean_rel_error"] < quality["exp"]["mean_rel_error"]:
+            best = cubic
+    quality["chosen"] = best.kind
+    return best, quality
