@@ -11,7 +11,7 @@ Per step, on every worker:
 1. forward: a pre-hook computes each layer's batch factor ``A`` and hands it
    to the :class:`~spdkfac.fusion.TensorFusionController`, which all-reduces
    fused groups asynchronously while later layers compute;
-2. backward: a full backward hook does the same for ``G``; per-parameter
+2. backward: a gradient hook on each layer output does the same for ``G``; per-parameter
    hooks start the gradient all-reduces (as Horovod's DistributedOptimizer);
 3. ``step()``: wait for gradients and factors, fold the averaged factors into
    running averages, invert them per the placement plan (owners broadcast the
@@ -216,7 +216,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._hook_handles: List[Any] = []
         for layer in self.layers:
             self._hook_handles.append(layer.module.register_forward_pre_hook(self._make_a_hook(layer)))
-            self._hook_handles.append(layer.module.register_full_backward_hook(self._make_g_hook(layer)))
+            self._hook_handles.append(layer.module.register_forward_hook(self._make_g_hook(layer)))
         if self.backend.size > 1:
             for p in params:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
@@ -279,10 +279,21 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         return hook
 
     def _make_g_hook(self, layer: KFACLayer) -> Callable:
-        def hook(module: nn.Module, grad_input: Any, grad_output: Tuple[torch.Tensor, ...]) -> None:
-            # Autograd runs hooks with grad mode off: G is due for layers whose A was taken this step.
-            if layer.name in self._a_taken and grad_output[0] is not None:
-                self._submit(layer, "G", lambda: layer.compute_g(grad_output[0]))
+        """Forward hook that attaches a gradient hook to the layer output.
+
+        The output's gradient hook fires in the backward pass as soon as the
+        gradient with respect to this layer's output is known, like a full
+        backward hook, but it also works when the next operation modifies the
+        output in place (``ReLU(inplace=True)``) and for a first layer whose
+        input needs no gradient.
+        """
+
+        def g_ready(grad_output: torch.Tensor) -> None:
+            self._submit(layer, "G", lambda: layer.compute_g(grad_output))
+
+        def hook(module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
+            if layer.name in self._a_taken and isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(g_ready)
 
         return hook
 

@@ -59,7 +59,7 @@ class TensorFusionController:
     # -- configuration -------------------------------------------------------------
     def set_plan(self, kind: str, groups: Optional[Sequence[Sequence[FactorKey]]]) -> None:
         """Use ``groups`` (lists of factor keys) for pass ``kind``; None means layer-wise."""
-        if self._groups or self._in_flight:
+        if self._in_flight or any(g.arrived for g in self._groups):
             raise RuntimeError("cannot change the fusion plan while factors are in flight")
         self._plans[kind] = [list(g) for g in groups] if groups is not None else None
 

@@ -1,0 +1,68 @@
+"""Launch real multi-process runs (horovodrun / torchrun with gloo on CPU) from tests."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Sequence
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def horovod_available() -> bool:
+    try:
+        import horovod.torch  # noqa: F401
+    except Exception:
+        return False
+    return shutil.which("horovodrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")) is not None
+
+
+def require_horovod() -> None:
+    """Skip without Horovod, unless SPDKFAC_REQUIRE_HOROVOD=1 (set by scripts/test.sh), then fail."""
+    if horovod_available():
+        return
+    if os.environ.get("SPDKFAC_REQUIRE_HOROVOD") == "1":
+        pytest.fail("Horovod is required (SPDKFAC_REQUIRE_HOROVOD=1) but horovod.torch/horovodrun is not available")
+    pytest.skip("Horovod not installed (run scripts/setup.sh)")
+
+
+def launcher_command(engine: str, nproc: int, script: Sequence[str]) -> List[str]:
+    """The command line that starts ``script`` on ``nproc`` local workers."""
+    if engine == "torch":
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *script,
+        ]
+    if engine == "horovod":
+        hvdrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+        return [hvdrun, "-np", str(nproc), "-H", f"localhost:{nproc}", "--gloo", sys.executable, *script]
+    raise ValueError(engine)
+
+
+def run_workers(engine: str, nproc: int, script: Sequence[str], timeout: int = TIMEOUT_S) -> str:
+    """Run and return the combined output; a crash or hang becomes a clear test failure."""
+    if engine == "horovod":
+        require_horovod()
+    cmd = launcher_command(engine, nproc, script)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        pytest.fail(f"{engine} run with {nproc} workers hung for {timeout}s: {' '.join(cmd)}\n{out[-4000:]}")
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        pytest.fail(f"{engine} run with {nproc} workers failed (exit {proc.returncode}): {' '.join(cmd)}\n{output[-6000:]}")
+    return output

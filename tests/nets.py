@@ -1,0 +1,38 @@
+"""Small deterministic networks and data shared by the tests and the multi-process workers."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def small_net(seed: int = 0) -> nn.Module:
+    """Conv2d (bias) -> ReLU -> Conv2d (no bias, stride 2) -> Linear -> Tanh -> Linear; no BatchNorm."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(3, 4, 2, stride=2, bias=False),
+        nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 7),
+        nn.Tanh(),
+        nn.Linear(7, 5, bias=False),
+    )
+
+
+def batch(n: int, seed: int = 1):
+    """A fixed global batch of ``n`` samples (2x6x6 inputs, 5 classes)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 2, 6, 6, generator=g)
+    y = torch.randint(0, 5, (n,), generator=g)
+    return x, y
+
+
+def train(model: nn.Module, opt, x: torch.Tensor, y: torch.Tensor, steps: int, step_seed: int = 7):
+    """``steps`` optimizer steps; each step uses a different slice-preserving perturbation of the batch."""
+    for s in range(steps):
+        xs = x + 0.1 * s  # different data each step, same on every split of the batch
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(xs), y)
+        loss.backward()
+        opt.step()
+    return model

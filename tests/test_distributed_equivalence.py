@@ -1,0 +1,88 @@
+"""Every distributed variant gives the parameters of the plain single-process computation.
+
+Real processes: ``torchrun`` (gloo) and ``horovodrun --gloo``, 2 and 3 workers.
+Each worker trains on its shard (local batch b); the reference is one process
+with the whole batch (P*b) and no communication. Runs in float64 so that the
+tolerance can be tight enough to catch any real difference.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from launch import ROOT, run_workers
+
+WORKER = str(ROOT / "tests" / "workers" / "train_configs.py")
+STEPS = 6
+BASE = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.01, factor_decay=0.9, kl_clip=0.01, profile_steps=2)
+
+FUSION_CONFIGS = {
+    f"{policy}{'-bigalpha' if big else ''}": dict(BASE, fusion=policy, placement="local", **({"perf_model": "big-alpha"} if big else {}))
+    for policy in ("optimal", "threshold", "layerwise", "naive")
+    for big in (False, True)
+    if not (big and policy != "optimal")
+}
+FUSION_CONFIGS["no-pipelining"] = dict(BASE, fusion="threshold", pipelining=False, placement="local")
+FUSION_CONFIGS["tiny-threshold"] = dict(BASE, fusion="threshold", fusion_threshold_bytes=200, placement="local")
+PLACEMENT_CONFIGS = {
+    f"{placement}-{pm}": dict(BASE, fusion="optimal", placement=placement, perf_model=pm)
+    for placement in ("lbp", "seq", "local")
+    for pm in ("default", "expensive-inverse")
+}
+FREQ_CONFIGS = {"freq-2-4": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="optimal", placement="lbp", perf_model="expensive-inverse")}
+
+
+def _reference(global_batch: int, configs: dict, tmp_path) -> dict:
+    out = tmp_path / f"ref-{global_batch}.pt"
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, WORKER, "--backend", "single", "--configs", json.dumps(configs), "--global-batch", str(global_batch),
+         "--steps", str(STEPS), "--out", str(out)],
+        check=True, cwd=ROOT, capture_output=True,
+    )
+    return torch.load(out)
+
+
+def _distributed(engine: str, nproc: int, global_batch: int, configs: dict, tmp_path) -> dict:
+    out = tmp_path / f"{engine}-{nproc}.pt"
+    run_workers(engine, nproc, [WORKER, "--backend", engine, "--configs", json.dumps(configs),
+                                "--global-batch", str(global_batch), "--steps", str(STEPS), "--out", str(out)])
+    return torch.load(out)
+
+
+def _assert_same(dist: dict, ref: dict) -> None:
+    first = next(iter(ref.values()))["params"]
+    for name in ref:
+        for pname, value in ref[name]["params"].items():
+            torch.testing.assert_close(dist[name]["params"][pname], value, rtol=1e-9, atol=1e-11, msg=lambda m: f"{name}/{pname}: {m}")
+    # Sanity: training moved the parameters, so equality is not trivial.
+    init = __import__("nets").small_net().state_dict()
+    assert any(not torch.allclose(first[k], init[k].to(first[k].dtype)) for k in init)
+
+
+@pytest.mark.parametrize("engine", ["torch", "horovod"])
+def test_fusion_policies_match_single_process(engine, tmp_path):
+    configs = {**FUSION_CONFIGS, **FREQ_CONFIGS}
+    ref = _reference(8, configs, tmp_path)
+    dist = _distributed(engine, 2, 8, configs, tmp_path)
+    _assert_same(dist, ref)
+    # The plans really differ: big alpha merges factors, layerwise does not.
+    assert dist["layerwise"]["fusion_plan"]["A"] is None
+    assert len(dist["optimal-bigalpha"]["fusion_plan"]["A"]) == 1
+    assert len(dist["naive"]["fusion_plan"]["G"]) == 1
+    assert len(dist["tiny-threshold"]["fusion_plan"]["A"]) > 1
+
+
+@pytest.mark.parametrize("engine", ["torch", "horovod"])
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_placements_match_single_process(engine, nproc, tmp_path):
+    ref = _reference(6 * nproc, PLACEMENT_CONFIGS, tmp_path)
+    dist = _distributed(engine, nproc, 6 * nproc, PLACEMENT_CONFIGS, tmp_path)
+    _assert_same(dist, ref)
+    owners = dist["lbp-expensive-inverse"]["owners"]
+    assert any(o >= 0 for o in owners.values()) and any(o == -1 for o in owners.values())
+    assert set(dist["seq-default"]["owners"].values()) == set(range(nproc))

@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from spdkfac.linalg import invert_spd, pack_upper, triangle_size, unpack_upper
+
+
+@pytest.mark.parametrize("d", [1, 2, 5, 17])
+def test_pack_unpack_roundtrip(d):
+    m = torch.randn(d, d, dtype=torch.float64)
+    sym = m + m.T
+    packed = pack_upper(sym)
+    assert packed.numel() == triangle_size(d) == d * (d + 1) // 2
+    assert torch.equal(unpack_upper(packed, d), sym)
+
+
+def test_pack_into_buffer_slice():
+    sym = torch.arange(9.0).reshape(3, 3)
+    sym = sym + sym.T
+    buf = torch.zeros(10)
+    pack_upper(sym, out=buf[2:8])
+    assert torch.equal(buf[2:8], torch.tensor([0.0, 4, 8, 8, 12, 16]))
+    assert buf[:2].abs().sum() == 0 and buf[8:].abs().sum() == 0
+
+
+def test_unpack_rejects_wrong_size():
+    with pytest.raises(ValueError, match="expected 6"):
+        unpack_upper(torch.zeros(5), 3)
+
+
+def test_invert_spd_matches_dense_inverse():
+    torch.manual_seed(0)
+    a = torch.randn(12, 6, dtype=torch.float64)
+    f = a.T @ a / 12
+    inv = invert_spd(f, 0.1)
+    expected = torch.linalg.inv(f + 0.1 * torch.eye(6, dtype=torch.float64))
+    torch.testing.assert_close(inv, expected)
+    assert torch.equal(inv, inv.T)
+
+
+def test_invert_spd_rank_deficient_needs_damping():
+    f = torch.zeros(4, 4, dtype=torch.float64)
+    torch.testing.assert_close(invert_spd(f, 2.0), torch.eye(4, dtype=torch.float64) / 2)

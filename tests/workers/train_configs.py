@@ -1,0 +1,85 @@
+"""Multi-process worker: trains the small test network under several optimizer configurations.
+
+Launched by the tests with ``horovodrun`` or ``torchrun`` (or run directly for
+the single-process reference). Each rank trains on its contiguous shard of a
+fixed global batch; rank 0 saves the final parameters of every configuration.
+
+    python tests/workers/train_configs.py --backend torch --configs '<json>' --out result.pt
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nets import batch, small_net, train  # noqa: E402
+from spdkfac import SPDKFACOptimizer  # noqa: E402
+from spdkfac.comm import get_backend  # noqa: E402
+from spdkfac.perfmodels import PerfModel  # noqa: E402
+
+warnings.filterwarnings("ignore", message="no perf_model given")
+warnings.filterwarnings("ignore", message="performance model")
+
+
+def perf_model(name: str) -> PerfModel:
+    """Named performance models that force interesting decisions on tiny factors."""
+    default = PerfModel.default().to_dict()
+    if name == "default":
+        return PerfModel.default()
+    if name == "expensive-inverse":
+        # Inversion dearer than broadcast for d >= 6: big factors are owned and broadcast, small ones local.
+        default["inverse"] = {"kind": "cubic", "coeffs": [1e-6, 0.0, 0.0, 1e-3], "floor": 1e-6}
+        default["broadcast"] = {"alpha": 1e-1, "beta": 1e-6}
+        return PerfModel.from_dict(default, "expensive-inverse")
+    if name == "big-alpha":
+        # A huge all-reduce start-up cost: optimal fusion merges groups of factors.
+        default["allreduce"] = {"alpha": 10.0, "beta": 1e-9}
+        return PerfModel.from_dict(default, "big-alpha")
+    raise ValueError(name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--configs", required=True, help="JSON object: name -> optimizer kwargs (+ perf_model name)")
+    ap.add_argument("--global-batch", type=int, required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dtype", default="float64", choices=["float32", "float64"])
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.set_default_dtype(getattr(torch, args.dtype))
+    backend = get_backend(args.backend)
+    rank, size = backend.rank, backend.size
+    if args.global_batch % size:
+        raise SystemExit(f"global batch {args.global_batch} not divisible by {size} workers")
+    local = args.global_batch // size
+    x, y = batch(args.global_batch)
+    x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+    results = {}
+    for name, cfg in json.loads(args.configs).items():
+        cfg = dict(cfg)
+        pm = perf_model(cfg.pop("perf_model", "default"))
+        model = small_net()
+        opt = SPDKFACOptimizer(model, backend=backend, perf_model=pm, **cfg)
+        train(model, opt, x, y, args.steps)
+        results[name] = {
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "fusion_plan": opt.fusion_plan(),
+            "owners": {str(a.key): a.owner for a in opt.placement_plan.assignments},
+        }
+        opt.remove_hooks()
+        print(f"rank {rank}/{size}: {name} done", flush=True)
+    if rank == 0:
+        torch.save(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
