@@ -1,0 +1,111 @@
+"""Bad input gets a clear error naming the problem."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nets import batch, small_net
+from spdkfac import NonFiniteFactorError, SPDKFACOptimizer
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr=-0.1), "lr"),
+        (dict(lr=float("nan")), "lr"),
+        (dict(lr=0.1, momentum=1.0), "momentum"),
+        (dict(lr=0.1, weight_decay=-1), "weight_decay"),
+        (dict(lr=0.1, damping=0.0), "damping"),
+        (dict(lr=0.1, factor_decay=1.0), "factor_decay"),
+        (dict(lr=0.1, kl_clip=0.0), "kl_clip"),
+        (dict(lr=0.1, factor_update_freq=0), "factor_update_freq"),
+        (dict(lr=0.1, inv_update_freq=1.5), "inv_update_freq"),
+        (dict(lr=0.1, factor_update_freq=2, inv_update_freq=3), "multiple of factor_update_freq"),
+        (dict(lr=0.1, fusion="fastest"), "fusion"),
+        (dict(lr=0.1, placement="random"), "placement"),
+        (dict(lr=0.1, backend="mpi"), "backend"),
+        (dict(lr=0.1, fusion_threshold_bytes=0), "fusion_threshold_bytes"),
+        (dict(lr=0.1, perf_model="/nonexistent/model.json"), "does not exist"),
+    ],
+)
+def test_invalid_hyperparameters(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        SPDKFACOptimizer(small_net(), backend=kwargs.pop("backend", "single"), **kwargs)
+
+
+def test_lr_type_error():
+    with pytest.raises(TypeError, match="lr"):
+        SPDKFACOptimizer(small_net(), lr="0.1", backend="single")
+
+
+def test_model_without_supported_layers():
+    with pytest.raises(ValueError, match="no layer SPDKFACOptimizer can precondition"):
+        SPDKFACOptimizer(nn.Sequential(nn.LayerNorm(4), nn.Conv2d(4, 4, 3, groups=2)), lr=0.1, backend="single")
+
+
+def test_not_a_module():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        SPDKFACOptimizer([torch.zeros(2, requires_grad=True)], lr=0.1, backend="single")
+
+
+def test_non_finite_factor_reports_layer_and_keeps_state():
+    model = small_net()
+    opt = SPDKFACOptimizer(model, lr=0.05, backend="single")
+    x, y = batch(8)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    saved_a = opt.layers[0].A.clone()
+    saved_params = copy.deepcopy(model.state_dict())
+    bad = x.clone()
+    bad[0, 0, 0, 0] = float("nan")
+    nn.functional.cross_entropy(model(bad), y).backward()
+    with pytest.raises(NonFiniteFactorError, match=r"A of '0'") as info:
+        opt.step()
+    assert ("A", "0") in info.value.layers
+    assert torch.equal(opt.layers[0].A, saved_a)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, saved_params[k])
+    # The optimizer is usable again on good data.
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert opt.steps == 2
+
+
+def test_checkpoint_from_different_model_is_rejected():
+    a = SPDKFACOptimizer(small_net(), lr=0.1, backend="single")
+    other = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    b = SPDKFACOptimizer(other, lr=0.1, backend="single")
+    with pytest.raises(ValueError, match="different model"):
+        b.load_state_dict(a.state_dict())
+    wider = small_net()
+    wider[4] = nn.Linear(36, 9)
+    wider[6] = nn.Linear(9, 5, bias=False)
+    c = SPDKFACOptimizer(wider, lr=0.1, backend="single")
+    with pytest.raises(ValueError, match=r"different factor dimensions \['4', '6'\]"):
+        c.load_state_dict(a.state_dict())
+
+
+def test_plain_sgd_state_dict_is_rejected():
+    model = small_net()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
+    with pytest.raises(ValueError, match="not an SPDKFACOptimizer checkpoint"):
+        opt.load_state_dict(sgd.state_dict())
+
+
+def test_step_without_backward_is_an_error():
+    opt = SPDKFACOptimizer(small_net(), lr=0.1, backend="single")
+    with pytest.raises(RuntimeError, match="no Kronecker factor was computed"):
+        opt.step()
+
+
+def test_weight_sharing_is_an_error():
+    lin = nn.Linear(4, 4)
+    model = nn.Sequential(lin, nn.Tanh(), lin)
+    opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
+    with pytest.raises(RuntimeError, match="computed twice"):
+        model(torch.randn(2, 4))
+    assert opt.steps == 0

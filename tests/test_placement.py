@@ -1,0 +1,74 @@
+"""Placement solvers (Algorithm 1, Eq. 22, local) as pure functions, any world size."""
+import random
+
+import pytest
+
+from spdkfac.placement import ALL, place, place_lbp, place_seq
+
+COMP = lambda d: 1e-10 * d**3 + 1e-5  # noqa: E731 - cubic inversion cost
+COMM = lambda d: 1e-3 + 1e-8 * d * (d + 1) / 2  # noqa: E731 - broadcast cost
+
+
+def resnetish():
+    dims = [147, 64, 576, 64, 64, 256, 256, 1152, 128, 512, 2304, 256, 1024, 4608, 512, 2048, 2049, 1000]
+    return [((("A" if i % 2 == 0 else "G"), f"l{i}"), d) for i, d in enumerate(dims)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_lbp_local_exactly_when_compute_below_broadcast(world):
+    plan = place_lbp(resnetish(), world, COMP, COMM)
+    for a in plan.assignments:
+        if world > 1 and plan.strategy == "lbp" and a.owner == ALL:
+            assert COMP(a.dim) < COMM(a.dim)
+        if world > 1 and a.owner != ALL:
+            assert COMP(a.dim) >= COMM(a.dim)
+    assert {a.key for a in plan.assignments} == {k for k, _ in resnetish()}
+
+
+def test_lbp_sorted_descending_and_balanced():
+    plan = place_lbp(resnetish(), 2, COMP, COMM)
+    dims = [a.dim for a in plan.assignments]
+    assert dims == sorted(dims, reverse=True)
+    spans = plan.makespans()
+    lower = max(max(COMP(d) for _, d in resnetish()), sum(COMP(d) for _, d in resnetish()) / 2)
+    assert max(spans) >= lower
+    assert max(spans) <= 1.5 * lower + sum(COMM(d) for _, d in resnetish())
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+@pytest.mark.parametrize("seed", range(20))
+def test_lbp_never_worse_than_seq(world, seed):
+    rng = random.Random(seed)
+    factors = [(f"f{i}", rng.randint(1, 3000)) for i in range(rng.randint(1, 40))]
+    lbp = place_lbp(factors, world, COMP, COMM)
+    seq = place_seq(factors, world, COMP, COMM)
+    assert lbp.makespan <= seq.makespan + 1e-15
+
+
+def test_deterministic_and_broadcast_order_consistent():
+    a = place("lbp", resnetish(), 3, COMP, COMM)
+    b = place("lbp", resnetish(), 3, COMP, COMM)
+    assert [(x.key, x.owner) for x in a.assignments] == [(x.key, x.owner) for x in b.assignments]
+    order = a.broadcast_order()
+    assert sorted(x.key for x in order) == sorted(x.key for x in a.assignments if x.owner != ALL)
+    for r in range(3):  # each rank's own factors keep their (descending) order
+        mine = [x.dim for x in order if x.owner == r]
+        assert mine == sorted(mine, reverse=True)
+
+
+def test_seq_round_robin_and_local():
+    factors = [(f"f{i}", 10 + i) for i in range(5)]
+    seq = place("seq", factors, 2, COMP, COMM)
+    assert [a.owner for a in seq.assignments] == [0, 1, 0, 1, 0]
+    local = place("local", factors, 2, COMP, COMM)
+    assert all(a.owner == ALL for a in local.assignments)
+    assert "predicted makespan" in seq.table()
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="placement must be one of"):
+        place("greedy", [("a", 3)], 2, COMP, COMM)
+    with pytest.raises(ValueError, match="world_size"):
+        place("lbp", [("a", 3)], 0, COMP, COMM)
+    with pytest.raises(ValueError, match="unique"):
+        place("lbp", [("a", 3), ("a", 4)], 2, COMP, COMM)
