@@ -6,18 +6,20 @@ gradients are turned into rows (a small :class:`RowExtractor`).
 
 Factor normalisation (chosen so that P workers with local batch ``b`` give the
 same factors as one worker with batch ``P*b``): with ``n`` the local batch size
-and ``R`` the number of rows (``n`` for Linear on 2-D input, ``n*h*w`` for a
-convolution's im2col patches, ``n*T`` for sequence input),
+and ``R`` the number of rows (``n`` for Linear on 2-D input, ``n*L`` for a
+convolution's ``L`` im2col patch positions, ``n*T`` for sequence input),
 
 * ``A = a^T a / R`` where ``a`` are the layer-input rows (with a ones column
-  for the bias), i.e. the mean over samples and spatial positions;
-* ``G = (n g)^T (n g) / R`` where ``g`` are the output-gradient rows. The
+  for the bias): the mean over samples and positions;
+* ``G = (n g)^T (n g) / n`` where ``g`` are the output-gradient rows. The
   factor ``n`` undoes the ``1/n`` a batch-mean loss puts in every per-sample
-  gradient, so ``G`` is also a per-sample mean.
+  gradient; dividing by ``n`` rather than ``R`` keeps the sum over the ``L``
+  positions that share the weight, so ``A ⊗ G`` is the KFC approximation
+  ``L * E[a a^T] ⊗ E[g g^T]`` of the Fisher of a convolution (Grosse & Martens).
 
-Both are means over the local batch, so averaging them over workers equals the
-mean over the global batch. This assumes the loss is a *mean* over the local
-batch, which is PyTorch's default reduction.
+Both are means over the local batch's samples, so averaging them over workers
+equals the mean over the global batch. This assumes the loss is a *mean* over
+the local batch, which is PyTorch's default reduction.
 """
 from __future__ import annotations
 
@@ -170,10 +172,10 @@ class KFACLayer:
         return (rows.t() @ rows).div_(rows.shape[0])
 
     def compute_g(self, grad_output: torch.Tensor) -> torch.Tensor:
-        """Batch factor ``G`` from the output gradient (mean over rows of batch-rescaled gradients)."""
+        """Batch factor ``G`` from the output gradient (per-sample mean, summed over positions)."""
         batch = grad_output.shape[0]
         rows = self.rows.grad_output_rows(grad_output.detach()) * batch
-        return (rows.t() @ rows).div_(rows.shape[0])
+        return (rows.t() @ rows).div_(batch)
 
     # -- running averages and inverses -------------------------------------------
     def update_factor(self, kind: str, batch_factor: torch.Tensor, decay: float) -> None:

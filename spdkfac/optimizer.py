@@ -111,6 +111,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         profile_steps: factor-update steps timed (after one warm-up step)
             before the ``'optimal'`` fusion plan is made.
         timeline: record a per-iteration :class:`~spdkfac.timeline.Timeline`.
+        precondition: False turns K-FAC off: the optimizer is then plain
+            distributed momentum SGD with the same gradient communication
+            (the S-SGD baseline of the benchmarks).
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         fusion_threshold_bytes: int = 64 * 1024 * 1024,
         profile_steps: int = 3,
         timeline: bool = False,
+        precondition: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -174,15 +178,16 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.profile_steps = profile_steps
         self.steps = 0
 
+        self.precondition = precondition
         self.layers: List[KFACLayer] = []
-        for name, module in model.named_modules():
+        for name, module in (model.named_modules() if precondition else ()):
             weight = getattr(module, "weight", None)
             if weight is None or not weight.requires_grad:
                 continue
             extractor = make_extractor(module)
             if extractor is not None:
                 self.layers.append(KFACLayer(name or type(module).__name__, module, extractor))
-        if not self.layers:
+        if precondition and not self.layers:
             raise ValueError(
                 "model has no layer SPDKFACOptimizer can precondition (nn.Linear or nn.Conv2d with groups=1 "
                 "and zero padding, with a trainable weight); use torch.optim.SGD for this model"
@@ -200,7 +205,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._ready: Dict[str, List[float]] = {"A": [], "G": []}
         self._pass_t0: Dict[str, Optional[float]] = {"A": None, "G": None}
         self._factor_steps_seen = 0
-        self._planned = fusion == "layerwise"
+        self._planned = fusion == "layerwise" or not precondition
         self._stash: List[Tuple[FactorKey, torch.Tensor]] = []
 
         self.placement_plan: PlacementPlan = place(
@@ -224,10 +229,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ schedule
     def _is_factor_step(self) -> bool:
-        return self.steps % self.factor_update_freq == 0
+        return self.precondition and self.steps % self.factor_update_freq == 0
 
     def _is_inverse_step(self) -> bool:
-        return self.steps % self.inv_update_freq == 0
+        return self.precondition and self.steps % self.inv_update_freq == 0
 
     @property
     def _profiling(self) -> bool:
@@ -319,7 +324,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 self._update_factors()
             if self._is_inverse_step():
                 self._update_inverses()
-            self._precondition()
+            if self.precondition:
+                self._precondition()
             self._sgd_update()
             self.steps += 1
         finally:
@@ -421,6 +427,15 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         return payload[n:].tolist()
 
     # -------------------------------------------------------------- inversions
+    def _invert(self, layer: KFACLayer, kind: str, damping: float) -> torch.Tensor:
+        try:
+            return invert_spd(layer.factor(kind), damping)
+        except torch.linalg.LinAlgError as exc:
+            raise torch.linalg.LinAlgError(
+                f"factor {kind} of layer {layer.name!r} is not positive definite even with damping {damping:g} "
+                f"at step {self.steps} (training has probably diverged; lower lr or kl_clip, or raise damping): {exc}"
+            ) from exc
+
     def _update_inverses(self) -> None:
         damping = self.param_groups[0]["damping"]
         rec = self._record
@@ -432,7 +447,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             kind, name = a.key
             layer = self._layer_by_name[name]
             if a.owner == rank:
-                inverse = invert_spd(layer.factor(kind), damping)
+                inverse = self._invert(layer, kind, damping)
                 layer.set_inverse(kind, inverse)
                 packed = pack_upper(inverse)
             else:
@@ -447,7 +462,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             if a.owner == ALL:
                 kind, name = a.key
                 layer = self._layer_by_name[name]
-                layer.set_inverse(kind, invert_spd(layer.factor(kind), damping))
+                layer.set_inverse(kind, self._invert(layer, kind, damping))
         t_wait = Timeline.now() if rec is not None else 0.0
         for handle, packed, key in in_flight:
             handle.wait()

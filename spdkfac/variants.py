@@ -9,6 +9,8 @@ __all__ = ["VARIANTS", "make_optimizer"]
 
 #: name -> keyword arguments of :class:`~spdkfac.SPDKFACOptimizer`
 VARIANTS: Dict[str, Dict[str, Any]] = {
+    # S-SGD: same gradient all-reduce, no K-FAC.
+    "sgd": dict(precondition=False),
     # SPD-KFAC: pipelined factor all-reduce with optimal fusion + load-balancing placement.
     "spdkfac": dict(pipelining=True, fusion="optimal", placement="lbp"),
     # D-KFAC: factors all-reduced after backward, every worker inverts everything.

@@ -1,0 +1,83 @@
+"""Data for the training job: scikit-learn's bundled 8x8 digits, synthetic tensors, sharding.
+
+The digits set ships inside scikit-learn (no download), so the main job runs
+on a fresh machine with no network.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Tuple
+
+import torch
+
+__all__ = ["Dataset", "load_digits", "synthetic", "ShardedLoader"]
+
+
+@dataclass
+class Dataset:
+    """Tensors of one split."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    num_classes: int
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+
+def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Tuple[Dataset, Dataset]:
+    """The 1,797 8x8 handwritten digits (values scaled to [0, 1]), split train/test reproducibly."""
+    try:
+        from sklearn.datasets import load_digits as _load
+    except ImportError as exc:
+        raise ImportError("--data digits needs scikit-learn (pip install scikit-learn)") from exc
+    bunch = _load()
+    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    x = (x - 0.3) / 0.4
+    y = torch.tensor(bunch.target, dtype=torch.long)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    n_test = int(len(y) * test_fraction)
+    test, train = perm[:n_test], perm[n_test:]
+    return Dataset(x[train], y[train], 10), Dataset(x[test], y[test], 10)
+
+
+def synthetic(n: int, shape: Tuple[int, ...], num_classes: int, seed: int = 0) -> Dataset:
+    """Random inputs and labels, for timing only."""
+    g = torch.Generator().manual_seed(seed)
+    return Dataset(torch.randn(n, *shape, generator=g), torch.randint(0, num_classes, (n,), generator=g), num_classes)
+
+
+class ShardedLoader:
+    """Shuffled mini-batches of this worker's shard of a dataset.
+
+    Every epoch all workers draw the same permutation (seeded by the epoch),
+    drop the tail so every worker gets the same number of full batches, and
+    take every ``size``-th sample starting at ``rank``.
+    """
+
+    def __init__(self, data: Dataset, batch_size: int, rank: int, size: int, shuffle: bool = True, seed: int = 0) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        per_worker = len(data) // size
+        if per_worker < batch_size and shuffle:
+            raise ValueError(f"each of {size} workers gets {per_worker} samples, fewer than batch_size={batch_size}")
+        self.data, self.batch_size, self.rank, self.size = data, batch_size, rank, size
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        per_worker = len(self.data) // self.size
+        return per_worker // self.batch_size if self.shuffle else -(-per_worker // self.batch_size)
+
+    def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        n = len(self.data)
+        if self.shuffle:
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        else:
+            order = torch.arange(n)
+        mine = order[: (n // self.size) * self.size][self.rank :: self.size]
+        for b in range(len(self)):
+            idx = mine[b * self.batch_size : (b + 1) * self.batch_size]
+            yield self.data.x[idx], self.data.y[idx]

@@ -1,0 +1,32 @@
+"""Model zoo (no torchvision needed): small CPU models and ImageNet-size CNNs.
+
+``get_model(name, num_classes)`` builds any registered model; names prefixed
+``torchvision:`` use torchvision's constructors when torchvision imports.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch.nn as nn
+
+from .small import DigitsCNN, cifar_resnet20
+
+__all__ = ["MODELS", "get_model", "DigitsCNN", "cifar_resnet20"]
+
+MODELS: Dict[str, Callable[..., nn.Module]] = {
+    "digits_cnn": DigitsCNN,
+    "cifar_resnet20": cifar_resnet20,
+}
+
+
+def get_model(name: str, num_classes: int = 10) -> nn.Module:
+    """Instantiate a model by name (see :data:`MODELS`)."""
+    if name.startswith("torchvision:"):
+        try:
+            import torchvision.models as tvm
+        except Exception as exc:  # pragma: no cover - torchvision is optional
+            raise ValueError(f"{name}: torchvision is not importable here ({exc})") from None
+        return getattr(tvm, name.split(":", 1)[1])(num_classes=num_classes)
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)} or torchvision:<name>")
+    return MODELS[name](num_classes=num_classes)

@@ -1,0 +1,67 @@
+"""Small CPU-friendly models: a CNN for 8x8 digits and a CIFAR-style ResNet-20."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+__all__ = ["DigitsCNN", "cifar_resnet20"]
+
+
+class DigitsCNN(nn.Module):
+    """Three convolutions and two linear layers for 1x8x8 inputs (scikit-learn digits)."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 32, 3, padding=1),
+            nn.ReLU(inplace=True),
+        )
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(inplace=True), nn.Linear(64, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.short = None
+        if stride != 1 or cin != cout:
+            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + (x if self.short is None else self.short(x)))
+
+
+class _CifarResNet(nn.Module):
+    def __init__(self, blocks: int, num_classes: int = 10, in_channels: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True))
+        layers = []
+        cin = 16
+        for cout, stride in ((16, 1), (32, 2), (64, 2)):
+            for b in range(blocks):
+                layers.append(_BasicBlock(cin, cout, stride if b == 0 else 1))
+                cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(self.stem(x)))
+
+
+def cifar_resnet20(num_classes: int = 10) -> nn.Module:
+    """ResNet-20 for 3x32x32 inputs (He et al. 2016, CIFAR variant)."""
+    return _CifarResNet(3, num_classes)
