@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import math
 import statistics
-import warnings
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -32,9 +31,10 @@ import torch.nn as nn
 from .comm import CommBackend, Handle, get_backend
 from .fusion import FUSION_POLICIES, TensorFusionController, plan_groups
 from .layers import FACTOR_KINDS, KFACLayer, make_extractor
-from .linalg import invert_spd, pack_upper, triangle_size, unpack_upper
+from .inversion import compute_inverses
+from .linalg import invert_spd, triangle_size
 from .perfmodels import PerfModel, load_perf_model
-from .placement import ALL, PLACEMENTS, PlacementPlan, place
+from .placement import PLACEMENTS, PlacementPlan, place
 from .timeline import FactorEvent, IterationRecord, Timeline
 
 __all__ = ["SPDKFACOptimizer", "NonFiniteFactorError"]
@@ -438,42 +438,17 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     def _update_inverses(self) -> None:
         damping = self.param_groups[0]["damping"]
-        rec = self._record
-        t0 = Timeline.now() if rec is not None else 0.0
-        rank = self.backend.rank
-        plan = self.placement_plan
-        in_flight: List[Tuple[Handle, torch.Tensor, FactorKey]] = []
-        for a in plan.broadcast_order():
-            kind, name = a.key
-            layer = self._layer_by_name[name]
-            if a.owner == rank:
-                inverse = self._invert(layer, kind, damping)
-                layer.set_inverse(kind, inverse)
-                packed = pack_upper(inverse)
-            else:
-                ref = layer.factor(kind)
-                packed = torch.empty(triangle_size(a.dim), dtype=ref.dtype, device=ref.device)
-            handle = self.backend.broadcast_async(packed, a.owner, f"spdkfac.inverse.{kind}.{name}")
-            if a.owner != rank:
-                in_flight.append((handle, packed, a.key))
-            else:
-                in_flight.append((handle, packed, None))
-        for a in plan.assignments:
-            if a.owner == ALL:
-                kind, name = a.key
-                layer = self._layer_by_name[name]
-                layer.set_inverse(kind, self._invert(layer, kind, damping))
-        t_wait = Timeline.now() if rec is not None else 0.0
-        for handle, packed, key in in_flight:
-            handle.wait()
-            if key is not None:
-                kind, name = key
-                layer = self._layer_by_name[name]
-                layer.set_inverse(kind, unpack_upper(packed, layer.dim(kind)))
-        if rec is not None:
-            t1 = Timeline.now()
-            rec.inverse_wait += t1 - t_wait
-            rec.inverse_stage += t1 - t0
+        factors = {(kind, layer.name): layer.factor(kind) for layer in self.layers for kind in FACTOR_KINDS}
+        inverses = compute_inverses(
+            self.placement_plan,
+            factors,
+            damping,
+            self.backend,
+            record=self._record,
+            invert=lambda key, matrix: self._invert(self._layer_by_name[key[1]], key[0], damping),
+        )
+        for (kind, name), inverse in inverses.items():
+            self._layer_by_name[name].set_inverse(kind, inverse)
 
     # ----------------------------------------------------------- preconditioning
     def _precondition(self) -> None:

@@ -21,7 +21,7 @@ size without processes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Sequence, Tuple
 
 __all__ = ["ALL", "PLACEMENTS", "Assignment", "PlacementPlan", "place", "place_lbp", "place_seq", "place_local"]
 

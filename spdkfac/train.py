@@ -26,7 +26,7 @@ import torch.nn as nn
 from .comm import CommBackend, get_backend
 from .data import Dataset, ShardedLoader, load_digits, synthetic
 from .models import MODELS, get_model
-from .variants import VARIANTS, make_optimizer
+from .variants import make_optimizer
 
 __all__ = ["main", "parse_args"]
 
@@ -91,13 +91,19 @@ def _datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset, str]:
     raise SystemExit(f"error: unknown --data {args.data!r}: use 'digits' or 'synthetic'")
 
 
-def lr_at(args: argparse.Namespace, base_lr: float, epoch_float: float) -> float:
-    """Linear warm-up, then cosine or step decay."""
+def lr_at(args: argparse.Namespace, base_lr: float, epoch_float: float, workers: int = 1) -> float:
+    """Linear warm-up from the single-worker LR to ``base_lr`` (Goyal et al.), then cosine or step decay.
+
+    Warming up from the single-worker LR rather than from zero matters for
+    K-FAC: a near-zero LR disables the KL clip, and the unclipped first
+    preconditioned update would stay in the momentum buffer while the LR grows.
+    """
     if args.warmup_epochs > 0 and epoch_float < args.warmup_epochs:
-        return base_lr * (epoch_float + 1e-3) / args.warmup_epochs
+        start = base_lr / workers
+        return start + (base_lr - start) * epoch_float / args.warmup_epochs
     if args.schedule == "cosine":
         progress = (epoch_float - args.warmup_epochs) / max(args.epochs - args.warmup_epochs, 1e-9)
-        return base_lr * 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
+        return base_lr * (0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0))))
     return base_lr * 0.1 ** sum(epoch_float >= e for e in args.lr_decay_epochs)
 
 
@@ -190,7 +196,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         loss_sum = correct = count = 0.0
         iter_times: List[float] = []
         for it, (x, y) in enumerate(train_loader):
-            lr = lr_at(args, base_lr, epoch + it / steps_per_epoch)
+            lr = lr_at(args, base_lr, epoch + it / steps_per_epoch, size)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             t0 = time.perf_counter()

@@ -39,7 +39,7 @@ def _dense_update(a_rows, g_rows, n, grad, damping):
     """((A+γI) ⊗ (G+γI))^-1 vec(grad) with column-stacking vec, as an explicit dense solve."""
     A = a_rows.T @ a_rows / a_rows.shape[0]
     gs = g_rows * n
-    G = gs.T @ gs / gs.shape[0]
+    G = gs.T @ gs / n  # per-sample mean, summed over spatial positions (KFC)
     F = torch.kron(A + damping * torch.eye(A.shape[0], dtype=A.dtype), G + damping * torch.eye(G.shape[0], dtype=G.dtype))
     vec = grad.T.reshape(-1)
     sol = torch.linalg.solve(F, vec)

@@ -1,0 +1,98 @@
+"""Command line: ``python -m spdkfac.perfmodels {benchmark,plot,show} ...``.
+
+    horovodrun -np 2 -H localhost:2 --gloo python -m spdkfac.perfmodels benchmark --quick --out perfmodels/x.json
+    python -m spdkfac.perfmodels plot perfmodels/x.json --out perfmodels/x.png
+    python -m spdkfac.perfmodels show perfmodels/x.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from .models import PerfModel, PerfModelError
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m spdkfac.perfmodels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("benchmark", help="measure this launch's workers and write a model file")
+    b.add_argument("--out", required=True, help="JSON file to write (rank 0)")
+    b.add_argument("--quick", action="store_true", help="fewer, smaller points (CPU)")
+    b.add_argument("--engine", default="auto", choices=("auto", "horovod", "torch", "single", "mpi4py"))
+    b.add_argument("--repeats", type=int, default=100)
+    b.add_argument("--warmup", type=int, default=10)
+    b.add_argument("--device", default="auto")
+    b.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    b.add_argument("--dims", type=int, nargs="*", help="inversion/broadcast dimensions to measure")
+    b.add_argument("--sizes", type=int, nargs="*", help="all-reduce message sizes (elements)")
+    b.add_argument("--threads", type=int, default=None, help="torch intra-op threads per worker")
+    b.add_argument("--plot", default=None, help="also write this PNG")
+    p = sub.add_parser("plot", help="draw measurements against the fitted curves")
+    p.add_argument("file")
+    p.add_argument("--out", default=None, help="PNG path (default: next to the JSON)")
+    s = sub.add_parser("show", help="validate a model file and print its parameters")
+    s.add_argument("file")
+    args = ap.parse_args(argv)
+
+    if args.cmd == "benchmark":
+        import torch
+
+        from ..comm import get_backend
+        from .bench import BenchmarkConfig, Mpi4pyEngine, run_benchmark
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        if args.repeats < 1 or args.warmup < 0:
+            ap.error("--repeats must be >= 1 and --warmup >= 0")
+        engine = Mpi4pyEngine() if args.engine == "mpi4py" else get_backend(args.engine)
+        cfg = BenchmarkConfig(quick=args.quick, repeats=args.repeats, warmup=args.warmup, device=args.device,
+                              dtype=args.dtype, inverse_dims=args.dims, message_sizes=args.sizes)
+        if engine.rank == 0:
+            print(f"benchmarking {engine.name} x{engine.size}: {len(cfg.sizes())} all-reduce sizes, "
+                  f"{len(cfg.dims())} dimensions, {cfg.repeats} repeats after {cfg.warmup} warm-up runs", file=sys.stderr)
+        model = run_benchmark(cfg, engine)
+        if engine.rank == 0:
+            model.save(args.out)
+            print(_summary(model))
+            print(f"wrote {args.out}")
+            if args.plot:
+                from .plot import plot_perf_model
+
+                print(f"wrote {plot_perf_model(model, args.plot)}")
+        return 0
+    try:
+        model = PerfModel.load(args.file)
+    except PerfModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.cmd == "plot":
+        from .plot import plot_perf_model
+
+        out = args.out or str(args.file).rsplit(".", 1)[0] + ".png"
+        print(f"wrote {plot_perf_model(model, out)}")
+        return 0
+    print(_summary(model))
+    return 0
+
+
+def _summary(model: PerfModel) -> str:
+    lines = [f"performance model {model.source}: measured {json.dumps({k: model.meta.get(k) for k in ('engine', 'world_size', 'device', 'dtype', 'date')})}"]
+    lines.append(f"  all-reduce  t(m) = {model.allreduce.alpha:.3e} + {model.allreduce.beta:.3e} * m   {model.fit_quality.get('allreduce', '')}")
+    lines.append(f"  broadcast   t(d) = {model.broadcast.alpha:.3e} + {model.broadcast.beta:.3e} * d(d+1)/2   {model.fit_quality.get('broadcast', '')}")
+    inv = model.inverse
+    if inv.kind == "exp":
+        lines.append(f"  inverse     t(d) = {inv.params['alpha']:.3e} * exp({inv.params['beta']:.3e} * d)")
+    else:
+        c = inv.params["coeffs"]
+        lines.append(f"  inverse     t(d) = {c[0]:.3e} + {c[1]:.3e} d + {c[2]:.3e} d^2 + {c[3]:.3e} d^3 (cubic fitted better than Eq. 26)")
+    q = model.fit_quality.get("inverse", {})
+    if q:
+        lines.append(f"  inverse fit: chosen {q.get('chosen')}, exp mean rel err {q.get('exp', {}).get('mean_rel_error', float('nan')):.1%}"
+                     + (f", cubic {q['cubic']['mean_rel_error']:.1%}" if "cubic" in q else ""))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

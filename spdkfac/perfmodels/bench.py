@@ -1,0 +1,255 @@
+"""One-time cluster benchmarking: measure collectives and inversions, fit, store (Section VI-B).
+
+Run under the launcher you train with, so the measurements use the real
+workers and engine::
+
+    horovodrun -np 4 python -m spdkfac.perfmodels benchmark --out perfmodels/mycluster.json
+
+Each point is timed ``repeats`` times after ``warmup`` untimed runs (the
+paper uses 100 and 10); the point is the *median* of the individual timings
+(robust to the other processes of a shared machine; the mean is stored too),
+averaged over the ranks.
+"""
+from __future__ import annotations
+
+import datetime
+import platform
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..comm import CommBackend, get_backend
+from ..linalg import invert_spd, triangle_size
+from .models import AllReduceModel, BroadcastModel, PerfModel, fit_inverse_model, fit_linear, r_squared
+
+__all__ = ["BenchmarkConfig", "run_benchmark", "Mpi4pyEngine"]
+
+QUICK_DIMS = [64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+FULL_DIMS = [64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 5120, 6144, 8192]
+QUICK_SIZES = [2**k for k in range(10, 23, 2)]  # 1K .. 4M elements
+FULL_SIZES = [2**k for k in range(18, 28)]  # 256K .. 128M elements (1 MB .. 512 MB of float32)
+
+
+@dataclass
+class BenchmarkConfig:
+    quick: bool = False
+    repeats: int = 100
+    warmup: int = 10
+    device: str = "auto"
+    dtype: str = "float32"
+    inverse_dims: Optional[List[int]] = None
+    message_sizes: Optional[List[int]] = None
+    damping: float = 1e-3
+
+    def dims(self) -> List[int]:
+        return self.inverse_dims or (QUICK_DIMS if self.quick else FULL_DIMS)
+
+    def sizes(self) -> List[int]:
+        return self.message_sizes or (QUICK_SIZES if self.quick else FULL_SIZES)
+
+
+class Mpi4pyEngine(CommBackend):
+    """Raw MPI collectives through mpi4py (benchmark only: the library's own overhead baseline)."""
+
+    name = "mpi4py"
+
+    def __init__(self) -> None:
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise ImportError("--engine mpi4py needs mpi4py (pip install 'spdkfac[mpi]') and an MPI launch (mpirun)") from exc
+        self._mpi = MPI
+        self._comm = MPI.COMM_WORLD
+
+    @property
+    def rank(self) -> int:
+        return self._comm.Get_rank()
+
+    @property
+    def size(self) -> int:
+        return self._comm.Get_size()
+
+    def allreduce_async(self, tensor: torch.Tensor, name: str):
+        buf = tensor.numpy()
+        req = self._comm.Iallreduce(self._mpi.IN_PLACE, buf, op=self._mpi.SUM)
+        return _MpiHandle(req, tensor, self.size)
+
+    def broadcast_async(self, tensor: torch.Tensor, root: int, name: str):
+        return _MpiHandle(self._comm.Ibcast(tensor.numpy(), root=root), tensor, 1)
+
+    def barrier(self) -> None:
+        self._comm.Barrier()
+
+
+class _MpiHandle:
+    def __init__(self, req, tensor: torch.Tensor, divisor: int) -> None:
+        self._req, self._tensor, self._divisor = req, tensor, divisor
+
+    def wait(self) -> None:
+        if self._req is not None:
+            self._req.Wait()
+            if self._divisor > 1:
+                self._tensor.div_(self._divisor)
+            self._req = None
+
+    def done(self) -> bool:
+        return self._req is None or bool(self._req.Test())
+
+
+class _Progress:
+    """Progress on rank 0 (stderr): a redrawn bar on a terminal, one line per step otherwise."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled, self.t0 = total, 0, enabled, time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        width = 30
+        filled = int(width * self.done / self.total)
+        elapsed = time.perf_counter() - self.t0
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.1f}s {label}"
+        if self.tty:
+            sys.stderr.write(f"\r{line:<80}" + ("\n" if self.done == self.total else ""))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], None], repeats: int, warmup: int, device: torch.device) -> tuple[float, float]:
+    """(median, mean) seconds of ``fn`` over ``repeats`` individually timed calls."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - t0)
+    return float(np.median(samples)), float(np.mean(samples))
+
+
+def _mean_over_ranks(engine: CommBackend, values: Sequence[float]) -> List[float]:
+    t = torch.tensor(list(values), dtype=torch.float64)
+    engine.allreduce_async(t, "perfmodels.mean").wait()
+    return t.tolist()
+
+
+def _repeats_for(cfg: BenchmarkConfig, elements: int) -> int:
+    # Fewer repeats for big messages/matrices so --quick stays quick.
+    if not cfg.quick:
+        return cfg.repeats
+    return max(3, min(cfg.repeats, int(2e7 // max(elements, 1))))
+
+
+def run_benchmark(cfg: BenchmarkConfig, engine: Optional[CommBackend] = None) -> PerfModel:
+    """Measure, fit and return a :class:`PerfModel` (identical on every rank)."""
+    engine = engine or get_backend("auto")
+    device = torch.device("cuda" if (cfg.device == "auto" and torch.cuda.is_available()) else ("cpu" if cfg.device == "auto" else cfg.device))
+    dtype = getattr(torch, cfg.dtype)
+    sizes, dims = cfg.sizes(), cfg.dims()
+    root = engine.rank == 0
+    comm_points = len(sizes) + len(dims) if engine.size > 1 else 0
+    progress = _Progress(comm_points + len(dims), root)
+
+    ar_times: List[float] = []
+    bc_times: List[float] = []
+    means: Dict[str, List[float]] = {"allreduce": [], "broadcast": [], "inverse": []}
+    if engine.size > 1:
+        for m in sizes:
+            buf = torch.ones(m, dtype=dtype, device=device)
+            reps = _repeats_for(cfg, m)
+            engine.barrier()
+            med, mean = _time(lambda: engine.allreduce_async(buf, f"perfmodels.ar.{m}").wait(), reps, min(cfg.warmup, reps), device)
+            ar_times.append(med)
+            means["allreduce"].append(mean)
+            progress.step(f"all-reduce {m} elements")
+        for d in dims:
+            buf = torch.ones(triangle_size(d), dtype=dtype, device=device)
+            reps = _repeats_for(cfg, triangle_size(d))
+            engine.barrier()
+            med, mean = _time(lambda: engine.broadcast_async(buf, 0, f"perfmodels.bc.{d}").wait(), reps, min(cfg.warmup, reps), device)
+            bc_times.append(med)
+            means["broadcast"].append(mean)
+            progress.step(f"broadcast d={d}")
+        ar_times = _mean_over_ranks(engine, ar_times)
+        bc_times = _mean_over_ranks(engine, bc_times)
+        means["allreduce"] = _mean_over_ranks(engine, means["allreduce"])
+        means["broadcast"] = _mean_over_ranks(engine, means["broadcast"])
+
+    inv_times: List[float] = []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for d in dims:
+        x = torch.randn(d, d, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+        spd = x @ x.T / d
+        reps = _repeats_for(cfg, d**3 // 64)
+        med, mean = _time(lambda: invert_spd(spd, cfg.damping), reps, min(cfg.warmup, reps), device)
+        inv_times.append(med)
+        means["inverse"].append(mean)
+        progress.step(f"inverse d={d}")
+    if engine.size > 1:
+        inv_times = _mean_over_ranks(engine, inv_times)
+        means["inverse"] = _mean_over_ranks(engine, means["inverse"])
+
+    quality: Dict[str, Any] = {}
+    if engine.size > 1:
+        a_ar, b_ar = fit_linear(sizes, ar_times)
+        tri = [triangle_size(d) for d in dims]
+        a_bc, b_bc = fit_linear(tri, bc_times)
+        ar_model, bc_model = AllReduceModel(a_ar, b_ar), BroadcastModel(a_bc, b_bc)
+        quality["allreduce"] = {"r2": r_squared(ar_times, [ar_model(m) for m in sizes]), "max_rel_error": _max_rel(ar_times, [ar_model(m) for m in sizes])}
+        quality["broadcast"] = {"r2": r_squared(bc_times, [bc_model(d) for d in dims]), "max_rel_error": _max_rel(bc_times, [bc_model(d) for d in dims])}
+    else:
+        ar_model, bc_model = PerfModel.default().allreduce, PerfModel.default().broadcast
+        quality["note"] = "single worker: communication models are the built-in defaults (nothing to measure)"
+    inv_model, inv_quality = fit_inverse_model(dims, inv_times)
+    quality["inverse"] = inv_quality
+    quality["inverse"]["max_rel_error"] = _max_rel(inv_times, [inv_model(d) for d in dims])
+
+    meta = {
+        "engine": engine.name,
+        "world_size": engine.size,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
+        "dtype": cfg.dtype,
+        "torch": torch.__version__,
+        "horovod": _version("horovod"),
+        "python": platform.python_version(),
+        "host": socket.gethostname(),
+        "torch_threads": torch.get_num_threads(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "repeats": cfg.repeats,
+        "warmup": cfg.warmup,
+        "quick": cfg.quick,
+    }
+    measurements = {
+        "allreduce": {"elements": sizes, "seconds": ar_times, "mean_seconds": means["allreduce"]} if ar_times else {},
+        "broadcast": {"dims": dims, "seconds": bc_times, "mean_seconds": means["broadcast"]} if bc_times else {},
+        "inverse": {"dims": dims, "seconds": inv_times, "mean_seconds": means["inverse"]},
+    }
+    return PerfModel(ar_model, bc_model, inv_model, meta=meta, measurements=measurements, fit_quality=quality, source="benchmark")
+
+
+def _max_rel(measured: Sequence[float], predicted: Sequence[float]) -> float:
+    m = np.asarray(measured, dtype=float)
+    p = np.asarray(predicted, dtype=float)
+    return float(np.max(np.abs(p - m) / m))
+
+
+def _version(module: str) -> Optional[str]:
+    try:
+        return __import__(module).__version__
+    except Exception:
+        return None
