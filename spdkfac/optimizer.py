@@ -328,6 +328,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 self._precondition()
             self._sgd_update()
             self.steps += 1
+            if self.timeline is not None and self._record is not None:
+                self.timeline.end()
         finally:
             self._grad_handles.clear()
             self._begin_iteration()

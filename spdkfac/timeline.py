@@ -62,9 +62,15 @@ class Timeline:
         return time.perf_counter()
 
     def begin(self, step: int) -> IterationRecord:
+        """Open the record of the coming iteration (kept only once :meth:`end` is called)."""
         self.current = IterationRecord(step=step, t0=self.now())
-        self.iterations.append(self.current)
         return self.current
+
+    def end(self) -> None:
+        """Keep the open record (the step completed)."""
+        if self.current is not None:
+            self.iterations.append(self.current)
+            self.current = None
 
     def to_json(self) -> str:
         return json.dumps([asdict(it) for it in self.iterations], indent=1)

@@ -32,7 +32,8 @@ PLACEMENT_CONFIGS = {
     for placement in ("lbp", "seq", "local")
     for pm in ("default", "expensive-inverse")
 }
-FREQ_CONFIGS = {"freq-2-4": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="optimal", placement="lbp", perf_model="expensive-inverse")}
+FREQ_CONFIGS = {
+    "timeline": dict(BASE, fusion="optimal", placement="lbp", perf_model="big-alpha", timeline=True),"freq-2-4": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="optimal", placement="lbp", perf_model="expensive-inverse")}
 
 
 def _reference(global_batch: int, configs: dict, tmp_path) -> dict:
@@ -75,6 +76,27 @@ def test_fusion_policies_match_single_process(engine, tmp_path):
     assert len(dist["optimal-bigalpha"]["fusion_plan"]["A"]) == 1
     assert len(dist["naive"]["fusion_plan"]["G"]) == 1
     assert len(dist["tiny-threshold"]["fusion_plan"]["A"]) > 1
+    _assert_timeline_consistent(dist["timeline"]["timeline"], n_layers=4)
+
+
+def _assert_timeline_consistent(iterations: list, n_layers: int) -> None:
+    """Ends after starts; a group's communication starts after its last member is computed."""
+    assert len(iterations) == STEPS
+    for rec in iterations:
+        events = rec["factors"].values()
+        assert len(events) == 2 * n_layers
+        by_group: dict = {}
+        for ev in events:
+            assert ev["compute_end"] >= ev["compute_start"] >= 0
+            assert ev["comm_start"] is not None and ev["comm_end"] is not None, ev
+            assert ev["comm_end"] >= ev["comm_start"] >= ev["compute_end"]
+            by_group.setdefault(ev["group"], []).append(ev)
+        for members in by_group.values():
+            assert len({ev["comm_start"] for ev in members}) == 1
+            assert members[0]["comm_start"] >= max(ev["compute_end"] for ev in members)
+        assert rec["factor_wait"] >= 0 and rec["inverse_stage"] >= rec["inverse_wait"] >= 0
+    # After profiling, the big-alpha plan fuses: fewer groups than factors in the last iteration.
+    assert len({ev["group"] for ev in iterations[-1]["factors"].values()}) < 2 * n_layers
 
 
 @pytest.mark.parametrize("engine", ["torch", "horovod"])

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import warnings
+from dataclasses import asdict
 
 import torch
 
@@ -74,6 +75,7 @@ def main() -> None:
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "fusion_plan": opt.fusion_plan(),
             "owners": {str(a.key): a.owner for a in opt.placement_plan.assignments},
+            "timeline": [asdict(it) for it in opt.timeline.iterations] if opt.timeline is not None else None,
         }
         opt.remove_hooks()
         print(f"rank {rank}/{size}: {name} done", flush=True)

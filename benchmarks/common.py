@@ -1,0 +1,75 @@
+"""Shared helpers of the benchmark programs: engine, output folder, summary statistics."""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> Dict[str, Any]:
+    """What the numbers were measured on."""
+    import os
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+    }
+
+
+def stats(samples: Sequence[float]) -> Dict[str, float]:
+    """Median, mean, min, max and standard deviation of a list of seconds."""
+    xs = list(samples)
+    return {
+        "median": statistics.median(xs),
+        "mean": statistics.fmean(xs),
+        "min": min(xs),
+        "max": max(xs),
+        "stdev": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+        "n": len(xs),
+    }
+
+
+def save_json(obj: Any, name: str, out_dir: Path = RESULTS) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    path.write_text(json.dumps(obj, indent=1))
+    return path
+
+
+def log(rank: int, *msg: Any) -> None:
+    if rank == 0:
+        print(*msg, flush=True)
+        sys.stdout.flush()
+
+
+def bar_chart(path: Path, labels: List[str], stacks: Dict[str, List[float]], title: str, ylabel: str) -> Path:
+    """A stacked bar chart (one bar per label, one colour per stack component)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(labels) + 2), 4.2))
+    bottom = [0.0] * len(labels)
+    for name, values in stacks.items():
+        ax.bar(labels, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

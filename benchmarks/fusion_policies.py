@@ -1,0 +1,149 @@
+"""Fig. 10: factor computation + non-overlapped factor communication per fusion policy.
+
+Run under the launcher (2 workers here)::
+
+    horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m benchmarks.fusion_policies --model resnet50
+
+For each policy (``optimal``, ``threshold``, ``layerwise``, ``naive``) it trains
+the same model on the same synthetic data with factors updated every
+iteration and the timeline on; policies run in interleaved rounds so that
+machine drift hits all of them alike. Per policy it reports, per iteration:
+
+* ``factor_compute``: time spent computing A and G in the hooks;
+* ``factor_comm_nonoverlap``: time ``step()`` blocked waiting for factor
+  all-reduces (communication not hidden behind computation);
+* ``factor_comm_total``: the same fused all-reduces timed alone, back to back;
+* ``hidden``: ``1 - nonoverlap / total``, the fraction of factor communication
+  hidden behind computation;
+* ``factor_stage`` = compute + non-overlapped communication (Fig. 10's bar).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+import warnings
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+
+from spdkfac import SPDKFACOptimizer
+from spdkfac.comm import get_backend
+from spdkfac.fusion import FUSION_POLICIES
+from spdkfac.linalg import triangle_size
+from spdkfac.models import get_model
+
+from .common import RESULTS, bar_chart, log, machine, save_json, stats
+
+
+def _comm_alone(opt: SPDKFACOptimizer, repeats: int) -> float:
+    """Seconds to all-reduce this optimizer's fused factor groups back to back, nothing else running."""
+    plan = opt.fusion_plan()
+    groups: List[int] = []
+    for kind in ("A", "G"):
+        kind_groups = plan[kind] or [[key] for key in opt.controller.arrival_order(kind)]
+        for g in kind_groups:
+            groups.append(sum(triangle_size(opt._layer_by_name[name].dim(k)) for k, name in g))
+    buffers = [torch.zeros(n) for n in groups]
+    backend = opt.backend
+    times = []
+    for r in range(repeats + 1):
+        backend.barrier()
+        t0 = time.perf_counter()
+        handles = [backend.allreduce_async(b, f"bench.alone.{i}.{r}") for i, b in enumerate(buffers)]
+        for h in handles:
+            h.wait()
+        if r:
+            times.append(time.perf_counter() - t0)
+    return stats(times)["median"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--resolution", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=4, help="per worker")
+    ap.add_argument("--iters", type=int, default=6, help="measured iterations per policy per round")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--policies", nargs="*", default=list(FUSION_POLICIES))
+    ap.add_argument("--perf-model", default="perfmodels/reference-cpu-gloo-2.json")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(RESULTS / "fusion_policies.json"))
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    backend = get_backend("auto")
+    rank = backend.rank
+    log(rank, f"fusion policies on {args.model} @ {args.resolution}px, batch {args.batch_size}/worker, {backend.size} workers ({backend.name})")
+
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=g)
+    y = torch.randint(0, 1000, (args.batch_size,), generator=g)
+    warm = 5  # 1 warm-up + 3 profiled factor steps + 1 on the new plan
+    samples: Dict[str, Dict[str, List[float]]] = {p: {"compute": [], "wait": [], "iter": [], "alone": []} for p in args.policies}
+    plans: Dict[str, Dict[str, int]] = {}
+    for rnd in range(args.rounds):
+        for policy in args.policies:
+            torch.manual_seed(0)
+            model = get_model(args.model)
+            opt = SPDKFACOptimizer(model, lr=1e-4, backend=backend, fusion=policy, placement="local", perf_model=args.perf_model,
+                                   inv_update_freq=10**6, kl_clip=None, timeline=True, profile_steps=3)
+            for it in range(warm + args.iters):
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                if it >= warm:
+                    samples[policy]["iter"].append(time.perf_counter() - t0)
+            for rec in opt.timeline.iterations[warm:]:
+                samples[policy]["compute"].append(rec.factor_compute)
+                samples[policy]["wait"].append(rec.factor_wait)
+            samples[policy]["alone"].append(_comm_alone(opt, repeats=2))
+            plan = opt.fusion_plan()
+            plans[policy] = {k: (len(v) if v is not None else len(opt.controller.arrival_order(k))) for k, v in plan.items()}
+            log(rank, f"  round {rnd + 1}/{args.rounds} {policy:<10} groups A/G {plans[policy]['A']}/{plans[policy]['G']}  "
+                      f"compute {stats(samples[policy]['compute'])['median']*1e3:7.1f} ms  "
+                      f"blocked {stats(samples[policy]['wait'])['median']*1e3:7.1f} ms  "
+                      f"comm alone {samples[policy]['alone'][-1]*1e3:7.1f} ms")
+            opt.remove_hooks()
+            del opt, model
+            gc.collect()
+
+    # Every rank measured; report the slowest rank's medians (the iteration waits for it).
+    summary = {}
+    for policy in args.policies:
+        s = samples[policy]
+        vals = torch.tensor([stats(s["compute"])["median"], stats(s["wait"])["median"], stats(s["alone"])["median"], stats(s["iter"])["median"]], dtype=torch.float64)
+        gathered = vals.clone()
+        backend.allreduce_async(gathered, f"bench.fusion.{policy}").wait()  # mean over ranks
+        compute, wait, alone, it = gathered.tolist()
+        summary[policy] = {
+            "factor_compute": compute,
+            "factor_comm_nonoverlap": wait,
+            "factor_comm_total": alone,
+            "hidden": max(0.0, 1 - wait / alone) if alone > 0 else None,
+            "factor_stage": compute + wait,
+            "iteration": it,
+            "groups": plans[policy],
+        }
+    if rank == 0:
+        print(f"\n{'policy':<10} {'groups A/G':>10} {'compute':>9} {'blocked':>9} {'comm alone':>11} {'hidden':>7} {'stage':>9} {'vs naive':>9}")
+        base = summary.get("naive", {}).get("factor_stage")
+        for p, r in summary.items():
+            speed = f"{base / r['factor_stage']:.2f}x" if base else "-"
+            print(f"{p:<10} {r['groups']['A']:>4}/{r['groups']['G']:<5} {r['factor_compute']*1e3:8.1f}m {r['factor_comm_nonoverlap']*1e3:8.1f}m "
+                  f"{r['factor_comm_total']*1e3:10.1f}m {r['hidden']:7.0%} {r['factor_stage']*1e3:8.1f}m {speed:>9}")
+        out = {"args": vars(args), "machine": machine(), "world_size": backend.size, "engine": backend.name, "results": summary, "samples": samples}
+        from pathlib import Path
+
+        path = save_json(out, Path(args.out).name, Path(args.out).parent)
+        png = bar_chart(Path(args.out).with_suffix(".png"), list(summary), {
+            "FactorComp": [r["factor_compute"] * 1e3 for r in summary.values()],
+            "FactorComm (non-overlapped)": [r["factor_comm_nonoverlap"] * 1e3 for r in summary.values()],
+        }, f"Fig. 10: factor stage per fusion policy ({args.model}, {backend.size} workers)", "ms per iteration")
+        print(f"wrote {path} and {png}")
+
+
+if __name__ == "__main__":
+    main()

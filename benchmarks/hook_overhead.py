@@ -1,0 +1,59 @@
+"""Cost of the optimizer's hooks on iterations that do not update factors (target: <= 5%).
+
+    .venv/bin/python -m benchmarks.hook_overhead --model resnet50
+
+Two identical copies of the model, one with SPDKFACOptimizer's hooks attached
+(on a step that is not a factor-update step, so the hooks only check and
+return) and one without; forward+backward timed alternately, same inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+
+from spdkfac import SPDKFACOptimizer
+from spdkfac.models import get_model
+
+from .common import machine, save_json, stats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--resolution", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    plain = get_model(args.model)
+    hooked = copy.deepcopy(plain)
+    opt = SPDKFACOptimizer(hooked, lr=0.1, backend="single", factor_update_freq=10**6, inv_update_freq=10**6)
+    opt.steps = 1  # not a factor-update step: hooks only check and return
+    x = torch.randn(args.batch_size, 3, args.resolution, args.resolution)
+    y = torch.randint(0, 1000, (args.batch_size,))
+    times = {"plain": [], "hooked": []}
+    for it in range(args.iters + 2):
+        for name, model in (("plain", plain), ("hooked", hooked)) if it % 2 else (("hooked", hooked), ("plain", plain)):
+            model.zero_grad()
+            t0 = time.perf_counter()
+            nn.functional.cross_entropy(model(x), y).backward()
+            if it >= 2:
+                times[name].append(time.perf_counter() - t0)
+    assert not opt.controller.arrival_order("A"), "hooks computed factors on a non-factor step"
+    p, h = stats(times["plain"]), stats(times["hooked"])
+    ratio = h["median"] / p["median"]
+    print(f"{args.model} @ {args.resolution}px batch {args.batch_size}: forward+backward plain {p['median']*1e3:.1f} ms, "
+          f"with hooks {h['median']*1e3:.1f} ms -> overhead {100 * (ratio - 1):+.1f}% (target <= +5%)")
+    print(f"wrote {save_json({'args': vars(args), 'machine': machine(), 'plain': p, 'hooked': h, 'ratio': ratio}, 'hook_overhead.json')}")
+
+
+if __name__ == "__main__":
+    main()
