@@ -5,10 +5,11 @@
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch.nn as nn
 
+from .imagenet import densenet201, inception_v4, resnet50, resnet152
 from .small import DigitsCNN, cifar_resnet20
 
 __all__ = ["MODELS", "get_model", "DigitsCNN", "cifar_resnet20"]
@@ -16,17 +17,22 @@ __all__ = ["MODELS", "get_model", "DigitsCNN", "cifar_resnet20"]
 MODELS: Dict[str, Callable[..., nn.Module]] = {
     "digits_cnn": DigitsCNN,
     "cifar_resnet20": cifar_resnet20,
+    "resnet50": resnet50,
+    "resnet152": resnet152,
+    "densenet201": densenet201,
+    "inception_v4": inception_v4,
 }
 
 
-def get_model(name: str, num_classes: int = 10) -> nn.Module:
-    """Instantiate a model by name (see :data:`MODELS`)."""
+def get_model(name: str, num_classes: Optional[int] = None) -> nn.Module:
+    """Instantiate a model by name (see :data:`MODELS`); ``num_classes`` None keeps the model's default."""
+    kwargs = {} if num_classes is None else {"num_classes": num_classes}
     if name.startswith("torchvision:"):
         try:
             import torchvision.models as tvm
         except Exception as exc:  # pragma: no cover - torchvision is optional
             raise ValueError(f"{name}: torchvision is not importable here ({exc})") from None
-        return getattr(tvm, name.split(":", 1)[1])(num_classes=num_classes)
+        return getattr(tvm, name.split(":", 1)[1])(**kwargs)
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)} or torchvision:<name>")
-    return MODELS[name](num_classes=num_classes)
+    return MODELS[name](**kwargs)

@@ -1,0 +1,174 @@
+"""Table III / Figs. 2, 9, 13: iteration time and its breakdown for SGD, D-KFAC, MPD-KFAC, SPD-KFAC and the ablations.
+
+    horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m benchmarks.iteration_time --model resnet50
+    ... --update-freq 10 100     # amortised setting: factors every 10, inverses every 100 iterations
+
+All variants run in one launch on the same model, data and workers, in
+interleaved rounds; warm-up iterations (profiling included) are excluded.
+Breakdown per iteration, from the optimizer's timeline:
+
+* FF&BP: forward + backward wall time minus the factor computation in hooks
+* GradComm / FactorComm / InverseComm: time ``step()`` was blocked on that
+  communication (non-overlapped part)
+* FactorComp: factor computation in the hooks; InverseComp: the inversion
+  stage minus its blocked broadcast time
+* Other: the rest of ``step()`` (unpacking, running averages, preconditioning, SGD)
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import time
+import warnings
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+
+from spdkfac import make_optimizer
+from spdkfac.comm import get_backend
+from spdkfac.models import get_model
+
+from .common import RESULTS, bar_chart, log, machine, save_json, stats
+
+VARIANTS = ["sgd", "dkfac", "mpdkfac", "spdkfac", "-pipe-lbp", "+pipe-lbp", "-pipe+lbp", "+pipe+lbp"]
+PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"]
+
+
+def _rss_mb() -> float:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    except ImportError:  # pragma: no cover
+        return float("nan")
+
+
+def run_variant(variant: str, args, backend, x, y) -> Dict[str, object]:
+    torch.manual_seed(0)
+    model = get_model(args.model)
+    if torch.cuda.is_available():
+        model.cuda()
+        torch.cuda.reset_peak_memory_stats()
+    kw = {}
+    if variant != "sgd":
+        kw = dict(perf_model=args.perf_model, factor_update_freq=args.update_freq[0], inv_update_freq=args.update_freq[1],
+                  kl_clip=None, profile_steps=3, timeline=True)
+    opt = make_optimizer(variant, model, lr=1e-4, momentum=0.9, backend=backend, **kw)
+    total, fwdbwd = [], []
+    for it in range(args.warmup + args.iters):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        t1 = time.perf_counter()
+        opt.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if it >= args.warmup:
+            total.append(t2 - t0)
+            fwdbwd.append(t1 - t0)
+    parts = dict.fromkeys(PARTS, 0.0)
+    it_mean = stats(total)["mean"]
+    recs = [r for r in (opt.timeline.iterations if opt.timeline else []) if r.step >= args.warmup]
+    n = len(total)
+    fc = sum(r.factor_compute for r in recs) / n
+    parts["FF&BP"] = stats(fwdbwd)["mean"] - fc
+    parts["FactorComp"] = fc
+    parts["FactorComm"] = sum(r.factor_wait for r in recs) / n
+    parts["InverseComm"] = sum(r.inverse_wait for r in recs) / n
+    parts["InverseComp"] = sum(r.inverse_stage - r.inverse_wait for r in recs) / n
+    parts["GradComm"] = sum(r.grad_wait for r in recs) / n if recs else None
+    if variant == "sgd" or parts["GradComm"] is None or len(recs) < n:
+        # No timeline on these steps: time the gradient wait directly is not possible, so fold it into Other.
+        parts["GradComm"] = parts["GradComm"] or 0.0
+    parts["Other"] = max(0.0, it_mean - sum(v for k, v in parts.items() if k != "Other"))
+    mem = {"rss_mb": _rss_mb(), "kfac_state_mb": sum(opt.memory_usage().values()) / 2**20 if variant != "sgd" else 0.0}
+    if torch.cuda.is_available():
+        mem["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    if hasattr(opt, "remove_hooks"):
+        opt.remove_hooks()
+    del opt, model
+    gc.collect()
+    return {"iteration": total, "parts": parts, "memory": mem}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--resolution", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=4, help="per worker")
+    ap.add_argument("--iters", type=int, default=4, help="measured iterations per variant per round")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--variants", nargs="*", default=VARIANTS)
+    ap.add_argument("--update-freq", type=int, nargs=2, default=[1, 1], metavar=("FACTOR", "INVERSE"))
+    ap.add_argument("--perf-model", default="perfmodels/reference-cpu-gloo-2.json")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/iteration_time[_amortised].json)")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    backend = get_backend("auto")
+    rank = backend.rank
+    suffix = "" if args.update_freq == [1, 1] else "_amortised"
+    out = Path(args.out or RESULTS / f"iteration_time{suffix}.json")
+    log(rank, f"iteration time: {args.model} @ {args.resolution}px, batch {args.batch_size}/worker, {backend.size} workers ({backend.name}), "
+              f"factors every {args.update_freq[0]}, inverses every {args.update_freq[1]} iterations")
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=g)
+    y = torch.randint(0, 10, (args.batch_size,), generator=g)
+    if torch.cuda.is_available():
+        x, y = x.cuda(), y.cuda()
+    results: Dict[str, Dict[str, object]] = {}
+    for rnd in range(args.rounds):
+        for v in args.variants:
+            r = run_variant(v, args, backend, x, y)
+            if v in results:
+                results[v]["iteration"] += r["iteration"]
+                for k in PARTS:
+                    results[v]["parts"][k] = (results[v]["parts"][k] * rnd + r["parts"][k]) / (rnd + 1)
+                results[v]["memory"] = r["memory"]
+            else:
+                results[v] = r
+            log(rank, f"  round {rnd + 1}/{args.rounds} {v:<10} {stats(r['iteration'])['mean']*1e3:9.1f} ms/iter")
+
+    # The slowest rank sets the pace: average the per-rank means (ranks are symmetric here).
+    table: List[Dict[str, object]] = []
+    for v, r in results.items():
+        vec = torch.tensor([stats(r["iteration"])["mean"], stats(r["iteration"])["stdev"]] + [r["parts"][k] for k in PARTS], dtype=torch.float64)
+        backend.allreduce_async(vec, f"bench.iter.{v}").wait()
+        mem = torch.tensor([r["memory"]["rss_mb"]], dtype=torch.float64)
+        backend.allreduce_async(mem, f"bench.mem.{v}").wait()
+        vals = vec.tolist()
+        table.append({"variant": v, "mean_s": vals[0], "stdev_s": vals[1], **{k: vals[2 + i] for i, k in enumerate(PARTS)},
+                      "rss_mb": mem.item(), "kfac_state_mb": r["memory"]["kfac_state_mb"]})
+    by = {row["variant"]: row for row in table}
+    ref = by.get("spdkfac") or by.get("+pipe+lbp")
+    for row in table:
+        row["SP1"] = by["dkfac"]["mean_s"] / row["mean_s"] if "dkfac" in by else None
+        row["SP2"] = by["mpdkfac"]["mean_s"] / row["mean_s"] if "mpdkfac" in by else None
+    if rank == 0:
+        head = f"{'variant':<10} {'iter (ms)':>15} " + " ".join(f"{p:>11}" for p in PARTS) + f" {'SP1':>6} {'SP2':>6} {'RSS MB':>7}"
+        print("\n" + head)
+        for row in table:
+            print(f"{row['variant']:<10} {row['mean_s']*1e3:8.1f} ±{row['stdev_s']*1e3:5.1f} "
+                  + " ".join(f"{row[p]*1e3:11.1f}" for p in PARTS)
+                  + f" {row['SP1'] or 0:6.2f} {row['SP2'] or 0:6.2f} {row['rss_mb']:7.0f}")
+        if ref and "sgd" in by:
+            print(f"SPD-KFAC / SGD iteration time: {ref['mean_s'] / by['sgd']['mean_s']:.2f}x")
+        path = save_json({"args": vars(args), "machine": machine(), "world_size": backend.size, "engine": backend.name,
+                          "table": table, "samples": {v: r["iteration"] for v, r in results.items()}}, out.name, out.parent)
+        with open(out.with_suffix(".csv"), "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(table[0]))
+            w.writeheader()
+            w.writerows(table)
+        png = bar_chart(out.with_suffix(".png"), [r["variant"] for r in table], {p: [r[p] * 1e3 for r in table] for p in PARTS},
+                        f"iteration breakdown ({args.model}, {backend.size} workers, updates every {args.update_freq})", "ms per iteration")
+        print(f"wrote {path}, {out.with_suffix('.csv')} and {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""ImageNet model zoo: parameter counts, K-FAC layer structure, small-input forward passes, stats script."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from spdkfac.layers import KFACLayer, make_extractor
+from spdkfac.models import MODELS, get_model
+from spdkfac.models.imagenet import InceptionV4
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+EXACT_PARAMS = {"resnet50": 25_557_032, "resnet152": 60_192_808, "densenet201": 20_013_928}
+INCEPTION_V4_PARAMS = 42.7e6
+# Small input side used for the forward-pass check of each model.
+SMALL_SIDE = {"resnet50": 64, "resnet152": 64, "densenet201": 64, "inception_v4": InceptionV4.MIN_INPUT}
+
+
+def _n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _kfac_layers(model: nn.Module):
+    return [KFACLayer(n, m, make_extractor(m)) for n, m in model.named_modules() if make_extractor(m) is not None]
+
+
+@pytest.mark.parametrize("name", sorted(EXACT_PARAMS))
+def test_exact_parameter_counts(name):
+    assert _n_params(get_model(name, num_classes=1000)) == EXACT_PARAMS[name]
+
+
+def test_inception_v4_parameter_count():
+    n = _n_params(get_model("inception_v4", num_classes=1000))
+    assert abs(n - INCEPTION_V4_PARAMS) <= 0.01 * INCEPTION_V4_PARAMS, n
+
+
+def test_resnet50_kfac_layers():
+    model = get_model("resnet50", num_classes=1000)
+    layers = _kfac_layers(model)
+    convs = [l for l in layers if isinstance(l.module, nn.Conv2d)]
+    fcs = [l for l in layers if isinstance(l.module, nn.Linear)]
+    assert (len(layers), len(convs), len(fcs)) == (54, 53, 1)
+    assert all(not l.has_bias for l in convs)
+    for l in convs:
+        kh, kw = l.module.kernel_size
+        assert l.a_dim == l.module.in_channels * kh * kw
+        assert l.g_dim == l.module.out_channels
+    assert (fcs[0].a_dim, fcs[0].g_dim) == (2049, 1000)
+    assert max(l.a_dim for l in layers) == 4608
+
+
+@pytest.mark.parametrize("name", sorted(SMALL_SIDE))
+def test_small_forward(name):
+    torch.manual_seed(0)
+    model = get_model(name, num_classes=7).eval()
+    side = SMALL_SIDE[name]
+    with torch.no_grad():
+        out = model(torch.randn(1, 3, side, side))
+    assert out.shape == (1, 7)
+    assert torch.isfinite(out).all()
+
+
+def test_inception_v4_minimum_input():
+    assert InceptionV4.MIN_INPUT == 75
+    model = get_model("inception_v4", num_classes=3).eval()
+    with torch.no_grad():
+        with pytest.raises(RuntimeError):
+            model(torch.randn(1, 3, 74, 74))
+
+
+def test_registered_and_unknown_name():
+    for name in ("resnet50", "resnet152", "densenet201", "inception_v4"):
+        assert name in MODELS
+    with pytest.raises(ValueError):
+        get_model("nope")
+
+
+def test_model_stats_script(tmp_path):
+    out = tmp_path / "stats"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.model_stats", "--models", "resnet50", "--out-dir", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "resnet50" in proc.stdout
+    stats = json.loads((out / "model_stats.json").read_text())["models"]["resnet50"]
+    assert stats["params"] == EXACT_PARAMS["resnet50"]
+    assert (stats["layers"], stats["num_a"], stats["num_g"], stats["max_dim"]) == (54, 54, 54, 4608)
+    assert round(stats["a_elems"] / 1e6, 1) == 62.3 and round(stats["g_elems"] / 1e6, 1) == 14.6
+    png = (out / "factor_sizes.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
