@@ -239,7 +239,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         return not self._planned
 
     def _begin_iteration(self) -> None:
-        self._record = self.timeline.begin(self.steps) if (self.timeline is not None and self._is_factor_step()) else None
+        self._record = self.timeline.begin(self.steps) if self.timeline is not None else None
         self._ready = {"A": [], "G": []}
         self._pass_t0 = {"A": None, "G": None}
         self._stash = []
@@ -348,8 +348,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 if p.grad is not None and p not in self._grad_handles:
                     # Gradient set outside autograd's accumulation (or hook not fired): average it now.
                     self._grad_handles[p] = self.backend.allreduce_async(p.grad, f"spdkfac.grad.{self._param_names.get(p, id(p))}")
+        t0 = Timeline.now() if self._record is not None else 0.0
         for handle in self._grad_handles.values():
             handle.wait()
+        if self._record is not None:
+            self._record.grad_wait += Timeline.now() - t0
 
     def _update_factors(self) -> None:
         if not self.pipelining:

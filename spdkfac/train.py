@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from .comm import CommBackend, get_backend
-from .data import Dataset, ShardedLoader, load_digits, synthetic
+from .data import ShardedLoader, load_digits, synthetic
 from .models import MODELS, get_model
 from .variants import make_optimizer
 
@@ -35,7 +35,10 @@ OPTIMIZERS = ("sgd", "spdkfac", "dkfac", "mpdkfac")
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="digits", help="'digits' (bundled with scikit-learn) or 'synthetic'")
+    p.add_argument("--data", default="digits",
+                   help="'digits' (bundled with scikit-learn), 'synthetic', or an ImageNet-style directory with train/ and val/")
+    p.add_argument("--image-size", type=int, default=224, help="crop size for directory data")
+    p.add_argument("--workers", type=int, default=2, help="data-loading processes per worker (directory data)")
     p.add_argument("--model", default=None, help=f"model name, one of {sorted(MODELS)} (default: per data set)")
     p.add_argument("--optimizer", default="spdkfac", choices=OPTIMIZERS)
     p.add_argument("--backend", default="auto", choices=("auto", "horovod", "torch", "single"))
@@ -61,6 +64,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--synthetic-shape", type=int, nargs="+", default=[3, 32, 32])
     p.add_argument("--out-dir", default="runs/latest", help="checkpoints and CSV log go here")
     p.add_argument("--resume", action="store_true", help="continue from <out-dir>/checkpoint.pt")
+    p.add_argument("--stop-after", type=int, default=None, help="leave after this many epochs of this run (resume later)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
     p.add_argument("--quiet", action="store_true", help="no per-iteration progress line")
@@ -77,18 +81,40 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset, str]:
+def _loaders(args: argparse.Namespace, rank: int, size: int):
+    """(train loader, test loader, number of classes, default model name) for ``--data``."""
     if args.data == "digits":
         train, test = load_digits(seed=args.seed)
-        return train, test, args.model or "digits_cnn"
-    if args.data == "synthetic":
+        model = "digits_cnn"
+    elif args.data == "synthetic":
         shape = tuple(args.synthetic_shape)
-        return (
-            synthetic(args.synthetic_size, shape, 10, seed=args.seed),
-            synthetic(max(args.synthetic_size // 4, 1), shape, 10, seed=args.seed + 1),
-            args.model or "cifar_resnet20",
-        )
-    raise SystemExit(f"error: unknown --data {args.data!r}: use 'digits' or 'synthetic'")
+        train = synthetic(args.synthetic_size, shape, 10, seed=args.seed)
+        test = synthetic(max(args.synthetic_size // 4, size), shape, 10, seed=args.seed + 1)
+        model = "cifar_resnet20"
+    else:
+        from .imagefolder import ImageFolder, ImageFolderError, make_loader
+
+        root = Path(args.data)
+        try:
+            if not root.is_dir():
+                raise ImageFolderError(f"--data {args.data!r} is neither 'digits', 'synthetic' nor an existing directory")
+            train_set = ImageFolder(root / "train", args.image_size, train=True)
+            val_set = ImageFolder(root / "val", args.image_size, train=False, classes=train_set.classes)
+        except ImageFolderError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        if len(train_set) < args.batch_size * size:
+            raise SystemExit(f"error: {root / 'train'} has {len(train_set)} images, fewer than one global batch ({args.batch_size * size})")
+        return (make_loader(train_set, args.batch_size, rank, size, True, args.workers, args.seed),
+                make_loader(val_set, args.batch_size, rank, size, False, args.workers), len(train_set.classes), "resnet50")
+    return (ShardedLoader(train, args.batch_size, rank, size, shuffle=True, seed=args.seed),
+            ShardedLoader(test, 256, rank, size, shuffle=False), train.num_classes, model)
+
+
+def _set_epoch(loader, epoch: int) -> None:
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+    elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
+        loader.sampler.set_epoch(epoch)
 
 
 def lr_at(args: argparse.Namespace, base_lr: float, epoch_float: float, workers: int = 1) -> float:
@@ -149,8 +175,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     if not is_root:
         warnings.filterwarnings("ignore")
 
-    train_set, test_set, model_name = _datasets(args)
-    model = get_model(model_name, num_classes=train_set.num_classes)
+    train_loader, test_loader, num_classes, default_model = _loaders(args, rank, size)
+    model_name = args.model or default_model
+    model = get_model(model_name, num_classes=num_classes)
     base_lr = args.lr * size
     kfac_kwargs = {}
     if args.optimizer != "sgd":
@@ -161,8 +188,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     optimizer = make_optimizer(
         args.optimizer, model, lr=base_lr, momentum=args.momentum, weight_decay=args.weight_decay, backend=backend, **kfac_kwargs
     )
-    train_loader = ShardedLoader(train_set, args.batch_size, rank, size, shuffle=True, seed=args.seed)
-    test_loader = ShardedLoader(test_set, 256, rank, size, shuffle=False)
 
     out_dir = Path(args.out_dir)
     ckpt_path = out_dir / "checkpoint.pt"
@@ -176,7 +201,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         start_epoch = int(ckpt["epoch"]) + 1
     if is_root:
         out_dir.mkdir(parents=True, exist_ok=True)
-        print(f"spdkfac.train: {args.optimizer} on {args.data} ({len(train_set)} train / {len(test_set)} test), "
+        print(f"spdkfac.train: {args.optimizer} on {args.data} ({len(train_loader)} batches/epoch/worker), "
               f"model {model_name}, {size} worker(s) via {backend.name}, batch {args.batch_size}/worker, lr {base_lr:g}")
         if args.optimizer != "sgd":
             print(f"  {len(optimizer.layers)} preconditioned layers, damping {args.damping:g}, kl_clip {args.kl_clip:g}; "
@@ -189,8 +214,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
 
     steps_per_epoch = len(train_loader)
     row: Dict[str, float] = {}
-    for epoch in range(start_epoch, args.epochs):
-        train_loader.set_epoch(epoch)
+    last_epoch = args.epochs if args.stop_after is None else min(args.epochs, start_epoch + args.stop_after)
+    for epoch in range(start_epoch, last_epoch):
+        _set_epoch(train_loader, epoch)
         model.train()
         t_epoch = time.perf_counter()
         loss_sum = correct = count = 0.0

@@ -109,3 +109,18 @@ def test_weight_sharing_is_an_error():
     with pytest.raises(RuntimeError, match="computed twice"):
         model(torch.randn(2, 4))
     assert opt.steps == 0
+
+
+def test_non_factor_steps_do_no_factor_work():
+    model = small_net()
+    opt = SPDKFACOptimizer(model, lr=0.05, factor_update_freq=3, inv_update_freq=3, backend="single")
+    x, y = batch(8)
+    for step in range(6):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        computed = opt.controller.arrival_order("A") + opt.controller.arrival_order("G")
+        assert (len(computed) == 2 * len(opt.layers)) == (step % 3 == 0), step
+        before = opt.layers[0].A.clone() if opt.layers[0].A is not None else None
+        opt.step()
+        if step % 3:
+            assert torch.equal(opt.layers[0].A, before)

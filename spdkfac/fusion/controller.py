@@ -167,19 +167,22 @@ class TensorFusionController:
             )
         results: Dict[FactorKey, torch.Tensor] = dict(self._local)
         rec = self.record
-        t_wait = Timeline.now() if rec is not None else 0.0
         for job in self._in_flight:
-            job.handle.wait()
             if rec is not None:
-                t = rec.rel(Timeline.now())
+                t_wait = Timeline.now()
+                job.handle.wait()
+                t = Timeline.now()
+                rec.factor_wait += t - t_wait
                 for key, _, _ in job.layout:
                     ev = rec.factors.get(f"{key[0]}:{key[1]}")
                     if ev is not None and ev.comm_end is None:
-                        ev.comm_end = t
+                        ev.comm_end = rec.rel(t)
+            else:
+                job.handle.wait()
             for key, dim, offset in job.layout:
                 results[key] = unpack_upper(job.buffer[offset : offset + triangle_size(dim)], dim)
-        if rec is not None:
-            rec.factor_wait += Timeline.now() - t_wait
+            if rec is not None:
+                rec.factor_unpack += Timeline.now() - t
         self._in_flight = []
         self._local = {}
         for g in self._groups:

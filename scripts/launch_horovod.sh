@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Launch spdkfac.train with Horovod.
+#   one node:     NP=4 bash scripts/launch_horovod.sh --data /data/imagenet --epochs 55
+#   several nodes: NP=16 HOSTFILE=hosts.txt bash scripts/launch_horovod.sh --data /data/imagenet
+# HOSTFILE lines look like "node1 slots=4". Set GLOO=0 to use MPI (Horovod built with MPI).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+NP="${NP:-2}"
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
+HVDRUN="${HOROVODRUN:-$ROOT/.venv/bin/horovodrun}"
+[[ -x "$HVDRUN" ]] || { echo "horovodrun not found at $HVDRUN; run scripts/setup.sh first" >&2; exit 1; }
+hosts=(-H "localhost:$NP")
+if [[ -n "${HOSTFILE:-}" ]]; then
+    [[ -f "$HOSTFILE" ]] || { echo "HOSTFILE $HOSTFILE does not exist" >&2; exit 1; }
+    hosts=(-hostfile "$HOSTFILE")
+fi
+engine=(--gloo)
+[[ "${GLOO:-1}" == "0" ]] && engine=(--mpi)
+cd "$ROOT"
+set -x
+exec "$HVDRUN" -np "$NP" "${hosts[@]}" "${engine[@]}" "$PY" -m spdkfac.train "$@"

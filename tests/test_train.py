@@ -1,0 +1,93 @@
+"""The training job: data errors, an ImageFolder run, exact --resume, and a 2-worker torchrun run."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from launch import ROOT, run_workers
+from spdkfac import train
+from spdkfac.imagefolder import ImageFolderError, scan_image_folder
+
+
+def _image_folder(root, classes=("cat", "dog"), per_class=8, size=12):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for ci, name in enumerate(classes):
+            d = root / split / name
+            d.mkdir(parents=True)
+            for i in range(per_class):
+                arr = (torch.rand(size, size, 3, generator=g) * 80 + 120 * ci).clamp(0, 255).to(torch.uint8)
+                Image.fromarray(arr.numpy()).save(d / f"{i}.png")
+    return root
+
+
+def test_image_folder_errors(tmp_path):
+    with pytest.raises(ImageFolderError, match="does not exist"):
+        scan_image_folder(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ImageFolderError, match="no class sub-directories"):
+        scan_image_folder(tmp_path / "empty")
+    (tmp_path / "noimg" / "a").mkdir(parents=True)
+    (tmp_path / "noimg" / "a" / "notes.txt").write_text("x")
+    with pytest.raises(ImageFolderError, match=r"no images .*\['a'\]"):
+        scan_image_folder(tmp_path / "noimg")
+    root = _image_folder(tmp_path / "data")
+    with pytest.raises(ImageFolderError, match="different classes"):
+        scan_image_folder(root / "val", classes=["cat", "cow"])
+
+
+def test_malformed_directory_exits_with_message(tmp_path, capsys):
+    root = _image_folder(tmp_path / "data")
+    (root / "train" / "cat" / "0.png").write_bytes(b"not a png")
+    with pytest.raises(ImageFolderError, match="cannot read image"):
+        from spdkfac.imagefolder import ImageFolder
+
+        ImageFolder(root / "train", 8)[0]
+    with pytest.raises(SystemExit, match="neither 'digits', 'synthetic' nor an existing directory"):
+        train.main(["--data", str(tmp_path / "nope"), "--backend", "single"])
+
+
+def test_image_folder_training_runs(tmp_path):
+    root = _image_folder(tmp_path / "data")
+    out = tmp_path / "run"
+    row = train.main(["--data", str(root), "--model", "cifar_resnet20", "--image-size", "8", "--batch-size", "4",
+                      "--epochs", "1", "--workers", "0", "--backend", "single", "--out-dir", str(out), "--quiet",
+                      "--optimizer", "spdkfac", "--damping", "0.03"])
+    assert 0.0 <= row["test_acc"] <= 1.0 and row["train_loss"] > 0
+    rows = list(csv.DictReader(open(out / "log.csv")))
+    assert len(rows) == 1 and (out / "checkpoint.pt").is_file()
+
+
+def test_resume_continues_exactly(tmp_path):
+    common = ["--data", "digits", "--backend", "single", "--quiet", "--batch-size", "64"]
+    full = train.main(common + ["--epochs", "2", "--out-dir", str(tmp_path / "full")])
+    # Interrupt after epoch 0 of a 2-epoch run: rerun with the checkpoint of epoch 0 and --resume.
+    part = tmp_path / "part"
+    train.main(common + ["--epochs", "2", "--out-dir", str(part)])
+    ref = torch.load(part / "checkpoint.pt")
+    first = train.main(common + ["--epochs", "2", "--out-dir", str(tmp_path / "ep0")] + ["--stop-after", "1"])
+    assert first["epoch"] == 0
+    resumed = train.main(common + ["--epochs", "2", "--out-dir", str(tmp_path / "ep0"), "--resume"])
+    assert resumed["epoch"] == 1
+    assert resumed["test_acc"] == full["test_acc"] and resumed["train_loss"] == full["train_loss"]
+    got = torch.load(tmp_path / "ep0" / "checkpoint.pt")
+    for k, v in ref["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    assert len(list(csv.DictReader(open(tmp_path / "ep0" / "log.csv")))) == 2
+
+
+def test_resume_without_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(SystemExit, match="does not exist"):
+        train.main(["--data", "digits", "--backend", "single", "--resume", "--out-dir", str(tmp_path / "none")])
+
+
+def test_two_worker_torchrun_training(tmp_path):
+    out = run_workers("torch", 2, ["-m", "spdkfac.train", "--backend", "torch", "--data", "digits", "--epochs", "1",
+                                   "--quiet", "--out-dir", str(tmp_path / "run")])
+    assert "2 worker(s) via torch" in out and "epoch   0" in out
+    rows = list(csv.DictReader(open(tmp_path / "run" / "log.csv")))
+    assert float(rows[0]["test_acc"]) > 0.5
