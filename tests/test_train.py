@@ -6,7 +6,7 @@ import csv
 import pytest
 import torch
 
-from launch import ROOT, run_workers
+from launch import run_workers
 from spdkfac import train
 from spdkfac.imagefolder import ImageFolderError, scan_image_folder
 
