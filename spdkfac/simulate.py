@@ -1,0 +1,275 @@
+"""Predict iteration time and its breakdown at any worker count (D-KFAC, MPD-KFAC, SPD-KFAC, ...).
+
+Two steps::
+
+    python -m spdkfac.simulate profile --model resnet50 --resolution 32 --batch-size 4 --out profile.json
+    python -m spdkfac.simulate predict --profile profile.json --perf-model perfmodels/x.json --workers 2 4 8 64
+
+``profile`` measures one process: forward and backward time, when each
+factor becomes ready and how long it took, gradient sizes, and the time of the
+rest of ``step()``. ``predict`` replays the same event model the optimizer plans
+with: factor groups from :func:`spdkfac.fusion.plan_groups` (launched when
+their last member is ready, or after backward without pipelining), gradient
+all-reduces launched as each layer's backward finishes, one communication
+engine serving launches in order with ``t(m) = alpha + beta*m``, then the
+inversion stage's makespan from :func:`spdkfac.placement.place`.
+
+Scaling to P workers: the fitted file holds costs at its own world size W.
+All-reduce costs are scaled by the ring factor ``(P-1)/P`` relative to W's
+(alpha by ``(P-1)/(W-1)``), broadcasts by ``ceil(log2 P)/ceil(log2 W)`` (a
+tree). ``--contention`` models machines where communication needs the same
+cores as computation (CPU workers with no spare core): nothing overlaps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from .fusion import plan_groups
+from .linalg import triangle_size
+from .perfmodels import PerfModel
+from .placement import place
+from .variants import VARIANTS
+
+__all__ = ["measure_profile", "predict", "ScaledModels"]
+
+PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"]
+
+
+# ----------------------------------------------------------------------------- profile
+def measure_profile(model_name: str, resolution: int, batch_size: int, iters: int = 4, threads: int = 1) -> Dict:
+    """Per-layer compute profile of one worker (single process, factors every iteration)."""
+    from . import SPDKFACOptimizer
+    from .models import get_model
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = get_model(model_name)
+    opt = SPDKFACOptimizer(model, lr=1e-4, backend="single", inv_update_freq=10**6, kl_clip=None, timeline=True, fusion="layerwise")
+    x = torch.randn(batch_size, 3, resolution, resolution)
+    y = torch.randint(0, 10, (batch_size,))
+    runs = []
+    for it in range(iters + 2):
+        opt.zero_grad()
+        t0 = time.perf_counter()
+        out = model(x)
+        t1 = time.perf_counter()
+        nn.functional.cross_entropy(out, y).backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        rec = opt.timeline.iterations[-1]
+        if it < 2:
+            continue  # warm-up (and the one inversion)
+        events = {}
+        for key, ev in rec.factors.items():
+            start = rec.t0 + ev.compute_start
+            end = rec.t0 + ev.compute_end
+            base = t0 if ev.kind == "A" else t1
+            events[key] = (end - base, end - start)
+        runs.append({"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2 - rec.inverse_stage, "events": events})
+    opt.remove_hooks()
+    sgd = SPDKFACOptimizer(model, lr=1e-4, backend="single", precondition=False)
+    sgd_steps = []
+    for it in range(iters + 1):
+        sgd.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        t0 = time.perf_counter()
+        sgd.step()
+        if it:
+            sgd_steps.append(time.perf_counter() - t0)
+    n = len(runs)
+    keys = list(runs[0]["events"])
+    factors = []
+    for key in keys:
+        kind, name = key.split(":", 1)
+        layer = opt._layer_by_name[name]
+        factors.append({
+            "kind": kind, "layer": name, "dim": layer.dim(kind),
+            "ready": sum(r["events"][key][0] for r in runs) / n,
+            "compute": sum(r["events"][key][1] for r in runs) / n,
+            "grad_numel": sum(p.numel() for p in layer.module.parameters() if p.requires_grad) if kind == "G" else 0,
+        })
+    covered = {id(p) for layer in opt.layers for p in layer.module.parameters()}
+    return {
+        "model": model_name, "resolution": resolution, "batch_size": batch_size, "threads": threads,
+        "forward": sum(r["forward"] for r in runs) / n,
+        "backward": sum(r["backward"] for r in runs) / n,
+        "step_other": sum(r["step"] for r in runs) / n,
+        "sgd_step": sum(sgd_steps) / len(sgd_steps),
+        "other_grad_numel": sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in covered),
+        "factors": factors,
+    }
+
+
+# ----------------------------------------------------------------------------- models at P
+@dataclass
+class ScaledModels:
+    """The fitted models extrapolated to ``workers`` (see the module docstring)."""
+
+    perf: PerfModel
+    workers: int
+
+    def _ring(self) -> tuple:
+        w = self.perf.world_size or 2
+        p = self.workers
+        if p == 1:
+            return 0.0, 0.0
+        a = (p - 1) / max(w - 1, 1)
+        b = ((p - 1) / p) / ((w - 1) / w) if w > 1 else 1.0
+        return a, b
+
+    def allreduce(self, elements: float) -> float:
+        a, b = self._ring()
+        return self.perf.allreduce.alpha * a + self.perf.allreduce.beta * b * elements
+
+    @property
+    def ar_alpha(self) -> float:
+        return self.perf.allreduce.alpha * self._ring()[0]
+
+    @property
+    def ar_beta(self) -> float:
+        return self.perf.allreduce.beta * self._ring()[1]
+
+    def broadcast(self, dim: int) -> float:
+        if self.workers == 1:
+            return 0.0
+        w = self.perf.world_size or 2
+        scale = math.ceil(math.log2(self.workers)) / max(math.ceil(math.log2(w)), 1)
+        return self.perf.broadcast(dim) * scale
+
+    def inverse(self, dim: int) -> float:
+        return self.perf.inverse(dim)
+
+
+# ----------------------------------------------------------------------------- predict
+def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contention: bool = False,
+            update_freq: tuple = (1, 1)) -> Dict[str, float]:
+    """Predicted seconds per iteration and its breakdown for ``variant`` on ``workers`` workers."""
+    m = ScaledModels(perf, workers)
+    cfg = VARIANTS[variant]
+    fwd, bwd = profile["forward"], profile["backward"]
+    facs = profile["factors"]
+    kfac = cfg.get("precondition", True)
+    f_freq, i_freq = update_freq
+    f_share = 1.0 / f_freq if kfac else 0.0
+    i_share = 1.0 / i_freq if kfac else 0.0
+    factor_compute = sum(f["compute"] for f in facs)
+
+    launches: List[tuple] = []  # (launch time, elements, kind) in one engine queue
+    g_facs = [f for f in facs if f["kind"] == "G"]
+    grad_numel_tail = profile["other_grad_numel"]
+    for f in g_facs:
+        launches.append((fwd + f["ready"], f["grad_numel"], "grad"))
+    launches.append((fwd + bwd, grad_numel_tail, "grad"))
+    factor_launches: List[tuple] = []
+    if kfac:
+        for kind, offset in (("A", 0.0), ("G", fwd)):
+            fs = [f for f in facs if f["kind"] == kind]
+            ready = [offset + f["ready"] for f in fs]
+            ready = [max(ready[: i + 1]) for i in range(len(ready))]
+            sizes = [triangle_size(f["dim"]) for f in fs]
+            if cfg["pipelining"]:
+                groups = plan_groups(cfg["fusion"], ready, sizes, m.ar_alpha, m.ar_beta)
+                factor_launches += [(ready[g[-1]], sum(sizes[i] for i in g), "factor") for g in groups]
+            else:
+                groups = plan_groups(cfg["fusion"], [0.0] * len(sizes), sizes, m.ar_alpha, m.ar_beta)
+                factor_launches += [(fwd + bwd, sum(sizes[i] for i in g), "factor") for g in groups]
+    compute_end = fwd + bwd
+    comm_time = {"grad": 0.0, "factor": 0.0}
+    if workers > 1:
+        free = 0.0
+        for t, elems, kind in sorted(launches + factor_launches, key=lambda x: (x[0], x[2] == "factor")):
+            dur = m.allreduce(elems) if elems else 0.0
+            comm_time[kind] += dur
+            free = max(free, t) + dur
+        done = compute_end + comm_time["grad"] + comm_time["factor"] if contention else max(compute_end, free)
+    else:
+        done = compute_end
+    blocked = done - compute_end
+    # Split the blocked time between gradients and factors by their share of communication.
+    total_comm = comm_time["grad"] + comm_time["factor"]
+    grad_blocked = blocked * comm_time["grad"] / total_comm if total_comm else 0.0
+    factor_blocked = blocked - grad_blocked
+
+    inverse_comp = inverse_comm = 0.0
+    if kfac:
+        dims = [((f["kind"], f["layer"]), f["dim"]) for f in facs]
+        plan = place(cfg["placement"], dims, workers, m.inverse, m.broadcast)
+        spans = plan.makespans()
+        critical = max(range(workers), key=lambda r: spans[r])
+        own = [a for a in plan.assignments if a.owner in (critical, -1)]
+        inverse_comp = sum(a.t_comp for a in own)
+        inverse_comm = spans[critical] - inverse_comp
+    parts = {
+        "FF&BP": fwd + bwd - factor_compute * f_share,
+        "GradComm": grad_blocked if workers > 1 else 0.0,
+        "FactorComp": factor_compute * f_share,
+        "FactorComm": factor_blocked * f_share,
+        "InverseComp": inverse_comp * i_share,
+        "InverseComm": inverse_comm * i_share,
+        "Other": profile["step_other"] if kfac else profile["sgd_step"],
+    }
+    if not kfac:
+        parts["FF&BP"] = fwd + bwd - factor_compute  # SGD has no hooks' work
+    return {"iteration": sum(parts.values()), **parts}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m spdkfac.simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("profile", help="measure a per-layer compute profile (single process)")
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--resolution", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--iters", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", required=True)
+    q = sub.add_parser("predict", help="predict iteration times from a profile and a performance model")
+    q.add_argument("--profile", required=True)
+    q.add_argument("--perf-model", required=True)
+    q.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
+    q.add_argument("--variants", nargs="*", default=["sgd", "dkfac", "mpdkfac", "spdkfac"])
+    q.add_argument("--contention", action="store_true", help="communication cannot overlap computation (CPU workers, no spare core)")
+    q.add_argument("--update-freq", type=int, nargs=2, default=[1, 1])
+    q.add_argument("--json", default=None, help="also write the predictions here")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    if args.cmd == "profile":
+        prof = measure_profile(args.model, args.resolution, args.batch_size, args.iters, args.threads)
+        with open(args.out, "w") as fh:
+            json.dump(prof, fh, indent=1)
+        print(f"profile of {args.model}: forward {prof['forward']*1e3:.1f} ms, backward {prof['backward']*1e3:.1f} ms, "
+              f"{len(prof['factors'])} factors; wrote {args.out}")
+        return 0
+    with open(args.profile) as fh:
+        prof = json.load(fh)
+    perf = PerfModel.load(args.perf_model)
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        print(f"error: unknown variants {unknown}; choose from {sorted(VARIANTS)}", file=sys.stderr)
+        return 2
+    out = {}
+    print(f"{'workers':>7} {'variant':<10} {'iter (ms)':>10} " + " ".join(f"{k:>11}" for k in PARTS))
+    for w in args.workers:
+        for v in args.variants:
+            r = predict(prof, perf, w, v, args.contention, tuple(args.update_freq))
+            out[f"{w}:{v}"] = r
+            print(f"{w:>7} {v:<10} {r['iteration']*1e3:10.1f} " + " ".join(f"{r[k]*1e3:11.1f}" for k in PARTS))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"profile": args.profile, "perf_model": args.perf_model, "contention": args.contention, "predictions": out}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
