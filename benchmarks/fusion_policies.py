@@ -44,7 +44,7 @@ def _comm_alone(opt: SPDKFACOptimizer, repeats: int) -> float:
     plan = opt.fusion_plan()
     groups: List[int] = []
     for kind in ("A", "G"):
-        kind_groups = plan[kind] or [[key] for key in opt.controller.arrival_order(kind)]
+        kind_groups = plan[kind] or [[(kind, layer.name)] for layer in opt.layers]  # None: layer-wise
         for g in kind_groups:
             groups.append(sum(triangle_size(opt._layer_by_name[name].dim(k)) for k, name in g))
     buffers = [torch.zeros(n) for n in groups]
@@ -105,7 +105,7 @@ def main() -> None:
                 samples[policy]["unpack"].append(rec.factor_unpack)
             samples[policy]["alone"].append(_comm_alone(opt, repeats=2) if policy != "sgd" else 0.0)
             plan = opt.fusion_plan()
-            plans[policy] = {k: (len(v) if v is not None else len(opt.controller.arrival_order(k))) for k, v in plan.items()}
+            plans[policy] = {k: (len(v) if v is not None else len(opt.layers)) for k, v in plan.items()}
             log(rank, f"  round {rnd + 1}/{args.rounds} {policy:<10} groups A/G {plans[policy]['A']}/{plans[policy]['G']}  "
                       f"compute {stats(samples[policy]['compute'])['median']*1e3:7.1f} ms  "
                       f"blocked {stats(samples[policy]['wait'])['median']*1e3:7.1f} ms  "

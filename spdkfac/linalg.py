@@ -19,6 +19,7 @@ __all__ = [
     "unpack_upper",
     "invert_spd",
     "cupy_available",
+    "all_finite",
 ]
 
 
@@ -41,14 +42,25 @@ def _flat_upper_indices(dim: int, device: torch.device) -> torch.Tensor:
     return idx
 
 
+# Above this dimension, copying contiguous row segments beats one gather with a
+# d(d+1)/2-long int64 index (measured on CPU: 3x faster at d=4608, slower below ~2000).
+_ROWWISE_MIN_DIM = 2048
+
+
 def pack_upper(matrix: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Copy the upper triangle of a square matrix into a flat vector (``out`` if given)."""
+    """Copy the upper triangle of a square matrix, row by row, into a flat vector (``out`` if given)."""
     dim = matrix.shape[0]
-    idx = _flat_upper_indices(dim, matrix.device)
-    flat = matrix.reshape(-1)
     if out is None:
-        return flat.index_select(0, idx)
-    torch.index_select(flat, 0, idx, out=out)
+        out = matrix.new_empty(triangle_size(dim))
+    if dim >= _ROWWISE_MIN_DIM:
+        offset = 0
+        for i in range(dim):
+            n = dim - i
+            out[offset : offset + n].copy_(matrix[i, i:])
+            offset += n
+        return out
+    idx = _flat_upper_indices(dim, matrix.device)
+    torch.index_select(matrix.reshape(-1), 0, idx, out=out)
     return out
 
 
@@ -59,15 +71,34 @@ def unpack_upper(packed: torch.Tensor, dim: int, out: torch.Tensor | None = None
             f"packed triangle has {packed.numel()} elements, expected {triangle_size(dim)} for dim={dim}"
         )
     if out is None:
-        out = packed.new_zeros(dim, dim)
-    else:
-        out.zero_()
+        out = packed.new_empty(dim, dim)
+    if dim >= _ROWWISE_MIN_DIM:
+        offset = 0
+        for i in range(dim):
+            n = dim - i
+            segment = packed[offset : offset + n]
+            out[i, i:].copy_(segment)
+            out[i:, i].copy_(segment)
+            offset += n
+        return out
+    out.zero_()
     idx = _flat_upper_indices(dim, packed.device)
     out.view(-1).index_copy_(0, idx, packed)
     # Mirror the strict upper triangle into the lower one.
-    lower = torch.tril(out.transpose(0, 1), diagonal=-1)
-    out.add_(lower)
+    out.add_(torch.tril(out.transpose(0, 1), diagonal=-1))
     return out
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """True when no element is NaN or infinite.
+
+    One reduction (the sum is non-finite whenever an element is); only when
+    the sum is non-finite is every element checked, so a sum that merely
+    overflows is not mistaken for a bad tensor.
+    """
+    if bool(torch.isfinite(tensor.sum())):
+        return True
+    return bool(torch.isfinite(tensor).all())
 
 
 @functools.lru_cache(maxsize=1)

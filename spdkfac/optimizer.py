@@ -32,7 +32,7 @@ from .comm import CommBackend, Handle, get_backend
 from .fusion import FUSION_POLICIES, TensorFusionController, plan_groups
 from .layers import FACTOR_KINDS, KFACLayer, make_extractor
 from .inversion import compute_inverses
-from .linalg import invert_spd, triangle_size
+from .linalg import all_finite, invert_spd, triangle_size
 from .perfmodels import PerfModel, load_perf_model
 from .placement import PLACEMENTS, PlacementPlan, place
 from .timeline import FactorEvent, IterationRecord, Timeline
@@ -370,7 +370,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         missing = sorted(expected - factors.keys())
         if missing:
             raise RuntimeError(f"no factor was computed for {missing} in this step; every preconditioned layer must run")
-        bad = [key for key, mat in factors.items() if not bool(torch.isfinite(mat).all())]
+        bad = [key for key, mat in factors.items() if not all_finite(mat)]
         if bad:
             raise NonFiniteFactorError(sorted(bad), self.steps)
         decay = self.param_groups[0]["factor_decay"]

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from spdkfac.linalg import invert_spd, pack_upper, triangle_size, unpack_upper
+from spdkfac.linalg import all_finite, invert_spd, pack_upper, triangle_size, unpack_upper
 
 
-@pytest.mark.parametrize("d", [1, 2, 5, 17])
+@pytest.mark.parametrize("d", [1, 2, 5, 17, 2048, 2050])  # both the gather and the row-wise paths
 def test_pack_unpack_roundtrip(d):
     m = torch.randn(d, d, dtype=torch.float64)
     sym = m + m.T
@@ -40,3 +40,22 @@ def test_invert_spd_matches_dense_inverse():
 def test_invert_spd_rank_deficient_needs_damping():
     f = torch.zeros(4, 4, dtype=torch.float64)
     torch.testing.assert_close(invert_spd(f, 2.0), torch.eye(4, dtype=torch.float64) / 2)
+
+
+def test_all_finite():
+    assert all_finite(torch.ones(3, 3))
+    assert all_finite(torch.full((4,), 3e38))  # the sum overflows, the elements are fine
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.ones(5)
+        t[2] = bad
+        assert not all_finite(t)
+
+
+def test_pack_row_path_matches_gather_path():
+    from spdkfac import linalg
+
+    m = torch.randn(2100, 2100)
+    m = m + m.T
+    rows = pack_upper(m)
+    idx = linalg._flat_upper_indices(2100, m.device)
+    assert torch.equal(rows, m.reshape(-1)[idx])
