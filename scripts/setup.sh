@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # spdkfac environment installer (idempotent; safe to re-run).
 #
-#   bash scripts/setup.sh [--check] [--rebuild-horovod]
+#   bash scripts/setup.sh [--check] [--rebuild-horovod] [--with-mpi]
 #
 # Steps:
 #   1. create/reuse the virtualenv <repo>/.venv and upgrade pip/setuptools/wheel
@@ -11,6 +11,9 @@
 #   4. `pip install -e` the project itself (when setup.py exists)
 #   5. verify `import horovod.torch`; with --check also run a 2-process
 #      horovodrun smoke test (scripts/check_horovod.py)
+#   opt-in (--with-mpi; runs after step 3, so this run's Horovod build stays Gloo-only):
+#      Open MPI via apt-get when `mpirun` is missing, and mpi4py into the venv,
+#      for `python -m spdkfac.perfmodels benchmark --engine mpi4py`
 #
 # Environment knobs:
 #   PYTHON              interpreter used to create the venv (default: python3)
@@ -33,6 +36,7 @@ RECIPE_REV="1"
 
 DO_CHECK=0
 FORCE_HOROVOD=0
+WITH_MPI=0
 
 log()  { printf '[setup] %s\n' "$*"; }
 warn() { printf '[setup] WARNING: %s\n' "$*" >&2; }
@@ -40,12 +44,16 @@ die()  { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 
 usage() {
     cat <<EOF
-Usage: bash scripts/setup.sh [--check] [--rebuild-horovod]
+Usage: bash scripts/setup.sh [--check] [--rebuild-horovod] [--with-mpi]
 
   --check            after installing, run a real 2-process horovodrun (gloo)
                      smoke test: scripts/check_horovod.py
   --rebuild-horovod  rebuild Horovod from source even if it already imports
                      (ignores and refreshes the cached wheel)
+  --with-mpi         also install Open MPI (apt-get install openmpi-bin
+                     libopenmpi-dev, only if mpirun is missing) and mpi4py
+                     (for the perfmodels benchmark's --engine mpi4py; the
+                     optimizer never needs them)
   -h, --help         show this help
 EOF
 }
@@ -54,6 +62,7 @@ for arg in "$@"; do
     case "$arg" in
         --check) DO_CHECK=1 ;;
         --rebuild-horovod) FORCE_HOROVOD=1 ;;
+        --with-mpi) WITH_MPI=1 ;;
         -h|--help) usage; exit 0 ;;
         *) usage >&2; die "unknown option: $arg" ;;
     esac
@@ -340,6 +349,25 @@ elif [[ "$hvd_state" == ok ]]; then
 else
     log "Horovod needs installing: $hvd_state"
     build_horovod
+fi
+
+# --------------------------------------------------------------------------
+# 3b. optional: Open MPI + mpi4py (--with-mpi)
+# --------------------------------------------------------------------------
+if (( WITH_MPI )); then
+    if command -v mpirun >/dev/null 2>&1; then
+        log "--with-mpi: mpirun found ($(command -v mpirun)); not installing Open MPI"
+    elif [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        log "--with-mpi: mpirun not found; running: apt-get update && apt-get install -y openmpi-bin libopenmpi-dev"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev
+        command -v mpirun >/dev/null 2>&1 || die "--with-mpi: mpirun still not on PATH after installing openmpi-bin"
+    else
+        die "--with-mpi: mpirun not found and apt-get cannot be used here (needs root and apt-get); install an MPI, e.g. 'apt-get install openmpi-bin libopenmpi-dev', and re-run"
+    fi
+    log "--with-mpi: installing mpi4py into the venv"
+    vpip install mpi4py
+    "$VPY" -c 'from mpi4py import MPI; print("[setup] mpi4py", __import__("mpi4py").__version__, "|", MPI.Get_library_version().splitlines()[0].strip())' \
+        || die "--with-mpi: 'from mpi4py import MPI' failed after installation"
 fi
 
 # --------------------------------------------------------------------------

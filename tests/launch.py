@@ -51,18 +51,32 @@ def launcher_command(engine: str, nproc: int, script: Sequence[str]) -> List[str
     raise ValueError(engine)
 
 
+TRANSIENT = ("Address already in use", "EADDRINUSE", "address already in use", "Connection refused", "rendezvous")
+
+
 def run_workers(engine: str, nproc: int, script: Sequence[str], timeout: int = TIMEOUT_S) -> str:
-    """Run and return the combined output; a crash or hang becomes a clear test failure."""
+    """Run and return the combined output; a crash or hang becomes a clear test failure.
+
+    A launch that fails at start-up for a transient reason (a port taken by
+    another job between choosing and binding it, a rendezvous that did not
+    form) is retried once with a new port; any other failure is reported
+    at once with the workers' output.
+    """
     if engine == "horovod":
         require_horovod()
-    cmd = launcher_command(engine, nproc, script)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        pytest.fail(f"{engine} run with {nproc} workers hung for {timeout}s: {' '.join(cmd)}\n{out[-4000:]}")
-    output = proc.stdout + proc.stderr
-    if proc.returncode != 0:
+    for attempt in (1, 2):
+        cmd = launcher_command(engine, nproc, script)
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired as exc:
+            out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            pytest.fail(f"{engine} run with {nproc} workers hung for {timeout}s: {' '.join(cmd)}\n{out[-4000:]}")
+        output = proc.stdout + proc.stderr
+        if proc.returncode == 0:
+            return output
+        if attempt == 1 and any(t in output for t in TRANSIENT) and "Traceback" not in proc.stdout:
+            print(f"transient launch failure, retrying once:\n{output[-2000:]}")
+            continue
         pytest.fail(f"{engine} run with {nproc} workers failed (exit {proc.returncode}): {' '.join(cmd)}\n{output[-6000:]}")
-    return output
+    raise AssertionError("unreachable")
