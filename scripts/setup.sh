@@ -154,13 +154,15 @@ PY
     export MAKEFLAGS="${MAKEFLAGS:--j$NPROC}"   # parallel make (an explicit MAKEFLAGS wins)
     variant="gloo"
 
-    if command -v mpicxx >/dev/null 2>&1; then
+    # MPI only on request, so that the default build is the same on every machine
+    # (and CI reuses one cached wheel whether or not an MPI happens to be installed).
+    if (( WITH_MPI )) && command -v mpicxx >/dev/null 2>&1; then
         export HOROVOD_WITH_MPI=1
         variant+="-mpi"
-        log "mpicxx found ($(command -v mpicxx)): building with MPI support"
+        log "--with-mpi and mpicxx found ($(command -v mpicxx)): building with MPI support"
     else
         export HOROVOD_WITHOUT_MPI=1
-        log "mpicxx not on PATH: building without MPI (Gloo only)"
+        log "building without MPI (Gloo only; --with-mpi on a machine with mpicxx adds MPI)"
     fi
 
     local use_cuda=0

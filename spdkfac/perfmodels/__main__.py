@@ -26,6 +26,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     b.add_argument("--device", default="auto")
     b.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     b.add_argument("--dims", type=int, nargs="*", help="inversion/broadcast dimensions to measure")
+    b.add_argument("--model", default=None, help="also measure every factor dimension of this spdkfac.models network")
     b.add_argument("--sizes", type=int, nargs="*", help="all-reduce message sizes (elements)")
     b.add_argument("--threads", type=int, default=None, help="torch intra-op threads per worker")
     b.add_argument("--plot", default=None, help="also write this PNG")
@@ -47,8 +48,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.repeats < 1 or args.warmup < 0:
             ap.error("--repeats must be >= 1 and --warmup >= 0")
         engine = Mpi4pyEngine() if args.engine == "mpi4py" else get_backend(args.engine)
+        model_dims = None
+        if args.model:
+            from ..layers import KFACLayer, make_extractor
+            from ..models import get_model
+
+            net = get_model(args.model)
+            model_dims = sorted({KFACLayer(n, m, make_extractor(m)).dim(k) for n, m in net.named_modules()
+                                 if make_extractor(m) is not None for k in ("A", "G")})
+            del net
         cfg = BenchmarkConfig(quick=args.quick, repeats=args.repeats, warmup=args.warmup, device=args.device,
-                              dtype=args.dtype, inverse_dims=args.dims, message_sizes=args.sizes)
+                              dtype=args.dtype, inverse_dims=args.dims, message_sizes=args.sizes,
+                              model_dims=model_dims, model_name=args.model)
         if engine.rank == 0:
             print(f"benchmarking {engine.name} x{engine.size}: {len(cfg.sizes())} all-reduce sizes, "
                   f"{len(cfg.dims())} dimensions, {cfg.repeats} repeats after {cfg.warmup} warm-up runs", file=sys.stderr)

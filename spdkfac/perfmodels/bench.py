@@ -25,7 +25,7 @@ import torch
 
 from ..comm import CommBackend, get_backend
 from ..linalg import invert_spd, triangle_size
-from .models import AllReduceModel, BroadcastModel, PerfModel, fit_inverse_model, fit_linear, r_squared
+from .models import AllReduceModel, BroadcastModel, InverseModel, PerfModel, fit_inverse_model, fit_linear, r_squared
 
 __all__ = ["BenchmarkConfig", "run_benchmark", "Mpi4pyEngine"]
 
@@ -43,11 +43,14 @@ class BenchmarkConfig:
     device: str = "auto"
     dtype: str = "float32"
     inverse_dims: Optional[List[int]] = None
+    model_dims: Optional[List[int]] = None  # a network's factor dimensions, measured in addition
+    model_name: Optional[str] = None
     message_sizes: Optional[List[int]] = None
     damping: float = 1e-3
 
     def dims(self) -> List[int]:
-        return self.inverse_dims or (QUICK_DIMS if self.quick else FULL_DIMS)
+        base = self.inverse_dims or (QUICK_DIMS if self.quick else FULL_DIMS)
+        return sorted(set(base) | set(self.model_dims or []))
 
     def sizes(self) -> List[int]:
         return self.message_sizes or (QUICK_SIZES if self.quick else FULL_SIZES)
@@ -87,14 +90,14 @@ class Mpi4pyEngine(CommBackend):
             raise TypeError(f"--engine mpi4py supports {', '.join(str(t) for t in self._types)}; got {tensor.dtype}")
         return tensor.detach().contiguous().numpy()
 
-    def allreduce_async(self, tensor: torch.Tensor, name: str) -> "_MpiHandle":
+    def allreduce_async(self, tensor: torch.Tensor, name: str) -> _MpiHandle:
         if not tensor.is_floating_point():
             raise TypeError(f"all-reduce averages, so it needs a floating-point tensor, got {tensor.dtype}")
         array = self._buffer(tensor)
         req = self._comm.Iallreduce(self._mpi.IN_PLACE, [array, self._types[tensor.dtype]], op=self._mpi.SUM)
         return _MpiHandle(req, tensor, array, self.size)
 
-    def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> "_MpiHandle":
+    def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> _MpiHandle:
         array = self._buffer(tensor)
         return _MpiHandle(self._comm.Ibcast([array, self._types[tensor.dtype]], root=root), tensor, array, 1)
 
@@ -237,13 +240,16 @@ def run_benchmark(cfg: BenchmarkConfig, engine: Optional[CommBackend] = None) ->
         a_bc, b_bc = fit_linear(tri, bc_times)
         ar_model, bc_model = AllReduceModel(a_ar, b_ar), BroadcastModel(a_bc, b_bc)
         quality["allreduce"] = {"r2": r_squared(ar_times, [ar_model(m) for m in sizes]), "max_rel_error": _max_rel(ar_times, [ar_model(m) for m in sizes])}
-        quality["broadcast"] = {"r2": r_squared(bc_times, [bc_model(d) for d in dims]), "max_rel_error": _max_rel(bc_times, [bc_model(d) for d in dims])}
+        quality["broadcast"] = {"r2": r_squared(bc_times, [bc_model.fitted(d) for d in dims]), "max_rel_error": _max_rel(bc_times, [bc_model.fitted(d) for d in dims])}
     else:
         ar_model, bc_model = PerfModel.default().allreduce, PerfModel.default().broadcast
         quality["note"] = "single worker: communication models are the built-in defaults (nothing to measure)"
     inv_model, inv_quality = fit_inverse_model(dims, inv_times)
+    inv_model = InverseModel(inv_model.kind, inv_model.params, dict(zip(dims, inv_times)))
+    if engine.size > 1:
+        bc_model = BroadcastModel(bc_model.alpha, bc_model.beta, dict(zip(dims, bc_times)))
     quality["inverse"] = inv_quality
-    quality["inverse"]["max_rel_error"] = _max_rel(inv_times, [inv_model(d) for d in dims])
+    quality["inverse"]["max_rel_error"] = _max_rel(inv_times, [inv_model.fitted(d) for d in dims])
 
     meta = {
         "engine": engine.name,
@@ -259,6 +265,7 @@ def run_benchmark(cfg: BenchmarkConfig, engine: Optional[CommBackend] = None) ->
         "repeats": cfg.repeats,
         "warmup": cfg.warmup,
         "quick": cfg.quick,
+        "model_dims_from": cfg.model_name,
     }
     measurements = {
         "allreduce": {"elements": sizes, "seconds": ar_times, "mean_seconds": means["allreduce"]} if ar_times else {},

@@ -65,19 +65,36 @@ class AllReduceModel:
         return self.alpha + self.beta * elements
 
 
+def _check_measured(name: str, measured: Optional[Dict[int, float]]) -> Dict[int, float]:
+    out: Dict[int, float] = {}
+    for d, t in (measured or {}).items():
+        out[int(d)] = _positive_finite(f"{name}.measured[{d}]", t)
+    return out
+
+
 @dataclass(frozen=True)
 class BroadcastModel:
-    """``t(d) = alpha + beta * d(d+1)/2``: broadcasting the upper triangle of a ``d x d`` inverse."""
+    """``t(d) = alpha + beta * d(d+1)/2``: broadcasting the upper triangle of a ``d x d`` inverse.
+
+    ``measured`` maps dimensions measured by the benchmark to their times;
+    those are returned as they are, the fitted line serves every other ``d``.
+    """
 
     alpha: float
     beta: float
+    measured: Optional[Dict[int, float]] = None
 
     def __post_init__(self) -> None:
         _positive_finite("broadcast.alpha", self.alpha)
         _positive_finite("broadcast.beta", self.beta)
+        object.__setattr__(self, "measured", _check_measured("broadcast", self.measured))
+
+    def fitted(self, dim: float) -> float:
+        return self.alpha + self.beta * dim * (dim + 1) / 2
 
     def __call__(self, dim: float) -> float:
-        return self.alpha + self.beta * dim * (dim + 1) / 2
+        hit = self.measured.get(int(dim)) if self.measured and dim == int(dim) else None
+        return hit if hit is not None else self.fitted(dim)
 
 
 @dataclass(frozen=True)
@@ -86,12 +103,18 @@ class InverseModel:
 
     ``kind='exp'``: ``alpha * exp(beta * d)`` (Eq. 26); ``kind='cubic'``:
     ``sum(coeffs[k] * d^k)``, clamped below at the smallest measured time.
+    ``measured`` maps measured dimensions to their times, returned as they
+    are: CPU LAPACK timings jump between neighbouring sizes (blocking), which
+    no smooth curve follows, so a model benchmarked at a network's own factor
+    dimensions (``benchmark --model``) predicts that network exactly.
     """
 
     kind: str
     params: Dict[str, Any]
+    measured: Optional[Dict[int, float]] = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "measured", _check_measured("inverse", self.measured))
         if self.kind == "exp":
             _positive_finite("inverse.alpha", self.params.get("alpha"))
             _positive_finite("inverse.beta", self.params.get("beta"))
@@ -106,6 +129,11 @@ class InverseModel:
             raise PerfModelError(f"inverse.kind must be 'exp' or 'cubic', got {self.kind!r}")
 
     def __call__(self, dim: float) -> float:
+        hit = self.measured.get(int(dim)) if self.measured and dim == int(dim) else None
+        return hit if hit is not None else self.fitted(dim)
+
+    def fitted(self, dim: float) -> float:
+        """The smooth model alone (no measured table)."""
         if self.kind == "exp":
             return self.params["alpha"] * math.exp(self.params["beta"] * dim)
         c = self.params["coeffs"]
@@ -147,8 +175,10 @@ class PerfModel:
         return {
             "format_version": FORMAT_VERSION,
             "allreduce": {"alpha": self.allreduce.alpha, "beta": self.allreduce.beta, "unit": "seconds, elements"},
-            "broadcast": {"alpha": self.broadcast.alpha, "beta": self.broadcast.beta, "unit": "seconds, d(d+1)/2 elements"},
-            "inverse": {"kind": self.inverse.kind, **self.inverse.params, "unit": "seconds, dimension d"},
+            "broadcast": {"alpha": self.broadcast.alpha, "beta": self.broadcast.beta, "unit": "seconds, d(d+1)/2 elements",
+                          "measured": {str(k): v for k, v in sorted(self.broadcast.measured.items())}},
+            "inverse": {"kind": self.inverse.kind, **self.inverse.params, "unit": "seconds, dimension d",
+                        "measured": {str(k): v for k, v in sorted(self.inverse.measured.items())}},
             "meta": self.meta,
             "fit_quality": self.fit_quality,
             "measurements": self.measurements,
@@ -166,14 +196,15 @@ class PerfModel:
             raise PerfModelError(f"{source}: missing field(s) {missing}")
         try:
             ar = AllReduceModel(data["allreduce"]["alpha"], data["allreduce"]["beta"])
-            bc = BroadcastModel(data["broadcast"]["alpha"], data["broadcast"]["beta"])
+            bc = BroadcastModel(data["broadcast"]["alpha"], data["broadcast"]["beta"], data["broadcast"].get("measured"))
             inv_d = dict(data["inverse"])
             kind = inv_d.pop("kind", "exp")
             inv_d.pop("unit", None)
-            inv = InverseModel(kind, inv_d)
+            measured = inv_d.pop("measured", None)
+            inv = InverseModel(kind, inv_d, measured)
         except PerfModelError as exc:
             raise PerfModelError(f"{source}: {exc}") from None
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise PerfModelError(f"{source}: missing or malformed field {exc}") from None
         return cls(
             allreduce=ar,

@@ -39,7 +39,7 @@ def plot_perf_model(model: PerfModel, out: Union[str, Path]) -> Path:
     bc = meas.get("broadcast") or {}
     if bc:
         ax.plot(bc["dims"], np.array(bc["seconds"]) * 1e3, "o", label="measured")
-        ax.plot(grid_d, [model.broadcast(d) * 1e3 for d in grid_d], "-", label=f"α={model.broadcast.alpha:.2e}s, β={model.broadcast.beta:.2e}s/elem")
+        ax.plot(grid_d, [model.broadcast.fitted(d) * 1e3 for d in grid_d], "-", label=f"α={model.broadcast.alpha:.2e}s, β={model.broadcast.beta:.2e}s/elem")
     ax.set(title="broadcast of d(d+1)/2 elements (Eq. 27)", xlabel="dimension d", ylabel="time (ms)")
     ax.legend(fontsize=8)
 
@@ -54,7 +54,7 @@ def plot_perf_model(model: PerfModel, out: Union[str, Path]) -> Path:
             cub = InverseModel("cubic", {"coeffs": q["cubic"]["coeffs"], "floor": float(min(inv["seconds"]) * 0.5)})
             ax.semilogy(grid_d, [cub(d) * 1e3 for d in grid_d], ":", label=f"cubic fit, mean rel err {q['cubic']['mean_rel_error']:.0%}")
         if bc:
-            ax.semilogy(grid_d, [model.broadcast(d) * 1e3 for d in grid_d], "-", alpha=0.6, label="broadcast model (Fig. 11)")
+            ax.semilogy(grid_d, [model.broadcast.fitted(d) * 1e3 for d in grid_d], "-", alpha=0.6, label="broadcast model (Fig. 11)")
         ax.set_title(f"inversion (chosen: {model.inverse.kind})")
     ax.set(xlabel="dimension d", ylabel="time (ms)")
     ax.legend(fontsize=8)

@@ -1,0 +1,122 @@
+"""``python -m spdkfac.perfmodels`` as real processes: one worker, horovodrun, torchrun and mpirun (mpi4py)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from launch import ROOT, run_workers
+from spdkfac.perfmodels import PerfModel
+
+TIMEOUT_S = 180
+# Tiny points: the tests check the plumbing (launch, measure, fit, write), not the numbers.
+TINY = ["--quick", "--repeats", "3", "--warmup", "1", "--threads", "1", "--sizes", "256", "4096", "16384", "--dims", "16", "32", "64"]
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def _cli(*args: str, timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run ``python -m spdkfac.perfmodels ARGS`` in one process."""
+    return subprocess.run([sys.executable, "-m", "spdkfac.perfmodels", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _check_two_workers(path, engine: str) -> PerfModel:
+    model = PerfModel.load(path)
+    assert model.meta["world_size"] == 2 and model.meta["engine"] == engine, model.meta
+    for kind in (model.allreduce, model.broadcast):
+        assert kind.alpha > 0 and kind.beta > 0
+    ar, bc = model.measurements["allreduce"], model.measurements["broadcast"]
+    assert ar["elements"] == [256, 4096, 16384] and bc["dims"] == [16, 32, 64]
+    assert all(t > 0 for t in ar["seconds"] + bc["seconds"] + model.measurements["inverse"]["seconds"])
+    return model
+
+
+def test_single_process_benchmark_show_plot(tmp_path):
+    out = tmp_path / "m.json"
+    proc = _cli("benchmark", "--engine", "single", "--quick", "--repeats", "3", "--warmup", "1",
+                "--dims", "32", "64", "96", "128", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"wrote {out}" in proc.stdout
+    model = PerfModel.load(out)
+    assert model.measurements["inverse"]["dims"] == [32, 64, 96, 128]
+    assert len(model.measurements["inverse"]["seconds"]) == 4
+    assert model.meta["world_size"] == 1 and model.meta["engine"] == "single"
+    assert "note" in model.fit_quality  # single worker: default communication models
+
+    shown = _cli("show", str(out))
+    assert shown.returncode == 0, shown.stderr
+    for needle in ("all-reduce  t(m) =", "broadcast   t(d) =", "inverse     t(d) =", '"world_size": 1', f"{model.allreduce.alpha:.3e}"):
+        assert needle in shown.stdout, shown.stdout
+
+    png = tmp_path / "m.png"
+    plotted = _cli("plot", str(out), "--out", str(png))
+    assert plotted.returncode == 0, plotted.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (lambda d: d.pop("broadcast"), "missing field(s) ['broadcast']"),
+        (lambda d: d["allreduce"].update(alpha=-1.0), "allreduce.alpha must be positive"),
+        (None, "not valid JSON"),
+    ],
+)
+def test_show_rejects_malformed_file(tmp_path, content, message):
+    bad = tmp_path / "bad.json"
+    if content is None:
+        bad.write_text("{not json")
+    else:
+        data = PerfModel.default().to_dict()
+        content(data)
+        bad.write_text(json.dumps(data))
+    proc = _cli("show", str(bad))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "error:" in proc.stderr and message in proc.stderr and str(bad) in proc.stderr, proc.stderr
+
+
+def test_benchmark_under_horovodrun(tmp_path):
+    out = tmp_path / "hvd.json"
+    run_workers("horovod", 2, ["-m", "spdkfac.perfmodels", "benchmark", *TINY, "--out", str(out)], timeout=TIMEOUT_S)
+    _check_two_workers(out, "horovod")
+
+
+def test_benchmark_under_torchrun(tmp_path):
+    out = tmp_path / "torch.json"
+    run_workers("torch", 2, ["-m", "spdkfac.perfmodels", "benchmark", "--engine", "torch", *TINY, "--out", str(out)], timeout=TIMEOUT_S)
+    _check_two_workers(out, "torch")
+
+
+def _mpirun() -> str:
+    """The ``mpirun`` to use, or skip (CI installs neither MPI nor mpi4py: see scripts/setup.sh --with-mpi)."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun not on PATH (install Open MPI, e.g. bash scripts/setup.sh --with-mpi)")
+    if importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("mpi4py not installed in this Python (bash scripts/setup.sh --with-mpi)")
+    return mpirun
+
+
+def test_benchmark_under_mpirun_mpi4py(tmp_path):
+    mpirun = _mpirun()
+    version = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
+    # Open MPI refuses root without --allow-run-as-root, and counts slots strictly; -x exports the environment.
+    extra = ["--allow-run-as-root", "--oversubscribe", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS"] if "Open MPI" in version else []
+    out, png = tmp_path / "mpi.json", tmp_path / "mpi.png"
+    cmd = [mpirun, *extra, "-np", "2", sys.executable, "-m", "spdkfac.perfmodels", "benchmark", "--engine", "mpi4py",
+           *TINY, "--out", str(out), "--plot", str(png)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"mpirun hung for {TIMEOUT_S}s: {' '.join(cmd)}")
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-6000:]}"
+    _check_two_workers(out, "mpi4py")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
