@@ -96,7 +96,7 @@ def main() -> None:
         for d in sorted({d for _, d in dims})[:: max(1, len({d for _, d in dims}) // 8)]:
             buf = torch.zeros(triangle_size(d))
             reps = []
-            for r in range(4):
+            for r in range(21):
                 backend.barrier()
                 t0 = time.perf_counter()
                 backend.broadcast_async(buf, 0, f"bench.bc.{d}.{r}").wait()
@@ -125,6 +125,8 @@ def main() -> None:
         "inverse_model_mean_rel_error": float(np.mean(inv_err)),
         "inverse_model_max_rel_error_d>=512": float(max([e for (d, e) in zip(single, inv_err) if d >= 512], default=0.0)),
         "broadcast_model_mean_rel_error": float(np.mean(bc_err)) if bc_err else None,
+        "broadcast_errors": {d: abs(model.broadcast(d) - t) / t for d, t in bcast.items()},
+        "inverse_errors": {d: abs(model.inverse(d) - t) / t for d, t in single.items()},
     }
     if rank == 0:
         print(f"\n{'placement':<22} {'measured':>9} {'predicted':>10} {'local':>6}")

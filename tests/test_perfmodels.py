@@ -85,3 +85,18 @@ def test_world_size_mismatch_warns():
 def test_default_warns():
     with pytest.warns(UserWarning, match="uncalibrated default"):
         load_perf_model(None)
+
+
+def test_measured_dimensions_take_precedence(tmp_path):
+    data = _valid()
+    data["inverse"] = {"kind": "cubic", "coeffs": [1e-5, 0, 0, 1e-11], "floor": 1e-5, "measured": {"2304": 0.25}}
+    data["broadcast"]["measured"] = {"64": 0.002}
+    path = tmp_path / "m.json"
+    PerfModel.from_dict(data).save(path)
+    model = PerfModel.load(path)
+    assert model.inverse(2304) == 0.25 and model.inverse.fitted(2304) == pytest.approx(1e-5 + 1e-11 * 2304**3)
+    assert model.inverse(2048) == model.inverse.fitted(2048)
+    assert model.broadcast(64) == 0.002 and model.broadcast(65) == model.broadcast.fitted(65)
+    data["inverse"]["measured"] = {"100": -1.0}
+    with pytest.raises(PerfModelError, match=r"inverse.measured\[100\] must be positive"):
+        PerfModel.from_dict(data)
