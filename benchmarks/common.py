@@ -1,16 +1,43 @@
 """Shared helpers of the benchmark programs: engine, output folder, summary statistics."""
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def workload_parser(doc: str, iters: int, out_name: str | None = None, model: str = "resnet50") -> argparse.ArgumentParser:
+    """The options every benchmark shares: model, input size, per-worker batch, iterations, cost model, threads."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=model)
+    ap.add_argument("--resolution", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=4, help="per worker")
+    ap.add_argument("--iters", type=int, default=iters, help="measured iterations (per configuration and round)")
+    ap.add_argument("--perf-model", default="perfmodels/reference-cpu-gloo-2.json")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
+    if out_name is not None:
+        ap.add_argument("--out", default=str(RESULTS / out_name))
+    return ap
+
+
+def start(args: argparse.Namespace, distributed: bool = True):
+    """Apply ``--threads``, silence warnings, and return the communication engine (or None)."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    if not distributed:
+        return None
+    from spdkfac.comm import get_backend
+
+    return get_backend("auto")
 
 
 def machine() -> Dict[str, Any]:

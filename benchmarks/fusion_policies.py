@@ -21,22 +21,19 @@ machine drift hits all of them alike. Per policy it reports, per iteration:
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import time
-import warnings
 from typing import Dict, List
 
 import torch
 import torch.nn as nn
 
 from spdkfac import SPDKFACOptimizer
-from spdkfac.comm import get_backend
 from spdkfac.fusion import FUSION_POLICIES
 from spdkfac.linalg import triangle_size
 from spdkfac.models import get_model
 
-from .common import RESULTS, bar_chart, log, machine, save_json, stats
+from .common import bar_chart, log, machine, save_json, start, stats, workload_parser
 
 
 def _comm_alone(opt: SPDKFACOptimizer, repeats: int) -> float:
@@ -62,20 +59,11 @@ def _comm_alone(opt: SPDKFACOptimizer, repeats: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="resnet50")
-    ap.add_argument("--resolution", type=int, default=32)
-    ap.add_argument("--batch-size", type=int, default=4, help="per worker")
-    ap.add_argument("--iters", type=int, default=6, help="measured iterations per policy per round")
+    ap = workload_parser(__doc__, iters=6, out_name="fusion_policies.json")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--policies", nargs="*", default=list(FUSION_POLICIES))
-    ap.add_argument("--perf-model", default="perfmodels/reference-cpu-gloo-2.json")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(RESULTS / "fusion_policies.json"))
     args = ap.parse_args()
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(args.threads)
-    backend = get_backend("auto")
+    backend = start(args)
     rank = backend.rank
     log(rank, f"fusion policies on {args.model} @ {args.resolution}px, batch {args.batch_size}/worker, {backend.size} workers ({backend.name})")
 

@@ -8,10 +8,8 @@ return) and one without; forward+backward timed alternately, same inputs.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import time
-import warnings
 
 import torch
 import torch.nn as nn
@@ -19,19 +17,14 @@ import torch.nn as nn
 from spdkfac import SPDKFACOptimizer
 from spdkfac.models import get_model
 
-from .common import machine, save_json, stats
+from .common import machine, save_json, start, stats, workload_parser
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="resnet50")
-    ap.add_argument("--resolution", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=1)
+    ap = workload_parser(__doc__, iters=20)
+    ap.set_defaults(resolution=64, batch_size=8)
     args = ap.parse_args()
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(args.threads)
+    start(args, distributed=False)
     torch.manual_seed(0)
     plain = get_model(args.model)
     hooked = copy.deepcopy(plain)

@@ -12,16 +12,14 @@ inversion and broadcast times.
 """
 from __future__ import annotations
 
-import argparse
 import time
-import warnings
 from pathlib import Path
 from typing import Dict, List
 
 import numpy as np
 import torch
 
-from spdkfac.comm import CommBackend, get_backend
+from spdkfac.comm import CommBackend
 from spdkfac.inversion import compute_inverses
 from spdkfac.layers import FACTOR_KINDS, KFACLayer, make_extractor
 from spdkfac.linalg import invert_spd, triangle_size
@@ -29,7 +27,7 @@ from spdkfac.models import get_model
 from spdkfac.perfmodels import PerfModel
 from spdkfac.placement import PLACEMENTS, place
 
-from .common import RESULTS, bar_chart, log, machine, save_json, stats
+from .common import bar_chart, log, machine, save_json, start, stats, workload_parser
 
 LABELS = {"local": "Non-Dist (D-KFAC)", "seq": "Seq-Dist (MPD-KFAC)", "lbp": "LBP (SPD-KFAC)"}
 
@@ -62,17 +60,11 @@ def gather(backend: CommBackend, value: float) -> List[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="resnet50")
+    ap = workload_parser(__doc__, iters=1, out_name="inverse_placement.json")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--damping", type=float, default=0.003)
-    ap.add_argument("--perf-model", default="perfmodels/reference-cpu-gloo-2.json")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(RESULTS / "inverse_placement.json"))
     args = ap.parse_args()
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(args.threads)
-    backend = get_backend("auto")
+    backend = start(args)
     rank, size = backend.rank, backend.size
     model = PerfModel.load(args.perf_model)
     dims = factor_dims(args.model)

@@ -16,11 +16,9 @@ Breakdown per iteration, from the optimizer's timeline:
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import gc
 import time
-import warnings
 from pathlib import Path
 from typing import Dict, List
 
@@ -28,10 +26,9 @@ import torch
 import torch.nn as nn
 
 from spdkfac import make_optimizer
-from spdkfac.comm import get_backend
 from spdkfac.models import get_model
 
-from .common import RESULTS, bar_chart, log, machine, save_json, stats
+from .common import RESULTS, bar_chart, log, machine, save_json, start, stats, workload_parser
 
 VARIANTS = ["sgd", "dkfac", "mpdkfac", "spdkfac", "-pipe-lbp", "+pipe-lbp", "-pipe+lbp", "+pipe+lbp"]
 PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"]
@@ -96,22 +93,14 @@ def run_variant(variant: str, args, backend, x, y) -> Dict[str, object]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="resnet50")
-    ap.add_argument("--resolution", type=int, default=32)
-    ap.add_argument("--batch-size", type=int, default=4, help="per worker")
-    ap.add_argument("--iters", type=int, default=4, help="measured iterations per variant per round")
+    ap = workload_parser(__doc__, iters=4)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--variants", nargs="*", default=VARIANTS)
     ap.add_argument("--update-freq", type=int, nargs=2, default=[1, 1], metavar=("FACTOR", "INVERSE"))
-    ap.add_argument("--perf-model", default="perfmodels/reference-cpu-gloo-2.json")
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/iteration_time[_amortised].json)")
     args = ap.parse_args()
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(args.threads)
-    backend = get_backend("auto")
+    backend = start(args)
     rank = backend.rank
     suffix = "" if args.update_freq == [1, 1] else "_amortised"
     out = Path(args.out or RESULTS / f"iteration_time{suffix}.json")

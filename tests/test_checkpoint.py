@@ -17,15 +17,20 @@ def _steps(model, opt, x, y, start, stop):
         opt.step()
 
 
-def test_resume_is_bitwise_identical():
+def _uninterrupted_and_first_half():
+    """(9-step model, its optimizer, 5-step model, its optimizer, data): step 5 falls between factor and inverse updates."""
     x, y = batch(8)
     model = small_net()
     opt = SPDKFACOptimizer(model, **KW)
     _steps(model, opt, x, y, 0, 9)
-
     first = small_net()
     opt1 = SPDKFACOptimizer(first, **KW)
-    _steps(first, opt1, x, y, 0, 5)  # stop between factor and inverse updates
+    _steps(first, opt1, x, y, 0, 5)
+    return model, opt, first, opt1, x, y
+
+
+def test_resume_is_bitwise_identical():
+    model, opt, first, opt1, x, y = _uninterrupted_and_first_half()
     buf = io.BytesIO()
     torch.save({"model": first.state_dict(), "opt": opt1.state_dict()}, buf)
     buf.seek(0)
@@ -45,14 +50,8 @@ def test_resume_is_bitwise_identical():
 
 
 def test_resume_without_kfac_state_would_differ():
-    """Guard: losing the factors on resume changes the trajectory (so the test above can fail)."""
-    x, y = batch(8)
-    model = small_net()
-    opt = SPDKFACOptimizer(model, **KW)
-    _steps(model, opt, x, y, 0, 9)
-    first = small_net()
-    opt1 = SPDKFACOptimizer(first, **KW)
-    _steps(first, opt1, x, y, 0, 5)
+    """Guard: corrupting the factors on resume changes the trajectory (so the test above can fail)."""
+    model, opt, first, opt1, x, y = _uninterrupted_and_first_half()
     sd = opt1.state_dict()
     for entry in sd["kfac"]["layers"].values():
         entry["A"] = entry["A"] * 2
