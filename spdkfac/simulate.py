@@ -77,6 +77,14 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
             base = t0 if ev.kind == "A" else t1
             events[key] = (end - base, end - start)
         runs.append({"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2 - rec.inverse_stage, "events": events})
+    # Packing factors into all-reduce buffers and unpacking them only happens with > 1 worker.
+    from .linalg import pack_upper, unpack_upper
+
+    t0 = time.perf_counter()
+    for layer in opt.layers:
+        for kind in ("A", "G"):
+            unpack_upper(pack_upper(layer.factor(kind)), layer.dim(kind))
+    pack_unpack = time.perf_counter() - t0
     opt.remove_hooks()
     sgd = SPDKFACOptimizer(model, lr=1e-4, backend="single", precondition=False)
     sgd_steps = []
@@ -106,6 +114,7 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
         "backward": sum(r["backward"] for r in runs) / n,
         "step_other": sum(r["step"] for r in runs) / n,
         "sgd_step": sum(sgd_steps) / len(sgd_steps),
+        "pack_unpack": pack_unpack,
         "other_grad_numel": sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in covered),
         "factors": factors,
     }
@@ -219,6 +228,8 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
         "InverseComm": inverse_comm * i_share,
         "Other": profile["step_other"] if kfac else profile["sgd_step"],
     }
+    if kfac and workers > 1:
+        parts["Other"] += profile.get("pack_unpack", 0.0) * f_share
     if not kfac:
         parts["FF&BP"] = fwd + bwd - factor_compute  # SGD has no hooks' work
     return {"iteration": sum(parts.values()), **parts}

@@ -1,0 +1,50 @@
+"""How far the scale simulator's predictions are from measured iteration times.
+
+    python -m spdkfac.simulate profile --model resnet50 --out benchmarks/results/profile_resnet50.json
+    python -m benchmarks.simulator_check benchmarks/results/iteration_time.json [more iteration_time JSONs]
+
+For every variant in each measured ``iteration_time`` result, predicts the
+iteration time at that result's worker count with
+:func:`spdkfac.simulate.predict` (``--contention`` for CPU workers without a
+spare core, the default here) and prints the relative error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from spdkfac.perfmodels import PerfModel
+from spdkfac.simulate import predict
+
+from .common import RESULTS, save_json
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("measured", nargs="+", type=Path)
+    ap.add_argument("--profile", type=Path, default=RESULTS / "profile_resnet50.json")
+    ap.add_argument("--perf-model", default="perfmodels/reference-cpu-gloo-2.json")
+    ap.add_argument("--no-contention", action="store_true", help="assume communication overlaps computation (GPU clusters)")
+    args = ap.parse_args()
+    profile = json.loads(args.profile.read_text())
+    perf = PerfModel.load(args.perf_model)
+    rows = []
+    print(f"{'workers':>7} {'variant':<10} {'updates':>8} {'measured':>10} {'predicted':>10} {'error':>7}")
+    for path in args.measured:
+        data = json.loads(path.read_text())
+        workers = data["world_size"]
+        freq = tuple(data["args"]["update_freq"])
+        for row in data["table"]:
+            pred = predict(profile, perf, workers, row["variant"], contention=not args.no_contention, update_freq=freq)
+            err = (pred["iteration"] - row["mean_s"]) / row["mean_s"]
+            rows.append({"workers": workers, "variant": row["variant"], "update_freq": freq, "measured_s": row["mean_s"],
+                         "predicted_s": pred["iteration"], "rel_error": err, "predicted_parts": pred})
+            print(f"{workers:>7} {row['variant']:<10} {freq[0]:>3}/{freq[1]:<4} {row['mean_s']*1e3:9.1f}m {pred['iteration']*1e3:9.1f}m {err:+7.1%}")
+    worst = max(abs(r["rel_error"]) for r in rows)
+    print(f"largest error {worst:.1%}")
+    print(f"wrote {save_json({'rows': rows, 'largest_abs_error': worst, 'contention': not args.no_contention}, 'simulator_check.json')}")
+
+
+if __name__ == "__main__":
+    main()
