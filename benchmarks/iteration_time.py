@@ -53,7 +53,7 @@ def run_variant(variant: str, args, backend, x, y) -> Dict[str, object]:
     if torch.cuda.is_available():
         model.cuda()
         torch.cuda.reset_peak_memory_stats()
-    kw = {}
+    kw = {"timeline": True}  # SGD too, so its gradient wait is measured the same way
     if variant != "sgd":
         kw = dict(perf_model=args.perf_model, factor_update_freq=args.update_freq[0], inv_update_freq=args.update_freq[1],
                   kl_clip=None, profile_steps=3, timeline=True)

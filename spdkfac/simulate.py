@@ -5,7 +5,8 @@ Two steps::
     python -m spdkfac.simulate profile --model resnet50 --resolution 32 --batch-size 4 --out profile.json
     python -m spdkfac.simulate predict --profile profile.json --perf-model perfmodels/x.json --workers 2 4 8 64
 
-``profile`` measures one process: forward and backward time, when each
+``profile`` measures one worker (launch it with the job's launcher so that all
+workers profile at once and share the machine as in training): forward and backward time, when each
 factor becomes ready and how long it took, gradient sizes, and the time of the
 rest of ``step()``. ``predict`` replays the same event model the optimizer plans
 with: factor groups from :func:`spdkfac.fusion.plan_groups` (launched when
@@ -212,7 +213,10 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
 
     inverse_comp = inverse_comm = 0.0
     if kfac:
-        dims = [((f["kind"], f["layer"]), f["dim"]) for f in facs]
+        # The optimizer's order (A then G of each layer, layers in model order), which Eq. 22's round-robin follows.
+        by_key = {(f["kind"], f["layer"]): f["dim"] for f in facs}
+        layers = [f["layer"] for f in facs if f["kind"] == "A"]
+        dims = [((kind, name), by_key[(kind, name)]) for name in layers for kind in ("A", "G")]
         plan = place(cfg["placement"], dims, workers, m.inverse, m.broadcast)
         spans = plan.makespans()
         critical = max(range(workers), key=lambda r: spans[r])
@@ -256,7 +260,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     if args.cmd == "profile":
+        # Under a launcher, every worker profiles at once (no communication), so the profile sees
+        # the same sharing of cores and memory bandwidth as a real run; rank 0 writes it.
+        import os
+
+        rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "0")))
         prof = measure_profile(args.model, args.resolution, args.batch_size, args.iters, args.threads)
+        prof["concurrent_workers"] = int(os.environ.get("HOROVOD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        if rank != 0:
+            return 0
         with open(args.out, "w") as fh:
             json.dump(prof, fh, indent=1)
         print(f"profile of {args.model}: forward {prof['forward']*1e3:.1f} ms, backward {prof['backward']*1e3:.1f} ms, "
