@@ -59,12 +59,6 @@ class PlacementPlan:
         """Rank that inverts ``key``, or :data:`ALL`."""
         return self._by_key[key].owner
 
-    def tasks_for(self, rank: int) -> List[Assignment]:
-        """Factors ``rank`` inverts: its own, largest first, then the local ones."""
-        own = [a for a in self.assignments if a.owner == rank]
-        local = [a for a in self.assignments if a.owner == ALL]
-        return own + local
-
     def broadcast_order(self) -> List[Assignment]:
         """The order in which every rank issues the broadcasts of owned factors.
 

@@ -124,3 +124,20 @@ def test_non_factor_steps_do_no_factor_work():
         opt.step()
         if step % 3:
             assert torch.equal(opt.layers[0].A, before)
+
+
+def test_timeline_export_and_summary():
+    import json
+
+    model = small_net()
+    opt = SPDKFACOptimizer(model, lr=0.05, backend="single", timeline=True, factor_update_freq=2, inv_update_freq=2)
+    x, y = batch(8)
+    for _ in range(4):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    records = json.loads(opt.timeline.to_json())
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert len(records[0]["factors"]) == 2 * len(opt.layers) and records[1]["factors"] == {}
+    summary = opt.timeline.summary()
+    assert summary["iterations"] == 4 and summary["factor_compute"] > 0 and summary["inverse_stage"] > 0
