@@ -21,6 +21,7 @@ Per step, on every worker:
 """
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -302,13 +303,16 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
         return hook
 
+    def _start_grad_allreduce(self, p: torch.Tensor) -> None:
+        self._grad_handles[p] = self.backend.allreduce_async(p.grad, f"spdkfac.grad.{self._param_names.get(p, id(p))}")
+
     def _grad_hook(self, p: torch.Tensor) -> None:
         if p in self._grad_handles:
             raise RuntimeError(
                 f"parameter {self._param_names.get(p, '?')!r} received a second gradient before step(); "
                 "SPDKFACOptimizer averages gradients once per backward pass (no gradient accumulation)"
             )
-        self._grad_handles[p] = self.backend.allreduce_async(p.grad, f"spdkfac.grad.{self._param_names.get(p, id(p))}")
+        self._start_grad_allreduce(p)
 
     # ----------------------------------------------------------------------- step
     @torch.no_grad()
@@ -347,7 +351,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None and p not in self._grad_handles:
                     # Gradient set outside autograd's accumulation (or hook not fired): average it now.
-                    self._grad_handles[p] = self.backend.allreduce_async(p.grad, f"spdkfac.grad.{self._param_names.get(p, id(p))}")
+                    self._start_grad_allreduce(p)
         t0 = Timeline.now() if self._record is not None else 0.0
         for handle in self._grad_handles.values():
             handle.wait()
@@ -398,7 +402,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             else:
                 ready = [0.0] * len(order)  # launched together after backward: no pipeline to exploit
             ready = self._agree_on_profile(kind, order, ready)
-            ready = [max(ready[: i + 1]) for i in range(len(ready))]  # non-decreasing
+            ready = list(itertools.accumulate(ready, max))  # non-decreasing
             sizes = [triangle_size(self._layer_by_name[name].dim(k)) for k, name in order]
             groups = plan_groups(
                 self.fusion,
@@ -407,7 +411,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 self.perf_model.allreduce.alpha,
                 self.perf_model.allreduce.beta,
                 self.fusion_threshold_bytes,
-                element_size=4,
+                element_size=self.layers[0].module.weight.element_size(),
             )
             plans[kind] = [[order[i] for i in g] for g in groups]
         for kind, groups in plans.items():

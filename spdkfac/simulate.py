@@ -24,6 +24,7 @@ cores as computation (CPU workers with no spare core): nothing overlaps.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -186,7 +187,7 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
         for kind, offset in (("A", 0.0), ("G", fwd)):
             fs = [f for f in facs if f["kind"] == kind]
             ready = [offset + f["ready"] for f in fs]
-            ready = [max(ready[: i + 1]) for i in range(len(ready))]
+            ready = list(itertools.accumulate(ready, max))
             sizes = [triangle_size(f["dim"]) for f in fs]
             if cfg["pipelining"]:
                 groups = plan_groups(cfg["fusion"], ready, sizes, m.ar_alpha, m.ar_beta)
