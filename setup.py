@@ -18,7 +18,7 @@ setup(
         "horovod": ["horovod==0.28.1", "cloudpickle", "psutil", "pyyaml", "packaging"],
         "gpu": ["cupy-cuda12x"],
         "mpi": ["mpi4py"],
-        "dev": ["pytest", "scikit-learn", "matplotlib"],
+        "dev": ["pytest", "ruff", "scikit-learn", "matplotlib", "pillow"],
         "examples": ["scikit-learn", "matplotlib"],
     },
     entry_points={"console_scripts": ["spdkfac-train=spdkfac.train:main"]},
