@@ -21,7 +21,7 @@ import torch
 
 from spdkfac.comm import CommBackend
 from spdkfac.inversion import compute_inverses
-from spdkfac.layers import FACTOR_KINDS, KFACLayer, make_extractor
+from spdkfac.layers import factor_list, kfac_layers
 from spdkfac.linalg import invert_spd, triangle_size
 from spdkfac.models import get_model
 from spdkfac.perfmodels import PerfModel
@@ -30,18 +30,6 @@ from spdkfac.placement import PLACEMENTS, place
 from .common import bar_chart, log, machine, save_json, start, stats, workload_parser
 
 LABELS = {"local": "Non-Dist (D-KFAC)", "seq": "Seq-Dist (MPD-KFAC)", "lbp": "LBP (SPD-KFAC)"}
-
-
-def factor_dims(model_name: str) -> List[tuple]:
-    """``[((kind, layer), dim)]`` of every preconditioned layer, in model order."""
-    model = get_model(model_name)
-    out = []
-    for name, module in model.named_modules():
-        ext = make_extractor(module)
-        if ext is not None and module.weight.requires_grad:
-            layer = KFACLayer(name, module, ext)
-            out += [((kind, name), layer.dim(kind)) for kind in FACTOR_KINDS]
-    return out
 
 
 def spd(dim: int, seed: int) -> torch.Tensor:
@@ -67,7 +55,7 @@ def main() -> None:
     backend = start(args)
     rank, size = backend.rank, backend.size
     model = PerfModel.load(args.perf_model)
-    dims = factor_dims(args.model)
+    dims = factor_list(kfac_layers(get_model(args.model)))
     factors = {key: spd(d, i) for i, (key, d) in enumerate(dims)}
     log(rank, f"inversion stage of {args.model}: {len(dims)} factors (largest {max(d for _, d in dims)}), {size} workers ({backend.name})")
 

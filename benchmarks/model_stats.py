@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 import torch.nn as nn
 
-from spdkfac.layers import KFACLayer, make_extractor
+from spdkfac.layers import KFACLayer, kfac_layers
 from spdkfac.models import get_model
 
 DEFAULT_MODELS = ["resnet50", "resnet152", "densenet201", "inception_v4"]
@@ -53,11 +53,7 @@ def _matches(ours: float, paper: float) -> bool:
 def model_stats(name: str, num_classes: int = 1000) -> Dict[str, object]:
     """Table II numbers and the per-factor dimensions of one registered model."""
     model: nn.Module = get_model(name, num_classes=num_classes)
-    layers: List[KFACLayer] = []
-    for lname, module in model.named_modules():
-        extractor = make_extractor(module)
-        if extractor is not None:
-            layers.append(KFACLayer(lname, module, extractor))
+    layers: List[KFACLayer] = kfac_layers(model)
     a_dims = [layer.a_dim for layer in layers]
     g_dims = [layer.g_dim for layer in layers]
     stats: Dict[str, object] = {

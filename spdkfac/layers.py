@@ -24,13 +24,13 @@ the local batch, which is PyTorch's default reduction.
 from __future__ import annotations
 
 import abc
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["KFACLayer", "RowExtractor", "make_extractor", "FACTOR_KINDS"]
+__all__ = ["KFACLayer", "RowExtractor", "make_extractor", "kfac_layers", "factor_list", "FACTOR_KINDS"]
 
 FACTOR_KINDS = ("A", "G")
 
@@ -234,3 +234,21 @@ class KFACLayer:
         else:
             w_part = grad
         weight.grad.copy_(w_part.reshape(weight.shape))
+
+
+def kfac_layers(model: nn.Module) -> List[KFACLayer]:
+    """A :class:`KFACLayer` for every supported layer with a trainable weight, in module order."""
+    layers: List[KFACLayer] = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or not weight.requires_grad:
+            continue
+        extractor = make_extractor(module)
+        if extractor is not None:
+            layers.append(KFACLayer(name or type(module).__name__, module, extractor))
+    return layers
+
+
+def factor_list(layers: List[KFACLayer]) -> List[Tuple[Tuple[str, str], int]]:
+    """``[((kind, layer name), dim)]``: A then G of each layer, the order placements follow (Eq. 22)."""
+    return [((kind, layer.name), layer.dim(kind)) for layer in layers for kind in FACTOR_KINDS]

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from .comm import CommBackend, Handle, get_backend
 from .fusion import FUSION_POLICIES, TensorFusionController, plan_groups
-from .layers import FACTOR_KINDS, KFACLayer, make_extractor
+from .layers import FACTOR_KINDS, KFACLayer, factor_list, kfac_layers
 from .inversion import compute_inverses
 from .linalg import all_finite, invert_spd, triangle_size
 from .perfmodels import PerfModel, load_perf_model
@@ -180,14 +180,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.steps = 0
 
         self.precondition = precondition
-        self.layers: List[KFACLayer] = []
-        for name, module in (model.named_modules() if precondition else ()):
-            weight = getattr(module, "weight", None)
-            if weight is None or not weight.requires_grad:
-                continue
-            extractor = make_extractor(module)
-            if extractor is not None:
-                self.layers.append(KFACLayer(name or type(module).__name__, module, extractor))
+        self.layers: List[KFACLayer] = kfac_layers(model) if precondition else []
         if precondition and not self.layers:
             raise ValueError(
                 "model has no layer SPDKFACOptimizer can precondition (nn.Linear or nn.Conv2d with groups=1 "
@@ -211,7 +204,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
         self.placement_plan: PlacementPlan = place(
             placement,
-            [((kind, layer.name), layer.dim(kind)) for layer in self.layers for kind in FACTOR_KINDS],
+            factor_list(self.layers),
             self.backend.size,
             self.perf_model.inverse,
             self.perf_model.broadcast,

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from spdkfac.layers import KFACLayer, make_extractor
+from spdkfac.layers import kfac_layers
 from spdkfac.models import MODELS, get_model
 from spdkfac.models.imagenet import InceptionV4
 
@@ -25,7 +25,7 @@ def _n_params(model: nn.Module) -> int:
 
 
 def _kfac_layers(model: nn.Module):
-    return [KFACLayer(n, m, make_extractor(m)) for n, m in model.named_modules() if make_extractor(m) is not None]
+    return kfac_layers(model)
 
 
 @pytest.mark.parametrize("name", sorted(EXACT_PARAMS))

@@ -50,13 +50,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         engine = Mpi4pyEngine() if args.engine == "mpi4py" else get_backend(args.engine)
         model_dims = None
         if args.model:
-            from ..layers import KFACLayer, make_extractor
+            from ..layers import factor_list, kfac_layers
             from ..models import get_model
 
-            net = get_model(args.model)
-            model_dims = sorted({KFACLayer(n, m, make_extractor(m)).dim(k) for n, m in net.named_modules()
-                                 if make_extractor(m) is not None for k in ("A", "G")})
-            del net
+            model_dims = sorted({dim for _, dim in factor_list(kfac_layers(get_model(args.model)))})
         cfg = BenchmarkConfig(quick=args.quick, repeats=args.repeats, warmup=args.warmup, device=args.device,
                               dtype=args.dtype, inverse_dims=args.dims, message_sizes=args.sizes,
                               model_dims=model_dims, model_name=args.model)
