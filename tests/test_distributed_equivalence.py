@@ -33,7 +33,10 @@ PLACEMENT_CONFIGS = {
     for pm in ("default", "expensive-inverse")
 }
 FREQ_CONFIGS = {
-    "timeline": dict(BASE, fusion="optimal", placement="lbp", perf_model="big-alpha", timeline=True),"freq-2-4": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="optimal", placement="lbp", perf_model="expensive-inverse")}
+    "timeline": dict(BASE, fusion="optimal", placement="lbp", perf_model="big-alpha", timeline=True),
+    "freq-2-4": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="optimal", placement="lbp",
+                     perf_model="expensive-inverse"),
+}
 
 
 def _reference(global_batch: int, configs: dict, tmp_path) -> dict:

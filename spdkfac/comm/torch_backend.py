@@ -1,7 +1,10 @@
 """torch.distributed engine: gloo on CPU, NCCL on GPU, launched with ``torchrun``."""
 from __future__ import annotations
 
+import atexit
+import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -32,12 +35,44 @@ class _TorchHandle:
         return self._work is None or bool(self._work.is_completed())
 
 
+_EXIT_BARRIER_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def _shut_down_process_group() -> None:
+    """Tear down the process group this module created, once every rank is done with it.
+
+    Left to interpreter shutdown, a gloo process group can be destroyed while
+    its worker threads are still joinable, and the process then aborts
+    ("terminate called without an active exception") after all its work is
+    done. So at exit each rank first waits for the others (a rank that exits
+    early must not close its sockets under a peer still communicating), then
+    destroys the group. After an uncaught exception the barrier is skipped:
+    the peers may be blocked in a different collective, and the launcher stops
+    them anyway.
+    """
+    if not dist.is_initialized():
+        return
+    failed = getattr(sys, "last_value", None) is not None
+    try:
+        if not failed and dist.get_world_size() > 1:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=_EXIT_BARRIER_TIMEOUT)
+            else:
+                dist.barrier()
+    except Exception as exc:  # a peer died or is stuck: still release our resources
+        print(f"[spdkfac] exit barrier failed on rank {dist.get_rank()}: {exc}", file=sys.stderr)
+    finally:
+        dist.destroy_process_group()
+
+
 class TorchDistributedBackend(CommBackend):
     """Collectives through the default ``torch.distributed`` process group.
 
     If no process group exists yet, one is created from the ``env://``
     variables ``torchrun`` sets, with NCCL when CUDA is available and gloo
-    otherwise (override with ``SPDKFAC_DIST_BACKEND``).
+    otherwise (override with ``SPDKFAC_DIST_BACKEND``), and destroyed
+    cleanly at interpreter exit after all ranks arrive; a group the caller
+    created stays the caller's to destroy.
     """
 
     name = "torch"
@@ -48,6 +83,7 @@ class TorchDistributedBackend(CommBackend):
         if not dist.is_initialized():
             engine = os.environ.get("SPDKFAC_DIST_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
             dist.init_process_group(backend=engine)
+            atexit.register(_shut_down_process_group)
 
     @property
     def rank(self) -> int:
