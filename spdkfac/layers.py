@@ -164,18 +164,26 @@ class KFACLayer:
         return self.a_dim if kind == "A" else self.g_dim
 
     # -- factor computation (called from hooks) ---------------------------------
+    @property
+    def factor_dtype(self) -> torch.dtype:
+        """The weight's dtype, but at least float32: inverses need it, and half precision overflows."""
+        dtype = self.module.weight.dtype
+        return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
     def compute_a(self, x: torch.Tensor) -> torch.Tensor:
         """Batch factor ``A`` from the layer input (mean over rows)."""
-        rows = self.rows.input_rows(x.detach())
-        if self.has_bias:
-            rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
-        return (rows.t() @ rows).div_(rows.shape[0])
+        with torch.autocast(x.device.type, enabled=False):  # under AMP the input may be half precision
+            rows = self.rows.input_rows(x.detach().to(self.factor_dtype))
+            if self.has_bias:
+                rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+            return (rows.t() @ rows).div_(rows.shape[0])
 
     def compute_g(self, grad_output: torch.Tensor) -> torch.Tensor:
         """Batch factor ``G`` from the output gradient (per-sample mean, summed over positions)."""
         batch = grad_output.shape[0]
-        rows = self.rows.grad_output_rows(grad_output.detach()) * batch
-        return (rows.t() @ rows).div_(batch)
+        with torch.autocast(grad_output.device.type, enabled=False):
+            rows = self.rows.grad_output_rows(grad_output.detach().to(self.factor_dtype)) * batch
+            return (rows.t() @ rows).div_(batch)
 
     # -- running averages and inverses -------------------------------------------
     def update_factor(self, kind: str, batch_factor: torch.Tensor, decay: float) -> None:
@@ -217,10 +225,10 @@ class KFACLayer:
         return grad
 
     def precondition(self, grad: torch.Tensor) -> torch.Tensor:
-        """``G_inv @ grad @ A_inv``."""
+        """``G_inv @ grad @ A_inv``, in the inverses' precision (the caller casts back on writing)."""
         if self.A_inv is None or self.G_inv is None:
             raise RuntimeError(f"layer {self.name!r} has no inverses yet; factors were never updated")
-        return self.G_inv @ grad @ self.A_inv
+        return self.G_inv @ grad.to(self.G_inv.dtype) @ self.A_inv
 
     def write_grad(self, grad: torch.Tensor) -> None:
         """Copy a ``g_dim x a_dim`` matrix back into the weight (and bias) gradients."""

@@ -404,7 +404,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 self.perf_model.allreduce.alpha,
                 self.perf_model.allreduce.beta,
                 self.fusion_threshold_bytes,
-                element_size=self.layers[0].module.weight.element_size(),
+                element_size=torch.finfo(self.layers[0].factor_dtype).bits // 8,
             )
             plans[kind] = [[order[i] for i in g] for g in groups]
         for kind, groups in plans.items():

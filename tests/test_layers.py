@@ -107,3 +107,35 @@ def test_unsupported_layers_get_plain_sgd():
     opt.step()
     assert len(opt.layers) == 2
     torch.testing.assert_close(net[1].weight, ref[1].weight - 0.1 * ref[1].weight.grad)
+
+
+def _one_step_update(net: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: bool):
+    """Parameter change of one K-FAC step, and the optimizer (for its factors)."""
+    before = {k: v.detach().float().clone() for k, v in net.state_dict().items()}
+    # Damping large enough that the bfloat16 rounding of activations is not amplified by a near-singular factor.
+    opt = SPDKFACOptimizer(net, lr=0.1, momentum=0.0, kl_clip=None, damping=0.1, backend="single")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = nn.functional.cross_entropy(net(x), y)
+    loss.backward()
+    opt.step()
+    return {k: v.detach().float() - before[k] for k, v in net.state_dict().items()}, opt
+
+
+def test_half_precision_forward_keeps_factors_in_float32():
+    """Under autocast (or a bfloat16 model) factors and inverses stay float32, and the update matches float32's."""
+    torch.manual_seed(0)
+    base = Net()
+    x = torch.randn(8, 2, 3, 3)
+    y = torch.randint(0, 4, (8,))
+    ref, ref_opt = _one_step_update(copy.deepcopy(base), x, y, autocast=False)
+    amp, amp_opt = _one_step_update(copy.deepcopy(base), x, y, autocast=True)
+    bf16, bf16_opt = _one_step_update(copy.deepcopy(base).to(torch.bfloat16), x.to(torch.bfloat16), y, autocast=False)
+    for opt in (amp_opt, bf16_opt):
+        for layer in opt.layers:
+            assert {t.dtype for t in (layer.A, layer.G, layer.A_inv, layer.G_inv)} == {torch.float32}, layer
+    # The first layer sees the same float32 input under autocast: its A factor is exact.
+    torch.testing.assert_close(amp_opt.layers[0].A, ref_opt.layers[0].A)
+    for update in (amp, bf16):
+        for k in ref:
+            scale = ref[k].abs().max()
+            assert (update[k] - ref[k]).abs().max() <= 0.05 * scale, (k, update[k], ref[k])
