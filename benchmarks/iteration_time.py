@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from spdkfac import make_optimizer
+from spdkfac.comm import DEVICE_CHOICES, worker_device
 from spdkfac.models import get_model
 
 from .common import RESULTS, bar_chart, log, machine, save_json, start, stats, workload_parser
@@ -49,9 +50,8 @@ def _rss_mb() -> float:
 
 def run_variant(variant: str, args, backend, x, y) -> Dict[str, object]:
     torch.manual_seed(0)
-    model = get_model(args.model)
-    if torch.cuda.is_available():
-        model.cuda()
+    model = get_model(args.model).to(x.device)
+    if x.is_cuda:
         torch.cuda.reset_peak_memory_stats()
     kw = {"timeline": True}  # SGD too, so its gradient wait is measured the same way
     if variant != "sgd":
@@ -65,7 +65,7 @@ def run_variant(variant: str, args, backend, x, y) -> Dict[str, object]:
         nn.functional.cross_entropy(model(x), y).backward()
         t1 = time.perf_counter()
         opt.step()
-        if torch.cuda.is_available():
+        if x.is_cuda:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
         if it >= args.warmup:
@@ -99,7 +99,7 @@ def run_variant(variant: str, args, backend, x, y) -> Dict[str, object]:
     total = [t + amortised_inverse for t in total]
     parts["Other"] = max(0.0, it_mean - sum(v for k, v in parts.items() if k != "Other"))
     mem = {"rss_mb": _rss_mb(), "kfac_state_mb": sum(opt.memory_usage().values()) / 2**20 if variant != "sgd" else 0.0}
-    if torch.cuda.is_available():
+    if x.is_cuda:
         mem["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
     if hasattr(opt, "remove_hooks"):
         opt.remove_hooks()
@@ -111,6 +111,8 @@ def run_variant(variant: str, args, backend, x, y) -> Dict[str, object]:
 def main() -> None:
     ap = workload_parser(__doc__, iters=4)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
+                    help="auto: the worker's own GPU (local rank) when CUDA is available, else the CPU")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--variants", nargs="*", default=VARIANTS)
     ap.add_argument("--update-freq", type=int, nargs=2, default=[1, 1], metavar=("FACTOR", "INVERSE"))
@@ -125,8 +127,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=g)
     y = torch.randint(0, 10, (args.batch_size,), generator=g)
-    if torch.cuda.is_available():
-        x, y = x.cuda(), y.cuda()
+    device = worker_device(args.device)
+    x, y = x.to(device), y.to(device)
     results: Dict[str, Dict[str, object]] = {}
     for rnd in range(args.rounds):
         for v in args.variants:

@@ -417,7 +417,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if self.backend.size == 1:
             return ready
         index = {layer.name: i for i, layer in enumerate(self.layers)}
-        payload = torch.tensor([float(index[name]) for _, name in order] + ready, dtype=torch.float64)
+        payload = torch.tensor([float(index[name]) for _, name in order] + ready, dtype=torch.float64,
+                               device=self.layers[0].module.weight.device)  # NCCL broadcasts device tensors only
         self.backend.broadcast_async(payload, 0, f"spdkfac.profile.{kind}").wait()
         n = len(order)
         root_order = [int(v) for v in payload[:n].tolist()]

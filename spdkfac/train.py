@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from .comm import CommBackend, get_backend
+from .comm import DEVICE_CHOICES, CommBackend, get_backend, worker_device
 from .data import ShardedLoader, load_digits, synthetic
 from .models import MODELS, get_model
 from .variants import make_optimizer
@@ -67,6 +67,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--stop-after", type=int, default=None, help="leave after this many epochs of this run (resume later)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
+    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
+                   help="auto: the worker's own GPU (local rank) when CUDA is available, else the CPU")
+    p.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward/backward (K-FAC factors stay float32)")
     p.add_argument("--quiet", action="store_true", help="no per-iteration progress line")
     args = p.parse_args(argv)
     if args.epochs < 1:
@@ -133,22 +136,29 @@ def lr_at(args: argparse.Namespace, base_lr: float, epoch_float: float, workers:
     return base_lr * 0.1 ** sum(epoch_float >= e for e in args.lr_decay_epochs)
 
 
-def _average(backend: CommBackend, values: List[float], name: str) -> List[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+def _average(backend: CommBackend, values: List[float], name: str, device: torch.device) -> List[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     backend.allreduce_async(t, name).wait()
     return t.tolist()
 
 
-def evaluate(model: nn.Module, loader: ShardedLoader, backend: CommBackend) -> tuple[float, float]:
+def _autocast(device: torch.device, enabled: bool) -> torch.autocast:
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def evaluate(model: nn.Module, loader: ShardedLoader, backend: CommBackend, device: torch.device = torch.device("cpu"),
+             amp: bool = False) -> tuple[float, float]:
     model.eval()
     loss_sum = correct = count = 0.0
     with torch.no_grad():
         for x, y in loader:
-            out = model(x)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with _autocast(device, amp):
+                out = model(x)
             loss_sum += float(nn.functional.cross_entropy(out, y, reduction="sum"))
             correct += float((out.argmax(1) == y).sum())
             count += len(y)
-    loss_sum, correct, count = _average(backend, [loss_sum, correct, count], "train.eval")
+    loss_sum, correct, count = _average(backend, [loss_sum, correct, count], "train.eval", device)
     model.train()
     return loss_sum / max(count, 1), correct / max(count, 1)
 
@@ -172,12 +182,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     backend = get_backend(args.backend)
     rank, size = backend.rank, backend.size
     is_root = rank == 0
+    device = worker_device(args.device)
     if not is_root:
         warnings.filterwarnings("ignore")
 
     train_loader, test_loader, num_classes, default_model = _loaders(args, rank, size)
     model_name = args.model or default_model
-    model = get_model(model_name, num_classes=num_classes)
+    model = get_model(model_name, num_classes=num_classes).to(device)
     base_lr = args.lr * size
     kfac_kwargs = {}
     if args.optimizer != "sgd":
@@ -202,7 +213,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     if is_root:
         out_dir.mkdir(parents=True, exist_ok=True)
         print(f"spdkfac.train: {args.optimizer} on {args.data} ({len(train_loader)} batches/epoch/worker), "
-              f"model {model_name}, {size} worker(s) via {backend.name}, batch {args.batch_size}/worker, lr {base_lr:g}")
+              f"model {model_name}, {size} worker(s) via {backend.name} on {device}{' (bf16 autocast)' if args.amp else ''}, "
+              f"batch {args.batch_size}/worker, lr {base_lr:g}")
         if args.optimizer != "sgd":
             print(f"  {len(optimizer.layers)} preconditioned layers, damping {args.damping:g}, kl_clip {args.kl_clip:g}; "
                   f"placement: {optimizer.placement_plan!r}")
@@ -226,9 +238,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             t0 = time.perf_counter()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad()
-            out = model(x)
-            loss = nn.functional.cross_entropy(out, y, label_smoothing=args.label_smoothing)
+            with _autocast(device, args.amp):
+                out = model(x)
+                loss = nn.functional.cross_entropy(out, y, label_smoothing=args.label_smoothing)
             loss.backward()
             optimizer.step()
             iter_times.append(time.perf_counter() - t0)
@@ -239,8 +253,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
                 _progress(epoch, it + 1, steps_per_epoch, float(loss))
         if is_root and not args.quiet and sys.stdout.isatty():
             sys.stdout.write("\r" + " " * 70 + "\r")
-        loss_sum, correct, count = _average(backend, [loss_sum, correct, count], "train.metrics")
-        test_loss, test_acc = evaluate(model, test_loader, backend)
+        loss_sum, correct, count = _average(backend, [loss_sum, correct, count], "train.metrics", device)
+        test_loss, test_acc = evaluate(model, test_loader, backend, device, args.amp)
         warm = iter_times[1:] or iter_times
         row = {
             "epoch": epoch,

@@ -91,3 +91,10 @@ def test_two_worker_torchrun_training(tmp_path):
     assert "2 worker(s) via torch" in out and "epoch   0" in out
     rows = list(csv.DictReader(open(tmp_path / "run" / "log.csv")))
     assert float(rows[0]["test_acc"]) > 0.5
+
+
+def test_bfloat16_autocast_training(tmp_path, capsys):
+    row = train.main(["--data", "digits", "--backend", "single", "--quiet", "--batch-size", "64", "--epochs", "1",
+                      "--amp", "--device", "cpu", "--out-dir", str(tmp_path / "amp")])
+    assert "(bf16 autocast)" in capsys.readouterr().out
+    assert row["test_acc"] > 0.5

@@ -5,8 +5,12 @@ import os
 from typing import Union
 
 from .base import CommBackend, CompletedHandle, Handle, SingleProcessBackend
+from .device import DEVICE_CHOICES, local_rank, worker_device
 
-__all__ = ["CommBackend", "Handle", "CompletedHandle", "SingleProcessBackend", "get_backend", "detect_launcher"]
+__all__ = [
+    "CommBackend", "Handle", "CompletedHandle", "SingleProcessBackend", "get_backend", "detect_launcher",
+    "local_rank", "worker_device", "DEVICE_CHOICES",
+]
 
 _HOROVOD_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_GLOO_RENDEZVOUS_ADDR")
 _MPI_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .base import CommBackend, Handle
+from .device import worker_device
 
 __all__ = ["TorchDistributedBackend"]
 
@@ -70,7 +71,8 @@ class TorchDistributedBackend(CommBackend):
 
     If no process group exists yet, one is created from the ``env://``
     variables ``torchrun`` sets, with NCCL when CUDA is available and gloo
-    otherwise (override with ``SPDKFAC_DIST_BACKEND``), and destroyed
+    otherwise (override with ``SPDKFAC_DIST_BACKEND``; with NCCL the rank's
+    GPU, ``LOCAL_RANK``, is made current first), and destroyed
     cleanly at interpreter exit after all ranks arrive; a group the caller
     created stays the caller's to destroy.
     """
@@ -82,6 +84,8 @@ class TorchDistributedBackend(CommBackend):
             raise RuntimeError("torch.distributed is not available in this PyTorch build")
         if not dist.is_initialized():
             engine = os.environ.get("SPDKFAC_DIST_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+            if engine == "nccl":
+                worker_device("cuda")  # NCCL communicates on the current device: this rank's own GPU
             dist.init_process_group(backend=engine)
             atexit.register(_shut_down_process_group)
 
