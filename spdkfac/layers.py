@@ -178,11 +178,15 @@ class KFACLayer:
                 rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
             return (rows.t() @ rows).div_(rows.shape[0])
 
-    def compute_g(self, grad_output: torch.Tensor) -> torch.Tensor:
-        """Batch factor ``G`` from the output gradient (per-sample mean, summed over positions)."""
+    def compute_g(self, grad_output: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor:
+        """Batch factor ``G`` from the output gradient (per-sample mean, summed over positions).
+
+        ``loss_scale`` is the factor a GradScaler multiplied the loss by; it is
+        divided out so that ``G`` describes the true gradients.
+        """
         batch = grad_output.shape[0]
         with torch.autocast(grad_output.device.type, enabled=False):
-            rows = self.rows.grad_output_rows(grad_output.detach().to(self.factor_dtype)) * batch
+            rows = self.rows.grad_output_rows(grad_output.detach().to(self.factor_dtype)) * (batch / loss_scale)
             return (rows.t() @ rows).div_(batch)
 
     # -- running averages and inverses -------------------------------------------

@@ -115,6 +115,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         precondition: False turns K-FAC off: the optimizer is then plain
             distributed momentum SGD with the same gradient communication
             (the S-SGD baseline of the benchmarks).
+        grad_scaler: the ``torch.amp.GradScaler`` of a float16 mixed-precision
+            loop (``scaler.scale(loss).backward(); scaler.step(opt);
+            scaler.update()``). The optimizer then removes the loss scale from
+            the G factors and finishes the gradient all-reduces at the end of
+            ``backward()``, so that the scaler unscales and checks averaged
+            gradients; a step the scaler skips (inf/NaN gradients, identical on
+            every worker) is discarded by the next :meth:`zero_grad`.
     """
 
     def __init__(
@@ -137,6 +144,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         profile_steps: int = 3,
         timeline: bool = False,
         precondition: bool = True,
+        grad_scaler: Optional[Any] = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -160,6 +168,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if not isinstance(pipelining, bool):
             raise TypeError(f"pipelining must be a bool, got {type(pipelining).__name__}")
         _check_freq("profile_steps", profile_steps)
+        if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "unscale_")):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         if isinstance(fusion_threshold_bytes, bool) or not isinstance(fusion_threshold_bytes, int) or fusion_threshold_bytes <= 0:
             raise ValueError(f"fusion_threshold_bytes must be a positive integer, got {fusion_threshold_bytes!r}")
 
@@ -177,6 +187,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.placement_strategy = placement
         self.fusion_threshold_bytes = fusion_threshold_bytes
         self.profile_steps = profile_steps
+        self.grad_scaler = grad_scaler
         self.steps = 0
 
         self.precondition = precondition
@@ -237,7 +248,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._ready = {"A": [], "G": []}
         self._pass_t0 = {"A": None, "G": None}
         self._stash = []
+        self._grad_handles.clear()
         self._a_taken: set = set()
+        self._loss_scale: Optional[float] = None
+        self._grads_synchronized = False
+        self._sync_queued = False
         self.controller.begin_iteration(self._record)
 
     # ---------------------------------------------------------------------- hooks
@@ -288,13 +303,19 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """
 
         def g_ready(grad_output: torch.Tensor) -> None:
-            self._submit(layer, "G", lambda: layer.compute_g(grad_output))
+            self._submit(layer, "G", lambda: layer.compute_g(grad_output, self._current_loss_scale()))
 
         def hook(module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
             if layer.name in self._a_taken and isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(g_ready)
 
         return hook
+
+    def _current_loss_scale(self) -> float:
+        """The GradScaler's scale in this backward pass (1 without one); read once per iteration."""
+        if self._loss_scale is None:
+            self._loss_scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
+        return self._loss_scale
 
     def _start_grad_allreduce(self, p: torch.Tensor) -> None:
         self._grad_handles[p] = self.backend.allreduce_async(p.grad, f"spdkfac.grad.{self._param_names.get(p, id(p))}")
@@ -306,6 +327,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 "SPDKFACOptimizer averages gradients once per backward pass (no gradient accumulation)"
             )
         self._start_grad_allreduce(p)
+        if self.grad_scaler is not None and not self._sync_queued:
+            # GradScaler reads the gradients between backward() and step(): average them before it does.
+            torch.autograd.Variable._execution_engine.queue_callback(self.synchronize)
+            self._sync_queued = True
 
     # ----------------------------------------------------------------------- step
     @torch.no_grad()
@@ -316,7 +341,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
-            self._synchronize_gradients()
+            self.synchronize()
             if self._is_factor_step():
                 self._update_factors()
             if self._is_inverse_step():
@@ -328,17 +353,38 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             if self.timeline is not None and self._record is not None:
                 self.timeline.end()
         finally:
-            self._grad_handles.clear()
             self._begin_iteration()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._grad_handles:
-            raise RuntimeError("zero_grad() called while gradient all-reduces are pending; call step() first")
+        """Clear the gradients; after a skipped ``step()`` also discard that iteration's factors.
+
+        A step is skipped when a GradScaler finds inf/NaN gradients (or the
+        caller decides not to step after :meth:`synchronize`): the batch
+        factors already sent are waited for, so collectives stay matched
+        across workers, and dropped.
+
+        Raises:
+            RuntimeError: gradient all-reduces are still pending (``step()``
+                or :meth:`synchronize` was not called after ``backward()``).
+        """
+        if self._grad_handles and not self._grads_synchronized:
+            raise RuntimeError("zero_grad() called while gradient all-reduces are pending; call step() (or synchronize()) first")
+        if self._grads_synchronized or self.controller.in_progress():
+            self.controller.discard()
+            self._begin_iteration()
         super().zero_grad(set_to_none=set_to_none)
 
-    def _synchronize_gradients(self) -> None:
-        if self.backend.size == 1:
+    def synchronize(self) -> None:
+        """Wait until every gradient holds its average over the workers.
+
+        ``step()`` does this itself. Call it between ``backward()`` and
+        ``step()`` when the code in between reads the gradients, e.g.
+        ``torch.nn.utils.clip_grad_norm_``; with ``grad_scaler`` it runs at
+        the end of ``backward()`` automatically. Idempotent within a step.
+        """
+        if self._grads_synchronized or self.backend.size == 1:
+            self._grads_synchronized = True
             return
         for group in self.param_groups:
             for p in group["params"]:
@@ -350,6 +396,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             handle.wait()
         if self._record is not None:
             self._record.grad_wait += Timeline.now() - t0
+        self._grads_synchronized = True
 
     def _update_factors(self) -> None:
         if not self.pipelining:

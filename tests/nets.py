@@ -27,12 +27,25 @@ def batch(n: int, seed: int = 1):
     return x, y
 
 
-def train(model: nn.Module, opt, x: torch.Tensor, y: torch.Tensor, steps: int, step_seed: int = 7):
-    """``steps`` optimizer steps; each step uses a different slice-preserving perturbation of the batch."""
+def train(model: nn.Module, opt, x: torch.Tensor, y: torch.Tensor, steps: int, scaler=None, poisoned=None):
+    """``steps`` optimizer steps; each step uses a different slice-preserving perturbation of the batch.
+
+    With a GradScaler the loop is the mixed-precision one (``scaler.step`` may
+    skip); ``poisoned`` maps a step to a boolean row mask of ``x`` whose samples
+    get a NaN in that step, which makes every worker's averaged gradient NaN.
+    """
     for s in range(steps):
         xs = x + 0.1 * s  # different data each step, same on every split of the batch
+        if poisoned is not None and s in poisoned:
+            xs = xs.clone()
+            xs[poisoned[s], 0, 0, 0] = float("nan")
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(xs), y)
-        loss.backward()
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
     return model

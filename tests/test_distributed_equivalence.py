@@ -36,6 +36,9 @@ FREQ_CONFIGS = {
     "timeline": dict(BASE, fusion="optimal", placement="lbp", perf_model="big-alpha", timeline=True),
     "freq-2-4": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="optimal", placement="lbp",
                      perf_model="expensive-inverse"),
+    # GradScaler loop; step 2 has a NaN on one worker only, so every worker must skip it and drop its factors.
+    "grad-scaler-skip": dict(BASE, fusion="optimal", placement="lbp", perf_model="expensive-inverse",
+                             amp={"init_scale": 2.0**10, "nan_step": 2}),
 }
 
 
@@ -79,6 +82,7 @@ def test_fusion_policies_match_single_process(engine, tmp_path):
     assert len(dist["optimal-bigalpha"]["fusion_plan"]["A"]) == 1
     assert len(dist["naive"]["fusion_plan"]["G"]) == 1
     assert len(dist["tiny-threshold"]["fusion_plan"]["A"]) > 1
+    assert dist["grad-scaler-skip"]["steps"] == ref["grad-scaler-skip"]["steps"] == STEPS - 1
     _assert_timeline_consistent(dist["timeline"]["timeline"], n_layers=4)
 
 

@@ -154,6 +154,21 @@ class TensorFusionController:
                     if ev is not None:
                         ev.comm_end = t
 
+    def in_progress(self) -> bool:
+        """True once a factor was submitted in this iteration."""
+        return any(self._arrivals.values())
+
+    def discard(self) -> None:
+        """Drop this iteration's factors: wait for the launched all-reduces (so every
+        worker's collectives stay matched), release the buffers, forget the rest."""
+        for job in self._in_flight:
+            job.handle.wait()
+        self._in_flight = []
+        self._local = {}
+        for g in self._groups:
+            g.arrived.clear()
+        self._arrivals = {"A": [], "G": []}
+
     def wait_all(self) -> Dict[FactorKey, torch.Tensor]:
         """Block until every launched all-reduce is done; return the averaged factors."""
         missing = [k for g in self._groups for k in g.members if g.arrived and k not in g.arrived]

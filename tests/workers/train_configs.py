@@ -68,10 +68,18 @@ def main() -> None:
     for name, cfg in json.loads(args.configs).items():
         cfg = dict(cfg)
         pm = perf_model(cfg.pop("perf_model", "default"))
+        scaler = poisoned = None
+        amp = cfg.pop("amp", None)  # {"init_scale": S, "nan_step": k}: GradScaler loop, NaN in the last sample at step k
+        if amp is not None:
+            scaler = cfg["grad_scaler"] = torch.amp.GradScaler("cpu", init_scale=amp["init_scale"])
+            last = torch.zeros(args.global_batch, dtype=torch.bool)
+            last[-1] = True  # on the last rank only: the others see NaN only through the averaged gradients
+            poisoned = {amp["nan_step"]: last[rank * local : (rank + 1) * local]}
         model = small_net()
         opt = SPDKFACOptimizer(model, backend=backend, perf_model=pm, **cfg)
-        train(model, opt, x, y, args.steps)
+        train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned)
         results[name] = {
+            "steps": opt.steps,
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "fusion_plan": opt.fusion_plan(),
             "owners": {str(a.key): a.owner for a in opt.placement_plan.assignments},

@@ -1,0 +1,74 @@
+"""Loss scaling (torch.amp.GradScaler) with the optimizer: unscaled factors, skipped steps, synchronize()."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nets import batch, small_net, train
+from spdkfac import SPDKFACOptimizer
+
+KW = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.01, factor_decay=0.9, kl_clip=0.01, backend="single")
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_loss_scale_does_not_change_the_update(float64):
+    """A power-of-two loss scale is exact: with the scale removed from G, the trajectory is unchanged."""
+    x, y = batch(8)
+    plain = small_net()
+    train(plain, SPDKFACOptimizer(plain, **KW), x, y, 4)
+    scaled = small_net()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    opt = SPDKFACOptimizer(scaled, grad_scaler=scaler, **KW)
+    train(scaled, opt, x, y, 4, scaler=scaler)
+    assert opt.steps == 4
+    for k, v in _params(plain).items():
+        torch.testing.assert_close(_params(scaled)[k], v, rtol=1e-12, atol=1e-14)
+
+
+def test_skipped_step_is_discarded(float64):
+    """A step the scaler skips (NaN gradients) leaves no trace: same result as never seeing that batch."""
+    x, y = batch(8)
+    mask = torch.zeros(8, dtype=torch.bool)
+    mask[3] = True
+    skipped = small_net()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    opt = SPDKFACOptimizer(skipped, grad_scaler=scaler, **KW)
+    train(skipped, opt, x, y, 4, scaler=scaler, poisoned={1: mask})
+    assert opt.steps == 3 and scaler.get_scale() == 2.0**7  # one skip, one back-off
+    assert all(torch.isfinite(layer.A).all() and torch.isfinite(layer.G).all() for layer in opt.layers)
+
+    ref = small_net()
+    ref_opt = SPDKFACOptimizer(ref, **KW)
+    for s in (0, 2, 3):  # the same batches without the poisoned step
+        ref_opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x + 0.1 * s), y).backward()
+        ref_opt.step()
+    for k, v in _params(ref).items():
+        torch.testing.assert_close(_params(skipped)[k], v, rtol=1e-12, atol=1e-14)
+
+
+def test_float16_autocast_with_grad_scaler_trains():
+    torch.manual_seed(0)
+    x, y = batch(16)
+    model = small_net()
+    scaler = torch.amp.GradScaler("cpu")
+    opt = SPDKFACOptimizer(model, grad_scaler=scaler, **dict(KW, lr=0.1))
+    losses = []
+    for s in range(8):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(float(loss))
+    assert 6 <= opt.steps <= 8 and losses[-1] < losses[0]  # the default scale 2**16 may overflow at first
+    assert {layer.G.dtype for layer in opt.layers} == {torch.float32}
+
+
+def test_bad_grad_scaler_is_an_error():
+    with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler"):
+        SPDKFACOptimizer(small_net(), grad_scaler=2.0, **KW)
