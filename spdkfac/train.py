@@ -31,6 +31,7 @@ from .variants import make_optimizer
 __all__ = ["main", "parse_args"]
 
 OPTIMIZERS = ("sgd", "spdkfac", "dkfac", "mpdkfac")
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -69,7 +70,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
     p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
                    help="auto: the worker's own GPU (local rank) when CUDA is available, else the CPU")
-    p.add_argument("--amp", action="store_true", help="bfloat16 autocast for forward/backward (K-FAC factors stay float32)")
+    p.add_argument("--amp", nargs="?", const="bf16", default=None, choices=tuple(AMP_DTYPES),
+                   help="autocast forward/backward in bfloat16 (--amp, --amp bf16) or float16 with loss scaling "
+                        "(--amp fp16); K-FAC factors stay float32")
     p.add_argument("--quiet", action="store_true", help="no per-iteration progress line")
     args = p.parse_args(argv)
     if args.epochs < 1:
@@ -142,12 +145,12 @@ def _average(backend: CommBackend, values: List[float], name: str, device: torch
     return t.tolist()
 
 
-def _autocast(device: torch.device, enabled: bool) -> torch.autocast:
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+def _autocast(device: torch.device, amp: Optional[str]) -> torch.autocast:
+    return torch.autocast(device.type, dtype=AMP_DTYPES.get(amp or "bf16"), enabled=amp is not None)
 
 
 def evaluate(model: nn.Module, loader: ShardedLoader, backend: CommBackend, device: torch.device = torch.device("cpu"),
-             amp: bool = False) -> tuple[float, float]:
+             amp: Optional[str] = None) -> tuple[float, float]:
     model.eval()
     loss_sum = correct = count = 0.0
     with torch.no_grad():
@@ -196,8 +199,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
             damping=args.damping, factor_decay=args.factor_decay, kl_clip=args.kl_clip,
             factor_update_freq=args.factor_update_freq, inv_update_freq=args.inv_update_freq, perf_model=args.perf_model,
         )
+    scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     optimizer = make_optimizer(
-        args.optimizer, model, lr=base_lr, momentum=args.momentum, weight_decay=args.weight_decay, backend=backend, **kfac_kwargs
+        args.optimizer, model, lr=base_lr, momentum=args.momentum, weight_decay=args.weight_decay, backend=backend,
+        grad_scaler=scaler, **kfac_kwargs
     )
 
     out_dir = Path(args.out_dir)
@@ -209,11 +214,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         ckpt = torch.load(ckpt_path, map_location="cpu")
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
+        if scaler is not None and ckpt.get("grad_scaler"):
+            scaler.load_state_dict(ckpt["grad_scaler"])
         start_epoch = int(ckpt["epoch"]) + 1
     if is_root:
         out_dir.mkdir(parents=True, exist_ok=True)
         print(f"spdkfac.train: {args.optimizer} on {args.data} ({len(train_loader)} batches/epoch/worker), "
-              f"model {model_name}, {size} worker(s) via {backend.name} on {device}{' (bf16 autocast)' if args.amp else ''}, "
+              f"model {model_name}, {size} worker(s) via {backend.name} on {device}{f' ({args.amp} autocast)' if args.amp else ''}, "
               f"batch {args.batch_size}/worker, lr {base_lr:g}")
         if args.optimizer != "sgd":
             print(f"  {len(optimizer.layers)} preconditioned layers, damping {args.damping:g}, kl_clip {args.kl_clip:g}; "
@@ -243,8 +250,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
             with _autocast(device, args.amp):
                 out = model(x)
                 loss = nn.functional.cross_entropy(out, y, label_smoothing=args.label_smoothing)
-            loss.backward()
-            optimizer.step()
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
             iter_times.append(time.perf_counter() - t0)
             loss_sum += float(loss.detach()) * len(y)
             correct += float((out.argmax(1) == y).sum())
@@ -272,7 +284,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
                   f"iter {row['iter_ms']:.1f} ms  epoch {row['epoch_s']:.1f} s", flush=True)
             with open(log_path, "a", newline="") as fh:
                 csv.writer(fh).writerow([row[f] for f in fields])
-            _save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "args": vars(args)}, ckpt_path)
+            _save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "args": vars(args),
+                          "grad_scaler": scaler.state_dict() if scaler is not None else None}, ckpt_path)
     if is_root:
         print(f"done: log {log_path}, checkpoint {ckpt_path}")
     return row

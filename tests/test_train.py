@@ -93,8 +93,11 @@ def test_two_worker_torchrun_training(tmp_path):
     assert float(rows[0]["test_acc"]) > 0.5
 
 
-def test_bfloat16_autocast_training(tmp_path, capsys):
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_mixed_precision_training(tmp_path, capsys, amp):
     row = train.main(["--data", "digits", "--backend", "single", "--quiet", "--batch-size", "64", "--epochs", "1",
-                      "--amp", "--device", "cpu", "--out-dir", str(tmp_path / "amp")])
-    assert "(bf16 autocast)" in capsys.readouterr().out
+                      "--amp", amp, "--device", "cpu", "--out-dir", str(tmp_path / "amp")])
+    assert f"({amp} autocast)" in capsys.readouterr().out
     assert row["test_acc"] > 0.5
+    scaler_state = torch.load(tmp_path / "amp" / "checkpoint.pt")["grad_scaler"]
+    assert (scaler_state is not None) == (amp == "fp16")
