@@ -253,6 +253,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._loss_scale: Optional[float] = None
         self._grads_synchronized = False
         self._sync_queued = False
+        self._backward_seen = False  # a backward pass ran since the last step()
         self.controller.begin_iteration(self._record)
 
     # ---------------------------------------------------------------------- hooks
@@ -269,6 +270,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 self._pass_t0[kind] = t_start
         factor = compute()
         key = (kind, layer.name)
+        self._backward_seen |= kind == "G"
         if kind == "A":
             self._a_taken.add(layer.name)
         if timed:
@@ -327,6 +329,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 "SPDKFACOptimizer averages gradients once per backward pass (no gradient accumulation)"
             )
         self._start_grad_allreduce(p)
+        self._backward_seen = True
         if self.grad_scaler is not None and not self._sync_queued:
             # GradScaler reads the gradients between backward() and step(): average them before it does.
             torch.autograd.Variable._execution_engine.queue_callback(self.synchronize)
@@ -370,7 +373,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """
         if self._grad_handles and not self._grads_synchronized:
             raise RuntimeError("zero_grad() called while gradient all-reduces are pending; call step() (or synchronize()) first")
-        if self._grads_synchronized or self.controller.in_progress():
+        if self._backward_seen:  # that backward's step() was skipped (zero_grad between forward and backward is fine)
             self.controller.discard()
             self._begin_iteration()
         super().zero_grad(set_to_none=set_to_none)

@@ -72,3 +72,23 @@ def test_float16_autocast_with_grad_scaler_trains():
 def test_bad_grad_scaler_is_an_error():
     with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler"):
         SPDKFACOptimizer(small_net(), grad_scaler=2.0, **KW)
+
+
+def test_zero_grad_between_forward_and_backward_keeps_the_step(float64):
+    """The common ``out = model(x); opt.zero_grad(); loss.backward(); opt.step()`` order loses nothing."""
+    x, y = batch(8)
+    results = []
+    for late_zero_grad in (False, True):
+        model = small_net()
+        opt = SPDKFACOptimizer(model, **KW)
+        for s in range(3):
+            if not late_zero_grad:
+                opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x + 0.1 * s), y)
+            if late_zero_grad:
+                opt.zero_grad()
+            loss.backward()
+            opt.step()
+        results.append(_params(model))
+    for k, v in results[0].items():
+        torch.testing.assert_close(results[1][k], v, rtol=0, atol=0)

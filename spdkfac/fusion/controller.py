@@ -154,10 +154,6 @@ class TensorFusionController:
                     if ev is not None:
                         ev.comm_end = t
 
-    def in_progress(self) -> bool:
-        """True once a factor was submitted in this iteration."""
-        return any(self._arrivals.values())
-
     def discard(self) -> None:
         """Drop this iteration's factors: wait for the launched all-reduces (so every
         worker's collectives stay matched), release the buffers, forget the rest."""
