@@ -27,12 +27,13 @@ def batch(n: int, seed: int = 1):
     return x, y
 
 
-def train(model: nn.Module, opt, x: torch.Tensor, y: torch.Tensor, steps: int, scaler=None, poisoned=None):
+def train(model: nn.Module, opt, x: torch.Tensor, y: torch.Tensor, steps: int, scaler=None, poisoned=None, clip=None):
     """``steps`` optimizer steps; each step uses a different slice-preserving perturbation of the batch.
 
     With a GradScaler the loop is the mixed-precision one (``scaler.step`` may
     skip); ``poisoned`` maps a step to a boolean row mask of ``x`` whose samples
     get a NaN in that step, which makes every worker's averaged gradient NaN.
+    ``clip`` clips the (averaged) gradient norm between backward and step.
     """
     for s in range(steps):
         xs = x + 0.1 * s  # different data each step, same on every split of the batch
@@ -43,6 +44,9 @@ def train(model: nn.Module, opt, x: torch.Tensor, y: torch.Tensor, steps: int, s
         loss = nn.functional.cross_entropy(model(xs), y)
         if scaler is None:
             loss.backward()
+            if clip is not None:
+                opt.synchronize()
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
         else:
             scaler.scale(loss).backward()

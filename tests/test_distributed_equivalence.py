@@ -39,6 +39,8 @@ FREQ_CONFIGS = {
     # GradScaler loop; step 2 has a NaN on one worker only, so every worker must skip it and drop its factors.
     "grad-scaler-skip": dict(BASE, fusion="optimal", placement="lbp", perf_model="expensive-inverse",
                              amp={"init_scale": 2.0**10, "nan_step": 2}),
+    # Gradient clipping between backward and step, after synchronize(): clips the averaged gradient.
+    "clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05),
 }
 
 

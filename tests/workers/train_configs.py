@@ -75,9 +75,10 @@ def main() -> None:
             last = torch.zeros(args.global_batch, dtype=torch.bool)
             last[-1] = True  # on the last rank only: the others see NaN only through the averaged gradients
             poisoned = {amp["nan_step"]: last[rank * local : (rank + 1) * local]}
+        clip = cfg.pop("clip_grad_norm", None)
         model = small_net()
         opt = SPDKFACOptimizer(model, backend=backend, perf_model=pm, **cfg)
-        train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned)
+        train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned, clip=clip)
         results[name] = {
             "steps": opt.steps,
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
