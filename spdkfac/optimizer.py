@@ -111,6 +111,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         fusion_threshold_bytes: buffer size of the ``'threshold'`` policy.
         profile_steps: factor-update steps timed (after one warm-up step)
             before the ``'optimal'`` fusion plan is made.
+        replan_interval: re-profile every this many factor-update steps and
+            replace the ``'optimal'`` plan if the per-layer times have drifted
+            (None: plan once). The current plan stays in use while the new
+            profile is taken; every worker switches at the same step.
         timeline: record a per-iteration :class:`~spdkfac.timeline.Timeline`.
         precondition: False turns K-FAC off: the optimizer is then plain
             distributed momentum SGD with the same gradient communication
@@ -142,6 +146,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         perf_model: Union[None, str, PerfModel] = None,
         fusion_threshold_bytes: int = 64 * 1024 * 1024,
         profile_steps: int = 3,
+        replan_interval: Optional[int] = None,
         timeline: bool = False,
         precondition: bool = True,
         grad_scaler: Optional[Any] = None,
@@ -168,6 +173,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if not isinstance(pipelining, bool):
             raise TypeError(f"pipelining must be a bool, got {type(pipelining).__name__}")
         _check_freq("profile_steps", profile_steps)
+        if replan_interval is not None:
+            _check_freq("replan_interval", replan_interval)
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "unscale_")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         if isinstance(fusion_threshold_bytes, bool) or not isinstance(fusion_threshold_bytes, int) or fusion_threshold_bytes <= 0:
@@ -187,6 +194,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.placement_strategy = placement
         self.fusion_threshold_bytes = fusion_threshold_bytes
         self.profile_steps = profile_steps
+        self.replan_interval = replan_interval
+        self.fusion_plans_made = 0  # plans made so far (the first, then one per re-profile)
+        self.fusion_plan_changes = 0  # re-profiles that changed the plan
         self.grad_scaler = grad_scaler
         self.steps = 0
 
@@ -210,6 +220,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._ready: Dict[str, List[float]] = {"A": [], "G": []}
         self._pass_t0: Dict[str, Optional[float]] = {"A": None, "G": None}
         self._factor_steps_seen = 0
+        self._profile_after = 1  # factor steps up to this one are not sampled (the first is a warm-up)
         self._planned = fusion == "layerwise" or not precondition
         self._stash: List[Tuple[FactorKey, torch.Tensor]] = []
 
@@ -426,15 +437,26 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._factor_steps_seen += 1
         if self._profiling:
             self._profile_and_plan(arrived)
+        elif self._replan_due():
+            self._planned = False  # sample the next profile_steps factor steps, keeping the current plan meanwhile
+            self._profile_after = self._factor_steps_seen
+
+    def _replan_due(self) -> bool:
+        return (
+            self.replan_interval is not None
+            and self.fusion == "optimal"
+            and self.pipelining
+            and self._factor_steps_seen % self.replan_interval == 0
+        )
 
     # ------------------------------------------------------------ fusion planning
     def _profile_and_plan(self, arrived: Dict[str, List[FactorKey]]) -> None:
         """Collect ready times; once enough are in, make the fusion plan from rank 0's profile."""
-        if self._factor_steps_seen > 1:  # the first factor step is a warm-up
+        if self._factor_steps_seen > self._profile_after:
             for kind in FACTOR_KINDS:
                 self._profile[kind].append(list(self._ready[kind]))
         needed = self.profile_steps if self.fusion == "optimal" else 0
-        if self._factor_steps_seen < 1 + needed:
+        if self._factor_steps_seen < self._profile_after + needed:
             return
         plans = {}
         for kind in FACTOR_KINDS:
@@ -457,8 +479,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 element_size=torch.finfo(self.layers[0].factor_dtype).bits // 8,
             )
             plans[kind] = [[order[i] for i in g] for g in groups]
+        if self.fusion_plans_made and any(self.controller.plan(kind) != groups for kind, groups in plans.items()):
+            self.fusion_plan_changes += 1
         for kind, groups in plans.items():
             self.controller.set_plan(kind, groups)
+        self.fusion_plans_made += 1
         self._planned = True
         self._profile = {"A": [], "G": []}
 

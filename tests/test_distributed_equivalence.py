@@ -39,6 +39,8 @@ FREQ_CONFIGS = {
     # GradScaler loop; step 2 has a NaN on one worker only, so every worker must skip it and drop its factors.
     "grad-scaler-skip": dict(BASE, fusion="optimal", placement="lbp", perf_model="expensive-inverse",
                              amp={"init_scale": 2.0**10, "nan_step": 2}),
+    # Re-profiling every 2 factor steps: the plan is remade (and may change) mid-run on every worker at once.
+    "replan": dict(BASE, fusion="optimal", placement="lbp", profile_steps=1, replan_interval=2),
     # Gradient clipping between backward and step, after synchronize(): clips the averaged gradient.
     "clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05),
 }
@@ -84,6 +86,7 @@ def test_fusion_policies_match_single_process(engine, tmp_path):
     assert len(dist["optimal-bigalpha"]["fusion_plan"]["A"]) == 1
     assert len(dist["naive"]["fusion_plan"]["G"]) == 1
     assert len(dist["tiny-threshold"]["fusion_plan"]["A"]) > 1
+    assert dist["replan"]["fusion_plans_made"] == 2
     assert dist["grad-scaler-skip"]["steps"] == ref["grad-scaler-skip"]["steps"] == STEPS - 1
     _assert_timeline_consistent(dist["timeline"]["timeline"], n_layers=4)
 

@@ -81,6 +81,7 @@ def main() -> None:
         train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned, clip=clip)
         results[name] = {
             "steps": opt.steps,
+            "fusion_plans_made": opt.fusion_plans_made,
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "fusion_plan": opt.fusion_plan(),
             "owners": {str(a.key): a.owner for a in opt.placement_plan.assignments},
