@@ -159,19 +159,21 @@ class TensorFusionController:
         worker's collectives stay matched), release the buffers, forget the rest."""
         for job in self._in_flight:
             job.handle.wait()
+        self._forget()
+        self._arrivals = {"A": [], "G": []}
+
+    def _forget(self) -> None:
+        """Release this iteration's buffers and partly filled groups (the plan stays)."""
         self._in_flight = []
         self._local = {}
         for g in self._groups:
             g.arrived.clear()
-        self._arrivals = {"A": [], "G": []}
 
     def wait_all(self) -> Dict[FactorKey, torch.Tensor]:
         """Block until every launched all-reduce is done; return the averaged factors."""
         missing = [k for g in self._groups for k in g.members if g.arrived and k not in g.arrived]
         if missing:
-            for g in self._groups:
-                g.arrived.clear()
-            self._in_flight.clear()
+            self._forget()
             raise RuntimeError(
                 "these factors were never computed in this factor-update step, so their fused all-reduce "
                 f"could not start: {missing}. Every preconditioned layer must run in every step."
@@ -194,8 +196,5 @@ class TensorFusionController:
                 results[key] = unpack_upper(job.buffer[offset : offset + triangle_size(dim)], dim)
             if rec is not None:
                 rec.factor_unpack += Timeline.now() - t
-        self._in_flight = []
-        self._local = {}
-        for g in self._groups:
-            g.arrived.clear()
+        self._forget()
         return results
