@@ -15,6 +15,8 @@ import torch
 
 __all__ = [
     "triangle_size",
+    "symmetric_gram",
+    "mirror_upper_",
     "pack_upper",
     "unpack_upper",
     "invert_spd",
@@ -26,6 +28,50 @@ __all__ = [
 def triangle_size(dim: int) -> int:
     """Number of elements in the upper triangle (with diagonal) of a ``dim x dim`` matrix."""
     return dim * (dim + 1) // 2
+
+
+# Block edge of the blocked symmetric kernels below. Transposing a 256-wide
+# strip at a time keeps both the read and the write side in cache, and 256
+# columns are wide enough for GEMM to run at full speed.
+_BLOCK = 256
+
+
+def mirror_upper_(matrix: torch.Tensor, block: int = _BLOCK) -> torch.Tensor:
+    """Overwrite the strict lower triangle of a square matrix with the transpose of its upper one, in place.
+
+    Works strip by strip (``block`` rows at a time): an element-wise column
+    write of a large matrix misses the cache on every element (184 ms for
+    d=4608 on the reference CPU), block transposes do not.
+    """
+    dim = matrix.shape[0]
+    for start in range(0, dim, block):
+        stop = min(start + block, dim)
+        diag = matrix[start:stop, start:stop]
+        diag.copy_(torch.triu(diag) + torch.triu(diag, 1).transpose(0, 1))
+        if stop < dim:
+            matrix[stop:, start:stop].copy_(matrix[start:stop, stop:].transpose(0, 1))
+    return matrix
+
+
+def symmetric_gram(rows: torch.Tensor) -> torch.Tensor:
+    """``rows.T @ rows``, exactly symmetric, computing only the blocks on and above the diagonal.
+
+    A Kronecker factor is such a Gram matrix of the layer's input (or output
+    gradient) rows. A full GEMM computes both halves; multiplying each strip
+    of columns only with the columns from its own diagonal onwards saves up
+    to half the flops (1.3-1.6x faster for the conv factors of ResNet-50 at
+    224x224 on the reference CPU) and yields the same values in the upper
+    triangle, mirrored into the lower one.
+    """
+    dim = rows.shape[1]
+    block = 128 if dim <= 768 else _BLOCK
+    if dim < 2 * block:  # one strip: a full GEMM, made exactly symmetric
+        return mirror_upper_(rows.transpose(0, 1) @ rows, block)
+    out = rows.new_empty(dim, dim)
+    for start in range(0, dim, block):
+        stop = min(start + block, dim)
+        out[start:stop, start:] = rows[:, start:stop].transpose(0, 1) @ rows[:, start:]
+    return mirror_upper_(out, block)
 
 
 _TRIU_CACHE: Dict[Tuple[int, str], torch.Tensor] = {}
@@ -76,11 +122,9 @@ def unpack_upper(packed: torch.Tensor, dim: int, out: torch.Tensor | None = None
         offset = 0
         for i in range(dim):
             n = dim - i
-            segment = packed[offset : offset + n]
-            out[i, i:].copy_(segment)
-            out[i:, i].copy_(segment)
+            out[i, i:].copy_(packed[offset : offset + n])
             offset += n
-        return out
+        return mirror_upper_(out)
     out.zero_()
     idx = _flat_upper_indices(dim, packed.device)
     out.view(-1).index_copy_(0, idx, packed)

@@ -1,6 +1,7 @@
 """The preconditioned update equals an explicit dense Kronecker computation built here independently."""
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -94,6 +95,42 @@ def test_kl_clip_scales_update(float64):
     ratio = deltas[1e-6] / deltas[None]
     assert torch.allclose(ratio, ratio.flatten()[0].expand_as(ratio), rtol=1e-6)
     assert 0 < ratio.flatten()[0] < 1
+
+
+def _patches_general(x, kernel, stride, padding, dilation):
+    """im2col with stride, dilation and rectangular kernels, by explicit slicing (independent of the library)."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel, stride, padding, dilation
+    xp = nn.functional.pad(x, (pw, pw, ph, ph))
+    n, _, h, w = xp.shape
+    span_h, span_w = dh * (kh - 1) + 1, dw * (kw - 1) + 1
+    rows = []
+    for b in range(n):
+        for i in range(0, h - span_h + 1, sh):
+            for j in range(0, w - span_w + 1, sw):
+                rows.append(xp[b, :, i : i + span_h : dh, j : j + span_w : dw].reshape(-1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize(
+    "kernel,stride,padding,dilation",
+    [((3, 3), (1, 1), (1, 1), (1, 1)), ((1, 1), (2, 2), (0, 0), (1, 1)), ((3, 3), (2, 2), (1, 1), (1, 1)),
+     ((2, 3), (1, 2), (0, 1), (1, 1)), ((3, 3), (1, 1), (2, 2), (2, 2)), ((7, 7), (2, 2), (3, 3), (1, 1))],
+)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv_input_rows_match_explicit_im2col(kernel, stride, padding, dilation, channels_last):
+    from spdkfac.layers import make_extractor
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, kernel, stride=stride, padding=padding, dilation=dilation)
+    x = torch.randn(2, 3, 9, 10)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    rows = make_extractor(conv).input_rows(x)
+    expected = _patches_general(x, kernel, stride, padding, dilation)
+    assert torch.equal(rows, expected)
+    # The rows reproduce the convolution: output = rows @ W^T + b.
+    out = conv(x).permute(0, 2, 3, 1).reshape(-1, 4)
+    torch.testing.assert_close(rows @ conv.weight.reshape(4, -1).T + conv.bias, out, rtol=1e-5, atol=1e-5)
 
 
 def test_unsupported_layers_get_plain_sgd():

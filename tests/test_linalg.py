@@ -59,3 +59,24 @@ def test_pack_row_path_matches_gather_path():
     rows = pack_upper(m)
     idx = linalg._flat_upper_indices(2100, m.device)
     assert torch.equal(rows, m.reshape(-1)[idx])
+
+
+@pytest.mark.parametrize("d", [3, 255, 256, 300, 769, 1030])  # unblocked, 128-wide and 256-wide strips, ragged edges
+def test_symmetric_gram_equals_full_product_and_is_exactly_symmetric(d):
+    from spdkfac.linalg import symmetric_gram
+
+    torch.manual_seed(d)
+    rows = torch.randn(40, d, dtype=torch.float64)
+    gram = symmetric_gram(rows)
+    torch.testing.assert_close(gram, rows.T @ rows)
+    assert torch.equal(gram, gram.T)
+
+
+def test_mirror_upper_keeps_upper_and_replaces_lower():
+    from spdkfac.linalg import mirror_upper_
+
+    m = torch.randn(11, 11)
+    upper = torch.triu(m)
+    out = mirror_upper_(m.clone(), block=4)  # strips of 4: diagonal blocks, off-diagonal strips, a ragged last one
+    assert torch.equal(torch.triu(out), upper)
+    assert torch.equal(out, out.T)
