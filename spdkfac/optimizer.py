@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union, cast
 
 import torch
 import torch.nn as nn
@@ -35,7 +35,7 @@ from .layers import FACTOR_KINDS, KFACLayer, factor_list, kfac_layers
 from .inversion import compute_inverses
 from .linalg import all_finite, invert_spd, triangle_size
 from .perfmodels import PerfModel, load_perf_model
-from .placement import PLACEMENTS, PlacementPlan, place
+from .placement import PLACEMENTS, PlacementPlan, balance_by_cost, place
 from .timeline import FactorEvent, IterationRecord, Timeline
 
 __all__ = ["SPDKFACOptimizer", "NonFiniteFactorError"]
@@ -105,6 +105,14 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             (True) or all at once after the backward pass (False, as D-KFAC).
         placement: inversion placement: ``'lbp'`` (Algorithm 1), ``'seq'``
             (MPD-KFAC) or ``'local'`` (D-KFAC).
+        distribute_preconditioning: each layer's gradient is preconditioned
+            by one worker (layers balanced by their matmul cost) and the
+            results are broadcast, one fused buffer per worker, instead of
+            every worker preconditioning every layer (not in the paper; as
+            KAISA's MEM-OPT). Trades a broadcast of all preconditioned
+            gradients per step for ``1/P`` of the preconditioning compute:
+            worth it where the preconditioning matmuls are slow next to the
+            network (CPU workers, or factors updated rarely). Same result.
         perf_model: path to a fitted performance-model JSON, a
             :class:`~spdkfac.perfmodels.PerfModel`, or None for the built-in
             uncalibrated default (warns once).
@@ -143,6 +151,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         fusion: str = "optimal",
         pipelining: bool = True,
         placement: str = "lbp",
+        distribute_preconditioning: bool = False,
         perf_model: Union[None, str, PerfModel] = None,
         fusion_threshold_bytes: int = 64 * 1024 * 1024,
         profile_steps: int = 3,
@@ -172,6 +181,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         if not isinstance(pipelining, bool):
             raise TypeError(f"pipelining must be a bool, got {type(pipelining).__name__}")
+        if not isinstance(distribute_preconditioning, bool):
+            raise TypeError(f"distribute_preconditioning must be a bool, got {type(distribute_preconditioning).__name__}")
         _check_freq("profile_steps", profile_steps)
         if replan_interval is not None:
             _check_freq("replan_interval", replan_interval)
@@ -231,6 +242,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.perf_model.inverse,
             self.perf_model.broadcast,
         )
+        # Layer name -> the rank that preconditions it (empty: every rank preconditions every layer).
+        self.distribute_preconditioning = distribute_preconditioning
+        self.precondition_owner: Dict[str, int] = {}
+        if distribute_preconditioning and self.backend.size > 1:
+            costs = [layer.g_dim * layer.a_dim * (layer.g_dim + layer.a_dim) for layer in self.layers]  # ~ matmul flops / 2
+            owners = balance_by_cost(costs, self.backend.size)
+            self.precondition_owner = {layer.name: rank for layer, rank in zip(self.layers, owners)}
 
         self._grad_handles: Dict[torch.Tensor, Handle] = {}
         self._param_names = {p: n for n, p in model.named_parameters()}
@@ -533,23 +551,60 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         group = self.param_groups[0]
         rec = self._record
         t0 = Timeline.now() if rec is not None else 0.0
-        updates: List[Tuple[KFACLayer, torch.Tensor]] = []
+        grads = [(layer, grad) for layer in self.layers if (grad := layer.grad_matrix()) is not None]
+        if self.precondition_owner:
+            updates = self._precondition_distributed(grads)
+        else:
+            updates = [layer.precondition(grad) for layer, grad in grads]
         vg_sum = 0.0
-        for layer in self.layers:
-            grad = layer.grad_matrix()
-            if grad is None:
-                continue
-            update = layer.precondition(grad)
-            updates.append((layer, update))
-            if group["kl_clip"] is not None:
+        if group["kl_clip"] is not None:
+            for (_, grad), update in zip(grads, updates):
                 vg_sum += float((update * grad).sum()) * group["lr"] ** 2
         scale = 1.0
         if group["kl_clip"] is not None and vg_sum > 0:
             scale = min(1.0, math.sqrt(group["kl_clip"] / vg_sum))
-        for layer, update in updates:
+        for (layer, _), update in zip(grads, updates):
             layer.write_grad(update.mul_(scale) if scale != 1.0 else update)
         if rec is not None:
             rec.precondition += Timeline.now() - t0
+
+    def _precondition_distributed(self, grads: List[Tuple[KFACLayer, torch.Tensor]]) -> List[torch.Tensor]:
+        """Precondition this rank's layers, broadcast them fused, receive every other rank's.
+
+        The broadcasts are issued in rank order on every rank (a receive
+        before this rank's own work, so it completes while this rank computes).
+        """
+        missing = [layer.name for layer, _ in grads if layer.A_inv is None or layer.G_inv is None]
+        if missing:  # checked on every rank before any broadcast, so no rank is left waiting
+            raise RuntimeError(f"layers {missing} have no inverses yet; factors were never updated")
+        owned: List[List[int]] = [[] for _ in range(self.backend.size)]
+        for i, (layer, _) in enumerate(grads):
+            owned[self.precondition_owner[layer.name]].append(i)
+        pending: List[Tuple[Handle, torch.Tensor, List[int]]] = []
+        for rank, indices in enumerate(owned):
+            if not indices:
+                continue
+            dtype = grads[indices[0]][0].G_inv.dtype
+            for i in indices[1:]:
+                dtype = torch.promote_types(dtype, grads[i][0].G_inv.dtype)
+            if rank == self.backend.rank:
+                buffer = torch.cat([grads[i][0].precondition(grads[i][1]).reshape(-1).to(dtype) for i in indices])
+            else:
+                numel = sum(grads[i][1].numel() for i in indices)
+                buffer = torch.empty(numel, dtype=dtype, device=grads[indices[0]][1].device)
+            pending.append((self.backend.broadcast_async(buffer, rank, f"spdkfac.precondition.{rank}"), buffer, indices))
+        t0 = Timeline.now()
+        updates: List[Optional[torch.Tensor]] = [None] * len(grads)
+        for handle, buffer, indices in pending:
+            handle.wait()
+            offset = 0
+            for i in indices:
+                grad = grads[i][1]
+                updates[i] = buffer[offset : offset + grad.numel()].view(grad.shape)
+                offset += grad.numel()
+        if self._record is not None:
+            self._record.precondition_wait += Timeline.now() - t0
+        return cast(List[torch.Tensor], updates)  # every index belongs to exactly one rank's buffer
 
     def _sgd_update(self) -> None:
         for group in self.param_groups:
@@ -646,5 +701,5 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             f"kl_clip={g['kl_clip']}, factor_update_freq={self.factor_update_freq}, "
             f"inv_update_freq={self.inv_update_freq}, backend={self.backend.name}(rank {self.backend.rank}/"
             f"{self.backend.size}), fusion={self.fusion!r}, pipelining={self.pipelining}, "
-            f"placement={self.placement_strategy!r}, perf_model={self.perf_model.source!r})"
+            f"placement={self.placement_strategy!r}, distribute_preconditioning={self.distribute_preconditioning}, perf_model={self.perf_model.source!r})"
         )

@@ -39,7 +39,7 @@ import torch.nn as nn
 from .fusion import plan_groups
 from .linalg import triangle_size
 from .perfmodels import PerfModel
-from .placement import place
+from .placement import balance_by_cost, place
 from .variants import VARIANTS
 
 __all__ = ["measure_profile", "predict", "ScaledModels"]
@@ -87,6 +87,16 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
         for kind in ("A", "G"):
             unpack_upper(pack_upper(layer.factor(kind)), layer.dim(kind))
     pack_unpack = time.perf_counter() - t0
+    # Per-layer preconditioning time, for variants that split it across workers.
+    precondition = []
+    for layer in opt.layers:
+        grad = layer.grad_matrix()
+        layer.precondition(grad)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            layer.precondition(grad)
+        precondition.append({"layer": layer.name, "seconds": (time.perf_counter() - t0) / 3,
+                             "a_dim": layer.a_dim, "g_dim": layer.g_dim})
     opt.remove_hooks()
     sgd = SPDKFACOptimizer(model, lr=1e-4, backend="single", precondition=False)
     sgd_steps = []
@@ -117,6 +127,7 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
         "step_other": sum(r["step"] for r in runs) / n,
         "sgd_step": sum(sgd_steps) / len(sgd_steps),
         "pack_unpack": pack_unpack,
+        "precondition": precondition,
         "other_grad_numel": sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in covered),
         "factors": factors,
     }
@@ -151,12 +162,20 @@ class ScaledModels:
     def ar_beta(self) -> float:
         return self.perf.allreduce.beta * self._ring()[1]
 
+    def _tree(self) -> float:
+        w = self.perf.world_size or 2
+        return math.ceil(math.log2(self.workers)) / max(math.ceil(math.log2(w)), 1)
+
     def broadcast(self, dim: int) -> float:
         if self.workers == 1:
             return 0.0
-        w = self.perf.world_size or 2
-        scale = math.ceil(math.log2(self.workers)) / max(math.ceil(math.log2(w)), 1)
-        return self.perf.broadcast(dim) * scale
+        return self.perf.broadcast(dim) * self._tree()
+
+    def broadcast_elements(self, elements: float) -> float:
+        """Broadcast of a flat buffer, from the same fit (its ``m`` is ``d(d+1)/2`` there)."""
+        if self.workers == 1 or elements == 0:
+            return 0.0
+        return (self.perf.broadcast.alpha + self.perf.broadcast.beta * elements) * self._tree()
 
     def inverse(self, dim: int) -> float:
         return self.perf.inverse(dim)
@@ -235,9 +254,30 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
     }
     if kfac and workers > 1:
         parts["Other"] += profile.get("pack_unpack", 0.0) * f_share
+    if kfac and workers > 1 and cfg.get("distribute_preconditioning"):
+        parts["Other"] += _distributed_precondition_change(profile, m, workers, contention)
     if not kfac:
         parts["FF&BP"] = fwd + bwd - factor_compute  # SGD has no hooks' work
     return {"iteration": sum(parts.values()), **parts}
+
+
+def _distributed_precondition_change(profile: Dict, m: ScaledModels, workers: int, contention: bool) -> float:
+    """Seconds the split preconditioning adds to (negative: saves from) the single-worker ``step()``.
+
+    The busiest rank's share replaces the whole preconditioning; the fused
+    broadcasts of the results follow (one per rank; serialized under
+    ``contention``, else the last one is what is waited for).
+    """
+    layers = profile.get("precondition")
+    if not layers:
+        raise ValueError("this profile has no per-layer preconditioning times; re-run `spdkfac.simulate profile`")
+    costs = [p["g_dim"] * p["a_dim"] * (p["g_dim"] + p["a_dim"]) for p in layers]  # the optimizer's balancing key
+    owners = balance_by_cost(costs, workers)
+    per_rank = [sum(p["seconds"] for p, o in zip(layers, owners) if o == r) for r in range(workers)]
+    sizes = [sum(p["g_dim"] * p["a_dim"] for p, o in zip(layers, owners) if o == r) for r in range(workers)]
+    broadcasts = [m.broadcast_elements(n) for n in sizes]
+    comm = sum(broadcasts) if contention else max(broadcasts)
+    return max(per_rank) + comm - sum(p["seconds"] for p in layers)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -42,6 +42,7 @@ class IterationRecord:
     inverse_stage: float = 0.0  # wall time from first inversion until every inverse is held
     inverse_wait: float = 0.0  # non-overlapped inverse broadcast time
     precondition: float = 0.0
+    precondition_wait: float = 0.0  # blocked on broadcasts of preconditioned gradients (distribute_preconditioning)
 
     def rel(self, t: float) -> float:
         return t - self.t0

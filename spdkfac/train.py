@@ -61,6 +61,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--factor-update-freq", type=int, default=1)
     p.add_argument("--inv-update-freq", type=int, default=1)
     p.add_argument("--perf-model", default=None, help="fitted performance-model JSON (perfmodels/*.json)")
+    p.add_argument("--distribute-preconditioning", action="store_true",
+                   help="precondition each layer on one worker and broadcast the result (K-FAC optimizers)")
     p.add_argument("--synthetic-size", type=int, default=512)
     p.add_argument("--synthetic-shape", type=int, nargs="+", default=[3, 32, 32])
     p.add_argument("--out-dir", default="runs/latest", help="checkpoints and CSV log go here")
@@ -198,6 +200,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         kfac_kwargs = dict(
             damping=args.damping, factor_decay=args.factor_decay, kl_clip=args.kl_clip,
             factor_update_freq=args.factor_update_freq, inv_update_freq=args.inv_update_freq, perf_model=args.perf_model,
+            distribute_preconditioning=args.distribute_preconditioning,
         )
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     optimizer = make_optimizer(

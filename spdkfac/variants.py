@@ -22,6 +22,8 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     "+pipe-lbp": dict(pipelining=True, fusion="optimal", placement="seq"),
     "-pipe+lbp": dict(pipelining=False, fusion="threshold", placement="lbp"),
     "+pipe+lbp": dict(pipelining=True, fusion="optimal", placement="lbp"),
+    # Beyond the paper: SPD-KFAC with each layer preconditioned on one worker and the result broadcast (KAISA's MEM-OPT).
+    "spdkfac-dp": dict(pipelining=True, fusion="optimal", placement="lbp", distribute_preconditioning=True),
 }
 
 

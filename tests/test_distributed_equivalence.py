@@ -32,6 +32,11 @@ PLACEMENT_CONFIGS = {
     for placement in ("lbp", "seq", "local")
     for pm in ("default", "expensive-inverse")
 }
+# Distributed preconditioning: each layer preconditioned on one rank, results broadcast (with and without KL-clip,
+# with inverses owned and broadcast or inverted everywhere, and with steps that reuse old inverses).
+PLACEMENT_CONFIGS["dp-lbp"] = dict(BASE, placement="lbp", perf_model="expensive-inverse", distribute_preconditioning=True)
+PLACEMENT_CONFIGS["dp-local-noclip-freq"] = dict(BASE, placement="local", kl_clip=None, factor_update_freq=2,
+                                                 inv_update_freq=4, distribute_preconditioning=True)
 FREQ_CONFIGS = {
     "timeline": dict(BASE, fusion="optimal", placement="lbp", perf_model="big-alpha", timeline=True),
     "freq-2-4": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="optimal", placement="lbp",
@@ -120,3 +125,6 @@ def test_placements_match_single_process(engine, nproc, tmp_path):
     owners = dist["lbp-expensive-inverse"]["owners"]
     assert any(o >= 0 for o in owners.values()) and any(o == -1 for o in owners.values())
     assert set(dist["seq-default"]["owners"].values()) == set(range(nproc))
+    # Every rank preconditions some layer (4 layers over 2 or 3 ranks), and each layer exactly one.
+    assert set(dist["dp-lbp"]["precondition_owner"].values()) == set(range(nproc))
+    assert len(dist["dp-lbp"]["precondition_owner"]) == 4 and ref["dp-lbp"]["precondition_owner"] == {}

@@ -24,6 +24,7 @@ from spdkfac import NonFiniteFactorError, SPDKFACOptimizer
         (dict(lr=0.1, factor_update_freq=2, inv_update_freq=3), "multiple of factor_update_freq"),
         (dict(lr=0.1, fusion="fastest"), "fusion"),
         (dict(lr=0.1, placement="random"), "placement"),
+        (dict(lr=0.1, distribute_preconditioning="yes"), "distribute_preconditioning"),
         (dict(lr=0.1, backend="mpi"), "backend"),
         (dict(lr=0.1, fusion_threshold_bytes=0), "fusion_threshold_bytes"),
         (dict(lr=0.1, perf_model="/nonexistent/model.json"), "does not exist"),

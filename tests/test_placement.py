@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from spdkfac.placement import ALL, place, place_lbp, place_seq
+from spdkfac.placement import ALL, balance_by_cost, place, place_lbp, place_seq
 
 COMP = lambda d: 1e-10 * d**3 + 1e-5  # noqa: E731 - cubic inversion cost
 COMM = lambda d: 1e-3 + 1e-8 * d * (d + 1) / 2  # noqa: E731 - broadcast cost
@@ -72,3 +72,27 @@ def test_bad_input():
         place("lbp", [("a", 3)], 0, COMP, COMM)
     with pytest.raises(ValueError, match="unique"):
         place("lbp", [("a", 3), ("a", 4)], 2, COMP, COMM)
+
+
+def test_balance_by_cost_largest_first_to_least_loaded():
+    owners = balance_by_cost([5, 4, 3, 3, 1], 2)
+    assert owners == [0, 1, 1, 0, 1]  # 5->0, 4->1, 3->1 (4<5), 3->0 (5<7), 1->1 (7<8): loads 8 and 8
+    assert balance_by_cost([5, 4, 3], 1) == [0, 0, 0]
+    assert sorted(set(balance_by_cost([1.0] * 7, 3))) == [0, 1, 2]
+
+
+def test_balance_by_cost_never_worse_than_largest_item_plus_even_share():
+    rng = random.Random(0)
+    for _ in range(50):
+        costs = [rng.uniform(0, 10) for _ in range(rng.randint(1, 30))]
+        p = rng.randint(1, 6)
+        owners = balance_by_cost(costs, p)
+        loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(p)]
+        assert max(loads) <= max(costs) + sum(costs) / p + 1e-9  # the greedy bound
+
+
+def test_balance_by_cost_rejects_bad_input():
+    with pytest.raises(ValueError, match="world_size"):
+        balance_by_cost([1.0], 0)
+    with pytest.raises(ValueError, match="non-negative"):
+        balance_by_cost([1.0, float("nan")], 2)

@@ -63,3 +63,37 @@ def test_ring_scaling_of_allreduce():
     assert m8.ar_alpha == pytest.approx(7e-3)
     assert m8.ar_beta == pytest.approx(1e-8 * (7 / 8) / (1 / 2))
     assert m8.broadcast(100) == pytest.approx(3 * _perf().broadcast(100))
+
+
+def _with_preconditioning(prof, seconds=(0.4, 0.3, 0.2, 0.1, 0.05, 0.05)):
+    prof = dict(prof)
+    prof["precondition"] = [{"layer": f"l{i}", "seconds": t, "a_dim": 256 + 64 * i, "g_dim": 256 + 64 * i}
+                            for i, t in enumerate(seconds)]
+    prof["step_other"] = sum(seconds) + 0.01
+    return prof
+
+
+def test_distributed_preconditioning_replaces_the_total_by_the_busiest_rank_plus_broadcasts():
+    prof, perf = _with_preconditioning(_profile()), _perf()
+    spd = predict(prof, perf, 2, "spdkfac", contention=True)
+    dp = predict(prof, perf, 2, "spdkfac-dp", contention=True)
+    # Recomputed here from the optimizer's balancing: the busiest rank's share plus both broadcasts (contention).
+    m = ScaledModels(perf, 2)
+    from spdkfac.placement import balance_by_cost
+
+    layers = prof["precondition"]
+    owners = balance_by_cost([p["a_dim"] * p["g_dim"] * (p["a_dim"] + p["g_dim"]) for p in layers], 2)
+    busiest = max(sum(p["seconds"] for p, o in zip(layers, owners) if o == r) for r in range(2))
+    bcast = sum(m.broadcast_elements(sum(p["a_dim"] * p["g_dim"] for p, o in zip(layers, owners) if o == r)) for r in range(2))
+    assert dp["Other"] == pytest.approx(spd["Other"] - 1.1 + busiest + bcast)
+    assert dp["iteration"] < spd["iteration"]
+
+
+def test_distributed_preconditioning_needs_a_profile_with_per_layer_times():
+    with pytest.raises(ValueError, match="per-layer preconditioning"):
+        predict(_profile(), _perf(), 2, "spdkfac-dp")
+
+
+def test_distributed_preconditioning_changes_nothing_on_one_worker():
+    prof, perf = _with_preconditioning(_profile()), _perf()
+    assert predict(prof, perf, 1, "spdkfac-dp") == predict(prof, perf, 1, "spdkfac")

@@ -85,6 +85,7 @@ def main() -> None:
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "fusion_plan": opt.fusion_plan(),
             "owners": {str(a.key): a.owner for a in opt.placement_plan.assignments},
+            "precondition_owner": dict(opt.precondition_owner),
             "timeline": [asdict(it) for it in opt.timeline.iterations] if opt.timeline is not None else None,
         }
         opt.remove_hooks()
