@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, default=RESULTS / "profile_resnet50.json")
     ap.add_argument("--perf-model", default="perfmodels/reference-cpu-gloo-2.json")
     ap.add_argument("--no-contention", action="store_true", help="assume communication overlaps computation (GPU clusters)")
+    ap.add_argument("--out", default="simulator_check.json", help="file name under benchmarks/results/")
     args = ap.parse_args()
     profile = json.loads(args.profile.read_text())
     perf = PerfModel.load(args.perf_model)
@@ -33,6 +34,11 @@ def main() -> None:
     print(f"{'workers':>7} {'variant':<10} {'updates':>8} {'measured':>10} {'predicted':>10} {'error':>7}")
     for path in args.measured:
         data = json.loads(path.read_text())
+        workload = {k: data["args"].get(k) for k in ("model", "resolution", "batch_size")}
+        profiled = {k: profile.get(k) for k in workload}
+        if workload != profiled:
+            raise SystemExit(f"error: {path} measured {workload} but the profile {args.profile} is of {profiled}; "
+                             "profile the same workload (python -m spdkfac.simulate profile ...)")
         workers = data["world_size"]
         freq = tuple(data["args"]["update_freq"])
         for row in data["table"]:
@@ -43,7 +49,7 @@ def main() -> None:
             print(f"{workers:>7} {row['variant']:<10} {freq[0]:>3}/{freq[1]:<4} {row['mean_s']*1e3:9.1f}m {pred['iteration']*1e3:9.1f}m {err:+7.1%}")
     worst = max(abs(r["rel_error"]) for r in rows)
     print(f"largest error {worst:.1%}")
-    print(f"wrote {save_json({'rows': rows, 'largest_abs_error': worst, 'contention': not args.no_contention}, 'simulator_check.json')}")
+    print(f"wrote {save_json({'rows': rows, 'largest_abs_error': worst, 'contention': not args.no_contention}, args.out)}")
 
 
 if __name__ == "__main__":

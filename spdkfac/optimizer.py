@@ -16,8 +16,10 @@ Per step, on every worker:
 3. ``step()``: wait for gradients and factors, fold the averaged factors into
    running averages, invert them per the placement plan (owners broadcast the
    upper triangle of their inverses while inverting the next one), precondition
-   ``grad <- (G+γI)^-1 grad (A+γI)^-1``, scale by the KL-clip factor, and apply
-   momentum SGD with weight decay to every parameter.
+   ``grad <- (G+γI)^-1 grad (A+γI)^-1`` (every layer on every worker, or with
+   ``distribute_preconditioning`` each layer on one worker, results broadcast),
+   scale by the KL-clip factor, and apply momentum SGD with weight decay to
+   every parameter.
 """
 from __future__ import annotations
 
