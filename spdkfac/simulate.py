@@ -19,7 +19,11 @@ Scaling to P workers: the fitted file holds costs at its own world size W.
 All-reduce costs are scaled by the ring factor ``(P-1)/P`` relative to W's
 (alpha by ``(P-1)/(W-1)``), broadcasts by ``ceil(log2 P)/ceil(log2 W)`` (a
 tree). ``--contention`` models machines where communication needs the same
-cores as computation (CPU workers with no spare core): nothing overlaps.
+cores as computation (CPU workers with no spare core): nothing overlaps, and
+forward+backward (with the factor work in it) is slowed by the ratio the
+profile measured for plain-SGD passes with their real gradient all-reduces
+(Horovod's background thread and the copies cost CPU time throughout the
+backward pass, far more than the all-reduce model's transfer time).
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from .comm import CommBackend, get_backend
 from .fusion import plan_groups
 from .linalg import triangle_size
 from .perfmodels import PerfModel
@@ -48,8 +53,14 @@ PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "Invers
 
 
 # ----------------------------------------------------------------------------- profile
-def measure_profile(model_name: str, resolution: int, batch_size: int, iters: int = 4, threads: int = 1) -> Dict:
-    """Per-layer compute profile of one worker (single process, factors every iteration)."""
+def measure_profile(model_name: str, resolution: int, batch_size: int, iters: int = 4, threads: int = 1,
+                    comm: Optional[CommBackend] = None) -> Dict:
+    """Per-layer compute profile of one worker (factors every iteration, no communication).
+
+    With ``comm`` (the job's engine, several workers), the closing plain-SGD
+    passes run with their real gradient all-reduces, so the profile also
+    records how much communication slows forward+backward on this machine.
+    """
     from . import SPDKFACOptimizer
     from .models import get_model
 
@@ -98,15 +109,17 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
         precondition.append({"layer": layer.name, "seconds": (time.perf_counter() - t0) / 3,
                              "a_dim": layer.a_dim, "g_dim": layer.g_dim})
     opt.remove_hooks()
-    sgd = SPDKFACOptimizer(model, lr=1e-4, backend="single", precondition=False)
-    sgd_steps = []
+    sgd = SPDKFACOptimizer(model, lr=1e-4, backend=comm if comm is not None else "single", precondition=False)
+    sgd_steps, sgd_passes = [], []
     for it in range(iters + 1):
         sgd.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
         t0 = time.perf_counter()
+        nn.functional.cross_entropy(model(x), y).backward()
+        t1 = time.perf_counter()
         sgd.step()
         if it:
-            sgd_steps.append(time.perf_counter() - t0)
+            sgd_steps.append(time.perf_counter() - t1)
+            sgd_passes.append(t1 - t0)
     n = len(runs)
     keys = list(runs[0]["events"])
     factors = []
@@ -126,6 +139,8 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
         "backward": sum(r["backward"] for r in runs) / n,
         "step_other": sum(r["step"] for r in runs) / n,
         "sgd_step": sum(sgd_steps) / len(sgd_steps),
+        "sgd_forward_backward": sum(sgd_passes) / len(sgd_passes),  # with gradient all-reduces when comm_workers > 1
+        "comm_workers": sgd.backend.size,
         "pack_unpack": pack_unpack,
         "precondition": precondition,
         "other_grad_numel": sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in covered),
@@ -194,6 +209,10 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
     f_share = 1.0 / f_freq if kfac else 0.0
     i_share = 1.0 / i_freq if kfac else 0.0
     factor_compute = sum(f["compute"] for f in facs)
+    compute = fwd + bwd - factor_compute
+    inflation = 1.0  # how much concurrent communication slows forward+backward (CPU workers)
+    if contention and workers > 1 and profile.get("comm_workers", 1) > 1:
+        inflation = max(1.0, profile["sgd_forward_backward"] / compute)
 
     launches: List[tuple] = []  # (launch time, elements, kind) in one engine queue
     g_facs = [f for f in facs if f["kind"] == "G"]
@@ -244,9 +263,10 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
         inverse_comp = sum(a.t_comp for a in own)
         inverse_comm = spans[critical] - inverse_comp
     parts = {
-        "FF&BP": fwd + bwd - factor_compute * f_share,
+        # The profile computes factors in every pass; they are charged once, as FactorComp, at their share.
+        "FF&BP": compute * inflation,
         "GradComm": grad_blocked if workers > 1 else 0.0,
-        "FactorComp": factor_compute * f_share,
+        "FactorComp": factor_compute * f_share * inflation,
         "FactorComm": factor_blocked * f_share,
         "InverseComp": inverse_comp * i_share,
         "InverseComm": inverse_comm * i_share,
@@ -256,8 +276,6 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
         parts["Other"] += profile.get("pack_unpack", 0.0) * f_share
     if kfac and workers > 1 and cfg.get("distribute_preconditioning"):
         parts["Other"] += _distributed_precondition_change(profile, m, workers, contention)
-    if not kfac:
-        parts["FF&BP"] = fwd + bwd - factor_compute  # SGD has no hooks' work
     return {"iteration": sum(parts.values()), **parts}
 
 
@@ -301,13 +319,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     if args.cmd == "profile":
-        # Under a launcher, every worker profiles at once (no communication), so the profile sees
-        # the same sharing of cores and memory bandwidth as a real run; rank 0 writes it.
+        # Under a launcher, every worker profiles at once, so the profile sees the same sharing of
+        # cores and memory bandwidth as a real run (and the SGD passes the real gradient all-reduces).
         import os
 
         rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "0")))
-        prof = measure_profile(args.model, args.resolution, args.batch_size, args.iters, args.threads)
-        prof["concurrent_workers"] = int(os.environ.get("HOROVOD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        workers = int(os.environ.get("HOROVOD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        comm = get_backend("auto") if workers > 1 else None
+        prof = measure_profile(args.model, args.resolution, args.batch_size, args.iters, args.threads, comm)
+        prof["concurrent_workers"] = workers
         if rank != 0:
             return 0
         with open(args.out, "w") as fh:

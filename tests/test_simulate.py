@@ -55,6 +55,9 @@ def test_amortised_updates_shrink_kfac_parts():
     amort = predict(prof, perf, 2, "spdkfac", update_freq=(10, 100))
     assert amort["InverseComp"] == pytest.approx(every["InverseComp"] / 100)
     assert amort["FactorComp"] == pytest.approx(every["FactorComp"] / 10)
+    # The hooks' factor work is not left in FF&BP on the steps that skip it.
+    factor_compute = sum(f["compute"] for f in prof["factors"])
+    assert amort["FF&BP"] == pytest.approx(every["FF&BP"]) == pytest.approx(prof["forward"] + prof["backward"] - factor_compute)
 
 
 def test_ring_scaling_of_allreduce():
@@ -97,3 +100,17 @@ def test_distributed_preconditioning_needs_a_profile_with_per_layer_times():
 def test_distributed_preconditioning_changes_nothing_on_one_worker():
     prof, perf = _with_preconditioning(_profile()), _perf()
     assert predict(prof, perf, 1, "spdkfac-dp") == predict(prof, perf, 1, "spdkfac")
+
+
+def test_contention_slows_compute_by_the_profiled_sgd_ratio():
+    prof = dict(_profile(), sgd_forward_backward=1.5 * 0.19, comm_workers=2)  # 0.19 = forward + backward
+    prof["forward"], prof["backward"] = 0.07 + 0.012, 0.12 + 0.012  # the hooks' factor work (12 x 0.002 s) in the passes
+    perf = _perf()
+    busy = predict(prof, perf, 2, "spdkfac", contention=True)
+    assert busy["FF&BP"] == pytest.approx(1.5 * 0.19)
+    assert busy["FactorComp"] == pytest.approx(1.5 * 0.024)
+    free = predict(prof, perf, 2, "spdkfac")  # no contention: nothing slowed
+    assert free["FF&BP"] == pytest.approx(0.19) and free["FactorComp"] == pytest.approx(0.024)
+    assert predict(prof, perf, 1, "spdkfac", contention=True)["FF&BP"] == pytest.approx(0.19)  # no communication
+    single = dict(prof, comm_workers=1)  # profiled without communication: no ratio known
+    assert predict(single, perf, 2, "spdkfac", contention=True)["FF&BP"] == pytest.approx(0.19)
