@@ -114,3 +114,24 @@ def test_contention_slows_compute_by_the_profiled_sgd_ratio():
     assert predict(prof, perf, 1, "spdkfac", contention=True)["FF&BP"] == pytest.approx(0.19)  # no communication
     single = dict(prof, comm_workers=1)  # profiled without communication: no ratio known
     assert predict(single, perf, 2, "spdkfac", contention=True)["FF&BP"] == pytest.approx(0.19)
+
+
+def test_profile_under_a_launcher_records_layers_and_sgd_with_real_allreduces(tmp_path):
+    """`simulate profile` on 2 real workers (torchrun): per-layer times, and the SGD passes ran with communication."""
+    import json
+
+    from launch import run_workers
+    from spdkfac.layers import kfac_layers
+    from spdkfac.models import get_model
+
+    out = tmp_path / "profile.json"
+    run_workers("torch", 2, ["-m", "spdkfac.simulate", "profile", "--model", "cifar_resnet20", "--resolution", "8",
+                             "--batch-size", "2", "--iters", "1", "--out", str(out)])
+    prof = json.loads(out.read_text())
+    assert prof["comm_workers"] == prof["concurrent_workers"] == 2
+    n_layers = len(kfac_layers(get_model("cifar_resnet20")))
+    assert len(prof["factors"]) == 2 * n_layers and len(prof["precondition"]) == n_layers
+    assert all(f["compute"] > 0 and f["ready"] > 0 for f in prof["factors"])
+    assert prof["sgd_forward_backward"] > 0 and prof["forward"] > 0 and prof["backward"] > 0
+    predicted = predict(prof, PerfModel.default(), 4, "spdkfac-dp", contention=True)
+    assert predicted["iteration"] >= predicted["FF&BP"] > 0
