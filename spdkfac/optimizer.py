@@ -37,7 +37,7 @@ from .layers import FACTOR_KINDS, KFACLayer, factor_list, kfac_layers
 from .inversion import compute_inverses
 from .linalg import all_finite, invert_spd, triangle_size
 from .perfmodels import PerfModel, load_perf_model
-from .placement import PLACEMENTS, PlacementPlan, balance_by_cost, place
+from .placement import PLACEMENTS, PlacementPlan, balance_by_cost, place, preconditioning_cost
 from .timeline import FactorEvent, IterationRecord, Timeline
 
 __all__ = ["SPDKFACOptimizer", "NonFiniteFactorError"]
@@ -248,7 +248,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.distribute_preconditioning = distribute_preconditioning
         self.precondition_owner: Dict[str, int] = {}
         if distribute_preconditioning and self.backend.size > 1:
-            costs = [layer.g_dim * layer.a_dim * (layer.g_dim + layer.a_dim) for layer in self.layers]  # ~ matmul flops / 2
+            costs = [preconditioning_cost(layer.a_dim, layer.g_dim) for layer in self.layers]
             owners = balance_by_cost(costs, self.backend.size)
             self.precondition_owner = {layer.name: rank for layer, rank in zip(self.layers, owners)}
 

@@ -28,6 +28,7 @@ from typing import Callable, Dict, Hashable, List, Sequence, Tuple
 
 __all__ = [
     "ALL", "PLACEMENTS", "Assignment", "PlacementPlan", "place", "place_lbp", "place_seq", "place_local", "balance_by_cost",
+    "preconditioning_cost",
 ]
 
 ALL = -1  # owner value of a factor every rank inverts
@@ -184,6 +185,11 @@ def place(
     if strategy not in solvers:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {strategy!r}")
     return solvers[strategy](factors, world_size, t_comp, t_comm)
+
+
+def preconditioning_cost(a_dim: int, g_dim: int) -> float:
+    """Relative cost of ``G_inv @ grad @ A_inv`` for a ``g_dim x a_dim`` gradient (half its matmul flops)."""
+    return float(g_dim * a_dim * (g_dim + a_dim))
 
 
 def balance_by_cost(costs: Sequence[float], world_size: int) -> List[int]:

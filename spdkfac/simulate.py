@@ -44,7 +44,7 @@ from .comm import CommBackend, get_backend
 from .fusion import plan_groups
 from .linalg import triangle_size
 from .perfmodels import PerfModel
-from .placement import balance_by_cost, place
+from .placement import balance_by_cost, place, preconditioning_cost
 from .variants import VARIANTS
 
 __all__ = ["measure_profile", "predict", "ScaledModels"]
@@ -289,8 +289,7 @@ def _distributed_precondition_change(profile: Dict, m: ScaledModels, workers: in
     layers = profile.get("precondition")
     if not layers:
         raise ValueError("this profile has no per-layer preconditioning times; re-run `spdkfac.simulate profile`")
-    costs = [p["g_dim"] * p["a_dim"] * (p["g_dim"] + p["a_dim"]) for p in layers]  # the optimizer's balancing key
-    owners = balance_by_cost(costs, workers)
+    owners = balance_by_cost([preconditioning_cost(p["a_dim"], p["g_dim"]) for p in layers], workers)  # as the optimizer
     per_rank = [sum(p["seconds"] for p, o in zip(layers, owners) if o == r) for r in range(workers)]
     sizes = [sum(p["g_dim"] * p["a_dim"] for p, o in zip(layers, owners) if o == r) for r in range(workers)]
     broadcasts = [m.broadcast_elements(n) for n in sizes]
