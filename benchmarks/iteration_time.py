@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from spdkfac import make_optimizer
+from spdkfac.variants import variant_config
 from spdkfac.comm import DEVICE_CHOICES, worker_device
 from spdkfac.models import get_model
 
@@ -53,8 +54,9 @@ def run_variant(variant: str, args, backend, x, y) -> Dict[str, object]:
     model = get_model(args.model).to(x.device)
     if x.is_cuda:
         torch.cuda.reset_peak_memory_stats()
+    kfac = variant_config(variant).get("precondition", True)
     kw = {"timeline": True}  # SGD too, so its gradient wait is measured the same way
-    if variant != "sgd":
+    if kfac:
         kw = dict(perf_model=args.perf_model, factor_update_freq=args.update_freq[0], inv_update_freq=args.update_freq[1],
                   kl_clip=None, profile_steps=3, timeline=True)
     opt = make_optimizer(variant, model, lr=1e-4, momentum=0.9, backend=backend, **kw)
@@ -76,7 +78,7 @@ def run_variant(variant: str, args, backend, x, y) -> Dict[str, object]:
     inv_freq = args.update_freq[1]
     window = range(args.warmup, args.warmup + args.iters)
     amortised_inverse = 0.0
-    if variant != "sgd" and not any(s % inv_freq == 0 for s in window):
+    if kfac and not any(s % inv_freq == 0 for s in window):
         # No inversion inside the measured window: time one inversion stage on the current
         # factors and charge 1/inv_freq of it to every iteration.
         backend.barrier()
@@ -92,13 +94,13 @@ def run_variant(variant: str, args, backend, x, y) -> Dict[str, object]:
     parts["InverseComm"] = sum(r.inverse_wait for r in recs) / n
     parts["InverseComp"] = sum(r.inverse_stage - r.inverse_wait for r in recs) / n + amortised_inverse
     parts["GradComm"] = sum(r.grad_wait for r in recs) / n if recs else None
-    if variant == "sgd" or parts["GradComm"] is None or len(recs) < n:
+    if not kfac or parts["GradComm"] is None or len(recs) < n:
         # No timeline on these steps: time the gradient wait directly is not possible, so fold it into Other.
         parts["GradComm"] = parts["GradComm"] or 0.0
     it_mean += amortised_inverse
     total = [t + amortised_inverse for t in total]
     parts["Other"] = max(0.0, it_mean - sum(v for k, v in parts.items() if k != "Other"))
-    mem = {"rss_mb": _rss_mb(), "kfac_state_mb": sum(opt.memory_usage().values()) / 2**20 if variant != "sgd" else 0.0}
+    mem = {"rss_mb": _rss_mb(), "kfac_state_mb": sum(opt.memory_usage().values()) / 2**20 if kfac else 0.0}
     if x.is_cuda:
         mem["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
     if hasattr(opt, "remove_hooks"):
@@ -114,10 +116,17 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
                     help="auto: the worker's own GPU (local rank) when CUDA is available, else the CPU")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--variants", nargs="*", default=VARIANTS)
+    ap.add_argument("--variants", nargs="*", default=VARIANTS,
+                    help="variant names, or name:key=value,... for a variant with a switch changed "
+                         "(e.g. spdkfac:overlap_preconditioning=false)")
     ap.add_argument("--update-freq", type=int, nargs=2, default=[1, 1], metavar=("FACTOR", "INVERSE"))
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/iteration_time[_amortised].json)")
     args = ap.parse_args()
+    for v in args.variants:
+        try:
+            variant_config(v)
+        except ValueError as exc:
+            ap.error(str(exc))
     backend = start(args)
     rank = backend.rank
     suffix = "" if args.update_freq == [1, 1] else "_amortised"

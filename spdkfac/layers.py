@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .conv_gram import conv_input_gram
 from .linalg import symmetric_gram
 
 __all__ = ["KFACLayer", "RowExtractor", "make_extractor", "kfac_layers", "factor_list", "FACTOR_KINDS"]
@@ -42,6 +43,10 @@ class RowExtractor(abc.ABC):
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+
+    def input_gram(self, x: torch.Tensor, with_bias: bool) -> Optional[Tuple[torch.Tensor, int]]:
+        """``rows^T rows`` (with a ones column if ``with_bias``) and the row count, when cheaper than the rows; else None."""
+        return None
 
     @property
     def has_bias(self) -> bool:
@@ -112,6 +117,18 @@ class _Conv2dRows(RowExtractor):
 
     def grad_output_rows(self, g: torch.Tensor) -> torch.Tensor:
         return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
+
+    def input_gram(self, x: torch.Tensor, with_bias: bool) -> Optional[Tuple[torch.Tensor, int]]:
+        """Stride 1, kernel > 1x1: the rows' Gram from shared shifts (:mod:`spdkfac.conv_gram`), and the row count."""
+        m = self.module
+        if tuple(m.stride) != (1, 1):
+            return None
+        gram = conv_input_gram(x, m.kernel_size, self.padding, m.dilation, with_bias)
+        if gram is None:
+            return None
+        out_h = x.shape[2] + 2 * self.padding[0] - m.dilation[0] * (m.kernel_size[0] - 1)
+        out_w = x.shape[3] + 2 * self.padding[1] - m.dilation[1] * (m.kernel_size[1] - 1)
+        return gram, x.shape[0] * out_h * out_w
 
     @property
     def in_dim(self) -> int:
@@ -192,7 +209,12 @@ class KFACLayer:
     def compute_a(self, x: torch.Tensor) -> torch.Tensor:
         """Batch factor ``A`` from the layer input (mean over rows)."""
         with torch.autocast(x.device.type, enabled=False):  # under AMP the input may be half precision
-            rows = self.rows.input_rows(x.detach().to(self.factor_dtype))
+            x = x.detach().to(self.factor_dtype)
+            shared = self.rows.input_gram(x, self.has_bias)
+            if shared is not None:
+                gram, count = shared
+                return gram.div_(count)
+            rows = self.rows.input_rows(x)
             if self.has_bias:
                 rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
             return symmetric_gram(rows).div_(rows.shape[0])

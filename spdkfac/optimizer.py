@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union, cast
 
 import torch
 import torch.nn as nn
@@ -115,6 +115,12 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             gradients per step for ``1/P`` of the preconditioning compute:
             worth it where the preconditioning matmuls are slow next to the
             network (CPU workers, or factors updated rarely). Same result.
+        overlap_preconditioning: on steps that keep the current inverses
+            (all but one in ``inv_update_freq``), precondition each layer as
+            soon as its averaged gradient arrives, last layer first, so that
+            the gradient all-reduce of the earlier layers hides behind the
+            preconditioning matmuls of the later ones (not in the paper; the
+            D-KFAC and MPD-KFAC baselines turn it off). Same result.
         perf_model: path to a fitted performance-model JSON, a
             :class:`~spdkfac.perfmodels.PerfModel`, or None for the built-in
             uncalibrated default (warns once).
@@ -154,6 +160,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         pipelining: bool = True,
         placement: str = "lbp",
         distribute_preconditioning: bool = False,
+        overlap_preconditioning: bool = True,
         perf_model: Union[None, str, PerfModel] = None,
         fusion_threshold_bytes: int = 64 * 1024 * 1024,
         profile_steps: int = 3,
@@ -185,6 +192,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             raise TypeError(f"pipelining must be a bool, got {type(pipelining).__name__}")
         if not isinstance(distribute_preconditioning, bool):
             raise TypeError(f"distribute_preconditioning must be a bool, got {type(distribute_preconditioning).__name__}")
+        if not isinstance(overlap_preconditioning, bool):
+            raise TypeError(f"overlap_preconditioning must be a bool, got {type(overlap_preconditioning).__name__}")
         _check_freq("profile_steps", profile_steps)
         if replan_interval is not None:
             _check_freq("replan_interval", replan_interval)
@@ -246,6 +255,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         )
         # Layer name -> the rank that preconditions it (empty: every rank preconditions every layer).
         self.distribute_preconditioning = distribute_preconditioning
+        self.overlap_preconditioning = overlap_preconditioning
+        self.overlapped_steps = 0  # steps that preconditioned while gradients were still being averaged
         self.precondition_owner: Dict[str, int] = {}
         if distribute_preconditioning and self.backend.size > 1:
             costs = [preconditioning_cost(layer.a_dim, layer.g_dim) for layer in self.layers]
@@ -375,13 +386,18 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
-            self.synchronize()
+            overlap = self._overlapping_preconditioning()
+            if not overlap:
+                self.synchronize()
             if self._is_factor_step():
                 self._update_factors()
             if self._is_inverse_step():
                 self._update_inverses()
             if self.precondition:
-                self._precondition()
+                self._precondition(wait_for_grads=overlap)
+            if overlap:
+                self.synchronize()  # the parameters outside the preconditioned layers
+                self.overlapped_steps += 1
             self._sgd_update()
             self.steps += 1
             if self.timeline is not None and self._record is not None:
@@ -420,17 +436,37 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if self._grads_synchronized or self.backend.size == 1:
             self._grads_synchronized = True
             return
+        self._start_missing_grad_allreduces()
+        self._wait_grads(self._grad_handles)
+        self._grads_synchronized = True
+
+    def _start_missing_grad_allreduces(self) -> None:
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and p not in self._grad_handles:
                     # Gradient set outside autograd's accumulation (or hook not fired): average it now.
                     self._start_grad_allreduce(p)
+
+    def _wait_grads(self, params: Iterable[torch.Tensor]) -> None:
+        """Block until these parameters' gradient all-reduces are done (timed as non-overlapped GradComm)."""
         t0 = Timeline.now() if self._record is not None else 0.0
-        for handle in self._grad_handles.values():
-            handle.wait()
+        for p in params:
+            handle = self._grad_handles.get(p)
+            if handle is not None:
+                handle.wait()
         if self._record is not None:
             self._record.grad_wait += Timeline.now() - t0
-        self._grads_synchronized = True
+
+    def _overlapping_preconditioning(self) -> bool:
+        """Whether this step preconditions layers as their gradients arrive (see ``overlap_preconditioning``)."""
+        if not (self.overlap_preconditioning and self.precondition and self.backend.size > 1):
+            return False
+        if self._grads_synchronized or self._is_inverse_step():
+            return False
+        if any(layer.A_inv is None or layer.G_inv is None for layer in self.layers):
+            return False  # the plain path raises the error
+        self._start_missing_grad_allreduces()
+        return True
 
     def _update_factors(self) -> None:
         if not self.pipelining:
@@ -549,64 +585,93 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self._layer_by_name[name].set_inverse(kind, inverse)
 
     # ----------------------------------------------------------- preconditioning
-    def _precondition(self) -> None:
+    def _layer_grad(self, layer: KFACLayer, wait: bool) -> torch.Tensor:
+        """The layer's averaged gradient matrix, first waiting for its all-reduces if ``wait``."""
+        if wait:
+            self._wait_grads([layer.module.weight, layer.module.bias] if layer.has_bias else [layer.module.weight])
+        return cast(torch.Tensor, layer.grad_matrix())  # callers pass layers whose weight has a gradient
+
+    def _precondition(self, wait_for_grads: bool = False) -> None:
+        """Replace each layer's gradient by ``G_inv @ grad @ A_inv`` (KL-clipped).
+
+        With ``wait_for_grads`` the gradient all-reduces are still running:
+        layers are taken last first (the order their gradients were sent in)
+        and each waits only for its own gradient.
+        """
         group = self.param_groups[0]
         rec = self._record
         t0 = Timeline.now() if rec is not None else 0.0
-        grads = [(layer, grad) for layer in self.layers if (grad := layer.grad_matrix()) is not None]
+        waited0 = rec.grad_wait if rec is not None else 0.0
+        layers = [layer for layer in self.layers if layer.module.weight.grad is not None]
         if self.precondition_owner:
-            updates = self._precondition_distributed(grads)
+            grads, updates = self._precondition_distributed(layers, wait_for_grads)
         else:
-            updates = [layer.precondition(grad) for layer, grad in grads]
+            grads = [cast(torch.Tensor, None)] * len(layers)
+            updates = [cast(torch.Tensor, None)] * len(layers)
+            for i in reversed(range(len(layers))) if wait_for_grads else range(len(layers)):
+                grads[i] = self._layer_grad(layers[i], wait_for_grads)
+                updates[i] = layers[i].precondition(grads[i])
         vg_sum = 0.0
         if group["kl_clip"] is not None:
-            for (_, grad), update in zip(grads, updates):
+            for grad, update in zip(grads, updates):
                 vg_sum += float((update * grad).sum()) * group["lr"] ** 2
         scale = 1.0
         if group["kl_clip"] is not None and vg_sum > 0:
             scale = min(1.0, math.sqrt(group["kl_clip"] / vg_sum))
-        for (layer, _), update in zip(grads, updates):
+        for layer, update in zip(layers, updates):
             layer.write_grad(update.mul_(scale) if scale != 1.0 else update)
         if rec is not None:
-            rec.precondition += Timeline.now() - t0
+            rec.precondition += Timeline.now() - t0 - (rec.grad_wait - waited0)
 
-    def _precondition_distributed(self, grads: List[Tuple[KFACLayer, torch.Tensor]]) -> List[torch.Tensor]:
+    def _precondition_distributed(
+        self, layers: List[KFACLayer], wait_for_grads: bool
+    ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """Precondition this rank's layers, broadcast them fused, receive every other rank's.
 
         The broadcasts are issued in rank order on every rank (a receive
-        before this rank's own work, so it completes while this rank computes).
+        before this rank's own work, so it completes while this rank
+        computes). Returns every layer's averaged gradient and update.
         """
-        missing = [layer.name for layer, _ in grads if layer.A_inv is None or layer.G_inv is None]
+        missing = [layer.name for layer in layers if layer.A_inv is None or layer.G_inv is None]
         if missing:  # checked on every rank before any broadcast, so no rank is left waiting
             raise RuntimeError(f"layers {missing} have no inverses yet; factors were never updated")
         owned: List[List[int]] = [[] for _ in range(self.backend.size)]
-        for i, (layer, _) in enumerate(grads):
+        for i, layer in enumerate(layers):
             owned[self.precondition_owner[layer.name]].append(i)
+        grads: List[Optional[torch.Tensor]] = [None] * len(layers)
         pending: List[Tuple[Handle, torch.Tensor, List[int]]] = []
         for rank, indices in enumerate(owned):
             if not indices:
                 continue
-            dtype = grads[indices[0]][0].G_inv.dtype
+            dtype = layers[indices[0]].G_inv.dtype
             for i in indices[1:]:
-                dtype = torch.promote_types(dtype, grads[i][0].G_inv.dtype)
+                dtype = torch.promote_types(dtype, layers[i].G_inv.dtype)
             if rank == self.backend.rank:
-                buffer = torch.cat([grads[i][0].precondition(grads[i][1]).reshape(-1).to(dtype) for i in indices])
+                results: Dict[int, torch.Tensor] = {}
+                for i in reversed(indices) if wait_for_grads else indices:
+                    grads[i] = grad = self._layer_grad(layers[i], wait_for_grads)
+                    results[i] = layers[i].precondition(grad).reshape(-1).to(dtype)
+                buffer = torch.cat([results[i] for i in indices])
             else:
-                numel = sum(grads[i][1].numel() for i in indices)
-                buffer = torch.empty(numel, dtype=dtype, device=grads[indices[0]][1].device)
+                numel = sum(layers[i].g_dim * layers[i].a_dim for i in indices)
+                buffer = torch.empty(numel, dtype=dtype, device=layers[indices[0]].module.weight.device)
             pending.append((self.backend.broadcast_async(buffer, rank, f"spdkfac.precondition.{rank}"), buffer, indices))
         t0 = Timeline.now()
-        updates: List[Optional[torch.Tensor]] = [None] * len(grads)
+        updates: List[Optional[torch.Tensor]] = [None] * len(layers)
         for handle, buffer, indices in pending:
             handle.wait()
             offset = 0
             for i in indices:
-                grad = grads[i][1]
-                updates[i] = buffer[offset : offset + grad.numel()].view(grad.shape)
-                offset += grad.numel()
+                shape = (layers[i].g_dim, layers[i].a_dim)
+                updates[i] = buffer[offset : offset + shape[0] * shape[1]].view(shape)
+                offset += shape[0] * shape[1]
         if self._record is not None:
             self._record.precondition_wait += Timeline.now() - t0
-        return cast(List[torch.Tensor], updates)  # every index belongs to exactly one rank's buffer
+        for i, layer in enumerate(layers):
+            if grads[i] is None:  # another rank's layer: its gradient is still needed for the KL clip
+                grads[i] = self._layer_grad(layer, wait_for_grads)
+        # every index belongs to exactly one rank's buffer and every gradient is now read
+        return cast(List[torch.Tensor], grads), cast(List[torch.Tensor], updates)
 
     def _sgd_update(self) -> None:
         for group in self.param_groups:

@@ -13,7 +13,10 @@ with: factor groups from :func:`spdkfac.fusion.plan_groups` (launched when
 their last member is ready, or after backward without pipelining), gradient
 all-reduces launched as each layer's backward finishes, one communication
 engine serving launches in order with ``t(m) = alpha + beta*m``, then the
-inversion stage's makespan from :func:`spdkfac.placement.place`.
+inversion stage's makespan from :func:`spdkfac.placement.place`. On steps that
+keep the inverses, variants with ``overlap_preconditioning`` hide up to their
+preconditioning time of the gradient wait. Variants may carry changes
+(``'spdkfac:overlap_preconditioning=false'``, see :func:`spdkfac.variants.variant_config`).
 
 Scaling to P workers: the fitted file holds costs at its own world size W.
 All-reduce costs are scaled by the ring factor ``(P-1)/P`` relative to W's
@@ -45,7 +48,7 @@ from .fusion import plan_groups
 from .linalg import triangle_size
 from .perfmodels import PerfModel
 from .placement import balance_by_cost, place, preconditioning_cost
-from .variants import VARIANTS
+from .variants import variant_config
 
 __all__ = ["measure_profile", "predict", "ScaledModels"]
 
@@ -201,7 +204,7 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
             update_freq: tuple = (1, 1)) -> Dict[str, float]:
     """Predicted seconds per iteration and its breakdown for ``variant`` on ``workers`` workers."""
     m = ScaledModels(perf, workers)
-    cfg = VARIANTS[variant]
+    cfg = variant_config(variant)
     fwd, bwd = profile["forward"], profile["backward"]
     facs = profile["factors"]
     kfac = cfg.get("precondition", True)
@@ -276,7 +279,21 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
         parts["Other"] += profile.get("pack_unpack", 0.0) * f_share
     if kfac and workers > 1 and cfg.get("distribute_preconditioning"):
         parts["Other"] += _distributed_precondition_change(profile, m, workers, contention)
+    if kfac and workers > 1 and not contention and cfg.get("overlap_preconditioning", True):
+        # On steps that keep the inverses, the preconditioning of the layers whose gradients have arrived
+        # runs while the rest are still averaged: the blocked wait shrinks by up to this rank's preconditioning.
+        hidden = min(parts["GradComm"], _preconditioning_busy(profile, workers, cfg.get("distribute_preconditioning", False)))
+        parts["GradComm"] -= hidden * (1.0 - i_share)
     return {"iteration": sum(parts.values()), **parts}
+
+
+def _preconditioning_busy(profile: Dict, workers: int, distributed: bool) -> float:
+    """Seconds of preconditioning matmuls on the busiest rank (0 for profiles without per-layer times)."""
+    layers = profile.get("precondition") or []
+    if not distributed:
+        return sum(p["seconds"] for p in layers)
+    owners = balance_by_cost([preconditioning_cost(p["a_dim"], p["g_dim"]) for p in layers], workers)
+    return max((sum(p["seconds"] for p, o in zip(layers, owners) if o == r) for r in range(workers)), default=0.0)
 
 
 def _distributed_precondition_change(profile: Dict, m: ScaledModels, workers: int, contention: bool) -> float:
@@ -290,11 +307,10 @@ def _distributed_precondition_change(profile: Dict, m: ScaledModels, workers: in
     if not layers:
         raise ValueError("this profile has no per-layer preconditioning times; re-run `spdkfac.simulate profile`")
     owners = balance_by_cost([preconditioning_cost(p["a_dim"], p["g_dim"]) for p in layers], workers)  # as the optimizer
-    per_rank = [sum(p["seconds"] for p, o in zip(layers, owners) if o == r) for r in range(workers)]
     sizes = [sum(p["g_dim"] * p["a_dim"] for p, o in zip(layers, owners) if o == r) for r in range(workers)]
     broadcasts = [m.broadcast_elements(n) for n in sizes]
     comm = sum(broadcasts) if contention else max(broadcasts)
-    return max(per_rank) + comm - sum(p["seconds"] for p in layers)
+    return _preconditioning_busy(profile, workers, True) + comm - sum(p["seconds"] for p in layers)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -337,10 +353,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(args.profile) as fh:
         prof = json.load(fh)
     perf = PerfModel.load(args.perf_model)
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown:
-        print(f"error: unknown variants {unknown}; choose from {sorted(VARIANTS)}", file=sys.stderr)
-        return 2
+    for v in args.variants:
+        try:
+            variant_config(v)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     out = {}
     print(f"{'workers':>7} {'variant':<10} {'iter (ms)':>10} " + " ".join(f"{k:>11}" for k in PARTS))
     for w in args.workers:

@@ -39,8 +39,12 @@ PLACEMENT_CONFIGS["dp-local-noclip-freq"] = dict(BASE, placement="local", kl_cli
                                                  inv_update_freq=4, distribute_preconditioning=True)
 FREQ_CONFIGS = {
     "timeline": dict(BASE, fusion="optimal", placement="lbp", perf_model="big-alpha", timeline=True),
+    # Steps 1-3 and 5 keep the inverses: preconditioning overlaps the gradient all-reduce (or, without
+    # overlap_preconditioning, waits for every gradient first as the paper's baselines do).
     "freq-2-4": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="optimal", placement="lbp",
                      perf_model="expensive-inverse"),
+    "freq-1-3-no-overlap": dict(BASE, factor_update_freq=1, inv_update_freq=3, fusion="optimal", placement="lbp",
+                                overlap_preconditioning=False),
     # GradScaler loop; step 2 has a NaN on one worker only, so every worker must skip it and drop its factors.
     "grad-scaler-skip": dict(BASE, fusion="optimal", placement="lbp", perf_model="expensive-inverse",
                              amp={"init_scale": 2.0**10, "nan_step": 2}),
@@ -92,6 +96,8 @@ def test_fusion_policies_match_single_process(engine, tmp_path):
     assert len(dist["naive"]["fusion_plan"]["G"]) == 1
     assert len(dist["tiny-threshold"]["fusion_plan"]["A"]) > 1
     assert dist["replan"]["fusion_plans_made"] == 2
+    assert dist["freq-2-4"]["overlapped_steps"] == 4 and ref["freq-2-4"]["overlapped_steps"] == 0
+    assert dist["freq-1-3-no-overlap"]["overlapped_steps"] == 0 and dist["timeline"]["overlapped_steps"] == 0
     assert dist["grad-scaler-skip"]["steps"] == ref["grad-scaler-skip"]["steps"] == STEPS - 1
     _assert_timeline_consistent(dist["timeline"]["timeline"], n_layers=4)
 
@@ -128,3 +134,4 @@ def test_placements_match_single_process(engine, nproc, tmp_path):
     # Every rank preconditions some layer (4 layers over 2 or 3 ranks), and each layer exactly one.
     assert set(dist["dp-lbp"]["precondition_owner"].values()) == set(range(nproc))
     assert len(dist["dp-lbp"]["precondition_owner"]) == 4 and ref["dp-lbp"]["precondition_owner"] == {}
+    assert dist["dp-local-noclip-freq"]["overlapped_steps"] == 4  # distributed preconditioning as gradients arrive

@@ -133,6 +133,33 @@ def test_conv_input_rows_match_explicit_im2col(kernel, stride, padding, dilation
     torch.testing.assert_close(rows @ conv.weight.reshape(4, -1).T + conv.bias, out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "kernel,padding,dilation,size",
+    [((3, 3), (1, 1), (1, 1), (7, 7)), ((3, 3), (0, 0), (1, 1), (6, 5)), ((2, 3), (0, 1), (1, 1), (5, 8)),
+     ((3, 3), (2, 2), (2, 2), (6, 6)), ((5, 5), (2, 2), (1, 1), (3, 4)), ((3, 1), (4, 0), (1, 1), (2, 5)),
+     ((7, 7), (3, 3), (1, 1), (9, 9))],
+)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_stride1_conv_factor_from_shared_shifts_equals_explicit_im2col_gram(kernel, padding, dilation, size, bias, channels_last):
+    """The A factor of a stride-1 conv (built from shifted sums, never from im2col rows) is the rows' mean Gram."""
+    from spdkfac.layers import KFACLayer, make_extractor
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, kernel, padding=padding, dilation=dilation, bias=bias).double()
+    x = torch.randn(2, 3, *size, dtype=torch.float64)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    layer = KFACLayer("conv", conv, make_extractor(conv))
+    assert layer.rows.input_gram(x, bias) is not None  # the shared-shift path is the one under test
+    rows = _patches_general(x, kernel, (1, 1), padding, dilation)
+    if bias:
+        rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], dim=1)
+    a = layer.compute_a(x)
+    torch.testing.assert_close(a, rows.T @ rows / rows.shape[0], rtol=1e-12, atol=1e-12)
+    assert torch.equal(a, a.T)
+
+
 def test_unsupported_layers_get_plain_sgd():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))

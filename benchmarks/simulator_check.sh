@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Check the scale simulator against a measurement, with every input taken back to back on the same
+# workers: fit the performance models, profile the workload, measure the variants, then predict them.
+# (A model fitted hours earlier on a shared machine mixes the machine's drift into the simulator's error.)
+#
+#   bash benchmarks/simulator_check.sh NAME [iteration_time args...]
+#   bash benchmarks/simulator_check.sh amortised_224 --resolution 224 --batch-size 32 \
+#       --update-freq 10 100 --iters 10 --warmup 1 --variants sgd spdkfac spdkfac-dp
+#
+# Writes benchmarks/results/calibrated_NAME/{perfmodel,profile,iteration_time}.json and
+# benchmarks/results/simulator_check_NAME.json. NP (default 2) workers, Horovod over gloo.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ $# -lt 1 || "$1" == -* ]]; then
+    echo "usage: bash benchmarks/simulator_check.sh NAME [benchmarks.iteration_time args]" >&2
+    exit 2
+fi
+NAME="$1"; shift
+NP="${NP:-2}"
+PY="$ROOT/.venv/bin/python"
+[[ -x "$PY" ]] || { echo "error: $PY not found; run bash scripts/setup.sh first" >&2; exit 1; }
+export PATH="$ROOT/.venv/bin:$PATH"
+cd "$ROOT"
+
+# The workload flags the profile must share with the measurement.
+MODEL=resnet50; RES=32; BATCH=4
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+    case "${args[$i]}" in
+        --model) MODEL="${args[$((i + 1))]}" ;;
+        --resolution) RES="${args[$((i + 1))]}" ;;
+        --batch-size) BATCH="${args[$((i + 1))]}" ;;
+    esac
+done
+DIR="benchmarks/results/calibrated_$NAME"
+mkdir -p "$DIR"
+launch() { horovodrun -np "$NP" -H "localhost:$NP" --gloo "$PY" "$@"; }
+
+echo "[simulator_check] 1/4 performance models -> $DIR/perfmodel.json ($(date -u +%H:%M:%S))"
+launch -m spdkfac.perfmodels benchmark --quick --threads 1 --model "$MODEL" --out "$DIR/perfmodel.json"
+echo "[simulator_check] 2/4 per-layer profile -> $DIR/profile.json ($(date -u +%H:%M:%S))"
+launch -m spdkfac.simulate profile --model "$MODEL" --resolution "$RES" --batch-size "$BATCH" --out "$DIR/profile.json"
+echo "[simulator_check] 3/4 measured iteration times -> $DIR/iteration_time.json ($(date -u +%H:%M:%S))"
+launch -m benchmarks.iteration_time --model "$MODEL" --threads 1 "$@" --out "$DIR/iteration_time.json"
+echo "[simulator_check] 4/4 predictions vs measurements ($(date -u +%H:%M:%S))"
+"$PY" -m benchmarks.simulator_check "$DIR/iteration_time.json" --profile "$DIR/profile.json" \
+    --perf-model "$DIR/perfmodel.json" --out "simulator_check_$NAME.json"
