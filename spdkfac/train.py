@@ -81,6 +81,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--epochs must be >= 1")
     if args.batch_size < 1:
         p.error("--batch-size must be >= 1")
+    if args.optimizer == "sgd":
+        kfac_only = {
+            "--damping": args.damping is not None, "--kl-clip": args.kl_clip is not None,
+            "--factor-decay": args.factor_decay != 0.95, "--factor-update-freq": args.factor_update_freq != 1,
+            "--inv-update-freq": args.inv_update_freq != 1, "--distribute-preconditioning": args.distribute_preconditioning,
+        }
+        given = [flag for flag, set_ in kfac_only.items() if set_]
+        if given:
+            p.error(f"{', '.join(given)} only apply to the K-FAC optimizers, not --optimizer sgd")
     small = args.data == "digits"
     if args.damping is None:
         args.damping = 0.01 if small else 0.003

@@ -101,3 +101,12 @@ def test_mixed_precision_training(tmp_path, capsys, amp):
     assert row["test_acc"] > 0.5
     scaler_state = torch.load(tmp_path / "amp" / "checkpoint.pt")["grad_scaler"]
     assert (scaler_state is not None) == (amp == "fp16")
+
+
+@pytest.mark.parametrize("flags", [["--distribute-preconditioning"], ["--damping", "0.01"], ["--inv-update-freq", "10"]])
+def test_kfac_flags_with_sgd_are_an_error(flags, capsys):
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(["--optimizer", "sgd", *flags])
+    assert exc.value.code == 2
+    assert f"{flags[0]} only apply to the K-FAC optimizers" in capsys.readouterr().err
+    assert train.parse_args(["--optimizer", "spdkfac", *flags]).optimizer == "spdkfac"
