@@ -14,8 +14,9 @@ where ``S_δ = Σ_q x[q] x[q + δ]^T`` over the whole image depends only on
 ``δ``. The upper blocks need ``(2kh-1)(2kw-1)/2`` distinct shifts instead of
 ``K(K+1)/2`` blocks: for a 3x3 kernel 13 ``C x C`` products over the
 image replace the ``9C x 9C`` Gram (13 C² per pixel instead of 40.5, or 20
-computing only its upper half), plus small products over the border strips. Same sums, reassociated: the
-result equals the im2col Gram to rounding (and is exactly symmetric).
+computing only its upper half), plus small products over the border strips.
+Same sums, reassociated: the result equals the im2col Gram to rounding (and
+is exactly symmetric).
 """
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def conv_input_gram(
     padding: Tuple[int, int],
     dilation: Tuple[int, int],
     with_bias: bool = False,
-) -> Optional[torch.Tensor]:
-    """``rows^T rows`` of the im2col rows (``F.unfold`` order) of a stride-1 convolution's input.
+) -> Optional[Tuple[torch.Tensor, int]]:
+    """``rows^T rows`` of the im2col rows (``F.unfold`` order) of a stride-1 convolution's input, and the row count.
 
     ``x`` is ``(n, C, H, W)``. With ``with_bias`` the rows get a trailing
     ones column (its Gram row holds the column sums and the row count).
@@ -89,7 +90,7 @@ def conv_input_gram(
     offset_sums: List[torch.Tensor] = []
     for a, (orow, ocol) in enumerate(offsets):
         strips = _missed_strips(orow, orow + out_h, ocol, ocol + out_w, h, w)
-        partners = range(a, k)
+        partners = range(a, k)  # the upper blocks of row a
         for rect in strips:
             for b, part in zip(partners, products(rect, [shift_of[(a, b)] for b in partners])):
                 corrections[(a, b)] = corrections[(a, b)].add_(part) if (a, b) in corrections else part
@@ -116,4 +117,4 @@ def conv_input_gram(
         gram[-1, :-1] = sums
         gram[:-1, -1] = sums
         gram[-1, -1] = n * out_h * out_w
-    return gram
+    return gram, n * out_h * out_w

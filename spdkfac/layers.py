@@ -123,12 +123,7 @@ class _Conv2dRows(RowExtractor):
         m = self.module
         if tuple(m.stride) != (1, 1):
             return None
-        gram = conv_input_gram(x, m.kernel_size, self.padding, m.dilation, with_bias)
-        if gram is None:
-            return None
-        out_h = x.shape[2] + 2 * self.padding[0] - m.dilation[0] * (m.kernel_size[0] - 1)
-        out_w = x.shape[3] + 2 * self.padding[1] - m.dilation[1] * (m.kernel_size[1] - 1)
-        return gram, x.shape[0] * out_h * out_w
+        return conv_input_gram(x, m.kernel_size, self.padding, m.dilation, with_bias)
 
     @property
     def in_dim(self) -> int:

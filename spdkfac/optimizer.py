@@ -387,7 +387,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 loss = closure()
         try:
             overlap = self._overlapping_preconditioning()
-            if not overlap:
+            if overlap:
+                self._start_missing_grad_allreduces()  # every all-reduce in flight before waiting on any
+            else:
                 self.synchronize()
             if self._is_factor_step():
                 self._update_factors()
@@ -465,7 +467,6 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             return False
         if any(layer.A_inv is None or layer.G_inv is None for layer in self.layers):
             return False  # the plain path raises the error
-        self._start_missing_grad_allreduces()
         return True
 
     def _update_factors(self) -> None:
