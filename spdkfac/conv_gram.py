@@ -100,6 +100,7 @@ def conv_input_gram(
                 s -= pixels(rect).sum(dim=0)
             offset_sums.append(s)
 
+    count = n * out_h * out_w
     dim = c * k + (1 if with_bias else 0)
     gram = x.new_empty(dim, dim)
     body = gram[: c * k, : c * k].view(c, k, c, k)  # [channel, offset, channel', offset'] as F.unfold orders them
@@ -116,5 +117,5 @@ def conv_input_gram(
         sums = torch.stack(offset_sums, dim=1).reshape(-1)  # [channel, offset]
         gram[-1, :-1] = sums
         gram[:-1, -1] = sums
-        gram[-1, -1] = n * out_h * out_w
-    return gram, n * out_h * out_w
+        gram[-1, -1] = count
+    return gram, count

@@ -287,13 +287,19 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
     return {"iteration": sum(parts.values()), **parts}
 
 
+def _rank_shares(layers: List[Dict], workers: int) -> List[tuple]:
+    """(preconditioning seconds, result elements) of each rank, with the optimizer's layer balancing."""
+    owners = balance_by_cost([preconditioning_cost(p["a_dim"], p["g_dim"]) for p in layers], workers)
+    return [(sum(p["seconds"] for p, o in zip(layers, owners) if o == r),
+             sum(p["g_dim"] * p["a_dim"] for p, o in zip(layers, owners) if o == r)) for r in range(workers)]
+
+
 def _preconditioning_busy(profile: Dict, workers: int, distributed: bool) -> float:
     """Seconds of preconditioning matmuls on the busiest rank (0 for profiles without per-layer times)."""
     layers = profile.get("precondition") or []
     if not distributed:
         return sum(p["seconds"] for p in layers)
-    owners = balance_by_cost([preconditioning_cost(p["a_dim"], p["g_dim"]) for p in layers], workers)
-    return max((sum(p["seconds"] for p, o in zip(layers, owners) if o == r) for r in range(workers)), default=0.0)
+    return max((seconds for seconds, _ in _rank_shares(layers, workers)), default=0.0)
 
 
 def _distributed_precondition_change(profile: Dict, m: ScaledModels, workers: int, contention: bool) -> float:
@@ -306,11 +312,10 @@ def _distributed_precondition_change(profile: Dict, m: ScaledModels, workers: in
     layers = profile.get("precondition")
     if not layers:
         raise ValueError("this profile has no per-layer preconditioning times; re-run `spdkfac.simulate profile`")
-    owners = balance_by_cost([preconditioning_cost(p["a_dim"], p["g_dim"]) for p in layers], workers)  # as the optimizer
-    sizes = [sum(p["g_dim"] * p["a_dim"] for p, o in zip(layers, owners) if o == r) for r in range(workers)]
-    broadcasts = [m.broadcast_elements(n) for n in sizes]
+    shares = _rank_shares(layers, workers)
+    broadcasts = [m.broadcast_elements(elements) for _, elements in shares]
     comm = sum(broadcasts) if contention else max(broadcasts)
-    return _preconditioning_busy(profile, workers, True) + comm - sum(p["seconds"] for p in layers)
+    return max(seconds for seconds, _ in shares) + comm - sum(p["seconds"] for p in layers)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
