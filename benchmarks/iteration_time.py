@@ -49,65 +49,106 @@ def _rss_mb() -> float:
         return float("nan")
 
 
-def run_variant(variant: str, args, backend, x, y) -> Dict[str, object]:
-    torch.manual_seed(0)
-    model = get_model(args.model).to(x.device)
-    if x.is_cuda:
-        torch.cuda.reset_peak_memory_stats()
-    kfac = variant_config(variant).get("precondition", True)
-    kw = {"timeline": True}  # SGD too, so its gradient wait is measured the same way
-    if kfac:
-        kw = dict(perf_model=args.perf_model, factor_update_freq=args.update_freq[0], inv_update_freq=args.update_freq[1],
-                  kl_clip=None, profile_steps=3, timeline=True)
-    opt = make_optimizer(variant, model, lr=1e-4, momentum=0.9, backend=backend, **kw)
-    total, fwdbwd = [], []
-    for it in range(args.warmup + args.iters):
+class VariantRun:
+    """One variant's model and optimizer, stepped one iteration at a time so that variants can be interleaved.
+
+    Interleaving (``--interleave``) runs iteration ``i`` of every variant
+    before iteration ``i + 1`` of any, so slow drifts of a shared machine fall
+    on all variants alike instead of on whichever ran during them.
+    """
+
+    def __init__(self, variant: str, args, backend, device: torch.device) -> None:
+        self.variant, self.args, self.backend = variant, args, backend
+        torch.manual_seed(0)
+        self.device = device
+        self.model = get_model(args.model).to(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.kfac = variant_config(variant).get("precondition", True)
+        kw = {"timeline": True}  # SGD too, so its gradient wait is measured the same way
+        if self.kfac:
+            kw = dict(perf_model=args.perf_model, factor_update_freq=args.update_freq[0], inv_update_freq=args.update_freq[1],
+                      kl_clip=None, profile_steps=3, timeline=True)
+        self.opt = make_optimizer(variant, self.model, lr=1e-4, momentum=0.9, backend=backend, **kw)
+        self.it = 0
+        self.total: List[float] = []
+        self.fwdbwd: List[float] = []
+
+    def iteration(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One training iteration; returns its seconds (kept when past the warm-up)."""
         t0 = time.perf_counter()
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
+        self.opt.zero_grad()
+        nn.functional.cross_entropy(self.model(x), y).backward()
         t1 = time.perf_counter()
-        opt.step()
+        self.opt.step()
         if x.is_cuda:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
-        if it >= args.warmup:
-            total.append(t2 - t0)
-            fwdbwd.append(t1 - t0)
-    parts = dict.fromkeys(PARTS, 0.0)
-    it_mean = stats(total)["mean"]
-    inv_freq = args.update_freq[1]
-    window = range(args.warmup, args.warmup + args.iters)
-    amortised_inverse = 0.0
-    if kfac and not any(s % inv_freq == 0 for s in window):
-        # No inversion inside the measured window: time one inversion stage on the current
-        # factors and charge 1/inv_freq of it to every iteration.
-        backend.barrier()
-        t0 = time.perf_counter()
-        opt._update_inverses()
-        amortised_inverse = (time.perf_counter() - t0) / inv_freq
-    recs = [r for r in (opt.timeline.iterations if opt.timeline else []) if r.step >= args.warmup]
-    n = len(total)
-    fc = sum(r.factor_compute for r in recs) / n
-    parts["FF&BP"] = stats(fwdbwd)["mean"] - fc
-    parts["FactorComp"] = fc
-    parts["FactorComm"] = sum(r.factor_wait for r in recs) / n
-    parts["InverseComm"] = sum(r.inverse_wait for r in recs) / n
-    parts["InverseComp"] = sum(r.inverse_stage - r.inverse_wait for r in recs) / n + amortised_inverse
-    parts["GradComm"] = sum(r.grad_wait for r in recs) / n if recs else None
-    if not kfac or parts["GradComm"] is None or len(recs) < n:
-        # No timeline on these steps: time the gradient wait directly is not possible, so fold it into Other.
-        parts["GradComm"] = parts["GradComm"] or 0.0
-    it_mean += amortised_inverse
-    total = [t + amortised_inverse for t in total]
-    parts["Other"] = max(0.0, it_mean - sum(v for k, v in parts.items() if k != "Other"))
-    mem = {"rss_mb": _rss_mb(), "kfac_state_mb": sum(opt.memory_usage().values()) / 2**20 if kfac else 0.0}
-    if x.is_cuda:
-        mem["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    if hasattr(opt, "remove_hooks"):
-        opt.remove_hooks()
-    del opt, model
-    gc.collect()
-    return {"iteration": total, "parts": parts, "memory": mem}
+        if self.it >= self.args.warmup:
+            self.total.append(t2 - t0)
+            self.fwdbwd.append(t1 - t0)
+        self.it += 1
+        return t2 - t0
+
+    def finish(self, per_variant_memory: bool = True) -> Dict[str, object]:
+        """The breakdown of the measured iterations (plus the amortised inversion), then free the variant."""
+        args, opt, backend = self.args, self.opt, self.backend
+        total, kfac = self.total, self.kfac
+        parts = dict.fromkeys(PARTS, 0.0)
+        it_mean = stats(total)["mean"]
+        inv_freq = args.update_freq[1]
+        window = range(args.warmup, args.warmup + len(total))
+        amortised_inverse = 0.0
+        if kfac and not any(s % inv_freq == 0 for s in window):
+            # No inversion inside the measured window: time one inversion stage on the current
+            # factors and charge 1/inv_freq of it to every iteration.
+            backend.barrier()
+            t0 = time.perf_counter()
+            opt._update_inverses()
+            amortised_inverse = (time.perf_counter() - t0) / inv_freq
+        recs = [r for r in (opt.timeline.iterations if opt.timeline else []) if r.step >= args.warmup]
+        n = len(total)
+        fc = sum(r.factor_compute for r in recs) / n
+        parts["FF&BP"] = stats(self.fwdbwd)["mean"] - fc
+        parts["FactorComp"] = fc
+        parts["FactorComm"] = sum(r.factor_wait for r in recs) / n
+        parts["InverseComm"] = sum(r.inverse_wait for r in recs) / n
+        parts["InverseComp"] = sum(r.inverse_stage - r.inverse_wait for r in recs) / n + amortised_inverse
+        parts["GradComm"] = sum(r.grad_wait for r in recs) / n if recs else 0.0
+        it_mean += amortised_inverse
+        total = [t + amortised_inverse for t in total]
+        parts["Other"] = max(0.0, it_mean - sum(v for k, v in parts.items() if k != "Other"))
+        # The process's resident memory is one variant's only when variants run one after another.
+        mem = {"rss_mb": _rss_mb() if per_variant_memory else float("nan"),
+               "kfac_state_mb": sum(opt.memory_usage().values()) / 2**20 if kfac else 0.0}
+        if self.device.type == "cuda" and per_variant_memory:
+            mem["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        if hasattr(opt, "remove_hooks"):
+            opt.remove_hooks()
+        del self.opt, self.model
+        gc.collect()
+        return {"iteration": total, "parts": parts, "memory": mem}
+
+
+def run_round(variants: List[str], args, backend, x, y, interleave: bool) -> Dict[str, Dict[str, object]]:
+    """Every variant's warm-up and measured iterations: one variant after another, or interleaved."""
+    steps = args.warmup + args.iters
+    out: Dict[str, Dict[str, object]] = {}
+    if not interleave:
+        for v in variants:
+            run = VariantRun(v, args, backend, x.device)
+            for _ in range(steps):
+                run.iteration(x, y)
+            out[v] = run.finish()
+        return out
+    runs = [VariantRun(v, args, backend, x.device) for v in variants]
+    for it in range(steps):
+        secs = [run.iteration(x, y) for run in runs]
+        log(backend.rank, f"    iteration {it + 1}/{steps}" + ("" if it >= args.warmup else " (warm-up)") + ": "
+            + ", ".join(f"{v} {s:.2f}s" for v, s in zip(variants, secs)))
+    for v, run in zip(variants, runs):
+        out[v] = run.finish(per_variant_memory=False)
+    return out
 
 
 def main() -> None:
@@ -116,6 +157,9 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
                     help="auto: the worker's own GPU (local rank) when CUDA is available, else the CPU")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--interleave", action="store_true",
+                    help="hold every variant at once and alternate their iterations (robust to a drifting machine; "
+                         "needs the memory of all variants together, and reports no per-variant RSS)")
     ap.add_argument("--variants", nargs="*", default=VARIANTS,
                     help="variant names, or name:key=value,... for a variant with a switch changed "
                          "(e.g. spdkfac:overlap_preconditioning=false)")
@@ -140,8 +184,7 @@ def main() -> None:
     x, y = x.to(device), y.to(device)
     results: Dict[str, Dict[str, object]] = {}
     for rnd in range(args.rounds):
-        for v in args.variants:
-            r = run_variant(v, args, backend, x, y)
+        for v, r in run_round(args.variants, args, backend, x, y, args.interleave).items():
             if v in results:
                 results[v]["iteration"] += r["iteration"]
                 for k in PARTS:

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from spdkfac.perfmodels import PerfModel
-from spdkfac.simulate import predict
+from spdkfac.simulate import load_profiles, predict
 
 from .common import RESULTS, save_json
 
@@ -23,12 +23,16 @@ from .common import RESULTS, save_json
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("measured", nargs="+", type=Path)
-    ap.add_argument("--profile", type=Path, default=RESULTS / "profile_resnet50.json")
+    ap.add_argument("--profile", nargs="+", default=[str(RESULTS / "profile_resnet50.json")],
+                    help="per-layer profile(s) of the measured workload; several are averaged (taken before and after)")
     ap.add_argument("--perf-model", default="perfmodels/reference-cpu-gloo-2.json")
     ap.add_argument("--no-contention", action="store_true", help="assume communication overlaps computation (GPU clusters)")
     ap.add_argument("--out", default="simulator_check.json", help="file name under benchmarks/results/")
     args = ap.parse_args()
-    profile = json.loads(args.profile.read_text())
+    try:
+        profile = load_profiles(args.profile)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}")
     perf = PerfModel.load(args.perf_model)
     rows = []
     print(f"{'workers':>7} {'variant':<10} {'updates':>8} {'measured':>10} {'predicted':>10} {'error':>7}")
@@ -37,7 +41,7 @@ def main() -> None:
         workload = {k: data["args"].get(k) for k in ("model", "resolution", "batch_size")}
         profiled = {k: profile.get(k) for k in workload}
         if workload != profiled:
-            raise SystemExit(f"error: {path} measured {workload} but the profile {args.profile} is of {profiled}; "
+            raise SystemExit(f"error: {path} measured {workload} but the profile {' + '.join(args.profile)} is of {profiled}; "
                              "profile the same workload (python -m spdkfac.simulate profile ...)")
         workers = data["world_size"]
         freq = tuple(data["args"]["update_freq"])

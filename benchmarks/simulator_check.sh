@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Check the scale simulator against a measurement, with every input taken back to back on the same
-# workers: fit the performance models, profile the workload, measure the variants, then predict them.
-# (A model fitted hours earlier on a shared machine mixes the machine's drift into the simulator's error.)
+# workers: fit the performance models, profile the workload, measure the variants, profile again, then
+# predict them from the mean of the two profiles. (A model fitted hours earlier on a shared machine mixes
+# the machine's drift into the simulator's error; the two profiles bracket the measured window.)
 #
 #   bash benchmarks/simulator_check.sh NAME [iteration_time args...]
 #   bash benchmarks/simulator_check.sh amortised_224 --resolution 224 --batch-size 32 \
-#       --update-freq 10 100 --iters 10 --warmup 1 --variants sgd spdkfac spdkfac-dp
+#       --update-freq 10 100 --iters 10 --warmup 1 --interleave --variants sgd spdkfac spdkfac-dp
 #
-# Writes benchmarks/results/calibrated_NAME/{perfmodel,profile,iteration_time}.json and
+# Writes benchmarks/results/calibrated_NAME/{perfmodel,profile_before,iteration_time,profile_after}.json and
 # benchmarks/results/simulator_check_NAME.json. NP (default 2) workers, Horovod over gloo.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -36,12 +37,16 @@ DIR="benchmarks/results/calibrated_$NAME"
 mkdir -p "$DIR"
 launch() { horovodrun -np "$NP" -H "localhost:$NP" --gloo "$PY" "$@"; }
 
-echo "[simulator_check] 1/4 performance models -> $DIR/perfmodel.json ($(date -u +%H:%M:%S))"
+profile() {
+    echo "[simulator_check] $1 per-layer profile -> $DIR/$2 ($(date -u +%H:%M:%S))"
+    launch -m spdkfac.simulate profile --model "$MODEL" --resolution "$RES" --batch-size "$BATCH" --out "$DIR/$2"
+}
+echo "[simulator_check] 1/5 performance models -> $DIR/perfmodel.json ($(date -u +%H:%M:%S))"
 launch -m spdkfac.perfmodels benchmark --quick --threads 1 --model "$MODEL" --out "$DIR/perfmodel.json"
-echo "[simulator_check] 2/4 per-layer profile -> $DIR/profile.json ($(date -u +%H:%M:%S))"
-launch -m spdkfac.simulate profile --model "$MODEL" --resolution "$RES" --batch-size "$BATCH" --out "$DIR/profile.json"
-echo "[simulator_check] 3/4 measured iteration times -> $DIR/iteration_time.json ($(date -u +%H:%M:%S))"
+profile 2/5 profile_before.json
+echo "[simulator_check] 3/5 measured iteration times -> $DIR/iteration_time.json ($(date -u +%H:%M:%S))"
 launch -m benchmarks.iteration_time --model "$MODEL" --threads 1 "$@" --out "$DIR/iteration_time.json"
-echo "[simulator_check] 4/4 predictions vs measurements ($(date -u +%H:%M:%S))"
-"$PY" -m benchmarks.simulator_check "$DIR/iteration_time.json" --profile "$DIR/profile.json" \
+profile 4/5 profile_after.json
+echo "[simulator_check] 5/5 predictions vs measurements ($(date -u +%H:%M:%S))"
+"$PY" -m benchmarks.simulator_check "$DIR/iteration_time.json" --profile "$DIR/profile_before.json" "$DIR/profile_after.json" \
     --perf-model "$DIR/perfmodel.json" --out "simulator_check_$NAME.json"

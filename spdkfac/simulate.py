@@ -50,7 +50,7 @@ from .perfmodels import PerfModel
 from .placement import balance_by_cost, place, preconditioning_cost
 from .variants import variant_config
 
-__all__ = ["measure_profile", "predict", "ScaledModels"]
+__all__ = ["measure_profile", "average_profiles", "load_profiles", "predict", "ScaledModels"]
 
 PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"]
 
@@ -149,6 +149,52 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
         "other_grad_numel": sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in covered),
         "factors": factors,
     }
+
+
+_WORKLOAD = ("model", "resolution", "batch_size", "threads", "comm_workers")
+_TIMES = ("forward", "backward", "step_other", "sgd_step", "sgd_forward_backward", "pack_unpack")
+
+
+def average_profiles(profiles: List[Dict]) -> Dict:
+    """One profile whose times are the means of several profiles of the same workload.
+
+    Profiles taken before and after a measurement bracket it: on a machine
+    whose speed drifts, their mean describes the measured window better than
+    either alone.
+    """
+    if not profiles:
+        raise ValueError("no profile to average")
+    first = profiles[0]
+    for other in profiles[1:]:
+        differ = [k for k in _WORKLOAD if other.get(k) != first.get(k)]
+        if differ:
+            raise ValueError(f"profiles of different workloads cannot be averaged (they differ in {', '.join(differ)})")
+        if [(f["kind"], f["layer"]) for f in other["factors"]] != [(f["kind"], f["layer"]) for f in first["factors"]]:
+            raise ValueError("profiles with different factors (another model graph) cannot be averaged")
+    n = len(profiles)
+    out = json.loads(json.dumps(first))  # a deep copy of plain JSON data
+    for key in _TIMES:
+        if all(key in p for p in profiles):
+            out[key] = sum(p[key] for p in profiles) / n
+    for i, fac in enumerate(out["factors"]):
+        for key in ("ready", "compute"):
+            fac[key] = sum(p["factors"][i][key] for p in profiles) / n
+    if all(p.get("precondition") for p in profiles):
+        for i, entry in enumerate(out["precondition"]):
+            entry["seconds"] = sum(p["precondition"][i]["seconds"] for p in profiles) / n
+    else:
+        out.pop("precondition", None)
+    out["averaged_from"] = n
+    return out
+
+
+def load_profiles(paths: List[str]) -> Dict:
+    """Read one or more profile JSON files; several are averaged (:func:`average_profiles`)."""
+    profiles = []
+    for path in paths:
+        with open(path) as fh:
+            profiles.append(json.load(fh))
+    return profiles[0] if len(profiles) == 1 else average_profiles(profiles)
 
 
 # ----------------------------------------------------------------------------- models at P
@@ -329,7 +375,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", required=True)
     q = sub.add_parser("predict", help="predict iteration times from a profile and a performance model")
-    q.add_argument("--profile", required=True)
+    q.add_argument("--profile", required=True, nargs="+", help="one profile, or several to average (e.g. taken before and after)")
     q.add_argument("--perf-model", required=True)
     q.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
     q.add_argument("--variants", nargs="*", default=["sgd", "dkfac", "mpdkfac", "spdkfac"])
@@ -355,8 +401,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"profile of {args.model}: forward {prof['forward']*1e3:.1f} ms, backward {prof['backward']*1e3:.1f} ms, "
               f"{len(prof['factors'])} factors; wrote {args.out}")
         return 0
-    with open(args.profile) as fh:
-        prof = json.load(fh)
+    try:
+        prof = load_profiles(args.profile)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     perf = PerfModel.load(args.perf_model)
     for v in args.variants:
         try:

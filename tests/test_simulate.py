@@ -168,3 +168,29 @@ def test_variant_changes_are_parsed_and_checked():
         variant_config("spd:overlap_preconditioning=false")
     with pytest.raises(ValueError, match="key=value"):
         variant_config("spdkfac:overlap_preconditioning")
+
+
+def test_averaged_profiles_predict_the_mean_workload():
+    """Profiles taken before and after a measurement: times averaged field by field, mismatches refused."""
+    from spdkfac.simulate import average_profiles
+
+    early = dict(_with_preconditioning(_profile()), sgd_forward_backward=0.2, model="m", resolution=8, batch_size=2, comm_workers=2)
+    late = dict(_with_preconditioning(_profile()), sgd_forward_backward=0.3, model="m", resolution=8, batch_size=2, comm_workers=2)
+    late["forward"], late["backward"] = 0.09, 0.16
+    late["factors"] = [dict(f, ready=2 * f["ready"], compute=3 * f["compute"]) for f in late["factors"]]
+    late["precondition"] = [dict(p, seconds=p["seconds"] + 0.004) for p in late["precondition"]]
+    mean = average_profiles([early, late])
+    assert mean["forward"] == pytest.approx(0.08) and mean["backward"] == pytest.approx(0.14)
+    assert mean["sgd_forward_backward"] == pytest.approx(0.25)
+    assert [f["ready"] for f in mean["factors"]] == pytest.approx([1.5 * f["ready"] for f in early["factors"]])
+    assert [f["compute"] for f in mean["factors"]] == pytest.approx([2 * f["compute"] for f in early["factors"]])
+    assert [p["seconds"] for p in mean["precondition"]] == pytest.approx([p["seconds"] + 0.002 for p in early["precondition"]])
+    assert early["forward"] == 0.07 and early["factors"][0]["ready"] == 0.01  # the inputs are left as they were
+    perf = _perf()
+    for variant in ("sgd", "spdkfac", "spdkfac-dp"):  # the simulator is linear in these times when nothing overlaps
+        both = [predict(p, perf, 2, variant, contention=True)["iteration"] for p in (early, late)]
+        assert predict(mean, perf, 2, variant, contention=True)["iteration"] == pytest.approx(sum(both) / 2, rel=0.05)
+    with pytest.raises(ValueError, match="resolution"):
+        average_profiles([early, dict(late, resolution=16)])
+    with pytest.raises(ValueError, match="different factors"):
+        average_profiles([early, dict(late, factors=late["factors"][:-1])])
