@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from .linalg import mirror_upper_
 
@@ -65,39 +64,49 @@ def conv_input_gram(
     shift_of = {(a, b): (offsets[b][0] - offsets[a][0], offsets[b][1] - offsets[a][1]) for a, b in pairs}
     shifts = sorted(set(shift_of.values()))
 
-    # Channels-last image inside a zero frame wide enough for every shift.
-    fh, fw = dh * (kh - 1), dw * (kw - 1)
-    framed = F.pad(x, (fw, fw, fh, fh)).permute(0, 2, 3, 1)  # (n, h + 2fh, w + 2fw, C) view
+    # Channel-major images in one flat buffer, each followed by zero gap rows and every row by zero gap
+    # columns wide enough for every shift, with zero margins before and after. A shift by (dr, dc) is then
+    # one flat offset: wherever it leaves an image it reads a zero (a gap, a margin or a neighbour's gap),
+    # so S_δ is a single GEMM over one contiguous span, with no copy per shift.
+    gh, gw = dh * (kh - 1), dw * (kw - 1)
+    hb, wb = h + gh, w + gw
+    margin = gh * wb + gw
+    span = n * hb * wb
+    flat = x.new_zeros(c, margin + span + margin)
+    flat[:, margin : margin + span].view(c, n, hb, wb)[:, :, :h, :w] = x.transpose(0, 1)
+    lo, hi = margin, margin + (n - 1) * hb * wb + (h - 1) * wb + w
 
-    def pixels(rect: Rect) -> torch.Tensor:
+    def region(rect: Rect, dr: int = 0, dc: int = 0) -> torch.Tensor:
+        """The pixels of ``rect`` (every sample), moved by (dr, dc), as a ``C x pixels`` copy."""
         r0, r1, c0, c1 = rect
-        return framed[:, fh + r0 : fh + r1, fw + c0 : fw + c1, :].reshape(-1, c)
+        start = margin + (r0 + dr) * wb + (c0 + dc)
+        return flat.as_strided((c, n, r1 - r0, c1 - c0), (flat.stride(0), hb * wb, wb, 1), flat.storage_offset() + start).reshape(c, -1)
 
-    def products(rect: Rect, wanted: List[Tuple[int, int]]) -> List[torch.Tensor]:
-        """``Σ_{q in rect} x[q] x[q + δ]^T`` for each shift δ (one GEMM each: measured faster than one
-        GEMM on the shifted copies concatenated, whose interleaving copy cost more than the products)."""
-        r0, r1, c0, c1 = rect
-        left = pixels(rect).T
-        return [left @ framed[:, fh + r0 + dr : fh + r1 + dr, fw + c0 + dc : fw + c1 + dc, :].reshape(-1, c)
-                for dr, dc in wanted]
+    full = {(dr, dc): flat[:, lo:hi] @ flat[:, lo + dr * wb + dc : hi + dr * wb + dc].transpose(0, 1) for dr, dc in shifts}
 
-    whole: Rect = (0, h, 0, w)
-    full = dict(zip(shifts, products(whole, shifts)))  # S_δ over the whole image
-
-    # What each offset misses: the border strips outside the pixels it visits.
+    # What each offset misses: the border strips outside the pixels it visits. Offsets that miss the same
+    # strip share its products for equal shifts.
     corrections: Dict[Tuple[int, int], torch.Tensor] = {}
-    col_sums = pixels(whole).sum(dim=0) if with_bias else None
+    strip_products: Dict[Tuple[Rect, Tuple[int, int]], torch.Tensor] = {}
+    strip_pixels: Dict[Rect, torch.Tensor] = {}
+    col_sums = x.sum(dim=(0, 2, 3)) if with_bias else None
     offset_sums: List[torch.Tensor] = []
     for a, (orow, ocol) in enumerate(offsets):
         strips = _missed_strips(orow, orow + out_h, ocol, ocol + out_w, h, w)
-        partners = range(a, k)  # the upper blocks of row a
         for rect in strips:
-            for b, part in zip(partners, products(rect, [shift_of[(a, b)] for b in partners])):
-                corrections[(a, b)] = corrections[(a, b)].add_(part) if (a, b) in corrections else part
+            if rect not in strip_pixels:
+                strip_pixels[rect] = region(rect)
+            for b in range(a, k):  # the upper blocks of row a
+                delta = shift_of[(a, b)]
+                key = (rect, delta)
+                if key not in strip_products:
+                    strip_products[key] = strip_pixels[rect] @ region(rect, *delta).transpose(0, 1)
+                part = strip_products[key]
+                corrections[(a, b)] = corrections[(a, b)] + part if (a, b) in corrections else part
         if with_bias:
             s = col_sums.clone()
             for rect in strips:
-                s -= pixels(rect).sum(dim=0)
+                s -= strip_pixels[rect].sum(dim=1)
             offset_sums.append(s)
 
     count = n * out_h * out_w

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .conv_gram import conv_input_gram
-from .linalg import symmetric_gram
+from .linalg import channel_gram, symmetric_gram
 
 __all__ = ["KFACLayer", "RowExtractor", "make_extractor", "kfac_layers", "factor_list", "FACTOR_KINDS"]
 
@@ -47,6 +47,10 @@ class RowExtractor(abc.ABC):
     def input_gram(self, x: torch.Tensor, with_bias: bool) -> Optional[Tuple[torch.Tensor, int]]:
         """``rows^T rows`` (with a ones column if ``with_bias``) and the row count, when cheaper than the rows; else None."""
         return None
+
+    def output_gram(self, g: torch.Tensor) -> torch.Tensor:
+        """``rows^T rows`` of the output-gradient rows."""
+        return symmetric_gram(self.grad_output_rows(g))
 
     @property
     def has_bias(self) -> bool:
@@ -118,9 +122,20 @@ class _Conv2dRows(RowExtractor):
     def grad_output_rows(self, g: torch.Tensor) -> torch.Tensor:
         return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
 
+    def output_gram(self, g: torch.Tensor) -> torch.Tensor:
+        return channel_gram(g)
+
     def input_gram(self, x: torch.Tensor, with_bias: bool) -> Optional[Tuple[torch.Tensor, int]]:
-        """Stride 1, kernel > 1x1: the rows' Gram from shared shifts (:mod:`spdkfac.conv_gram`), and the row count."""
+        """The rows' Gram and row count without im2col rows where there is a cheaper way.
+
+        A 1x1 kernel without padding: the rows are the (strided) input's
+        channel vectors (:func:`~spdkfac.linalg.channel_gram`). Stride 1 and a
+        larger kernel: shared shifts (:mod:`spdkfac.conv_gram`).
+        """
         m = self.module
+        if tuple(m.kernel_size) == (1, 1) and self.padding == (0, 0):
+            sh, sw = m.stride
+            return _with_bias_row(channel_gram(x[:, :, ::sh, ::sw]), x[:, :, ::sh, ::sw], with_bias)
         if tuple(m.stride) != (1, 1):
             return None
         return conv_input_gram(x, m.kernel_size, self.padding, m.dilation, with_bias)
@@ -133,6 +148,21 @@ class _Conv2dRows(RowExtractor):
     @property
     def out_dim(self) -> int:
         return self.module.out_channels
+
+
+def _with_bias_row(gram: torch.Tensor, x: torch.Tensor, with_bias: bool) -> Tuple[torch.Tensor, int]:
+    """The Gram of ``x``'s channel rows, bordered (``with_bias``) by the Gram terms of a ones column, and the row count."""
+    count = x.shape[0] * x[0, 0].numel()
+    if not with_bias:
+        return gram, count
+    c = gram.shape[0]
+    out = gram.new_empty(c + 1, c + 1)
+    out[:c, :c] = gram
+    sums = x.sum(dim=[0, *range(2, x.dim())])
+    out[c, :c] = sums
+    out[:c, c] = sums
+    out[c, c] = count
+    return out, count
 
 
 def _explicit_conv_padding(m: nn.Conv2d) -> Optional[Tuple[int, int]]:
@@ -222,11 +252,11 @@ class KFACLayer:
         """
         batch = grad_output.shape[0]
         with torch.autocast(grad_output.device.type, enabled=False):
-            rows = self.rows.grad_output_rows(grad_output.detach().to(self.factor_dtype))
+            g = grad_output.detach().to(self.factor_dtype)
             if loss_scale != 1.0:
-                rows = rows / loss_scale
+                g = g / loss_scale
             # (batch * g)^T (batch * g) / batch: per-sample gradients are batch times the rows of a mean loss.
-            return symmetric_gram(rows).mul_(batch)
+            return self.rows.output_gram(g).mul_(batch)
 
     # -- running averages and inverses -------------------------------------------
     def update_factor(self, kind: str, batch_factor: torch.Tensor, decay: float) -> None:

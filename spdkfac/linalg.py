@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "triangle_size",
     "symmetric_gram",
+    "channel_gram",
     "mirror_upper_",
     "pack_upper",
     "unpack_upper",
@@ -72,6 +73,39 @@ def symmetric_gram(rows: torch.Tensor) -> torch.Tensor:
         stop = min(start + block, dim)
         out[start:stop, start:] = rows[:, start:stop].transpose(0, 1) @ rows[:, start:]
     return mirror_upper_(out, block)
+
+
+# Positions per sample from which multiplying each sample's (C, positions) block in place beats copying the
+# tensor into rows first (CPU; measured at ResNet-50's 224x224 shapes: 1.8x faster at 56x56, even at ~12x12).
+_PER_SAMPLE_MIN_POSITIONS = 128
+
+
+def channel_gram(x: torch.Tensor) -> torch.Tensor:
+    """``rows.T @ rows`` for the rows ``x.movedim(1, -1).reshape(-1, C)`` of an ``(n, C, *positions)`` tensor.
+
+    These rows (one per sample and position) give the factors of 1x1
+    convolutions and the ``G`` factors of every convolution. In PyTorch's
+    default NCHW layout they are not a view: the permuting copy cost as much
+    as the product at 56x56 maps. Channels-last tensors are read as rows
+    directly; NCHW ones on the CPU with enough positions are multiplied one
+    sample at a time in place (``Σ_n x_n x_nᵀ``, each ``x_n`` a contiguous
+    ``C x positions`` block); otherwise the channel-major transpose is copied
+    in contiguous runs. Upper strips only, mirrored, as :func:`symmetric_gram`.
+    """
+    n, c = x.shape[:2]
+    last = x.movedim(1, -1)
+    if last.is_contiguous():
+        return symmetric_gram(last.reshape(-1, c))
+    if x.is_contiguous() and x.device.type == "cpu" and x[0, 0].numel() >= _PER_SAMPLE_MIN_POSITIONS:
+        block = 128 if c <= 768 else _BLOCK
+        spans = [(0, c)] if c < 2 * block else [(start, min(start + block, c)) for start in range(0, c, block)]
+        out = x.new_zeros(c, c)
+        for sample in x.reshape(n, c, -1):
+            for start, stop in spans:
+                out[start:stop, start:].addmm_(sample[start:stop], sample[start:].transpose(0, 1))
+        return mirror_upper_(out, block)
+    channel_major = x.transpose(0, 1).reshape(c, -1)  # copies runs of contiguous positions
+    return symmetric_gram(channel_major.transpose(0, 1))
 
 
 _TRIU_CACHE: Dict[Tuple[int, str], torch.Tensor] = {}

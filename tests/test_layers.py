@@ -160,6 +160,33 @@ def test_stride1_conv_factor_from_shared_shifts_equals_explicit_im2col_gram(kern
     assert torch.equal(a, a.T)
 
 
+@pytest.mark.parametrize("stride,size", [((1, 1), (12, 12)), ((2, 2), (24, 23)), ((1, 2), (5, 6))])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv_factors_from_channel_grams_equal_explicit_rows(stride, size, bias, channels_last):
+    """1x1 conv A factors and conv G factors come from the NCHW tensors directly; they equal the rows' Gram."""
+    from spdkfac.layers import KFACLayer, make_extractor
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(6, 5, 1, stride=stride, bias=bias).double()
+    x = torch.randn(3, 6, *size, dtype=torch.float64)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    layer = KFACLayer("conv", conv, make_extractor(conv))
+    assert layer.rows.input_gram(x, bias) is not None  # not the im2col route
+    rows = _patches_general(x, (1, 1), stride, (0, 0), (1, 1))
+    if bias:
+        rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], dim=1)
+    a = layer.compute_a(x)
+    torch.testing.assert_close(a, rows.T @ rows / rows.shape[0], rtol=1e-12, atol=1e-12)
+    assert torch.equal(a, a.T)
+    g_out = torch.randn_like(conv(x))
+    g_rows = g_out.permute(0, 2, 3, 1).reshape(-1, 5) * 3  # the per-sample gradients of a mean over 3 samples
+    g = layer.compute_g(g_out, loss_scale=4.0)
+    torch.testing.assert_close(g, (g_rows / 4.0).T @ (g_rows / 4.0) / 3, rtol=1e-12, atol=1e-12)
+    assert torch.equal(g, g.T)
+
+
 def test_unsupported_layers_get_plain_sgd():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))

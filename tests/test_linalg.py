@@ -72,6 +72,27 @@ def test_symmetric_gram_equals_full_product_and_is_exactly_symmetric(d):
     assert torch.equal(gram, gram.T)
 
 
+@pytest.mark.parametrize(
+    "c,size,layout",
+    [(c, size, layout) for c, size in [(5, (12, 11)), (300, (12, 12)), (5, (3, 4)), (300, (2, 3)), (7, (130,))]
+     for layout in ("nchw", "channels_last", "strided") if layout != "channels_last" or len(size) == 2],
+)
+def test_channel_gram_equals_gram_of_the_channel_rows(c, size, layout):
+    """Per-sample in place (>= 128 positions), channel-major copy (fewer), and channels-last rows: one Gram."""
+    from spdkfac.linalg import channel_gram
+
+    torch.manual_seed(c)
+    x = torch.randn(3, c, *size, dtype=torch.float64)
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    elif layout == "strided":
+        x = torch.randn(3, c, *(2 * s for s in size), dtype=torch.float64)[(slice(None), slice(None)) + (slice(None, None, 2),) * len(size)]
+    rows = x.movedim(1, -1).reshape(-1, c)
+    gram = channel_gram(x)
+    torch.testing.assert_close(gram, rows.T @ rows, rtol=1e-12, atol=1e-12)
+    assert torch.equal(gram, gram.T)
+
+
 def test_mirror_upper_keeps_upper_and_replaces_lower():
     from spdkfac.linalg import mirror_upper_
 
