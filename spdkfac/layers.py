@@ -24,6 +24,7 @@ the local batch, which is PyTorch's default reduction.
 from __future__ import annotations
 
 import abc
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -152,7 +153,7 @@ class _Conv2dRows(RowExtractor):
 
 def _with_bias_row(gram: torch.Tensor, x: torch.Tensor, with_bias: bool) -> Tuple[torch.Tensor, int]:
     """The Gram of ``x``'s channel rows, bordered (``with_bias``) by the Gram terms of a ones column, and the row count."""
-    count = x.shape[0] * x[0, 0].numel()
+    count = math.prod(x.shape[:1] + x.shape[2:])
     if not with_bias:
         return gram, count
     c = gram.shape[0]

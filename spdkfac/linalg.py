@@ -9,6 +9,7 @@ for a symmetric positive-definite matrix; on CUDA it goes through cuSOLVER
 from __future__ import annotations
 
 import functools
+import math
 from typing import Dict, Tuple
 
 import torch
@@ -96,7 +97,7 @@ def channel_gram(x: torch.Tensor) -> torch.Tensor:
     last = x.movedim(1, -1)
     if last.is_contiguous():
         return symmetric_gram(last.reshape(-1, c))
-    if x.is_contiguous() and x.device.type == "cpu" and x[0, 0].numel() >= _PER_SAMPLE_MIN_POSITIONS:
+    if x.is_contiguous() and x.device.type == "cpu" and math.prod(x.shape[2:]) >= _PER_SAMPLE_MIN_POSITIONS:
         block = 128 if c <= 768 else _BLOCK
         spans = [(0, c)] if c < 2 * block else [(start, min(start + block, c)) for start in range(0, c, block)]
         out = x.new_zeros(c, c)
