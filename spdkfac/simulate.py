@@ -45,6 +45,7 @@ import torch.nn as nn
 
 from .comm import CommBackend, get_backend
 from .fusion import plan_groups
+from .host_memory import retain_freed_memory
 from .linalg import triangle_size
 from .perfmodels import PerfModel
 from .placement import balance_by_cost, place, preconditioning_cost
@@ -392,8 +393,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "0")))
         workers = int(os.environ.get("HOROVOD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         comm = get_backend("auto") if workers > 1 else None
+        retained = retain_freed_memory()  # profile under the training job's allocator settings
         prof = measure_profile(args.model, args.resolution, args.batch_size, args.iters, args.threads, comm)
         prof["concurrent_workers"] = workers
+        prof["retained_freed_memory"] = retained
         if rank != 0:
             return 0
         with open(args.out, "w") as fh:

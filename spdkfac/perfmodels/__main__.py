@@ -11,6 +11,7 @@ import json
 import sys
 from typing import List, Optional
 
+from ..host_memory import retain_freed_memory
 from .models import PerfModel, PerfModelError
 
 
@@ -43,6 +44,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ..comm import get_backend
         from .bench import BenchmarkConfig, Mpi4pyEngine, run_benchmark
 
+        retain_freed_memory()  # as the training job does
         if args.threads:
             torch.set_num_threads(args.threads)
         if args.repeats < 1 or args.warmup < 0:

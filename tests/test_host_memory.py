@@ -1,0 +1,46 @@
+"""retain_freed_memory: freed CPU tensors are reused instead of being faulted in again (in a fresh process each)."""
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                reason="glibc-only allocator setting")
+
+# Activation-like churn: several large tensors of mixed sizes allocated, used and freed, round after round.
+CHURN = """
+import json, torch
+from spdkfac.host_memory import minor_page_faults, retain_freed_memory
+applied = retain_freed_memory()
+faults = []
+for _ in range(6):
+    f0 = minor_page_faults()
+    blocks = [torch.ones(n * 2**18) for n in (40, 64, 24, 100, 8)]
+    del blocks
+    faults.append(minor_page_faults() - f0)
+print(json.dumps({"applied": applied, "faults": faults}))
+"""
+PAGES_PER_ROUND = (40 + 64 + 24 + 100 + 8) * 2**20 // 4096
+
+
+def _churn(**env: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHURN], env={**os.environ, **env}, capture_output=True, text=True,
+                         check=True, timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_retained_memory_is_reused_without_page_faults():
+    result = _churn(SPDKFAC_RETAIN_MEMORY="1")
+    assert result["applied"] is True
+    # The first rounds grow the heap; once it holds a round's blocks, later rounds fault (almost) nothing.
+    assert max(result["faults"][-2:]) < PAGES_PER_ROUND // 100
+
+
+def test_default_allocator_faults_every_round_and_the_switch_turns_it_off():
+    result = _churn(SPDKFAC_RETAIN_MEMORY="0")
+    assert result["applied"] is False
+    # Blocks above glibc's mmap threshold are mapped afresh each round: most pages fault again.
+    assert min(result["faults"][-2:]) > PAGES_PER_ROUND // 2
