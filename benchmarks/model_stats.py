@@ -15,12 +15,15 @@ as in the paper's Fig. 3) into the output directory.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import math
 import os
 import time
 from collections import Counter
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
+import torch
 import torch.nn as nn
 
 from spdkfac.layers import KFACLayer, kfac_layers
@@ -82,6 +85,59 @@ def model_stats(name: str, num_classes: int = 1000) -> Dict[str, object]:
     return stats
 
 
+def kfac_arithmetic(model: nn.Module, input_shape: Tuple[int, ...]) -> Dict[str, float]:
+    """Floating-point operations of one iteration's K-FAC work next to the layers' own, for one input batch.
+
+    Shapes come from a forward pass on the ``meta`` device (nothing is
+    computed). Per preconditioned layer with ``r`` rows (samples x output
+    positions), factor dimensions ``a`` (bias row included) and ``g``:
+
+    * ``forward_backward``: three times the forward ``2 r a_in g`` (input and
+      weight gradients);
+    * ``precondition``: ``2 g a (g + a)`` per iteration (``G^-1 grad A^-1``);
+    * ``factor_g``: ``r g (g + 1)`` per factor update (upper-triangle Gram);
+    * ``factor_a_plain``: the same for the ``A`` factors of linear layers and
+      1x1 convolutions, whose rows are the input itself;
+    * ``factor_a_unfolded``: the explicit-row Gram of k x k convolutions'
+      ``A`` factors (shared shifts compute less of it; see ``conv_gram``).
+    """
+    meta = copy.deepcopy(model).to("meta")
+    layers = kfac_layers(meta)
+    rows: Dict[str, int] = {}
+
+    def recorder(name: str):
+        def record(mod: nn.Module, inputs, out: torch.Tensor) -> None:
+            rows[name] = out.numel() // out.shape[1] if out.dim() > 2 else out.numel() // out.shape[-1]
+        return record
+
+    for layer in layers:
+        layer.module.register_forward_hook(recorder(layer.name))
+    meta(torch.empty(*input_shape, device="meta"))
+    ops = dict.fromkeys(["forward_backward", "precondition", "factor_g", "factor_a_plain", "factor_a_unfolded"], 0.0)
+    for layer in layers:
+        r, a, g = rows[layer.name], layer.a_dim, layer.g_dim
+        a_in = a - (1 if layer.has_bias else 0)
+        unfolded = isinstance(layer.module, nn.Conv2d) and math.prod(layer.module.kernel_size) > 1
+        ops["forward_backward"] += 3.0 * 2 * r * a_in * g
+        ops["precondition"] += 2.0 * g * a * (g + a)
+        ops["factor_g"] += float(r * g * (g + 1))
+        ops["factor_a_unfolded" if unfolded else "factor_a_plain"] += float(r * a * (a + 1))
+    return ops
+
+
+def arithmetic_floor(ops: Dict[str, float], factor_every: int, dp_workers: int = 1) -> float:
+    """Lowest amortised K-FAC / SGD iteration-time ratio the arithmetic allows at one FLOP rate.
+
+    Counts what no implementation avoids: the preconditioning (split over
+    ``dp_workers`` when it is distributed) and, every ``factor_every``
+    iterations, the G factors and the A factors of layers without unfolding.
+    Inversions and the k x k convolutions' A factors are left out, so it stays
+    a floor.
+    """
+    extra = ops["precondition"] / dp_workers + (ops["factor_g"] + ops["factor_a_plain"]) / factor_every
+    return 1.0 + extra / ops["forward_backward"]
+
+
 def plot_sizes(results: Dict[str, Dict[str, object]], path: str) -> None:
     """Scatter of factor sizes (upper-triangle elements, log x) against how many factors have that size."""
     import matplotlib
@@ -120,12 +176,26 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, object]]:
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help="registered model names")
     parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
     parser.add_argument("--num-classes", type=int, default=1000)
+    parser.add_argument("--resolution", type=int, default=224, help="input size for the arithmetic table")
+    parser.add_argument("--batch-size", type=int, default=32, help="per-worker batch for the arithmetic table")
+    parser.add_argument("--factor-every", type=int, default=10, help="factor update interval for the floor")
+    parser.add_argument("--workers", type=int, default=2, help="workers sharing distributed preconditioning")
     args = parser.parse_args(argv)
+    for name in ("resolution", "batch_size", "factor_every", "workers"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
 
     results: Dict[str, Dict[str, object]] = {}
     for name in args.models:
         t0 = time.perf_counter()
         results[name] = model_stats(name, args.num_classes)
+        ops = kfac_arithmetic(get_model(name, num_classes=args.num_classes), (args.batch_size, 3, args.resolution, args.resolution))
+        results[name]["arithmetic"] = {
+            "resolution": args.resolution, "batch_size": args.batch_size, "gflop": {k: v / 1e9 for k, v in ops.items()},
+            "factor_every": args.factor_every, "workers": args.workers,
+            "floor": arithmetic_floor(ops, args.factor_every),
+            "floor_distributed_preconditioning": arithmetic_floor(ops, args.factor_every, args.workers),
+        }
         print(f"[model_stats] {name}: {results[name]['layers']} preconditioned layers "
               f"({time.perf_counter() - t0:.2f}s)", flush=True)
 
@@ -142,6 +212,16 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, object]]:
               f"layers {st['layers']} vs {p['layers']} ({'ok' if ok['layers'] else 'differs'}), "
               f"A {st['a_elems'] / 1e6:.1f} vs {p['a_elems_m']} ({'ok' if ok['a_elems_m'] else 'differs'}), "
               f"G {st['g_elems'] / 1e6:.1f} vs {p['g_elems_m']} ({'ok' if ok['g_elems_m'] else 'differs'})")
+
+    print(f"\nK-FAC arithmetic per iteration (GFLOP) at {args.resolution}x{args.resolution}, batch {args.batch_size}; "
+          f"floor = lowest amortised K-FAC/SGD time ratio at one FLOP rate, factors every {args.factor_every}:")
+    print(f"{'model':<14}{'fwd+bwd':>9}{'precond':>9}{'G':>8}{'A plain':>9}{'A unfold':>10}{'floor':>8}"
+          f"{'floor dp/' + str(args.workers):>12}")
+    for name, st in results.items():
+        ar, gf = st["arithmetic"], st["arithmetic"]["gflop"]
+        print(f"{name:<14}{gf['forward_backward']:>9.1f}{gf['precondition']:>9.1f}{gf['factor_g']:>8.1f}"
+              f"{gf['factor_a_plain']:>9.1f}{gf['factor_a_unfolded']:>10.1f}{ar['floor']:>7.3f}x"
+              f"{ar['floor_distributed_preconditioning']:>11.3f}x")
 
     os.makedirs(args.out_dir, exist_ok=True)
     json_path = os.path.join(args.out_dir, "model_stats.json")

@@ -91,5 +91,27 @@ def test_model_stats_script(tmp_path):
     assert stats["params"] == EXACT_PARAMS["resnet50"]
     assert (stats["layers"], stats["num_a"], stats["num_g"], stats["max_dim"]) == (54, 54, 54, 4608)
     assert round(stats["a_elems"] / 1e6, 1) == 62.3 and round(stats["g_elems"] / 1e6, 1) == 14.6
+    arithmetic = stats["arithmetic"]
+    assert (arithmetic["resolution"], arithmetic["batch_size"]) == (224, 32)
+    assert round(arithmetic["gflop"]["precondition"], 1) == 156.2  # sum of 2 g a (g + a) over ResNet-50's layers
+    assert 1 < arithmetic["floor_distributed_preconditioning"] < arithmetic["floor"]
     png = (out / "factor_sizes.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
+
+
+def test_kfac_arithmetic_counts_by_hand():
+    from benchmarks.model_stats import arithmetic_floor, kfac_arithmetic
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 6, 1, stride=2, bias=False), nn.Flatten(),
+                          nn.Linear(6 * 4 * 4, 10))
+    ops = kfac_arithmetic(model, (2, 3, 8, 8))
+    r1, r2, r3 = 2 * 8 * 8, 2 * 4 * 4, 2  # rows: samples x output positions
+    assert ops["forward_backward"] == 3 * 2 * (r1 * 27 * 4 + r2 * 4 * 6 + r3 * 96 * 10)
+    assert ops["precondition"] == 2 * (4 * 28 * 32 + 6 * 4 * 10 + 10 * 97 * 107)
+    assert ops["factor_g"] == r1 * 4 * 5 + r2 * 6 * 7 + r3 * 10 * 11
+    assert ops["factor_a_unfolded"] == r1 * 28 * 29
+    assert ops["factor_a_plain"] == r2 * 4 * 5 + r3 * 97 * 98
+    floor = arithmetic_floor(ops, factor_every=10, dp_workers=2)
+    expected = 1 + (ops["precondition"] / 2 + (ops["factor_g"] + ops["factor_a_plain"]) / 10) / ops["forward_backward"]
+    assert floor == pytest.approx(expected) and floor < arithmetic_floor(ops, factor_every=10)
+    assert next(model.parameters()).device.type == "cpu"  # the model itself is left alone
