@@ -71,7 +71,7 @@ def main() -> None:
     x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=g)
     y = torch.randint(0, 1000, (args.batch_size,), generator=g)
     warm = 5  # 1 warm-up + 3 profiled factor steps + 1 on the new plan
-    samples: Dict[str, Dict[str, List[float]]] = {p: {"compute": [], "wait": [], "unpack": [], "iter": [], "alone": []} for p in ["sgd", *args.policies]}
+    samples: Dict[str, Dict[str, List[float]]] = {p: {"compute": [], "wait": [], "iter": [], "alone": []} for p in ["sgd", *args.policies]}
     plans: Dict[str, Dict[str, int]] = {}
     for rnd in range(args.rounds):
         for policy in ["sgd", *args.policies]:
@@ -90,7 +90,6 @@ def main() -> None:
             for rec in opt.timeline.iterations[warm:]:
                 samples[policy]["compute"].append(rec.factor_compute)
                 samples[policy]["wait"].append(rec.factor_wait + rec.grad_wait)
-                samples[policy]["unpack"].append(rec.factor_unpack)
             samples[policy]["alone"].append(_comm_alone(opt, repeats=2) if policy != "sgd" else 0.0)
             plan = opt.fusion_plan()
             plans[policy] = {k: (len(v) if v is not None else len(opt.layers)) for k, v in plan.items()}
@@ -107,10 +106,10 @@ def main() -> None:
     baseline = None
     for policy in ["sgd", *args.policies]:
         s = samples[policy]
-        vals = torch.tensor([stats(s[k])["median"] for k in ("compute", "wait", "alone", "iter", "unpack")], dtype=torch.float64)
+        vals = torch.tensor([stats(s[k])["median"] for k in ("compute", "wait", "alone", "iter")], dtype=torch.float64)
         gathered = vals.clone()
         backend.allreduce_async(gathered, f"bench.fusion.{policy}").wait()  # mean over ranks
-        compute, wait, alone, it, unpack = gathered.tolist()
+        compute, wait, alone, it = gathered.tolist()
         if policy == "sgd":
             baseline = {"blocked": wait, "iteration": it}
             continue
@@ -121,7 +120,6 @@ def main() -> None:
             "factor_comm_total": alone,
             "hidden": max(0.0, 1 - max(0.0, wait - baseline["blocked"]) / alone) if alone > 0 else None,
             "factor_stage": compute + max(0.0, wait - baseline["blocked"]),
-            "factor_unpack": unpack,
             "iteration": it,
             "groups": plans[policy],
         }

@@ -36,7 +36,9 @@ def compute_inverses(
 
     Args:
         plan: who inverts what (identical on every rank).
-        factors: the (already averaged, identical) factors by key.
+        factors: the (already averaged, identical) factors by key, as full
+            matrices or packed upper triangles (a packed one is unpacked only
+            on the rank that inverts it).
         damping: Tikhonov damping.
         backend: communication engine.
         record: timeline record to charge the stage and its blocking wait to.
@@ -51,7 +53,7 @@ def compute_inverses(
     for a in plan.broadcast_order():
         ref = factors[a.key]
         if a.owner == rank:
-            out[a.key] = inv_fn(a.key, ref)
+            out[a.key] = inv_fn(a.key, _full(ref, a.dim))
             packed = pack_upper(out[a.key])
         else:
             packed = torch.empty(triangle_size(a.dim), dtype=ref.dtype, device=ref.device)
@@ -59,14 +61,20 @@ def compute_inverses(
         pending.append((handle, packed, a.key, a.owner))
     for a in plan.assignments:
         if a.owner == ALL:
-            out[a.key] = inv_fn(a.key, factors[a.key])
+            out[a.key] = inv_fn(a.key, _full(factors[a.key], a.dim))
     t_wait = Timeline.now() if record is not None else 0.0
+    dims = {a.key: a.dim for a in plan.assignments}
     for handle, packed, key, owner in pending:
         handle.wait()
         if owner != rank:
-            out[key] = unpack_upper(packed, factors[key].shape[0])
+            out[key] = unpack_upper(packed, dims[key])
     if record is not None:
         t1 = Timeline.now()
         record.inverse_wait += t1 - t_wait
         record.inverse_stage += t1 - t0
     return out
+
+
+def _full(factor: torch.Tensor, dim: int) -> torch.Tensor:
+    """The full symmetric matrix of a factor given full or as its packed upper triangle."""
+    return factor if factor.dim() == 2 else unpack_upper(factor, dim)

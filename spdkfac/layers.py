@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .conv_gram import conv_input_gram
-from .linalg import channel_gram, symmetric_gram
+from .linalg import channel_gram, pack_upper, symmetric_gram, triangle_size, unpack_upper
 
 __all__ = ["KFACLayer", "RowExtractor", "make_extractor", "kfac_layers", "factor_list", "FACTOR_KINDS"]
 
@@ -204,6 +204,11 @@ class KFACLayer:
     ``A_inv = (A + γI)^-1`` and ``G_inv = (G + γI)^-1``; preconditions the
     layer's gradient as ``G_inv @ grad @ A_inv``, which equals
     ``((A+γI) ⊗ (G+γI))^-1 vec(grad)`` for column-stacked ``vec``.
+
+    The running averages are kept as packed upper triangles: the all-reduced
+    factors arrive packed and are folded in as they are (half the memory and
+    traffic, no unpacking every factor step); ``A`` / ``G`` unpack on access,
+    which the inversion stage does once per inverse update.
     """
 
     def __init__(self, name: str, module: nn.Module, extractor: RowExtractor) -> None:
@@ -213,8 +218,7 @@ class KFACLayer:
         self.has_bias = extractor.has_bias
         self.a_dim = extractor.in_dim + (1 if self.has_bias else 0)
         self.g_dim = extractor.out_dim
-        self.A: Optional[torch.Tensor] = None
-        self.G: Optional[torch.Tensor] = None
+        self._packed: Dict[str, Optional[torch.Tensor]] = {"A": None, "G": None}
         self.A_inv: Optional[torch.Tensor] = None
         self.G_inv: Optional[torch.Tensor] = None
 
@@ -263,21 +267,60 @@ class KFACLayer:
     def update_factor(self, kind: str, batch_factor: torch.Tensor, decay: float) -> None:
         """Fold a (worker-averaged) batch factor into the running average.
 
-        The first factor initialises the average; after that
+        ``batch_factor`` is the full symmetric matrix or its packed upper
+        triangle (as the fused all-reduce delivers it). The first factor
+        initialises the average; after that
         ``F <- decay * F + (1 - decay) * batch``.
         """
-        current = self.A if kind == "A" else self.G
+        dim = self.dim(kind)
+        if batch_factor.dim() == 2:
+            if batch_factor.shape != (dim, dim):
+                raise ValueError(f"{kind} factor of {self.name!r} is {tuple(batch_factor.shape)}, expected {(dim, dim)}")
+            packed = pack_upper(batch_factor)
+        elif batch_factor.numel() == triangle_size(dim):
+            packed = batch_factor
+        else:
+            raise ValueError(f"packed {kind} factor of {self.name!r} has {batch_factor.numel()} elements, "
+                             f"expected {triangle_size(dim)}")
+        current = self._packed[kind]
         if current is None:
-            new = batch_factor.clone()
+            # A fresh copy: the packed input may be a view into a fused communication buffer.
+            self._packed[kind] = packed.clone() if packed is batch_factor else packed
         else:
-            new = current.mul_(decay).add_(batch_factor, alpha=1.0 - decay)
-        if kind == "A":
-            self.A = new
-        else:
-            self.G = new
+            current.mul_(decay).add_(packed, alpha=1.0 - decay)
+
+    def set_factor(self, kind: str, value: Optional[torch.Tensor]) -> None:
+        """Replace the running average (full matrix or packed triangle; None clears it)."""
+        self._packed[kind] = None
+        if value is not None:
+            self.update_factor(kind, value, 0.0)
+
+    def packed_factor(self, kind: str) -> Optional[torch.Tensor]:
+        """The running average as stored: its packed upper triangle (no copy)."""
+        return self._packed[kind]
 
     def factor(self, kind: str) -> Optional[torch.Tensor]:
-        return self.A if kind == "A" else self.G
+        """The running average as a full symmetric matrix (unpacked afresh on each call)."""
+        packed = self._packed[kind]
+        return None if packed is None else unpack_upper(packed, self.dim(kind))
+
+    @property
+    def A(self) -> Optional[torch.Tensor]:
+        """Running average of the input-covariance factor (full matrix, unpacked on access)."""
+        return self.factor("A")
+
+    @A.setter
+    def A(self, value: Optional[torch.Tensor]) -> None:
+        self.set_factor("A", value)
+
+    @property
+    def G(self) -> Optional[torch.Tensor]:
+        """Running average of the output-gradient-covariance factor (full matrix, unpacked on access)."""
+        return self.factor("G")
+
+    @G.setter
+    def G(self, value: Optional[torch.Tensor]) -> None:
+        self.set_factor("G", value)
 
     def set_inverse(self, kind: str, inverse: torch.Tensor) -> None:
         if kind == "A":

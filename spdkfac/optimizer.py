@@ -562,9 +562,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         return payload[n:].tolist()
 
     # -------------------------------------------------------------- inversions
-    def _invert(self, layer: KFACLayer, kind: str, damping: float) -> torch.Tensor:
+    def _invert(self, layer: KFACLayer, kind: str, factor: torch.Tensor, damping: float) -> torch.Tensor:
         try:
-            return invert_spd(layer.factor(kind), damping)
+            return invert_spd(factor, damping)
         except torch.linalg.LinAlgError as exc:
             raise torch.linalg.LinAlgError(
                 f"factor {kind} of layer {layer.name!r} is not positive definite even with damping {damping:g} "
@@ -573,14 +573,15 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     def _update_inverses(self) -> None:
         damping = self.param_groups[0]["damping"]
-        factors = {(kind, layer.name): layer.factor(kind) for layer in self.layers for kind in FACTOR_KINDS}
+        # Packed: each factor is unpacked only where it is inverted.
+        factors = {(kind, layer.name): layer.packed_factor(kind) for layer in self.layers for kind in FACTOR_KINDS}
         inverses = compute_inverses(
             self.placement_plan,
             factors,
             damping,
             self.backend,
             record=self._record,
-            invert=lambda key, matrix: self._invert(self._layer_by_name[key[1]], key[0], damping),
+            invert=lambda key, matrix: self._invert(self._layer_by_name[key[1]], key[0], matrix, damping),
         )
         for (kind, name), inverse in inverses.items():
             self._layer_by_name[name].set_inverse(kind, inverse)
@@ -742,11 +743,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ reporting
     def memory_usage(self) -> Dict[str, int]:
-        """Bytes held by factors and inverses (per kind)."""
+        """Bytes held by factors (packed running averages) and inverses, per kind."""
         out = {"A": 0, "G": 0, "A_inv": 0, "G_inv": 0}
         for layer in self.layers:
             for attr in out:
-                t = getattr(layer, attr)
+                t = layer.packed_factor(attr) if attr in FACTOR_KINDS else getattr(layer, attr)
                 if t is not None:
                     out[attr] += t.numel() * t.element_size()
         return out

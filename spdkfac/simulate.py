@@ -94,14 +94,12 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
             base = t0 if ev.kind == "A" else t1
             events[key] = (end - base, end - start)
         runs.append({"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2 - rec.inverse_stage, "events": events})
-    # Packing factors into all-reduce buffers and unpacking them only happens with > 1 worker.
-    from .linalg import pack_upper, unpack_upper
-
+    # The running averages are kept packed; each inversion stage unpacks every factor once.
     t0 = time.perf_counter()
     for layer in opt.layers:
         for kind in ("A", "G"):
-            unpack_upper(pack_upper(layer.factor(kind)), layer.dim(kind))
-    pack_unpack = time.perf_counter() - t0
+            layer.factor(kind)
+    unpack = time.perf_counter() - t0
     # Per-layer preconditioning time, for variants that split it across workers.
     precondition = []
     for layer in opt.layers:
@@ -145,7 +143,7 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
         "sgd_step": sum(sgd_steps) / len(sgd_steps),
         "sgd_forward_backward": sum(sgd_passes) / len(sgd_passes),  # with gradient all-reduces when comm_workers > 1
         "comm_workers": sgd.backend.size,
-        "pack_unpack": pack_unpack,
+        "unpack": unpack,
         "precondition": precondition,
         "other_grad_numel": sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in covered),
         "factors": factors,
@@ -153,7 +151,7 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
 
 
 _WORKLOAD = ("model", "resolution", "batch_size", "threads", "comm_workers")
-_TIMES = ("forward", "backward", "step_other", "sgd_step", "sgd_forward_backward", "pack_unpack")
+_TIMES = ("forward", "backward", "step_other", "sgd_step", "sgd_forward_backward", "unpack")
 
 
 def average_profiles(profiles: List[Dict]) -> Dict:
@@ -322,8 +320,9 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
         "InverseComm": inverse_comm * i_share,
         "Other": profile["step_other"] if kfac else profile["sgd_step"],
     }
-    if kfac and workers > 1:
-        parts["Other"] += profile.get("pack_unpack", 0.0) * f_share
+    if kfac:
+        # Unpacking the packed running averages for inversion (profiles before packed averages lack it).
+        parts["InverseComp"] += profile.get("unpack", 0.0) * i_share
     if kfac and workers > 1 and cfg.get("distribute_preconditioning"):
         parts["Other"] += _distributed_precondition_change(profile, m, workers, contention)
     if kfac and workers > 1 and not contention and cfg.get("overlap_preconditioning", True):

@@ -38,7 +38,6 @@ class IterationRecord:
     factors: Dict[str, FactorEvent] = field(default_factory=dict)
     grad_wait: float = 0.0  # non-overlapped gradient all-reduce (blocked in step())
     factor_wait: float = 0.0  # non-overlapped factor communication (blocked in wait)
-    factor_unpack: float = 0.0  # rebuilding full matrices from the received triangles
     inverse_stage: float = 0.0  # wall time from first inversion until every inverse is held
     inverse_wait: float = 0.0  # non-overlapped inverse broadcast time
     precondition: float = 0.0
@@ -89,7 +88,6 @@ class Timeline:
             "grad_comm_nonoverlap": sum(i.grad_wait for i in its) / n,
             "factor_compute": sum(i.factor_compute for i in its) / n,
             "factor_comm_nonoverlap": sum(i.factor_wait for i in its) / n,
-            "factor_unpack": sum(i.factor_unpack for i in its) / n,
             "inverse_stage": sum(i.inverse_stage for i in its) / n,
             "inverse_comm_nonoverlap": sum(i.inverse_wait for i in its) / n,
             "precondition": sum(i.precondition for i in its) / n,

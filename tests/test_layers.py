@@ -230,3 +230,34 @@ def test_half_precision_forward_keeps_factors_in_float32():
         for k in ref:
             scale = ref[k].abs().max()
             assert (update[k] - ref[k]).abs().max() <= 0.05 * scale, (k, update[k], ref[k])
+
+
+def test_running_averages_are_kept_packed_and_unpack_to_the_decayed_mean():
+    from spdkfac.layers import kfac_layers
+    from spdkfac.linalg import pack_upper, triangle_size
+
+    layer = kfac_layers(nn.Linear(5, 3))[0]  # A is 6x6 (bias row), G 3x3
+    torch.manual_seed(0)
+    mats = []
+    for _ in range(3):
+        x = torch.randn(10, 6)
+        mats.append(x.T @ x / 10)
+    layer.update_factor("A", mats[0], 0.9)  # full matrix, as a single worker's hooks hand it over
+    layer.update_factor("A", pack_upper(mats[1]), 0.9)  # packed, as the fused all-reduce delivers it
+    layer.update_factor("A", pack_upper(mats[2]), 0.9)
+    expected = 0.9 * (0.9 * mats[0] + 0.1 * mats[1]) + 0.1 * mats[2]
+    torch.testing.assert_close(layer.A, expected)
+    assert layer.packed_factor("A").shape == (triangle_size(6),)
+    # A first packed factor is copied: reusing the communication buffer later cannot touch the average.
+    buffer = pack_upper(mats[0][:3, :3])
+    layer.update_factor("G", buffer, 0.9)
+    buffer.zero_()
+    torch.testing.assert_close(layer.G, mats[0][:3, :3])
+    layer.G = mats[1][:3, :3]  # the checkpoint path: a full matrix replaces the average
+    torch.testing.assert_close(layer.G, mats[1][:3, :3])
+    with pytest.raises(ValueError, match="expected 21"):
+        layer.update_factor("A", torch.zeros(20), 0.9)
+    with pytest.raises(ValueError, match=r"expected \(3, 3\)"):
+        layer.update_factor("G", torch.zeros(4, 4), 0.9)
+    layer.A = None
+    assert layer.A is None and layer.packed_factor("A") is None

@@ -5,7 +5,9 @@ reference). The controller copies its upper triangle into the buffer of the
 factor's fusion group; when the group's last member arrives it starts an
 asynchronous all-reduce and returns at once, so the communication of early
 layers runs while later layers compute. :meth:`wait_all` (called from
-``step()``) blocks on the handles and returns the averaged full matrices.
+``step()``) blocks on the handles and returns the averaged factors as packed
+upper triangles (views into the fused buffers; the layers keep their running
+averages packed, so nothing is unpacked here).
 
 Without a plan for a pass (the first iterations, while the per-layer times
 are being profiled) every factor is launched alone, in arrival order.
@@ -18,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..comm.base import CommBackend, Handle
-from ..linalg import pack_upper, triangle_size, unpack_upper
+from ..linalg import pack_upper, triangle_size
 from ..timeline import IterationRecord, Timeline
 
 __all__ = ["TensorFusionController", "FactorKey"]
@@ -170,7 +172,12 @@ class TensorFusionController:
             g.arrived.clear()
 
     def wait_all(self) -> Dict[FactorKey, torch.Tensor]:
-        """Block until every launched all-reduce is done; return the averaged factors."""
+        """Block until every launched all-reduce is done; return the averaged factors.
+
+        Communicated factors come back as packed upper triangles (views into
+        their fused buffer), factors that needed no averaging (one worker) as
+        the full matrices the hooks submitted.
+        """
         missing = [k for g in self._groups for k in g.members if g.arrived and k not in g.arrived]
         if missing:
             self._forget()
@@ -193,8 +200,6 @@ class TensorFusionController:
             else:
                 job.handle.wait()
             for key, dim, offset in job.layout:
-                results[key] = unpack_upper(job.buffer[offset : offset + triangle_size(dim)], dim)
-            if rec is not None:
-                rec.factor_unpack += Timeline.now() - t
+                results[key] = job.buffer[offset : offset + triangle_size(dim)]
         self._forget()
         return results
