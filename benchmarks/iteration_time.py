@@ -32,6 +32,7 @@ import torch.nn as nn
 from spdkfac import make_optimizer
 from spdkfac.variants import variant_config
 from spdkfac.comm import DEVICE_CHOICES, worker_device
+from spdkfac.host_memory import release_freed_memory
 from spdkfac.models import get_model
 
 from .common import RESULTS, bar_chart, log, machine, save_json, start, stats, workload_parser
@@ -136,6 +137,8 @@ def run_round(variants: List[str], args, backend, x, y, interleave: bool) -> Dic
     out: Dict[str, Dict[str, object]] = {}
     if not interleave:
         for v in variants:
+            # The previous variant's freed (retained) memory goes back, so this one's RSS is its own.
+            release_freed_memory()
             run = VariantRun(v, args, backend, x.device)
             for _ in range(steps):
                 run.iteration(x, y)

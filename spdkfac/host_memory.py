@@ -21,7 +21,7 @@ import os
 import platform
 import resource
 
-__all__ = ["retain_freed_memory", "minor_page_faults"]
+__all__ = ["retain_freed_memory", "release_freed_memory", "minor_page_faults"]
 
 # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -48,6 +48,25 @@ def retain_freed_memory() -> bool:
     # No mmap'd chunks (large blocks come from the heap and are reused), and a trim threshold of
     # -1, which glibc stores as the largest size_t: the heap's free top is never given back.
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, -1))
+
+
+def release_freed_memory() -> bool:
+    """Give the memory freed so far back to the kernel once (glibc ``malloc_trim``); True if done.
+
+    With :func:`retain_freed_memory` the process keeps its peak: a benchmark
+    that runs several configurations one after another calls this between
+    them, so each one's resident memory is its own.
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim.restype = ctypes.c_int
+    malloc_trim(0)
+    return True
 
 
 def minor_page_faults() -> int:

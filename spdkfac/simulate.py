@@ -111,8 +111,9 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
         precondition.append({"layer": layer.name, "seconds": (time.perf_counter() - t0) / 3,
                              "a_dim": layer.a_dim, "g_dim": layer.g_dim})
     opt.remove_hooks()
-    sgd = SPDKFACOptimizer(model, lr=1e-4, backend=comm if comm is not None else "single", precondition=False)
-    sgd_steps, sgd_passes = [], []
+    sgd = SPDKFACOptimizer(model, lr=1e-4, backend=comm if comm is not None else "single", precondition=False,
+                           timeline=True)
+    sgd_steps, sgd_waits, sgd_passes = [], [], []
     for it in range(iters + 1):
         sgd.zero_grad()
         t0 = time.perf_counter()
@@ -120,7 +121,9 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
         t1 = time.perf_counter()
         sgd.step()
         if it:
-            sgd_steps.append(time.perf_counter() - t1)
+            wait = sgd.timeline.iterations[-1].grad_wait  # blocked on the gradient all-reduces
+            sgd_steps.append(time.perf_counter() - t1 - wait)
+            sgd_waits.append(wait)
             sgd_passes.append(t1 - t0)
     n = len(runs)
     keys = list(runs[0]["events"])
@@ -140,7 +143,8 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
         "forward": sum(r["forward"] for r in runs) / n,
         "backward": sum(r["backward"] for r in runs) / n,
         "step_other": sum(r["step"] for r in runs) / n,
-        "sgd_step": sum(sgd_steps) / len(sgd_steps),
+        "sgd_step": sum(sgd_steps) / len(sgd_steps),  # the update alone
+        "sgd_grad_wait": sum(sgd_waits) / len(sgd_waits),  # measured blocked wait, real all-reduces
         "sgd_forward_backward": sum(sgd_passes) / len(sgd_passes),  # with gradient all-reduces when comm_workers > 1
         "comm_workers": sgd.backend.size,
         "unpack": unpack,
@@ -151,7 +155,7 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
 
 
 _WORKLOAD = ("model", "resolution", "batch_size", "threads", "comm_workers")
-_TIMES = ("forward", "backward", "step_other", "sgd_step", "sgd_forward_backward", "unpack")
+_TIMES = ("forward", "backward", "step_other", "sgd_step", "sgd_grad_wait", "sgd_forward_backward", "unpack")
 
 
 def average_profiles(profiles: List[Dict]) -> Dict:
@@ -320,6 +324,10 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
         "InverseComm": inverse_comm * i_share,
         "Other": profile["step_other"] if kfac else profile["sgd_step"],
     }
+    if not kfac and workers > 1 and profile.get("comm_workers") == workers:
+        # At the profiled worker count, plain SGD's gradient wait was measured with the real all-reduces;
+        # profiles from before it was recorded apart hold it inside sgd_step.
+        parts["GradComm"] = profile.get("sgd_grad_wait", 0.0)
     if kfac:
         # Unpacking the packed running averages for inversion (profiles before packed averages lack it).
         parts["InverseComp"] += profile.get("unpack", 0.0) * i_share

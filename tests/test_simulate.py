@@ -133,6 +133,7 @@ def test_profile_under_a_launcher_records_layers_and_sgd_with_real_allreduces(tm
     assert len(prof["factors"]) == 2 * n_layers and len(prof["precondition"]) == n_layers
     assert all(f["compute"] > 0 and f["ready"] > 0 for f in prof["factors"])
     assert prof["sgd_forward_backward"] > 0 and prof["forward"] > 0 and prof["backward"] > 0
+    assert prof["sgd_grad_wait"] >= 0 and prof["sgd_step"] > 0 and prof["unpack"] > 0
     predicted = predict(prof, PerfModel.default(), 4, "spdkfac-dp", contention=True)
     assert predicted["iteration"] >= predicted["FF&BP"] > 0
 
@@ -194,3 +195,17 @@ def test_averaged_profiles_predict_the_mean_workload():
         average_profiles([early, dict(late, resolution=16)])
     with pytest.raises(ValueError, match="different factors"):
         average_profiles([early, dict(late, factors=late["factors"][:-1])])
+
+
+def test_sgd_gradient_wait_is_the_measured_one_at_the_profiled_worker_count():
+    prof = dict(_profile(), comm_workers=2, sgd_grad_wait=0.05, sgd_forward_backward=0.19)
+    perf = _perf()
+    at_profiled = predict(prof, perf, 2, "sgd")
+    assert at_profiled["GradComm"] == pytest.approx(0.05)  # measured, not the model's on top of it
+    assert at_profiled["Other"] == pytest.approx(prof["sgd_step"])
+    modelled = predict(prof, perf, 8, "sgd")  # another worker count: the all-reduce model
+    assert modelled["GradComm"] != pytest.approx(0.05) and modelled["GradComm"] > 0
+    # Older profiles hold the wait inside sgd_step: counted there once, not again from the model.
+    old = {k: v for k, v in prof.items() if k != "sgd_grad_wait"}
+    assert predict(old, perf, 2, "sgd")["GradComm"] == 0.0
+    assert predict(prof, perf, 2, "spdkfac")["GradComm"] == predict(old, perf, 2, "spdkfac")["GradComm"]
