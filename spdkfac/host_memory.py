@@ -20,6 +20,7 @@ import ctypes
 import os
 import platform
 import resource
+from typing import Callable, Optional
 
 __all__ = ["retain_freed_memory", "release_freed_memory", "minor_page_faults"]
 
@@ -27,6 +28,19 @@ __all__ = ["retain_freed_memory", "release_freed_memory", "minor_page_faults"]
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _DISABLE_ENV = "SPDKFAC_RETAIN_MEMORY"
+
+
+def _glibc_function(name: str, argtypes: list) -> Optional[Callable[..., int]]:
+    """glibc's ``name`` with its C signature, or None off glibc (other libcs have neither knob)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def retain_freed_memory() -> bool:
@@ -37,14 +51,9 @@ def retain_freed_memory() -> bool:
     """
     if os.environ.get(_DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    mallopt = _glibc_function("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
     # No mmap'd chunks (large blocks come from the heap and are reused), and a trim threshold of
     # -1, which glibc stores as the largest size_t: the heap's free top is never given back.
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, -1))
@@ -57,14 +66,9 @@ def release_freed_memory() -> bool:
     that runs several configurations one after another calls this between
     them, so each one's resident memory is its own.
     """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    malloc_trim = _glibc_function("malloc_trim", [ctypes.c_size_t])
+    if malloc_trim is None:
         return False
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    malloc_trim.argtypes = [ctypes.c_size_t]
-    malloc_trim.restype = ctypes.c_int
     malloc_trim(0)
     return True
 

@@ -49,7 +49,7 @@ def compute_inverses(
     rank = backend.rank
     t0 = Timeline.now() if record is not None else 0.0
     out: Dict[Hashable, torch.Tensor] = {}
-    pending: List[Tuple[Handle, torch.Tensor, Hashable, int]] = []
+    pending: List[Tuple[Handle, torch.Tensor, Hashable, int, int]] = []
     for a in plan.broadcast_order():
         ref = factors[a.key]
         if a.owner == rank:
@@ -58,16 +58,15 @@ def compute_inverses(
         else:
             packed = torch.empty(triangle_size(a.dim), dtype=ref.dtype, device=ref.device)
         handle = backend.broadcast_async(packed, a.owner, f"spdkfac.inverse.{a.key}")
-        pending.append((handle, packed, a.key, a.owner))
+        pending.append((handle, packed, a.key, a.owner, a.dim))
     for a in plan.assignments:
         if a.owner == ALL:
             out[a.key] = inv_fn(a.key, _full(factors[a.key], a.dim))
     t_wait = Timeline.now() if record is not None else 0.0
-    dims = {a.key: a.dim for a in plan.assignments}
-    for handle, packed, key, owner in pending:
+    for handle, packed, key, owner, dim in pending:
         handle.wait()
         if owner != rank:
-            out[key] = unpack_upper(packed, dims[key])
+            out[key] = unpack_upper(packed, dim)
     if record is not None:
         t1 = Timeline.now()
         record.inverse_wait += t1 - t_wait
