@@ -8,7 +8,7 @@ import statistics
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -71,6 +71,33 @@ def stats(samples: Sequence[float]) -> Dict[str, float]:
         "stdev": statistics.stdev(xs) if len(xs) > 1 else 0.0,
         "n": len(xs),
     }
+
+
+def ratio_interval(numerator: Sequence[float], denominator: Sequence[float], paired: bool,
+                   confidence: float = 0.95, resamples: int = 4000, seed: int = 0) -> Tuple[float, float]:
+    """Bootstrap interval of ``mean(numerator) / mean(denominator)`` from per-iteration seconds.
+
+    On a noisy machine one iteration of the same work can take 15% more or
+    less than the next, so a ratio of two means carries an error that the
+    tables should show. ``paired``: the i-th samples of both lists come from
+    the same round (interleaved runs), so iterations are resampled together
+    and drift common to both cancels. Resampling iterations also varies how
+    many factor or inversion steps a resample holds, which is the real
+    uncertainty of an amortised mean measured over few update periods.
+    """
+    num = torch.tensor(list(numerator), dtype=torch.float64)
+    den = torch.tensor(list(denominator), dtype=torch.float64)
+    if num.numel() < 2 or den.numel() < 2:
+        raise ValueError("a ratio interval needs at least two samples on each side")
+    if paired and num.numel() != den.numel():
+        raise ValueError(f"paired samples differ in number ({num.numel()} and {den.numel()})")
+    g = torch.Generator().manual_seed(seed)
+    i = torch.randint(num.numel(), (resamples, num.numel()), generator=g)
+    j = i if paired else torch.randint(den.numel(), (resamples, den.numel()), generator=g)
+    ratios = num[i].mean(dim=1) / den[j].mean(dim=1)
+    tail = (1.0 - confidence) / 2
+    lo, hi = torch.quantile(ratios, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
+    return lo, hi
 
 
 def save_json(obj: Any, name: str, out_dir: Path = RESULTS) -> Path:

@@ -35,7 +35,7 @@ from spdkfac.comm import DEVICE_CHOICES, worker_device
 from spdkfac.host_memory import release_freed_memory
 from spdkfac.models import get_model
 
-from .common import RESULTS, bar_chart, log, machine, save_json, start, stats, workload_parser
+from .common import RESULTS, bar_chart, log, machine, ratio_interval, save_json, start, stats, workload_parser
 
 VARIANTS = ["sgd", "dkfac", "mpdkfac", "spdkfac", "-pipe-lbp", "+pipe-lbp", "-pipe+lbp", "+pipe+lbp", "spdkfac-dp"]
 PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"]
@@ -209,9 +209,18 @@ def main() -> None:
                       "rss_mb": mem.item(), "kfac_state_mb": r["memory"]["kfac_state_mb"]})
     by = {row["variant"]: row for row in table}
     ref = by.get("spdkfac") or by.get("+pipe+lbp")
+    samples = {v: r["iteration"] for v, r in results.items()}
+    paired = args.interleave and len({len(s) for s in samples.values()}) == 1
     for row in table:
         row["SP1"] = by["dkfac"]["mean_s"] / row["mean_s"] if "dkfac" in by else None
         row["SP2"] = by["mpdkfac"]["mean_s"] / row["mean_s"] if "mpdkfac" in by else None
+        # 95% intervals (_lo, _hi) from rank 0's iterations (every rank waits for the slowest, so they agree closely)
+        for key, base, over in (("SP1", "dkfac", True), ("SP2", "mpdkfac", True), ("vs_sgd", "sgd", False)):
+            if base in samples and row["variant"] != base:
+                num, den = (samples[base], samples[row["variant"]]) if over else (samples[row["variant"]], samples[base])
+                row[f"{key}_lo"], row[f"{key}_hi"] = ratio_interval(num, den, paired)
+        if "sgd" in by:
+            row["vs_sgd"] = row["mean_s"] / by["sgd"]["mean_s"]
     if rank == 0:
         head = f"{'variant':<10} {'iter (ms)':>15} " + " ".join(f"{p:>11}" for p in PARTS) + f" {'SP1':>6} {'SP2':>6} {'RSS MB':>7}"
         print("\n" + head)
@@ -219,12 +228,17 @@ def main() -> None:
             print(f"{row['variant']:<10} {row['mean_s']*1e3:8.1f} ±{row['stdev_s']*1e3:5.1f} "
                   + " ".join(f"{row[p]*1e3:11.1f}" for p in PARTS)
                   + f" {row['SP1'] or 0:6.2f} {row['SP2'] or 0:6.2f} {row['rss_mb']:7.0f}")
+        for row in table:
+            for key, what in (("SP1", "faster than D-KFAC"), ("SP2", "faster than MPD-KFAC"), ("vs_sgd", "SGD's time")):
+                if f"{key}_lo" in row:
+                    lo, hi = row[f"{key}_lo"], row[f"{key}_hi"]
+                    print(f"  {row['variant']:<10} {key:<6} {row[key]:.2f}x {what} (95% interval {lo:.2f}-{hi:.2f})")
         if ref and "sgd" in by:
             print(f"SPD-KFAC / SGD iteration time: {ref['mean_s'] / by['sgd']['mean_s']:.2f}x")
         path = save_json({"args": vars(args), "machine": machine(), "world_size": backend.size, "engine": backend.name,
-                          "table": table, "samples": {v: r["iteration"] for v, r in results.items()}}, out.name, out.parent)
+                          "table": table, "samples": samples}, out.name, out.parent)
         with open(out.with_suffix(".csv"), "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(table[0]))
+            w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for row in table for k in row)), restval="")
             w.writeheader()
             w.writerows(table)
         png = bar_chart(out.with_suffix(".png"), [r["variant"] for r in table], {p: [r[p] * 1e3 for r in table] for p in PARTS},

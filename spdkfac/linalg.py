@@ -160,12 +160,9 @@ def unpack_upper(packed: torch.Tensor, dim: int, out: torch.Tensor | None = None
             out[i, i:].copy_(packed[offset : offset + n])
             offset += n
         return mirror_upper_(out)
-    out.zero_()
     idx = _flat_upper_indices(dim, packed.device)
     out.view(-1).index_copy_(0, idx, packed)
-    # Mirror the strict upper triangle into the lower one.
-    out.add_(torch.tril(out.transpose(0, 1), diagonal=-1))
-    return out
+    return mirror_upper_(out)  # the lower triangle is overwritten, never read
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -218,5 +215,6 @@ def invert_spd(matrix: torch.Tensor, damping: float, use_cupy: bool = True) -> t
     else:
         chol = torch.linalg.cholesky(damped)
         inv = torch.cholesky_inverse(chol)
-    # Force exact symmetry: packing keeps only the upper triangle.
-    return torch.triu(inv) + torch.triu(inv, diagonal=1).transpose(0, 1)
+    # Exactly symmetric, the lower triangle copied from the upper one: packing keeps only the upper
+    # triangle, so every rank then holds the same matrix, whether it inverted or unpacked it.
+    return mirror_upper_(inv)

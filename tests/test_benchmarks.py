@@ -28,5 +28,29 @@ def test_iteration_time_measures_every_variant(tmp_path, interleave):
         assert (row["FactorComp"] > 0) == kfac and (row["InverseComp"] > 0) == kfac
     alternations = re.findall(r"iteration (\d+)/5[^:]*: sgd [\d.]+s, spdkfac [\d.]+s, dkfac [\d.]+s", output)
     assert alternations == (["1", "2", "3", "4", "5"] * 2 if interleave else [])
+    samples = data["samples"]
+    for row in data["table"]:
+        for key, (num, den) in {"SP1": ("dkfac", row["variant"]), "vs_sgd": (row["variant"], "sgd")}.items():
+            if row["variant"] in ("dkfac" if key == "SP1" else "sgd"):
+                assert f"{key}_lo" not in row  # no interval of a variant against itself
+                continue
+            point = sum(samples[num]) / sum(samples[den])  # rank 0's ratio, inside its own bootstrap interval
+            assert row[f"{key}_lo"] < point < row[f"{key}_hi"]
     rss = [row["rss_mb"] for row in data["table"]]
     assert all(r != r for r in rss) if interleave else all(r > 0 for r in rss)  # NaN: no per-variant RSS when interleaved
+
+
+def test_ratio_interval():
+    from benchmarks.common import ratio_interval
+
+    assert ratio_interval([2.0, 2.0, 2.0], [1.0, 1.0, 1.0], paired=True) == (2.0, 2.0)
+    # A drift common to both (interleaved rounds) cancels when paired, not when resampled independently.
+    drift = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5]
+    paired = ratio_interval([1.1 * d for d in drift], drift, paired=True)
+    independent = ratio_interval([1.1 * d for d in drift], drift, paired=False)
+    assert paired[0] == pytest.approx(1.1) and paired[1] == pytest.approx(1.1)
+    assert independent[0] < 1.0 < 1.2 < independent[1]
+    with pytest.raises(ValueError, match="differ in number"):
+        ratio_interval([1.0, 2.0], [1.0, 2.0, 3.0], paired=True)
+    with pytest.raises(ValueError, match="at least two"):
+        ratio_interval([1.0], [1.0, 2.0], paired=False)

@@ -11,6 +11,8 @@ def test_pack_unpack_roundtrip(d):
     packed = pack_upper(sym)
     assert packed.numel() == triangle_size(d) == d * (d + 1) // 2
     assert torch.equal(unpack_upper(packed, d), sym)
+    stale = torch.full((d, d), float("nan"), dtype=torch.float64)  # a reused buffer: nothing of it may survive
+    assert torch.equal(unpack_upper(packed, d, out=stale), sym)
 
 
 def test_pack_into_buffer_slice():
