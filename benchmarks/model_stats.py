@@ -53,9 +53,10 @@ def _matches(ours: float, paper: float) -> bool:
     return abs(ours - paper) <= 0.05 + MATCH_RTOL * abs(paper)
 
 
-def model_stats(name: str, num_classes: int = 1000) -> Dict[str, object]:
-    """Table II numbers and the per-factor dimensions of one registered model."""
-    model: nn.Module = get_model(name, num_classes=num_classes)
+def model_stats(name: str, num_classes: int = 1000, model: Optional[nn.Module] = None) -> Dict[str, object]:
+    """Table II numbers and the per-factor dimensions of one registered model (``model``: that model, already built)."""
+    if model is None:
+        model = get_model(name, num_classes=num_classes)
     layers: List[KFACLayer] = kfac_layers(model)
     a_dims = [layer.a_dim for layer in layers]
     g_dims = [layer.g_dim for layer in layers]
@@ -188,8 +189,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, object]]:
     results: Dict[str, Dict[str, object]] = {}
     for name in args.models:
         t0 = time.perf_counter()
-        results[name] = model_stats(name, args.num_classes)
-        ops = kfac_arithmetic(get_model(name, num_classes=args.num_classes), (args.batch_size, 3, args.resolution, args.resolution))
+        model = get_model(name, num_classes=args.num_classes)
+        results[name] = model_stats(name, args.num_classes, model)
+        ops = kfac_arithmetic(model, (args.batch_size, 3, args.resolution, args.resolution))
         results[name]["arithmetic"] = {
             "resolution": args.resolution, "batch_size": args.batch_size, "gflop": {k: v / 1e9 for k, v in ops.items()},
             "factor_every": args.factor_every, "workers": args.workers,
