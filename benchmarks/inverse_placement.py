@@ -27,7 +27,7 @@ from spdkfac.models import get_model
 from spdkfac.perfmodels import PerfModel
 from spdkfac.placement import PLACEMENTS, place
 
-from .common import bar_chart, log, machine, save_json, start, stats, workload_parser
+from .common import bar_chart, log, machine, ratio_interval, save_json, start, stats, workload_parser
 
 LABELS = {"local": "Non-Dist (D-KFAC)", "seq": "Seq-Dist (MPD-KFAC)", "lbp": "LBP (SPD-KFAC)"}
 
@@ -102,6 +102,9 @@ def main() -> None:
         "lbp_over_lower_bound": res["lbp"]["median_s"] / lower,
         "lbp_speedup_vs_seq": res["seq"]["median_s"] / res["lbp"]["median_s"],
         "lbp_speedup_vs_local": res["local"]["median_s"] / res["lbp"]["median_s"],
+        # 95% intervals of the median ratios over the interleaved rounds (None with a single round)
+        **{f"lbp_speedup_vs_{s}_interval": list(ratio_interval(stage[s], stage["lbp"], paired=True, statistic="median"))
+           if args.rounds > 1 else None for s in ("seq", "local")},
         "inverse_model_mean_rel_error": float(np.mean(inv_err)),
         "inverse_model_max_rel_error_d>=512": float(max([e for (d, e) in zip(single, inv_err) if d >= 512], default=0.0)),
         "broadcast_model_mean_rel_error": float(np.mean(bc_err)) if bc_err else None,
@@ -114,6 +117,9 @@ def main() -> None:
             print(f"{LABELS[s]:<22} {res[s]['median_s']:8.3f}s {res[s]['predicted_s']:9.3f}s {res[s]['local_factors']:>6}")
         print(f"lower bound max(largest, total/P) = {lower:.3f} s; LBP is {summary['lbp_over_lower_bound']:.2f}x of it")
         print(f"LBP speed-up: {summary['lbp_speedup_vs_seq']:.2f}x vs Seq-Dist, {summary['lbp_speedup_vs_local']:.2f}x vs Non-Dist")
+        if args.rounds > 1:
+            (a, b), (c, d) = summary["lbp_speedup_vs_seq_interval"], summary["lbp_speedup_vs_local_interval"]
+            print(f"  95% intervals over the {args.rounds} rounds: {a:.2f}-{b:.2f}x vs Seq-Dist, {c:.2f}-{d:.2f}x vs Non-Dist")
         print(f"model error: inversion mean {summary['inverse_model_mean_rel_error']:.0%} (max {summary['inverse_model_max_rel_error_d>=512']:.0%} for d>=512), "
               f"broadcast mean {summary['broadcast_model_mean_rel_error'] or 0:.0%}")
         print(plans["lbp"].table(lambda k: f"{k[0]}:{k[1]}"))

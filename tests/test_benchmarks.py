@@ -50,6 +50,12 @@ def test_ratio_interval():
     independent = ratio_interval([1.1 * d for d in drift], drift, paired=False)
     assert paired[0] == pytest.approx(1.1) and paired[1] == pytest.approx(1.1)
     assert independent[0] < 1.0 < 1.2 < independent[1]
+    # Medians ignore one outlier round that moves the mean ratio.
+    outlier = [2.0] * 8 + [50.0]  # a median moves only if 5 of 9 draws hit the outlier (p < 0.3%)
+    assert ratio_interval(outlier, [1.0] * 9, paired=True, statistic="median") == (2.0, 2.0)
+    assert ratio_interval(outlier, [1.0] * 9, paired=True)[1] > 10
+    with pytest.raises(ValueError, match="statistic"):
+        ratio_interval([1.0, 2.0], [1.0, 2.0], paired=True, statistic="mode")
     with pytest.raises(ValueError, match="differ in number"):
         ratio_interval([1.0, 2.0], [1.0, 2.0, 3.0], paired=True)
     with pytest.raises(ValueError, match="at least two"):
