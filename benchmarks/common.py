@@ -57,6 +57,8 @@ def machine() -> Dict[str, Any]:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "python": platform.python_version(),
         "retained_freed_memory": _retained_memory,
+        # Horovod's background-thread cycle (ms; unset = Horovod's default of 1): costs CPU on small nodes.
+        "horovod_cycle_time_ms": os.environ.get("HOROVOD_CYCLE_TIME"),
     }
 
 

@@ -119,8 +119,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             (all but one in ``inv_update_freq``), precondition each layer as
             soon as its averaged gradient arrives, last layer first, so that
             the gradient all-reduce of the earlier layers hides behind the
-            preconditioning matmuls of the later ones (not in the paper; the
-            D-KFAC and MPD-KFAC baselines turn it off). Same result.
+            preconditioning matmuls of the later ones; on such steps that
+            update the factors, the preconditioning (which reads only the
+            kept inverses) also runs before waiting for the factor
+            all-reduces, hiding them as well (not in the paper; the D-KFAC
+            and MPD-KFAC baselines turn it off). Same result.
         perf_model: path to a fitted performance-model JSON, a
             :class:`~spdkfac.perfmodels.PerfModel`, or None for the built-in
             uncalibrated default (warns once).
@@ -257,6 +260,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.distribute_preconditioning = distribute_preconditioning
         self.overlap_preconditioning = overlap_preconditioning
         self.overlapped_steps = 0  # steps that preconditioned while gradients were still being averaged
+        self.overlapped_factor_steps = 0  # of those, factor steps that preconditioned before waiting for the factors
         self.precondition_owner: Dict[str, int] = {}
         if distribute_preconditioning and self.backend.size > 1:
             costs = [preconditioning_cost(layer.a_dim, layer.g_dim) for layer in self.layers]
@@ -387,19 +391,27 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 loss = closure()
         try:
             overlap = self._overlapping_preconditioning()
+            factor_step = self._is_factor_step()
             if overlap:
                 self._start_missing_grad_allreduces()  # every all-reduce in flight before waiting on any
-            else:
-                self.synchronize()
-            if self._is_factor_step():
-                self._update_factors()
-            if self._is_inverse_step():
-                self._update_inverses()
-            if self.precondition:
-                self._precondition(wait_for_grads=overlap)
-            if overlap:
+                if factor_step:
+                    # The inverses are kept this step, so the preconditioning does not need the new factors:
+                    # it runs while their all-reduces are still in flight and the factors are taken after it.
+                    self._submit_stashed_factors()
+                self._precondition(wait_for_grads=True)
+                if factor_step:
+                    self._update_factors()
+                    self.overlapped_factor_steps += 1
                 self.synchronize()  # the parameters outside the preconditioned layers
                 self.overlapped_steps += 1
+            else:
+                self.synchronize()
+                if factor_step:
+                    self._update_factors()
+                if self._is_inverse_step():
+                    self._update_inverses()
+                if self.precondition:
+                    self._precondition()
             self._sgd_update()
             self.steps += 1
             if self.timeline is not None and self._record is not None:
@@ -469,11 +481,14 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             return False  # the plain path raises the error
         return True
 
+    def _submit_stashed_factors(self) -> None:
+        """Without pipelining, send the factors the hooks kept back (D-KFAC: all at once after backward)."""
+        for key, factor in self._stash:
+            self.controller.submit(key, factor)
+        self._stash = []
+
     def _update_factors(self) -> None:
-        if not self.pipelining:
-            for key, factor in self._stash:
-                self.controller.submit(key, factor)
-            self._stash = []
+        self._submit_stashed_factors()
         arrived = {kind: self.controller.arrival_order(kind) for kind in FACTOR_KINDS}
         factors = self.controller.wait_all()
         if not factors:

@@ -15,7 +15,8 @@ all-reduces launched as each layer's backward finishes, one communication
 engine serving launches in order with ``t(m) = alpha + beta*m``, then the
 inversion stage's makespan from :func:`spdkfac.placement.place`. On steps that
 keep the inverses, variants with ``overlap_preconditioning`` hide up to their
-preconditioning time of the gradient wait. Variants may carry changes
+preconditioning time of the gradient wait, and on such steps that update the
+factors what remains of it hides the factor wait too. Variants may carry changes
 (``'spdkfac:overlap_preconditioning=false'``, see :func:`spdkfac.variants.variant_config`).
 
 Scaling to P workers: the fitted file holds costs at its own world size W.
@@ -336,8 +337,12 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
     if kfac and workers > 1 and not contention and cfg.get("overlap_preconditioning", True):
         # On steps that keep the inverses, the preconditioning of the layers whose gradients have arrived
         # runs while the rest are still averaged: the blocked wait shrinks by up to this rank's preconditioning.
-        hidden = min(parts["GradComm"], _preconditioning_busy(profile, workers, cfg.get("distribute_preconditioning", False)))
+        busy = _preconditioning_busy(profile, workers, cfg.get("distribute_preconditioning", False))
+        hidden = min(parts["GradComm"], busy)
         parts["GradComm"] -= hidden * (1.0 - i_share)
+        # Factor steps that keep the inverses precondition before waiting for the factor all-reduces, so what
+        # is left of the preconditioning hides factor communication too (inverse steps are factor steps).
+        parts["FactorComm"] -= min(factor_blocked, busy - hidden) * max(0.0, f_share - i_share)
     return {"iteration": sum(parts.values()), **parts}
 
 

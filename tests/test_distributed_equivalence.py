@@ -43,6 +43,9 @@ FREQ_CONFIGS = {
     # overlap_preconditioning, waits for every gradient first as the paper's baselines do).
     "freq-2-4": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="optimal", placement="lbp",
                      perf_model="expensive-inverse"),
+    # The same without pipelining: step 2's factors are sent after backward, before its preconditioning.
+    "freq-2-4-no-pipelining": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="threshold", pipelining=False,
+                                   placement="seq"),
     "freq-1-3-no-overlap": dict(BASE, factor_update_freq=1, inv_update_freq=3, fusion="optimal", placement="lbp",
                                 overlap_preconditioning=False),
     # GradScaler loop; step 2 has a NaN on one worker only, so every worker must skip it and drop its factors.
@@ -97,6 +100,8 @@ def test_fusion_policies_match_single_process(engine, tmp_path):
     assert len(dist["tiny-threshold"]["fusion_plan"]["A"]) > 1
     assert dist["replan"]["fusion_plans_made"] == 2
     assert dist["freq-2-4"]["overlapped_steps"] == 4 and ref["freq-2-4"]["overlapped_steps"] == 0
+    # Step 2 updates the factors but keeps the inverses: preconditioned before its factors were waited for.
+    assert dist["freq-2-4"]["overlapped_factor_steps"] == 1 == dist["freq-2-4-no-pipelining"]["overlapped_factor_steps"]
     assert dist["freq-1-3-no-overlap"]["overlapped_steps"] == 0 and dist["timeline"]["overlapped_steps"] == 0
     assert dist["grad-scaler-skip"]["steps"] == ref["grad-scaler-skip"]["steps"] == STEPS - 1
     _assert_timeline_consistent(dist["timeline"]["timeline"], n_layers=4)
@@ -135,3 +140,4 @@ def test_placements_match_single_process(engine, nproc, tmp_path):
     assert set(dist["dp-lbp"]["precondition_owner"].values()) == set(range(nproc))
     assert len(dist["dp-lbp"]["precondition_owner"]) == 4 and ref["dp-lbp"]["precondition_owner"] == {}
     assert dist["dp-local-noclip-freq"]["overlapped_steps"] == 4  # distributed preconditioning as gradients arrive
+    assert dist["dp-local-noclip-freq"]["overlapped_factor_steps"] == 1

@@ -159,6 +159,21 @@ def test_overlapped_preconditioning_hides_gradient_wait_on_steps_that_keep_the_i
     assert busy == predict(prof, perf, 2, "spdkfac:overlap_preconditioning=false", contention=True, update_freq=(10, 100))
 
 
+def test_overlapped_preconditioning_hides_factor_wait_on_factor_steps_that_keep_the_inverses():
+    prof = _with_preconditioning(_profile(), seconds=(0.004, 0.003, 0.002, 0.001, 0.0005, 0.0005))  # 11 ms in all
+    plain = predict(prof, _perf(), 2, "spdkfac:overlap_preconditioning=false", update_freq=(10, 100))
+    over = predict(prof, _perf(), 2, "spdkfac", update_freq=(10, 100))
+    # Short waits (gradients and factors < 11 ms): both hidden, the factors' on the 9 factor steps in 100 that
+    # keep the inverses; on the inverse step (1 in 100) the preconditioning needs the new factors.
+    assert 0.0 < plain["GradComm"] + plain["FactorComm"] / 0.1 < 0.011
+    assert over["GradComm"] == pytest.approx(plain["GradComm"] * 0.01)
+    assert over["FactorComm"] == pytest.approx(plain["FactorComm"] * 0.1)
+    # Factors every step, inverses every 100: the factor wait is hidden on 99 steps in 100.
+    every = predict(prof, _perf(), 2, "spdkfac", update_freq=(1, 100))
+    every_plain = predict(prof, _perf(), 2, "spdkfac:overlap_preconditioning=false", update_freq=(1, 100))
+    assert every["FactorComm"] == pytest.approx(every_plain["FactorComm"] * 0.01)
+
+
 def test_variant_changes_are_parsed_and_checked():
     from spdkfac.variants import variant_config
 

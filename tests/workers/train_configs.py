@@ -87,6 +87,7 @@ def main() -> None:
             "owners": {str(a.key): a.owner for a in opt.placement_plan.assignments},
             "precondition_owner": dict(opt.precondition_owner),
             "overlapped_steps": opt.overlapped_steps,
+            "overlapped_factor_steps": opt.overlapped_factor_steps,
             "timeline": [asdict(it) for it in opt.timeline.iterations] if opt.timeline is not None else None,
         }
         opt.remove_hooks()
