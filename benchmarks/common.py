@@ -109,6 +109,25 @@ def ratio_interval(numerator: Sequence[float], denominator: Sequence[float], pai
     return lo, hi
 
 
+def split_by_factor_step(samples: Sequence[float], warmup: int, iters: int, factor_freq: int) -> Dict[str, Dict[str, float]]:
+    """Mean seconds of the measured iterations that update the factors and of the others.
+
+    ``samples`` are ``iters`` measured iterations per round (steps ``warmup``
+    to ``warmup + iters - 1``, rounds one after another); step ``s`` updates
+    the factors when ``s % factor_freq == 0``. In the amortised setting the
+    two kinds cost very differently, and their means say where the overhead
+    over SGD comes from. Kinds with no iteration in the window are left out.
+    """
+    xs = list(samples)
+    if iters < 1 or factor_freq < 1 or len(xs) % iters:
+        raise ValueError(f"{len(xs)} samples are not whole rounds of {iters} iterations (factor_freq {factor_freq})")
+    kinds: Dict[str, List[float]] = {"factor_steps": [], "other_steps": []}
+    for i, x in enumerate(xs):
+        step = warmup + i % iters
+        kinds["factor_steps" if step % factor_freq == 0 else "other_steps"].append(x)
+    return {k: {"mean": statistics.fmean(v), "n": len(v)} for k, v in kinds.items() if v}
+
+
 def save_json(obj: Any, name: str, out_dir: Path = RESULTS) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name

@@ -35,7 +35,8 @@ from spdkfac.comm import DEVICE_CHOICES, worker_device
 from spdkfac.host_memory import release_freed_memory
 from spdkfac.models import get_model
 
-from .common import RESULTS, bar_chart, log, machine, ratio_interval, save_json, start, stats, workload_parser
+from .common import (RESULTS, bar_chart, log, machine, ratio_interval, save_json, split_by_factor_step, start, stats,
+                     workload_parser)
 
 VARIANTS = ["sgd", "dkfac", "mpdkfac", "spdkfac", "-pipe-lbp", "+pipe-lbp", "-pipe+lbp", "+pipe+lbp", "spdkfac-dp"]
 PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"]
@@ -221,6 +222,9 @@ def main() -> None:
                 row[f"{key}_lo"], row[f"{key}_hi"] = ratio_interval(num, den, paired)
         if "sgd" in by:
             row["vs_sgd"] = row["mean_s"] / by["sgd"]["mean_s"]
+        if args.update_freq[0] > 1:  # amortised: iterations with and without a factor update, apart (rank 0's)
+            for kind, part in split_by_factor_step(samples[row["variant"]], args.warmup, args.iters, args.update_freq[0]).items():
+                row[f"{kind}_s"], row[f"{kind}_n"] = part["mean"], part["n"]
     if rank == 0:
         head = f"{'variant':<10} {'iter (ms)':>15} " + " ".join(f"{p:>11}" for p in PARTS) + f" {'SP1':>6} {'SP2':>6} {'RSS MB':>7}"
         print("\n" + head)
@@ -233,6 +237,13 @@ def main() -> None:
                 if f"{key}_lo" in row:
                     lo, hi = row[f"{key}_lo"], row[f"{key}_hi"]
                     print(f"  {row['variant']:<10} {key:<6} {row[key]:.2f}x {what} (95% interval {lo:.2f}-{hi:.2f})")
+        for row in table:
+            if "factor_steps_s" in row and "other_steps_s" in row:
+                sgd = by.get("sgd", {})
+                vs = {k: f" ({row[k] / sgd[k]:.2f}x SGD's)" if k in sgd else "" for k in ("factor_steps_s", "other_steps_s")}
+                print(f"  {row['variant']:<10} factor-update iterations {row['factor_steps_s']:.2f} s"
+                      f"{vs['factor_steps_s']} (n={row['factor_steps_n']}), the others "
+                      f"{row['other_steps_s']:.2f} s{vs['other_steps_s']} (n={row['other_steps_n']})")
         if ref and "sgd" in by:
             print(f"SPD-KFAC / SGD iteration time: {ref['mean_s'] / by['sgd']['mean_s']:.2f}x")
         path = save_json({"args": vars(args), "machine": machine(), "world_size": backend.size, "engine": backend.name,

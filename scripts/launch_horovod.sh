@@ -3,6 +3,8 @@
 #   one node:     NP=4 bash scripts/launch_horovod.sh --data /data/imagenet --epochs 55
 #   several nodes: NP=16 HOSTFILE=hosts.txt bash scripts/launch_horovod.sh --data /data/imagenet
 # HOSTFILE lines look like "node1 slots=4". Set GLOO=0 to use MPI (Horovod built with MPI).
+# CYCLE_MS sets Horovod's background cycle (--cycle-time-ms; Horovod's default is 1 ms). On CPU-only nodes
+# with one worker per core, CYCLE_MS=20 leaves the cores to the computation (see README, Training job).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 NP="${NP:-2}"
@@ -16,6 +18,10 @@ if [[ -n "${HOSTFILE:-}" ]]; then
 fi
 engine=(--gloo)
 [[ "${GLOO:-1}" == "0" ]] && engine=(--mpi)
+if [[ -n "${CYCLE_MS:-}" ]]; then
+    [[ "$CYCLE_MS" =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "CYCLE_MS must be a number of milliseconds, got '$CYCLE_MS'" >&2; exit 2; }
+    engine+=(--cycle-time-ms "$CYCLE_MS")
+fi
 cd "$ROOT"
 set -x
 exec "$HVDRUN" -np "$NP" "${hosts[@]}" "${engine[@]}" "$PY" -m spdkfac.train "$@"

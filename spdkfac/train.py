@@ -190,6 +190,13 @@ def _progress(epoch: int, it: int, total: int, loss: float, width: int = 24) -> 
     sys.stdout.flush()
 
 
+def _engine_settings(backend: CommBackend) -> str:
+    """Horovod's background cycle, which matters on CPU nodes (``HOROVOD_CYCLE_TIME``; launch_horovod.sh's CYCLE_MS)."""
+    if backend.name != "horovod":
+        return ""
+    return f" (cycle {os.environ.get('HOROVOD_CYCLE_TIME', '1')} ms)"
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     args = parse_args(argv)
     retain_freed_memory()  # CPU activations are reused, not page-faulted in every iteration
@@ -234,7 +241,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     if is_root:
         out_dir.mkdir(parents=True, exist_ok=True)
         print(f"spdkfac.train: {args.optimizer} on {args.data} ({len(train_loader)} batches/epoch/worker), "
-              f"model {model_name}, {size} worker(s) via {backend.name} on {device}{f' ({args.amp} autocast)' if args.amp else ''}, "
+              f"model {model_name}, {size} worker(s) via {backend.name}{_engine_settings(backend)} on {device}"
+              f"{f' ({args.amp} autocast)' if args.amp else ''}, "
               f"batch {args.batch_size}/worker, lr {base_lr:g}")
         if args.optimizer != "sgd":
             print(f"  {len(optimizer.layers)} preconditioned layers, damping {args.damping:g}, kl_clip {args.kl_clip:g}; "

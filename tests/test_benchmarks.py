@@ -26,6 +26,10 @@ def test_iteration_time_measures_every_variant(tmp_path, interleave):
         kfac = row["variant"] != "sgd"
         # factors every 2 iterations, inverses every 8: no inversion in the window, so 1/8 of one is charged
         assert (row["FactorComp"] > 0) == kfac and (row["InverseComp"] > 0) == kfac
+        # steps 1-4 of each round, factors on steps 2 and 4: samples 1, 3, 5, 7 are factor-update iterations
+        its = data["samples"][row["variant"]]
+        assert row["factor_steps_n"] == row["other_steps_n"] == 4
+        assert row["factor_steps_s"] == pytest.approx(sum(its[1::2]) / 4) and row["other_steps_s"] == pytest.approx(sum(its[::2]) / 4)
     alternations = re.findall(r"iteration (\d+)/5[^:]*: sgd [\d.]+s, spdkfac [\d.]+s, dkfac [\d.]+s", output)
     assert alternations == (["1", "2", "3", "4", "5"] * 2 if interleave else [])
     samples = data["samples"]
@@ -38,6 +42,18 @@ def test_iteration_time_measures_every_variant(tmp_path, interleave):
             assert row[f"{key}_lo"] <= point <= row[f"{key}_hi"]
     rss = [row["rss_mb"] for row in data["table"]]
     assert all(r != r for r in rss) if interleave else all(r > 0 for r in rss)  # NaN: no per-variant RSS when interleaved
+
+
+def test_split_by_factor_step():
+    from benchmarks.common import split_by_factor_step
+
+    # warm-up 1, then steps 1..10 in each of two rounds; factors every 5 iterations: steps 5 and 10
+    samples = [1.0] * 4 + [9.0] + [1.0] * 4 + [7.0]
+    split = split_by_factor_step(samples * 2, warmup=1, iters=10, factor_freq=5)
+    assert split == {"factor_steps": {"mean": 8.0, "n": 4}, "other_steps": {"mean": 1.0, "n": 16}}
+    assert split_by_factor_step([2.0, 3.0], warmup=1, iters=2, factor_freq=10) == {"other_steps": {"mean": 2.5, "n": 2}}
+    with pytest.raises(ValueError, match="whole rounds"):
+        split_by_factor_step([1.0] * 5, warmup=0, iters=2, factor_freq=2)
 
 
 def test_ratio_interval():

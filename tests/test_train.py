@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import csv
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from launch import run_workers
+from launch import ROOT, require_horovod, run_workers
 from spdkfac import train
 from spdkfac.imagefolder import ImageFolderError, scan_image_folder
 
@@ -91,6 +95,21 @@ def test_two_worker_torchrun_training(tmp_path):
     assert "2 worker(s) via torch" in out and "epoch   0" in out
     rows = list(csv.DictReader(open(tmp_path / "run" / "log.csv")))
     assert float(rows[0]["test_acc"]) > 0.5
+
+
+def test_horovod_launch_script_trains_with_the_chosen_cycle_time(tmp_path):
+    """scripts/launch_horovod.sh end to end: 2 Horovod workers, CYCLE_MS reaching Horovod, a bad value refused."""
+    require_horovod()
+    script = ROOT / "scripts" / "launch_horovod.sh"
+    env = dict(os.environ, NP="2", CYCLE_MS="20", PYTHON=sys.executable, PYTHONUNBUFFERED="1",
+               HOROVODRUN=shutil.which("horovodrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]))
+    args = ["--data", "digits", "--epochs", "1", "--quiet", "--out-dir", str(tmp_path / "run")]
+    run = subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "2 worker(s) via horovod (cycle 20 ms)" in run.stdout
+    assert float(next(csv.DictReader(open(tmp_path / "run" / "log.csv")))["test_acc"]) > 0.5
+    bad = subprocess.run(["bash", str(script), *args], env=dict(env, CYCLE_MS="fast"), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "CYCLE_MS must be a number" in bad.stderr
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
