@@ -194,7 +194,12 @@ def _engine_settings(backend: CommBackend) -> str:
     """Horovod's background cycle, which matters on CPU nodes (``HOROVOD_CYCLE_TIME``; launch_horovod.sh's CYCLE_MS)."""
     if backend.name != "horovod":
         return ""
-    return f" (cycle {os.environ.get('HOROVOD_CYCLE_TIME', '1')} ms)"
+    cycle = os.environ.get("HOROVOD_CYCLE_TIME", "1")
+    try:
+        cycle = f"{float(cycle):g}"  # horovodrun --cycle-time-ms 20 exports "20.0"
+    except ValueError:
+        pass
+    return f" (cycle {cycle} ms)"
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
