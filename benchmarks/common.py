@@ -8,14 +8,16 @@ import statistics
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from spdkfac.affinity import bind_to_local_cores
 from spdkfac.host_memory import retain_freed_memory
 
 RESULTS = Path(__file__).resolve().parent / "results"
 _retained_memory = False  # whether start() switched off glibc's return of freed memory
+_bound_cores: Optional[List[int]] = None  # this rank's cores when start() bound it (--bind-cores)
 
 
 def workload_parser(doc: str, iters: int, out_name: str | None = None, model: str = "resnet50") -> argparse.ArgumentParser:
@@ -27,6 +29,7 @@ def workload_parser(doc: str, iters: int, out_name: str | None = None, model: st
     ap.add_argument("--iters", type=int, default=iters, help="measured iterations (per configuration and round)")
     ap.add_argument("--perf-model", default="perfmodels/reference-cpu-gloo-2.json")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
+    ap.add_argument("--bind-cores", action="store_true", help="bind each worker to its own share of the node's cores")
     if out_name is not None:
         ap.add_argument("--out", default=str(RESULTS / out_name))
     return ap
@@ -35,7 +38,9 @@ def workload_parser(doc: str, iters: int, out_name: str | None = None, model: st
 def start(args: argparse.Namespace, distributed: bool = True):
     """Apply ``--threads``, silence warnings, and return the communication engine (or None)."""
     warnings.filterwarnings("ignore")
-    global _retained_memory
+    global _retained_memory, _bound_cores
+    if getattr(args, "bind_cores", False):
+        _bound_cores = bind_to_local_cores()  # before the engine starts its threads
     _retained_memory = retain_freed_memory()  # as the training job does: no per-iteration page faults in timings
     torch.set_num_threads(args.threads)
     if not distributed:
@@ -59,6 +64,7 @@ def machine() -> Dict[str, Any]:
         "retained_freed_memory": _retained_memory,
         # Horovod's background-thread cycle (ms; unset = Horovod's default of 1): costs CPU on small nodes.
         "horovod_cycle_time_ms": os.environ.get("HOROVOD_CYCLE_TIME"),
+        "bound_cores": _bound_cores,  # this rank's cores with --bind-cores, else None
     }
 
 

@@ -399,10 +399,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                     # it runs while their all-reduces are still in flight and the factors are taken after it.
                     self._submit_stashed_factors()
                 self._precondition(wait_for_grads=True)
-                if factor_step:
+                self.synchronize()  # the parameters outside the preconditioned layers
+                if factor_step:  # (after synchronize: a bad factor raises with no all-reduce left pending)
                     self._update_factors()
                     self.overlapped_factor_steps += 1
-                self.synchronize()  # the parameters outside the preconditioned layers
                 self.overlapped_steps += 1
             else:
                 self.synchronize()

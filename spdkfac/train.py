@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from .affinity import bind_to_local_cores
 from .comm import DEVICE_CHOICES, CommBackend, get_backend, worker_device
 from .data import ShardedLoader, load_digits, synthetic
 from .host_memory import retain_freed_memory
@@ -71,6 +72,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--stop-after", type=int, default=None, help="leave after this many epochs of this run (resume later)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
+    p.add_argument("--bind-cores", action="store_true",
+                   help="bind each worker of a node to its own share of the cores (CPU nodes; see spdkfac.affinity)")
     p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
                    help="auto: the worker's own GPU (local rank) when CUDA is available, else the CPU")
     p.add_argument("--amp", nargs="?", const="bf16", default=None, choices=tuple(AMP_DTYPES),
@@ -204,6 +207,7 @@ def _engine_settings(backend: CommBackend) -> str:
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     args = parse_args(argv)
+    cores = bind_to_local_cores() if args.bind_cores else None  # before the engine starts its threads
     retain_freed_memory()  # CPU activations are reused, not page-faulted in every iteration
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -248,7 +252,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         print(f"spdkfac.train: {args.optimizer} on {args.data} ({len(train_loader)} batches/epoch/worker), "
               f"model {model_name}, {size} worker(s) via {backend.name}{_engine_settings(backend)} on {device}"
               f"{f' ({args.amp} autocast)' if args.amp else ''}, "
-              f"batch {args.batch_size}/worker, lr {base_lr:g}")
+              f"batch {args.batch_size}/worker, lr {base_lr:g}" + (f", rank 0 bound to cores {cores}" if cores else ""))
         if args.optimizer != "sgd":
             print(f"  {len(optimizer.layers)} preconditioned layers, damping {args.damping:g}, kl_clip {args.kl_clip:g}; "
                   f"placement: {optimizer.placement_plan!r}")

@@ -1,0 +1,89 @@
+"""Bind each worker of a node to its own share of the node's cores (opt-in).
+
+On CPU nodes that run one worker per core, the operating system otherwise
+moves the workers' compute threads and their communication threads (Horovod's
+background thread, gloo's) across all cores, so a worker now and then computes
+on a core another worker is using. The ranks then drift apart by seconds per
+iteration, and whoever is ahead waits for the slowest in the next collective.
+Binding worker ``r`` of ``n`` on a node to the ``r``-th of ``n`` equal blocks
+of the cores keeps each worker, with every thread it starts later, on its
+own cores. It binds the process's threads that exist, and should run before
+the communication engine starts its threads (``hvd.init()``,
+``init_process_group``), which then inherit it.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import List, Optional, Sequence, Tuple
+
+__all__ = ["local_rank_and_size", "core_share", "bind_to_local_cores"]
+
+# (local rank, local size) variables of the launchers: horovodrun, torchrun, Open MPI's mpirun.
+_LAUNCHER_VARS = (
+    ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+    ("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+)
+
+
+def local_rank_and_size() -> Optional[Tuple[int, int]]:
+    """This worker's index among the workers of its node and their number, from the launcher's environment.
+
+    None when no launcher set them (a plain single-process run).
+    """
+    for rank_var, size_var in _LAUNCHER_VARS:
+        if rank_var in os.environ and size_var in os.environ:
+            rank, size = int(os.environ[rank_var]), int(os.environ[size_var])
+            if not 0 <= rank < size:
+                raise ValueError(f"{rank_var}={rank} is not within {size_var}={size}")
+            return rank, size
+    return None
+
+
+def core_share(cores: Sequence[int], local_rank: int, local_size: int) -> List[int]:
+    """The block of ``cores`` for worker ``local_rank`` of ``local_size``: equal contiguous blocks.
+
+    With more cores than workers the first ``len(cores) % local_size`` workers
+    get one core more. With more workers than cores each gets one core,
+    round-robin (workers then share cores; a warning says so).
+    """
+    if not cores:
+        raise ValueError("no cores to share")
+    if not 0 <= local_rank < local_size:
+        raise ValueError(f"local rank {local_rank} is not within local size {local_size}")
+    ordered = sorted(cores)
+    if local_size > len(ordered):
+        warnings.warn(f"{local_size} workers on {len(ordered)} cores: workers share cores", stacklevel=2)
+        return [ordered[local_rank % len(ordered)]]
+    base, extra = divmod(len(ordered), local_size)
+    start = local_rank * base + min(local_rank, extra)
+    return ordered[start : start + base + (1 if local_rank < extra else 0)]
+
+
+def bind_to_local_cores() -> Optional[List[int]]:
+    """Restrict this worker (and every thread it starts from now on) to its share of the cores it may use.
+
+    Returns the cores, or None in a run that no launcher started (nothing is
+    changed). Raises on platforms without ``os.sched_setaffinity`` (Linux has it).
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        raise RuntimeError("binding workers to cores needs os.sched_setaffinity (Linux)")
+    local = local_rank_and_size()
+    if local is None:
+        return None
+    share = core_share(sorted(os.sched_getaffinity(0)), *local)
+    for tid in _thread_ids():  # threads already started (importing torch starts some) as well as this one
+        try:
+            os.sched_setaffinity(tid, share)
+        except ProcessLookupError:  # that thread has exited meanwhile
+            pass
+    return share
+
+
+def _thread_ids() -> List[int]:
+    """This process's threads (Linux ``/proc``), or just the calling thread where that is not available."""
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
