@@ -15,33 +15,14 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import Collection, List, Optional
 
-__all__ = ["local_rank_and_size", "core_share", "bind_to_local_cores"]
+from .comm.device import local_rank_and_size
 
-# (local rank, local size) variables of the launchers: horovodrun, torchrun, Open MPI's mpirun.
-_LAUNCHER_VARS = (
-    ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
-    ("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-)
+__all__ = ["core_share", "bind_to_local_cores"]
 
 
-def local_rank_and_size() -> Optional[Tuple[int, int]]:
-    """This worker's index among the workers of its node and their number, from the launcher's environment.
-
-    None when no launcher set them (a plain single-process run).
-    """
-    for rank_var, size_var in _LAUNCHER_VARS:
-        if rank_var in os.environ and size_var in os.environ:
-            rank, size = int(os.environ[rank_var]), int(os.environ[size_var])
-            if not 0 <= rank < size:
-                raise ValueError(f"{rank_var}={rank} is not within {size_var}={size}")
-            return rank, size
-    return None
-
-
-def core_share(cores: Sequence[int], local_rank: int, local_size: int) -> List[int]:
+def core_share(cores: Collection[int], local_rank: int, local_size: int) -> List[int]:
     """The block of ``cores`` for worker ``local_rank`` of ``local_size``: equal contiguous blocks.
 
     With more cores than workers the first ``len(cores) % local_size`` workers
@@ -65,14 +46,14 @@ def bind_to_local_cores() -> Optional[List[int]]:
     """Restrict this worker (and every thread it starts from now on) to its share of the cores it may use.
 
     Returns the cores, or None in a run that no launcher started (nothing is
-    changed). Raises on platforms without ``os.sched_setaffinity`` (Linux has it).
+    changed; the launcher is read as :func:`spdkfac.comm.device.local_rank_and_size` reads it). Raises on platforms without ``os.sched_setaffinity`` (Linux has it).
     """
     if not hasattr(os, "sched_setaffinity"):
         raise RuntimeError("binding workers to cores needs os.sched_setaffinity (Linux)")
     local = local_rank_and_size()
     if local is None:
         return None
-    share = core_share(sorted(os.sched_getaffinity(0)), *local)
+    share = core_share(os.sched_getaffinity(0), *local)
     for tid in _thread_ids():  # threads already started (importing torch starts some) as well as this one
         try:
             os.sched_setaffinity(tid, share)

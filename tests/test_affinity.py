@@ -7,7 +7,8 @@ import re
 import pytest
 
 from launch import ROOT, run_workers
-from spdkfac.affinity import core_share, local_rank_and_size
+from spdkfac.affinity import core_share
+from spdkfac.comm import local_rank, local_rank_and_size
 
 
 def test_core_share_splits_the_cores_into_contiguous_blocks():
@@ -24,18 +25,24 @@ def test_core_share_splits_the_cores_into_contiguous_blocks():
 
 
 def test_local_rank_and_size_from_each_launcher(monkeypatch):
-    for var in ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+    for var in ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "SLURM_LOCALID"):
         monkeypatch.delenv(var, raising=False)
     assert local_rank_and_size() is None
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert local_rank_and_size() == (1, 4)
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert local_rank_and_size() is None and local_rank() == 1  # srun names no local size: nothing to split
     monkeypatch.setenv("HOROVOD_LOCAL_RANK", "0")
     monkeypatch.setenv("HOROVOD_LOCAL_SIZE", "2")
-    assert local_rank_and_size() == (0, 2)  # horovodrun's, when both are set
-    monkeypatch.setenv("HOROVOD_LOCAL_RANK", "2")
+    assert local_rank_and_size() == (0, 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    # torchrun's, when both are set: the same launcher the GPU choice (local_rank) trusts
+    assert local_rank_and_size() == (1, 4) and local_rank() == 1
+    monkeypatch.setenv("LOCAL_RANK", "4")
     with pytest.raises(ValueError, match="not within"):
+        local_rank_and_size()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "many")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
         local_rank_and_size()
 
 

@@ -5,11 +5,11 @@ import os
 from typing import Union
 
 from .base import CommBackend, CompletedHandle, Handle, SingleProcessBackend
-from .device import DEVICE_CHOICES, local_rank, worker_device
+from .device import DEVICE_CHOICES, local_rank, local_rank_and_size, worker_device
 
 __all__ = [
     "CommBackend", "Handle", "CompletedHandle", "SingleProcessBackend", "get_backend", "detect_launcher",
-    "local_rank", "worker_device", "DEVICE_CHOICES",
+    "local_rank", "local_rank_and_size", "worker_device", "DEVICE_CHOICES",
 ]
 
 _HOROVOD_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_GLOO_RENDEZVOUS_ADDR")

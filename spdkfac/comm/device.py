@@ -9,29 +9,59 @@ on GPU 0 they fail or serialise.
 from __future__ import annotations
 
 import os
+from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["local_rank", "worker_device", "DEVICE_CHOICES"]
+__all__ = ["local_rank", "local_rank_and_size", "worker_device", "DEVICE_CHOICES"]
 
-# torchrun, horovodrun (Gloo), Open MPI, MPICH/Intel MPI, Slurm's srun
-_LOCAL_RANK_VARS = ("LOCAL_RANK", "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+# (local rank, local size) variables of torchrun, horovodrun (Gloo), Open MPI, MPICH/Intel MPI, Slurm's srun
+# (which names no local size), in the order they are trusted.
+_LAUNCHER_VARS: Tuple[Tuple[str, Optional[str]], ...] = (
+    ("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("SLURM_LOCALID", None),
+)
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def _launcher_vars() -> Optional[Tuple[str, Optional[str]]]:
+    """The (rank, size) variable names of the launcher that started this process, or None."""
+    return next(((r, s) for r, s in _LAUNCHER_VARS if r in os.environ), None)
+
+
+def _env_int(var: str, what: str) -> int:
+    value = os.environ[var]
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {var}={value!r} is not an integer {what}") from None
+    if number < 0:
+        raise ValueError(f"environment variable {var}={value!r} is a negative {what}")
+    return number
 
 
 def local_rank() -> int:
     """This process's index on its node, from the launcher's environment (0 when not launched)."""
-    for var in _LOCAL_RANK_VARS:
-        value = os.environ.get(var)
-        if value is not None:
-            try:
-                rank = int(value)
-            except ValueError:
-                raise ValueError(f"environment variable {var}={value!r} is not an integer local rank") from None
-            if rank < 0:
-                raise ValueError(f"environment variable {var}={value!r} is a negative local rank")
-            return rank
-    return 0
+    names = _launcher_vars()
+    return 0 if names is None else _env_int(names[0], "local rank")
+
+
+def local_rank_and_size() -> Optional[Tuple[int, int]]:
+    """This process's index on its node and the number of processes there, from the launcher's environment.
+
+    None when no launcher set them (a plain single-process run, or a launcher
+    that names no local size).
+    """
+    names = _launcher_vars()
+    if names is None or names[1] is None or names[1] not in os.environ:
+        return None
+    rank, size = _env_int(names[0], "local rank"), _env_int(names[1], "local size")
+    if rank >= size:
+        raise ValueError(f"{names[0]}={rank} is not within {names[1]}={size}")
+    return rank, size
 
 
 def worker_device(choice: str = "auto") -> torch.device:
