@@ -581,9 +581,19 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         try:
             return invert_spd(factor, damping)
         except torch.linalg.LinAlgError as exc:
+            # The factors were checked finite, so the damping lost to rounding: a factor of lower rank than its
+            # dimension (fewer rows, samples x positions, than that) has only the damping on its null space, and
+            # Cholesky's rounding error grows with the factor's scale. Say which, with a damping that would do.
+            dim = factor.shape[0]
+            scale = float(factor.diagonal().max())
+            enough = dim * torch.finfo(factor.dtype).eps * scale
             raise torch.linalg.LinAlgError(
-                f"factor {kind} of layer {layer.name!r} is not positive definite even with damping {damping:g} "
-                f"at step {self.steps} (training has probably diverged; lower lr or kl_clip, or raise damping): {exc}"
+                f"factor {kind} of layer {layer.name!r} (dimension {dim}, largest diagonal entry {scale:.3g}) is not "
+                f"positive definite even with damping {damping:g} at step {self.steps}. A factor of lower rank than "
+                f"its dimension (from fewer rows, samples x positions, than that: a small batch) keeps only the "
+                f"damping in its null space, and {factor.dtype} rounding at this scale is about {enough:.2g}: raise "
+                f"damping well above that or the batch size; if training had been diverging, lower lr or kl_clip "
+                f"instead. ({exc})"
             ) from exc
 
     def _update_inverses(self) -> None:

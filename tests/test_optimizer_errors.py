@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the problem."""
 import copy
+import re
 
 import pytest
 import torch
@@ -73,6 +74,23 @@ def test_non_finite_factor_reports_layer_and_keeps_state():
     nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
     assert opt.steps == 2
+
+
+def test_rank_deficient_factor_error_names_a_damping_that_works():
+    """One sample gives rank-1 factors: a damping below float32 rounding fails, one above what the error names works."""
+    torch.manual_seed(0)
+
+    def first_step(damping: float) -> None:
+        model = nn.Sequential(nn.Linear(16, 8))
+        opt = SPDKFACOptimizer(model, lr=0.1, damping=damping, backend="single")
+        model(torch.randn(1, 16) * 100).sum().backward()
+        opt.step()
+
+    with pytest.raises(torch.linalg.LinAlgError, match=r"factor A of layer '0' \(dimension 17.*lower rank") as info:
+        first_step(1e-12)
+    enough = float(re.search(r"rounding at this scale is about ([0-9.e+-]+)", str(info.value)).group(1))
+    assert enough > 1e-12
+    first_step(100 * enough)
 
 
 def test_checkpoint_from_different_model_is_rejected():
