@@ -132,9 +132,17 @@ class VariantRun:
         return {"iteration": total, "parts": parts, "memory": mem}
 
 
-def run_round(variants: List[str], args, backend, x, y, interleave: bool) -> Dict[str, Dict[str, object]]:
-    """Every variant's warm-up and measured iterations: one variant after another, or interleaved."""
+def run_round(variants: List[str], args, backend, x, y, interleave: bool, label: str) -> Dict[str, Dict[str, object]]:
+    """Every variant's warm-up and measured iterations: one variant after another, or interleaved.
+
+    Each variant's mean is logged (prefixed by ``label``) as soon as it is known: after the variant
+    when they run one after another, so a long run shows its progress.
+    """
     steps = args.warmup + args.iters
+
+    def done(v: str, result: Dict[str, object]) -> None:
+        log(backend.rank, f"  {label} {v:<10} {stats(result['iteration'])['mean']*1e3:9.1f} ms/iter")
+
     out: Dict[str, Dict[str, object]] = {}
     if not interleave:
         for v in variants:
@@ -144,6 +152,7 @@ def run_round(variants: List[str], args, backend, x, y, interleave: bool) -> Dic
             for _ in range(steps):
                 run.iteration(x, y)
             out[v] = run.finish()
+            done(v, out[v])
         return out
     runs = [VariantRun(v, args, backend, x.device) for v in variants]
     for it in range(steps):
@@ -152,6 +161,7 @@ def run_round(variants: List[str], args, backend, x, y, interleave: bool) -> Dic
             + ", ".join(f"{v} {s:.2f}s" for v, s in zip(variants, secs)))
     for v, run in zip(variants, runs):
         out[v] = run.finish(per_variant_memory=False)
+        done(v, out[v])
     return out
 
 
@@ -188,7 +198,7 @@ def main() -> None:
     x, y = x.to(device), y.to(device)
     results: Dict[str, Dict[str, object]] = {}
     for rnd in range(args.rounds):
-        for v, r in run_round(args.variants, args, backend, x, y, args.interleave).items():
+        for v, r in run_round(args.variants, args, backend, x, y, args.interleave, f"round {rnd + 1}/{args.rounds}").items():
             if v in results:
                 results[v]["iteration"] += r["iteration"]
                 for k in PARTS:
@@ -196,7 +206,6 @@ def main() -> None:
                 results[v]["memory"] = r["memory"]
             else:
                 results[v] = r
-            log(rank, f"  round {rnd + 1}/{args.rounds} {v:<10} {stats(r['iteration'])['mean']*1e3:9.1f} ms/iter")
 
     # The slowest rank sets the pace: average the per-rank means (ranks are symmetric here).
     table: List[Dict[str, object]] = []

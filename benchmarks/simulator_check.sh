@@ -23,14 +23,16 @@ PY="$ROOT/.venv/bin/python"
 export PATH="$ROOT/.venv/bin:$PATH"
 cd "$ROOT"
 
-# The workload flags the profile must share with the measurement.
-MODEL=resnet50; RES=32; BATCH=4
+# The workload flags the profile must share with the measurement (and the core binding, which the
+# performance models must share too).
+MODEL=resnet50; RES=32; BATCH=4; BIND=()
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
     case "${args[$i]}" in
         --model) MODEL="${args[$((i + 1))]}" ;;
         --resolution) RES="${args[$((i + 1))]}" ;;
         --batch-size) BATCH="${args[$((i + 1))]}" ;;
+        --bind-cores) BIND=(--bind-cores) ;;
     esac
 done
 DIR="benchmarks/results/calibrated_$NAME"
@@ -39,10 +41,10 @@ launch() { horovodrun -np "$NP" -H "localhost:$NP" --gloo "$PY" "$@"; }
 
 profile() {
     echo "[simulator_check] $1 per-layer profile -> $DIR/$2 ($(date -u +%H:%M:%S))"
-    launch -m spdkfac.simulate profile --model "$MODEL" --resolution "$RES" --batch-size "$BATCH" --out "$DIR/$2"
+    launch -m spdkfac.simulate profile --model "$MODEL" --resolution "$RES" --batch-size "$BATCH" "${BIND[@]}" --out "$DIR/$2"
 }
 echo "[simulator_check] 1/5 performance models -> $DIR/perfmodel.json ($(date -u +%H:%M:%S))"
-launch -m spdkfac.perfmodels benchmark --quick --threads 1 --model "$MODEL" --out "$DIR/perfmodel.json"
+launch -m spdkfac.perfmodels benchmark --quick --threads 1 --model "$MODEL" "${BIND[@]}" --out "$DIR/perfmodel.json"
 profile 2/5 profile_before.json
 echo "[simulator_check] 3/5 measured iteration times -> $DIR/iteration_time.json ($(date -u +%H:%M:%S))"
 launch -m benchmarks.iteration_time --model "$MODEL" --threads 1 "$@" --out "$DIR/iteration_time.json"

@@ -44,6 +44,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from .affinity import bind_to_local_cores
 from .comm import CommBackend, get_backend
 from .fusion import plan_groups
 from .host_memory import retain_freed_memory
@@ -386,6 +387,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--bind-cores", action="store_true", help="bind each worker to its own share of the node's cores, as the run it models")
     p.add_argument("--out", required=True)
     q = sub.add_parser("predict", help="predict iteration times from a profile and a performance model")
     q.add_argument("--profile", required=True, nargs="+", help="one profile, or several to average (e.g. taken before and after)")
@@ -404,11 +406,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "0")))
         workers = int(os.environ.get("HOROVOD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        cores = bind_to_local_cores() if args.bind_cores else None  # before the engine starts its threads
         comm = get_backend("auto") if workers > 1 else None
         retained = retain_freed_memory()  # profile under the training job's allocator settings
         prof = measure_profile(args.model, args.resolution, args.batch_size, args.iters, args.threads, comm)
         prof["concurrent_workers"] = workers
         prof["retained_freed_memory"] = retained
+        prof["bound_cores"] = cores
         if rank != 0:
             return 0
         with open(args.out, "w") as fh:

@@ -32,6 +32,8 @@ def test_iteration_time_measures_every_variant(tmp_path, interleave):
         assert row["factor_steps_s"] == pytest.approx(sum(its[1::2]) / 4) and row["other_steps_s"] == pytest.approx(sum(its[::2]) / 4)
     alternations = re.findall(r"iteration (\d+)/5[^:]*: sgd [\d.]+s, spdkfac [\d.]+s, dkfac [\d.]+s", output)
     assert alternations == (["1", "2", "3", "4", "5"] * 2 if interleave else [])
+    progress = re.findall(r"round (\d)/2 (\S+) +[\d.]+ ms/iter", output)  # each variant's mean, once per round
+    assert progress == [(r, v) for r in ("1", "2") for v in variants]
     samples = data["samples"]
     for row in data["table"]:
         for key, (num, den) in {"SP1": ("dkfac", row["variant"]), "vs_sgd": (row["variant"], "sgd")}.items():

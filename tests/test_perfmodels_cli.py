@@ -85,14 +85,18 @@ def test_show_rejects_malformed_file(tmp_path, content, message):
 
 def test_benchmark_under_horovodrun(tmp_path):
     out = tmp_path / "hvd.json"
-    run_workers("horovod", 2, ["-m", "spdkfac.perfmodels", "benchmark", *TINY, "--out", str(out)], timeout=TIMEOUT_S)
+    run_workers("horovod", 2, ["-m", "spdkfac.perfmodels", "benchmark", *TINY, "--bind-cores", "--out", str(out)], timeout=TIMEOUT_S)
     _check_two_workers(out, "horovod")
+    bound = json.loads(out.read_text())["meta"]["bound_cores"]  # rank 0's block of the cores, as a bound run's
+    available = sorted(os.sched_getaffinity(0))
+    assert bound and set(bound) <= set(available) and bound[0] == available[0], bound
 
 
 def test_benchmark_under_torchrun(tmp_path):
     out = tmp_path / "torch.json"
     run_workers("torch", 2, ["-m", "spdkfac.perfmodels", "benchmark", "--engine", "torch", *TINY, "--out", str(out)], timeout=TIMEOUT_S)
     _check_two_workers(out, "torch")
+    assert json.loads(out.read_text())["meta"]["bound_cores"] is None  # not asked to bind
 
 
 def _mpirun() -> str:

@@ -119,6 +119,7 @@ def test_contention_slows_compute_by_the_profiled_sgd_ratio():
 def test_profile_under_a_launcher_records_layers_and_sgd_with_real_allreduces(tmp_path):
     """`simulate profile` on 2 real workers (torchrun): per-layer times, and the SGD passes ran with communication."""
     import json
+    import os
 
     from launch import run_workers
     from spdkfac.layers import kfac_layers
@@ -126,9 +127,11 @@ def test_profile_under_a_launcher_records_layers_and_sgd_with_real_allreduces(tm
 
     out = tmp_path / "profile.json"
     run_workers("torch", 2, ["-m", "spdkfac.simulate", "profile", "--model", "cifar_resnet20", "--resolution", "8",
-                             "--batch-size", "2", "--iters", "1", "--out", str(out)])
+                             "--batch-size", "2", "--iters", "1", "--bind-cores", "--out", str(out)])
     prof = json.loads(out.read_text())
     assert prof["comm_workers"] == prof["concurrent_workers"] == 2
+    available = sorted(os.sched_getaffinity(0))  # rank 0 profiled on its own block of the cores, as a bound run
+    assert prof["bound_cores"] and set(prof["bound_cores"]) <= set(available) and prof["bound_cores"][0] == available[0]
     n_layers = len(kfac_layers(get_model("cifar_resnet20")))
     assert len(prof["factors"]) == 2 * n_layers and len(prof["precondition"]) == n_layers
     assert all(f["compute"] > 0 and f["ready"] > 0 for f in prof["factors"])

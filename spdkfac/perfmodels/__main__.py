@@ -11,6 +11,7 @@ import json
 import sys
 from typing import List, Optional
 
+from ..affinity import bind_to_local_cores
 from ..host_memory import retain_freed_memory
 from .models import PerfModel, PerfModelError
 
@@ -30,6 +31,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     b.add_argument("--model", default=None, help="also measure every factor dimension of this spdkfac.models network")
     b.add_argument("--sizes", type=int, nargs="*", help="all-reduce message sizes (elements)")
     b.add_argument("--threads", type=int, default=None, help="torch intra-op threads per worker")
+    b.add_argument("--bind-cores", action="store_true", help="bind each worker to its own share of the node's cores, as the run it models")
     b.add_argument("--plot", default=None, help="also write this PNG")
     p = sub.add_parser("plot", help="draw measurements against the fitted curves")
     p.add_argument("file")
@@ -44,6 +46,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ..comm import get_backend
         from .bench import BenchmarkConfig, Mpi4pyEngine, run_benchmark
 
+        cores = bind_to_local_cores() if args.bind_cores else None  # before the engine starts its threads
         retain_freed_memory()  # as the training job does
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -63,6 +66,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"benchmarking {engine.name} x{engine.size}: {len(cfg.sizes())} all-reduce sizes, "
                   f"{len(cfg.dims())} dimensions, {cfg.repeats} repeats after {cfg.warmup} warm-up runs", file=sys.stderr)
         model = run_benchmark(cfg, engine)
+        model.meta["bound_cores"] = cores
         if engine.rank == 0:
             model.save(args.out)
             print(_summary(model))
