@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import csv
 import gc
+import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
 
 from spdkfac import make_optimizer
-from spdkfac.variants import variant_config
+from spdkfac.variants import variant_argv, variant_config
 from spdkfac.comm import DEVICE_CHOICES, worker_device
 from spdkfac.host_memory import release_freed_memory
 from spdkfac.models import get_model
@@ -165,7 +166,7 @@ def run_round(variants: List[str], args, backend, x, y, interleave: bool, label:
     return out
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     ap = workload_parser(__doc__, iters=4)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
@@ -174,12 +175,13 @@ def main() -> None:
     ap.add_argument("--interleave", action="store_true",
                     help="hold every variant at once and alternate their iterations (robust to a drifting machine; "
                          "needs the memory of all variants together, and reports no per-variant RSS)")
-    ap.add_argument("--variants", nargs="*", default=VARIANTS,
-                    help="variant names, or name:key=value,... for a variant with a switch changed "
+    ap.add_argument("--variants", nargs="*", action="extend", default=None,
+                    help="variant names (default: all), or name:key=value,... for a variant with a switch changed "
                          "(e.g. spdkfac:overlap_preconditioning=false)")
     ap.add_argument("--update-freq", type=int, nargs=2, default=[1, 1], metavar=("FACTOR", "INVERSE"))
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/iteration_time[_amortised].json)")
-    args = ap.parse_args()
+    args = ap.parse_args(variant_argv(sys.argv[1:] if argv is None else argv))
+    args.variants = args.variants or list(VARIANTS)
     for v in args.variants:
         try:
             variant_config(v)

@@ -51,7 +51,7 @@ from .host_memory import retain_freed_memory
 from .linalg import triangle_size
 from .perfmodels import PerfModel
 from .placement import balance_by_cost, place, preconditioning_cost
-from .variants import variant_config
+from .variants import variant_argv, variant_config
 
 __all__ = ["measure_profile", "average_profiles", "load_profiles", "predict", "ScaledModels"]
 
@@ -393,11 +393,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     q.add_argument("--profile", required=True, nargs="+", help="one profile, or several to average (e.g. taken before and after)")
     q.add_argument("--perf-model", required=True)
     q.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
-    q.add_argument("--variants", nargs="*", default=["sgd", "dkfac", "mpdkfac", "spdkfac"])
+    q.add_argument("--variants", nargs="*", action="extend", default=None, help="default: sgd dkfac mpdkfac spdkfac")
     q.add_argument("--contention", action="store_true", help="communication cannot overlap computation (CPU workers, no spare core)")
     q.add_argument("--update-freq", type=int, nargs=2, default=[1, 1])
     q.add_argument("--json", default=None, help="also write the predictions here")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(variant_argv(sys.argv[1:] if argv is None else argv))
     warnings.filterwarnings("ignore")
     if args.cmd == "profile":
         # Under a launcher, every worker profiles at once, so the profile sees the same sharing of
@@ -426,6 +426,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     perf = PerfModel.load(args.perf_model)
+    args.variants = args.variants or ["sgd", "dkfac", "mpdkfac", "spdkfac"]
     for v in args.variants:
         try:
             variant_config(v)

@@ -1,11 +1,11 @@
 """The paper's baselines and ablations as configurations of the one optimizer."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List, Sequence
 
 import torch.nn as nn
 
-__all__ = ["VARIANTS", "make_optimizer", "variant_config"]
+__all__ = ["VARIANTS", "make_optimizer", "variant_config", "variant_argv"]
 
 #: name -> keyword arguments of :class:`~spdkfac.SPDKFACOptimizer`
 VARIANTS: Dict[str, Dict[str, Any]] = {
@@ -73,3 +73,23 @@ def make_optimizer(variant: str, model: nn.Module, **kwargs: Any):
         raise ValueError(f"variant {variant!r} fixes {overlap}; do not pass them")
     config.update(kwargs)
     return SPDKFACOptimizer(model, **config)
+
+
+def variant_argv(argv: Sequence[str], flag: str = "--variants") -> List[str]:
+    """``argv`` with each ablation name after ``flag`` (``-pipe+lbp``...) rewritten as ``flag=NAME``.
+
+    argparse reads a list value that starts with a dash as an unknown
+    option, so ``--variants sgd -pipe+lbp`` would fail; the option must use
+    ``action="extend"`` for the rewritten pieces to add up.
+    """
+    out: List[str] = []
+    listing = False  # inside the list of values that follows the flag
+    for token in argv:
+        if listing and token.startswith("-") and not token.startswith("--") and token.partition(":")[0] in VARIANTS:
+            out.append(f"{flag}={token}")
+            continue
+        if listing and not token.startswith("-") and out[-1].startswith(f"{flag}="):
+            out.append(flag)  # the list goes on after a rewritten name: open it again
+        listing = token == flag or (listing and not token.startswith("-"))
+        out.append(token)
+    return out

@@ -12,7 +12,7 @@ from launch import run_workers
 @pytest.mark.parametrize("interleave", [False, True])
 def test_iteration_time_measures_every_variant(tmp_path, interleave):
     out = tmp_path / "it.json"
-    variants = ["sgd", "spdkfac", "dkfac"]
+    variants = ["sgd", "spdkfac", "dkfac", "-pipe+lbp"]  # an ablation name that starts with a dash, too
     args = ["-m", "benchmarks.iteration_time", "--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2",
             "--iters", "4", "--warmup", "1", "--rounds", "2", "--update-freq", "2", "8",
             "--variants", *variants, "--out", str(out)]
@@ -30,7 +30,7 @@ def test_iteration_time_measures_every_variant(tmp_path, interleave):
         its = data["samples"][row["variant"]]
         assert row["factor_steps_n"] == row["other_steps_n"] == 4
         assert row["factor_steps_s"] == pytest.approx(sum(its[1::2]) / 4) and row["other_steps_s"] == pytest.approx(sum(its[::2]) / 4)
-    alternations = re.findall(r"iteration (\d+)/5[^:]*: sgd [\d.]+s, spdkfac [\d.]+s, dkfac [\d.]+s", output)
+    alternations = re.findall(r"iteration (\d+)/5[^:]*: sgd [\d.]+s, spdkfac [\d.]+s, dkfac [\d.]+s, -pipe\+lbp [\d.]+s", output)
     assert alternations == (["1", "2", "3", "4", "5"] * 2 if interleave else [])
     progress = re.findall(r"round (\d)/2 (\S+) +[\d.]+ ms/iter", output)  # each variant's mean, once per round
     assert progress == [(r, v) for r in ("1", "2") for v in variants]

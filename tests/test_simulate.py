@@ -189,6 +189,29 @@ def test_variant_changes_are_parsed_and_checked():
         variant_config("spdkfac:overlap_preconditioning")
 
 
+def test_ablation_names_with_a_leading_dash_are_accepted_on_the_command_line(tmp_path, capsys):
+    """argparse takes `-pipe+lbp` for an option; `--variants` must still accept the paper's ablation names."""
+    import json
+
+    from spdkfac.simulate import main
+    from spdkfac.variants import variant_argv
+
+    assert variant_argv(["--variants", "sgd", "-pipe+lbp", "-pipe-lbp:fusion=layerwise", "--workers", "2"]) == \
+        ["--variants", "sgd", "--variants=-pipe+lbp", "--variants=-pipe-lbp:fusion=layerwise", "--workers", "2"]
+    assert variant_argv(["--workers", "2", "-h"]) == ["--workers", "2", "-h"]  # only after --variants
+    profile, perf, out = tmp_path / "profile.json", tmp_path / "perf.json", tmp_path / "pred.json"
+    profile.write_text(json.dumps(_profile()))
+    _perf().save(perf)
+    argv = ["predict", "--profile", str(profile), "--perf-model", str(perf), "--workers", "2",
+            "--variants", "-pipe+lbp", "sgd", "+pipe-lbp", "--json", str(out)]
+    assert main(argv) == 0
+    assert list(json.loads(out.read_text())["predictions"]) == ["2:-pipe+lbp", "2:sgd", "2:+pipe-lbp"]
+    assert main(argv[:-2] + ["+pipe+pipe"]) == 2 and "unknown variant '+pipe+pipe'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # not a variant: argparse's own error names it
+        main(argv[:-2] + ["-pipe+pipe"])
+    assert "-pipe+pipe" in capsys.readouterr().err
+
+
 def test_averaged_profiles_predict_the_mean_workload():
     """Profiles taken before and after a measurement: times averaged field by field, mismatches refused."""
     from spdkfac.simulate import average_profiles
