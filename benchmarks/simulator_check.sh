@@ -9,7 +9,8 @@
 #       --update-freq 10 100 --iters 10 --warmup 1 --interleave --variants sgd spdkfac spdkfac-dp
 #
 # Writes benchmarks/results/calibrated_NAME/{perfmodel,profile_before,iteration_time,profile_after}.json and
-# benchmarks/results/simulator_check_NAME.json. NP (default 2) workers, Horovod over gloo.
+# benchmarks/results/simulator_check_NAME.json. NP (default 2) workers, Horovod over gloo. With --bind-cores
+# among the arguments, the performance models and the profiles are measured with bound workers too.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ $# -lt 1 || "$1" == -* ]]; then
