@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from spdkfac.affinity import bind_to_local_cores
+from spdkfac.affinity import add_bind_cores_option, bind_to_local_cores
 from spdkfac.host_memory import retain_freed_memory
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -29,7 +29,7 @@ def workload_parser(doc: str, iters: int, out_name: str | None = None, model: st
     ap.add_argument("--iters", type=int, default=iters, help="measured iterations (per configuration and round)")
     ap.add_argument("--perf-model", default="perfmodels/reference-cpu-gloo-2.json")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
-    ap.add_argument("--bind-cores", action="store_true", help="bind each worker to its own share of the node's cores")
+    add_bind_cores_option(ap)
     if out_name is not None:
         ap.add_argument("--out", default=str(RESULTS / out_name))
     return ap

@@ -13,13 +13,14 @@ the communication engine starts its threads (``hvd.init()``,
 """
 from __future__ import annotations
 
+import argparse
 import os
 import warnings
 from typing import Collection, List, Optional
 
 from .comm.device import local_rank_and_size
 
-__all__ = ["core_share", "bind_to_local_cores"]
+__all__ = ["core_share", "bind_to_local_cores", "add_bind_cores_option"]
 
 
 def core_share(cores: Collection[int], local_rank: int, local_size: int) -> List[int]:
@@ -68,3 +69,9 @@ def _thread_ids() -> List[int]:
         return [int(tid) for tid in os.listdir("/proc/self/task")]
     except OSError:
         return [0]
+
+
+def add_bind_cores_option(parser: argparse.ArgumentParser) -> None:
+    """The ``--bind-cores`` switch every program of the project that runs workers offers (see :func:`bind_to_local_cores`)."""
+    parser.add_argument("--bind-cores", action="store_true",
+                        help="bind each worker of a node to its own share of the cores (CPU nodes; see spdkfac.affinity)")

@@ -44,7 +44,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from .affinity import bind_to_local_cores
+from .affinity import add_bind_cores_option, bind_to_local_cores
 from .comm import CommBackend, get_backend
 from .fusion import plan_groups
 from .host_memory import retain_freed_memory
@@ -56,6 +56,7 @@ from .variants import variant_argv, variant_config
 __all__ = ["measure_profile", "average_profiles", "load_profiles", "predict", "ScaledModels"]
 
 PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"]
+DEFAULT_VARIANTS = ("sgd", "dkfac", "mpdkfac", "spdkfac")  # what `predict` predicts without --variants
 
 
 # ----------------------------------------------------------------------------- profile
@@ -387,13 +388,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--bind-cores", action="store_true", help="bind each worker to its own share of the node's cores, as the run it models")
+    add_bind_cores_option(p)
     p.add_argument("--out", required=True)
     q = sub.add_parser("predict", help="predict iteration times from a profile and a performance model")
     q.add_argument("--profile", required=True, nargs="+", help="one profile, or several to average (e.g. taken before and after)")
     q.add_argument("--perf-model", required=True)
     q.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
-    q.add_argument("--variants", nargs="*", action="extend", default=None, help="default: sgd dkfac mpdkfac spdkfac")
+    q.add_argument("--variants", nargs="*", action="extend", default=None, help=f"default: {' '.join(DEFAULT_VARIANTS)}")
     q.add_argument("--contention", action="store_true", help="communication cannot overlap computation (CPU workers, no spare core)")
     q.add_argument("--update-freq", type=int, nargs=2, default=[1, 1])
     q.add_argument("--json", default=None, help="also write the predictions here")
@@ -426,7 +427,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     perf = PerfModel.load(args.perf_model)
-    args.variants = args.variants or ["sgd", "dkfac", "mpdkfac", "spdkfac"]
+    args.variants = args.variants or list(DEFAULT_VARIANTS)
     for v in args.variants:
         try:
             variant_config(v)

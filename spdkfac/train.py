@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from .affinity import bind_to_local_cores
+from .affinity import add_bind_cores_option, bind_to_local_cores
 from .comm import DEVICE_CHOICES, CommBackend, get_backend, worker_device
 from .data import ShardedLoader, load_digits, synthetic
 from .host_memory import retain_freed_memory
@@ -72,8 +72,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--stop-after", type=int, default=None, help="leave after this many epochs of this run (resume later)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
-    p.add_argument("--bind-cores", action="store_true",
-                   help="bind each worker of a node to its own share of the cores (CPU nodes; see spdkfac.affinity)")
+    add_bind_cores_option(p)
     p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
                    help="auto: the worker's own GPU (local rank) when CUDA is available, else the CPU")
     p.add_argument("--amp", nargs="?", const="bf16", default=None, choices=tuple(AMP_DTYPES),

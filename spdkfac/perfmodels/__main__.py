@@ -11,7 +11,7 @@ import json
 import sys
 from typing import List, Optional
 
-from ..affinity import bind_to_local_cores
+from ..affinity import add_bind_cores_option, bind_to_local_cores
 from ..host_memory import retain_freed_memory
 from .models import PerfModel, PerfModelError
 
@@ -31,7 +31,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     b.add_argument("--model", default=None, help="also measure every factor dimension of this spdkfac.models network")
     b.add_argument("--sizes", type=int, nargs="*", help="all-reduce message sizes (elements)")
     b.add_argument("--threads", type=int, default=None, help="torch intra-op threads per worker")
-    b.add_argument("--bind-cores", action="store_true", help="bind each worker to its own share of the node's cores, as the run it models")
+    add_bind_cores_option(b)
     b.add_argument("--plot", default=None, help="also write this PNG")
     p = sub.add_parser("plot", help="draw measurements against the fitted curves")
     p.add_argument("file")
