@@ -48,9 +48,9 @@ from .affinity import add_bind_cores_option, bind_to_local_cores
 from .comm import CommBackend, get_backend
 from .fusion import plan_groups
 from .host_memory import retain_freed_memory
-from .linalg import triangle_size
+from .linalg import pack_upper, triangle_size
 from .perfmodels import PerfModel
-from .placement import balance_by_cost, place, preconditioning_cost
+from .placement import ALL, PlacementPlan, balance_by_cost, place, preconditioning_cost
 from .variants import variant_argv, variant_config
 
 __all__ = ["measure_profile", "average_profiles", "load_profiles", "predict", "ScaledModels"]
@@ -97,12 +97,17 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
             base = t0 if ev.kind == "A" else t1
             events[key] = (end - base, end - start)
         runs.append({"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2 - rec.inverse_stage, "events": events})
-    # The running averages are kept packed; each inversion stage unpacks every factor once.
-    t0 = time.perf_counter()
+    # The running averages are kept packed: a rank unpacks each factor it inverts, packs each inverse it
+    # broadcasts and unpacks each inverse it receives. Timed per factor (as a factor; an inverse is the same size).
+    conversions: Dict[str, tuple] = {}
     for layer in opt.layers:
         for kind in ("A", "G"):
-            layer.factor(kind)
-    unpack = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            full = layer.factor(kind)
+            t1 = time.perf_counter()
+            pack_upper(full)
+            conversions[f"{kind}:{layer.name}"] = (t1 - t0, time.perf_counter() - t1)
+    unpack = sum(u for u, _ in conversions.values())
     # Per-layer preconditioning time, for variants that split it across workers.
     precondition = []
     for layer in opt.layers:
@@ -139,6 +144,8 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
             "ready": sum(r["events"][key][0] for r in runs) / n,
             "compute": sum(r["events"][key][1] for r in runs) / n,
             "grad_numel": sum(p.numel() for p in layer.module.parameters() if p.requires_grad) if kind == "G" else 0,
+            "unpack": conversions[key][0],
+            "pack": conversions[key][1],
         })
     covered = {id(p) for layer in opt.layers for p in layer.module.parameters()}
     return {
@@ -183,8 +190,11 @@ def average_profiles(profiles: List[Dict]) -> Dict:
         if all(key in p for p in profiles):
             out[key] = sum(p[key] for p in profiles) / n
     for i, fac in enumerate(out["factors"]):
-        for key in ("ready", "compute"):
-            fac[key] = sum(p["factors"][i][key] for p in profiles) / n
+        for key in ("ready", "compute", "unpack", "pack"):
+            if all(key in p["factors"][i] for p in profiles):
+                fac[key] = sum(p["factors"][i][key] for p in profiles) / n
+            else:
+                fac.pop(key, None)
     if all(p.get("precondition") for p in profiles):
         for i, entry in enumerate(out["precondition"]):
             entry["seconds"] = sum(p["precondition"][i]["seconds"] for p in profiles) / n
@@ -313,10 +323,12 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
         dims = [((kind, name), by_key[(kind, name)]) for name in layers for kind in ("A", "G")]
         plan = place(cfg["placement"], dims, workers, m.inverse, m.broadcast)
         spans = plan.makespans()
-        critical = max(range(workers), key=lambda r: spans[r])
-        own = [a for a in plan.assignments if a.owner in (critical, -1)]
+        comp_extra, recv_extra = _conversions(plan, facs, workers)
+        critical = max(range(workers), key=lambda r: spans[r] + comp_extra[r] + recv_extra[r])
+        own = [a for a in plan.assignments if a.owner in (critical, ALL)]
         inverse_comp = sum(a.t_comp for a in own)
-        inverse_comm = spans[critical] - inverse_comp
+        inverse_comm = spans[critical] - inverse_comp + recv_extra[critical]  # the wait includes unpacking what arrived
+        inverse_comp += comp_extra[critical]
     parts = {
         # The profile computes factors in every pass; they are charged once, as FactorComp, at their share.
         "FF&BP": compute * inflation,
@@ -331,8 +343,8 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
         # At the profiled worker count, plain SGD's gradient wait was measured with the real all-reduces;
         # profiles from before it was recorded apart hold it inside sgd_step.
         parts["GradComm"] = profile.get("sgd_grad_wait", 0.0)
-    if kfac:
-        # Unpacking the packed running averages for inversion (profiles before packed averages lack it).
+    if kfac and not all("unpack" in f for f in facs):
+        # Profiles without per-factor conversion times: every factor unpacked once, on every rank.
         parts["InverseComp"] += profile.get("unpack", 0.0) * i_share
     if kfac and workers > 1 and cfg.get("distribute_preconditioning"):
         parts["Other"] += _distributed_precondition_change(profile, m, workers, contention)
@@ -346,6 +358,27 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
         # is left of the preconditioning hides factor communication too (inverse steps are factor steps).
         parts["FactorComm"] -= min(factor_blocked, busy - hidden) * max(0.0, f_share - i_share)
     return {"iteration": sum(parts.values()), **parts}
+
+
+def _conversions(plan: PlacementPlan, facs: List[Dict], workers: int) -> tuple:
+    """Per rank, the packing work of the inversion stage: (before its wait, in its wait), in seconds.
+
+    Before: unpacking the factors it inverts and packing the inverses it
+    broadcasts; in the wait: unpacking the inverses it receives. Zero for
+    profiles without per-factor times (see :func:`predict`).
+    """
+    comp, recv = [0.0] * workers, [0.0] * workers
+    times = {(f["kind"], f["layer"]): f for f in facs}
+    if not all("unpack" in f and "pack" in f for f in facs):
+        return comp, recv
+    for a in plan.assignments:
+        unpack, pack = times[a.key]["unpack"], times[a.key]["pack"]
+        for r in range(workers):
+            if a.owner in (r, ALL):
+                comp[r] += unpack + (pack if a.owner == r and workers > 1 else 0.0)
+            else:
+                recv[r] += unpack
+    return comp, recv
 
 
 def _rank_shares(layers: List[Dict], workers: int) -> List[tuple]:

@@ -134,7 +134,8 @@ def test_profile_under_a_launcher_records_layers_and_sgd_with_real_allreduces(tm
     assert prof["bound_cores"] and set(prof["bound_cores"]) <= set(available) and prof["bound_cores"][0] == available[0]
     n_layers = len(kfac_layers(get_model("cifar_resnet20")))
     assert len(prof["factors"]) == 2 * n_layers and len(prof["precondition"]) == n_layers
-    assert all(f["compute"] > 0 and f["ready"] > 0 for f in prof["factors"])
+    assert all(f["compute"] > 0 and f["ready"] > 0 and f["unpack"] > 0 and f["pack"] > 0 for f in prof["factors"])
+    assert prof["unpack"] == pytest.approx(sum(f["unpack"] for f in prof["factors"]))
     assert prof["sgd_forward_backward"] > 0 and prof["forward"] > 0 and prof["backward"] > 0
     assert prof["sgd_grad_wait"] >= 0 and prof["sgd_step"] > 0 and prof["unpack"] > 0
     predicted = predict(prof, PerfModel.default(), 4, "spdkfac-dp", contention=True)
@@ -210,6 +211,28 @@ def test_ablation_names_with_a_leading_dash_are_accepted_on_the_command_line(tmp
     with pytest.raises(SystemExit):  # not a variant: argparse's own error names it
         main(argv[:-2] + ["-pipe+pipe"])
     assert "-pipe+pipe" in capsys.readouterr().err
+
+
+def test_inversion_stage_charges_each_rank_its_own_packing_work():
+    """Unpack what a rank inverts, pack what it broadcasts, unpack what it receives (in its wait)."""
+    bare = _profile()
+    timed = _profile()
+    for f in timed["factors"]:
+        f["unpack"], f["pack"] = 0.010, 0.004
+    unpack_all = 0.010 * len(timed["factors"])
+    perf = _perf()
+    for variant, low, high in (("dkfac", unpack_all, unpack_all),  # every rank unpacks every factor, packs nothing
+                               ("mpdkfac", unpack_all + 0.004, unpack_all + 0.004 * len(timed["factors"]))):
+        plain, charged = predict(bare, perf, 2, variant), predict(timed, perf, 2, variant)
+        extra = charged["iteration"] - plain["iteration"]
+        assert low - 1e-12 <= extra <= high + 1e-12, (variant, extra)
+        assert charged["InverseComm"] >= plain["InverseComm"] + (0.0 if variant == "dkfac" else 0.010)  # received ones
+    # One worker broadcasts nothing: it only unpacks.
+    assert predict(timed, perf, 1, "spdkfac")["iteration"] - predict(bare, perf, 1, "spdkfac")["iteration"] == \
+        pytest.approx(unpack_all)
+    # A profile with only the old total charges it to every rank, as before.
+    total = dict(bare, unpack=unpack_all)
+    assert predict(total, perf, 2, "mpdkfac")["iteration"] == pytest.approx(predict(bare, perf, 2, "mpdkfac")["iteration"] + unpack_all)
 
 
 def test_averaged_profiles_predict_the_mean_workload():
