@@ -13,7 +13,8 @@ with: factor groups from :func:`spdkfac.fusion.plan_groups` (launched when
 their last member is ready, or after backward without pipelining), gradient
 all-reduces launched as each layer's backward finishes, one communication
 engine serving launches in order with ``t(m) = alpha + beta*m``, then the
-inversion stage's makespan from :func:`spdkfac.placement.place`. On steps that
+inversion stage's makespan from :func:`spdkfac.placement.place`, with each
+rank's packing work (the profile's per-factor unpack and pack times). On steps that
 keep the inverses, variants with ``overlap_preconditioning`` hide up to their
 preconditioning time of the gradient wait, and on such steps that update the
 factors what remains of it hides the factor wait too. Variants may carry changes
