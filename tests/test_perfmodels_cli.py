@@ -83,6 +83,14 @@ def test_show_rejects_malformed_file(tmp_path, content, message):
     assert "error:" in proc.stderr and message in proc.stderr and str(bad) in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("flag, values", [("--dims", ["64"]), ("--dims", ["64", "64"]), ("--sizes", ["1024"]), ("--dims", ["0", "64"])])
+def test_benchmark_rejects_too_few_points_before_measuring(tmp_path, flag, values):
+    out = tmp_path / "m.json"
+    proc = _cli("benchmark", "--engine", "single", "--repeats", "1", "--warmup", "0", flag, *values, "--out", str(out))
+    assert proc.returncode == 2 and f"{flag} needs at least two distinct positive values" in proc.stderr, proc.stderr
+    assert not out.exists()
+
+
 def test_benchmark_under_horovodrun(tmp_path):
     out = tmp_path / "hvd.json"
     run_workers("horovod", 2, ["-m", "spdkfac.perfmodels", "benchmark", *TINY, "--bind-cores", "--out", str(out)], timeout=TIMEOUT_S)

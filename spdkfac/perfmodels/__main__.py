@@ -52,6 +52,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             torch.set_num_threads(args.threads)
         if args.repeats < 1 or args.warmup < 0:
             ap.error("--repeats must be >= 1 and --warmup >= 0")
+        for flag, values in (("--dims", args.dims), ("--sizes", args.sizes)):
+            # Checked before minutes of measuring: each model is a fit through at least two points.
+            if values is not None and (len(set(values)) < 2 or min(values) < 1):
+                ap.error(f"{flag} needs at least two distinct positive values to fit a model, got {values}")
         engine = Mpi4pyEngine() if args.engine == "mpi4py" else get_backend(args.engine)
         model_dims = None
         if args.model:
