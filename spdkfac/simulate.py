@@ -40,7 +40,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -100,7 +100,7 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
         runs.append({"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2 - rec.inverse_stage, "events": events})
     # The running averages are kept packed: a rank unpacks each factor it inverts, packs each inverse it
     # broadcasts and unpacks each inverse it receives. Timed per factor (as a factor; an inverse is the same size).
-    conversions: Dict[str, tuple] = {}
+    conversions: Dict[str, Tuple[float, float]] = {}  # factor -> (unpack, pack) seconds
     for layer in opt.layers:
         for kind in ("A", "G"):
             t0 = time.perf_counter()
@@ -344,7 +344,7 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
         # At the profiled worker count, plain SGD's gradient wait was measured with the real all-reduces;
         # profiles from before it was recorded apart hold it inside sgd_step.
         parts["GradComm"] = profile.get("sgd_grad_wait", 0.0)
-    if kfac and not all("unpack" in f for f in facs):
+    if kfac and not _has_conversion_times(facs):
         # Profiles without per-factor conversion times: every factor unpacked once, on every rank.
         parts["InverseComp"] += profile.get("unpack", 0.0) * i_share
     if kfac and workers > 1 and cfg.get("distribute_preconditioning"):
@@ -361,7 +361,12 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
     return {"iteration": sum(parts.values()), **parts}
 
 
-def _conversions(plan: PlacementPlan, facs: List[Dict], workers: int) -> tuple:
+def _has_conversion_times(facs: List[Dict]) -> bool:
+    """Whether the profile timed each factor's unpacking and packing (profiles before that did not)."""
+    return all("unpack" in f and "pack" in f for f in facs)
+
+
+def _conversions(plan: PlacementPlan, facs: List[Dict], workers: int) -> Tuple[List[float], List[float]]:
     """Per rank, the packing work of the inversion stage: (before its wait, in its wait), in seconds.
 
     Before: unpacking the factors it inverts and packing the inverses it
@@ -369,9 +374,9 @@ def _conversions(plan: PlacementPlan, facs: List[Dict], workers: int) -> tuple:
     profiles without per-factor times (see :func:`predict`).
     """
     comp, recv = [0.0] * workers, [0.0] * workers
-    times = {(f["kind"], f["layer"]): f for f in facs}
-    if not all("unpack" in f and "pack" in f for f in facs):
+    if not _has_conversion_times(facs):
         return comp, recv
+    times = {(f["kind"], f["layer"]): f for f in facs}
     for a in plan.assignments:
         unpack, pack = times[a.key]["unpack"], times[a.key]["pack"]
         for r in range(workers):
