@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from spdkfac.affinity import add_bind_cores_option, bind_to_local_cores
+from spdkfac.affinity import add_bind_cores_option, bind_cores_if_asked
 from spdkfac.host_memory import retain_freed_memory
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -39,8 +39,7 @@ def start(args: argparse.Namespace, distributed: bool = True):
     """Apply ``--threads``, silence warnings, and return the communication engine (or None)."""
     warnings.filterwarnings("ignore")
     global _retained_memory, _bound_cores
-    if getattr(args, "bind_cores", False):
-        _bound_cores = bind_to_local_cores()  # before the engine starts its threads
+    _bound_cores = bind_cores_if_asked(args)
     _retained_memory = retain_freed_memory()  # as the training job does: no per-iteration page faults in timings
     torch.set_num_threads(args.threads)
     if not distributed:

@@ -20,7 +20,7 @@ from typing import Collection, List, Optional
 
 from .comm.device import local_rank_and_size
 
-__all__ = ["core_share", "bind_to_local_cores", "add_bind_cores_option"]
+__all__ = ["core_share", "bind_to_local_cores", "add_bind_cores_option", "bind_cores_if_asked"]
 
 
 def core_share(cores: Collection[int], local_rank: int, local_size: int) -> List[int]:
@@ -75,3 +75,11 @@ def add_bind_cores_option(parser: argparse.ArgumentParser) -> None:
     """The ``--bind-cores`` switch every program of the project that runs workers offers (see :func:`bind_to_local_cores`)."""
     parser.add_argument("--bind-cores", action="store_true",
                         help="bind each worker of a node to its own share of the cores (CPU nodes; see spdkfac.affinity)")
+
+
+def bind_cores_if_asked(args: argparse.Namespace) -> Optional[List[int]]:
+    """:func:`bind_to_local_cores` when ``args`` asked for it (``--bind-cores``), else None.
+
+    Call it before the communication engine starts its threads, so that they inherit the binding.
+    """
+    return bind_to_local_cores() if getattr(args, "bind_cores", False) else None

@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .affinity import add_bind_cores_option, bind_to_local_cores
+from .affinity import add_bind_cores_option, bind_cores_if_asked
 from .comm import CommBackend, get_backend
 from .fusion import plan_groups
 from .host_memory import retain_freed_memory
@@ -446,7 +446,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "0")))
         workers = int(os.environ.get("HOROVOD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-        cores = bind_to_local_cores() if args.bind_cores else None  # before the engine starts its threads
+        cores = bind_cores_if_asked(args)
         comm = get_backend("auto") if workers > 1 else None
         retained = retain_freed_memory()  # profile under the training job's allocator settings
         prof = measure_profile(args.model, args.resolution, args.batch_size, args.iters, args.threads, comm)

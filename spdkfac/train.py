@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from .affinity import add_bind_cores_option, bind_to_local_cores
+from .affinity import add_bind_cores_option, bind_cores_if_asked
 from .comm import DEVICE_CHOICES, CommBackend, get_backend, worker_device
 from .data import ShardedLoader, load_digits, synthetic
 from .host_memory import retain_freed_memory
@@ -206,7 +206,7 @@ def _engine_settings(backend: CommBackend) -> str:
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     args = parse_args(argv)
-    cores = bind_to_local_cores() if args.bind_cores else None  # before the engine starts its threads
+    cores = bind_cores_if_asked(args)
     retain_freed_memory()  # CPU activations are reused, not page-faulted in every iteration
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

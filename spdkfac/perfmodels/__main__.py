@@ -11,7 +11,7 @@ import json
 import sys
 from typing import List, Optional
 
-from ..affinity import add_bind_cores_option, bind_to_local_cores
+from ..affinity import add_bind_cores_option, bind_cores_if_asked
 from ..host_memory import retain_freed_memory
 from .models import PerfModel, PerfModelError
 
@@ -46,7 +46,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ..comm import get_backend
         from .bench import BenchmarkConfig, Mpi4pyEngine, run_benchmark
 
-        cores = bind_to_local_cores() if args.bind_cores else None  # before the engine starts its threads
+        cores = bind_cores_if_asked(args)
         retain_freed_memory()  # as the training job does
         if args.threads:
             torch.set_num_threads(args.threads)
