@@ -13,8 +13,10 @@ with: factor groups from :func:`spdkfac.fusion.plan_groups` (launched when
 their last member is ready, or after backward without pipelining), gradient
 all-reduces launched as each layer's backward finishes, one communication
 engine serving launches in order with ``t(m) = alpha + beta*m``, then the
-inversion stage's makespan from :func:`spdkfac.placement.place`, with each
-rank's packing work (the profile's per-factor unpack and pack times). On steps that
+inversion stage's makespan from :func:`spdkfac.placement.place` (planned with
+the fitted inversion model, as the optimizer plans; charged at the ratio of the
+profile's measured inversions to that model), with each rank's packing work
+(the profile's per-factor unpack and pack times). On steps that
 keep the inverses, variants with ``overlap_preconditioning`` hide up to their
 preconditioning time of the gradient wait, and on such steps that update the
 factors what remains of it hides the factor wait too. Variants may carry changes
@@ -39,7 +41,7 @@ import math
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -49,7 +51,7 @@ from .affinity import add_bind_cores_option, bind_cores_if_asked
 from .comm import CommBackend, get_backend
 from .fusion import plan_groups
 from .host_memory import retain_freed_memory
-from .linalg import pack_upper, triangle_size
+from .linalg import invert_spd, pack_upper, triangle_size
 from .perfmodels import PerfModel
 from .placement import ALL, PlacementPlan, balance_by_cost, place, preconditioning_cost
 from .variants import variant_argv, variant_config
@@ -63,11 +65,17 @@ DEFAULT_VARIANTS = ("sgd", "dkfac", "mpdkfac", "spdkfac")  # what `predict` pred
 # ----------------------------------------------------------------------------- profile
 def measure_profile(model_name: str, resolution: int, batch_size: int, iters: int = 4, threads: int = 1,
                     comm: Optional[CommBackend] = None) -> Dict:
-    """Per-layer compute profile of one worker (factors every iteration, no communication).
+    """Per-layer compute profile of one worker (factors every iteration, no factor communication).
 
-    With ``comm`` (the job's engine, several workers), the closing plain-SGD
-    passes run with their real gradient all-reduces, so the profile also
-    records how much communication slows forward+backward on this machine.
+    With ``comm`` (the job's engine, several workers), plain-SGD passes with
+    their real gradient all-reduces run first: they record how much
+    communication slows forward+backward on this machine, and they leave the
+    engine as it is during training. Everything after is timed in that state,
+    because an engine that has run collectives costs the cores more while it
+    idles (Horovod's background cycle, ~10% of a CPU core here) than a fresh
+    one, such as the one the performance models were fitted next to. That
+    includes the inversion of every factor, which :func:`predict` compares with
+    the fitted inversion model.
     """
     from . import SPDKFACOptimizer
     from .models import get_model
@@ -75,9 +83,10 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = get_model(model_name)
-    opt = SPDKFACOptimizer(model, lr=1e-4, backend="single", inv_update_freq=10**6, kl_clip=None, timeline=True, fusion="layerwise")
     x = torch.randn(batch_size, 3, resolution, resolution)
     y = torch.randint(0, 10, (batch_size,))
+    sgd = _measure_sgd_passes(model, x, y, iters, comm)
+    opt = SPDKFACOptimizer(model, lr=1e-4, backend="single", inv_update_freq=10**6, kl_clip=None, timeline=True, fusion="layerwise")
     runs = []
     for it in range(iters + 2):
         opt.zero_grad()
@@ -99,16 +108,20 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
             events[key] = (end - base, end - start)
         runs.append({"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2 - rec.inverse_stage, "events": events})
     # The running averages are kept packed: a rank unpacks each factor it inverts, packs each inverse it
-    # broadcasts and unpacks each inverse it receives. Timed per factor (as a factor; an inverse is the same size).
-    conversions: Dict[str, Tuple[float, float]] = {}  # factor -> (unpack, pack) seconds
+    # broadcasts and unpacks each inverse it receives. Timed per factor (as a factor; an inverse is the same size),
+    # with its inversion.
+    damping = opt.param_groups[0]["damping"]
+    conversions: Dict[str, Tuple[float, float, float]] = {}  # factor -> (unpack, pack, invert) seconds
     for layer in opt.layers:
         for kind in ("A", "G"):
             t0 = time.perf_counter()
             full = layer.factor(kind)
             t1 = time.perf_counter()
             pack_upper(full)
-            conversions[f"{kind}:{layer.name}"] = (t1 - t0, time.perf_counter() - t1)
-    unpack = sum(u for u, _ in conversions.values())
+            t2 = time.perf_counter()
+            invert_spd(full, damping)
+            conversions[f"{kind}:{layer.name}"] = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+    unpack = sum(u for u, _, _ in conversions.values())
     # Per-layer preconditioning time, for variants that split it across workers.
     precondition = []
     for layer in opt.layers:
@@ -120,20 +133,6 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
         precondition.append({"layer": layer.name, "seconds": (time.perf_counter() - t0) / 3,
                              "a_dim": layer.a_dim, "g_dim": layer.g_dim})
     opt.remove_hooks()
-    sgd = SPDKFACOptimizer(model, lr=1e-4, backend=comm if comm is not None else "single", precondition=False,
-                           timeline=True)
-    sgd_steps, sgd_waits, sgd_passes = [], [], []
-    for it in range(iters + 1):
-        sgd.zero_grad()
-        t0 = time.perf_counter()
-        nn.functional.cross_entropy(model(x), y).backward()
-        t1 = time.perf_counter()
-        sgd.step()
-        if it:
-            wait = sgd.timeline.iterations[-1].grad_wait  # blocked on the gradient all-reduces
-            sgd_steps.append(time.perf_counter() - t1 - wait)
-            sgd_waits.append(wait)
-            sgd_passes.append(t1 - t0)
     n = len(runs)
     keys = list(runs[0]["events"])
     factors = []
@@ -147,6 +146,7 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
             "grad_numel": sum(p.numel() for p in layer.module.parameters() if p.requires_grad) if kind == "G" else 0,
             "unpack": conversions[key][0],
             "pack": conversions[key][1],
+            "invert": conversions[key][2],
         })
     covered = {id(p) for layer in opt.layers for p in layer.module.parameters()}
     return {
@@ -154,14 +154,46 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
         "forward": sum(r["forward"] for r in runs) / n,
         "backward": sum(r["backward"] for r in runs) / n,
         "step_other": sum(r["step"] for r in runs) / n,
-        "sgd_step": sum(sgd_steps) / len(sgd_steps),  # the update alone
-        "sgd_grad_wait": sum(sgd_waits) / len(sgd_waits),  # measured blocked wait, real all-reduces
-        "sgd_forward_backward": sum(sgd_passes) / len(sgd_passes),  # with gradient all-reduces when comm_workers > 1
-        "comm_workers": sgd.backend.size,
+        **sgd,
         "unpack": unpack,
         "precondition": precondition,
         "other_grad_numel": sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in covered),
         "factors": factors,
+    }
+
+
+def _measure_sgd_passes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, iters: int,
+                        comm: Optional[CommBackend]) -> Dict:
+    """Plain-SGD passes, with the engine's real gradient all-reduces when ``comm`` is given.
+
+    Three times as many as the K-FAC passes: they are short, and their
+    blocked wait (what the simulator charges plain SGD at the profiled worker
+    count) varies from pass to pass by as much as the wait itself.
+    """
+    from . import SPDKFACOptimizer
+
+    sgd = SPDKFACOptimizer(model, lr=1e-4, backend=comm if comm is not None else "single", precondition=False,
+                           timeline=True)
+    steps, waits, passes = [], [], []
+    for it in range(3 * iters + 1):
+        sgd.zero_grad()
+        t0 = time.perf_counter()
+        nn.functional.cross_entropy(model(x), y).backward()
+        t1 = time.perf_counter()
+        sgd.step()
+        if it:
+            wait = sgd.timeline.iterations[-1].grad_wait  # blocked on the gradient all-reduces
+            steps.append(time.perf_counter() - t1 - wait)
+            waits.append(wait)
+            passes.append(t1 - t0)
+    sgd.remove_hooks()
+    sgd.zero_grad()
+    return {
+        "sgd_step": sum(steps) / len(steps),  # the update alone
+        "sgd_grad_wait": sum(waits) / len(waits),  # measured blocked wait, real all-reduces
+        "sgd_forward_backward": sum(passes) / len(passes),  # with gradient all-reduces when comm_workers > 1
+        "comm_workers": sgd.backend.size,
+        "engine_warmed": comm is not None,  # later parts timed with the engine as it is in training
     }
 
 
@@ -191,7 +223,7 @@ def average_profiles(profiles: List[Dict]) -> Dict:
         if all(key in p for p in profiles):
             out[key] = sum(p[key] for p in profiles) / n
     for i, fac in enumerate(out["factors"]):
-        for key in ("ready", "compute", "unpack", "pack"):
+        for key in ("ready", "compute", "unpack", "pack", "invert"):
             if all(key in p["factors"][i] for p in profiles):
                 fac[key] = sum(p["factors"][i][key] for p in profiles) / n
             else:
@@ -322,7 +354,7 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
         by_key = {(f["kind"], f["layer"]): f["dim"] for f in facs}
         layers = [f["layer"] for f in facs if f["kind"] == "A"]
         dims = [((kind, name), by_key[(kind, name)]) for name in layers for kind in ("A", "G")]
-        plan = place(cfg["placement"], dims, workers, m.inverse, m.broadcast)
+        plan = _charged(place(cfg["placement"], dims, workers, m.inverse, m.broadcast), _inverse_scale(facs, m))
         spans = plan.makespans()
         comp_extra, recv_extra = _conversions(plan, facs, workers)
         critical = max(range(workers), key=lambda r: spans[r] + comp_extra[r] + recv_extra[r])
@@ -359,6 +391,27 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
         # is left of the preconditioning hides factor communication too (inverse steps are factor steps).
         parts["FactorComm"] -= min(factor_blocked, busy - hidden) * max(0.0, f_share - i_share)
     return {"iteration": sum(parts.values()), **parts}
+
+
+def _inverse_scale(facs: List[Dict], m: ScaledModels) -> float:
+    """Measured over fitted inversion time of the profile's factors (1 for profiles that did not time them).
+
+    The fit comes from a separate benchmark process; the profile inverted the
+    same factors inside the job's process (same allocator state, engine warmed
+    by real collectives), which is where the optimizer inverts them.
+    """
+    if not all("invert" in f for f in facs):
+        return 1.0
+    fitted = sum(m.inverse(f["dim"]) for f in facs)
+    return sum(f["invert"] for f in facs) / fitted if fitted > 0 else 1.0
+
+
+def _charged(plan: PlacementPlan, scale: float) -> PlacementPlan:
+    """``plan`` (made with the fitted model, as the optimizer makes it) with its inversions costed at ``scale``."""
+    if scale == 1.0:
+        return plan
+    return PlacementPlan(plan.strategy, plan.world_size,
+                         [replace(a, t_comp=a.t_comp * scale) for a in plan.assignments])
 
 
 def _has_conversion_times(facs: List[Dict]) -> bool:

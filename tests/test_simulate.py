@@ -134,7 +134,9 @@ def test_profile_under_a_launcher_records_layers_and_sgd_with_real_allreduces(tm
     assert prof["bound_cores"] and set(prof["bound_cores"]) <= set(available) and prof["bound_cores"][0] == available[0]
     n_layers = len(kfac_layers(get_model("cifar_resnet20")))
     assert len(prof["factors"]) == 2 * n_layers and len(prof["precondition"]) == n_layers
-    assert all(f["compute"] > 0 and f["ready"] > 0 and f["unpack"] > 0 and f["pack"] > 0 for f in prof["factors"])
+    assert all(f["compute"] > 0 and f["ready"] > 0 and f["unpack"] > 0 and f["pack"] > 0 and f["invert"] > 0
+               for f in prof["factors"])
+    assert prof["engine_warmed"] is True  # the SGD passes ran first, with the real all-reduces
     assert prof["unpack"] == pytest.approx(sum(f["unpack"] for f in prof["factors"]))
     assert prof["sgd_forward_backward"] > 0 and prof["forward"] > 0 and prof["backward"] > 0
     assert prof["sgd_grad_wait"] >= 0 and prof["sgd_step"] > 0 and prof["unpack"] > 0
@@ -273,3 +275,32 @@ def test_sgd_gradient_wait_is_the_measured_one_at_the_profiled_worker_count():
     old = {k: v for k, v in prof.items() if k != "sgd_grad_wait"}
     assert predict(old, perf, 2, "sgd")["GradComm"] == 0.0
     assert predict(prof, perf, 2, "spdkfac")["GradComm"] == predict(old, perf, 2, "spdkfac")["GradComm"]
+
+
+def test_inversions_are_charged_at_the_profiles_measured_ratio_to_the_fitted_model():
+    """The plan is the optimizer's (fitted model); its inversions cost what the profile measured in the job."""
+    from spdkfac.placement import place
+
+    perf = _perf()
+    bare = _profile()
+    timed = _profile()
+    for f in timed["factors"]:
+        f["invert"] = 1.3 * perf.inverse(f["dim"])  # the job inverts 30% slower than the fit says
+    for variant in ("dkfac", "mpdkfac", "spdkfac"):
+        plain, slow = predict(bare, perf, 2, variant), predict(timed, perf, 2, variant)
+        assert slow["InverseComp"] == pytest.approx(1.3 * plain["InverseComp"]), variant
+        assert slow["iteration"] > plain["iteration"]
+    # D-KFAC: every rank inverts every factor, so the stage is exactly the measured total.
+    assert predict(timed, perf, 2, "dkfac")["InverseComp"] == pytest.approx(sum(f["invert"] for f in timed["factors"]))
+    # The placement is still the one the fitted model gives (a slower inversion would move factors to broadcasts).
+    dims = [((f["kind"], f["layer"]), f["dim"]) for f in timed["factors"]]
+    m = ScaledModels(perf, 2)
+    fitted_plan = place("lbp", dims, 2, m.inverse, m.broadcast)
+    ratio = sum(f["invert"] for f in timed["factors"]) / sum(perf.inverse(d) for _, d in dims)
+    spans = [0.0, 0.0]
+    for a in fitted_plan.assignments:
+        for r in (0, 1):
+            if a.owner in (r, -1):
+                spans[r] += a.t_comp * ratio + (a.t_comm if a.owner == r else 0.0)
+    charged = predict(timed, perf, 2, "spdkfac")
+    assert charged["InverseComp"] + charged["InverseComm"] == pytest.approx(max(spans))
