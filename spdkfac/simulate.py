@@ -474,7 +474,7 @@ def _distributed_precondition_change(profile: Dict, m: ScaledModels, workers: in
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m spdkfac.simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("profile", help="measure a per-layer compute profile (single process)")
+    p = sub.add_parser("profile", help="measure a per-layer compute profile (under the job's launcher: every worker at once)")
     p.add_argument("--model", default="resnet50")
     p.add_argument("--resolution", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=4)
