@@ -111,7 +111,7 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
     # broadcasts and unpacks each inverse it receives. Timed per factor (as a factor; an inverse is the same size),
     # with its inversion.
     damping = opt.param_groups[0]["damping"]
-    conversions: Dict[str, Tuple[float, float, float]] = {}  # factor -> (unpack, pack, invert) seconds
+    per_factor: Dict[str, Tuple[float, float, float]] = {}  # factor -> (unpack, pack, invert) seconds
     for layer in opt.layers:
         for kind in ("A", "G"):
             t0 = time.perf_counter()
@@ -120,8 +120,8 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
             pack_upper(full)
             t2 = time.perf_counter()
             invert_spd(full, damping)
-            conversions[f"{kind}:{layer.name}"] = (t1 - t0, t2 - t1, time.perf_counter() - t2)
-    unpack = sum(u for u, _, _ in conversions.values())
+            per_factor[f"{kind}:{layer.name}"] = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+    unpack = sum(u for u, _, _ in per_factor.values())
     # Per-layer preconditioning time, for variants that split it across workers.
     precondition = []
     for layer in opt.layers:
@@ -144,9 +144,9 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
             "ready": sum(r["events"][key][0] for r in runs) / n,
             "compute": sum(r["events"][key][1] for r in runs) / n,
             "grad_numel": sum(p.numel() for p in layer.module.parameters() if p.requires_grad) if kind == "G" else 0,
-            "unpack": conversions[key][0],
-            "pack": conversions[key][1],
-            "invert": conversions[key][2],
+            "unpack": per_factor[key][0],
+            "pack": per_factor[key][1],
+            "invert": per_factor[key][2],
         })
     covered = {id(p) for layer in opt.layers for p in layer.module.parameters()}
     return {
