@@ -72,10 +72,10 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
     communication slows forward+backward on this machine, and they leave the
     engine as it is during training. Everything after is timed in that state,
     because an engine that has run collectives costs the cores more while it
-    idles (Horovod's background cycle, ~10% of a CPU core here) than a fresh
-    one, such as the one the performance models were fitted next to. That
-    includes the inversion of every factor, which :func:`predict` compares with
-    the fitted inversion model.
+    idles than a fresh one, such as the one the performance models were fitted
+    next to (Horovod's 1 ms background cycle: ~10% of a bound CPU worker's
+    core on the reference machine). That includes the inversion of every
+    factor, which :func:`predict` compares with the fitted inversion model.
     """
     from . import SPDKFACOptimizer
     from .models import get_model
