@@ -304,3 +304,15 @@ def test_inversions_are_charged_at_the_profiles_measured_ratio_to_the_fitted_mod
                 spans[r] += a.t_comp * ratio + (a.t_comm if a.owner == r else 0.0)
     charged = predict(timed, perf, 2, "spdkfac")
     assert charged["InverseComp"] + charged["InverseComm"] == pytest.approx(max(spans))
+
+
+def test_single_process_profile_times_every_inversion_and_predict_charges_them():
+    """Profile → predict on one process: D-KFAC's inversion stage is the profile's own inversions and unpacking."""
+    from spdkfac.simulate import measure_profile
+
+    prof = measure_profile("cifar_resnet20", resolution=8, batch_size=2, iters=1)
+    assert prof["comm_workers"] == 1 and prof["engine_warmed"] is False
+    assert all(f["invert"] > 0 for f in prof["factors"])
+    stage = sum(f["invert"] + f["unpack"] for f in prof["factors"])
+    for perf in (PerfModel.default(), _perf()):  # whatever the fit says, the measured inversions are charged
+        assert predict(prof, perf, 1, "dkfac")["InverseComp"] == pytest.approx(stage)
