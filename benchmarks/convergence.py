@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -119,9 +118,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def lr_grids(entries: Sequence[str], optimizers: Sequence[str]) -> Dict[str, List[float]]:
-    """Each optimizer's base LRs from ``--lr-grid`` entries: ``0.05`` (all optimizers) or ``OPT=0.05,0.1``."""
+    """Each optimizer's base LRs from ``--lr-grid`` entries.
+
+    ``0.05`` applies to every optimizer, ``NAME=0.05,0.1`` to every entry of
+    that variant (``spdkfac`` and ``spdkfac:inv_update_freq=10``), and an exact
+    ``--optimizers`` entry (``spdkfac:inv_update_freq=10=0.1``) to that one,
+    before its variant's grid.
+    """
     common: List[float] = []
-    own: Dict[str, List[float]] = {}
+    exact: Dict[str, List[float]] = {}
+    by_name: Dict[str, List[float]] = {}
     for entry in entries:
         key, eq, values = entry.rpartition("=")  # a spec's own '=' are left of the last one
         try:
@@ -132,14 +138,14 @@ def lr_grids(entries: Sequence[str], optimizers: Sequence[str]) -> Dict[str, Lis
             raise ValueError(f"{entry!r}: learning rates must be positive numbers")
         if not eq:
             common += lrs
-            continue
-        matches = [o for o in optimizers if o == key] or [o for o in optimizers if o.partition(":")[0] == key]
-        if not matches:
+        elif key in optimizers and ":" in key:
+            exact.setdefault(key, []).extend(lrs)
+        elif any(o.partition(":")[0] == key for o in optimizers):
+            by_name.setdefault(key, []).extend(lrs)
+        else:
             raise ValueError(f"{key!r} is none of the --optimizers {list(optimizers)}")
-        for o in matches:
-            own.setdefault(o, []).extend(lrs)
     grid = common or list(DEFAULT_LR_GRID)
-    return {o: sorted(set(own.get(o, grid))) for o in optimizers}
+    return {o: sorted(set(exact.get(o) or by_name.get(o.partition(":")[0]) or grid)) for o in optimizers}
 
 
 def optimizer_kwargs(spec: str, args: argparse.Namespace) -> Dict[str, Any]:
