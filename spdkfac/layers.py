@@ -4,22 +4,27 @@ One :class:`KFACLayer` class holds the maths for every supported layer; the
 only thing Linear and Conv2d differ in is how their inputs and output
 gradients are turned into rows (a small :class:`RowExtractor`).
 
-Factor normalisation (chosen so that P workers with local batch ``b`` give the
-same factors as one worker with batch ``P*b``): with ``n`` the local batch size
-and ``R`` the number of rows (``n`` for Linear on 2-D input, ``n*L`` for a
-convolution's ``L`` im2col patch positions, ``n*T`` for sequence input),
+Factor conventions (those of the K-FAC code base SPD-KFAC was built on,
+Pauloski et al.; chosen so that P workers with local batch ``n`` give the same
+factors as one worker with batch ``P*n``). With ``S`` the output positions per
+sample that share a convolution's weight (``S = 1`` for Linear):
 
-* ``A = a^T a / R`` where ``a`` are the layer-input rows (with a ones column
-  for the bias): the mean over samples and positions;
-* ``G = (n g)^T (n g) / n`` where ``g`` are the output-gradient rows. The
-  factor ``n`` undoes the ``1/n`` a batch-mean loss puts in every per-sample
-  gradient; dividing by ``n`` rather than ``R`` keeps the sum over the ``L``
-  positions that share the weight, so ``A ⊗ G`` is the KFC approximation
-  ``L * E[a a^T] ⊗ E[g g^T]`` of the Fisher of a convolution (Grosse & Martens).
+* ``A = Σ (a/S)(a/S)^T / n`` over the layer-input rows ``a`` (im2col patches
+  for a convolution, ``n*S`` rows, with a ones column for the bias);
+* ``G = Σ (n*S*g)(n*S*g)^T / (n*S)`` over the output-gradient rows ``g`` of a
+  batch-*mean* loss (PyTorch's default reduction): ``n*S*g`` undoes the mean.
 
-Both are means over the local batch's samples, so averaging them over workers
-equals the mean over the global batch. This assumes the loss is a *mean* over
-the local batch, which is PyTorch's default reduction.
+For Linear that is ``A = a^T a / n`` and ``G = n g^T g``. ``A ⊗ G`` is the KFC
+approximation of a convolution's Fisher (Grosse & Martens); the split between
+the two factors matters because damping is added to each. Linear layers on
+sequence input (``n*T`` rows) average ``A`` over all rows and keep
+``G = n g^T g``. Both factors are means over the local batch's samples, so
+averaging them over workers gives the mean over the global batch.
+
+Running averages start from the identity, as the reference's do: the first
+factor step gives ``F = decay*I + (1-decay)*F_batch``. A single batch's factor
+is rank-deficient; starting from it, the first inverses would amplify its null
+space by ``1/damping``.
 """
 from __future__ import annotations
 
@@ -52,6 +57,10 @@ class RowExtractor(abc.ABC):
     def output_gram(self, g: torch.Tensor) -> torch.Tensor:
         """``rows^T rows`` of the output-gradient rows."""
         return symmetric_gram(self.grad_output_rows(g))
+
+    def positions(self, rows: int, batch: int) -> int:
+        """Output positions per sample that share the weight (``S``; 1 unless a convolution)."""
+        return 1
 
     @property
     def has_bias(self) -> bool:
@@ -125,6 +134,9 @@ class _Conv2dRows(RowExtractor):
 
     def output_gram(self, g: torch.Tensor) -> torch.Tensor:
         return channel_gram(g)
+
+    def positions(self, rows: int, batch: int) -> int:
+        return rows // batch
 
     def input_gram(self, x: torch.Tensor, with_bias: bool) -> Optional[Tuple[torch.Tensor, int]]:
         """The rows' Gram and row count without im2col rows where there is a cheaper way.
@@ -237,20 +249,23 @@ class KFACLayer:
         return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
     def compute_a(self, x: torch.Tensor) -> torch.Tensor:
-        """Batch factor ``A`` from the layer input (mean over rows)."""
+        """Batch factor ``A = Σ (a/S)(a/S)^T / n`` from the layer input."""
+        batch = x.shape[0]
         with torch.autocast(x.device.type, enabled=False):  # under AMP the input may be half precision
             x = x.detach().to(self.factor_dtype)
             shared = self.rows.input_gram(x, self.has_bias)
             if shared is not None:
                 gram, count = shared
-                return gram.div_(count)
-            rows = self.rows.input_rows(x)
-            if self.has_bias:
-                rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
-            return symmetric_gram(rows).div_(rows.shape[0])
+            else:
+                rows = self.rows.input_rows(x)
+                if self.has_bias:
+                    rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+                gram, count = symmetric_gram(rows), rows.shape[0]
+            # count = n*S rows: Σ (a/S)(a/S)^T / n = gram / (count * S).
+            return gram.div_(count * self.rows.positions(count, batch))
 
     def compute_g(self, grad_output: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor:
-        """Batch factor ``G`` from the output gradient (per-sample mean, summed over positions).
+        """Batch factor ``G = Σ (n*S*g)(n*S*g)^T / (n*S)`` from the output gradient of a mean loss.
 
         ``loss_scale`` is the factor a GradScaler multiplied the loss by; it is
         divided out so that ``G`` describes the true gradients.
@@ -260,40 +275,43 @@ class KFACLayer:
             g = grad_output.detach().to(self.factor_dtype)
             if loss_scale != 1.0:
                 g = g / loss_scale
-            # (batch * g)^T (batch * g) / batch: per-sample gradients are batch times the rows of a mean loss.
-            return self.rows.output_gram(g).mul_(batch)
+            positions = self.rows.positions(g.numel() // self.g_dim, batch)  # the rows are g.numel() / g_dim
+            return self.rows.output_gram(g).mul_(batch * positions)
 
     # -- running averages and inverses -------------------------------------------
     def update_factor(self, kind: str, batch_factor: torch.Tensor, decay: float) -> None:
         """Fold a (worker-averaged) batch factor into the running average.
 
         ``batch_factor`` is the full symmetric matrix or its packed upper
-        triangle (as the fused all-reduce delivers it). The first factor
-        initialises the average; after that
-        ``F <- decay * F + (1 - decay) * batch``.
+        triangle (as the fused all-reduce delivers it). The average starts
+        from the identity: ``F <- decay * F + (1 - decay) * batch`` with
+        ``F = I`` before the first factor.
         """
-        dim = self.dim(kind)
-        if batch_factor.dim() == 2:
-            if batch_factor.shape != (dim, dim):
-                raise ValueError(f"{kind} factor of {self.name!r} is {tuple(batch_factor.shape)}, expected {(dim, dim)}")
-            packed = pack_upper(batch_factor)
-        elif batch_factor.numel() == triangle_size(dim):
-            packed = batch_factor
-        else:
-            raise ValueError(f"packed {kind} factor of {self.name!r} has {batch_factor.numel()} elements, "
-                             f"expected {triangle_size(dim)}")
+        packed = self._as_packed(kind, batch_factor)
         current = self._packed[kind]
         if current is None:
-            # A fresh copy: the packed input may be a view into a fused communication buffer.
-            self._packed[kind] = packed.clone() if packed is batch_factor else packed
-        else:
-            current.mul_(decay).add_(packed, alpha=1.0 - decay)
+            current = self._packed[kind] = pack_upper(torch.eye(self.dim(kind), dtype=packed.dtype, device=packed.device))
+        current.mul_(decay).add_(packed, alpha=1.0 - decay)
 
     def set_factor(self, kind: str, value: Optional[torch.Tensor]) -> None:
         """Replace the running average (full matrix or packed triangle; None clears it)."""
-        self._packed[kind] = None
-        if value is not None:
-            self.update_factor(kind, value, 0.0)
+        if value is None:
+            self._packed[kind] = None
+            return
+        packed = self._as_packed(kind, value)
+        # Our own copy: a packed value may be a view into a buffer its owner reuses.
+        self._packed[kind] = packed.clone() if packed is value else packed
+
+    def _as_packed(self, kind: str, factor: torch.Tensor) -> torch.Tensor:
+        """The packed upper triangle of a full or already packed factor of this layer, checked for size."""
+        dim = self.dim(kind)
+        if factor.dim() == 2:
+            if factor.shape != (dim, dim):
+                raise ValueError(f"{kind} factor of {self.name!r} is {tuple(factor.shape)}, expected {(dim, dim)}")
+            return pack_upper(factor)
+        if factor.numel() == triangle_size(dim):
+            return factor
+        raise ValueError(f"packed {kind} factor of {self.name!r} has {factor.numel()} elements, expected {triangle_size(dim)}")
 
     def packed_factor(self, kind: str) -> Optional[torch.Tensor]:
         """The running average as stored: its packed upper triangle (no copy)."""

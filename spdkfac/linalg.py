@@ -215,6 +215,8 @@ def invert_spd(matrix: torch.Tensor, damping: float, use_cupy: bool = True) -> t
     else:
         chol = torch.linalg.cholesky(damped)
         inv = torch.cholesky_inverse(chol)
-    # Exactly symmetric, the lower triangle copied from the upper one: packing keeps only the upper
-    # triangle, so every rank then holds the same matrix, whether it inverted or unpacked it.
-    return mirror_upper_(inv)
+    # Exactly symmetric, the lower triangle copied from the upper one, and row-major: packing keeps only the
+    # upper triangle and unpacking builds a row-major matrix, so every rank then holds the same values in the
+    # same layout whether it inverted or received the inverse. (cholesky_inverse returns a column-major
+    # matrix; a product with it rounds differently from one with the row-major copy for some shapes.)
+    return mirror_upper_(inv.contiguous())

@@ -638,13 +638,12 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             for i in reversed(range(len(layers))) if wait_for_grads else range(len(layers)):
                 grads[i] = self._layer_grad(layers[i], wait_for_grads)
                 updates[i] = layers[i].precondition(grads[i])
-        vg_sum = 0.0
-        if group["kl_clip"] is not None:
-            for grad, update in zip(grads, updates):
-                vg_sum += float((update * grad).sum()) * group["lr"] ** 2
         scale = 1.0
-        if group["kl_clip"] is not None and vg_sum > 0:
-            scale = min(1.0, math.sqrt(group["kl_clip"] / vg_sum))
+        if group["kl_clip"] is not None:
+            # The reference's KL clip: ν = min(1, sqrt(kl_clip / |Σ lr² v·grad|)) over every preconditioned layer.
+            vg_sum = abs(sum(float((update * grad).sum()) for grad, update in zip(grads, updates)) * group["lr"] ** 2)
+            if vg_sum > 0:
+                scale = min(1.0, math.sqrt(group["kl_clip"] / vg_sum))
         for layer, update in zip(layers, updates):
             layer.write_grad(update.mul_(scale) if scale != 1.0 else update)
         if rec is not None:

@@ -36,11 +36,17 @@ class Net(nn.Module):
         return self.fc_out
 
 
-def _dense_update(a_rows, g_rows, n, grad, damping):
-    """((A+γI) ⊗ (G+γI))^-1 vec(grad) with column-stacking vec, as an explicit dense solve."""
-    A = a_rows.T @ a_rows / a_rows.shape[0]
-    gs = g_rows * n
-    G = gs.T @ gs / n  # per-sample mean, summed over spatial positions (KFC)
+def _dense_update(a_rows, g_rows, n, grad, damping, decay):
+    """((A+γI) ⊗ (G+γI))^-1 vec(grad) with column-stacking vec, as an explicit dense solve.
+
+    A and G are the first running averages: ``decay*I + (1-decay)*F_batch`` with the batch factors
+    ``Σ (a/S)(a/S)^T / n`` and ``Σ (n*S*g)(n*S*g)^T / (n*S)`` (S positions per sample).
+    """
+    s = a_rows.shape[0] // n
+    a = a_rows / s
+    gs = g_rows * (n * s)
+    A = decay * torch.eye(a.shape[1]) + (1 - decay) * a.T @ a / n
+    G = decay * torch.eye(gs.shape[1]) + (1 - decay) * gs.T @ gs / (n * s)
     F = torch.kron(A + damping * torch.eye(A.shape[0], dtype=A.dtype), G + damping * torch.eye(G.shape[0], dtype=G.dtype))
     vec = grad.T.reshape(-1)
     sol = torch.linalg.solve(F, vec)
@@ -64,10 +70,11 @@ def test_preconditioned_update_equals_dense_kronecker_solve(float64):
     fc_a = torch.cat([ref.fc_in.detach(), torch.ones(n, 1)], 1)
     fc_g = ref.fc_out.grad
     fc_grad = torch.cat([ref.fc.weight.grad, ref.fc.bias.grad[:, None]], 1)
-    conv_upd = _dense_update(conv_a, conv_g, n, conv_grad, damping)
-    fc_upd = _dense_update(fc_a, fc_g, n, fc_grad, damping)
+    decay = 0.8
+    conv_upd = _dense_update(conv_a, conv_g, n, conv_grad, damping, decay)
+    fc_upd = _dense_update(fc_a, fc_g, n, fc_grad, damping, decay)
 
-    opt = SPDKFACOptimizer(net, lr=lr, momentum=0.0, damping=damping, kl_clip=None, backend="single")
+    opt = SPDKFACOptimizer(net, lr=lr, momentum=0.0, damping=damping, factor_decay=decay, kl_clip=None, backend="single")
     opt.zero_grad()
     nn.functional.cross_entropy(net(x), y).backward()
     opt.step()
@@ -156,7 +163,8 @@ def test_stride1_conv_factor_from_shared_shifts_equals_explicit_im2col_gram(kern
     if bias:
         rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], dim=1)
     a = layer.compute_a(x)
-    torch.testing.assert_close(a, rows.T @ rows / rows.shape[0], rtol=1e-12, atol=1e-12)
+    s = rows.shape[0] // x.shape[0]  # output positions per sample
+    torch.testing.assert_close(a, (rows / s).T @ (rows / s) / x.shape[0], rtol=1e-12, atol=1e-12)
     assert torch.equal(a, a.T)
 
 
@@ -178,12 +186,13 @@ def test_conv_factors_from_channel_grams_equal_explicit_rows(stride, size, bias,
     if bias:
         rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], dim=1)
     a = layer.compute_a(x)
-    torch.testing.assert_close(a, rows.T @ rows / rows.shape[0], rtol=1e-12, atol=1e-12)
+    s = rows.shape[0] // x.shape[0]  # output positions per sample
+    torch.testing.assert_close(a, (rows / s).T @ (rows / s) / x.shape[0], rtol=1e-12, atol=1e-12)
     assert torch.equal(a, a.T)
     g_out = torch.randn_like(conv(x))
-    g_rows = g_out.permute(0, 2, 3, 1).reshape(-1, 5) * 3  # the per-sample gradients of a mean over 3 samples
+    g_rows = g_out.permute(0, 2, 3, 1).reshape(-1, 5) * 3 * s  # n*S times the rows of a mean over 3 samples
     g = layer.compute_g(g_out, loss_scale=4.0)
-    torch.testing.assert_close(g, (g_rows / 4.0).T @ (g_rows / 4.0) / 3, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g, (g_rows / 4.0).T @ (g_rows / 4.0) / (3 * s), rtol=1e-12, atol=1e-12)
     assert torch.equal(g, g.T)
 
 
@@ -203,8 +212,9 @@ def test_unsupported_layers_get_plain_sgd():
 def _one_step_update(net: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: bool):
     """Parameter change of one K-FAC step, and the optimizer (for its factors)."""
     before = {k: v.detach().float().clone() for k, v in net.state_dict().items()}
-    # Damping large enough that the bfloat16 rounding of activations is not amplified by a near-singular factor.
-    opt = SPDKFACOptimizer(net, lr=0.1, momentum=0.0, kl_clip=None, damping=0.1, backend="single")
+    # Damping large enough that the bfloat16 rounding of activations is not amplified by a near-singular factor;
+    # a step large next to the bfloat16 model's parameter resolution (2^-9 of 0.3), which rounds the update too.
+    opt = SPDKFACOptimizer(net, lr=1.0, momentum=0.0, kl_clip=None, damping=0.1, backend="single")
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss = nn.functional.cross_entropy(net(x), y)
     loss.backward()
@@ -245,14 +255,18 @@ def test_running_averages_are_kept_packed_and_unpack_to_the_decayed_mean():
     layer.update_factor("A", mats[0], 0.9)  # full matrix, as a single worker's hooks hand it over
     layer.update_factor("A", pack_upper(mats[1]), 0.9)  # packed, as the fused all-reduce delivers it
     layer.update_factor("A", pack_upper(mats[2]), 0.9)
-    expected = 0.9 * (0.9 * mats[0] + 0.1 * mats[1]) + 0.1 * mats[2]
+    expected = 0.9 * (0.9 * (0.9 * torch.eye(6) + 0.1 * mats[0]) + 0.1 * mats[1]) + 0.1 * mats[2]  # from the identity
     torch.testing.assert_close(layer.A, expected)
     assert layer.packed_factor("A").shape == (triangle_size(6),)
-    # A first packed factor is copied: reusing the communication buffer later cannot touch the average.
+    # A packed factor is folded in, not kept: reusing the communication buffer later cannot touch the average.
     buffer = pack_upper(mats[0][:3, :3])
     layer.update_factor("G", buffer, 0.9)
     buffer.zero_()
-    torch.testing.assert_close(layer.G, mats[0][:3, :3])
+    torch.testing.assert_close(layer.G, 0.9 * torch.eye(3) + 0.1 * mats[0][:3, :3])
+    buffer = pack_upper(mats[2][:3, :3])
+    layer.set_factor("G", buffer)  # the same for a replaced average
+    buffer.zero_()
+    torch.testing.assert_close(layer.G, mats[2][:3, :3])
     layer.G = mats[1][:3, :3]  # the checkpoint path: a full matrix replaces the average
     torch.testing.assert_close(layer.G, mats[1][:3, :3])
     with pytest.raises(ValueError, match="expected 21"):
