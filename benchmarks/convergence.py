@@ -70,8 +70,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--weight-decay", type=float, default=5e-4)
     ap.add_argument("--warmup-epochs", type=float, default=1.0)
-    ap.add_argument("--damping", type=float, default=0.01)
-    ap.add_argument("--kl-clip", type=float, default=1e-3)
+    ap.add_argument("--damping", type=float, default=0.003, help="Tikhonov damping (the paper's and spdkfac.train's default)")
+    ap.add_argument("--kl-clip", type=float, default=None,
+                    help="KL-clip bound (default as spdkfac.train: 1e-4 on digits, the paper's 1e-3 otherwise)")
     ap.add_argument("--factor-decay", type=float, default=0.95)
     ap.add_argument("--factor-update-freq", type=int, default=1)
     ap.add_argument("--inv-update-freq", type=int, default=1)
@@ -104,7 +105,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.perf_model and not Path(args.perf_model).is_file():
         ap.error(f"--perf-model {args.perf_model} does not exist")
     for name in ("damping", "kl_clip", "factor_decay"):
-        if getattr(args, name) < 0:
+        if (getattr(args, name) or 0) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.factor_update_freq < 1 or args.inv_update_freq < 1:
         ap.error("--factor-update-freq and --inv-update-freq must be >= 1")
@@ -148,12 +149,14 @@ def lr_grids(entries: Sequence[str], optimizers: Sequence[str]) -> Dict[str, Lis
     return {o: sorted(set(exact.get(o) or by_name.get(o.partition(":")[0]) or grid)) for o in optimizers}
 
 
-def optimizer_kwargs(spec: str, args: argparse.Namespace) -> Dict[str, Any]:
+def optimizer_kwargs(spec: str, args: argparse.Namespace, data: str) -> Dict[str, Any]:
     """Keyword arguments for make_optimizer beyond the variant's own (which a spec's changes override)."""
     config = variant_config(spec)
     if not config.get("precondition", True):
         return {}
     kw = {k: getattr(args, k) for k in KFAC_KEYS}
+    if kw["kl_clip"] is None:
+        kw["kl_clip"] = 1e-4 if data == "digits" else 1e-3
     kw["perf_model"] = args.perf_model
     return {k: v for k, v in kw.items() if k not in config}
 
@@ -163,7 +166,7 @@ def schedule(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(warmup_epochs=args.warmup_epochs, schedule="cosine", epochs=args.epochs, lr_decay_epochs=[])
 
 
-def train_run(args, backend, device, loaders, spec: str, base_lr: float, seed: int) -> Dict[str, Any]:
+def train_run(args, backend, device, data: str, loaders, spec: str, base_lr: float, seed: int) -> Dict[str, Any]:
     """One training run on ``loaders`` (spdkfac.train._loaders's answer); per-epoch metrics, identical on every worker.
 
     Stops early if it diverges (non-finite factors or loss).
@@ -176,7 +179,7 @@ def train_run(args, backend, device, loaders, spec: str, base_lr: float, seed: i
     peak = base_lr * size
     lr = peak
     opt = make_optimizer(spec, model, lr=peak, momentum=args.momentum, weight_decay=args.weight_decay, backend=backend,
-                         **optimizer_kwargs(spec, args))
+                         **optimizer_kwargs(spec, args, data))
     sched = schedule(args)
     steps = len(train_loader)
     epochs: List[Dict[str, Any]] = []
@@ -327,18 +330,21 @@ def _fmt(x: Optional[float], spec: str) -> str:
 
 
 def table(result: Dict[str, Any]) -> str:
-    head = (f"{'data':<8} {'batch':>5} {'optimizer':<34} {'lr':>6} {'best acc':>8} {'final loss':>10} {'epochs':>6} "
+    """The results as text: one line per (data, batch size, optimizer), then the target."""
+    w = max([len("optimizer")] + [len(spec) for st in result["settings"] for spec in st["optimizers"]])
+    head = (f"{'data':<8} {'batch':>5} {'optimizer':<{w}} {'lr':>6} {'best acc':>8} {'final loss':>10} {'epochs':>6} "
             f"{'secs':>7} {'x ref ep':>8} {'x ref s':>7} {'s/epoch':>7} {'fwd+bwd':>7} {'step':>6}")
     lines = [head]
     for st in result["settings"]:
         for spec, r in st["optimizers"].items():
-            lines.append(f"{st['data']:<8} {st['batch_size']:>5} {spec:<34} {r['chosen_lr']:>6g} "
+            lines.append(f"{st['data']:<8} {st['batch_size']:>5} {spec:<{w}} {r['chosen_lr']:>6g} "
                          f"{_fmt(r['best_test_acc'], '8.4f')} {_fmt(r['final_test_loss'], '10.4f')} "
                          f"{_fmt(r['epochs_to_target'], '6d')} {_fmt(r['seconds_to_target'], '7.1f')} "
                          f"{_fmt(r['epochs_ratio'], '8.2f')} {_fmt(r['seconds_ratio'], '7.2f')} "
                          f"{_fmt(r['mean_epoch_s'], '7.2f')} {_fmt(r['mean_fwdbwd_s'], '7.2f')} {_fmt(r['mean_step_s'], '6.2f')}"
                          + (f"  diverged ({r['diverged'][:40]})" if r["diverged"] else ""))
-        lines.append(f"{'':<15}target: {st['reference']}'s best test accuracy {_fmt(st['target_test_acc'], '.4f')}")
+        lines.append(f"  target: {st['reference']}'s best test accuracy {_fmt(st['target_test_acc'], '.4f')} "
+                     "(epochs, secs: to reach it; x ref: ratio to the reference's; s/epoch, fwd+bwd, step: mean training seconds per epoch)")
     return "\n".join(lines)
 
 
@@ -372,10 +378,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     for i, (st, spec, lr, seed) in enumerate(runs):
         log(rank, f"[{i + 1}/{len(runs)}] {st['data']} batch {st['batch_size']}/worker {spec} lr {lr:g} (x{size}) seed {seed}"
                   f"  ({time.perf_counter() - t_start:.0f} s so far)")
-        run = train_run(args, backend, device, loaders[st["data"], st["batch_size"]], spec, lr, seed)
+        run = train_run(args, backend, device, st["data"], loaders[st["data"], st["batch_size"]], spec, lr, seed)
         if run["diverged"]:
             log(rank, f"    diverged: {run['diverged']}")
-        grid = st["optimizers"].setdefault(spec, {"lr_grid": {}})["lr_grid"]
+        res = st["optimizers"].setdefault(spec, {"lr_grid": {}})
+        res["config"] = {**variant_config(spec), **optimizer_kwargs(spec, args, st["data"])}  # what the runs used
+        grid = res["lr_grid"]
         point = grid.setdefault(repr(lr), {"lr": lr, "runs": []})
         point["runs"].append(run)
         if len(point["runs"]) == len(args.seeds):
