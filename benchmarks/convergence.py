@@ -326,7 +326,11 @@ def plot(setting: Dict[str, Any], path: Path, world_size: int) -> Path:
 
 
 def _fmt(x: Optional[float], spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+    """``format(x, spec)``, or a dash as wide as the number would be."""
+    if x is None:
+        width = spec.split(".")[0].rstrip("df")
+        return "-".rjust(int(width) if width.isdigit() else 1)
+    return format(x, spec)
 
 
 def table(result: Dict[str, Any]) -> str:
