@@ -316,10 +316,13 @@ def plot(setting: Dict[str, Any], path: Path, world_size: int) -> Path:
         axes[1][col].set(xlabel=xlabel, ylabel="test loss")
         for row in range(2):
             axes[row][col].grid(alpha=0.3)
-            axes[row][col].legend(fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()  # one legend for all four panels, below them
+    rows = len(labels)
+    fig.legend(handles, labels, loc="lower center", ncol=1 if rows <= 3 else 2, fontsize=8, frameon=False)
     fig.suptitle(f"{setting['data']}: batch {setting['batch_size']}/worker x {world_size} workers "
                  f"({setting['steps_per_epoch']} steps/epoch)")
-    fig.tight_layout()
+    legend_rows = rows if rows <= 3 else -(-rows // 2)
+    fig.tight_layout(rect=(0, 0.03 + 0.03 * legend_rows, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
