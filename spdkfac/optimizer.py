@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, TypeVar, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union, cast
 
 import torch
 import torch.nn as nn
@@ -38,14 +38,12 @@ from .inversion import compute_inverses
 from .linalg import all_finite, invert_spd, triangle_size
 from .perfmodels import PerfModel, load_perf_model
 from .placement import PLACEMENTS, PlacementPlan, balance_by_cost, place, preconditioning_cost
-from .schedules import StepSchedule
+from .schedules import Scheduled, StepSchedule
 from .timeline import FactorEvent, IterationRecord, Timeline
 
 __all__ = ["SPDKFACOptimizer", "NonFiniteFactorError"]
 
 FactorKey = Tuple[str, str]
-T = TypeVar("T")
-Scheduled = Union[T, Callable[[int], T]]  # a value, or a function of the step counter (see spdkfac.schedules)
 
 
 class NonFiniteFactorError(FloatingPointError):
@@ -359,7 +357,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._sync_queued = False
         self._backward_seen = False  # a backward pass ran since the last step()
         self._step_kind: Optional[Tuple[bool, bool]] = None  # (factor step, inverse step), fixed when first needed
-        self._micro_factors: Dict[FactorKey, Tuple[int, torch.Tensor]] = {}  # accumulated micro-batches: (count, sum)
+        self._micro_factors: Dict[FactorKey, Tuple[int, Optional[torch.Tensor]]] = {}  # accumulated micro-batches: (count, sum)
         self._grad_counts: Dict[torch.Tensor, int] = {}  # backward passes that reached each parameter
         self.controller.begin_iteration(self._record)
 
@@ -384,7 +382,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             factor = compute()
             self._micro_factors[key] = (count + 1, factor if total is None else total.add_(factor))
             return
-        self._micro_factors[key] = (count + 1, cast(torch.Tensor, None))
+        self._micro_factors[key] = (count + 1, None)
         # The last micro-batch (the only one with k=1): timed and pipelined with the communication as usual.
         timed = self._record is not None or self._profiling
         if timed:
@@ -900,7 +898,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             f"SPDKFACOptimizer(layers={len(self.layers)}, lr={g['lr']}, momentum={g['momentum']}, "
             f"weight_decay={g['weight_decay']}, damping={g['damping']}, factor_decay={g['factor_decay']}, "
             f"kl_clip={g['kl_clip']}, factor_update_freq={self.factor_update_freq}, "
-            f"inv_update_freq={self.inv_update_freq}, backend={self.backend.name}(rank {self.backend.rank}/"
+            f"inv_update_freq={self.inv_update_freq}, accumulation_steps={self.accumulation_steps}, backend={self.backend.name}(rank {self.backend.rank}/"
             f"{self.backend.size}), fusion={self.fusion!r}, pipelining={self.pipelining}, "
             f"placement={self.placement_strategy!r}, distribute_preconditioning={self.distribute_preconditioning}, perf_model={self.perf_model.source!r})"
         )

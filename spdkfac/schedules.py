@@ -23,16 +23,19 @@ scheduler's change between two ``step()`` calls applies to the whole next step.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, TypeVar, Union
 
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import SPDKFACOptimizer
 
-__all__ = ["SCHEDULED_OPTIONS", "StepSchedule", "KFACParamScheduler"]
+__all__ = ["SCHEDULED_OPTIONS", "Scheduled", "StepSchedule", "KFACParamScheduler"]
 
 #: The optimizer options that may be given as ``f(step) -> value``.
 SCHEDULED_OPTIONS = ("damping", "kl_clip", "factor_update_freq", "inv_update_freq")
 
+T = TypeVar("T")
+#: A hyperparameter given as a value or as a function of the step counter.
+Scheduled = Union[T, Callable[[int], T]]
 Validator = Callable[[str, Any], Any]
 
 
