@@ -898,7 +898,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             f"SPDKFACOptimizer(layers={len(self.layers)}, lr={g['lr']}, momentum={g['momentum']}, "
             f"weight_decay={g['weight_decay']}, damping={g['damping']}, factor_decay={g['factor_decay']}, "
             f"kl_clip={g['kl_clip']}, factor_update_freq={self.factor_update_freq}, "
-            f"inv_update_freq={self.inv_update_freq}, accumulation_steps={self.accumulation_steps}, backend={self.backend.name}(rank {self.backend.rank}/"
+            f"inv_update_freq={self.inv_update_freq}, accumulation_steps={self.accumulation_steps}, "
+            f"backend={self.backend.name}(rank {self.backend.rank}/"
             f"{self.backend.size}), fusion={self.fusion!r}, pipelining={self.pipelining}, "
             f"placement={self.placement_strategy!r}, distribute_preconditioning={self.distribute_preconditioning}, perf_model={self.perf_model.source!r})"
         )
