@@ -130,6 +130,9 @@ def test_schedules_and_accumulation_match_single_process(engine, tmp_path):
     # The schedule was in force on every rank: the last step's values (step 5: damping 0.02 / 4, freqs 2 and 4).
     assert dist["schedule-decay"]["damping"] == ref["schedule-decay"]["damping"] == 0.02 * 0.5**2
     assert dist["schedule-decay"]["update_freqs"] == [2, 4]
+    # Inverse steps 0, 2, 4 and factor steps 0, 1, 2, 4 as scheduled: steps 1, 3, 5 overlap, step 1 also its factors.
+    assert (dist["schedule-decay"]["overlapped_steps"], dist["schedule-decay"]["overlapped_factor_steps"]) == (3, 1)
+    assert (dist["accum-2-freq-2-4"]["overlapped_steps"], dist["accum-2-freq-2-4"]["overlapped_factor_steps"]) == (4, 1)
     assert dist["accum-2-grad-scaler-skip"]["steps"] == ref["accum-2-grad-scaler-skip"]["steps"] == STEPS - 1
     assert len(dist["accum-4-bigalpha"]["fusion_plan"]["A"]) == 1  # profiled and planned with accumulation
 
