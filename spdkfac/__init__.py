@@ -7,8 +7,9 @@ Quick start::
 """
 from .host_memory import retain_freed_memory
 from .optimizer import NonFiniteFactorError, SPDKFACOptimizer
+from .schedules import KFACParamScheduler
 from .variants import VARIANTS, make_optimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["SPDKFACOptimizer", "NonFiniteFactorError", "VARIANTS", "make_optimizer", "retain_freed_memory", "__version__"]
+__all__ = ["SPDKFACOptimizer", "NonFiniteFactorError", "KFACParamScheduler", "VARIANTS", "make_optimizer", "retain_freed_memory", "__version__"]

@@ -38,6 +38,7 @@ from .inversion import compute_inverses
 from .linalg import all_finite, invert_spd, triangle_size
 from .perfmodels import PerfModel, load_perf_model
 from .placement import PLACEMENTS, PlacementPlan, balance_by_cost, place, preconditioning_cost
+from .schedules import Scheduled, StepSchedule
 from .timeline import FactorEvent, IterationRecord, Timeline
 
 __all__ = ["SPDKFACOptimizer", "NonFiniteFactorError"]
@@ -93,12 +94,24 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             schedulers work).
         momentum: SGD momentum.
         weight_decay: L2 penalty added to the (preconditioned) gradient.
-        damping: Tikhonov damping γ: inverses are ``(F + γI)^-1``.
+        damping: Tikhonov damping γ: inverses are ``(F + γI)^-1`` (a new value
+            takes effect at the next inverse update).
         factor_decay: running-average weight of the old factor.
         kl_clip: KL-clip bound on the preconditioned update (None disables).
-        factor_update_freq: update factors every this many steps.
-        inv_update_freq: recompute inverses every this many steps (a multiple
-            of ``factor_update_freq``).
+        factor_update_freq: update factors at the steps where
+            ``steps % factor_update_freq == 0`` (and at the first step).
+        inv_update_freq: recompute inverses likewise (a multiple of
+            ``factor_update_freq`` at every step).
+
+            ``damping``, ``kl_clip`` and the two frequencies may each be a
+            callable ``f(step) -> value`` of the number of completed steps,
+            evaluated once per step on every worker alike and validated then
+            (:mod:`spdkfac.schedules`; or use its per-epoch
+            :class:`~spdkfac.schedules.KFACParamScheduler`). The values in force
+            are ``param_groups[0]['damping']`` / ``['kl_clip']`` and the
+            attributes ``factor_update_freq`` / ``inv_update_freq``; a write
+            there between steps holds from the next step on (for an option
+            given as a callable, until the callable's next value).
         backend: ``'auto'``, ``'horovod'``, ``'torch'``, ``'single'`` or a
             :class:`~spdkfac.comm.CommBackend`.
         fusion: factor all-reduce fusion policy: ``'optimal'`` (Eq. 15),
@@ -145,6 +158,18 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             ``backward()``, so that the scaler unscales and checks averaged
             gradients; a step the scaler skips (inf/NaN gradients, identical on
             every worker) is discarded by the next :meth:`zero_grad`.
+        accumulation_steps: gradient accumulation: call ``backward()`` this
+            many times (k), then ``step()`` once; each micro-batch loss is its
+            mean divided by k (torch's idiom), so the gradients sum to the mean
+            over the k micro-batches. The factors are the mean of the
+            micro-batches' (each G computed with the 1/k removed, like a loss
+            scale), i.e. with equal micro-batches exactly those of one batch
+            k times as large. One round of communication per step: factors are
+            summed locally and sent (pipelined) from the hooks of the k-th
+            micro-batch, and each gradient all-reduce starts at the k-th
+            accumulation of its parameter. A ``step()`` (or
+            :meth:`synchronize`) after another number of backward passes, or a
+            (k+1)-th backward pass, raises.
     """
 
     def __init__(
@@ -153,11 +178,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         lr: float,
         momentum: float = 0.9,
         weight_decay: float = 0.0,
-        damping: float = 0.003,
+        damping: Scheduled[float] = 0.003,
         factor_decay: float = 0.95,
-        kl_clip: Optional[float] = 0.001,
-        factor_update_freq: int = 1,
-        inv_update_freq: int = 1,
+        kl_clip: Scheduled[Optional[float]] = 0.001,
+        factor_update_freq: Scheduled[int] = 1,
+        inv_update_freq: Scheduled[int] = 1,
         backend: Union[str, CommBackend] = "auto",
         fusion: str = "optimal",
         pipelining: bool = True,
@@ -171,22 +196,23 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         timeline: bool = False,
         precondition: bool = True,
         grad_scaler: Optional[Any] = None,
+        accumulation_steps: int = 1,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         _check_number("lr", lr, 0.0)
         _check_number("momentum", momentum, 0.0, 1.0)
         _check_number("weight_decay", weight_decay, 0.0)
-        _check_number("damping", damping, 0.0, low_open=True)
         _check_number("factor_decay", factor_decay, 0.0, 1.0)
-        if kl_clip is not None:
-            _check_number("kl_clip", kl_clip, 0.0, low_open=True)
-        _check_freq("factor_update_freq", factor_update_freq)
-        _check_freq("inv_update_freq", inv_update_freq)
-        if inv_update_freq % factor_update_freq:
-            raise ValueError(
-                f"inv_update_freq ({inv_update_freq}) must be a multiple of factor_update_freq ({factor_update_freq})"
-            )
+        self.schedule = StepSchedule(
+            dict(damping=damping, kl_clip=kl_clip, factor_update_freq=factor_update_freq, inv_update_freq=inv_update_freq),
+            dict(damping=lambda n, v: _check_number(n, v, 0.0, low_open=True),
+                 kl_clip=lambda n, v: None if v is None else _check_number(n, v, 0.0, low_open=True),
+                 factor_update_freq=_check_freq, inv_update_freq=_check_freq),
+        )
+        # Validates the numbers, and the callables' values at the first step.
+        initial = self.schedule.resolve(0, dict(damping=damping, kl_clip=kl_clip, factor_update_freq=factor_update_freq,
+                                                inv_update_freq=inv_update_freq))
         if fusion not in FUSION_POLICIES:
             raise ValueError(f"fusion must be one of {FUSION_POLICIES}, got {fusion!r}")
         if placement not in PLACEMENTS:
@@ -197,6 +223,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             raise TypeError(f"distribute_preconditioning must be a bool, got {type(distribute_preconditioning).__name__}")
         if not isinstance(overlap_preconditioning, bool):
             raise TypeError(f"overlap_preconditioning must be a bool, got {type(overlap_preconditioning).__name__}")
+        _check_freq("accumulation_steps", accumulation_steps)
         _check_freq("profile_steps", profile_steps)
         if replan_interval is not None:
             _check_freq("replan_interval", replan_interval)
@@ -208,12 +235,14 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, damping=damping, factor_decay=factor_decay, kl_clip=kl_clip)
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, damping=initial["damping"], factor_decay=factor_decay,
+                        kl_clip=initial["kl_clip"])
         super().__init__(params, defaults)
 
         self.model = model
-        self.factor_update_freq = factor_update_freq
-        self.inv_update_freq = inv_update_freq
+        # The update frequencies in force (callables: their value at the current step; see _resolve_schedule).
+        self.factor_update_freq: int = initial["factor_update_freq"]
+        self.inv_update_freq: int = initial["inv_update_freq"]
         self.fusion = fusion
         self.pipelining = pipelining
         self.placement_strategy = placement
@@ -223,6 +252,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.fusion_plans_made = 0  # plans made so far (the first, then one per re-profile)
         self.fusion_plan_changes = 0  # re-profiles that changed the plan
         self.grad_scaler = grad_scaler
+        self.accumulation_steps = accumulation_steps
         self.steps = 0
 
         self.precondition = precondition
@@ -273,17 +303,43 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         for layer in self.layers:
             self._hook_handles.append(layer.module.register_forward_pre_hook(self._make_a_hook(layer)))
             self._hook_handles.append(layer.module.register_forward_hook(self._make_g_hook(layer)))
-        if self.backend.size > 1:
+        if self.backend.size > 1 or accumulation_steps > 1:  # all-reduce, or count the backward passes
             for p in params:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
         self._begin_iteration()
 
     # ------------------------------------------------------------------ schedule
     def _is_factor_step(self) -> bool:
-        return self.precondition and self.steps % self.factor_update_freq == 0
+        return self._resolve_schedule()[0]
 
     def _is_inverse_step(self) -> bool:
-        return self.precondition and self.steps % self.inv_update_freq == 0
+        return self._resolve_schedule()[1]
+
+    def _resolve_schedule(self) -> Tuple[bool, bool]:
+        """Fix this step's hyperparameters and whether it updates factors / inverses, once per step.
+
+        Runs when the step first needs them (its first training forward, or
+        ``step()``), so that a change made between two ``step()`` calls (a
+        :class:`~spdkfac.schedules.KFACParamScheduler`, a write to
+        ``param_groups``) holds for the whole next step. Callables are
+        evaluated at the step counter, identically on every worker. A step
+        updates factors (inverses) when ``steps % freq == 0`` with the
+        frequency in force, and always while some layer has no inverse yet.
+        """
+        if self._step_kind is None:
+            group = self.param_groups[0]
+            values = self.schedule.resolve(self.steps, dict(damping=group["damping"], kl_clip=group["kl_clip"],
+                                                            factor_update_freq=self.factor_update_freq,
+                                                            inv_update_freq=self.inv_update_freq))
+            for g in self.param_groups:
+                g["damping"], g["kl_clip"] = values["damping"], values["kl_clip"]
+            self.factor_update_freq, self.inv_update_freq = values["factor_update_freq"], values["inv_update_freq"]
+            first = any(layer.A_inv is None or layer.G_inv is None for layer in self.layers)
+            self._step_kind = (
+                self.precondition and (first or self.steps % self.factor_update_freq == 0),
+                self.precondition and (first or self.steps % self.inv_update_freq == 0),
+            )
+        return self._step_kind
 
     @property
     def _profiling(self) -> bool:
@@ -300,6 +356,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._grads_synchronized = False
         self._sync_queued = False
         self._backward_seen = False  # a backward pass ran since the last step()
+        self._step_kind: Optional[Tuple[bool, bool]] = None  # (factor step, inverse step), fixed when first needed
+        self._micro_factors: Dict[FactorKey, Tuple[int, Optional[torch.Tensor]]] = {}  # accumulated micro-batches: (count, sum)
+        self._grad_counts: Dict[torch.Tensor, int] = {}  # backward passes that reached each parameter
         self.controller.begin_iteration(self._record)
 
     # ---------------------------------------------------------------------- hooks
@@ -307,6 +366,24 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         return module.training and torch.is_grad_enabled() and self._is_factor_step()
 
     def _submit(self, layer: KFACLayer, kind: str, compute: Callable[[], torch.Tensor]) -> None:
+        key = (kind, layer.name)
+        self._backward_seen |= kind == "G"
+        if kind == "A":
+            self._a_taken.add(layer.name)
+        count, total = self._micro_factors.get(key, (0, None))
+        if count + 1 > self.accumulation_steps:
+            times = "twice" if count + 1 == 2 else f"{count + 1} times"
+            raise RuntimeError(
+                f"factor {kind} of layer {layer.name!r} was computed {times} in one step, but accumulation_steps is "
+                f"{self.accumulation_steps}: call step() after every {self.accumulation_steps} forward/backward pass(es), "
+                "and run each preconditioned layer once per pass (no weight sharing)"
+            )
+        if count + 1 < self.accumulation_steps:  # an early micro-batch: sum locally, communicate nothing
+            factor = compute()
+            self._micro_factors[key] = (count + 1, factor if total is None else total.add_(factor))
+            return
+        self._micro_factors[key] = (count + 1, None)
+        # The last micro-batch (the only one with k=1): timed and pipelined with the communication as usual.
         timed = self._record is not None or self._profiling
         if timed:
             if self._profiling and torch.cuda.is_available():
@@ -315,10 +392,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             if self._pass_t0[kind] is None:
                 self._pass_t0[kind] = t_start
         factor = compute()
-        key = (kind, layer.name)
-        self._backward_seen |= kind == "G"
-        if kind == "A":
-            self._a_taken.add(layer.name)
+        if total is not None:  # the mean over the micro-batches
+            factor = total.add_(factor).div_(self.accumulation_steps)
         if timed:
             if self._profiling and factor.is_cuda:
                 torch.cuda.synchronize()
@@ -351,7 +426,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """
 
         def g_ready(grad_output: torch.Tensor) -> None:
-            self._submit(layer, "G", lambda: layer.compute_g(grad_output, self._current_loss_scale()))
+            # Each micro-batch loss carries 1/accumulation_steps: dividing it out like a loss scale gives its true G.
+            scale = self._current_loss_scale() / self.accumulation_steps
+            self._submit(layer, "G", lambda: layer.compute_g(grad_output, scale))
 
         def hook(module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
             if layer.name in self._a_taken and isinstance(output, torch.Tensor) and output.requires_grad:
@@ -369,13 +446,19 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._grad_handles[p] = self.backend.allreduce_async(p.grad, f"spdkfac.grad.{self._param_names.get(p, id(p))}")
 
     def _grad_hook(self, p: torch.Tensor) -> None:
-        if p in self._grad_handles:
+        passes = self._grad_counts.get(p, 0) + 1
+        if passes > self.accumulation_steps or p in self._grad_handles:
             raise RuntimeError(
-                f"parameter {self._param_names.get(p, '?')!r} received a second gradient before step(); "
-                "SPDKFACOptimizer averages gradients once per backward pass (no gradient accumulation)"
+                f"parameter {self._param_names.get(p, '?')!r} received gradient number {passes} before step(), but "
+                f"accumulation_steps is {self.accumulation_steps}: SPDKFACOptimizer averages gradients once per step, "
+                f"after accumulation_steps backward passes (pass accumulation_steps=k to accumulate k of them)"
             )
-        self._start_grad_allreduce(p)
+        self._grad_counts[p] = passes
         self._backward_seen = True
+        if passes < self.accumulation_steps:  # accumulating: autograd sums into p.grad, nothing to send yet
+            return
+        if self.backend.size > 1:
+            self._start_grad_allreduce(p)
         if self.grad_scaler is not None and not self._sync_queued:
             # GradScaler reads the gradients between backward() and step(): average them before it does.
             torch.autograd.Variable._execution_engine.queue_callback(self.synchronize)
@@ -389,6 +472,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_accumulated("step()")
         try:
             overlap = self._overlapping_preconditioning()
             factor_step = self._is_factor_step()
@@ -447,12 +531,24 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         ``torch.nn.utils.clip_grad_norm_``; with ``grad_scaler`` it runs at
         the end of ``backward()`` automatically. Idempotent within a step.
         """
+        if not self._grads_synchronized:
+            self._check_accumulated("synchronize()")
         if self._grads_synchronized or self.backend.size == 1:
             self._grads_synchronized = True
             return
         self._start_missing_grad_allreduces()
         self._wait_grads(self._grad_handles)
         self._grads_synchronized = True
+
+    def _check_accumulated(self, caller: str) -> None:
+        """Raise unless accumulation_steps backward passes ran (checked before any collective: the same on every worker)."""
+        passes = max(self._grad_counts.values(), default=self.accumulation_steps)  # no backward: other checks apply
+        if passes != self.accumulation_steps:
+            raise RuntimeError(
+                f"{caller} after {passes} backward pass(es), but accumulation_steps is {self.accumulation_steps}: run "
+                f"backward() exactly {self.accumulation_steps} times (each micro-batch loss divided by "
+                f"{self.accumulation_steps}) before every step(); zero_grad() discards the partial accumulation"
+            )
 
     def _start_missing_grad_allreduces(self) -> None:
         for group in self.param_groups:
@@ -720,10 +816,17 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     # --------------------------------------------------------------- state
     def state_dict(self) -> Dict[str, Any]:
-        """Optimizer state plus K-FAC state (step counter, factors, inverses) for exact resume."""
+        """Optimizer state plus K-FAC state (step counter, factors, inverses, update frequencies) for exact resume.
+
+        The damping and KL clip in force are in ``param_groups``. Callable
+        schedules cannot be saved: pass the same ones to the constructor of the
+        optimizer that loads this (they are pure functions of the step counter).
+        Save between steps (not between the backward passes of an accumulation).
+        """
         sd = super().state_dict()
         sd["kfac"] = {
             "steps": self.steps,
+            "update_freqs": [self.factor_update_freq, self.inv_update_freq],
             "layers": {
                 layer.name: {
                     "dims": [layer.a_dim, layer.g_dim],
@@ -763,6 +866,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 value = entry.get(attr)
                 setattr(layer, attr, value.detach().clone().to(device) if value is not None else None)
         self.steps = int(kfac["steps"])
+        if "update_freqs" in kfac:  # (absent from checkpoints made before schedules existed)
+            self.factor_update_freq, self.inv_update_freq = (int(f) for f in kfac["update_freqs"])
         self._begin_iteration()
 
     # ------------------------------------------------------------ reporting
@@ -792,7 +897,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             f"SPDKFACOptimizer(layers={len(self.layers)}, lr={g['lr']}, momentum={g['momentum']}, "
             f"weight_decay={g['weight_decay']}, damping={g['damping']}, factor_decay={g['factor_decay']}, "
             f"kl_clip={g['kl_clip']}, factor_update_freq={self.factor_update_freq}, "
-            f"inv_update_freq={self.inv_update_freq}, backend={self.backend.name}(rank {self.backend.rank}/"
+            f"inv_update_freq={self.inv_update_freq}, accumulation_steps={self.accumulation_steps}, "
+            f"backend={self.backend.name}(rank {self.backend.rank}/"
             f"{self.backend.size}), fusion={self.fusion!r}, pipelining={self.pipelining}, "
             f"placement={self.placement_strategy!r}, distribute_preconditioning={self.distribute_preconditioning}, perf_model={self.perf_model.source!r})"
         )

@@ -31,6 +31,7 @@ from .comm import DEVICE_CHOICES, CommBackend, get_backend, worker_device
 from .data import ShardedLoader, load_digits, synthetic
 from .host_memory import retain_freed_memory
 from .models import MODELS, get_model
+from .schedules import KFACParamScheduler
 from .variants import make_optimizer
 
 __all__ = ["main", "parse_args"]
@@ -64,6 +65,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "overfits with the ImageNet value: final test loss 0.14 against 0.055)")
     p.add_argument("--factor-update-freq", type=int, default=1)
     p.add_argument("--inv-update-freq", type=int, default=1)
+    p.add_argument("--damping-decay", type=float, default=1.0,
+                   help="multiply the damping by this at each epoch of --damping-decay-epochs (e.g. 0.5)")
+    p.add_argument("--damping-decay-epochs", type=int, nargs="*", default=[], help="epochs where the damping decays")
+    p.add_argument("--freq-scale", type=float, default=1.0,
+                   help="multiply both update frequencies by this at each epoch of --freq-scale-epochs (e.g. 10: "
+                        "update factors and inverses less often once the Fisher is stable)")
+    p.add_argument("--freq-scale-epochs", type=int, nargs="*", default=[], help="epochs where the update frequencies scale")
+    p.add_argument("--accumulation-steps", type=int, default=1,
+                   help="split each per-worker batch into this many micro-batches (gradient accumulation: one step, "
+                        "the memory of one micro-batch)")
     p.add_argument("--perf-model", default=None, help="fitted performance-model JSON (perfmodels/*.json)")
     p.add_argument("--distribute-preconditioning", action="store_true",
                    help="precondition each layer on one worker and broadcast the result (K-FAC optimizers)")
@@ -101,11 +112,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--resume takes no value or 'auto', got {args.resume!r}")
     if args.resume and args.overwrite:
         p.error("--resume and --overwrite contradict each other: continue the run, or replace it")
+    if args.accumulation_steps < 1 or args.batch_size % args.accumulation_steps:
+        p.error(f"--accumulation-steps must be >= 1 and divide --batch-size ({args.batch_size}), got {args.accumulation_steps}")
+    for flag, value in (("--damping-decay", args.damping_decay), ("--freq-scale", args.freq_scale)):
+        if not (math.isfinite(value) and value > 0):
+            p.error(f"{flag} must be a positive number, got {value}")
+    for flag, epochs in (("--damping-decay-epochs", args.damping_decay_epochs), ("--freq-scale-epochs", args.freq_scale_epochs)):
+        if any(e < 0 for e in epochs):
+            p.error(f"{flag} must be non-negative epochs, got {epochs}")
     if args.optimizer == "sgd":
         kfac_only = {
             "--damping": args.damping is not None, "--kl-clip": args.kl_clip is not None,
             "--factor-decay": args.factor_decay != 0.95, "--factor-update-freq": args.factor_update_freq != 1,
             "--inv-update-freq": args.inv_update_freq != 1, "--distribute-preconditioning": args.distribute_preconditioning,
+            "--damping-decay": args.damping_decay != 1.0, "--damping-decay-epochs": bool(args.damping_decay_epochs),
+            "--freq-scale": args.freq_scale != 1.0, "--freq-scale-epochs": bool(args.freq_scale_epochs),
         }
         given = [flag for flag, set_ in kfac_only.items() if set_]
         if given:
@@ -241,15 +262,22 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     optimizer = make_optimizer(
         args.optimizer, model, lr=base_lr, momentum=args.momentum, weight_decay=args.weight_decay, backend=backend,
-        grad_scaler=scaler, **kfac_kwargs
+        grad_scaler=scaler, accumulation_steps=args.accumulation_steps, **kfac_kwargs
     )
+    # The per-epoch damping decay / update-frequency scaling of Pauloski et al. (K-FAC optimizers only).
+    kfac_scheduler = None
+    if args.optimizer != "sgd":
+        kfac_scheduler = KFACParamScheduler(
+            optimizer, damping_alpha=args.damping_decay, damping_schedule=args.damping_decay_epochs,
+            update_freq_alpha=args.freq_scale, update_freq_schedule=args.freq_scale_epochs,
+        )
 
     out_dir = Path(args.out_dir)
     resume = _prepare_run_dir(args, out_dir, is_root)
     position = Position()
     if resume is not None:
         ckpt_path, ckpt = resume
-        position = _restore(ckpt, ckpt_path, args, model, optimizer, scaler, size, is_root)
+        position = _restore(ckpt, ckpt_path, args, model, optimizer, scaler, kfac_scheduler, size, is_root)
         if position.samples and ckpt.get("world_size", size) != size and not isinstance(train_loader, ShardedLoader):
             raise SystemExit(f"error: {ckpt_path} was written mid-epoch by {ckpt['world_size']} workers; directory data "
                              f"resumes mid-epoch only on as many workers (this run has {size})")
@@ -259,8 +287,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
               f"{f' ({args.amp} autocast)' if args.amp else ''}, "
               f"batch {args.batch_size}/worker, lr {base_lr:g}" + (f", rank 0 bound to cores {cores}" if cores else ""))
         if args.optimizer != "sgd":
-            print(f"  {len(optimizer.layers)} preconditioned layers, damping {args.damping:g}, kl_clip {args.kl_clip:g}; "
-                  f"placement: {optimizer.placement_plan!r}")
+            print(f"  {len(optimizer.layers)} preconditioned layers, damping {optimizer.param_groups[0]['damping']:g}, "
+                  f"kl_clip {args.kl_clip:g}, factor/inverse update every {optimizer.factor_update_freq}/"
+                  f"{optimizer.inv_update_freq} steps; placement: {optimizer.placement_plan!r}")
         if resume is not None:
             print(f"  resumed from {resume[0]}: step {position.step}, epoch {position.epoch}, "
                   f"{position.samples} samples of it done", flush=True)
@@ -276,7 +305,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
             save_rotating({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": position.epoch - 1,
                            "position": asdict(position), "partial_metrics": totals, "world_size": size,
                            "rng": torch.get_rng_state(), "args": vars(args),
-                           "grad_scaler": scaler.state_dict() if scaler is not None else None}, out_dir)
+                           "grad_scaler": scaler.state_dict() if scaler is not None else None,
+                           "kfac_scheduler": kfac_scheduler.state_dict() if kfac_scheduler is not None else None}, out_dir)
 
     steps_per_epoch = len(train_loader)
     samples_per_epoch = steps_per_epoch * args.batch_size * size
@@ -299,20 +329,21 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
             t0 = time.perf_counter()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad()
-            with _autocast(device, args.amp):
-                out = model(x)
-                loss = nn.functional.cross_entropy(out, y, label_smoothing=args.label_smoothing)
+            k = args.accumulation_steps
+            for xm, ym in zip(x.chunk(k), y.chunk(k)):  # k equal micro-batches (k divides the batch size)
+                with _autocast(device, args.amp):
+                    out = model(xm)
+                    loss = nn.functional.cross_entropy(out, ym, label_smoothing=args.label_smoothing)
+                (loss / k if scaler is None else scaler.scale(loss / k)).backward()
+                loss_sum += float(loss.detach()) * len(ym)
+                correct += float((out.argmax(1) == ym).sum())
+                count += len(ym)
             if scaler is None:
-                loss.backward()
                 optimizer.step()
             else:
-                scaler.scale(loss).backward()
                 scaler.step(optimizer)
                 scaler.update()
             iter_times.append(time.perf_counter() - t0)
-            loss_sum += float(loss.detach()) * len(y)
-            correct += float((out.argmax(1) == y).sum())
-            count += len(y)
             position.step += 1
             position.samples += args.batch_size * size
             if is_root and not args.quiet and sys.stdout.isatty():
@@ -341,6 +372,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
                   f"iter {row['iter_ms']:.1f} ms  epoch {row['epoch_s']:.1f} s", flush=True)
             with open(log_path, "a", newline="") as fh:
                 csv.writer(fh).writerow([row[f] for f in fields])
+        if kfac_scheduler is not None:  # the next epoch's damping and update frequencies (saved with the checkpoint)
+            before = (optimizer.param_groups[0]["damping"], optimizer.factor_update_freq, optimizer.inv_update_freq)
+            kfac_scheduler.step()
+            after = (optimizer.param_groups[0]["damping"], optimizer.factor_update_freq, optimizer.inv_update_freq)
+            if is_root and after != before and epoch + 1 < args.epochs:
+                print(f"  from epoch {epoch + 1}: damping {after[0]:g}, factor/inverse update every {after[1]}/{after[2]} steps")
         checkpoint([0.0, 0.0, 0.0])
     if is_root:
         print(f"done: log {log_path}, checkpoint {out_dir / LATEST}")
@@ -398,7 +435,8 @@ def _prepare_run_dir(args: argparse.Namespace, out_dir: Path, is_root: bool) -> 
 
 
 def _restore(ckpt: Dict, path: Path, args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
-             scaler: Optional[torch.amp.GradScaler], size: int, is_root: bool) -> Position:
+             scaler: Optional[torch.amp.GradScaler], kfac_scheduler: Optional[KFACParamScheduler], size: int,
+             is_root: bool) -> Position:
     """Load a checkpoint into the run after checking it was made by the same training (the reason if not)."""
     changed = changed_arguments(ckpt["args"], vars(args), RUNTIME_ARGS)
     if changed:
@@ -415,6 +453,8 @@ def _restore(ckpt: Dict, path: Path, args: argparse.Namespace, model: nn.Module,
         raise SystemExit(f"error: cannot resume from {path}: {exc}") from None
     if scaler is not None and ckpt.get("grad_scaler"):
         scaler.load_state_dict(ckpt["grad_scaler"])
+    if kfac_scheduler is not None and ckpt.get("kfac_scheduler"):
+        kfac_scheduler.load_state_dict(ckpt["kfac_scheduler"])
     if ckpt.get("rng") is not None:
         torch.set_rng_state(ckpt["rng"])
     saved = ckpt.get("position") or {"epoch": int(ckpt["epoch"]) + 1, "samples": 0, "step": 0}

@@ -1,9 +1,10 @@
 """Every distributed variant gives the parameters of the plain single-process computation.
 
 Real processes: ``torchrun`` (gloo) and ``horovodrun --gloo``, 2 and 3 workers.
-Each worker trains on its shard (local batch b); the reference is one process
-with the whole batch (P*b) and no communication. Runs in float64 so that the
-tolerance can be tight enough to catch any real difference.
+Each worker trains on its shard (local batch b, or k micro-batches of b/k with
+gradient accumulation); the reference is one process with the whole batch (P*b),
+no accumulation and no communication. Runs in float64 so that the tolerance can
+be tight enough to catch any real difference.
 """
 from __future__ import annotations
 
@@ -56,6 +57,20 @@ FREQ_CONFIGS = {
     # Gradient clipping between backward and step, after synchronize(): clips the averaged gradient.
     "clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05),
 }
+# Step schedules (named in the worker: callables of the step) and gradient accumulation (k micro-batches per worker and
+# step, one round of communication per step) against the full batch in one process.
+SCHEDULE_CONFIGS = {
+    "schedule-decay": dict(BASE, fusion="optimal", placement="lbp", perf_model="expensive-inverse", schedule="decay"),
+    "accum-2": dict(BASE, fusion="optimal", placement="lbp", accumulation_steps=2),
+    "accum-4-bigalpha": dict(BASE, fusion="optimal", placement="local", perf_model="big-alpha", accumulation_steps=4),
+    "accum-2-no-pipelining": dict(BASE, fusion="threshold", pipelining=False, placement="seq", accumulation_steps=2),
+    "accum-2-freq-2-4": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="optimal", placement="lbp",
+                             perf_model="expensive-inverse", accumulation_steps=2),
+    "accum-2-dp-schedule": dict(BASE, placement="lbp", distribute_preconditioning=True, schedule="decay", accumulation_steps=2),
+    "accum-2-grad-scaler-skip": dict(BASE, fusion="optimal", placement="lbp", amp={"init_scale": 2.0**10, "nan_step": 2},
+                                     accumulation_steps=2),
+    "accum-2-clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05, accumulation_steps=2),
+}
 
 
 def _reference(global_batch: int, configs: dict, tmp_path) -> dict:
@@ -64,7 +79,7 @@ def _reference(global_batch: int, configs: dict, tmp_path) -> dict:
 
     subprocess.run(
         [sys.executable, WORKER, "--backend", "single", "--configs", json.dumps(configs), "--global-batch", str(global_batch),
-         "--steps", str(STEPS), "--out", str(out)],
+         "--steps", str(STEPS), "--out", str(out), "--no-accumulation"],
         check=True, cwd=ROOT, capture_output=True,
     )
     return torch.load(out)
@@ -105,6 +120,21 @@ def test_fusion_policies_match_single_process(engine, tmp_path):
     assert dist["freq-1-3-no-overlap"]["overlapped_steps"] == 0 and dist["timeline"]["overlapped_steps"] == 0
     assert dist["grad-scaler-skip"]["steps"] == ref["grad-scaler-skip"]["steps"] == STEPS - 1
     _assert_timeline_consistent(dist["timeline"]["timeline"], n_layers=4)
+
+
+@pytest.mark.parametrize("engine", ["torch", "horovod"])
+def test_schedules_and_accumulation_match_single_process(engine, tmp_path):
+    ref = _reference(8, SCHEDULE_CONFIGS, tmp_path)
+    dist = _distributed(engine, 2, 8, SCHEDULE_CONFIGS, tmp_path)
+    _assert_same(dist, ref)
+    # The schedule was in force on every rank: the last step's values (step 5: damping 0.02 / 4, freqs 2 and 4).
+    assert dist["schedule-decay"]["damping"] == ref["schedule-decay"]["damping"] == 0.02 * 0.5**2
+    assert dist["schedule-decay"]["update_freqs"] == [2, 4]
+    # Inverse steps 0, 2, 4 and factor steps 0, 1, 2, 4 as scheduled: steps 1, 3, 5 overlap, step 1 also its factors.
+    assert (dist["schedule-decay"]["overlapped_steps"], dist["schedule-decay"]["overlapped_factor_steps"]) == (3, 1)
+    assert (dist["accum-2-freq-2-4"]["overlapped_steps"], dist["accum-2-freq-2-4"]["overlapped_factor_steps"]) == (4, 1)
+    assert dist["accum-2-grad-scaler-skip"]["steps"] == ref["accum-2-grad-scaler-skip"]["steps"] == STEPS - 1
+    assert len(dist["accum-4-bigalpha"]["fusion_plan"]["A"]) == 1  # profiled and planned with accumulation
 
 
 def _assert_timeline_consistent(iterations: list, n_layers: int) -> None:

@@ -46,6 +46,19 @@ def perf_model(name: str) -> PerfModel:
     raise ValueError(name)
 
 
+#: Named step schedules (JSON configs cannot hold callables): option -> f(step), the same on every rank.
+SCHEDULES = {
+    # Damping halves every 2 steps, the KL clip tightens at step 3, and from step 3 on the factors are updated
+    # every 2 steps and the inverses every 4: factor steps 0, 1, 2, 4; inverse steps 0, 2, 4.
+    "decay": dict(
+        damping=lambda s: 0.02 * 0.5 ** (s // 2),
+        kl_clip=lambda s: 0.01 if s < 3 else 0.005,
+        factor_update_freq=lambda s: 1 if s < 3 else 2,
+        inv_update_freq=lambda s: 2 if s < 3 else 4,
+    ),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="auto")
@@ -54,6 +67,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="float64", choices=["float32", "float64"])
+    ap.add_argument("--no-accumulation", action="store_true",
+                    help="ignore accumulation_steps: the full-batch reference of an accumulated run")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.set_default_dtype(getattr(torch, args.dtype))
@@ -76,11 +91,19 @@ def main() -> None:
             last[-1] = True  # on the last rank only: the others see NaN only through the averaged gradients
             poisoned = {amp["nan_step"]: last[rank * local : (rank + 1) * local]}
         clip = cfg.pop("clip_grad_norm", None)
+        cfg.update(SCHEDULES[cfg.pop("schedule")] if "schedule" in cfg else {})
+        if args.no_accumulation:
+            cfg.pop("accumulation_steps", None)
+        accumulate = cfg.get("accumulation_steps", 1)
+        if local % accumulate:
+            raise SystemExit(f"local batch {local} not divisible into {accumulate} micro-batches")
         model = small_net()
         opt = SPDKFACOptimizer(model, backend=backend, perf_model=pm, **cfg)
-        train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned, clip=clip)
+        train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned, clip=clip, accumulate=accumulate)
         results[name] = {
             "steps": opt.steps,
+            "damping": opt.param_groups[0]["damping"],
+            "update_freqs": [opt.factor_update_freq, opt.inv_update_freq],
             "fusion_plans_made": opt.fusion_plans_made,
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "fusion_plan": opt.fusion_plan(),
