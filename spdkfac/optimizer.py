@@ -36,27 +36,15 @@ from .fusion import FUSION_POLICIES, TensorFusionController, plan_groups
 from .layers import FACTOR_KINDS, KFACLayer, factor_list, kfac_layers
 from .inversion import compute_inverses
 from .linalg import all_finite, invert_spd, triangle_size
+from .nonfinite import NonFiniteError, NonFiniteFactorError, NonFiniteGuard, SkipStep, non_finite
 from .perfmodels import PerfModel, load_perf_model
 from .placement import PLACEMENTS, PlacementPlan, balance_by_cost, place, preconditioning_cost
 from .schedules import Scheduled, StepSchedule
 from .timeline import FactorEvent, IterationRecord, Timeline
 
-__all__ = ["SPDKFACOptimizer", "NonFiniteFactorError"]
+__all__ = ["SPDKFACOptimizer", "NonFiniteError", "NonFiniteFactorError"]
 
 FactorKey = Tuple[str, str]
-
-
-class NonFiniteFactorError(FloatingPointError):
-    """A Kronecker factor contained NaN or Inf; running averages were left untouched."""
-
-    def __init__(self, layers: List[FactorKey], step: int) -> None:
-        self.layers = layers
-        names = ", ".join(f"{kind} of {name!r}" for kind, name in layers)
-        super().__init__(
-            f"non-finite Kronecker factor(s) at step {step}: {names}. The running averages were not "
-            "updated and no parameter was changed. Check the inputs/loss of that step (or lower the "
-            "learning rate)."
-        )
 
 
 def _check_number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True) -> float:
@@ -170,6 +158,16 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             accumulation of its parameter. A ``step()`` (or
             :meth:`synchronize`) after another number of backward passes, or a
             (k+1)-th backward pass, raises.
+        skip_nonfinite: how many consecutive steps meeting NaN or Inf (in the
+            averaged gradients, the averaged factors or the preconditioned
+            gradients) are skipped, with a warning, before a
+            :class:`NonFiniteError` is raised (0: raise at the first). A
+            skipped or refused step changes no parameter, momentum buffer or
+            factor and does not count as a step; every worker decides the same
+            at the same step, because the values checked are identical on all.
+            To skip a batch yourself after the forward pass, decide on every
+            worker at once: ``if not optimizer.finite_everywhere(loss):
+            continue`` (one tiny all-reduce).
     """
 
     def __init__(
@@ -197,6 +195,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         precondition: bool = True,
         grad_scaler: Optional[Any] = None,
         accumulation_steps: int = 1,
+        skip_nonfinite: int = 0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -253,6 +252,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.fusion_plan_changes = 0  # re-profiles that changed the plan
         self.grad_scaler = grad_scaler
         self.accumulation_steps = accumulation_steps
+        self.nonfinite = NonFiniteGuard(skip_nonfinite)
         self.steps = 0
 
         self.precondition = precondition
@@ -345,7 +345,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     def _profiling(self) -> bool:
         return not self._planned
 
-    def _begin_iteration(self) -> None:
+    def _begin_iteration(self, abandon: bool = False) -> None:
         self._record = self.timeline.begin(self.steps) if self.timeline is not None else None
         self._ready = {"A": [], "G": []}
         self._pass_t0 = {"A": None, "G": None}
@@ -359,7 +359,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._step_kind: Optional[Tuple[bool, bool]] = None  # (factor step, inverse step), fixed when first needed
         self._micro_factors: Dict[FactorKey, Tuple[int, Optional[torch.Tensor]]] = {}  # accumulated micro-batches: (count, sum)
         self._grad_counts: Dict[torch.Tensor, int] = {}  # backward passes that reached each parameter
-        self.controller.begin_iteration(self._record)
+        self.controller.begin_iteration(self._record, abandon=abandon)
 
     # ---------------------------------------------------------------------- hooks
     def _collecting(self, module: nn.Module) -> bool:
@@ -376,7 +376,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 f"factor {kind} of layer {layer.name!r} was computed {times} in one step, but accumulation_steps is "
                 f"{self.accumulation_steps}: call step() after every {self.accumulation_steps} forward/backward pass(es), "
-                "and run each preconditioned layer once per pass (no weight sharing)"
+                "and run each preconditioned layer once per pass (no weight sharing); to skip a batch after its "
+                "forward pass, decide with optimizer.finite_everywhere(loss), which drops its factors on every worker"
             )
         if count + 1 < self.accumulation_steps:  # an early micro-batch: sum locally, communicate nothing
             factor = compute()
@@ -407,6 +408,29 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.controller.submit(key, factor)
         else:
             self._stash.append((key, factor))
+
+    def finite_everywhere(self, value: torch.Tensor) -> bool:
+        """True when ``value`` (e.g. the loss) is finite on every worker: one tiny all-reduce.
+
+        The way to skip a bad batch after the forward pass: every worker must
+        take the same decision, or their collectives no longer match.
+        When it returns False, the factors this iteration's forward pass has
+        sent or kept are dropped on every worker (their all-reduces waited
+        for, so the collectives stay matched), and the next forward pass
+        starts a fresh iteration. In the middle of an accumulated step (after
+        a backward pass) the whole step is dropped, as ``zero_grad()`` would.
+        """
+        flag = torch.tensor([1.0 if all_finite(value.detach()) else 0.0], dtype=torch.float64, device=value.device)
+        if self.backend.size > 1:
+            self.backend.allreduce_async(flag, "spdkfac.finite_everywhere").wait()
+        finite = bool(flag.item() == 1.0)
+        if not finite:
+            accumulated = self._backward_seen  # earlier micro-batches of this step (their gradients are only local)
+            self.controller.discard()
+            self._begin_iteration()
+            if accumulated:
+                super().zero_grad(set_to_none=True)
+        return finite
 
     def _make_a_hook(self, layer: KFACLayer) -> Callable:
         def hook(module: nn.Module, inputs: Tuple[Any, ...]) -> None:
@@ -496,12 +520,21 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                     self._update_inverses()
                 if self.precondition:
                     self._precondition()
+            self._check_finite_update()
             self._sgd_update()
             self.steps += 1
+            self.nonfinite.good_step()
             if self.timeline is not None and self._record is not None:
                 self.timeline.end()
-        finally:
+        except SkipStep:  # every worker skips this step (the values checked are identical everywhere)
             self._begin_iteration()
+            return loss
+        except BaseException:
+            # The first error is the one to see (after a peer died, the engine's): drop this iteration's
+            # state without the checks that would raise again over collectives that can never complete.
+            self._begin_iteration(abandon=True)
+            raise
+        self._begin_iteration()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -598,7 +631,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"no factor was computed for {missing} in this step; every preconditioned layer must run")
         bad = [key for key, mat in factors.items() if not all_finite(mat)]
         if bad:
-            raise NonFiniteFactorError(sorted(bad), self.steps)
+            self.nonfinite.bad_step(NonFiniteFactorError(sorted(bad), self.steps))
         decay = self.param_groups[0]["factor_decay"]
         for (kind, name), mat in factors.items():
             self._layer_by_name[name].update_factor(kind, mat, decay)
@@ -794,6 +827,18 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 grads[i] = self._layer_grad(layer, wait_for_grads)
         # every index belongs to exactly one rank's buffer and every gradient is now read
         return cast(List[torch.Tensor], grads), cast(List[torch.Tensor], updates)
+
+    def _check_finite_update(self) -> None:
+        """Skip (or refuse) a step whose averaged or preconditioned gradients hold NaN/Inf: never NaN parameters."""
+        bad = non_finite((self._param_names.get(p, "?"), p.grad) for group in self.param_groups for p in group["params"])
+        if not bad:
+            return
+        inverses = [f"{kind} of {layer.name!r}" for layer in self.layers for kind in ("A_inv", "G_inv")
+                    if getattr(layer, kind) is not None and not all_finite(getattr(layer, kind))]
+        cause = f"; the inverses {inverses} are non-finite (a damaged checkpoint?)" if inverses else ""
+        self.nonfinite.bad_step(NonFiniteError(
+            f"non-finite gradient(s) at step {self.steps} for {bad[:8]}{' ...' if len(bad) > 8 else ''}{cause}. "
+            "No parameter was changed. Check the inputs/loss of that step (or lower the learning rate)."))
 
     def _sgd_update(self) -> None:
         for group in self.param_groups:

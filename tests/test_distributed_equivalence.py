@@ -54,6 +54,12 @@ FREQ_CONFIGS = {
                              amp={"init_scale": 2.0**10, "nan_step": 2}),
     # Re-profiling every 2 factor steps: the plan is remade (and may change) mid-run on every worker at once.
     "replan": dict(BASE, fusion="optimal", placement="lbp", profile_steps=1, replan_interval=2),
+    # A NaN on one worker only, on a step that keeps the factors (3) and on one that updates them (2): every
+    # worker skips that step (skip_nonfinite), nothing changes, training goes on.
+    "nan-skip-gradient": dict(BASE, factor_update_freq=2, inv_update_freq=4, skip_nonfinite=1, nan_steps=[3]),
+    "nan-skip-factor": dict(BASE, factor_update_freq=2, inv_update_freq=4, skip_nonfinite=1, nan_steps=[2]),
+    # The skip-a-bad-batch idiom after the forward pass, decided on every worker at once (finite_everywhere).
+    "skip-bad-batch": dict(BASE, skip_bad_loss=True, nan_steps=[2]),
     # Gradient clipping between backward and step, after synchronize(): clips the averaged gradient.
     "clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05),
 }
@@ -119,6 +125,8 @@ def test_fusion_policies_match_single_process(engine, tmp_path):
     assert dist["freq-2-4"]["overlapped_factor_steps"] == 1 == dist["freq-2-4-no-pipelining"]["overlapped_factor_steps"]
     assert dist["freq-1-3-no-overlap"]["overlapped_steps"] == 0 and dist["timeline"]["overlapped_steps"] == 0
     assert dist["grad-scaler-skip"]["steps"] == ref["grad-scaler-skip"]["steps"] == STEPS - 1
+    for name in ("nan-skip-gradient", "nan-skip-factor", "skip-bad-batch"):
+        assert dist[name]["steps"] == ref[name]["steps"] == STEPS - 1, name
     _assert_timeline_consistent(dist["timeline"]["timeline"], n_layers=4)
 
 

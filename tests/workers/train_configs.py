@@ -90,6 +90,12 @@ def main() -> None:
             last = torch.zeros(args.global_batch, dtype=torch.bool)
             last[-1] = True  # on the last rank only: the others see NaN only through the averaged gradients
             poisoned = {amp["nan_step"]: last[rank * local : (rank + 1) * local]}
+        nan_steps = cfg.pop("nan_steps", None)  # NaN in the last sample (on the last rank only) at these steps, no scaler
+        if nan_steps is not None:
+            last = torch.zeros(args.global_batch, dtype=torch.bool)
+            last[-1] = True
+            poisoned = {step: last[rank * local : (rank + 1) * local] for step in nan_steps}
+        skip_bad_loss = cfg.pop("skip_bad_loss", False)
         clip = cfg.pop("clip_grad_norm", None)
         cfg.update(SCHEDULES[cfg.pop("schedule")] if "schedule" in cfg else {})
         if args.no_accumulation:
@@ -99,7 +105,8 @@ def main() -> None:
             raise SystemExit(f"local batch {local} not divisible into {accumulate} micro-batches")
         model = small_net()
         opt = SPDKFACOptimizer(model, backend=backend, perf_model=pm, **cfg)
-        train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned, clip=clip, accumulate=accumulate)
+        train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned, clip=clip, accumulate=accumulate,
+              skip_bad_loss=skip_bad_loss)
         results[name] = {
             "steps": opt.steps,
             "damping": opt.param_groups[0]["damping"],
