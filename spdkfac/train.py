@@ -396,7 +396,7 @@ class Position:
 
 #: Arguments that may change between a run and its resumption without changing what is trained.
 RUNTIME_ARGS = ("resume", "overwrite", "allow_changed_args", "stop_after", "quiet", "threads", "bind_cores", "workers",
-                "out_dir", "device", "checkpoint_every")
+                "out_dir", "device", "checkpoint_every", "backend", "perf_model")
 
 
 def _prepare_run_dir(args: argparse.Namespace, out_dir: Path, is_root: bool) -> Optional[Tuple[Path, Dict]]:

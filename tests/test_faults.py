@@ -25,7 +25,7 @@ import psutil
 import pytest
 import torch
 
-from launch import ROOT, launcher_command, require_horovod, run_workers
+from launch import ROOT, free_port, launcher_command, require_horovod, run_workers
 from spdkfac.checkpoint import LATEST, PREVIOUS
 
 LOST = str(ROOT / "tests" / "workers" / "lost_worker.py")
@@ -108,8 +108,9 @@ def test_torchrun_restarts_after_a_lost_worker_and_ends_like_an_uninterrupted_ru
     run_workers("torch", 2, TRAIN + ["--out-dir", str(ref)])
 
     out = tmp_path / "elastic"
-    cmd = launcher_command("torch", 2, TRAIN + ["--out-dir", str(out)])
-    cmd.insert(cmd.index("--nproc_per_node"), "--max-restarts=1")
+    # Elastic restarts need a rendezvous that starts each round afresh (c10d), not the static one of --master_port.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *TRAIN, "--out-dir", str(out)]
     log = open(tmp_path / "elastic.log", "w+")
     torchrun = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     killed = _kill_rank_once(torchrun, out, time.monotonic() + 240)
