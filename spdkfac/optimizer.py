@@ -15,10 +15,10 @@ Per step, on every worker:
    hooks start the gradient all-reduces (as Horovod's DistributedOptimizer);
 3. ``step()``: wait for gradients and factors, fold the averaged factors into
    running averages, invert them per the placement plan (owners broadcast the
-   upper triangle of their inverses while inverting the next one), precondition
-   ``grad <- (G+γI)^-1 grad (A+γI)^-1`` (with ``compute_method='eigen'``:
-   eigendecompose them instead, owners broadcasting ``Q`` and the eigenvalues,
-   and precondition with ``(A ⊗ G + γI)^-1``) (every layer on every worker, or with
+   upper triangle of their inverses while inverting the next one; with
+   ``compute_method='eigen'`` they eigendecompose and broadcast ``Q`` and the
+   eigenvalues), precondition ``grad <- (G+γI)^-1 grad (A+γI)^-1`` (eigen:
+   ``(A ⊗ G + γI)^-1 vec(grad)``) (every layer on every worker, or with
    ``distribute_preconditioning`` each layer on one worker, results broadcast),
    scale by the KL-clip factor, and apply momentum SGD with weight decay to
    every parameter.
