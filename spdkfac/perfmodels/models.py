@@ -171,7 +171,7 @@ class PerfModel:
     fit_quality: Dict[str, Any] = field(default_factory=dict)
     source: str = "object"
     eigen: Optional[InverseModel] = None
-    _eigen_estimate_warned: bool = field(default=False, repr=False, compare=False)
+    _eigen_estimate_warned: bool = field(default=False, init=False, repr=False, compare=False)
 
     def decomposition(self, method: str) -> Callable[[float], float]:
         """Seconds to turn a ``d x d`` factor into what ``method`` preconditions with.
