@@ -131,7 +131,7 @@ def test_file_without_eigen_curve_loads_and_eigen_estimates_from_inverse_with_on
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model.decomposition("inverse")
-    with pytest.warns(UserWarning, match="has no eigendecomposition model: estimating it as 5x the inversion model"):
+    with pytest.warns(UserWarning, match=f"has no eigendecomposition model: estimating it as {EIGEN_OVER_INVERSE:g}x the inversion model"):
         estimate = model.decomposition("eigen")
     assert estimate(1024) == pytest.approx(EIGEN_OVER_INVERSE * model.inverse(1024))
     with warnings.catch_warnings():
