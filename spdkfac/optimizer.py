@@ -15,8 +15,10 @@ Per step, on every worker:
    hooks start the gradient all-reduces (as Horovod's DistributedOptimizer);
 3. ``step()``: wait for gradients and factors, fold the averaged factors into
    running averages, invert them per the placement plan (owners broadcast the
-   upper triangle of their inverses while inverting the next one), precondition
-   ``grad <- (G+γI)^-1 grad (A+γI)^-1`` (every layer on every worker, or with
+   upper triangle of their inverses while inverting the next one; with
+   ``compute_method='eigen'`` they eigendecompose and broadcast ``Q`` and the
+   eigenvalues), precondition ``grad <- (G+γI)^-1 grad (A+γI)^-1`` (eigen:
+   ``(A ⊗ G + γI)^-1 vec(grad)``) (every layer on every worker, or with
    ``distribute_preconditioning`` each layer on one worker, results broadcast),
    scale by the KL-clip factor, and apply momentum SGD with weight decay to
    every parameter.
@@ -34,7 +36,8 @@ import torch.nn as nn
 from .comm import CommBackend, Handle, get_backend
 from .fusion import FUSION_POLICIES, TensorFusionController, plan_groups
 from .layers import FACTOR_KINDS, KFACLayer, factor_list, kfac_layers
-from .inversion import compute_inverses
+from .decomposition import Eigen, check_method, eigen_payload, stage_costs, unpack_eigen
+from .inversion import compute_eigen, compute_inverses
 from .linalg import all_finite, invert_spd, triangle_size
 from .nonfinite import NonFiniteError, NonFiniteFactorError, NonFiniteGuard, SkipStep, non_finite
 from .perfmodels import PerfModel, load_perf_model
@@ -83,7 +86,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         momentum: SGD momentum.
         weight_decay: L2 penalty added to the (preconditioned) gradient.
         damping: Tikhonov damping γ: inverses are ``(F + γI)^-1`` (a new value
-            takes effect at the next inverse update).
+            takes effect at the next inverse update; with
+            ``compute_method='eigen'``, γ is added to the eigenvalues of
+            ``A ⊗ G`` when preconditioning, so a new value takes effect at once).
         factor_decay: running-average weight of the old factor.
         kl_clip: KL-clip bound on the preconditioned update (None disables).
         factor_update_freq: update factors at the steps where
@@ -108,6 +113,12 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             (True) or all at once after the backward pass (False, as D-KFAC).
         placement: inversion placement: ``'lbp'`` (Algorithm 1), ``'seq'``
             (MPD-KFAC) or ``'local'`` (D-KFAC).
+        compute_method: ``'inverse'`` (the paper's damped inverses
+            ``(G+γI)^-1 grad (A+γI)^-1``) or ``'eigen'`` (KAISA's
+            eigendecompositions, ``(A ⊗ G + γI)^-1 vec(grad)``: a closer
+            approximation of the damped Fisher, a slower decomposition and a
+            broadcast of ``d*d + d`` instead of ``d(d+1)/2`` elements; the
+            placement is costed with the performance model's ``eigen`` curve).
         distribute_preconditioning: each layer's gradient is preconditioned
             by one worker (layers balanced by their matmul cost) and the
             results are broadcast, one fused buffer per worker, instead of
@@ -185,6 +196,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         fusion: str = "optimal",
         pipelining: bool = True,
         placement: str = "lbp",
+        compute_method: str = "inverse",
         distribute_preconditioning: bool = False,
         overlap_preconditioning: bool = True,
         perf_model: Union[None, str, PerfModel] = None,
@@ -216,6 +228,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             raise ValueError(f"fusion must be one of {FUSION_POLICIES}, got {fusion!r}")
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        check_method(compute_method)
         if not isinstance(pipelining, bool):
             raise TypeError(f"pipelining must be a bool, got {type(pipelining).__name__}")
         if not isinstance(distribute_preconditioning, bool):
@@ -256,7 +269,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.steps = 0
 
         self.precondition = precondition
-        self.layers: List[KFACLayer] = kfac_layers(model) if precondition else []
+        self.compute_method = compute_method
+        self.layers: List[KFACLayer] = kfac_layers(model, compute_method) if precondition else []
         if precondition and not self.layers:
             raise ValueError(
                 "model has no layer SPDKFACOptimizer can precondition (nn.Linear or nn.Conv2d with groups=1 "
@@ -280,11 +294,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._stash: List[Tuple[FactorKey, torch.Tensor]] = []
 
         self.placement_plan: PlacementPlan = place(
-            placement,
-            factor_list(self.layers),
-            self.backend.size,
-            self.perf_model.inverse,
-            self.perf_model.broadcast,
+            placement, factor_list(self.layers), self.backend.size, *stage_costs(self.perf_model, compute_method)
         )
         # Layer name -> the rank that preconditions it (empty: every rank preconditions every layer).
         self.distribute_preconditioning = distribute_preconditioning
@@ -606,7 +616,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             return False
         if self._grads_synchronized or self._is_inverse_step():
             return False
-        if any(layer.A_inv is None or layer.G_inv is None for layer in self.layers):
+        if any(not layer.decomposed for layer in self.layers):
             return False  # the plain path raises the error
         return True
 
@@ -725,10 +735,31 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 f"instead. ({exc})"
             ) from exc
 
+    def _eigen(self, layer: KFACLayer, kind: str, factor: torch.Tensor) -> torch.Tensor:
+        try:
+            return eigen_payload(factor)
+        except torch.linalg.LinAlgError as exc:  # eigh did not converge (the factors were checked finite)
+            raise torch.linalg.LinAlgError(
+                f"the eigendecomposition of factor {kind} of layer {layer.name!r} (dimension {factor.shape[0]}) failed "
+                f"at step {self.steps}; compute_method='inverse' does not need one. ({exc})"
+            ) from exc
+
     def _update_inverses(self) -> None:
+        """The decomposition stage: inverses or eigendecompositions, per ``compute_method``."""
         damping = self.param_groups[0]["damping"]
         # Packed: each factor is unpacked only where it is inverted.
         factors = {(kind, layer.name): layer.packed_factor(kind) for layer in self.layers for kind in FACTOR_KINDS}
+        if self.compute_method == "eigen":
+            eigens = compute_eigen(
+                self.placement_plan,
+                factors,
+                self.backend,
+                record=self._record,
+                decompose=lambda key, matrix: self._eigen(self._layer_by_name[key[1]], key[0], matrix),
+            )
+            for (kind, name), eigen in eigens.items():
+                self._layer_by_name[name].set_eigen(kind, eigen)
+            return
         inverses = compute_inverses(
             self.placement_plan,
             factors,
@@ -766,7 +797,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             updates = [cast(torch.Tensor, None)] * len(layers)
             for i in reversed(range(len(layers))) if wait_for_grads else range(len(layers)):
                 grads[i] = self._layer_grad(layers[i], wait_for_grads)
-                updates[i] = layers[i].precondition(grads[i])
+                updates[i] = layers[i].precondition(grads[i], group["damping"])
         scale = 1.0
         if group["kl_clip"] is not None:
             # The reference's KL clip: ν = min(1, sqrt(kl_clip / |Σ lr² v·grad|)) over every preconditioned layer.
@@ -787,9 +818,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         before this rank's own work, so it completes while this rank
         computes). Returns every layer's averaged gradient and update.
         """
-        missing = [layer.name for layer in layers if layer.A_inv is None or layer.G_inv is None]
+        missing = [layer.name for layer in layers if not layer.decomposed]
         if missing:  # checked on every rank before any broadcast, so no rank is left waiting
-            raise RuntimeError(f"layers {missing} have no inverses yet; factors were never updated")
+            raise RuntimeError(f"layers {missing} have no {self.compute_method} decompositions yet; factors were never updated")
+        damping = self.param_groups[0]["damping"]
         owned: List[List[int]] = [[] for _ in range(self.backend.size)]
         for i, layer in enumerate(layers):
             owned[self.precondition_owner[layer.name]].append(i)
@@ -798,14 +830,14 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         for rank, indices in enumerate(owned):
             if not indices:
                 continue
-            dtype = layers[indices[0]].G_inv.dtype
+            dtype = layers[indices[0]].update_dtype
             for i in indices[1:]:
-                dtype = torch.promote_types(dtype, layers[i].G_inv.dtype)
+                dtype = torch.promote_types(dtype, layers[i].update_dtype)
             if rank == self.backend.rank:
                 results: Dict[int, torch.Tensor] = {}
                 for i in reversed(indices) if wait_for_grads else indices:
                     grads[i] = grad = self._layer_grad(layers[i], wait_for_grads)
-                    results[i] = layers[i].precondition(grad).reshape(-1).to(dtype)
+                    results[i] = layers[i].precondition(grad, damping).reshape(-1).to(dtype)
                 buffer = torch.cat([results[i] for i in indices])
             else:
                 numel = sum(layers[i].g_dim * layers[i].a_dim for i in indices)
@@ -861,7 +893,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     # --------------------------------------------------------------- state
     def state_dict(self) -> Dict[str, Any]:
-        """Optimizer state plus K-FAC state (step counter, factors, inverses, update frequencies) for exact resume.
+        """Optimizer state plus K-FAC state (step counter, method, factors, decompositions, update frequencies).
 
         The damping and KL clip in force are in ``param_groups``. Callable
         schedules cannot be saved: pass the same ones to the constructor of the
@@ -872,6 +904,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         sd["kfac"] = {
             "steps": self.steps,
             "update_freqs": [self.factor_update_freq, self.inv_update_freq],
+            "compute_method": self.compute_method,
             "layers": {
                 layer.name: {
                     "dims": [layer.a_dim, layer.g_dim],
@@ -879,6 +912,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                     "G": layer.G,
                     "A_inv": layer.A_inv,
                     "G_inv": layer.G_inv,
+                    **{f"{kind}_eigen": None if e is None else {"Q": e.Q, "d": e.d}
+                       for kind, e in (("A", layer.A_eigen), ("G", layer.G_eigen))},
                 }
                 for layer in self.layers
             },
@@ -890,6 +925,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or "kfac" not in state_dict:
             raise ValueError("not an SPDKFACOptimizer checkpoint: the 'kfac' entry is missing")
         kfac = state_dict["kfac"]
+        method = kfac.get("compute_method", "inverse")  # checkpoints from before the eigen method hold inverses
+        if method != self.compute_method:
+            raise ValueError(
+                f"checkpoint was saved with compute_method={method!r} but this optimizer uses "
+                f"compute_method={self.compute_method!r}: its {'inverses' if method == 'inverse' else 'eigendecompositions'} "
+                f"cannot precondition here; construct the optimizer with compute_method={method!r} to resume it"
+            )
         saved = kfac.get("layers", {})
         mine = {layer.name: [layer.a_dim, layer.g_dim] for layer in self.layers}
         theirs = {name: list(entry.get("dims", [])) for name, entry in saved.items()}
@@ -910,6 +952,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             for attr in ("A", "G", "A_inv", "G_inv"):
                 value = entry.get(attr)
                 setattr(layer, attr, value.detach().clone().to(device) if value is not None else None)
+            for kind in FACTOR_KINDS:
+                eig = entry.get(f"{kind}_eigen")
+                if eig is not None:  # one fresh [Q, d] buffer: the layout the decomposition stage leaves
+                    buffer = torch.cat([eig["Q"].reshape(-1), eig["d"]]).detach().to(device)
+                    layer.set_eigen(kind, unpack_eigen(buffer, layer.dim(kind)))
         self.steps = int(kfac["steps"])
         if "update_freqs" in kfac:  # (absent from checkpoints made before schedules existed)
             self.factor_update_freq, self.inv_update_freq = (int(f) for f in kfac["update_freqs"])
@@ -917,13 +964,15 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ reporting
     def memory_usage(self) -> Dict[str, int]:
-        """Bytes held by factors (packed running averages) and inverses, per kind."""
-        out = {"A": 0, "G": 0, "A_inv": 0, "G_inv": 0}
+        """Bytes held by factors (packed running averages) and inverses (or eigendecompositions), per kind."""
+        held = ("A_inv", "G_inv") if self.compute_method == "inverse" else ("A_eigen", "G_eigen")
+        out = dict.fromkeys(FACTOR_KINDS + held, 0)
         for layer in self.layers:
             for attr in out:
-                t = layer.packed_factor(attr) if attr in FACTOR_KINDS else getattr(layer, attr)
-                if t is not None:
-                    out[attr] += t.numel() * t.element_size()
+                value = layer.packed_factor(attr) if attr in FACTOR_KINDS else getattr(layer, attr)
+                for t in (value.Q, value.d) if isinstance(value, Eigen) else (value,):
+                    if t is not None:
+                        out[attr] += t.numel() * t.element_size()
         return out
 
     def fusion_plan(self) -> Dict[str, Optional[List[List[FactorKey]]]]:
@@ -945,5 +994,5 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             f"inv_update_freq={self.inv_update_freq}, accumulation_steps={self.accumulation_steps}, "
             f"backend={self.backend.name}(rank {self.backend.rank}/"
             f"{self.backend.size}), fusion={self.fusion!r}, pipelining={self.pipelining}, "
-            f"placement={self.placement_strategy!r}, distribute_preconditioning={self.distribute_preconditioning}, perf_model={self.perf_model.source!r})"
+            f"placement={self.placement_strategy!r}, compute_method={self.compute_method!r}, distribute_preconditioning={self.distribute_preconditioning}, perf_model={self.perf_model.source!r})"
         )

@@ -38,6 +38,14 @@ PLACEMENT_CONFIGS = {
 PLACEMENT_CONFIGS["dp-lbp"] = dict(BASE, placement="lbp", perf_model="expensive-inverse", distribute_preconditioning=True)
 PLACEMENT_CONFIGS["dp-local-noclip-freq"] = dict(BASE, placement="local", kl_clip=None, factor_update_freq=2,
                                                  inv_update_freq=4, distribute_preconditioning=True)
+# compute_method='eigen': eigendecompositions owned and broadcast as [Q, d] or computed everywhere, the placement
+# costed with the eigen curve ("expensive-eigen" makes the inverse curve free, so only the eigen curve owns factors).
+PLACEMENT_CONFIGS["eigen-lbp"] = dict(BASE, placement="lbp", perf_model="expensive-eigen", compute_method="eigen")
+PLACEMENT_CONFIGS["eigen-seq-dp"] = dict(BASE, placement="seq", compute_method="eigen", distribute_preconditioning=True)
+PLACEMENT_CONFIGS["eigen-local-freq"] = dict(BASE, placement="local", compute_method="eigen", factor_update_freq=2,
+                                             inv_update_freq=4)
+PLACEMENT_CONFIGS["eigen-lbp-dp-freq"] = dict(BASE, placement="lbp", perf_model="expensive-eigen", compute_method="eigen",
+                                              distribute_preconditioning=True, factor_update_freq=2, inv_update_freq=4)
 FREQ_CONFIGS = {
     "timeline": dict(BASE, fusion="optimal", placement="lbp", perf_model="big-alpha", timeline=True),
     # Steps 1-3 and 5 keep the inverses: preconditioning overlaps the gradient all-reduce (or, without
@@ -179,3 +187,26 @@ def test_placements_match_single_process(engine, nproc, tmp_path):
     assert len(dist["dp-lbp"]["precondition_owner"]) == 4 and ref["dp-lbp"]["precondition_owner"] == {}
     assert dist["dp-local-noclip-freq"]["overlapped_steps"] == 4  # distributed preconditioning as gradients arrive
     assert dist["dp-local-noclip-freq"]["overlapped_factor_steps"] == 1
+    for name in ("eigen-lbp", "eigen-lbp-dp-freq"):
+        owners = dist[name]["owners"]
+        assert any(o >= 0 for o in owners.values()) and any(o == -1 for o in owners.values()), owners
+    assert set(dist["eigen-seq-dp"]["owners"].values()) == set(range(nproc))
+    assert dist["eigen-lbp-dp-freq"]["overlapped_steps"] == 4
+
+
+@pytest.mark.parametrize("engine", ["torch", "horovod"])
+def test_eigen_replicas_bitwise_equal_in_float32(engine, tmp_path):
+    """Every rank holds the same Q and d (computed or received), so float32 parameters stay bitwise equal."""
+    configs = {"eigen-seq": dict(BASE, placement="seq", compute_method="eigen"),
+               "eigen-seq-freq": dict(BASE, placement="seq", compute_method="eigen", factor_update_freq=2, inv_update_freq=2)}
+    out = tmp_path / f"{engine}-f32.pt"
+    run_workers(engine, 2, [WORKER, "--backend", engine, "--configs", json.dumps(configs), "--global-batch", "8",
+                            "--steps", str(STEPS), "--dtype", "float32", "--every-rank", "--out", str(out)])
+    ranks = [torch.load(f"{out}.rank{r}") for r in range(2)]
+    init = __import__("nets").small_net().state_dict()
+    for name in configs:
+        assert set(ranks[0][name]["owners"].values()) == {0, 1}  # each rank decomposes and broadcasts some factors
+        for pname, value in ranks[0][name]["params"].items():
+            assert value.dtype == torch.float32
+            assert torch.equal(ranks[1][name]["params"][pname], value), f"{name}/{pname} differs between ranks"
+        assert any(not torch.equal(ranks[0][name]["params"][k], init[k]) for k in init)

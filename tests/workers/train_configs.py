@@ -39,6 +39,13 @@ def perf_model(name: str) -> PerfModel:
         default["inverse"] = {"kind": "cubic", "coeffs": [1e-6, 0.0, 0.0, 1e-3], "floor": 1e-6}
         default["broadcast"] = {"alpha": 1e-1, "beta": 1e-6}
         return PerfModel.from_dict(default, "expensive-inverse")
+    if name == "expensive-eigen":
+        # Inversions free (every factor local if the inverse curve were used), eigendecompositions dearer than
+        # the broadcast of Q and d for d >= 5: under 'eigen', big factors are owned and broadcast, small ones local.
+        default["inverse"] = {"kind": "cubic", "coeffs": [1e-9, 0.0, 0.0, 1e-12], "floor": 1e-9}
+        default["eigen"] = {"kind": "cubic", "coeffs": [1e-6, 0.0, 0.0, 1e-3], "floor": 1e-6}
+        default["broadcast"] = {"alpha": 1e-1, "beta": 1e-6}
+        return PerfModel.from_dict(default, "expensive-eigen")
     if name == "big-alpha":
         # A huge all-reduce start-up cost: optimal fusion merges groups of factors.
         default["allreduce"] = {"alpha": 10.0, "beta": 1e-9}
@@ -69,6 +76,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float64", choices=["float32", "float64"])
     ap.add_argument("--no-accumulation", action="store_true",
                     help="ignore accumulation_steps: the full-batch reference of an accumulated run")
+    ap.add_argument("--every-rank", action="store_true", help="every rank saves its results, to OUT.rank<r>")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.set_default_dtype(getattr(torch, args.dtype))
@@ -122,7 +130,9 @@ def main() -> None:
         }
         opt.remove_hooks()
         print(f"rank {rank}/{size}: {name} done", flush=True)
-    if rank == 0:
+    if args.every_rank:
+        torch.save(results, f"{args.out}.rank{rank}")
+    elif rank == 0:
         torch.save(results, args.out)
 
 
