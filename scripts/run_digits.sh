@@ -8,6 +8,7 @@ NP="${NP:-2}"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 echo "[run_digits] horovodrun -np $NP --gloo python -m spdkfac.train --data digits $*"
+# A new run directory each time (a later --out-dir in the arguments wins): spdkfac.train never overwrites a run.
 exec "$ROOT/.venv/bin/horovodrun" -np "$NP" -H "localhost:$NP" --gloo \
     "$ROOT/.venv/bin/python" -m spdkfac.train --data digits --epochs 8 \
-    --perf-model "$ROOT/perfmodels/reference-cpu-gloo-2.json" "$@"
+    --perf-model "$ROOT/perfmodels/reference-cpu-gloo-2.json" --out-dir "runs/digits-$(date +%Y%m%d-%H%M%S)" "$@"

@@ -6,9 +6,10 @@ Quick start::
     optimizer = SPDKFACOptimizer(model, lr=0.1, momentum=0.9)   # instead of torch.optim.SGD
 """
 from .host_memory import retain_freed_memory
-from .optimizer import NonFiniteFactorError, SPDKFACOptimizer
+from .optimizer import NonFiniteError, NonFiniteFactorError, SPDKFACOptimizer
+from .schedules import KFACParamScheduler
 from .variants import VARIANTS, make_optimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["SPDKFACOptimizer", "NonFiniteFactorError", "VARIANTS", "make_optimizer", "retain_freed_memory", "__version__"]
+__all__ = ["SPDKFACOptimizer", "NonFiniteError", "NonFiniteFactorError", "KFACParamScheduler", "VARIANTS", "make_optimizer", "retain_freed_memory", "__version__"]

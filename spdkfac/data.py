@@ -77,7 +77,11 @@ class ShardedLoader:
 
     Every epoch all workers draw the same permutation (seeded by the epoch),
     drop the tail so every worker gets the same number of full batches, and
-    take every ``size``-th sample starting at ``rank``.
+    take every ``size``-th sample starting at ``rank``. After ``t`` batches the
+    workers together have consumed the first ``t * batch_size * size`` samples
+    of the permutation, so an epoch can be resumed from that point on any
+    number of workers (``set_epoch(epoch, start=...)``): no sample is skipped
+    or repeated.
     """
 
     def __init__(self, data: Dataset, batch_size: int, rank: int, size: int, shuffle: bool = True, seed: int = 0) -> None:
@@ -87,13 +91,16 @@ class ShardedLoader:
         if per_worker < batch_size and shuffle:
             raise ValueError(f"each of {size} workers gets {per_worker} samples, fewer than batch_size={batch_size}")
         self.data, self.batch_size, self.rank, self.size = data, batch_size, rank, size
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.shuffle, self.seed, self.epoch, self.start = shuffle, seed, 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Iterate over ``epoch``'s permutation from its ``start``-th sample (the samples all workers consumed)."""
+        if not 0 <= start <= len(self.data):
+            raise ValueError(f"start must be in [0, {len(self.data)}], got {start}")
+        self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
-        per_worker = len(self.data) // self.size
+        per_worker = (len(self.data) - self.start) // self.size
         return per_worker // self.batch_size if self.shuffle else -(-per_worker // self.batch_size)
 
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
@@ -102,7 +109,8 @@ class ShardedLoader:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
         else:
             order = torch.arange(n)
-        mine = order[: (n // self.size) * self.size][self.rank :: self.size]
+        rest = order[self.start :]
+        mine = rest[: (len(rest) // self.size) * self.size][self.rank :: self.size]
         for b in range(len(self)):
             idx = mine[b * self.batch_size : (b + 1) * self.batch_size]
             yield self.data.x[idx], self.data.y[idx]

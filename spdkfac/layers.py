@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .conv_gram import conv_input_gram
+from .decomposition import Eigen, check_method, eigen_precondition
 from .linalg import channel_gram, pack_upper, symmetric_gram, triangle_size, unpack_upper
 
 __all__ = ["KFACLayer", "RowExtractor", "make_extractor", "kfac_layers", "factor_list", "FACTOR_KINDS"]
@@ -212,10 +213,13 @@ def make_extractor(module: nn.Module) -> Optional[RowExtractor]:
 class KFACLayer:
     """K-FAC state and maths of one preconditioned layer.
 
-    Holds the running averages ``A`` and ``G`` and the damped inverses
-    ``A_inv = (A + γI)^-1`` and ``G_inv = (G + γI)^-1``; preconditions the
-    layer's gradient as ``G_inv @ grad @ A_inv``, which equals
-    ``((A+γI) ⊗ (G+γI))^-1 vec(grad)`` for column-stacked ``vec``.
+    Holds the running averages ``A`` and ``G`` and what ``compute_method``
+    preconditions with: for ``'inverse'`` the damped inverses
+    ``A_inv = (A + γI)^-1`` and ``G_inv = (G + γI)^-1``, the gradient becoming
+    ``G_inv @ grad @ A_inv``, which equals ``((A+γI) ⊗ (G+γI))^-1 vec(grad)``
+    for column-stacked ``vec``; for ``'eigen'`` the eigendecompositions
+    ``A_eigen`` and ``G_eigen``, the gradient becoming
+    ``(A ⊗ G + γI)^-1 vec(grad)`` (:mod:`spdkfac.decomposition`).
 
     The running averages are kept as packed upper triangles: the all-reduced
     factors arrive packed and are folded in as they are (half the memory and
@@ -223,8 +227,9 @@ class KFACLayer:
     which the inversion stage does once per inverse update.
     """
 
-    def __init__(self, name: str, module: nn.Module, extractor: RowExtractor) -> None:
+    def __init__(self, name: str, module: nn.Module, extractor: RowExtractor, compute_method: str = "inverse") -> None:
         self.name = name
+        self.compute_method = check_method(compute_method)
         self.module = module
         self.rows = extractor
         self.has_bias = extractor.has_bias
@@ -233,6 +238,8 @@ class KFACLayer:
         self._packed: Dict[str, Optional[torch.Tensor]] = {"A": None, "G": None}
         self.A_inv: Optional[torch.Tensor] = None
         self.G_inv: Optional[torch.Tensor] = None
+        self.A_eigen: Optional[Eigen] = None
+        self.G_eigen: Optional[Eigen] = None
 
     def __repr__(self) -> str:
         return f"KFACLayer({self.name!r}, {type(self.module).__name__}, A {self.a_dim}x{self.a_dim}, G {self.g_dim}x{self.g_dim})"
@@ -346,6 +353,27 @@ class KFACLayer:
         else:
             self.G_inv = inverse
 
+    def set_eigen(self, kind: str, eigen: Eigen) -> None:
+        if kind == "A":
+            self.A_eigen = eigen
+        else:
+            self.G_eigen = eigen
+
+    @property
+    def decomposed(self) -> bool:
+        """Whether the layer holds what its ``compute_method`` preconditions with (both factors)."""
+        if self.compute_method == "eigen":
+            return self.A_eigen is not None and self.G_eigen is not None
+        return self.A_inv is not None and self.G_inv is not None
+
+    @property
+    def update_dtype(self) -> torch.dtype:
+        """The dtype :meth:`precondition` returns (that of the inverses or eigenvectors)."""
+        held = self.G_eigen.Q if self.compute_method == "eigen" and self.G_eigen is not None else self.G_inv
+        if held is None:
+            raise RuntimeError(f"layer {self.name!r} has no {self.compute_method} decomposition yet; factors were never updated")
+        return held.dtype
+
     # -- gradients -----------------------------------------------------------------
     def grad_matrix(self) -> Optional[torch.Tensor]:
         """The layer gradient as a ``g_dim x a_dim`` matrix (bias as the last column)."""
@@ -359,11 +387,21 @@ class KFACLayer:
             grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
         return grad
 
-    def precondition(self, grad: torch.Tensor) -> torch.Tensor:
-        """``G_inv @ grad @ A_inv``, in the inverses' precision (the caller casts back on writing)."""
-        if self.A_inv is None or self.G_inv is None:
-            raise RuntimeError(f"layer {self.name!r} has no inverses yet; factors were never updated")
-        return self.G_inv @ grad.to(self.G_inv.dtype) @ self.A_inv
+    def precondition(self, grad: torch.Tensor, damping: Optional[float] = None) -> torch.Tensor:
+        """The preconditioned gradient, in the decomposition's precision (the caller casts back on writing).
+
+        ``'inverse'``: ``G_inv @ grad @ A_inv`` (the damping is inside the
+        inverses; ``damping`` is not read). ``'eigen'``: the damping is applied
+        here, so ``damping`` is required.
+        """
+        if not self.decomposed:
+            what = "inverses" if self.compute_method == "inverse" else "eigendecompositions"
+            raise RuntimeError(f"layer {self.name!r} has no {what} yet; factors were never updated")
+        if self.compute_method == "eigen":
+            if damping is None:
+                raise ValueError(f"layer {self.name!r} preconditions with eigendecompositions: pass the damping")
+            return eigen_precondition(grad, self.A_eigen, self.G_eigen, damping)  # type: ignore[arg-type]
+        return self.G_inv @ grad.to(self.G_inv.dtype) @ self.A_inv  # type: ignore[operator]
 
     def write_grad(self, grad: torch.Tensor) -> None:
         """Copy a ``g_dim x a_dim`` matrix back into the weight (and bias) gradients."""
@@ -379,7 +417,7 @@ class KFACLayer:
         weight.grad.copy_(w_part.reshape(weight.shape))
 
 
-def kfac_layers(model: nn.Module) -> List[KFACLayer]:
+def kfac_layers(model: nn.Module, compute_method: str = "inverse") -> List[KFACLayer]:
     """A :class:`KFACLayer` for every supported layer with a trainable weight, in module order."""
     layers: List[KFACLayer] = []
     for name, module in model.named_modules():
@@ -388,7 +426,7 @@ def kfac_layers(model: nn.Module) -> List[KFACLayer]:
             continue
         extractor = make_extractor(module)
         if extractor is not None:
-            layers.append(KFACLayer(name or type(module).__name__, module, extractor))
+            layers.append(KFACLayer(name or type(module).__name__, module, extractor, compute_method))
     return layers
 
 

@@ -15,8 +15,10 @@ Per step, on every worker:
    hooks start the gradient all-reduces (as Horovod's DistributedOptimizer);
 3. ``step()``: wait for gradients and factors, fold the averaged factors into
    running averages, invert them per the placement plan (owners broadcast the
-   upper triangle of their inverses while inverting the next one), precondition
-   ``grad <- (G+γI)^-1 grad (A+γI)^-1`` (every layer on every worker, or with
+   upper triangle of their inverses while inverting the next one; with
+   ``compute_method='eigen'`` they eigendecompose and broadcast ``Q`` and the
+   eigenvalues), precondition ``grad <- (G+γI)^-1 grad (A+γI)^-1`` (eigen:
+   ``(A ⊗ G + γI)^-1 vec(grad)``) (every layer on every worker, or with
    ``distribute_preconditioning`` each layer on one worker, results broadcast),
    scale by the KL-clip factor, and apply momentum SGD with weight decay to
    every parameter.
@@ -34,28 +36,18 @@ import torch.nn as nn
 from .comm import CommBackend, Handle, get_backend
 from .fusion import FUSION_POLICIES, TensorFusionController, plan_groups
 from .layers import FACTOR_KINDS, KFACLayer, factor_list, kfac_layers
-from .inversion import compute_inverses
+from .decomposition import Eigen, check_method, eigen_payload, stage_costs, unpack_eigen
+from .inversion import compute_eigen, compute_inverses
 from .linalg import all_finite, invert_spd, triangle_size
+from .nonfinite import NonFiniteError, NonFiniteFactorError, NonFiniteGuard, SkipStep, non_finite
 from .perfmodels import PerfModel, load_perf_model
 from .placement import PLACEMENTS, PlacementPlan, balance_by_cost, place, preconditioning_cost
+from .schedules import Scheduled, StepSchedule
 from .timeline import FactorEvent, IterationRecord, Timeline
 
-__all__ = ["SPDKFACOptimizer", "NonFiniteFactorError"]
+__all__ = ["SPDKFACOptimizer", "NonFiniteError", "NonFiniteFactorError"]
 
 FactorKey = Tuple[str, str]
-
-
-class NonFiniteFactorError(FloatingPointError):
-    """A Kronecker factor contained NaN or Inf; running averages were left untouched."""
-
-    def __init__(self, layers: List[FactorKey], step: int) -> None:
-        self.layers = layers
-        names = ", ".join(f"{kind} of {name!r}" for kind, name in layers)
-        super().__init__(
-            f"non-finite Kronecker factor(s) at step {step}: {names}. The running averages were not "
-            "updated and no parameter was changed. Check the inputs/loss of that step (or lower the "
-            "learning rate)."
-        )
 
 
 def _check_number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True) -> float:
@@ -93,12 +85,26 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             schedulers work).
         momentum: SGD momentum.
         weight_decay: L2 penalty added to the (preconditioned) gradient.
-        damping: Tikhonov damping γ: inverses are ``(F + γI)^-1``.
+        damping: Tikhonov damping γ: inverses are ``(F + γI)^-1`` (a new value
+            takes effect at the next inverse update; with
+            ``compute_method='eigen'``, γ is added to the eigenvalues of
+            ``A ⊗ G`` when preconditioning, so a new value takes effect at once).
         factor_decay: running-average weight of the old factor.
         kl_clip: KL-clip bound on the preconditioned update (None disables).
-        factor_update_freq: update factors every this many steps.
-        inv_update_freq: recompute inverses every this many steps (a multiple
-            of ``factor_update_freq``).
+        factor_update_freq: update factors at the steps where
+            ``steps % factor_update_freq == 0`` (and at the first step).
+        inv_update_freq: recompute inverses likewise (a multiple of
+            ``factor_update_freq`` at every step).
+
+            ``damping``, ``kl_clip`` and the two frequencies may each be a
+            callable ``f(step) -> value`` of the number of completed steps,
+            evaluated once per step on every worker alike and validated then
+            (:mod:`spdkfac.schedules`; or use its per-epoch
+            :class:`~spdkfac.schedules.KFACParamScheduler`). The values in force
+            are ``param_groups[0]['damping']`` / ``['kl_clip']`` and the
+            attributes ``factor_update_freq`` / ``inv_update_freq``; a write
+            there between steps holds from the next step on (for an option
+            given as a callable, until the callable's next value).
         backend: ``'auto'``, ``'horovod'``, ``'torch'``, ``'single'`` or a
             :class:`~spdkfac.comm.CommBackend`.
         fusion: factor all-reduce fusion policy: ``'optimal'`` (Eq. 15),
@@ -107,6 +113,12 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             (True) or all at once after the backward pass (False, as D-KFAC).
         placement: inversion placement: ``'lbp'`` (Algorithm 1), ``'seq'``
             (MPD-KFAC) or ``'local'`` (D-KFAC).
+        compute_method: ``'inverse'`` (the paper's damped inverses
+            ``(G+γI)^-1 grad (A+γI)^-1``) or ``'eigen'`` (KAISA's
+            eigendecompositions, ``(A ⊗ G + γI)^-1 vec(grad)``: a closer
+            approximation of the damped Fisher, a slower decomposition and a
+            broadcast of ``d*d + d`` instead of ``d(d+1)/2`` elements; the
+            placement is costed with the performance model's ``eigen`` curve).
         distribute_preconditioning: each layer's gradient is preconditioned
             by one worker (layers balanced by their matmul cost) and the
             results are broadcast, one fused buffer per worker, instead of
@@ -145,6 +157,28 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             ``backward()``, so that the scaler unscales and checks averaged
             gradients; a step the scaler skips (inf/NaN gradients, identical on
             every worker) is discarded by the next :meth:`zero_grad`.
+        accumulation_steps: gradient accumulation: call ``backward()`` this
+            many times (k), then ``step()`` once; each micro-batch loss is its
+            mean divided by k (torch's idiom), so the gradients sum to the mean
+            over the k micro-batches. The factors are the mean of the
+            micro-batches' (each G computed with the 1/k removed, like a loss
+            scale), i.e. with equal micro-batches exactly those of one batch
+            k times as large. One round of communication per step: factors are
+            summed locally and sent (pipelined) from the hooks of the k-th
+            micro-batch, and each gradient all-reduce starts at the k-th
+            accumulation of its parameter. A ``step()`` (or
+            :meth:`synchronize`) after another number of backward passes, or a
+            (k+1)-th backward pass, raises.
+        skip_nonfinite: how many consecutive steps meeting NaN or Inf (in the
+            averaged gradients, the averaged factors or the preconditioned
+            gradients) are skipped, with a warning, before a
+            :class:`NonFiniteError` is raised (0: raise at the first). A
+            skipped or refused step changes no parameter, momentum buffer or
+            factor and does not count as a step; every worker decides the same
+            at the same step, because the values checked are identical on all.
+            To skip a batch yourself after the forward pass, decide on every
+            worker at once: ``if not optimizer.finite_everywhere(loss):
+            continue`` (one tiny all-reduce).
     """
 
     def __init__(
@@ -153,15 +187,16 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         lr: float,
         momentum: float = 0.9,
         weight_decay: float = 0.0,
-        damping: float = 0.003,
+        damping: Scheduled[float] = 0.003,
         factor_decay: float = 0.95,
-        kl_clip: Optional[float] = 0.001,
-        factor_update_freq: int = 1,
-        inv_update_freq: int = 1,
+        kl_clip: Scheduled[Optional[float]] = 0.001,
+        factor_update_freq: Scheduled[int] = 1,
+        inv_update_freq: Scheduled[int] = 1,
         backend: Union[str, CommBackend] = "auto",
         fusion: str = "optimal",
         pipelining: bool = True,
         placement: str = "lbp",
+        compute_method: str = "inverse",
         distribute_preconditioning: bool = False,
         overlap_preconditioning: bool = True,
         perf_model: Union[None, str, PerfModel] = None,
@@ -171,32 +206,36 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         timeline: bool = False,
         precondition: bool = True,
         grad_scaler: Optional[Any] = None,
+        accumulation_steps: int = 1,
+        skip_nonfinite: int = 0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         _check_number("lr", lr, 0.0)
         _check_number("momentum", momentum, 0.0, 1.0)
         _check_number("weight_decay", weight_decay, 0.0)
-        _check_number("damping", damping, 0.0, low_open=True)
         _check_number("factor_decay", factor_decay, 0.0, 1.0)
-        if kl_clip is not None:
-            _check_number("kl_clip", kl_clip, 0.0, low_open=True)
-        _check_freq("factor_update_freq", factor_update_freq)
-        _check_freq("inv_update_freq", inv_update_freq)
-        if inv_update_freq % factor_update_freq:
-            raise ValueError(
-                f"inv_update_freq ({inv_update_freq}) must be a multiple of factor_update_freq ({factor_update_freq})"
-            )
+        self.schedule = StepSchedule(
+            dict(damping=damping, kl_clip=kl_clip, factor_update_freq=factor_update_freq, inv_update_freq=inv_update_freq),
+            dict(damping=lambda n, v: _check_number(n, v, 0.0, low_open=True),
+                 kl_clip=lambda n, v: None if v is None else _check_number(n, v, 0.0, low_open=True),
+                 factor_update_freq=_check_freq, inv_update_freq=_check_freq),
+        )
+        # Validates the numbers, and the callables' values at the first step.
+        initial = self.schedule.resolve(0, dict(damping=damping, kl_clip=kl_clip, factor_update_freq=factor_update_freq,
+                                                inv_update_freq=inv_update_freq))
         if fusion not in FUSION_POLICIES:
             raise ValueError(f"fusion must be one of {FUSION_POLICIES}, got {fusion!r}")
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        check_method(compute_method)
         if not isinstance(pipelining, bool):
             raise TypeError(f"pipelining must be a bool, got {type(pipelining).__name__}")
         if not isinstance(distribute_preconditioning, bool):
             raise TypeError(f"distribute_preconditioning must be a bool, got {type(distribute_preconditioning).__name__}")
         if not isinstance(overlap_preconditioning, bool):
             raise TypeError(f"overlap_preconditioning must be a bool, got {type(overlap_preconditioning).__name__}")
+        _check_freq("accumulation_steps", accumulation_steps)
         _check_freq("profile_steps", profile_steps)
         if replan_interval is not None:
             _check_freq("replan_interval", replan_interval)
@@ -208,12 +247,14 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, damping=damping, factor_decay=factor_decay, kl_clip=kl_clip)
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, damping=initial["damping"], factor_decay=factor_decay,
+                        kl_clip=initial["kl_clip"])
         super().__init__(params, defaults)
 
         self.model = model
-        self.factor_update_freq = factor_update_freq
-        self.inv_update_freq = inv_update_freq
+        # The update frequencies in force (callables: their value at the current step; see _resolve_schedule).
+        self.factor_update_freq: int = initial["factor_update_freq"]
+        self.inv_update_freq: int = initial["inv_update_freq"]
         self.fusion = fusion
         self.pipelining = pipelining
         self.placement_strategy = placement
@@ -223,10 +264,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.fusion_plans_made = 0  # plans made so far (the first, then one per re-profile)
         self.fusion_plan_changes = 0  # re-profiles that changed the plan
         self.grad_scaler = grad_scaler
+        self.accumulation_steps = accumulation_steps
+        self.nonfinite = NonFiniteGuard(skip_nonfinite)
         self.steps = 0
 
         self.precondition = precondition
-        self.layers: List[KFACLayer] = kfac_layers(model) if precondition else []
+        self.compute_method = compute_method
+        self.layers: List[KFACLayer] = kfac_layers(model, compute_method) if precondition else []
         if precondition and not self.layers:
             raise ValueError(
                 "model has no layer SPDKFACOptimizer can precondition (nn.Linear or nn.Conv2d with groups=1 "
@@ -250,11 +294,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._stash: List[Tuple[FactorKey, torch.Tensor]] = []
 
         self.placement_plan: PlacementPlan = place(
-            placement,
-            factor_list(self.layers),
-            self.backend.size,
-            self.perf_model.inverse,
-            self.perf_model.broadcast,
+            placement, factor_list(self.layers), self.backend.size, *stage_costs(self.perf_model, compute_method)
         )
         # Layer name -> the rank that preconditions it (empty: every rank preconditions every layer).
         self.distribute_preconditioning = distribute_preconditioning
@@ -273,23 +313,49 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         for layer in self.layers:
             self._hook_handles.append(layer.module.register_forward_pre_hook(self._make_a_hook(layer)))
             self._hook_handles.append(layer.module.register_forward_hook(self._make_g_hook(layer)))
-        if self.backend.size > 1:
+        if self.backend.size > 1 or accumulation_steps > 1:  # all-reduce, or count the backward passes
             for p in params:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
         self._begin_iteration()
 
     # ------------------------------------------------------------------ schedule
     def _is_factor_step(self) -> bool:
-        return self.precondition and self.steps % self.factor_update_freq == 0
+        return self._resolve_schedule()[0]
 
     def _is_inverse_step(self) -> bool:
-        return self.precondition and self.steps % self.inv_update_freq == 0
+        return self._resolve_schedule()[1]
+
+    def _resolve_schedule(self) -> Tuple[bool, bool]:
+        """Fix this step's hyperparameters and whether it updates factors / inverses, once per step.
+
+        Runs when the step first needs them (its first training forward, or
+        ``step()``), so that a change made between two ``step()`` calls (a
+        :class:`~spdkfac.schedules.KFACParamScheduler`, a write to
+        ``param_groups``) holds for the whole next step. Callables are
+        evaluated at the step counter, identically on every worker. A step
+        updates factors (inverses) when ``steps % freq == 0`` with the
+        frequency in force, and always while some layer has no inverse yet.
+        """
+        if self._step_kind is None:
+            group = self.param_groups[0]
+            values = self.schedule.resolve(self.steps, dict(damping=group["damping"], kl_clip=group["kl_clip"],
+                                                            factor_update_freq=self.factor_update_freq,
+                                                            inv_update_freq=self.inv_update_freq))
+            for g in self.param_groups:
+                g["damping"], g["kl_clip"] = values["damping"], values["kl_clip"]
+            self.factor_update_freq, self.inv_update_freq = values["factor_update_freq"], values["inv_update_freq"]
+            first = any(layer.A_inv is None or layer.G_inv is None for layer in self.layers)
+            self._step_kind = (
+                self.precondition and (first or self.steps % self.factor_update_freq == 0),
+                self.precondition and (first or self.steps % self.inv_update_freq == 0),
+            )
+        return self._step_kind
 
     @property
     def _profiling(self) -> bool:
         return not self._planned
 
-    def _begin_iteration(self) -> None:
+    def _begin_iteration(self, abandon: bool = False) -> None:
         self._record = self.timeline.begin(self.steps) if self.timeline is not None else None
         self._ready = {"A": [], "G": []}
         self._pass_t0 = {"A": None, "G": None}
@@ -300,13 +366,35 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._grads_synchronized = False
         self._sync_queued = False
         self._backward_seen = False  # a backward pass ran since the last step()
-        self.controller.begin_iteration(self._record)
+        self._step_kind: Optional[Tuple[bool, bool]] = None  # (factor step, inverse step), fixed when first needed
+        self._micro_factors: Dict[FactorKey, Tuple[int, Optional[torch.Tensor]]] = {}  # accumulated micro-batches: (count, sum)
+        self._grad_counts: Dict[torch.Tensor, int] = {}  # backward passes that reached each parameter
+        self.controller.begin_iteration(self._record, abandon=abandon)
 
     # ---------------------------------------------------------------------- hooks
     def _collecting(self, module: nn.Module) -> bool:
         return module.training and torch.is_grad_enabled() and self._is_factor_step()
 
     def _submit(self, layer: KFACLayer, kind: str, compute: Callable[[], torch.Tensor]) -> None:
+        key = (kind, layer.name)
+        self._backward_seen |= kind == "G"
+        if kind == "A":
+            self._a_taken.add(layer.name)
+        count, total = self._micro_factors.get(key, (0, None))
+        if count + 1 > self.accumulation_steps:
+            times = "twice" if count + 1 == 2 else f"{count + 1} times"
+            raise RuntimeError(
+                f"factor {kind} of layer {layer.name!r} was computed {times} in one step, but accumulation_steps is "
+                f"{self.accumulation_steps}: call step() after every {self.accumulation_steps} forward/backward pass(es), "
+                "and run each preconditioned layer once per pass (no weight sharing); to skip a batch after its "
+                "forward pass, decide with optimizer.finite_everywhere(loss), which drops its factors on every worker"
+            )
+        if count + 1 < self.accumulation_steps:  # an early micro-batch: sum locally, communicate nothing
+            factor = compute()
+            self._micro_factors[key] = (count + 1, factor if total is None else total.add_(factor))
+            return
+        self._micro_factors[key] = (count + 1, None)
+        # The last micro-batch (the only one with k=1): timed and pipelined with the communication as usual.
         timed = self._record is not None or self._profiling
         if timed:
             if self._profiling and torch.cuda.is_available():
@@ -315,10 +403,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             if self._pass_t0[kind] is None:
                 self._pass_t0[kind] = t_start
         factor = compute()
-        key = (kind, layer.name)
-        self._backward_seen |= kind == "G"
-        if kind == "A":
-            self._a_taken.add(layer.name)
+        if total is not None:  # the mean over the micro-batches
+            factor = total.add_(factor).div_(self.accumulation_steps)
         if timed:
             if self._profiling and factor.is_cuda:
                 torch.cuda.synchronize()
@@ -332,6 +418,29 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.controller.submit(key, factor)
         else:
             self._stash.append((key, factor))
+
+    def finite_everywhere(self, value: torch.Tensor) -> bool:
+        """True when ``value`` (e.g. the loss) is finite on every worker: one tiny all-reduce.
+
+        The way to skip a bad batch after the forward pass: every worker must
+        take the same decision, or their collectives no longer match.
+        When it returns False, the factors this iteration's forward pass has
+        sent or kept are dropped on every worker (their all-reduces waited
+        for, so the collectives stay matched), and the next forward pass
+        starts a fresh iteration. In the middle of an accumulated step (after
+        a backward pass) the whole step is dropped, as ``zero_grad()`` would.
+        """
+        flag = torch.tensor([1.0 if all_finite(value.detach()) else 0.0], dtype=torch.float64, device=value.device)
+        if self.backend.size > 1:
+            self.backend.allreduce_async(flag, "spdkfac.finite_everywhere").wait()
+        finite = bool(flag.item() == 1.0)
+        if not finite:
+            accumulated = self._backward_seen  # earlier micro-batches of this step (their gradients are only local)
+            self.controller.discard()
+            self._begin_iteration()
+            if accumulated:
+                super().zero_grad(set_to_none=True)
+        return finite
 
     def _make_a_hook(self, layer: KFACLayer) -> Callable:
         def hook(module: nn.Module, inputs: Tuple[Any, ...]) -> None:
@@ -351,7 +460,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """
 
         def g_ready(grad_output: torch.Tensor) -> None:
-            self._submit(layer, "G", lambda: layer.compute_g(grad_output, self._current_loss_scale()))
+            # Each micro-batch loss carries 1/accumulation_steps: dividing it out like a loss scale gives its true G.
+            scale = self._current_loss_scale() / self.accumulation_steps
+            self._submit(layer, "G", lambda: layer.compute_g(grad_output, scale))
 
         def hook(module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
             if layer.name in self._a_taken and isinstance(output, torch.Tensor) and output.requires_grad:
@@ -369,13 +480,19 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._grad_handles[p] = self.backend.allreduce_async(p.grad, f"spdkfac.grad.{self._param_names.get(p, id(p))}")
 
     def _grad_hook(self, p: torch.Tensor) -> None:
-        if p in self._grad_handles:
+        passes = self._grad_counts.get(p, 0) + 1
+        if passes > self.accumulation_steps or p in self._grad_handles:
             raise RuntimeError(
-                f"parameter {self._param_names.get(p, '?')!r} received a second gradient before step(); "
-                "SPDKFACOptimizer averages gradients once per backward pass (no gradient accumulation)"
+                f"parameter {self._param_names.get(p, '?')!r} received gradient number {passes} before step(), but "
+                f"accumulation_steps is {self.accumulation_steps}: SPDKFACOptimizer averages gradients once per step, "
+                f"after accumulation_steps backward passes (pass accumulation_steps=k to accumulate k of them)"
             )
-        self._start_grad_allreduce(p)
+        self._grad_counts[p] = passes
         self._backward_seen = True
+        if passes < self.accumulation_steps:  # accumulating: autograd sums into p.grad, nothing to send yet
+            return
+        if self.backend.size > 1:
+            self._start_grad_allreduce(p)
         if self.grad_scaler is not None and not self._sync_queued:
             # GradScaler reads the gradients between backward() and step(): average them before it does.
             torch.autograd.Variable._execution_engine.queue_callback(self.synchronize)
@@ -389,6 +506,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_accumulated("step()")
         try:
             overlap = self._overlapping_preconditioning()
             factor_step = self._is_factor_step()
@@ -412,12 +530,21 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                     self._update_inverses()
                 if self.precondition:
                     self._precondition()
+            self._check_finite_update()
             self._sgd_update()
             self.steps += 1
+            self.nonfinite.good_step()
             if self.timeline is not None and self._record is not None:
                 self.timeline.end()
-        finally:
+        except SkipStep:  # every worker skips this step (the values checked are identical everywhere)
             self._begin_iteration()
+            return loss
+        except BaseException:
+            # The first error is the one to see (after a peer died, the engine's): drop this iteration's
+            # state without the checks that would raise again over collectives that can never complete.
+            self._begin_iteration(abandon=True)
+            raise
+        self._begin_iteration()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -447,12 +574,24 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         ``torch.nn.utils.clip_grad_norm_``; with ``grad_scaler`` it runs at
         the end of ``backward()`` automatically. Idempotent within a step.
         """
+        if not self._grads_synchronized:
+            self._check_accumulated("synchronize()")
         if self._grads_synchronized or self.backend.size == 1:
             self._grads_synchronized = True
             return
         self._start_missing_grad_allreduces()
         self._wait_grads(self._grad_handles)
         self._grads_synchronized = True
+
+    def _check_accumulated(self, caller: str) -> None:
+        """Raise unless accumulation_steps backward passes ran (checked before any collective: the same on every worker)."""
+        passes = max(self._grad_counts.values(), default=self.accumulation_steps)  # no backward: other checks apply
+        if passes != self.accumulation_steps:
+            raise RuntimeError(
+                f"{caller} after {passes} backward pass(es), but accumulation_steps is {self.accumulation_steps}: run "
+                f"backward() exactly {self.accumulation_steps} times (each micro-batch loss divided by "
+                f"{self.accumulation_steps}) before every step(); zero_grad() discards the partial accumulation"
+            )
 
     def _start_missing_grad_allreduces(self) -> None:
         for group in self.param_groups:
@@ -477,7 +616,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             return False
         if self._grads_synchronized or self._is_inverse_step():
             return False
-        if any(layer.A_inv is None or layer.G_inv is None for layer in self.layers):
+        if any(not layer.decomposed for layer in self.layers):
             return False  # the plain path raises the error
         return True
 
@@ -502,7 +641,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"no factor was computed for {missing} in this step; every preconditioned layer must run")
         bad = [key for key, mat in factors.items() if not all_finite(mat)]
         if bad:
-            raise NonFiniteFactorError(sorted(bad), self.steps)
+            self.nonfinite.bad_step(NonFiniteFactorError(sorted(bad), self.steps))
         decay = self.param_groups[0]["factor_decay"]
         for (kind, name), mat in factors.items():
             self._layer_by_name[name].update_factor(kind, mat, decay)
@@ -596,10 +735,31 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 f"instead. ({exc})"
             ) from exc
 
+    def _eigen(self, layer: KFACLayer, kind: str, factor: torch.Tensor) -> torch.Tensor:
+        try:
+            return eigen_payload(factor)
+        except torch.linalg.LinAlgError as exc:  # eigh did not converge (the factors were checked finite)
+            raise torch.linalg.LinAlgError(
+                f"the eigendecomposition of factor {kind} of layer {layer.name!r} (dimension {factor.shape[0]}) failed "
+                f"at step {self.steps}; compute_method='inverse' does not need one. ({exc})"
+            ) from exc
+
     def _update_inverses(self) -> None:
+        """The decomposition stage: inverses or eigendecompositions, per ``compute_method``."""
         damping = self.param_groups[0]["damping"]
         # Packed: each factor is unpacked only where it is inverted.
         factors = {(kind, layer.name): layer.packed_factor(kind) for layer in self.layers for kind in FACTOR_KINDS}
+        if self.compute_method == "eigen":
+            eigens = compute_eigen(
+                self.placement_plan,
+                factors,
+                self.backend,
+                record=self._record,
+                decompose=lambda key, matrix: self._eigen(self._layer_by_name[key[1]], key[0], matrix),
+            )
+            for (kind, name), eigen in eigens.items():
+                self._layer_by_name[name].set_eigen(kind, eigen)
+            return
         inverses = compute_inverses(
             self.placement_plan,
             factors,
@@ -637,7 +797,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             updates = [cast(torch.Tensor, None)] * len(layers)
             for i in reversed(range(len(layers))) if wait_for_grads else range(len(layers)):
                 grads[i] = self._layer_grad(layers[i], wait_for_grads)
-                updates[i] = layers[i].precondition(grads[i])
+                updates[i] = layers[i].precondition(grads[i], group["damping"])
         scale = 1.0
         if group["kl_clip"] is not None:
             # The reference's KL clip: ν = min(1, sqrt(kl_clip / |Σ lr² v·grad|)) over every preconditioned layer.
@@ -658,9 +818,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         before this rank's own work, so it completes while this rank
         computes). Returns every layer's averaged gradient and update.
         """
-        missing = [layer.name for layer in layers if layer.A_inv is None or layer.G_inv is None]
+        missing = [layer.name for layer in layers if not layer.decomposed]
         if missing:  # checked on every rank before any broadcast, so no rank is left waiting
-            raise RuntimeError(f"layers {missing} have no inverses yet; factors were never updated")
+            raise RuntimeError(f"layers {missing} have no {self.compute_method} decompositions yet; factors were never updated")
+        damping = self.param_groups[0]["damping"]
         owned: List[List[int]] = [[] for _ in range(self.backend.size)]
         for i, layer in enumerate(layers):
             owned[self.precondition_owner[layer.name]].append(i)
@@ -669,14 +830,14 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         for rank, indices in enumerate(owned):
             if not indices:
                 continue
-            dtype = layers[indices[0]].G_inv.dtype
+            dtype = layers[indices[0]].update_dtype
             for i in indices[1:]:
-                dtype = torch.promote_types(dtype, layers[i].G_inv.dtype)
+                dtype = torch.promote_types(dtype, layers[i].update_dtype)
             if rank == self.backend.rank:
                 results: Dict[int, torch.Tensor] = {}
                 for i in reversed(indices) if wait_for_grads else indices:
                     grads[i] = grad = self._layer_grad(layers[i], wait_for_grads)
-                    results[i] = layers[i].precondition(grad).reshape(-1).to(dtype)
+                    results[i] = layers[i].precondition(grad, damping).reshape(-1).to(dtype)
                 buffer = torch.cat([results[i] for i in indices])
             else:
                 numel = sum(layers[i].g_dim * layers[i].a_dim for i in indices)
@@ -699,6 +860,18 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         # every index belongs to exactly one rank's buffer and every gradient is now read
         return cast(List[torch.Tensor], grads), cast(List[torch.Tensor], updates)
 
+    def _check_finite_update(self) -> None:
+        """Skip (or refuse) a step whose averaged or preconditioned gradients hold NaN/Inf: never NaN parameters."""
+        bad = non_finite((self._param_names.get(p, "?"), p.grad) for group in self.param_groups for p in group["params"])
+        if not bad:
+            return
+        inverses = [f"{kind} of {layer.name!r}" for layer in self.layers for kind in ("A_inv", "G_inv")
+                    if getattr(layer, kind) is not None and not all_finite(getattr(layer, kind))]
+        cause = f"; the inverses {inverses} are non-finite (a damaged checkpoint?)" if inverses else ""
+        self.nonfinite.bad_step(NonFiniteError(
+            f"non-finite gradient(s) at step {self.steps} for {bad[:8]}{' ...' if len(bad) > 8 else ''}{cause}. "
+            "No parameter was changed. Check the inputs/loss of that step (or lower the learning rate)."))
+
     def _sgd_update(self) -> None:
         for group in self.param_groups:
             lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
@@ -720,10 +893,18 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     # --------------------------------------------------------------- state
     def state_dict(self) -> Dict[str, Any]:
-        """Optimizer state plus K-FAC state (step counter, factors, inverses) for exact resume."""
+        """Optimizer state plus K-FAC state (step counter, method, factors, decompositions, update frequencies).
+
+        The damping and KL clip in force are in ``param_groups``. Callable
+        schedules cannot be saved: pass the same ones to the constructor of the
+        optimizer that loads this (they are pure functions of the step counter).
+        Save between steps (not between the backward passes of an accumulation).
+        """
         sd = super().state_dict()
         sd["kfac"] = {
             "steps": self.steps,
+            "update_freqs": [self.factor_update_freq, self.inv_update_freq],
+            "compute_method": self.compute_method,
             "layers": {
                 layer.name: {
                     "dims": [layer.a_dim, layer.g_dim],
@@ -731,6 +912,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                     "G": layer.G,
                     "A_inv": layer.A_inv,
                     "G_inv": layer.G_inv,
+                    **{f"{kind}_eigen": None if e is None else {"Q": e.Q, "d": e.d}
+                       for kind, e in (("A", layer.A_eigen), ("G", layer.G_eigen))},
                 }
                 for layer in self.layers
             },
@@ -742,6 +925,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or "kfac" not in state_dict:
             raise ValueError("not an SPDKFACOptimizer checkpoint: the 'kfac' entry is missing")
         kfac = state_dict["kfac"]
+        method = kfac.get("compute_method", "inverse")  # checkpoints from before the eigen method hold inverses
+        if method != self.compute_method:
+            raise ValueError(
+                f"checkpoint was saved with compute_method={method!r} but this optimizer uses "
+                f"compute_method={self.compute_method!r}: its {'inverses' if method == 'inverse' else 'eigendecompositions'} "
+                f"cannot precondition here; construct the optimizer with compute_method={method!r} to resume it"
+            )
         saved = kfac.get("layers", {})
         mine = {layer.name: [layer.a_dim, layer.g_dim] for layer in self.layers}
         theirs = {name: list(entry.get("dims", [])) for name, entry in saved.items()}
@@ -762,18 +952,27 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             for attr in ("A", "G", "A_inv", "G_inv"):
                 value = entry.get(attr)
                 setattr(layer, attr, value.detach().clone().to(device) if value is not None else None)
+            for kind in FACTOR_KINDS:
+                eig = entry.get(f"{kind}_eigen")
+                if eig is not None:  # one fresh [Q, d] buffer: the layout the decomposition stage leaves
+                    buffer = torch.cat([eig["Q"].reshape(-1), eig["d"]]).detach().to(device)
+                    layer.set_eigen(kind, unpack_eigen(buffer, layer.dim(kind)))
         self.steps = int(kfac["steps"])
+        if "update_freqs" in kfac:  # (absent from checkpoints made before schedules existed)
+            self.factor_update_freq, self.inv_update_freq = (int(f) for f in kfac["update_freqs"])
         self._begin_iteration()
 
     # ------------------------------------------------------------ reporting
     def memory_usage(self) -> Dict[str, int]:
-        """Bytes held by factors (packed running averages) and inverses, per kind."""
-        out = {"A": 0, "G": 0, "A_inv": 0, "G_inv": 0}
+        """Bytes held by factors (packed running averages) and inverses (or eigendecompositions), per kind."""
+        held = ("A_inv", "G_inv") if self.compute_method == "inverse" else ("A_eigen", "G_eigen")
+        out = dict.fromkeys(FACTOR_KINDS + held, 0)
         for layer in self.layers:
             for attr in out:
-                t = layer.packed_factor(attr) if attr in FACTOR_KINDS else getattr(layer, attr)
-                if t is not None:
-                    out[attr] += t.numel() * t.element_size()
+                value = layer.packed_factor(attr) if attr in FACTOR_KINDS else getattr(layer, attr)
+                for t in (value.Q, value.d) if isinstance(value, Eigen) else (value,):
+                    if t is not None:
+                        out[attr] += t.numel() * t.element_size()
         return out
 
     def fusion_plan(self) -> Dict[str, Optional[List[List[FactorKey]]]]:
@@ -792,7 +991,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             f"SPDKFACOptimizer(layers={len(self.layers)}, lr={g['lr']}, momentum={g['momentum']}, "
             f"weight_decay={g['weight_decay']}, damping={g['damping']}, factor_decay={g['factor_decay']}, "
             f"kl_clip={g['kl_clip']}, factor_update_freq={self.factor_update_freq}, "
-            f"inv_update_freq={self.inv_update_freq}, backend={self.backend.name}(rank {self.backend.rank}/"
+            f"inv_update_freq={self.inv_update_freq}, accumulation_steps={self.accumulation_steps}, "
+            f"backend={self.backend.name}(rank {self.backend.rank}/"
             f"{self.backend.size}), fusion={self.fusion!r}, pipelining={self.pipelining}, "
-            f"placement={self.placement_strategy!r}, distribute_preconditioning={self.distribute_preconditioning}, perf_model={self.perf_model.source!r})"
+            f"placement={self.placement_strategy!r}, compute_method={self.compute_method!r}, distribute_preconditioning={self.distribute_preconditioning}, perf_model={self.perf_model.source!r})"
         )

@@ -42,13 +42,14 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from .affinity import add_bind_cores_option, bind_cores_if_asked
 from .comm import CommBackend, get_backend
+from .decomposition import payload_size
 from .fusion import plan_groups
 from .host_memory import retain_freed_memory
 from .linalg import invert_spd, pack_upper, triangle_size
@@ -279,10 +280,11 @@ class ScaledModels:
         w = self.perf.world_size or 2
         return math.ceil(math.log2(self.workers)) / max(math.ceil(math.log2(w)), 1)
 
-    def broadcast(self, dim: int) -> float:
+    def broadcast(self, dim: int, method: str = "inverse") -> float:
+        """Broadcast of one factor's result (:func:`~spdkfac.decomposition.payload_size` elements)."""
         if self.workers == 1:
             return 0.0
-        return self.perf.broadcast(dim) * self._tree()
+        return self.perf.broadcast.payload(payload_size(method, dim)) * self._tree()
 
     def broadcast_elements(self, elements: float) -> float:
         """Broadcast of a flat buffer, from the same fit (its ``m`` is ``d(d+1)/2`` there)."""
@@ -292,6 +294,10 @@ class ScaledModels:
 
     def inverse(self, dim: int) -> float:
         return self.perf.inverse(dim)
+
+    def stage_costs(self, method: str) -> Tuple[Callable[[int], float], Callable[[int], float]]:
+        """(decomposition, broadcast) seconds of a ``d x d`` factor for ``compute_method`` at ``workers``."""
+        return self.perf.decomposition(method), lambda dim: self.broadcast(dim, method)
 
 
 # ----------------------------------------------------------------------------- predict
@@ -354,7 +360,10 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
         by_key = {(f["kind"], f["layer"]): f["dim"] for f in facs}
         layers = [f["layer"] for f in facs if f["kind"] == "A"]
         dims = [((kind, name), by_key[(kind, name)]) for name in layers for kind in ("A", "G")]
-        plan = _charged(place(cfg["placement"], dims, workers, m.inverse, m.broadcast), _inverse_scale(facs, m))
+        # An 'eigen' variant is planned and costed with the eigen curve and payload; the profile's inversions
+        # (measured over fitted) still set the charge ratio, and its packing times stand for the eigen buffers'.
+        method = cfg.get("compute_method", "inverse")
+        plan = _charged(place(cfg["placement"], dims, workers, *m.stage_costs(method)), _inverse_scale(facs, m))
         spans = plan.makespans()
         comp_extra, recv_extra = _conversions(plan, facs, workers)
         critical = max(range(workers), key=lambda r: spans[r] + comp_extra[r] + recv_extra[r])

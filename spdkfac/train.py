@@ -12,22 +12,26 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import math
 import os
 import sys
 import time
 import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from .affinity import add_bind_cores_option, bind_cores_if_asked
+from .checkpoint import LATEST, PREVIOUS, CheckpointError, changed_arguments, newest_valid, save_rotating
 from .comm import DEVICE_CHOICES, CommBackend, get_backend, worker_device
 from .data import ShardedLoader, load_digits, load_mnist5k, synthetic
 from .host_memory import retain_freed_memory
 from .models import MODELS, get_model
+from .schedules import KFACParamScheduler
 from .variants import make_optimizer
 
 __all__ = ["main", "parse_args"]
@@ -61,13 +65,32 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "overfits with the ImageNet value: final test loss 0.14 against 0.055)")
     p.add_argument("--factor-update-freq", type=int, default=1)
     p.add_argument("--inv-update-freq", type=int, default=1)
+    p.add_argument("--damping-decay", type=float, default=1.0,
+                   help="multiply the damping by this at each epoch of --damping-decay-epochs (e.g. 0.5)")
+    p.add_argument("--damping-decay-epochs", type=int, nargs="*", default=[], help="epochs where the damping decays")
+    p.add_argument("--freq-scale", type=float, default=1.0,
+                   help="multiply both update frequencies by this at each epoch of --freq-scale-epochs (e.g. 10: "
+                        "update factors and inverses less often once the Fisher is stable)")
+    p.add_argument("--freq-scale-epochs", type=int, nargs="*", default=[], help="epochs where the update frequencies scale")
+    p.add_argument("--accumulation-steps", type=int, default=1,
+                   help="split each per-worker batch into this many micro-batches (gradient accumulation: one step, "
+                        "the memory of one micro-batch)")
     p.add_argument("--perf-model", default=None, help="fitted performance-model JSON (perfmodels/*.json)")
     p.add_argument("--distribute-preconditioning", action="store_true",
                    help="precondition each layer on one worker and broadcast the result (K-FAC optimizers)")
     p.add_argument("--synthetic-size", type=int, default=512)
     p.add_argument("--synthetic-shape", type=int, nargs="+", default=[3, 32, 32])
-    p.add_argument("--out-dir", default="runs/latest", help="checkpoints and CSV log go here")
-    p.add_argument("--resume", action="store_true", help="continue from <out-dir>/checkpoint.pt")
+    p.add_argument("--out-dir", default="runs/latest",
+                   help="checkpoints and CSV log go here; a directory that holds a run is never overwritten unless "
+                        "--overwrite is given")
+    p.add_argument("--resume", nargs="?", const="required", default=None, metavar="auto",
+                   help="continue the run in --out-dir from its newest valid checkpoint; '--resume auto' starts afresh "
+                        "when there is none (what a restarted elastic job needs)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run that --out-dir holds")
+    p.add_argument("--allow-changed-args", action="store_true",
+                   help="resume even though training arguments differ from the checkpoint's (they are listed)")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                   help="also checkpoint every K optimizer steps (mid-epoch; the last two checkpoints are kept)")
     p.add_argument("--stop-after", type=int, default=None, help="leave after this many epochs of this run (resume later)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
@@ -83,11 +106,27 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--epochs must be >= 1")
     if args.batch_size < 1:
         p.error("--batch-size must be >= 1")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        p.error("--checkpoint-every must be >= 1")
+    if args.resume not in (None, "required", "auto"):
+        p.error(f"--resume takes no value or 'auto', got {args.resume!r}")
+    if args.resume and args.overwrite:
+        p.error("--resume and --overwrite contradict each other: continue the run, or replace it")
+    if args.accumulation_steps < 1 or args.batch_size % args.accumulation_steps:
+        p.error(f"--accumulation-steps must be >= 1 and divide --batch-size ({args.batch_size}), got {args.accumulation_steps}")
+    for flag, value in (("--damping-decay", args.damping_decay), ("--freq-scale", args.freq_scale)):
+        if not (math.isfinite(value) and value > 0):
+            p.error(f"{flag} must be a positive number, got {value}")
+    for flag, epochs in (("--damping-decay-epochs", args.damping_decay_epochs), ("--freq-scale-epochs", args.freq_scale_epochs)):
+        if any(e < 0 for e in epochs):
+            p.error(f"{flag} must be non-negative epochs, got {epochs}")
     if args.optimizer == "sgd":
         kfac_only = {
             "--damping": args.damping is not None, "--kl-clip": args.kl_clip is not None,
             "--factor-decay": args.factor_decay != 0.95, "--factor-update-freq": args.factor_update_freq != 1,
             "--inv-update-freq": args.inv_update_freq != 1, "--distribute-preconditioning": args.distribute_preconditioning,
+            "--damping-decay": args.damping_decay != 1.0, "--damping-decay-epochs": bool(args.damping_decay_epochs),
+            "--freq-scale": args.freq_scale != 1.0, "--freq-scale-epochs": bool(args.freq_scale_epochs),
         }
         given = [flag for flag, set_ in kfac_only.items() if set_]
         if given:
@@ -181,12 +220,6 @@ def evaluate(model: nn.Module, loader: ShardedLoader, backend: CommBackend, devi
     return loss_sum / max(count, 1), correct / max(count, 1)
 
 
-def _save_atomic(obj: Dict, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def _progress(epoch: int, it: int, total: int, loss: float, width: int = 24) -> None:
     done = int(width * it / total)
     sys.stdout.write(f"\r  epoch {epoch:3d} [{'#' * done}{'.' * (width - done)}] {it}/{total} loss {loss:.4f}")
@@ -232,95 +265,230 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     optimizer = make_optimizer(
         args.optimizer, model, lr=base_lr, momentum=args.momentum, weight_decay=args.weight_decay, backend=backend,
-        grad_scaler=scaler, **kfac_kwargs
+        grad_scaler=scaler, accumulation_steps=args.accumulation_steps, **kfac_kwargs
     )
+    # The per-epoch damping decay / update-frequency scaling of Pauloski et al. (K-FAC optimizers only).
+    kfac_scheduler = None
+    if args.optimizer != "sgd":
+        kfac_scheduler = KFACParamScheduler(
+            optimizer, damping_alpha=args.damping_decay, damping_schedule=args.damping_decay_epochs,
+            update_freq_alpha=args.freq_scale, update_freq_schedule=args.freq_scale_epochs,
+        )
 
     out_dir = Path(args.out_dir)
-    ckpt_path = out_dir / "checkpoint.pt"
-    start_epoch = 0
-    if args.resume:
-        if not ckpt_path.is_file():
-            raise SystemExit(f"error: --resume given but {ckpt_path} does not exist")
-        ckpt = torch.load(ckpt_path, map_location="cpu")
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        if scaler is not None and ckpt.get("grad_scaler"):
-            scaler.load_state_dict(ckpt["grad_scaler"])
-        start_epoch = int(ckpt["epoch"]) + 1
+    resume = _prepare_run_dir(args, out_dir, is_root)
+    position = Position()
+    if resume is not None:
+        ckpt_path, ckpt = resume
+        position = _restore(ckpt, ckpt_path, args, model, optimizer, scaler, kfac_scheduler, size, is_root)
+        if position.samples and ckpt.get("world_size", size) != size and not isinstance(train_loader, ShardedLoader):
+            raise SystemExit(f"error: {ckpt_path} was written mid-epoch by {ckpt['world_size']} workers; directory data "
+                             f"resumes mid-epoch only on as many workers (this run has {size})")
     if is_root:
-        out_dir.mkdir(parents=True, exist_ok=True)
         print(f"spdkfac.train: {args.optimizer} on {args.data} ({len(train_loader)} batches/epoch/worker), "
               f"model {model_name}, {size} worker(s) via {backend.name}{_engine_settings(backend)} on {device}"
               f"{f' ({args.amp} autocast)' if args.amp else ''}, "
               f"batch {args.batch_size}/worker, lr {base_lr:g}" + (f", rank 0 bound to cores {cores}" if cores else ""))
         if args.optimizer != "sgd":
-            print(f"  {len(optimizer.layers)} preconditioned layers, damping {args.damping:g}, kl_clip {args.kl_clip:g}; "
-                  f"placement: {optimizer.placement_plan!r}")
+            print(f"  {len(optimizer.layers)} preconditioned layers, damping {optimizer.param_groups[0]['damping']:g}, "
+                  f"kl_clip {args.kl_clip:g}, factor/inverse update every {optimizer.factor_update_freq}/"
+                  f"{optimizer.inv_update_freq} steps; placement: {optimizer.placement_plan!r}")
+        if resume is not None:
+            print(f"  resumed from {resume[0]}: step {position.step}, epoch {position.epoch}, "
+                  f"{position.samples} samples of it done", flush=True)
     log_path = out_dir / "log.csv"
     fields = ["epoch", "train_loss", "train_acc", "test_loss", "test_acc", "lr", "epoch_s", "iter_ms"]
-    if is_root and not (args.resume and log_path.exists()):
-        with open(log_path, "w", newline="") as fh:
-            csv.writer(fh).writerow(fields)
+    if is_root:
+        _start_log(log_path, fields, keep_before=position.epoch if resume is not None else 0)
+
+    def checkpoint(metrics: List[float]) -> None:
+        """Save on rank 0; the partial-epoch metrics are summed over every worker first (a collective)."""
+        totals = _average(backend, metrics, "train.checkpoint", device)
+        if is_root:
+            save_rotating({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": position.epoch - 1,
+                           "position": asdict(position), "partial_metrics": totals, "world_size": size,
+                           "rng": torch.get_rng_state(), "args": vars(args),
+                           "grad_scaler": scaler.state_dict() if scaler is not None else None,
+                           "kfac_scheduler": kfac_scheduler.state_dict() if kfac_scheduler is not None else None}, out_dir)
 
     steps_per_epoch = len(train_loader)
+    samples_per_epoch = steps_per_epoch * args.batch_size * size
     row: Dict[str, float] = {}
-    last_epoch = args.epochs if args.stop_after is None else min(args.epochs, start_epoch + args.stop_after)
-    for epoch in range(start_epoch, last_epoch):
-        _set_epoch(train_loader, epoch)
+    last_epoch = args.epochs if args.stop_after is None else min(args.epochs, position.epoch + args.stop_after)
+    while position.epoch < last_epoch:
+        epoch = position.epoch
+        batches = _epoch_batches(train_loader, epoch, position.samples, args.batch_size, size)
         model.train()
         t_epoch = time.perf_counter()
-        loss_sum = correct = count = 0.0
+        # The partial sums a mid-epoch checkpoint saved are every worker's: rank 0 carries them on.
+        loss_sum, correct, count = position.metrics if is_root else (0.0, 0.0, 0.0)
+        position.metrics = (0.0, 0.0, 0.0)
         iter_times: List[float] = []
-        for it, (x, y) in enumerate(train_loader):
-            lr = lr_at(args, base_lr, epoch + it / steps_per_epoch, size)
+        lr = lr_at(args, base_lr, epoch, size)
+        for x, y in batches:
+            lr = lr_at(args, base_lr, epoch + position.samples / samples_per_epoch, size)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             t0 = time.perf_counter()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad()
-            with _autocast(device, args.amp):
-                out = model(x)
-                loss = nn.functional.cross_entropy(out, y, label_smoothing=args.label_smoothing)
+            k = args.accumulation_steps
+            for xm, ym in zip(x.chunk(k), y.chunk(k)):  # k equal micro-batches (k divides the batch size)
+                with _autocast(device, args.amp):
+                    out = model(xm)
+                    loss = nn.functional.cross_entropy(out, ym, label_smoothing=args.label_smoothing)
+                (loss / k if scaler is None else scaler.scale(loss / k)).backward()
+                loss_sum += float(loss.detach()) * len(ym)
+                correct += float((out.argmax(1) == ym).sum())
+                count += len(ym)
             if scaler is None:
-                loss.backward()
                 optimizer.step()
             else:
-                scaler.scale(loss).backward()
                 scaler.step(optimizer)
                 scaler.update()
             iter_times.append(time.perf_counter() - t0)
-            loss_sum += float(loss.detach()) * len(y)
-            correct += float((out.argmax(1) == y).sum())
-            count += len(y)
+            position.step += 1
+            position.samples += args.batch_size * size
             if is_root and not args.quiet and sys.stdout.isatty():
-                _progress(epoch, it + 1, steps_per_epoch, float(loss))
+                _progress(epoch, position.samples // (args.batch_size * size), steps_per_epoch, float(loss))
+            if args.checkpoint_every and position.step % args.checkpoint_every == 0 and position.samples < samples_per_epoch:
+                checkpoint([loss_sum, correct, count])
         if is_root and not args.quiet and sys.stdout.isatty():
             sys.stdout.write("\r" + " " * 70 + "\r")
         loss_sum, correct, count = _average(backend, [loss_sum, correct, count], "train.metrics", device)
         test_loss, test_acc = evaluate(model, test_loader, backend, device, args.amp)
-        warm = iter_times[1:] or iter_times
+        warm = iter_times[1:] or iter_times or [0.0]
         row = {
             "epoch": epoch,
-            "train_loss": loss_sum / count,
-            "train_acc": correct / count,
+            "train_loss": loss_sum / max(count, 1),
+            "train_acc": correct / max(count, 1),
             "test_loss": test_loss,
             "test_acc": test_acc,
             "lr": lr,
             "epoch_s": time.perf_counter() - t_epoch,
             "iter_ms": 1e3 * sum(warm) / len(warm),
         }
+        position.epoch, position.samples = epoch + 1, 0
         if is_root:
             print(f"epoch {epoch:3d}  train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f}  "
                   f"test loss {row['test_loss']:.4f} acc {row['test_acc']:.4f}  lr {lr:.4g}  "
                   f"iter {row['iter_ms']:.1f} ms  epoch {row['epoch_s']:.1f} s", flush=True)
             with open(log_path, "a", newline="") as fh:
                 csv.writer(fh).writerow([row[f] for f in fields])
-            _save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "args": vars(args),
-                          "grad_scaler": scaler.state_dict() if scaler is not None else None}, ckpt_path)
+        if kfac_scheduler is not None:  # the next epoch's damping and update frequencies (saved with the checkpoint)
+            before = (optimizer.param_groups[0]["damping"], optimizer.factor_update_freq, optimizer.inv_update_freq)
+            kfac_scheduler.step()
+            after = (optimizer.param_groups[0]["damping"], optimizer.factor_update_freq, optimizer.inv_update_freq)
+            if is_root and after != before and epoch + 1 < args.epochs:
+                print(f"  from epoch {epoch + 1}: damping {after[0]:g}, factor/inverse update every {after[1]}/{after[2]} steps")
+        checkpoint([0.0, 0.0, 0.0])
     if is_root:
-        print(f"done: log {log_path}, checkpoint {ckpt_path}")
+        print(f"done: log {log_path}, checkpoint {out_dir / LATEST}")
     return row
 
+
+@dataclass
+class Position:
+    """Where a run stands: the epoch in progress, the samples of it every worker together has consumed, the step."""
+
+    epoch: int = 0
+    samples: int = 0
+    step: int = 0
+    metrics: Tuple[float, float, float] = (0.0, 0.0, 0.0)  # loss sum, correct, count of the epoch so far (all workers)
+
+
+#: Arguments that may change between a run and its resumption without changing what is trained.
+RUNTIME_ARGS = ("resume", "overwrite", "allow_changed_args", "stop_after", "quiet", "threads", "bind_cores", "workers",
+                "out_dir", "device", "checkpoint_every", "backend", "perf_model")
+
+
+def _prepare_run_dir(args: argparse.Namespace, out_dir: Path, is_root: bool) -> Optional[Tuple[Path, Dict]]:
+    """Check ``--out-dir`` before any work, and find the checkpoint to resume from (None: a fresh run).
+
+    Every worker takes the same decision from the same directory. A directory
+    that holds a run is refused unless the run is resumed or ``--overwrite``
+    replaces it; an unwritable one is refused at once, not after the first epoch.
+    """
+    found = None
+    if args.resume is not None:
+        try:
+            found = newest_valid(out_dir) if out_dir.is_dir() else None
+        except CheckpointError as exc:
+            raise SystemExit(f"error: cannot resume: {exc}") from None
+        if found is None and args.resume == "required":
+            raise SystemExit(f"error: --resume given but {out_dir} holds no checkpoint ({out_dir / LATEST} does not exist); "
+                             "'--resume auto' starts afresh when there is none")
+    else:
+        existing = [name for name in ("log.csv", LATEST, PREVIOUS) if (out_dir / name).exists()]
+        if existing and not args.overwrite:
+            raise SystemExit(f"error: {out_dir} already holds a run ({', '.join(existing)}); continue it with --resume, "
+                             "replace it with --overwrite, or choose another --out-dir")
+    if is_root:
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            probe = out_dir / ".write-test"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise SystemExit(f"error: cannot write to --out-dir {out_dir}: {exc}") from None
+        if args.overwrite:
+            for name in (LATEST, PREVIOUS):
+                (out_dir / name).unlink(missing_ok=True)
+    return found
+
+
+def _restore(ckpt: Dict, path: Path, args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
+             scaler: Optional[torch.amp.GradScaler], kfac_scheduler: Optional[KFACParamScheduler], size: int,
+             is_root: bool) -> Position:
+    """Load a checkpoint into the run after checking it was made by the same training (the reason if not)."""
+    changed = changed_arguments(ckpt["args"], vars(args), RUNTIME_ARGS)
+    if changed:
+        listing = "; ".join(f"--{k.replace('_', '-')}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in changed.items())
+        if not args.allow_changed_args:
+            raise SystemExit(f"error: {path} was written with other training arguments ({listing}); "
+                             "resume with the same ones, or pass --allow-changed-args")
+        if is_root:
+            print(f"  resuming with changed arguments: {listing}")
+    try:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+    except (ValueError, RuntimeError, KeyError) as exc:
+        raise SystemExit(f"error: cannot resume from {path}: {exc}") from None
+    if scaler is not None and ckpt.get("grad_scaler"):
+        scaler.load_state_dict(ckpt["grad_scaler"])
+    if kfac_scheduler is not None and ckpt.get("kfac_scheduler"):
+        kfac_scheduler.load_state_dict(ckpt["kfac_scheduler"])
+    if ckpt.get("rng") is not None:
+        torch.set_rng_state(ckpt["rng"])
+    saved = ckpt.get("position") or {"epoch": int(ckpt["epoch"]) + 1, "samples": 0, "step": 0}
+    position = Position(int(saved["epoch"]), int(saved["samples"]), int(saved["step"]),
+                        tuple(ckpt.get("partial_metrics") or (0.0, 0.0, 0.0)))  # type: ignore[arg-type]
+    written_by = int(ckpt.get("world_size", size))
+    if written_by != size and is_root:
+        print(f"  the checkpoint was written by {written_by} worker(s), this run has {size}: fusion and placement are "
+              "planned for it and the rest of the epoch's samples re-sharded")
+    return position
+
+
+def _start_log(path: Path, fields: List[str], keep_before: int) -> None:
+    """Start the CSV log, keeping the rows of the epochs before ``keep_before`` (those a resumed run does not redo)."""
+    rows: List[List[str]] = []
+    if keep_before > 0 and path.exists():
+        with open(path, newline="") as fh:
+            rows = [r for r in list(csv.reader(fh))[1:] if r and int(r[0]) < keep_before]
+    with open(path, "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(fields)
+        writer.writerows(rows)
+
+
+def _epoch_batches(loader, epoch: int, samples_done: int, batch_size: int, size: int) -> Iterable:
+    """The batches of ``epoch`` still to do once ``samples_done`` of it (all workers together) are consumed."""
+    if isinstance(loader, ShardedLoader):
+        loader.set_epoch(epoch, start=samples_done)
+        return loader
+    _set_epoch(loader, epoch)
+    return itertools.islice(loader, samples_done // (batch_size * size), None)  # same world size: skip those batches
 
 if __name__ == "__main__":
     main()

@@ -27,13 +27,18 @@ def batch(n: int, seed: int = 1):
     return x, y
 
 
-def train(model: nn.Module, opt, x: torch.Tensor, y: torch.Tensor, steps: int, scaler=None, poisoned=None, clip=None):
+def train(model: nn.Module, opt, x: torch.Tensor, y: torch.Tensor, steps: int, scaler=None, poisoned=None, clip=None,
+          accumulate: int = 1, skip_bad_loss: bool = False):
     """``steps`` optimizer steps; each step uses a different slice-preserving perturbation of the batch.
 
     With a GradScaler the loop is the mixed-precision one (``scaler.step`` may
     skip); ``poisoned`` maps a step to a boolean row mask of ``x`` whose samples
     get a NaN in that step, which makes every worker's averaged gradient NaN.
     ``clip`` clips the (averaged) gradient norm between backward and step.
+    ``accumulate`` splits each batch into that many equal micro-batches, each
+    loss divided by their number (torch's gradient-accumulation idiom).
+    ``skip_bad_loss`` skips a batch whose loss is not finite on some worker
+    right after the forward pass (every worker at once, ``finite_everywhere``).
     """
     for s in range(steps):
         xs = x + 0.1 * s  # different data each step, same on every split of the batch
@@ -41,15 +46,21 @@ def train(model: nn.Module, opt, x: torch.Tensor, y: torch.Tensor, steps: int, s
             xs = xs.clone()
             xs[poisoned[s], 0, 0, 0] = float("nan")
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(xs), y)
+        skipped = False
+        for xm, ym in zip(xs.chunk(accumulate), y.chunk(accumulate)):
+            loss = nn.functional.cross_entropy(model(xm), ym) / accumulate
+            if skip_bad_loss and not opt.finite_everywhere(loss):
+                skipped = True
+                break
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        if skipped:
+            continue
         if scaler is None:
-            loss.backward()
             if clip is not None:
                 opt.synchronize()
                 nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
         else:
-            scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
     return model

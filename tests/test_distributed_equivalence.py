@@ -1,9 +1,10 @@
 """Every distributed variant gives the parameters of the plain single-process computation.
 
 Real processes: ``torchrun`` (gloo) and ``horovodrun --gloo``, 2 and 3 workers.
-Each worker trains on its shard (local batch b); the reference is one process
-with the whole batch (P*b) and no communication. Runs in float64 so that the
-tolerance can be tight enough to catch any real difference.
+Each worker trains on its shard (local batch b, or k micro-batches of b/k with
+gradient accumulation); the reference is one process with the whole batch (P*b),
+no accumulation and no communication. Runs in float64 so that the tolerance can
+be tight enough to catch any real difference.
 """
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ PLACEMENT_CONFIGS = {
 PLACEMENT_CONFIGS["dp-lbp"] = dict(BASE, placement="lbp", perf_model="expensive-inverse", distribute_preconditioning=True)
 PLACEMENT_CONFIGS["dp-local-noclip-freq"] = dict(BASE, placement="local", kl_clip=None, factor_update_freq=2,
                                                  inv_update_freq=4, distribute_preconditioning=True)
+# compute_method='eigen': eigendecompositions owned and broadcast as [Q, d] or computed everywhere, the placement
+# costed with the eigen curve ("expensive-eigen" makes the inverse curve free, so only the eigen curve owns factors).
+PLACEMENT_CONFIGS["eigen-lbp"] = dict(BASE, placement="lbp", perf_model="expensive-eigen", compute_method="eigen")
+PLACEMENT_CONFIGS["eigen-seq-dp"] = dict(BASE, placement="seq", compute_method="eigen", distribute_preconditioning=True)
+PLACEMENT_CONFIGS["eigen-local-freq"] = dict(BASE, placement="local", compute_method="eigen", factor_update_freq=2,
+                                             inv_update_freq=4)
+PLACEMENT_CONFIGS["eigen-lbp-dp-freq"] = dict(BASE, placement="lbp", perf_model="expensive-eigen", compute_method="eigen",
+                                              distribute_preconditioning=True, factor_update_freq=2, inv_update_freq=4)
 FREQ_CONFIGS = {
     "timeline": dict(BASE, fusion="optimal", placement="lbp", perf_model="big-alpha", timeline=True),
     # Steps 1-3 and 5 keep the inverses: preconditioning overlaps the gradient all-reduce (or, without
@@ -53,8 +62,28 @@ FREQ_CONFIGS = {
                              amp={"init_scale": 2.0**10, "nan_step": 2}),
     # Re-profiling every 2 factor steps: the plan is remade (and may change) mid-run on every worker at once.
     "replan": dict(BASE, fusion="optimal", placement="lbp", profile_steps=1, replan_interval=2),
+    # A NaN on one worker only, on a step that keeps the factors (3) and on one that updates them (2): every
+    # worker skips that step (skip_nonfinite), nothing changes, training goes on.
+    "nan-skip-gradient": dict(BASE, factor_update_freq=2, inv_update_freq=4, skip_nonfinite=1, nan_steps=[3]),
+    "nan-skip-factor": dict(BASE, factor_update_freq=2, inv_update_freq=4, skip_nonfinite=1, nan_steps=[2]),
+    # The skip-a-bad-batch idiom after the forward pass, decided on every worker at once (finite_everywhere).
+    "skip-bad-batch": dict(BASE, skip_bad_loss=True, nan_steps=[2]),
     # Gradient clipping between backward and step, after synchronize(): clips the averaged gradient.
     "clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05),
+}
+# Step schedules (named in the worker: callables of the step) and gradient accumulation (k micro-batches per worker and
+# step, one round of communication per step) against the full batch in one process.
+SCHEDULE_CONFIGS = {
+    "schedule-decay": dict(BASE, fusion="optimal", placement="lbp", perf_model="expensive-inverse", schedule="decay"),
+    "accum-2": dict(BASE, fusion="optimal", placement="lbp", accumulation_steps=2),
+    "accum-4-bigalpha": dict(BASE, fusion="optimal", placement="local", perf_model="big-alpha", accumulation_steps=4),
+    "accum-2-no-pipelining": dict(BASE, fusion="threshold", pipelining=False, placement="seq", accumulation_steps=2),
+    "accum-2-freq-2-4": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="optimal", placement="lbp",
+                             perf_model="expensive-inverse", accumulation_steps=2),
+    "accum-2-dp-schedule": dict(BASE, placement="lbp", distribute_preconditioning=True, schedule="decay", accumulation_steps=2),
+    "accum-2-grad-scaler-skip": dict(BASE, fusion="optimal", placement="lbp", amp={"init_scale": 2.0**10, "nan_step": 2},
+                                     accumulation_steps=2),
+    "accum-2-clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05, accumulation_steps=2),
 }
 
 
@@ -64,7 +93,7 @@ def _reference(global_batch: int, configs: dict, tmp_path) -> dict:
 
     subprocess.run(
         [sys.executable, WORKER, "--backend", "single", "--configs", json.dumps(configs), "--global-batch", str(global_batch),
-         "--steps", str(STEPS), "--out", str(out)],
+         "--steps", str(STEPS), "--out", str(out), "--no-accumulation"],
         check=True, cwd=ROOT, capture_output=True,
     )
     return torch.load(out)
@@ -104,7 +133,24 @@ def test_fusion_policies_match_single_process(engine, tmp_path):
     assert dist["freq-2-4"]["overlapped_factor_steps"] == 1 == dist["freq-2-4-no-pipelining"]["overlapped_factor_steps"]
     assert dist["freq-1-3-no-overlap"]["overlapped_steps"] == 0 and dist["timeline"]["overlapped_steps"] == 0
     assert dist["grad-scaler-skip"]["steps"] == ref["grad-scaler-skip"]["steps"] == STEPS - 1
+    for name in ("nan-skip-gradient", "nan-skip-factor", "skip-bad-batch"):
+        assert dist[name]["steps"] == ref[name]["steps"] == STEPS - 1, name
     _assert_timeline_consistent(dist["timeline"]["timeline"], n_layers=4)
+
+
+@pytest.mark.parametrize("engine", ["torch", "horovod"])
+def test_schedules_and_accumulation_match_single_process(engine, tmp_path):
+    ref = _reference(8, SCHEDULE_CONFIGS, tmp_path)
+    dist = _distributed(engine, 2, 8, SCHEDULE_CONFIGS, tmp_path)
+    _assert_same(dist, ref)
+    # The schedule was in force on every rank: the last step's values (step 5: damping 0.02 / 4, freqs 2 and 4).
+    assert dist["schedule-decay"]["damping"] == ref["schedule-decay"]["damping"] == 0.02 * 0.5**2
+    assert dist["schedule-decay"]["update_freqs"] == [2, 4]
+    # Inverse steps 0, 2, 4 and factor steps 0, 1, 2, 4 as scheduled: steps 1, 3, 5 overlap, step 1 also its factors.
+    assert (dist["schedule-decay"]["overlapped_steps"], dist["schedule-decay"]["overlapped_factor_steps"]) == (3, 1)
+    assert (dist["accum-2-freq-2-4"]["overlapped_steps"], dist["accum-2-freq-2-4"]["overlapped_factor_steps"]) == (4, 1)
+    assert dist["accum-2-grad-scaler-skip"]["steps"] == ref["accum-2-grad-scaler-skip"]["steps"] == STEPS - 1
+    assert len(dist["accum-4-bigalpha"]["fusion_plan"]["A"]) == 1  # profiled and planned with accumulation
 
 
 def _assert_timeline_consistent(iterations: list, n_layers: int) -> None:
@@ -141,3 +187,26 @@ def test_placements_match_single_process(engine, nproc, tmp_path):
     assert len(dist["dp-lbp"]["precondition_owner"]) == 4 and ref["dp-lbp"]["precondition_owner"] == {}
     assert dist["dp-local-noclip-freq"]["overlapped_steps"] == 4  # distributed preconditioning as gradients arrive
     assert dist["dp-local-noclip-freq"]["overlapped_factor_steps"] == 1
+    for name in ("eigen-lbp", "eigen-lbp-dp-freq"):
+        owners = dist[name]["owners"]
+        assert any(o >= 0 for o in owners.values()) and any(o == -1 for o in owners.values()), owners
+    assert set(dist["eigen-seq-dp"]["owners"].values()) == set(range(nproc))
+    assert dist["eigen-lbp-dp-freq"]["overlapped_steps"] == 4
+
+
+@pytest.mark.parametrize("engine", ["torch", "horovod"])
+def test_eigen_replicas_bitwise_equal_in_float32(engine, tmp_path):
+    """Every rank holds the same Q and d (computed or received), so float32 parameters stay bitwise equal."""
+    configs = {"eigen-seq": dict(BASE, placement="seq", compute_method="eigen"),
+               "eigen-seq-freq": dict(BASE, placement="seq", compute_method="eigen", factor_update_freq=2, inv_update_freq=2)}
+    out = tmp_path / f"{engine}-f32.pt"
+    run_workers(engine, 2, [WORKER, "--backend", engine, "--configs", json.dumps(configs), "--global-batch", "8",
+                            "--steps", str(STEPS), "--dtype", "float32", "--every-rank", "--out", str(out)])
+    ranks = [torch.load(f"{out}.rank{r}") for r in range(2)]
+    init = __import__("nets").small_net().state_dict()
+    for name in configs:
+        assert set(ranks[0][name]["owners"].values()) == {0, 1}  # each rank decomposes and broadcasts some factors
+        for pname, value in ranks[0][name]["params"].items():
+            assert value.dtype == torch.float32
+            assert torch.equal(ranks[1][name]["params"][pname], value), f"{name}/{pname} differs between ranks"
+        assert any(not torch.equal(ranks[0][name]["params"][k], init[k]) for k in init)

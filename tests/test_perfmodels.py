@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from spdkfac.perfmodels import PerfModel, PerfModelError, fit_exponential, fit_inverse_model, fit_linear, load_perf_model
+from spdkfac.perfmodels.models import EIGEN_OVER_INVERSE
 
 
 def test_fit_linear_recovers_parameters():
@@ -100,3 +101,56 @@ def test_measured_dimensions_take_precedence(tmp_path):
     data["inverse"]["measured"] = {"100": -1.0}
     with pytest.raises(PerfModelError, match=r"inverse.measured\[100\] must be positive"):
         PerfModel.from_dict(data)
+
+
+def test_eigen_curve_round_trips_and_is_what_eigen_plans_with(tmp_path):
+    data = _valid()
+    data["eigen"] = {"kind": "cubic", "coeffs": [2e-5, 0, 0, 9e-11], "floor": 2e-5, "measured": {"512": 0.05}}
+    path = tmp_path / "m.json"
+    PerfModel.from_dict(data, "m.json").save(path)
+    model = PerfModel.load(path)
+    assert model.eigen is not None and model.eigen.kind == "cubic" and model.eigen.measured == {512: 0.05}
+    assert model.to_dict()["eigen"] == PerfModel.from_dict(data).to_dict()["eigen"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a file with the curve: no estimate, no warning
+        assert model.decomposition("eigen")(512) == 0.05
+        assert model.decomposition("eigen")(1000) == pytest.approx(2e-5 + 9e-11 * 1000**3)
+        assert model.decomposition("inverse") is model.inverse
+    data["eigen"]["kind"] = "quartic"
+    with pytest.raises(PerfModelError, match="eigen.kind must be"):
+        PerfModel.from_dict(data)
+
+
+def test_file_without_eigen_curve_loads_and_eigen_estimates_from_inverse_with_one_warning(tmp_path):
+    data = _valid()
+    data.pop("eigen", None)  # a file from before the eigen method
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    model = PerfModel.load(path)
+    assert model.eigen is None and "eigen" not in model.to_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.decomposition("inverse")
+    with pytest.warns(UserWarning, match=f"has no eigendecomposition model: estimating it as {EIGEN_OVER_INVERSE:g}x the inversion model"):
+        estimate = model.decomposition("eigen")
+    assert estimate(1024) == pytest.approx(EIGEN_OVER_INVERSE * model.inverse(1024))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per model
+        model.decomposition("eigen")
+
+
+def test_benchmark_fits_the_eigen_curve(tmp_path):
+    from spdkfac.comm import get_backend
+    from spdkfac.perfmodels.bench import BenchmarkConfig, run_benchmark
+
+    cfg = BenchmarkConfig(quick=True, repeats=3, warmup=1, inverse_dims=[16, 32, 48, 64])
+    model = run_benchmark(cfg, get_backend("single"))
+    assert model.measurements["eigen"]["dims"] == [16, 32, 48, 64]
+    assert all(t > 0 for t in model.measurements["eigen"]["seconds"])
+    assert model.eigen is not None and set(model.eigen.measured) == {16, 32, 48, 64}
+    assert model.fit_quality["eigen"]["chosen"] == model.eigen.kind
+    model.save(tmp_path / "m.json")
+    assert PerfModel.load(tmp_path / "m.json").eigen.measured == model.eigen.measured
+    skipped = run_benchmark(BenchmarkConfig(quick=True, repeats=3, warmup=1, inverse_dims=[16, 32], eigen=False),
+                            get_backend("single"))
+    assert skipped.eigen is None and "eigen" not in skipped.measurements

@@ -53,7 +53,9 @@ def test_single_process_benchmark_show_plot(tmp_path):
 
     shown = _cli("show", str(out))
     assert shown.returncode == 0, shown.stderr
-    for needle in ("all-reduce  t(m) =", "broadcast   t(d) =", "inverse     t(d) =", '"world_size": 1', f"{model.allreduce.alpha:.3e}"):
+    assert model.measurements["eigen"]["dims"] == [32, 64, 96, 128] and model.eigen is not None
+    for needle in ("all-reduce  t(m) =", "broadcast   t(d) =", "inverse     t(d) =", "eigen       t(d) =", '"world_size": 1',
+                   f"{model.allreduce.alpha:.3e}"):
         assert needle in shown.stdout, shown.stdout
 
     png = tmp_path / "m.png"

@@ -96,3 +96,35 @@ def test_balance_by_cost_rejects_bad_input():
         balance_by_cost([1.0], 0)
     with pytest.raises(ValueError, match="non-negative"):
         balance_by_cost([1.0, float("nan")], 2)
+
+
+def test_eigen_placement_costed_with_the_eigen_curve_and_the_q_and_d_payload():
+    import warnings
+
+    from spdkfac import SPDKFACOptimizer
+    from spdkfac.decomposition import payload_size, stage_costs
+    from spdkfac.perfmodels import PerfModel
+    from spdkfac.perfmodels.models import BroadcastModel, InverseModel
+
+    perf = PerfModel.default()
+    perf.inverse = InverseModel("cubic", {"coeffs": [1e-9, 0, 0, 1e-14], "floor": 1e-9})  # inversion: always local
+    perf.eigen = InverseModel("cubic", {"coeffs": [1e-6, 0, 0, 1e-10], "floor": 1e-6}, name="eigen")
+    perf.broadcast = BroadcastModel(1e-3, 1e-8, measured={1024: 0.5})
+    factors = resnetish()
+    inverse = place("lbp", factors, 2, *stage_costs(perf, "inverse"))
+    eigen = place("lbp", factors, 2, *stage_costs(perf, "eigen"))
+    assert all(a.owner == ALL for a in inverse.assignments)
+    assert any(a.owner != ALL for a in eigen.assignments) and any(a.owner == ALL for a in eigen.assignments)
+    for a in eigen.assignments:
+        assert a.t_comp == perf.eigen(a.dim)
+        assert a.t_comm == pytest.approx(1e-3 + 1e-8 * (a.dim * a.dim + a.dim))  # Q and d, not a triangle
+    for a in inverse.assignments:  # unchanged: the broadcast model per dimension, measured points included
+        assert a.t_comm == pytest.approx(perf.broadcast(a.dim), rel=1e-12) and a.t_comp == perf.inverse(a.dim)
+    assert payload_size("inverse", 1024) == 1024 * 1025 // 2 and payload_size("eigen", 1024) == 1024 * 1025
+    assert next(a for a in inverse.assignments if a.dim == 1024).t_comm == 0.5
+
+    net = __import__("nets").small_net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the curve is there: no estimate
+        opt = SPDKFACOptimizer(net, lr=0.1, backend="single", compute_method="eigen", perf_model=perf)
+    assert [a.t_comp for a in opt.placement_plan.assignments] == [perf.eigen(a.dim) for a in opt.placement_plan.assignments]

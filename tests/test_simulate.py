@@ -316,3 +316,18 @@ def test_single_process_profile_times_every_inversion_and_predict_charges_them()
     stage = sum(f["invert"] + f["unpack"] for f in prof["factors"])
     for perf in (PerfModel.default(), _perf()):  # whatever the fit says, the measured inversions are charged
         assert predict(prof, perf, 1, "dkfac")["InverseComp"] == pytest.approx(stage)
+
+
+def test_eigen_variant_plans_and_charges_the_eigen_curve_and_payload():
+    prof, perf = _profile(), _perf()
+    d = perf.to_dict()
+    d["eigen"] = {"kind": "cubic", "coeffs": [1e-5, 0, 0, 5e-9], "floor": 1e-5}
+    eig_perf = PerfModel.from_dict(d)
+    m = ScaledModels(eig_perf, 4)
+    compute, comm = m.stage_costs("eigen")
+    assert compute(512) == eig_perf.eigen(512) and comm(512) == pytest.approx(m.broadcast_elements(512 * 512 + 512))
+    assert m.stage_costs("inverse")[1](512) == pytest.approx(m.broadcast_elements(512 * 513 // 2))
+    inverse = predict(prof, eig_perf, 4, "dkfac")
+    eigen = predict(prof, eig_perf, 4, "dkfac:compute_method=eigen")  # every rank decomposes every factor
+    assert eigen["InverseComp"] == pytest.approx(sum(eig_perf.eigen(f["dim"]) for f in prof["factors"]))
+    assert inverse["InverseComp"] == pytest.approx(sum(eig_perf.inverse(f["dim"]) for f in prof["factors"]))

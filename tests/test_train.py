@@ -84,6 +84,23 @@ def test_resume_continues_exactly(tmp_path):
     assert len(list(csv.DictReader(open(tmp_path / "ep0" / "log.csv")))) == 2
 
 
+def test_kfac_schedule_and_accumulation_resume_exactly(tmp_path):
+    """--damping-decay / --freq-scale (KFACParamScheduler, checkpointed) and --accumulation-steps: --resume is exact."""
+    common = ["--data", "digits", "--backend", "single", "--quiet", "--batch-size", "64", "--epochs", "3", "--damping", "0.02",
+              "--damping-decay", "0.5", "--damping-decay-epochs", "1", "--freq-scale", "2", "--freq-scale-epochs", "2",
+              "--inv-update-freq", "2", "--accumulation-steps", "2"]
+    full = train.main(common + ["--out-dir", str(tmp_path / "full")])
+    train.main(common + ["--out-dir", str(tmp_path / "part"), "--stop-after", "1"])
+    after_first = torch.load(tmp_path / "part" / "checkpoint.pt")
+    assert after_first["kfac_scheduler"]["epoch"] == 1 and after_first["optimizer"]["param_groups"][0]["damping"] == 0.01
+    resumed = train.main(common + ["--out-dir", str(tmp_path / "part"), "--resume"])
+    assert resumed["train_loss"] == full["train_loss"] and resumed["test_acc"] == full["test_acc"]
+    ref, got = (torch.load(tmp_path / d / "checkpoint.pt") for d in ("full", "part"))
+    for k, v in ref["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    assert got["optimizer"]["kfac"]["update_freqs"] == [2, 4] and got["kfac_scheduler"] == ref["kfac_scheduler"]
+
+
 def test_resume_without_checkpoint_is_an_error(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
         train.main(["--data", "digits", "--backend", "single", "--resume", "--out-dir", str(tmp_path / "none")])
@@ -123,7 +140,8 @@ def test_mixed_precision_training(tmp_path, capsys, amp):
     assert (scaler_state is not None) == (amp == "fp16")
 
 
-@pytest.mark.parametrize("flags", [["--distribute-preconditioning"], ["--damping", "0.01"], ["--inv-update-freq", "10"]])
+@pytest.mark.parametrize("flags", [["--distribute-preconditioning"], ["--damping", "0.01"], ["--inv-update-freq", "10"],
+                                   ["--damping-decay", "0.5"], ["--freq-scale-epochs", "3"]])
 def test_kfac_flags_with_sgd_are_an_error(flags, capsys):
     with pytest.raises(SystemExit) as exc:
         train.parse_args(["--optimizer", "sgd", *flags])

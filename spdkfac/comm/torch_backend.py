@@ -86,7 +86,12 @@ class TorchDistributedBackend(CommBackend):
             engine = os.environ.get("SPDKFAC_DIST_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
             if engine == "nccl":
                 worker_device("cuda")  # NCCL communicates on the current device: this rank's own GPU
-            dist.init_process_group(backend=engine)
+            # The rendezvous store outlives a torchrun restart: keys of the lost attempt's workers (their gloo
+            # addresses) would be read by the new ones, which then fail to connect. One namespace per attempt.
+            store, rank, size = next(dist.rendezvous("env://"))
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            dist.init_process_group(backend=engine, store=dist.PrefixStore(f"spdkfac/attempt_{attempt}", store),
+                                    rank=rank, world_size=size)
             atexit.register(_shut_down_process_group)
 
     @property

@@ -73,10 +73,15 @@ class TensorFusionController:
         return list(self._arrivals[kind])
 
     # -- per iteration ---------------------------------------------------------------
-    def begin_iteration(self, record: Optional[IterationRecord] = None) -> None:
-        """Reset per-iteration state; ``record`` receives timeline events if given."""
-        if self._in_flight or any(g.arrived for g in self._groups):
+    def begin_iteration(self, record: Optional[IterationRecord] = None, abandon: bool = False) -> None:
+        """Reset per-iteration state; ``record`` receives timeline events if given.
+
+        ``abandon`` drops what the last iteration left in flight without
+        complaint: after an error those collectives may never complete.
+        """
+        if not abandon and (self._in_flight or any(g.arrived for g in self._groups)):
             raise RuntimeError("previous iteration's factors were never waited for")
+        self._in_flight = []
         self.record = record
         self._arrivals = {"A": [], "G": []}
         self._local = {}

@@ -27,7 +27,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     b.add_argument("--warmup", type=int, default=10)
     b.add_argument("--device", default="auto")
     b.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    b.add_argument("--dims", type=int, nargs="*", help="inversion/broadcast dimensions to measure")
+    b.add_argument("--dims", type=int, nargs="*", help="inversion/eigendecomposition/broadcast dimensions to measure")
+    b.add_argument("--no-eigen", action="store_true", help="skip the eigendecompositions (only compute_method='inverse' is planned)")
     b.add_argument("--model", default=None, help="also measure every factor dimension of this spdkfac.models network")
     b.add_argument("--sizes", type=int, nargs="*", help="all-reduce message sizes (elements)")
     b.add_argument("--threads", type=int, default=None, help="torch intra-op threads per worker")
@@ -65,7 +66,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             model_dims = sorted({dim for _, dim in factor_list(kfac_layers(get_model(args.model)))})
         cfg = BenchmarkConfig(quick=args.quick, repeats=args.repeats, warmup=args.warmup, device=args.device,
                               dtype=args.dtype, inverse_dims=args.dims, message_sizes=args.sizes,
-                              model_dims=model_dims, model_name=args.model)
+                              model_dims=model_dims, model_name=args.model, eigen=not args.no_eigen)
         if engine.rank == 0:
             print(f"benchmarking {engine.name} x{engine.size}: {len(cfg.sizes())} all-reduce sizes, "
                   f"{len(cfg.dims())} dimensions, {cfg.repeats} repeats after {cfg.warmup} warm-up runs", file=sys.stderr)
@@ -99,16 +100,19 @@ def _summary(model: PerfModel) -> str:
     lines = [f"performance model {model.source}: measured {json.dumps({k: model.meta.get(k) for k in ('engine', 'world_size', 'device', 'dtype', 'date')})}"]
     lines.append(f"  all-reduce  t(m) = {model.allreduce.alpha:.3e} + {model.allreduce.beta:.3e} * m   {model.fit_quality.get('allreduce', '')}")
     lines.append(f"  broadcast   t(d) = {model.broadcast.alpha:.3e} + {model.broadcast.beta:.3e} * d(d+1)/2   {model.fit_quality.get('broadcast', '')}")
-    inv = model.inverse
-    if inv.kind == "exp":
-        lines.append(f"  inverse     t(d) = {inv.params['alpha']:.3e} * exp({inv.params['beta']:.3e} * d)")
-    else:
-        c = inv.params["coeffs"]
-        lines.append(f"  inverse     t(d) = {c[0]:.3e} + {c[1]:.3e} d + {c[2]:.3e} d^2 + {c[3]:.3e} d^3 (cubic fitted better than Eq. 26)")
-    q = model.fit_quality.get("inverse", {})
-    if q:
-        lines.append(f"  inverse fit: chosen {q.get('chosen')}, exp mean rel err {q.get('exp', {}).get('mean_rel_error', float('nan')):.1%}"
-                     + (f", cubic {q['cubic']['mean_rel_error']:.1%}" if "cubic" in q else ""))
+    for name, curve in (("inverse", model.inverse), ("eigen", model.eigen)):
+        if curve is None:
+            lines.append(f"  {name:<11} not measured (compute_method='eigen' estimates it from the inverse model)")
+            continue
+        if curve.kind == "exp":
+            lines.append(f"  {name:<11} t(d) = {curve.params['alpha']:.3e} * exp({curve.params['beta']:.3e} * d)")
+        else:
+            c = curve.params["coeffs"]
+            lines.append(f"  {name:<11} t(d) = {c[0]:.3e} + {c[1]:.3e} d + {c[2]:.3e} d^2 + {c[3]:.3e} d^3 (cubic fitted better than Eq. 26)")
+        q = model.fit_quality.get(name, {})
+        if q:
+            lines.append(f"  {name} fit: chosen {q.get('chosen')}, exp mean rel err {q.get('exp', {}).get('mean_rel_error', float('nan')):.1%}"
+                         + (f", cubic {q['cubic']['mean_rel_error']:.1%}" if "cubic" in q else ""))
     return "\n".join(lines)
 
 

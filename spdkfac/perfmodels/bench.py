@@ -1,4 +1,4 @@
-"""One-time cluster benchmarking: measure collectives and inversions, fit, store (Section VI-B).
+"""One-time cluster benchmarking: measure collectives, inversions and eigendecompositions, fit, store (Section VI-B).
 
 Run under the launcher you train with, so the measurements use the real
 workers and engine::
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..comm import CommBackend, get_backend
+from ..decomposition import eigen_payload
 from ..linalg import invert_spd, triangle_size
 from .models import AllReduceModel, BroadcastModel, InverseModel, PerfModel, fit_inverse_model, fit_linear, r_squared
 
@@ -47,6 +48,7 @@ class BenchmarkConfig:
     model_name: Optional[str] = None
     message_sizes: Optional[List[int]] = None
     damping: float = 1e-3
+    eigen: bool = True  # also time torch.linalg.eigh at the same dimensions (compute_method='eigen')
 
     def dims(self) -> List[int]:
         base = self.inverse_dims or (QUICK_DIMS if self.quick else FULL_DIMS)
@@ -192,11 +194,11 @@ def run_benchmark(cfg: BenchmarkConfig, engine: Optional[CommBackend] = None) ->
     sizes, dims = cfg.sizes(), cfg.dims()
     root = engine.rank == 0
     comm_points = len(sizes) + len(dims) if engine.size > 1 else 0
-    progress = _Progress(comm_points + len(dims), root)
+    progress = _Progress(comm_points + len(dims) * (2 if cfg.eigen else 1), root)
 
     ar_times: List[float] = []
     bc_times: List[float] = []
-    means: Dict[str, List[float]] = {"allreduce": [], "broadcast": [], "inverse": []}
+    means: Dict[str, List[float]] = {"allreduce": [], "broadcast": [], "inverse": [], "eigen": []}
     if engine.size > 1:
         for m in sizes:
             buf = torch.ones(m, dtype=dtype, device=device)
@@ -219,19 +221,24 @@ def run_benchmark(cfg: BenchmarkConfig, engine: Optional[CommBackend] = None) ->
         means["allreduce"] = _mean_over_ranks(engine, means["allreduce"])
         means["broadcast"] = _mean_over_ranks(engine, means["broadcast"])
 
-    inv_times: List[float] = []
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    for d in dims:
-        x = torch.randn(d, d, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
-        spd = x @ x.T / d
-        reps = _repeats_for(cfg, d**3 // 64)
-        med, mean = _time(lambda: invert_spd(spd, cfg.damping), reps, min(cfg.warmup, reps), device)
-        inv_times.append(med)
-        means["inverse"].append(mean)
-        progress.step(f"inverse d={d}")
-    if engine.size > 1:
-        inv_times = _mean_over_ranks(engine, inv_times)
-        means["inverse"] = _mean_over_ranks(engine, means["inverse"])
+    curves: Dict[str, Callable[[torch.Tensor], Any]] = {"inverse": lambda spd: invert_spd(spd, cfg.damping)}
+    if cfg.eigen:
+        curves["eigen"] = eigen_payload  # eigh and the [Q, d] buffer, as the decomposition stage runs it
+    times: Dict[str, List[float]] = {name: [] for name in curves}
+    for name, fn in curves.items():
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        for d in dims:
+            x = torch.randn(d, d, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+            spd = x @ x.T / d
+            reps = _repeats_for(cfg, d**3 // 64)
+            med, mean = _time(lambda: fn(spd), reps, min(cfg.warmup, reps), device)
+            times[name].append(med)
+            means[name].append(mean)
+            progress.step(f"{name} d={d}")
+        if engine.size > 1:
+            times[name] = _mean_over_ranks(engine, times[name])
+            means[name] = _mean_over_ranks(engine, means[name])
+    inv_times = times["inverse"]
 
     quality: Dict[str, Any] = {}
     if engine.size > 1:
@@ -250,6 +257,11 @@ def run_benchmark(cfg: BenchmarkConfig, engine: Optional[CommBackend] = None) ->
         bc_model = BroadcastModel(bc_model.alpha, bc_model.beta, dict(zip(dims, bc_times)))
     quality["inverse"] = inv_quality
     quality["inverse"]["max_rel_error"] = _max_rel(inv_times, [inv_model.fitted(d) for d in dims])
+    eig_model = None
+    if cfg.eigen:
+        eig_model, quality["eigen"] = fit_inverse_model(dims, times["eigen"])
+        eig_model = InverseModel(eig_model.kind, eig_model.params, dict(zip(dims, times["eigen"])), name="eigen")
+        quality["eigen"]["max_rel_error"] = _max_rel(times["eigen"], [eig_model.fitted(d) for d in dims])
 
     meta = {
         "engine": engine.name,
@@ -272,7 +284,10 @@ def run_benchmark(cfg: BenchmarkConfig, engine: Optional[CommBackend] = None) ->
         "broadcast": {"dims": dims, "seconds": bc_times, "mean_seconds": means["broadcast"]} if bc_times else {},
         "inverse": {"dims": dims, "seconds": inv_times, "mean_seconds": means["inverse"]},
     }
-    return PerfModel(ar_model, bc_model, inv_model, meta=meta, measurements=measurements, fit_quality=quality, source="benchmark")
+    if cfg.eigen:
+        measurements["eigen"] = {"dims": dims, "seconds": times["eigen"], "mean_seconds": means["eigen"]}
+    return PerfModel(ar_model, bc_model, inv_model, meta=meta, measurements=measurements, fit_quality=quality,
+                     source="benchmark", eigen=eig_model)
 
 
 def _max_rel(measured: Sequence[float], predicted: Sequence[float]) -> float:

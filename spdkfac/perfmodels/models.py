@@ -3,7 +3,9 @@
 * all-reduce of ``m`` elements:      ``t_ar(m)    = alpha_ar + beta_ar * m``
 * broadcast of a ``d x d`` inverse:  ``t_bcast(d) = alpha_bc + beta_bc * d(d+1)/2``
 * inversion of a ``d x d`` SPD matrix: ``t_inv(d) = alpha_inv * exp(beta_inv * d)``
-  or, where that fits the measurements badly, a cubic ``c0 + c1 d + c2 d^2 + c3 d^3``.
+  or, where that fits the measurements badly, a cubic ``c0 + c1 d + c2 d^2 + c3 d^3``;
+* eigendecomposition of a ``d x d`` symmetric matrix (``compute_method='eigen'``,
+  optional: files from before it lack it), the same form as the inversion.
 
 Every rank loads the same file, so every rank makes the same fusion and
 placement decisions.
@@ -15,7 +17,7 @@ import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -96,6 +98,13 @@ class BroadcastModel:
         hit = self.measured.get(int(dim)) if self.measured and dim == int(dim) else None
         return hit if hit is not None else self.fitted(dim)
 
+    def payload(self, elements: int) -> float:
+        """Broadcast of a flat buffer of ``elements``: a measured time where it is a measured triangle's size."""
+        for dim, seconds in (self.measured or {}).items():
+            if dim * (dim + 1) // 2 == elements:
+                return seconds
+        return self.alpha + self.beta * elements
+
 
 @dataclass(frozen=True)
 class InverseModel:
@@ -112,21 +121,23 @@ class InverseModel:
     kind: str
     params: Dict[str, Any]
     measured: Optional[Dict[int, float]] = None
+    name: str = "inverse"  # the file's field (``'eigen'`` for the eigendecomposition model), for messages
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "measured", _check_measured("inverse", self.measured))
+        n = self.name
+        object.__setattr__(self, "measured", _check_measured(n, self.measured))
         if self.kind == "exp":
-            _positive_finite("inverse.alpha", self.params.get("alpha"))
-            _positive_finite("inverse.beta", self.params.get("beta"))
+            _positive_finite(f"{n}.alpha", self.params.get("alpha"))
+            _positive_finite(f"{n}.beta", self.params.get("beta"))
         elif self.kind == "cubic":
             coeffs = self.params.get("coeffs")
             if not isinstance(coeffs, (list, tuple)) or len(coeffs) != 4:
-                raise PerfModelError("inverse.coeffs must be a list of 4 numbers (c0..c3)")
+                raise PerfModelError(f"{n}.coeffs must be a list of 4 numbers (c0..c3)")
             if not all(math.isfinite(float(c)) for c in coeffs):
-                raise PerfModelError("inverse.coeffs must be finite")
-            _positive_finite("inverse.floor", self.params.get("floor"))
+                raise PerfModelError(f"{n}.coeffs must be finite")
+            _positive_finite(f"{n}.floor", self.params.get("floor"))
         else:
-            raise PerfModelError(f"inverse.kind must be 'exp' or 'cubic', got {self.kind!r}")
+            raise PerfModelError(f"{n}.kind must be 'exp' or 'cubic', got {self.kind!r}")
 
     def __call__(self, dim: float) -> float:
         hit = self.measured.get(int(dim)) if self.measured and dim == int(dim) else None
@@ -141,9 +152,17 @@ class InverseModel:
         return max(value, self.params["floor"])
 
 
+# Eigendecomposition (eigen_payload: torch.linalg.eigh and the [Q, d] buffer) over Cholesky inversion (invert_spd)
+# time, float32, one thread, torch 2.13 CPU on the reference VM, median thread CPU time beside each other
+# (scripts/add_eigen_curve.py, 2026-11-24): 2.1x at d=64, 2.7x at 256, 3.6x at 512, 5.3x at 1024, 6.2x at 2048,
+# 9.5x at 2304 and 3072, 10.1x at 4608. The large factors dominate the stage, so a file without an eigen model
+# is estimated at this multiple of its inversion model (with a warning); measure instead where it matters.
+EIGEN_OVER_INVERSE = 8.0
+
+
 @dataclass
 class PerfModel:
-    """The three fitted models plus where they were measured."""
+    """The fitted models plus where they were measured (``eigen`` is None in files from before it)."""
 
     allreduce: AllReduceModel
     broadcast: BroadcastModel
@@ -152,6 +171,32 @@ class PerfModel:
     measurements: Dict[str, Any] = field(default_factory=dict)
     fit_quality: Dict[str, Any] = field(default_factory=dict)
     source: str = "object"
+    eigen: Optional[InverseModel] = None
+    _eigen_estimate_warned: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def decomposition(self, method: str) -> Callable[[float], float]:
+        """Seconds to turn a ``d x d`` factor into what ``method`` preconditions with.
+
+        ``'eigen'`` with a file that has no eigen model (measured before it
+        existed): :data:`EIGEN_OVER_INVERSE` times the inversion model, with a
+        warning the first time, since placement decisions rest on it.
+        """
+        if method == "inverse":
+            return self.inverse
+        if method != "eigen":
+            raise ValueError(f"unknown compute method {method!r}")
+        if self.eigen is not None:
+            return self.eigen
+        if not self._eigen_estimate_warned:
+            self._eigen_estimate_warned = True
+            warnings.warn(
+                f"performance model {self.source} has no eigendecomposition model: estimating it as "
+                f"{EIGEN_OVER_INVERSE:g}x the inversion model. Re-run `python -m spdkfac.perfmodels benchmark` "
+                "to measure it.",
+                stacklevel=3,
+            )
+        inverse = self.inverse
+        return lambda dim: EIGEN_OVER_INVERSE * inverse(dim)
 
     @property
     def world_size(self) -> Optional[int]:
@@ -177,8 +222,8 @@ class PerfModel:
             "allreduce": {"alpha": self.allreduce.alpha, "beta": self.allreduce.beta, "unit": "seconds, elements"},
             "broadcast": {"alpha": self.broadcast.alpha, "beta": self.broadcast.beta, "unit": "seconds, d(d+1)/2 elements",
                           "measured": {str(k): v for k, v in sorted(self.broadcast.measured.items())}},
-            "inverse": {"kind": self.inverse.kind, **self.inverse.params, "unit": "seconds, dimension d",
-                        "measured": {str(k): v for k, v in sorted(self.inverse.measured.items())}},
+            "inverse": _curve_dict(self.inverse),
+            **({"eigen": _curve_dict(self.eigen)} if self.eigen is not None else {}),
             "meta": self.meta,
             "fit_quality": self.fit_quality,
             "measurements": self.measurements,
@@ -197,11 +242,8 @@ class PerfModel:
         try:
             ar = AllReduceModel(data["allreduce"]["alpha"], data["allreduce"]["beta"])
             bc = BroadcastModel(data["broadcast"]["alpha"], data["broadcast"]["beta"], data["broadcast"].get("measured"))
-            inv_d = dict(data["inverse"])
-            kind = inv_d.pop("kind", "exp")
-            inv_d.pop("unit", None)
-            measured = inv_d.pop("measured", None)
-            inv = InverseModel(kind, inv_d, measured)
+            inv = _curve_from_dict(data["inverse"], "inverse")
+            eig = _curve_from_dict(data["eigen"], "eigen") if "eigen" in data else None
         except PerfModelError as exc:
             raise PerfModelError(f"{source}: {exc}") from None
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
@@ -210,6 +252,7 @@ class PerfModel:
             allreduce=ar,
             broadcast=bc,
             inverse=inv,
+            eigen=eig,
             meta=dict(data.get("meta", {})),
             measurements=dict(data.get("measurements", {})),
             fit_quality=dict(data.get("fit_quality", {})),
@@ -234,9 +277,23 @@ class PerfModel:
             allreduce=AllReduceModel(2.0e-4, 2.0e-9),
             broadcast=BroadcastModel(2.0e-4, 2.0e-9),
             inverse=InverseModel("cubic", {"coeffs": [5.0e-5, 0.0, 0.0, 1.5e-11], "floor": 5.0e-5}),
+            eigen=InverseModel("cubic", {"coeffs": [5.0e-5, 0.0, 0.0, EIGEN_OVER_INVERSE * 1.5e-11], "floor": 5.0e-5}, name="eigen"),
             meta={"label": "built-in default (uncalibrated)"},
             source="built-in default (uncalibrated)",
         )
+
+
+def _curve_dict(model: InverseModel) -> Dict[str, Any]:
+    return {"kind": model.kind, **model.params, "unit": "seconds, dimension d",
+            "measured": {str(k): v for k, v in sorted((model.measured or {}).items())}}
+
+
+def _curve_from_dict(entry: Dict[str, Any], name: str) -> InverseModel:
+    params = dict(entry)
+    kind = params.pop("kind", "exp")
+    params.pop("unit", None)
+    measured = params.pop("measured", None)
+    return InverseModel(kind, params, measured, name=name)
 
 
 def load_perf_model(perf_model: Union[None, str, Path, PerfModel]) -> PerfModel:

@@ -53,6 +53,10 @@ def plot_perf_model(model: PerfModel, out: Union[str, Path]) -> Path:
         if "cubic" in q:
             cub = InverseModel("cubic", {"coeffs": q["cubic"]["coeffs"], "floor": float(min(inv["seconds"]) * 0.5)})
             ax.semilogy(grid_d, [cub(d) * 1e3 for d in grid_d], ":", label=f"cubic fit, mean rel err {q['cubic']['mean_rel_error']:.0%}")
+        eig = meas.get("eigen")
+        if eig and model.eigen is not None:
+            ax.semilogy(eig["dims"], np.array(eig["seconds"]) * 1e3, "s", label="measured eigendecomposition")
+            ax.semilogy(grid_d, [model.eigen.fitted(d) * 1e3 for d in grid_d], "-.", label=f"eigen fit ({model.eigen.kind})")
         if bc:
             ax.semilogy(grid_d, [model.broadcast.fitted(d) * 1e3 for d in grid_d], "-", alpha=0.6, label="broadcast model (Fig. 11)")
         ax.set_title(f"inversion (chosen: {model.inverse.kind})")

@@ -39,11 +39,31 @@ def perf_model(name: str) -> PerfModel:
         default["inverse"] = {"kind": "cubic", "coeffs": [1e-6, 0.0, 0.0, 1e-3], "floor": 1e-6}
         default["broadcast"] = {"alpha": 1e-1, "beta": 1e-6}
         return PerfModel.from_dict(default, "expensive-inverse")
+    if name == "expensive-eigen":
+        # Inversions free (every factor local if the inverse curve were used), eigendecompositions dearer than
+        # the broadcast of Q and d for d >= 5: under 'eigen', big factors are owned and broadcast, small ones local.
+        default["inverse"] = {"kind": "cubic", "coeffs": [1e-9, 0.0, 0.0, 1e-12], "floor": 1e-9}
+        default["eigen"] = {"kind": "cubic", "coeffs": [1e-6, 0.0, 0.0, 1e-3], "floor": 1e-6}
+        default["broadcast"] = {"alpha": 1e-1, "beta": 1e-6}
+        return PerfModel.from_dict(default, "expensive-eigen")
     if name == "big-alpha":
         # A huge all-reduce start-up cost: optimal fusion merges groups of factors.
         default["allreduce"] = {"alpha": 10.0, "beta": 1e-9}
         return PerfModel.from_dict(default, "big-alpha")
     raise ValueError(name)
+
+
+#: Named step schedules (JSON configs cannot hold callables): option -> f(step), the same on every rank.
+SCHEDULES = {
+    # Damping halves every 2 steps, the KL clip tightens at step 3, and from step 3 on the factors are updated
+    # every 2 steps and the inverses every 4: factor steps 0, 1, 2, 4; inverse steps 0, 2, 4.
+    "decay": dict(
+        damping=lambda s: 0.02 * 0.5 ** (s // 2),
+        kl_clip=lambda s: 0.01 if s < 3 else 0.005,
+        factor_update_freq=lambda s: 1 if s < 3 else 2,
+        inv_update_freq=lambda s: 2 if s < 3 else 4,
+    ),
+}
 
 
 def main() -> None:
@@ -54,6 +74,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="float64", choices=["float32", "float64"])
+    ap.add_argument("--no-accumulation", action="store_true",
+                    help="ignore accumulation_steps: the full-batch reference of an accumulated run")
+    ap.add_argument("--every-rank", action="store_true", help="every rank saves its results, to OUT.rank<r>")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.set_default_dtype(getattr(torch, args.dtype))
@@ -75,12 +98,27 @@ def main() -> None:
             last = torch.zeros(args.global_batch, dtype=torch.bool)
             last[-1] = True  # on the last rank only: the others see NaN only through the averaged gradients
             poisoned = {amp["nan_step"]: last[rank * local : (rank + 1) * local]}
+        nan_steps = cfg.pop("nan_steps", None)  # NaN in the last sample (on the last rank only) at these steps, no scaler
+        if nan_steps is not None:
+            last = torch.zeros(args.global_batch, dtype=torch.bool)
+            last[-1] = True
+            poisoned = {step: last[rank * local : (rank + 1) * local] for step in nan_steps}
+        skip_bad_loss = cfg.pop("skip_bad_loss", False)
         clip = cfg.pop("clip_grad_norm", None)
+        cfg.update(SCHEDULES[cfg.pop("schedule")] if "schedule" in cfg else {})
+        if args.no_accumulation:
+            cfg.pop("accumulation_steps", None)
+        accumulate = cfg.get("accumulation_steps", 1)
+        if local % accumulate:
+            raise SystemExit(f"local batch {local} not divisible into {accumulate} micro-batches")
         model = small_net()
         opt = SPDKFACOptimizer(model, backend=backend, perf_model=pm, **cfg)
-        train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned, clip=clip)
+        train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned, clip=clip, accumulate=accumulate,
+              skip_bad_loss=skip_bad_loss)
         results[name] = {
             "steps": opt.steps,
+            "damping": opt.param_groups[0]["damping"],
+            "update_freqs": [opt.factor_update_freq, opt.inv_update_freq],
             "fusion_plans_made": opt.fusion_plans_made,
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "fusion_plan": opt.fusion_plan(),
@@ -92,7 +130,9 @@ def main() -> None:
         }
         opt.remove_hooks()
         print(f"rank {rank}/{size}: {name} done", flush=True)
-    if rank == 0:
+    if args.every_rank:
+        torch.save(results, f"{args.out}.rank{rank}")
+    elif rank == 0:
         torch.save(results, args.out)
 
 

@@ -1,0 +1,92 @@
+"""Add the eigendecomposition curve to a performance-model file measured before it existed.
+
+Times ``eigen_payload`` (``torch.linalg.eigh`` and the ``[Q, d]`` buffer, as
+the decomposition stage runs it) at exactly the dimensions of the file's
+inversion curve, with the file's dtype and thread count, in this one process.
+Each point is the median *CPU time of this thread* (``time.thread_time``), so
+that other jobs sharing the cores do not inflate it; the inversion is
+re-timed the same way beside it, and its ratio to the file's inversion times
+is recorded, as a check that the two curves are comparable. Fits the curve
+as :func:`~spdkfac.perfmodels.fit_inverse_model` fits the inversions; writes
+``eigen``, ``measurements.eigen``, ``fit_quality.eigen`` and
+``meta.eigen_curve`` (how it was measured) and leaves every other field as
+it was::
+
+    python scripts/add_eigen_curve.py perfmodels/reference-cpu-gloo-2.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, List
+
+import torch
+
+from spdkfac.decomposition import eigen_payload
+from spdkfac.linalg import invert_spd
+from spdkfac.perfmodels import PerfModel, fit_inverse_model
+
+
+def _cpu_times(fn: Callable[[], object], repeats: int) -> List[float]:
+    fn()  # warm-up
+    out = []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        fn()
+        out.append(time.thread_time() - t0)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("file")
+    args = ap.parse_args()
+    path = Path(args.file)
+    data = json.loads(path.read_text())
+    PerfModel.from_dict(data, str(path))  # refuse a broken file before minutes of measuring
+    meta = data.get("meta", {})
+    dims = [int(d) for d in data["measurements"]["inverse"]["dims"]]
+    file_inverse = data["measurements"]["inverse"]["seconds"]
+    torch.set_num_threads(int(meta.get("torch_threads", 1)))
+    dtype = getattr(torch, meta.get("dtype", "float32"))
+    gen = torch.Generator().manual_seed(0)
+    medians, means, inverse_ratio = [], [], []
+    for d, t_file in zip(dims, file_inverse):
+        x = torch.randn(d, d, generator=gen, dtype=torch.float64).to(dtype)
+        spd = x @ x.T / d
+        reps = 3 if d >= 1024 else 9  # a short run: the large points cost seconds each
+        times = _cpu_times(lambda: eigen_payload(spd), reps)
+        inverse = statistics.median(_cpu_times(lambda: invert_spd(spd, 1e-3), reps))
+        medians.append(statistics.median(times))
+        means.append(statistics.fmean(times))
+        inverse_ratio.append(inverse / t_file)
+        print(f"eigen d={d}: {medians[-1] * 1e3:.2f} ms; inversion {inverse * 1e3:.2f} ms here, "
+              f"{t_file * 1e3:.2f} ms in the file ({reps} repeats)", file=sys.stderr, flush=True)
+    model, quality = fit_inverse_model(dims, medians)
+    quality["max_rel_error"] = max(abs(model.fitted(d) - t) / t for d, t in zip(dims, medians))
+    data["eigen"] = {"kind": model.kind, **model.params, "unit": "seconds, dimension d",
+                     "measured": {str(d): t for d, t in zip(dims, medians)}}
+    data.setdefault("measurements", {})["eigen"] = {"dims": dims, "seconds": medians, "mean_seconds": means}
+    data.setdefault("fit_quality", {})["eigen"] = quality
+    meta["eigen_curve"] = (
+        f"added {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')} by "
+        f"scripts/add_eigen_curve.py: one process, {torch.get_num_threads()} thread(s), {dtype}, torch "
+        f"{torch.__version__}, median thread CPU time of 3 (d >= 1024) or 9 runs after one warm-up, on a shared "
+        f"machine; the inversions re-timed the same way took {min(inverse_ratio):.2f}-{max(inverse_ratio):.2f}x "
+        f"(median {statistics.median(inverse_ratio):.2f}x) the file's inverse curve"
+    )
+    meta["eigen_curve_inverse_ratio"] = dict(zip(map(str, dims), inverse_ratio))
+    data["meta"] = meta
+    PerfModel.from_dict(data, str(path))
+    path.write_text(json.dumps(data, indent=1, sort_keys=False))
+    print(f"wrote the eigen curve ({model.kind}) into {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Hyperparameters that change during training: per-step callables and the per-epoch recipe.
+
+Two ways to schedule K-FAC's damping, KL clip and update frequencies:
+
+* pass a callable ``f(step) -> value`` instead of a number for ``damping``,
+  ``kl_clip``, ``factor_update_freq`` or ``inv_update_freq`` of
+  :class:`~spdkfac.SPDKFACOptimizer` (as KAISA does). ``step`` is the number of
+  completed ``step()`` calls (0 for the first). The value is a pure function of
+  the step counter, so every worker takes the same value at the same step with
+  no communication; :class:`StepSchedule` evaluates and validates it.
+* :class:`KFACParamScheduler`, stepped once per epoch like a
+  ``torch.optim.lr_scheduler``: the recipe of Pauloski et al. (Sec. V-C of
+  "Convolutional neural network training with distributed K-FAC"): the damping
+  is multiplied by ``damping_alpha`` at each epoch of ``damping_schedule`` (large
+  damping early, when the Fisher changes fast) and both update frequencies by
+  ``update_freq_alpha`` at each epoch of ``update_freq_schedule`` (factors and
+  inverses refreshed less often once the Fisher is stable).
+
+The optimizer resolves the values in force for a step once, when that step
+first needs them (its first training forward pass, or ``step()``), so a
+scheduler's change between two ``step()`` calls applies to the whole next step.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, TypeVar, Union
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .optimizer import SPDKFACOptimizer
+
+__all__ = ["SCHEDULED_OPTIONS", "Scheduled", "StepSchedule", "KFACParamScheduler"]
+
+#: The optimizer options that may be given as ``f(step) -> value``.
+SCHEDULED_OPTIONS = ("damping", "kl_clip", "factor_update_freq", "inv_update_freq")
+
+T = TypeVar("T")
+#: A hyperparameter given as a value or as a function of the step counter.
+Scheduled = Union[T, Callable[[int], T]]
+Validator = Callable[[str, Any], Any]
+
+
+class StepSchedule:
+    """Which of the optimizer's scheduled options are callables, and the values in force at a step.
+
+    Options given as numbers are not kept here: their value lives where code
+    reads and sets it (``param_groups[0]['damping']`` / ``['kl_clip']``, the
+    optimizer's ``factor_update_freq`` / ``inv_update_freq``), so writing there
+    keeps working; :meth:`resolve` only validates them. Callables cannot be
+    pickled: ``state_dict`` stores the values in force and the callables are
+    given again to the constructor on resume.
+    """
+
+    def __init__(self, options: Mapping[str, Any], validators: Mapping[str, Validator]) -> None:
+        unknown = sorted(set(options) - set(SCHEDULED_OPTIONS))
+        if unknown:
+            raise ValueError(f"options {unknown} cannot be scheduled; only {SCHEDULED_OPTIONS}")
+        self._validators = dict(validators)
+        self.callables: Dict[str, Callable[[int], Any]] = {name: v for name, v in options.items() if callable(v)}
+
+    def is_scheduled(self, name: str) -> bool:
+        """Whether ``name`` was given as a callable of the step."""
+        return name in self.callables
+
+    def resolve(self, step: int, current: Mapping[str, Any]) -> Dict[str, Any]:
+        """The validated values in force at ``step``: callables evaluated at it, the rest taken from ``current``.
+
+        Raises:
+            TypeError, ValueError: a value is invalid (the message names the
+                option and the step), or ``inv_update_freq`` is not a multiple of
+                ``factor_update_freq`` at this step.
+        """
+        values: Dict[str, Any] = {}
+        for name, check in self._validators.items():
+            fn = self.callables.get(name)
+            value = fn(step) if fn is not None else current[name]
+            try:
+                check(name, value)
+            except (TypeError, ValueError) as exc:
+                source = f"the {name} schedule's value" if fn is not None else f"the {name} in force"
+                raise type(exc)(f"{exc} ({source} at step {step})") from None
+            values[name] = value
+        factor_freq, inv_freq = values["factor_update_freq"], values["inv_update_freq"]
+        if inv_freq % factor_freq:
+            raise ValueError(
+                f"inv_update_freq ({inv_freq}) must be a multiple of factor_update_freq ({factor_freq}) at every step "
+                f"(inverses are computed from freshly updated factors); it is not at step {step}"
+            )
+        return values
+
+
+def _check_epochs(name: str, epochs: Optional[Iterable[int]]) -> List[int]:
+    out = list(epochs) if epochs is not None else []
+    for e in out:
+        if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+            raise ValueError(f"{name} must be a list of epochs (non-negative integers), got {epochs!r}")
+    return sorted(out)
+
+
+def _check_alpha(name: str, alpha: Any) -> float:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha > 0):
+        raise ValueError(f"{name} must be a positive number, got {alpha!r}")
+    return float(alpha)
+
+
+class KFACParamScheduler:
+    """Damping decay and update-frequency scaling at fixed epochs, stepped like an LR scheduler.
+
+    During epoch ``e`` (after ``e`` calls of :meth:`step`), with ``n(S)`` the
+    number of epochs in schedule ``S`` that are ``<= e``::
+
+        damping            = base_damping * damping_alpha ** n(damping_schedule)
+        factor_update_freq = max(1, round(base_factor_freq * update_freq_alpha ** n(update_freq_schedule)))
+        inv_update_freq    = factor_update_freq * (base_inv_freq // base_factor_freq)
+
+    The base values are the optimizer's when the scheduler is made. Scaling the
+    factor frequency and keeping the inverse/factor ratio keeps
+    ``inv_update_freq`` a multiple of ``factor_update_freq``. A new damping takes
+    effect at the next inverse update (the damping is part of the inverses).
+
+    Usage, once per epoch as a ``torch.optim.lr_scheduler``::
+
+        kfac_sched = KFACParamScheduler(opt, damping_alpha=0.5, damping_schedule=[40, 80],
+                                        update_freq_alpha=10, update_freq_schedule=[40])
+        for epoch in range(epochs):
+            train_one_epoch(...)
+            kfac_sched.step()
+
+    Save :meth:`state_dict` with the optimizer's and restore it with
+    :meth:`load_state_dict` after the optimizer's to resume exactly.
+    """
+
+    def __init__(
+        self,
+        optimizer: "SPDKFACOptimizer",
+        damping_alpha: float = 1.0,
+        damping_schedule: Optional[Iterable[int]] = None,
+        update_freq_alpha: float = 1.0,
+        update_freq_schedule: Optional[Iterable[int]] = None,
+    ) -> None:
+        schedule = getattr(optimizer, "schedule", None)
+        if not isinstance(schedule, StepSchedule):
+            raise TypeError(f"optimizer must be an SPDKFACOptimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.damping_alpha = _check_alpha("damping_alpha", damping_alpha)
+        self.damping_schedule = _check_epochs("damping_schedule", damping_schedule)
+        self.update_freq_alpha = _check_alpha("update_freq_alpha", update_freq_alpha)
+        self.update_freq_schedule = _check_epochs("update_freq_schedule", update_freq_schedule)
+        touched = (["damping"] if self.damping_schedule else []) + (
+            ["factor_update_freq", "inv_update_freq"] if self.update_freq_schedule else []
+        )
+        clash = [name for name in touched if schedule.is_scheduled(name)]
+        if clash:
+            raise ValueError(f"{clash} are already scheduled by a callable given to the optimizer; schedule them one way only")
+        self.base_damping: float = optimizer.param_groups[0]["damping"]
+        self.base_factor_update_freq: int = optimizer.factor_update_freq
+        self.base_inv_update_freq: int = optimizer.inv_update_freq
+        self.epoch = 0
+        self._apply()
+
+    def damping_at(self, epoch: int) -> float:
+        """The damping during ``epoch``."""
+        return self.base_damping * self.damping_alpha ** sum(e <= epoch for e in self.damping_schedule)
+
+    def update_freqs_at(self, epoch: int) -> "tuple[int, int]":
+        """``(factor_update_freq, inv_update_freq)`` during ``epoch``."""
+        scale = self.update_freq_alpha ** sum(e <= epoch for e in self.update_freq_schedule)
+        factor = max(1, int(round(self.base_factor_update_freq * scale)))
+        return factor, factor * (self.base_inv_update_freq // self.base_factor_update_freq)
+
+    def step(self) -> None:
+        """End of an epoch: set the values of the next one."""
+        self.epoch += 1
+        self._apply()
+
+    def _apply(self) -> None:
+        if self.damping_schedule:
+            damping = self.damping_at(self.epoch)
+            for group in self.optimizer.param_groups:
+                group["damping"] = damping
+        if self.update_freq_schedule:
+            self.optimizer.factor_update_freq, self.optimizer.inv_update_freq = self.update_freqs_at(self.epoch)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything but the optimizer (as ``torch.optim.lr_scheduler``)."""
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items() if k != "optimizer"}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the optimizer's own checkpoint holds the values in force."""
+        expected = set(self.state_dict())
+        if set(state_dict) != expected:
+            raise ValueError(f"not a KFACParamScheduler state: keys {sorted(state_dict)}, expected {sorted(expected)}")
+        self.__dict__.update({k: (list(v) if isinstance(v, list) else v) for k, v in state_dict.items()})
+
+    def __repr__(self) -> str:
+        return (
+            f"KFACParamScheduler(epoch={self.epoch}, damping={self.damping_at(self.epoch):g} (x{self.damping_alpha:g} at "
+            f"{self.damping_schedule}), update_freqs={self.update_freqs_at(self.epoch)} (x{self.update_freq_alpha:g} at "
+            f"{self.update_freq_schedule}))"
+        )
