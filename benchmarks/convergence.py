@@ -40,7 +40,7 @@ import torch.nn as nn
 from spdkfac.affinity import add_bind_cores_option
 from spdkfac.comm import DEVICE_CHOICES, worker_device
 from spdkfac.models import get_model
-from spdkfac.optimizer import NonFiniteFactorError
+from spdkfac.optimizer import NonFiniteError
 from spdkfac.train import _average, _loaders, evaluate, lr_at
 from spdkfac.variants import make_optimizer, variant_argv, variant_config
 
@@ -203,7 +203,7 @@ def train_run(args, backend, device, data: str, loaders, spec: str, base_lr: flo
             t1 = time.perf_counter()
             try:
                 opt.step()
-            except NonFiniteFactorError as exc:  # the factors are all-reduced: every worker raises alike
+            except NonFiniteError as exc:  # raised on every worker alike (averaged gradients and factors)
                 diverged = f"epoch {epoch + 1}: {exc}"
                 failed = 1.0
                 break
@@ -218,7 +218,7 @@ def train_run(args, backend, device, data: str, loaders, spec: str, base_lr: flo
         loss_sum, count, epoch_s, fwdbwd, step_s, failed = _average(
             backend, [loss_sum, count, epoch_s, fwdbwd, step_s, failed], "convergence.train", device)
         if failed:
-            diverged = diverged or f"epoch {epoch + 1}: non-finite factors on a worker"
+            diverged = diverged or f"epoch {epoch + 1}: non-finite values on a worker"
             break
         seconds += epoch_s
         test_loss, test_acc = evaluate(model, test_loader, backend, device)
