@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -65,6 +65,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="base LRs per worker (scaled by the number of workers): plain numbers for every optimizer, "
                          f"OPT=lr,lr,... for one (OPT: a variant name or an exact --optimizers entry); "
                          f"default {','.join(map(str, DEFAULT_LR_GRID))}")
+    ap.add_argument("--interleave", action="store_true",
+                    help="hold all runs of a (data, batch size) at once and alternate their epochs, so that a shared "
+                         "machine's changing load slows every optimizer alike (fairer seconds; more memory)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="model-initialisation and shuffling seeds")
     ap.add_argument("--split-seed", type=int, default=42, help="seed of the fixed train/test split")
     ap.add_argument("--momentum", type=float, default=0.9)
@@ -169,11 +172,24 @@ def schedule(args: argparse.Namespace) -> argparse.Namespace:
 def train_run(args, backend, device, data: str, loaders, spec: str, base_lr: float, seed: int) -> Dict[str, Any]:
     """One training run on ``loaders`` (spdkfac.train._loaders's answer); per-epoch metrics, identical on every worker.
 
-    Stops early if it diverges (non-finite factors or loss).
+    Stops early if it diverges (non-finite values or loss).
+    """
+    run: Dict[str, Any] = {}
+    for run in train_epochs(args, backend, device, data, loaders, spec, base_lr, seed):
+        pass
+    return run
+
+
+def train_epochs(args, backend, device, data: str, loaders, spec: str, base_lr: float, seed: int,
+                 label: str = "") -> Iterator[Dict[str, Any]]:
+    """:func:`train_run` one epoch at a time: yields the run's record (updated in place) after each epoch.
+
+    Runs may alternate epochs (``--interleave``): each epoch sets the shared
+    loader's seed and epoch itself, and the model and optimizer live in the
+    generator.
     """
     rank, size = backend.rank, backend.size
     train_loader, test_loader, num_classes, model_name = loaders
-    train_loader.seed = seed  # the split stays fixed; initialisation and order change with the seed
     torch.manual_seed(seed)
     model = get_model(model_name, num_classes=num_classes).to(device)
     peak = base_lr * size
@@ -183,9 +199,11 @@ def train_run(args, backend, device, data: str, loaders, spec: str, base_lr: flo
     sched = schedule(args)
     steps = len(train_loader)
     epochs: List[Dict[str, Any]] = []
+    run = {"seed": seed, "epochs": epochs, "diverged": None, "steps_per_epoch": steps, "model": model_name}
     seconds = 0.0
     diverged = None
     for epoch in range(args.epochs):
+        train_loader.seed = seed  # the split stays fixed; initialisation and order change with the seed
         train_loader.set_epoch(epoch)
         model.train()
         loss_sum = count = fwdbwd = step_s = 0.0
@@ -225,14 +243,18 @@ def train_run(args, backend, device, data: str, loaders, spec: str, base_lr: flo
         row = {"epoch": epoch + 1, "train_loss": loss_sum / max(count, 1), "test_loss": test_loss, "test_acc": test_acc,
                "epoch_s": epoch_s, "seconds": seconds, "fwdbwd_s": fwdbwd, "step_s": step_s, "lr": lr}
         epochs.append(row)
-        log(rank, f"    epoch {epoch + 1:3d}/{args.epochs}  train loss {row['train_loss']:.4f}  test loss {test_loss:.4f} "
+        log(rank, f"    {label}epoch {epoch + 1:3d}/{args.epochs}  train loss {row['train_loss']:.4f}  test loss {test_loss:.4f} "
                   f"acc {test_acc:.4f}  {epoch_s:6.2f} s (fwd+bwd {fwdbwd:.2f}, step {step_s:.2f})  total {seconds:7.1f} s")
         if not all(math.isfinite(row[k]) for k in ("train_loss", "test_loss")):
             diverged = f"epoch {epoch + 1}: non-finite loss"
             break
+        yield run
     if hasattr(opt, "remove_hooks"):
         opt.remove_hooks()
-    return {"seed": seed, "epochs": epochs, "diverged": diverged, "steps_per_epoch": steps, "model": model_name}
+    run["diverged"] = diverged
+    if diverged:
+        log(rank, f"    {label}diverged: {diverged}")
+    yield run
 
 
 def mean_curve(runs: List[Dict[str, Any]], epochs: int) -> List[Dict[str, Any]]:
@@ -382,22 +404,42 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     log(rank, f"convergence: {size} worker(s) via {backend.name} on {device}, {args.epochs} epochs, {len(runs)} runs: "
               + "; ".join(f"{st['data']} batch {st['batch_size']}/worker ({st['steps_per_epoch']} steps/epoch)" for st in settings))
     t_start = time.perf_counter()
-    for i, (st, spec, lr, seed) in enumerate(runs):
-        log(rank, f"[{i + 1}/{len(runs)}] {st['data']} batch {st['batch_size']}/worker {spec} lr {lr:g} (x{size}) seed {seed}"
-                  f"  ({time.perf_counter() - t_start:.0f} s so far)")
-        run = train_run(args, backend, device, st["data"], loaders[st["data"], st["batch_size"]], spec, lr, seed)
-        if run["diverged"]:
-            log(rank, f"    diverged: {run['diverged']}")
+
+    def record(st: Dict[str, Any], spec: str, lr: float, run: Dict[str, Any]) -> None:
         res = st["optimizers"].setdefault(spec, {"lr_grid": {}})
         res["config"] = {**variant_config(spec), **optimizer_kwargs(spec, args, st["data"])}  # what the runs used
-        grid = res["lr_grid"]
-        point = grid.setdefault(repr(lr), {"lr": lr, "runs": []})
+        point = res["lr_grid"].setdefault(repr(lr), {"lr": lr, "runs": []})
         point["runs"].append(run)
         if len(point["runs"]) == len(args.seeds):
             point["curve"] = mean_curve(point["runs"], args.epochs)
             point["diverged"] = next((r["diverged"] for r in point["runs"] if r["diverged"]), None)
             point["best_test_acc"] = max((r["test_acc"] for r in point["curve"]), default=None)
             point["final_test_loss"] = point["curve"][-1]["test_loss"] if point["curve"] else None
+
+    def describe(st, spec, lr, seed) -> str:
+        return f"{st['data']} batch {st['batch_size']}/worker {spec} lr {lr:g} (x{size}) seed {seed}"
+
+    if not args.interleave:
+        for i, (st, spec, lr, seed) in enumerate(runs):
+            log(rank, f"[{i + 1}/{len(runs)}] {describe(st, spec, lr, seed)}  ({time.perf_counter() - t_start:.0f} s so far)")
+            record(st, spec, lr, train_run(args, backend, device, st["data"], loaders[st["data"], st["batch_size"]], spec, lr, seed))
+    else:  # the runs of a setting alternate epochs, so the machine's load drifts fall on all of them alike
+        for st in settings:
+            mine = [(spec, lr, seed) for s_, spec, lr, seed in runs if s_ is st]
+            log(rank, f"{st['data']} batch {st['batch_size']}/worker: {len(mine)} runs, interleaved by epoch: "
+                      + "; ".join(f"[{i + 1}] {describe(st, *r)}" for i, r in enumerate(mine)))
+            gens = [train_epochs(args, backend, device, st["data"], loaders[st["data"], st["batch_size"]], *r, label=f"[{i + 1}] ")
+                    for i, r in enumerate(mine)]
+            last: List[Dict[str, Any]] = [{} for _ in mine]
+            live = list(range(len(mine)))
+            while live:
+                for i in list(live):
+                    try:
+                        last[i] = next(gens[i])
+                    except StopIteration:
+                        live.remove(i)
+            for (spec, lr, _), run in zip(mine, last):
+                record(st, spec, lr, run)
     for st in settings:
         summarise(st, args.optimizers)
     result = {"args": {k: v for k, v in vars(args).items()}, "machine": machine(), "engine": backend.name,

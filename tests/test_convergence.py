@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -80,7 +81,9 @@ def test_convergence_single_process(tmp_path):
 
 def test_convergence_two_workers(tmp_path):
     out = tmp_path / "conv"
-    run_workers("torch", 2, _args(out, epochs=2))
+    output = run_workers("torch", 2, _args(out, epochs=2) + ["--interleave"])
+    # the three runs alternate epochs: [1] [2] [3] [1] [2] [3]
+    assert re.findall(r"\[(\d)\] epoch +(\d)/2", output) == [(r, e) for e in "12" for r in "123"]
     _check(out, 2, 2)
 
 
