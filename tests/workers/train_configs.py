@@ -128,6 +128,8 @@ def main() -> None:
             "overlapped_factor_steps": opt.overlapped_factor_steps,
             "timeline": [asdict(it) for it in opt.timeline.iterations] if opt.timeline is not None else None,
         }
+        if args.every_rank:  # momentum buffers, factors, inverses / eigendecompositions: compared across ranks
+            results[name]["optimizer_state"] = opt.state_dict()
         opt.remove_hooks()
         print(f"rank {rank}/{size}: {name} done", flush=True)
     if args.every_rank:
