@@ -28,14 +28,15 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union, cast
+import warnings
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.nn as nn
 
 from .comm import CommBackend, Handle, get_backend
 from .fusion import FUSION_POLICIES, TensorFusionController, plan_groups
-from .layers import FACTOR_KINDS, KFACLayer, factor_list, kfac_layers
+from .layers import FACTOR_KINDS, KFACLayer, LayerFilter, factor_list, functional_submodules, kfac_layers
 from .decomposition import Eigen, check_method, eigen_payload, stage_costs, unpack_eigen
 from .inversion import compute_eigen, compute_inverses
 from .linalg import all_finite, invert_spd, triangle_size
@@ -179,6 +180,12 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             To skip a batch yourself after the forward pass, decide on every
             worker at once: ``if not optimizer.finite_everywhere(loss):
             continue`` (one tiny all-reduce).
+        skip_layers: modules to leave out of K-FAC (plain momentum-SGD
+            update): module names (``'encoder.layers.0.linear1'``), class
+            names (``'Linear'``) or classes. Layers whose weight is used
+            without their ``forward()`` (``nn.MultiheadAttention.out_proj``)
+            are left out automatically, with a notice; a weight shared by
+            several modules (tied weights) must be left out here.
     """
 
     def __init__(
@@ -208,6 +215,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         grad_scaler: Optional[Any] = None,
         accumulation_steps: int = 1,
         skip_nonfinite: int = 0,
+        skip_layers: Sequence[LayerFilter] = (),
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -270,7 +278,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
         self.precondition = precondition
         self.compute_method = compute_method
-        self.layers: List[KFACLayer] = kfac_layers(model, compute_method) if precondition else []
+        self.layers: List[KFACLayer] = kfac_layers(model, compute_method, tuple(skip_layers)) if precondition else []
+        functional = functional_submodules(model)
+        if precondition and functional:  # a notice, once: these layers are not preconditioned
+            warnings.warn(f"these layers get the plain momentum-SGD update, without K-FAC: {functional}", stacklevel=2)
         if precondition and not self.layers:
             raise ValueError(
                 "model has no layer SPDKFACOptimizer can precondition (nn.Linear or nn.Conv2d with groups=1 "
@@ -344,7 +355,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             for g in self.param_groups:
                 g["damping"], g["kl_clip"] = values["damping"], values["kl_clip"]
             self.factor_update_freq, self.inv_update_freq = values["factor_update_freq"], values["inv_update_freq"]
-            first = any(layer.A_inv is None or layer.G_inv is None for layer in self.layers)
+            first = any(not layer.decomposed for layer in self.layers)
             self._step_kind = (
                 self.precondition and (first or self.steps % self.factor_update_freq == 0),
                 self.precondition and (first or self.steps % self.inv_update_freq == 0),
