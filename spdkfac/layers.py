@@ -40,9 +40,11 @@ from .conv_gram import conv_input_gram
 from .decomposition import Eigen, check_method, eigen_precondition
 from .linalg import channel_gram, pack_upper, symmetric_gram, triangle_size, unpack_upper
 
-__all__ = ["KFACLayer", "RowExtractor", "make_extractor", "kfac_layers", "functional_submodules", "factor_list", "FACTOR_KINDS"]
+__all__ = ["FactorKey", "KFACLayer", "RowExtractor", "make_extractor", "kfac_layers", "functional_submodules", "factor_list", "FACTOR_KINDS"]
 
 FACTOR_KINDS = ("A", "G")
+#: A factor by (kind 'A' | 'G', layer name), the same on every rank.
+FactorKey = Tuple[str, str]
 
 
 class RowExtractor(abc.ABC):

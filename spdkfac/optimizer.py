@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from .comm import CommBackend, Handle, get_backend
 from .fusion import FUSION_POLICIES, TensorFusionController, plan_groups
-from .layers import FACTOR_KINDS, KFACLayer, LayerFilter, factor_list, functional_submodules, kfac_layers
+from .layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, factor_list, functional_submodules, kfac_layers
 from .decomposition import Eigen, check_method, eigen_payload, stage_costs, unpack_eigen
 from .inversion import compute_eigen, compute_inverses
 from .linalg import all_finite, invert_spd, triangle_size
@@ -48,7 +48,6 @@ from .timeline import FactorEvent, IterationRecord, Timeline
 
 __all__ = ["SPDKFACOptimizer", "NonFiniteError", "NonFiniteFactorError"]
 
-FactorKey = Tuple[str, str]
 
 
 def _check_number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True) -> float:
@@ -319,7 +318,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.precondition_owner = {layer.name: rank for layer, rank in zip(self.layers, owners)}
 
         self._grad_handles: Dict[torch.Tensor, Handle] = {}
+        # Names every rank agrees on (collectives are matched by name): the model's, else the position in the groups.
         self._param_names = {p: n for n, p in model.named_parameters()}
+        for i, p in enumerate(p for group in self.param_groups for p in group["params"]):
+            self._param_names.setdefault(p, f"param{i}")
         self._hook_handles: List[Any] = []
         for layer in self.layers:
             self._hook_handles.append(layer.module.register_forward_pre_hook(self._make_a_hook(layer)))
@@ -488,7 +490,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         return self._loss_scale
 
     def _start_grad_allreduce(self, p: torch.Tensor) -> None:
-        self._grad_handles[p] = self.backend.allreduce_async(p.grad, f"spdkfac.grad.{self._param_names.get(p, id(p))}")
+        self._grad_handles[p] = self.backend.allreduce_async(p.grad, f"spdkfac.grad.{self._param_names[p]}")
 
     def _grad_hook(self, p: torch.Tensor) -> None:
         passes = self._grad_counts.get(p, 0) + 1
