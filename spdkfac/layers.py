@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -40,9 +40,11 @@ from .conv_gram import conv_input_gram
 from .decomposition import Eigen, check_method, eigen_precondition
 from .linalg import channel_gram, pack_upper, symmetric_gram, triangle_size, unpack_upper
 
-__all__ = ["KFACLayer", "RowExtractor", "make_extractor", "kfac_layers", "factor_list", "FACTOR_KINDS"]
+__all__ = ["FactorKey", "KFACLayer", "RowExtractor", "make_extractor", "kfac_layers", "functional_submodules", "factor_list", "FACTOR_KINDS"]
 
 FACTOR_KINDS = ("A", "G")
+#: A factor by (kind 'A' | 'G', layer name), the same on every rank.
+FactorKey = Tuple[str, str]
 
 
 class RowExtractor(abc.ABC):
@@ -417,16 +419,69 @@ class KFACLayer:
         weight.grad.copy_(w_part.reshape(weight.shape))
 
 
-def kfac_layers(model: nn.Module, compute_method: str = "inverse") -> List[KFACLayer]:
-    """A :class:`KFACLayer` for every supported layer with a trainable weight, in module order."""
+LayerFilter = Union[str, type]
+
+
+def functional_submodules(model: nn.Module) -> Dict[str, str]:
+    """``{name: why}`` of supported layers whose weight their parent uses without calling their ``forward()``.
+
+    ``nn.MultiheadAttention`` computes with ``out_proj.weight`` directly, so
+    no hook of ``out_proj`` ever fires: there is no factor to precondition it
+    with. Such layers get the plain momentum-SGD update.
+    """
+    found: Dict[str, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention) and isinstance(getattr(module, "out_proj", None), nn.Linear):
+            found[f"{name}.out_proj" if name else "out_proj"] = "nn.MultiheadAttention uses out_proj.weight without calling out_proj"
+    return found
+
+
+def _skipped(name: str, module: nn.Module, skip: Sequence[LayerFilter]) -> bool:
+    for entry in skip:
+        if isinstance(entry, str) and (entry == name or entry == type(module).__name__):
+            return True
+        if isinstance(entry, type) and isinstance(module, entry):
+            return True
+    return False
+
+
+def kfac_layers(model: nn.Module, compute_method: str = "inverse", skip: Sequence[LayerFilter] = ()) -> List[KFACLayer]:
+    """A :class:`KFACLayer` for every supported layer with a trainable weight, in module order.
+
+    Left out (plain momentum SGD): modules matched by ``skip`` (a module name,
+    a class name, or a class) and layers used without their ``forward()``
+    (:func:`functional_submodules`).
+
+    Raises:
+        ValueError: two preconditioned layers share a weight (tied weights):
+            each would precondition it with half of the statistics.
+    """
+    for entry in skip:
+        if not isinstance(entry, (str, type)):
+            raise TypeError(f"skip_layers entries are module names, class names or classes, got {entry!r}")
+    unmatched = [e for e in skip if not any(_skipped(n, m, [e]) for n, m in model.named_modules())]
+    if unmatched:
+        raise ValueError(f"skip_layers entries {unmatched} match no module of the model (names: {[n for n, _ in model.named_modules() if n][:12]} ...)")
+    functional = functional_submodules(model)
+    holders: Dict[int, List[str]] = {}
+    for pname, param in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), []).append(pname)
     layers: List[KFACLayer] = []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if weight is None or not weight.requires_grad:
+        if weight is None or not weight.requires_grad or name in functional or _skipped(name, module, skip):
             continue
         extractor = make_extractor(module)
-        if extractor is not None:
-            layers.append(KFACLayer(name or type(module).__name__, module, extractor, compute_method))
+        if extractor is None:
+            continue
+        layer_name = name or type(module).__name__
+        if len(holders.get(id(weight), [])) > 1:
+            raise ValueError(
+                f"the weight of layer {layer_name!r} is shared by {holders[id(weight)]} (tied weights): its gradient "
+                f"sums every use, but its factors would describe only this layer's; exclude the layers that share it "
+                f"with skip_layers (they then get the plain update)"
+            )
+        layers.append(KFACLayer(layer_name, module, extractor, compute_method))
     return layers
 
 

@@ -11,9 +11,10 @@ from typing import Iterable, List, Tuple
 
 import torch
 
+from .layers import FactorKey
+
 __all__ = ["NonFiniteError", "NonFiniteFactorError", "NonFiniteGuard", "SkipStep", "non_finite"]
 
-FactorKey = Tuple[str, str]
 
 
 class NonFiniteError(FloatingPointError):

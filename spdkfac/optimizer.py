@@ -28,14 +28,15 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union, cast
+import warnings
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.nn as nn
 
 from .comm import CommBackend, Handle, get_backend
 from .fusion import FUSION_POLICIES, TensorFusionController, plan_groups
-from .layers import FACTOR_KINDS, KFACLayer, factor_list, kfac_layers
+from .layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, factor_list, functional_submodules, kfac_layers
 from .decomposition import Eigen, check_method, eigen_payload, stage_costs, unpack_eigen
 from .inversion import compute_eigen, compute_inverses
 from .linalg import all_finite, invert_spd, triangle_size
@@ -47,7 +48,6 @@ from .timeline import FactorEvent, IterationRecord, Timeline
 
 __all__ = ["SPDKFACOptimizer", "NonFiniteError", "NonFiniteFactorError"]
 
-FactorKey = Tuple[str, str]
 
 
 def _check_number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True) -> float:
@@ -179,6 +179,12 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             To skip a batch yourself after the forward pass, decide on every
             worker at once: ``if not optimizer.finite_everywhere(loss):
             continue`` (one tiny all-reduce).
+        skip_layers: modules to leave out of K-FAC (plain momentum-SGD
+            update): module names (``'encoder.layers.0.linear1'``), class
+            names (``'Linear'``) or classes. Layers whose weight is used
+            without their ``forward()`` (``nn.MultiheadAttention.out_proj``)
+            are left out automatically, with a notice; a weight shared by
+            several modules (tied weights) must be left out here.
     """
 
     def __init__(
@@ -208,6 +214,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         grad_scaler: Optional[Any] = None,
         accumulation_steps: int = 1,
         skip_nonfinite: int = 0,
+        skip_layers: Sequence[LayerFilter] = (),
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -270,7 +277,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
         self.precondition = precondition
         self.compute_method = compute_method
-        self.layers: List[KFACLayer] = kfac_layers(model, compute_method) if precondition else []
+        self.layers: List[KFACLayer] = kfac_layers(model, compute_method, tuple(skip_layers)) if precondition else []
+        functional = functional_submodules(model)
+        if precondition and functional:  # a notice, once: these layers are not preconditioned
+            warnings.warn(f"these layers get the plain momentum-SGD update, without K-FAC: {functional}", stacklevel=2)
         if precondition and not self.layers:
             raise ValueError(
                 "model has no layer SPDKFACOptimizer can precondition (nn.Linear or nn.Conv2d with groups=1 "
@@ -308,7 +318,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.precondition_owner = {layer.name: rank for layer, rank in zip(self.layers, owners)}
 
         self._grad_handles: Dict[torch.Tensor, Handle] = {}
+        # Names every rank agrees on (collectives are matched by name): the model's, else the position in the groups.
         self._param_names = {p: n for n, p in model.named_parameters()}
+        for i, p in enumerate(p for group in self.param_groups for p in group["params"]):
+            self._param_names.setdefault(p, f"param{i}")
         self._hook_handles: List[Any] = []
         for layer in self.layers:
             self._hook_handles.append(layer.module.register_forward_pre_hook(self._make_a_hook(layer)))
@@ -344,7 +357,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             for g in self.param_groups:
                 g["damping"], g["kl_clip"] = values["damping"], values["kl_clip"]
             self.factor_update_freq, self.inv_update_freq = values["factor_update_freq"], values["inv_update_freq"]
-            first = any(layer.A_inv is None or layer.G_inv is None for layer in self.layers)
+            first = any(not layer.decomposed for layer in self.layers)
             self._step_kind = (
                 self.precondition and (first or self.steps % self.factor_update_freq == 0),
                 self.precondition and (first or self.steps % self.inv_update_freq == 0),
@@ -477,7 +490,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         return self._loss_scale
 
     def _start_grad_allreduce(self, p: torch.Tensor) -> None:
-        self._grad_handles[p] = self.backend.allreduce_async(p.grad, f"spdkfac.grad.{self._param_names.get(p, id(p))}")
+        self._grad_handles[p] = self.backend.allreduce_async(p.grad, f"spdkfac.grad.{self._param_names[p]}")
 
     def _grad_hook(self, p: torch.Tensor) -> None:
         passes = self._grad_counts.get(p, 0) + 1

@@ -48,12 +48,12 @@ import torch
 import torch.nn as nn
 
 from .affinity import add_bind_cores_option, bind_cores_if_asked
-from .comm import CommBackend, get_backend
+from .comm import CommBackend, detect_launcher, get_backend
 from .decomposition import payload_size
 from .fusion import plan_groups
 from .host_memory import retain_freed_memory
 from .linalg import invert_spd, pack_upper, triangle_size
-from .perfmodels import PerfModel
+from .perfmodels import PerfModel, PerfModelError
 from .placement import ALL, PlacementPlan, balance_by_cost, place, preconditioning_cost
 from .variants import variant_argv, variant_config
 
@@ -242,9 +242,25 @@ def load_profiles(paths: List[str]) -> Dict:
     """Read one or more profile JSON files; several are averaged (:func:`average_profiles`)."""
     profiles = []
     for path in paths:
-        with open(path) as fh:
-            profiles.append(json.load(fh))
+        try:
+            with open(path) as fh:
+                profile = json.load(fh)
+        except OSError as exc:
+            raise ValueError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"profile {path} is not valid JSON ({exc})") from None
+        missing = [key for key in PROFILE_FIELDS if not isinstance(profile, dict) or key not in profile]
+        if missing:
+            raise ValueError(f"profile {path} lacks the field(s) {missing}; write it with `python -m spdkfac.simulate profile`")
+        bad = [key for key in ("forward", "backward", "step_other") if not isinstance(profile[key], (int, float)) or profile[key] < 0]
+        if bad or not isinstance(profile["factors"], list) or not profile["factors"]:
+            raise ValueError(f"profile {path}: field(s) {bad or ['factors']} must be non-negative times / a non-empty list")
+        profiles.append(profile)
     return profiles[0] if len(profiles) == 1 else average_profiles(profiles)
+
+
+#: What predict needs of every profile file (``measure_profile`` writes them).
+PROFILE_FIELDS = ("forward", "backward", "step_other", "factors")
 
 
 # ----------------------------------------------------------------------------- models at P
@@ -504,12 +520,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.cmd == "profile":
         # Under a launcher, every worker profiles at once, so the profile sees the same sharing of
         # cores and memory bandwidth as a real run (and the SGD passes the real gradient all-reduces).
-        import os
-
-        rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "0")))
-        workers = int(os.environ.get("HOROVOD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        for flag, value in (("--resolution", args.resolution), ("--batch-size", args.batch_size), ("--iters", args.iters),
+                            ("--threads", args.threads)):
+            if value < 1:
+                print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
+                return 2
         cores = bind_cores_if_asked(args)
-        comm = get_backend("auto") if workers > 1 else None
+        comm = get_backend("auto") if detect_launcher() != "single" else None  # the launcher detection of spdkfac.comm
+        rank, workers = (comm.rank, comm.size) if comm is not None else (0, 1)
+        if workers == 1:
+            comm = None
         retained = retain_freed_memory()  # profile under the training job's allocator settings
         prof = measure_profile(args.model, args.resolution, args.batch_size, args.iters, args.threads, comm)
         prof["concurrent_workers"] = workers
@@ -522,12 +542,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"profile of {args.model}: forward {prof['forward']*1e3:.1f} ms, backward {prof['backward']*1e3:.1f} ms, "
               f"{len(prof['factors'])} factors; wrote {args.out}")
         return 0
+    impossible = [f"--workers {w}" for w in args.workers if w < 1]
+    factor_freq, inv_freq = args.update_freq
+    if factor_freq < 1 or inv_freq < 1 or inv_freq % factor_freq:
+        impossible.append(f"--update-freq {factor_freq} {inv_freq} (both >= 1, the second a multiple of the first)")
+    if impossible:
+        print(f"error: impossible arguments: {', '.join(impossible)}", file=sys.stderr)
+        return 2
     try:
         prof = load_profiles(args.profile)
-    except ValueError as exc:
+        perf = PerfModel.load(args.perf_model)
+    except (ValueError, OSError, PerfModelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    perf = PerfModel.load(args.perf_model)
     args.variants = args.variants or list(DEFAULT_VARIANTS)
     for v in args.variants:
         try:

@@ -75,6 +75,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--accumulation-steps", type=int, default=1,
                    help="split each per-worker batch into this many micro-batches (gradient accumulation: one step, "
                         "the memory of one micro-batch)")
+    p.add_argument("--compute-method", default="inverse", choices=("inverse", "eigen"),
+                   help="precondition with damped inverses of each factor, or with their eigendecompositions "
+                        "(damping added to the eigenvalues of A⊗G)")
+    p.add_argument("--skip-nonfinite", type=int, default=10,
+                   help="skip up to this many consecutive steps that meet NaN/Inf (on every worker alike) before "
+                        "stopping with an error; 0 stops at the first")
     p.add_argument("--perf-model", default=None, help="fitted performance-model JSON (perfmodels/*.json)")
     p.add_argument("--distribute-preconditioning", action="store_true",
                    help="precondition each layer on one worker and broadcast the result (K-FAC optimizers)")
@@ -106,6 +112,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--epochs must be >= 1")
     if args.batch_size < 1:
         p.error("--batch-size must be >= 1")
+    if args.skip_nonfinite < 0:
+        p.error("--skip-nonfinite must be >= 0")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         p.error("--checkpoint-every must be >= 1")
     if args.resume not in (None, "required", "auto"):
@@ -125,6 +133,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             "--damping": args.damping is not None, "--kl-clip": args.kl_clip is not None,
             "--factor-decay": args.factor_decay != 0.95, "--factor-update-freq": args.factor_update_freq != 1,
             "--inv-update-freq": args.inv_update_freq != 1, "--distribute-preconditioning": args.distribute_preconditioning,
+            "--compute-method": args.compute_method != "inverse",
             "--damping-decay": args.damping_decay != 1.0, "--damping-decay-epochs": bool(args.damping_decay_epochs),
             "--freq-scale": args.freq_scale != 1.0, "--freq-scale-epochs": bool(args.freq_scale_epochs),
         }
@@ -260,12 +269,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         kfac_kwargs = dict(
             damping=args.damping, factor_decay=args.factor_decay, kl_clip=args.kl_clip,
             factor_update_freq=args.factor_update_freq, inv_update_freq=args.inv_update_freq, perf_model=args.perf_model,
+            compute_method=args.compute_method,
             distribute_preconditioning=args.distribute_preconditioning,
         )
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     optimizer = make_optimizer(
         args.optimizer, model, lr=base_lr, momentum=args.momentum, weight_decay=args.weight_decay, backend=backend,
-        grad_scaler=scaler, accumulation_steps=args.accumulation_steps, **kfac_kwargs
+        grad_scaler=scaler, accumulation_steps=args.accumulation_steps, skip_nonfinite=args.skip_nonfinite, **kfac_kwargs
     )
     # The per-epoch damping decay / update-frequency scaling of Pauloski et al. (K-FAC optimizers only).
     kfac_scheduler = None

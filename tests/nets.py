@@ -19,6 +19,25 @@ def small_net(seed: int = 0) -> nn.Module:
     )
 
 
+class SmallTransformer(nn.Module):
+    """A one-layer ``nn.TransformerEncoder`` over the 6 rows of a 2x6x6 input (6 tokens of 12), mean-pooled, then Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model=12, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False)
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.permute(0, 2, 1, 3).reshape(x.shape[0], 6, 12)
+        return self.head(self.encoder(tokens).mean(dim=1))
+
+
+def small_transformer(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return SmallTransformer()
+
+
 def batch(n: int, seed: int = 1):
     """A fixed global batch of ``n`` samples (2x6x6 inputs, 5 classes)."""
     g = torch.Generator().manual_seed(seed)

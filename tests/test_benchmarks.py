@@ -78,3 +78,14 @@ def test_ratio_interval():
         ratio_interval([1.0, 2.0], [1.0, 2.0, 3.0], paired=True)
     with pytest.raises(ValueError, match="at least two"):
         ratio_interval([1.0], [1.0, 2.0], paired=False)
+
+
+def test_soak_keeps_replicas_identical_with_a_delayed_worker(tmp_path):
+    """benchmarks/soak.py for real (2 workers, a short run): bitwise replicas, nothing left pending after step()."""
+    out = tmp_path / "soak.json"
+    run_workers("torch", 2, ["-m", "benchmarks.soak", "--steps", "200", "--every", "50", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["replicas_bitwise_identical"] is True and result["steps"] == 200
+    assert result["delayed_steps_on_last_rank"] > 0
+    assert result["max_pending_grad_handles"] == 0 and result["max_pending_factor_allreduces"] == 0
+    assert len(result["samples"]) == 4

@@ -68,6 +68,9 @@ FREQ_CONFIGS = {
     "nan-skip-factor": dict(BASE, factor_update_freq=2, inv_update_freq=4, skip_nonfinite=1, nan_steps=[2]),
     # The skip-a-bad-batch idiom after the forward pass, decided on every worker at once (finite_everywhere).
     "skip-bad-batch": dict(BASE, skip_bad_loss=True, nan_steps=[2]),
+    # nn.TransformerEncoder: its MultiheadAttention's out_proj (weight used without its forward) gets the plain
+    # update, the feed-forward Linears (on sequence input) and the head are preconditioned.
+    "transformer": dict(BASE, model="transformer", placement="seq"),
     # Gradient clipping between backward and step, after synchronize(): clips the averaged gradient.
     "clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05),
 }
@@ -194,19 +197,66 @@ def test_placements_match_single_process(engine, nproc, tmp_path):
     assert dist["eigen-lbp-dp-freq"]["overlapped_steps"] == 4
 
 
+# Every placement, compute method and fusion policy, with and without distributed preconditioning.
+BITWISE_CONFIGS = {
+    f"{method}-{placement}{'-dp' if dp else ''}": dict(BASE, placement=placement, compute_method=method,
+                                                       distribute_preconditioning=dp, perf_model="expensive-inverse")
+    for method in ("inverse", "eigen") for placement in ("lbp", "seq", "local") for dp in (False, True)
+}
+BITWISE_CONFIGS.update({
+    f"fusion-{policy}": dict(BASE, fusion=policy, placement="seq") for policy in ("threshold", "layerwise", "naive")
+})
+BITWISE_CONFIGS["freq-2-4-no-pipelining"] = dict(BASE, placement="seq", pipelining=False, fusion="threshold",
+                                                 factor_update_freq=2, inv_update_freq=4)
+
+
+def _assert_bitwise_equal(a, b, where: str) -> None:
+    """Tensors (nested in dicts and lists) bitwise equal, with the path of the first difference."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs between ranks"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_bitwise_equal(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
 @pytest.mark.parametrize("engine", ["torch", "horovod"])
-def test_eigen_replicas_bitwise_equal_in_float32(engine, tmp_path):
-    """Every rank holds the same Q and d (computed or received), so float32 parameters stay bitwise equal."""
-    configs = {"eigen-seq": dict(BASE, placement="seq", compute_method="eigen"),
-               "eigen-seq-freq": dict(BASE, placement="seq", compute_method="eigen", factor_update_freq=2, inv_update_freq=2)}
-    out = tmp_path / f"{engine}-f32.pt"
-    run_workers(engine, 2, [WORKER, "--backend", engine, "--configs", json.dumps(configs), "--global-batch", "8",
-                            "--steps", str(STEPS), "--dtype", "float32", "--every-rank", "--out", str(out)])
-    ranks = [torch.load(f"{out}.rank{r}") for r in range(2)]
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_replicas_bitwise_identical_in_float32(engine, nproc, tmp_path):
+    """Every rank holds bitwise the same parameters, momentum buffers, factors and inverses (or Q and d) after
+    every configuration's steps, whether it computed or received each inverse (float32, where layouts matter)."""
+    out = tmp_path / f"{engine}-{nproc}-f32.pt"
+    run_workers(engine, nproc, [WORKER, "--backend", engine, "--configs", json.dumps(BITWISE_CONFIGS), "--global-batch",
+                                str(4 * nproc), "--steps", str(STEPS), "--dtype", "float32", "--every-rank", "--out", str(out)])
+    ranks = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(nproc)]
     init = __import__("nets").small_net().state_dict()
-    for name in configs:
-        assert set(ranks[0][name]["owners"].values()) == {0, 1}  # each rank decomposes and broadcasts some factors
-        for pname, value in ranks[0][name]["params"].items():
-            assert value.dtype == torch.float32
-            assert torch.equal(ranks[1][name]["params"][pname], value), f"{name}/{pname} differs between ranks"
+    for name in BITWISE_CONFIGS:
+        for other in range(1, nproc):
+            for part in ("params", "optimizer_state"):
+                _assert_bitwise_equal(ranks[0][name][part], ranks[other][name][part], f"{name}/{part}")
         assert any(not torch.equal(ranks[0][name]["params"][k], init[k]) for k in init)
+        assert ranks[0][name]["optimizer_state"]["kfac"]["layers"]["0"]["A"].dtype == torch.float32
+    # The interesting plans happened: owners broadcast to the others, some factors inverted everywhere.
+    assert set(ranks[0]["inverse-seq"]["owners"].values()) == set(range(nproc))
+    assert set(ranks[0]["eigen-seq"]["owners"].values()) == set(range(nproc))
+    assert any(o == -1 for o in ranks[0]["eigen-lbp"]["owners"].values())
+
+
+def test_replicas_stay_bitwise_identical_over_500_steps(tmp_path):
+    """A long float32 run (inverses broadcast by their owners every 10 steps): no drift between the ranks."""
+    # The test loop shifts the inputs by 0.1 a step (by 50 at the end): the factors grow to ~1e5, so a damping
+    # well above their float32 rounding keeps them invertible.
+    configs = {"seq-long": dict(BASE, placement="seq", factor_update_freq=1, inv_update_freq=10, damping=5.0, lr=0.01)}
+    out = tmp_path / "long.pt"
+    run_workers("torch", 2, [WORKER, "--backend", "torch", "--configs", json.dumps(configs), "--global-batch", "8",
+                             "--steps", "500", "--dtype", "float32", "--every-rank", "--out", str(out)])
+    ranks = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]
+    assert ranks[0]["seq-long"]["steps"] == 500
+    for part in ("params", "optimizer_state"):
+        _assert_bitwise_equal(ranks[0]["seq-long"][part], ranks[1]["seq-long"][part], f"seq-long/{part}")

@@ -127,7 +127,19 @@ def test_step_without_backward_is_an_error():
 
 def test_weight_sharing_is_an_error():
     lin = nn.Linear(4, 4)
-    model = nn.Sequential(lin, nn.Tanh(), lin)
+    # Registered twice: refused when the optimizer is built (tests/test_layer_selection.py has the tied-weight case).
+    with pytest.raises(ValueError, match=r"shared by \['0.weight', '2.weight'\]"):
+        SPDKFACOptimizer(nn.Sequential(lin, nn.Tanh(), lin), lr=0.1, backend="single")
+
+    class Twice(nn.Module):  # registered once, called twice in one forward pass: refused at the second call
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(torch.tanh(self.lin(x)))
+
+    model = Twice()
     opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
     with pytest.raises(RuntimeError, match="computed twice"):
         model(torch.randn(2, 4))

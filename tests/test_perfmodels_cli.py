@@ -134,3 +134,11 @@ def test_benchmark_under_mpirun_mpi4py(tmp_path):
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-6000:]}"
     _check_two_workers(out, "mpi4py")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("where", ["missing-dir", "is-a-dir"])
+def test_benchmark_refuses_an_unwritable_out_before_measuring(tmp_path, where):
+    out = tmp_path / "nope" / "m.json" if where == "missing-dir" else tmp_path
+    proc = _cli("benchmark", "--engine", "single", "--out", str(out))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"cannot write {out}" in proc.stderr and "benchmarking" not in proc.stderr, proc.stderr

@@ -331,3 +331,25 @@ def test_eigen_variant_plans_and_charges_the_eigen_curve_and_payload():
     eigen = predict(prof, eig_perf, 4, "dkfac:compute_method=eigen")  # every rank decomposes every factor
     assert eigen["InverseComp"] == pytest.approx(sum(eig_perf.eigen(f["dim"]) for f in prof["factors"]))
     assert inverse["InverseComp"] == pytest.approx(sum(eig_perf.inverse(f["dim"]) for f in prof["factors"]))
+
+
+def test_predict_rejects_impossible_arguments_and_malformed_profiles(tmp_path, capsys):
+    import json
+
+    from spdkfac.simulate import main
+
+    profile, perf = tmp_path / "profile.json", tmp_path / "perf.json"
+    profile.write_text(json.dumps(_profile()))
+    _perf().save(perf)
+    base = ["predict", "--profile", str(profile), "--perf-model", str(perf)]
+    assert main(base + ["--workers", "0", "4"]) == 2 and "--workers 0" in capsys.readouterr().err
+    assert main(base + ["--update-freq", "10", "15"]) == 2 and "--update-freq 10 15" in capsys.readouterr().err
+    broken = {k: v for k, v in _profile().items() if k != "backward"}
+    profile.write_text(json.dumps(broken))
+    assert main(base + ["--workers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert str(profile) in err and "['backward']" in err
+    profile.write_text("{truncated")
+    assert main(base) == 2 and "is not valid JSON" in capsys.readouterr().err
+    assert main(["predict", "--profile", str(tmp_path / "none.json"), "--perf-model", str(perf)]) == 2
+    assert "cannot read profile" in capsys.readouterr().err

@@ -20,12 +20,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..comm.base import CommBackend, Handle
+from ..layers import FactorKey
 from ..linalg import pack_upper, triangle_size
 from ..timeline import IterationRecord, Timeline
 
 __all__ = ["TensorFusionController", "FactorKey"]
 
-FactorKey = Tuple[str, str]  # (kind 'A' | 'G', layer name)
 
 
 @dataclass

@@ -8,12 +8,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from ..affinity import add_bind_cores_option, bind_cores_if_asked
 from ..host_memory import retain_freed_memory
 from .models import PerfModel, PerfModelError
+
+
+def _unwritable(path: Path) -> Optional[str]:
+    """Why ``path`` could not be written (its directory missing, not a directory, or read-only), or None."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists():
+        return f"its directory {parent} does not exist"
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    if path.is_dir():
+        return "it is a directory"
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return "no permission to write there"
+    return None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -57,6 +73,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             # Checked before minutes of measuring: each model is a fit through at least two points.
             if values is not None and (len(set(values)) < 2 or min(values) < 1):
                 ap.error(f"{flag} needs at least two distinct positive values to fit a model, got {values}")
+        for path in filter(None, (args.out, args.plot)):  # before minutes of measuring, not after
+            problem = _unwritable(Path(path))
+            if problem:
+                ap.error(f"cannot write {path}: {problem}")
         engine = Mpi4pyEngine() if args.engine == "mpi4py" else get_backend(args.engine)
         model_dims = None
         if args.model:

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nets import batch, small_net, train  # noqa: E402
+from nets import batch, small_net, small_transformer, train  # noqa: E402
 from spdkfac import SPDKFACOptimizer  # noqa: E402
 from spdkfac.comm import get_backend  # noqa: E402
 from spdkfac.perfmodels import PerfModel  # noqa: E402
@@ -111,7 +111,7 @@ def main() -> None:
         accumulate = cfg.get("accumulation_steps", 1)
         if local % accumulate:
             raise SystemExit(f"local batch {local} not divisible into {accumulate} micro-batches")
-        model = small_net()
+        model = small_transformer() if cfg.pop("model", None) == "transformer" else small_net()
         opt = SPDKFACOptimizer(model, backend=backend, perf_model=pm, **cfg)
         train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned, clip=clip, accumulate=accumulate,
               skip_bad_loss=skip_bad_loss)
@@ -128,6 +128,8 @@ def main() -> None:
             "overlapped_factor_steps": opt.overlapped_factor_steps,
             "timeline": [asdict(it) for it in opt.timeline.iterations] if opt.timeline is not None else None,
         }
+        if args.every_rank:  # momentum buffers, factors, inverses / eigendecompositions: compared across ranks
+            results[name]["optimizer_state"] = opt.state_dict()
         opt.remove_hooks()
         print(f"rank {rank}/{size}: {name} done", flush=True)
     if args.every_rank:

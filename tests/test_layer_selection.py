@@ -1,0 +1,59 @@
+"""Which layers K-FAC preconditions: skip_layers, layers used without forward(), tied weights (one process)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nets import batch, small_net, small_transformer
+from spdkfac import SPDKFACOptimizer
+
+
+def _train(model, opt, steps=4):
+    x, y = batch(8)
+    for s in range(steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x + 0.1 * s), y).backward()
+        opt.step()
+
+
+def test_transformer_encoder_trains_with_out_proj_left_to_plain_sgd():
+    model = small_transformer()
+    with pytest.warns(UserWarning, match=r"plain momentum-SGD update.*encoder.layers.0.self_attn.out_proj"):
+        opt = SPDKFACOptimizer(model, lr=0.05, backend="single")
+    names = [layer.name for layer in opt.layers]
+    assert names == ["encoder.layers.0.linear1", "encoder.layers.0.linear2", "head"]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, opt)
+    out_proj = "encoder.layers.0.self_attn.out_proj.weight"
+    assert not torch.equal(model.state_dict()[out_proj], before[out_proj])  # updated, by plain SGD
+    assert opt.steps == 4 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("skip,left", [(["4"], ["0", "2", "6"]), (["Conv2d"], ["4", "6"]), ([nn.Linear], ["0", "2"])])
+def test_skip_layers_by_name_class_name_or_class(skip, left):
+    model = small_net()
+    opt = SPDKFACOptimizer(model, lr=0.05, backend="single", skip_layers=skip)
+    assert [layer.name for layer in opt.layers] == left
+    ref = small_net()
+    _train(model, opt)
+    assert not torch.equal(model[4].weight, ref[4].weight)  # skipped layers still train
+
+
+def test_skip_layers_rejects_names_that_match_nothing():
+    with pytest.raises(ValueError, match=r"skip_layers entries \['fc9'\] match no module"):
+        SPDKFACOptimizer(small_net(), lr=0.05, backend="single", skip_layers=["fc9"])
+    with pytest.raises(TypeError, match="module names, class names or classes"):
+        SPDKFACOptimizer(small_net(), lr=0.05, backend="single", skip_layers=[3])
+
+
+def test_tied_weights_are_refused_clearly_or_skipped():
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    model[2].weight = model[0].weight  # tied
+    with pytest.raises(ValueError, match=r"shared by \['0.weight', '2.weight'\] \(tied weights\).*skip_layers"):
+        SPDKFACOptimizer(model, lr=0.05, backend="single")
+    opt = SPDKFACOptimizer(model, lr=0.05, backend="single", skip_layers=["0", "2"])
+    assert [layer.name for layer in opt.layers] == ["4"]
+    x = torch.randn(5, 6)
+    nn.functional.cross_entropy(model(x), torch.zeros(5, dtype=torch.long)).backward()
+    opt.step()
