@@ -1,12 +1,30 @@
-"""Plot test accuracy and training loss per epoch from spdkfac.train CSV logs.
+"""Plot test accuracy and training loss per epoch from spdkfac.train CSV logs, or redraw benchmarks.convergence figures.
 
     python scripts/plot_curves.py runs/spdkfac/log.csv runs/sgd/log.csv --labels SPD-KFAC SGD --out curves.png
+    python scripts/plot_curves.py benchmarks/results/convergence/mnist5k_b256/convergence.json
+
+A convergence.json (from ``python -m benchmarks.convergence``) gives one
+figure per (data, batch size) next to the JSON: test accuracy and test loss
+against epochs and against training seconds.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import json
+import sys
 from pathlib import Path
+
+
+def plot_convergence(path: Path) -> None:
+    """The benchmark's own figures, redrawn from its JSON."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.convergence import plot
+
+    result = json.loads(path.read_text())
+    for st in result["settings"]:
+        out = path.parent / f"convergence_{st['data']}_b{st['batch_size']}.png"
+        print(f"wrote {plot(st, out, result['world_size'])}")
 
 
 def main() -> None:
@@ -15,6 +33,10 @@ def main() -> None:
     ap.add_argument("--labels", nargs="*")
     ap.add_argument("--out", type=Path, default=Path("curves.png"))
     args = ap.parse_args()
+    if all(p.suffix == ".json" for p in args.logs):
+        for path in args.logs:
+            plot_convergence(path)
+        return
     labels = args.labels or [p.parent.name for p in args.logs]
     if len(labels) != len(args.logs):
         raise SystemExit("error: give one --labels entry per log")

