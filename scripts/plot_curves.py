@@ -1,7 +1,7 @@
 """Plot test accuracy and training loss per epoch from spdkfac.train CSV logs, or redraw benchmarks.convergence figures.
 
     python scripts/plot_curves.py runs/spdkfac/log.csv runs/sgd/log.csv --labels SPD-KFAC SGD --out curves.png
-    python scripts/plot_curves.py benchmarks/results/convergence/mnist5k_b256/convergence.json
+    python scripts/plot_curves.py benchmarks/results/convergence/mnist5k_b256_interleaved/convergence.json
 
 A convergence.json (from ``python -m benchmarks.convergence``) gives one
 figure per (data, batch size) next to the JSON: test accuracy and test loss
