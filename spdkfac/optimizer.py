@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from .comm import CommBackend, Handle, get_backend
-from .fusion import FUSION_POLICIES, TensorFusionController, plan_groups
+from .fusion import DEFAULT_THRESHOLD_BYTES, FUSION_POLICIES, TensorFusionController, plan_groups
 from .layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, factor_list, functional_submodules, kfac_layers
 from .decomposition import Eigen, check_method, eigen_payload, stage_costs, unpack_eigen
 from .inversion import compute_eigen, compute_inverses
@@ -206,7 +206,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         distribute_preconditioning: bool = False,
         overlap_preconditioning: bool = True,
         perf_model: Union[None, str, PerfModel] = None,
-        fusion_threshold_bytes: int = 64 * 1024 * 1024,
+        fusion_threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
         profile_steps: int = 3,
         replan_interval: Optional[int] = None,
         timeline: bool = False,

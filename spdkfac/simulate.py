@@ -50,7 +50,7 @@ import torch.nn as nn
 from .affinity import add_bind_cores_option, bind_cores_if_asked
 from .comm import CommBackend, detect_launcher, get_backend
 from .decomposition import payload_size
-from .fusion import plan_groups
+from .fusion import DEFAULT_THRESHOLD_BYTES, plan_groups
 from .host_memory import retain_freed_memory
 from .linalg import invert_spd, pack_upper, triangle_size
 from .perfmodels import PerfModel, PerfModelError
@@ -341,6 +341,7 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
         launches.append((fwd + f["ready"], f["grad_numel"], "grad"))
     launches.append((fwd + bwd, grad_numel_tail, "grad"))
     factor_launches: List[tuple] = []
+    threshold = int(cfg.get("fusion_threshold_bytes", DEFAULT_THRESHOLD_BYTES))  # the variant's, as the optimizer plans
     if kfac:
         for kind, offset in (("A", 0.0), ("G", fwd)):
             fs = [f for f in facs if f["kind"] == kind]
@@ -348,10 +349,10 @@ def predict(profile: Dict, perf: PerfModel, workers: int, variant: str, contenti
             ready = list(itertools.accumulate(ready, max))
             sizes = [triangle_size(f["dim"]) for f in fs]
             if cfg["pipelining"]:
-                groups = plan_groups(cfg["fusion"], ready, sizes, m.ar_alpha, m.ar_beta)
+                groups = plan_groups(cfg["fusion"], ready, sizes, m.ar_alpha, m.ar_beta, threshold)
                 factor_launches += [(ready[g[-1]], sum(sizes[i] for i in g), "factor") for g in groups]
             else:
-                groups = plan_groups(cfg["fusion"], [0.0] * len(sizes), sizes, m.ar_alpha, m.ar_beta)
+                groups = plan_groups(cfg["fusion"], [0.0] * len(sizes), sizes, m.ar_alpha, m.ar_beta, threshold)
                 factor_launches += [(fwd + bwd, sum(sizes[i] for i in g), "factor") for g in groups]
     compute_end = fwd + bwd
     comm_time = {"grad": 0.0, "factor": 0.0}

@@ -353,3 +353,10 @@ def test_predict_rejects_impossible_arguments_and_malformed_profiles(tmp_path, c
     assert main(base) == 2 and "is not valid JSON" in capsys.readouterr().err
     assert main(["predict", "--profile", str(tmp_path / "none.json"), "--perf-model", str(perf)]) == 2
     assert "cannot read profile" in capsys.readouterr().err
+
+
+def test_the_variants_fusion_threshold_reaches_the_simulated_plan():
+    """'threshold' fusion with a tiny buffer splits the factor all-reduces into more launches, as the optimizer would."""
+    default = predict(_profile(), _perf(), 4, "dkfac")
+    tiny = predict(_profile(), _perf(), 4, "dkfac:fusion_threshold_bytes=64")
+    assert tiny["FactorComm"] > default["FactorComm"]

@@ -12,6 +12,7 @@ from typing import List, Sequence, Tuple
 
 __all__ = [
     "FUSION_POLICIES",
+    "DEFAULT_THRESHOLD_BYTES",
     "plan_optimal",
     "plan_threshold",
     "plan_layerwise",
@@ -21,6 +22,8 @@ __all__ = [
 ]
 
 FUSION_POLICIES = ("optimal", "threshold", "layerwise", "naive")
+#: The ``'threshold'`` policy's buffer size unless configured (the optimizer's and the simulator's default).
+DEFAULT_THRESHOLD_BYTES = 64 * 1024 * 1024
 
 Plan = List[List[int]]
 
@@ -111,7 +114,7 @@ def plan_groups(
     sizes: Sequence[int],
     alpha: float,
     beta: float,
-    threshold_bytes: int = 64 * 1024 * 1024,
+    threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
     element_size: int = 4,
 ) -> Plan:
     """Dispatch to the planner of ``policy`` (one of :data:`FUSION_POLICIES`)."""
