@@ -95,6 +95,10 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
         identical = all(torch.equal(g, gathered[0]) for g in gathered)
     else:
         identical = True
+    if size > 1:  # the delays happen on the last rank; rank 0 writes the result
+        count = torch.tensor([float(delayed)], dtype=torch.float64)
+        backend.broadcast_async(count, size - 1, "soak.delayed").wait()
+        delayed = int(count.item())
     warm = [s for s in samples if s["step"] > args.steps // 10]
     result = {
         "steps": args.steps, "workers": size, "engine": backend.name, "delayed_steps_on_last_rank": delayed,

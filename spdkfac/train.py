@@ -286,7 +286,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         )
 
     out_dir = Path(args.out_dir)
-    resume = _prepare_run_dir(args, out_dir, is_root)
+    resume = _prepare_run_dir(args, out_dir, is_root, backend)
     position = Position()
     if resume is not None:
         ckpt_path, ckpt = resume
@@ -412,7 +412,7 @@ RUNTIME_ARGS = ("resume", "overwrite", "allow_changed_args", "stop_after", "quie
                 "out_dir", "device", "checkpoint_every", "backend", "perf_model")
 
 
-def _prepare_run_dir(args: argparse.Namespace, out_dir: Path, is_root: bool) -> Optional[Tuple[Path, Dict]]:
+def _prepare_run_dir(args: argparse.Namespace, out_dir: Path, is_root: bool, backend: CommBackend) -> Optional[Tuple[Path, Dict]]:
     """Check ``--out-dir`` before any work, and find the checkpoint to resume from (None: a fresh run).
 
     Every worker takes the same decision from the same directory. A directory
@@ -433,6 +433,7 @@ def _prepare_run_dir(args: argparse.Namespace, out_dir: Path, is_root: bool) -> 
         if existing and not args.overwrite:
             raise SystemExit(f"error: {out_dir} already holds a run ({', '.join(existing)}); continue it with --resume, "
                              "replace it with --overwrite, or choose another --out-dir")
+    backend.barrier()  # every worker has looked at the directory before rank 0 writes to it
     if is_root:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
