@@ -291,6 +291,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.backend = get_backend(backend)
         self.perf_model = load_perf_model(perf_model)
         self.perf_model.check_world_size(self.backend.size)
+        self.perf_model = self.perf_model.scaled_to(self.backend.size)  # plan for this worker count, as the simulator
 
         self.controller = TensorFusionController(self.backend)
         self.timeline: Optional[Timeline] = Timeline() if timeline else None

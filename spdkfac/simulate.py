@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import sys
 import time
 import warnings
@@ -266,47 +265,36 @@ PROFILE_FIELDS = ("forward", "backward", "step_other", "factors")
 # ----------------------------------------------------------------------------- models at P
 @dataclass
 class ScaledModels:
-    """The fitted models extrapolated to ``workers`` (see the module docstring)."""
+    """The fitted models extrapolated to ``workers`` (:meth:`PerfModel.scaled_to`), with no communication for one."""
 
     perf: PerfModel
     workers: int
 
-    def _ring(self) -> tuple:
-        w = self.perf.world_size or 2
-        p = self.workers
-        if p == 1:
-            return 0.0, 0.0
-        a = (p - 1) / max(w - 1, 1)
-        b = ((p - 1) / p) / ((w - 1) / w) if w > 1 else 1.0
-        return a, b
+    def __post_init__(self) -> None:
+        self.scaled = self.perf.scaled_to(self.workers)
 
     def allreduce(self, elements: float) -> float:
-        a, b = self._ring()
-        return self.perf.allreduce.alpha * a + self.perf.allreduce.beta * b * elements
+        return self.ar_alpha + self.ar_beta * elements
 
     @property
     def ar_alpha(self) -> float:
-        return self.perf.allreduce.alpha * self._ring()[0]
+        return self.scaled.allreduce.alpha if self.workers > 1 else 0.0
 
     @property
     def ar_beta(self) -> float:
-        return self.perf.allreduce.beta * self._ring()[1]
-
-    def _tree(self) -> float:
-        w = self.perf.world_size or 2
-        return math.ceil(math.log2(self.workers)) / max(math.ceil(math.log2(w)), 1)
+        return self.scaled.allreduce.beta if self.workers > 1 else 0.0
 
     def broadcast(self, dim: int, method: str = "inverse") -> float:
         """Broadcast of one factor's result (:func:`~spdkfac.decomposition.payload_size` elements)."""
         if self.workers == 1:
             return 0.0
-        return self.perf.broadcast.payload(payload_size(method, dim)) * self._tree()
+        return self.scaled.broadcast.payload(payload_size(method, dim))
 
     def broadcast_elements(self, elements: float) -> float:
         """Broadcast of a flat buffer, from the same fit (its ``m`` is ``d(d+1)/2`` there)."""
         if self.workers == 1 or elements == 0:
             return 0.0
-        return (self.perf.broadcast.alpha + self.perf.broadcast.beta * elements) * self._tree()
+        return self.scaled.broadcast.alpha + self.scaled.broadcast.beta * elements
 
     def inverse(self, dim: int) -> float:
         return self.perf.inverse(dim)

@@ -154,3 +154,20 @@ def test_benchmark_fits_the_eigen_curve(tmp_path):
     skipped = run_benchmark(BenchmarkConfig(quick=True, repeats=3, warmup=1, inverse_dims=[16, 32], eigen=False),
                             get_backend("single"))
     assert skipped.eigen is None and "eigen" not in skipped.measurements
+
+
+def test_scaled_to_another_worker_count_is_what_the_optimizer_and_the_simulator_plan_with():
+    import math
+
+    from spdkfac.simulate import ScaledModels
+
+    model = PerfModel.default()
+    model.meta["world_size"] = 2
+    eight = model.scaled_to(8)
+    assert eight.allreduce.alpha == pytest.approx(model.allreduce.alpha * 7)
+    assert eight.allreduce.beta == pytest.approx(model.allreduce.beta * (7 / 8) / (1 / 2))
+    assert eight.broadcast(64) == pytest.approx(model.broadcast(64) * math.ceil(math.log2(8)))
+    assert eight.inverse(64) == model.inverse(64) and eight.world_size == 8
+    assert model.scaled_to(2) is model and model.scaled_to(1) is model
+    sim = ScaledModels(model, 8)
+    assert sim.ar_alpha == eight.allreduce.alpha and sim.broadcast(64) == eight.broadcast.payload(64 * 65 // 2)

@@ -12,6 +12,7 @@ placement decisions.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -209,11 +210,35 @@ class PerfModel:
         if measured is not None and measured != world_size and world_size > 1:
             warnings.warn(
                 f"performance model {self.source} was measured with {measured} workers but this run has "
-                f"{world_size}; broadcast and all-reduce costs grow with the worker count, so placement "
-                "and fusion decisions may be off. Re-run `python -m spdkfac.perfmodels benchmark` under "
-                "this launch configuration.",
+                f"{world_size}; its all-reduce and broadcast costs are scaled to {world_size} workers (ring and "
+                "tree, as the simulator scales them) for placement and fusion. Re-run `python -m spdkfac.perfmodels "
+                "benchmark` under this launch configuration for measured ones.",
                 stacklevel=3,
             )
+
+    def scaled_to(self, workers: int) -> "PerfModel":
+        """The communication models extrapolated from the measured worker count W to ``workers`` (P).
+
+        All-reduces as a ring: alpha by ``(P-1)/(W-1)``, beta by
+        ``((P-1)/P) / ((W-1)/W)``; broadcasts as a tree, by
+        ``ceil(log2 P) / ceil(log2 W)``. Computation models are unchanged.
+        The simulator and the optimizer (when a run has another worker count
+        than the file, e.g. an elastic restart) both plan with this.
+        """
+        measured = self.world_size or 2
+        if workers < 2 or workers == measured:
+            return self
+        ring_alpha = (workers - 1) / max(measured - 1, 1)
+        ring_beta = ((workers - 1) / workers) / ((measured - 1) / measured) if measured > 1 else 1.0
+        tree = math.ceil(math.log2(workers)) / max(math.ceil(math.log2(measured)), 1)
+        b = self.broadcast
+        return dataclasses.replace(
+            self,
+            allreduce=AllReduceModel(self.allreduce.alpha * ring_alpha, self.allreduce.beta * ring_beta),
+            broadcast=BroadcastModel(b.alpha * tree, b.beta * tree, {d: t * tree for d, t in (b.measured or {}).items()}),
+            meta={**self.meta, "world_size": workers, "scaled_from_world_size": measured},
+            source=f"{self.source} (scaled from {measured} to {workers} workers)",
+        )
 
     # -- (de)serialisation -------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
