@@ -43,8 +43,8 @@ def non_finite(named: Iterable[Tuple[str, torch.Tensor]]) -> List[str]:
     items = [(name, t) for name, t in named if t is not None]
     if not items:
         return []
-    sums = torch.stack([t.detach().sum().to(torch.float64).cpu() if t.is_cuda else t.detach().sum().to(torch.float64)
-                        for _, t in items])
+    device = items[0][1].device  # the sums are gathered where the first tensor lives: one host sync below, not one each
+    sums = torch.stack([t.detach().sum(dtype=torch.float64).to(device) for _, t in items])
     if bool(torch.isfinite(sums).all()):
         return []
     return [name for name, t in items if not bool(torch.isfinite(t).all())]  # a sum can overflow: check each
