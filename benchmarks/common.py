@@ -7,8 +7,9 @@ import platform
 import statistics
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 
@@ -16,8 +17,16 @@ from spdkfac.affinity import add_bind_cores_option, bind_cores_if_asked
 from spdkfac.host_memory import retain_freed_memory
 
 RESULTS = Path(__file__).resolve().parent / "results"
-_retained_memory = False  # whether start() switched off glibc's return of freed memory
-_bound_cores: Optional[List[int]] = None  # this rank's cores when start() bound it (--bind-cores)
+
+
+class _StartState:
+    """What start() set up in this process, reported with every result."""
+
+    retained_memory = False  # whether start() switched off glibc's return of freed memory
+    bound_cores: list[int] | None = None  # this rank's cores when start() bound it (--bind-cores)
+
+
+_started = _StartState()
 
 
 def workload_parser(doc: str, iters: int, out_name: str | None = None, model: str = "resnet50") -> argparse.ArgumentParser:
@@ -38,9 +47,8 @@ def workload_parser(doc: str, iters: int, out_name: str | None = None, model: st
 def start(args: argparse.Namespace, distributed: bool = True):
     """Apply ``--threads``, silence warnings, and return the communication engine (or None)."""
     warnings.filterwarnings("ignore")
-    global _retained_memory, _bound_cores
-    _bound_cores = bind_cores_if_asked(args)
-    _retained_memory = retain_freed_memory()  # as the training job does: no per-iteration page faults in timings
+    _started.bound_cores = bind_cores_if_asked(args)
+    _started.retained_memory = retain_freed_memory()  # as the training job does: no per-iteration page faults in timings
     torch.set_num_threads(args.threads)
     if not distributed:
         return None
@@ -49,7 +57,7 @@ def start(args: argparse.Namespace, distributed: bool = True):
     return get_backend("auto")
 
 
-def machine() -> Dict[str, Any]:
+def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     import os
 
@@ -60,14 +68,14 @@ def machine() -> Dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "python": platform.python_version(),
-        "retained_freed_memory": _retained_memory,
+        "retained_freed_memory": _started.retained_memory,
         # Horovod's background-thread cycle (ms; unset = Horovod's default of 1): costs CPU on small nodes.
         "horovod_cycle_time_ms": os.environ.get("HOROVOD_CYCLE_TIME"),
-        "bound_cores": _bound_cores,  # this rank's cores with --bind-cores, else None
+        "bound_cores": _started.bound_cores,  # this rank's cores with --bind-cores, else None
     }
 
 
-def stats(samples: Sequence[float]) -> Dict[str, float]:
+def stats(samples: Sequence[float]) -> dict[str, float]:
     """Median, mean, min, max and standard deviation of a list of seconds."""
     xs = list(samples)
     return {
@@ -82,7 +90,7 @@ def stats(samples: Sequence[float]) -> Dict[str, float]:
 
 def ratio_interval(numerator: Sequence[float], denominator: Sequence[float], paired: bool,
                    confidence: float = 0.95, resamples: int = 4000, seed: int = 0,
-                   statistic: str = "mean") -> Tuple[float, float]:
+                   statistic: str = "mean") -> tuple[float, float]:
     """Bootstrap interval of ``statistic(numerator) / statistic(denominator)`` from per-iteration seconds.
 
     On a noisy machine one iteration of the same work can take 15% more or
@@ -114,7 +122,7 @@ def ratio_interval(numerator: Sequence[float], denominator: Sequence[float], pai
     return lo, hi
 
 
-def split_by_factor_step(samples: Sequence[float], warmup: int, iters: int, factor_freq: int) -> Dict[str, Dict[str, float]]:
+def split_by_factor_step(samples: Sequence[float], warmup: int, iters: int, factor_freq: int) -> dict[str, dict[str, float]]:
     """Mean seconds of the measured iterations that update the factors and of the others.
 
     ``samples`` are ``iters`` measured iterations per round (steps ``warmup``
@@ -126,7 +134,7 @@ def split_by_factor_step(samples: Sequence[float], warmup: int, iters: int, fact
     xs = list(samples)
     if iters < 1 or factor_freq < 1 or len(xs) % iters:
         raise ValueError(f"{len(xs)} samples are not whole rounds of {iters} iterations (factor_freq {factor_freq})")
-    kinds: Dict[str, List[float]] = {"factor_steps": [], "other_steps": []}
+    kinds: dict[str, list[float]] = {"factor_steps": [], "other_steps": []}
     for i, x in enumerate(xs):
         step = warmup + i % iters
         kinds["factor_steps" if step % factor_freq == 0 else "other_steps"].append(x)
@@ -146,7 +154,7 @@ def log(rank: int, *msg: Any) -> None:
         sys.stdout.flush()
 
 
-def bar_chart(path: Path, labels: List[str], stacks: Dict[str, List[float]], title: str, ylabel: str) -> Path:
+def bar_chart(path: Path, labels: list[str], stacks: dict[str, list[float]], title: str, ylabel: str) -> Path:
     """A stacked bar chart (one bar per label, one colour per stack component)."""
     import matplotlib
 

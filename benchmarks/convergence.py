@@ -31,8 +31,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -53,7 +54,7 @@ KFAC_KEYS = ("damping", "kl_clip", "factor_decay", "factor_update_freq", "inv_up
 CURVE_KEYS = ("train_loss", "test_loss", "test_acc", "epoch_s", "seconds", "fwdbwd_s", "step_s", "lr")
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", nargs="+", default=["mnist5k"], choices=DATA)
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[256], help="per-worker batch sizes")
@@ -121,7 +122,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def lr_grids(entries: Sequence[str], optimizers: Sequence[str]) -> Dict[str, List[float]]:
+def lr_grids(entries: Sequence[str], optimizers: Sequence[str]) -> dict[str, list[float]]:
     """Each optimizer's base LRs from ``--lr-grid`` entries.
 
     ``0.05`` applies to every optimizer, ``NAME=0.05,0.1`` to every entry of
@@ -129,9 +130,9 @@ def lr_grids(entries: Sequence[str], optimizers: Sequence[str]) -> Dict[str, Lis
     ``--optimizers`` entry (``spdkfac:inv_update_freq=10=0.1``) to that one,
     before its variant's grid.
     """
-    common: List[float] = []
-    exact: Dict[str, List[float]] = {}
-    by_name: Dict[str, List[float]] = {}
+    common: list[float] = []
+    exact: dict[str, list[float]] = {}
+    by_name: dict[str, list[float]] = {}
     for entry in entries:
         key, eq, values = entry.rpartition("=")  # a spec's own '=' are left of the last one
         try:
@@ -152,7 +153,7 @@ def lr_grids(entries: Sequence[str], optimizers: Sequence[str]) -> Dict[str, Lis
     return {o: sorted(set(exact.get(o) or by_name.get(o.partition(":")[0]) or grid)) for o in optimizers}
 
 
-def optimizer_kwargs(spec: str, args: argparse.Namespace, data: str) -> Dict[str, Any]:
+def optimizer_kwargs(spec: str, args: argparse.Namespace, data: str) -> dict[str, Any]:
     """Keyword arguments for make_optimizer beyond the variant's own (which a spec's changes override)."""
     config = variant_config(spec)
     if not config.get("precondition", True):
@@ -169,19 +170,19 @@ def schedule(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(warmup_epochs=args.warmup_epochs, schedule="cosine", epochs=args.epochs, lr_decay_epochs=[])
 
 
-def train_run(args, backend, device, data: str, loaders, spec: str, base_lr: float, seed: int) -> Dict[str, Any]:
+def train_run(args, backend, device, data: str, loaders, spec: str, base_lr: float, seed: int) -> dict[str, Any]:
     """One training run on ``loaders`` (spdkfac.train._loaders's answer); per-epoch metrics, identical on every worker.
 
     Stops early if it diverges (non-finite values or loss).
     """
-    run: Dict[str, Any] = {}
+    last: dict[str, Any] = {}
     for run in train_epochs(args, backend, device, data, loaders, spec, base_lr, seed):
-        pass
-    return run
+        last = run
+    return last
 
 
 def train_epochs(args, backend, device, data: str, loaders, spec: str, base_lr: float, seed: int,
-                 label: str = "") -> Iterator[Dict[str, Any]]:
+                 label: str = "") -> Iterator[dict[str, Any]]:
     """:func:`train_run` one epoch at a time: yields the run's record (updated in place) after each epoch.
 
     Runs may alternate epochs (``--interleave``): each epoch sets the shared
@@ -198,7 +199,7 @@ def train_epochs(args, backend, device, data: str, loaders, spec: str, base_lr: 
                          **optimizer_kwargs(spec, args, data))
     sched = schedule(args)
     steps = len(train_loader)
-    epochs: List[Dict[str, Any]] = []
+    epochs: list[dict[str, Any]] = []
     run = {"seed": seed, "epochs": epochs, "diverged": None, "steps_per_epoch": steps, "model": model_name}
     seconds = 0.0
     diverged = None
@@ -257,7 +258,7 @@ def train_epochs(args, backend, device, data: str, loaders, spec: str, base_lr: 
     yield run
 
 
-def mean_curve(runs: List[Dict[str, Any]], epochs: int) -> List[Dict[str, Any]]:
+def mean_curve(runs: list[dict[str, Any]], epochs: int) -> list[dict[str, Any]]:
     """Per-epoch means over the seeds' runs; an epoch some run did not reach (diverged) is left out, and all after it."""
     curve = []
     for e in range(epochs):
@@ -268,7 +269,7 @@ def mean_curve(runs: List[Dict[str, Any]], epochs: int) -> List[Dict[str, Any]]:
     return curve
 
 
-def reach(curve: List[Dict[str, Any]], target: float) -> tuple[Optional[int], Optional[float]]:
+def reach(curve: list[dict[str, Any]], target: float) -> tuple[int | None, float | None]:
     """(epochs, seconds) until the curve's test accuracy first reaches ``target``, or (None, None)."""
     for row in curve:
         if row["test_acc"] >= target:
@@ -276,7 +277,7 @@ def reach(curve: List[Dict[str, Any]], target: float) -> tuple[Optional[int], Op
     return None, None
 
 
-def score(curve: List[Dict[str, Any]]) -> tuple:
+def score(curve: list[dict[str, Any]]) -> tuple:
     """Ranks grid points: best test accuracy, then lower final test loss (a diverged run with no epochs is last)."""
     if not curve:
         return (-1.0, 0.0)
@@ -284,7 +285,7 @@ def score(curve: List[Dict[str, Any]]) -> tuple:
     return (max(r["test_acc"] for r in curve), -final if math.isfinite(final) else -math.inf)
 
 
-def summarise(setting: Dict[str, Any], optimizers: List[str]) -> None:
+def summarise(setting: dict[str, Any], optimizers: list[str]) -> None:
     """Choose each optimizer's LR, set the target (reference's best accuracy) and the times to reach it."""
     for spec in optimizers:
         res = setting["optimizers"][spec]
@@ -313,7 +314,7 @@ def summarise(setting: Dict[str, Any], optimizers: List[str]) -> None:
                                           if res["final_test_loss"] is not None and ref_res["final_test_loss"] else None))
 
 
-def plot(setting: Dict[str, Any], path: Path, world_size: int) -> Path:
+def plot(setting: dict[str, Any], path: Path, world_size: int) -> Path:
     """Test accuracy and test loss of each optimizer's chosen LR against epochs and against training seconds."""
     import matplotlib
 
@@ -350,15 +351,15 @@ def plot(setting: Dict[str, Any], path: Path, world_size: int) -> Path:
     return path
 
 
-def _fmt(x: Optional[float], spec: str) -> str:
+def _fmt(x: float | None, spec: str) -> str:
     """``format(x, spec)``, or a dash as wide as the number would be."""
     if x is None:
-        width = spec.split(".")[0].rstrip("df")
+        width = spec.split(".", maxsplit=1)[0].rstrip("df")
         return "-".rjust(int(width) if width.isdigit() else 1)
     return format(x, spec)
 
 
-def table(result: Dict[str, Any]) -> str:
+def table(result: dict[str, Any]) -> str:
     """The results as text: one line per (data, batch size, optimizer), then the target."""
     w = max([len("optimizer")] + [len(spec) for st in result["settings"] for spec in st["optimizers"]])
     head = (f"{'data':<8} {'batch':>5} {'optimizer':<{w}} {'lr':>6} {'best acc':>8} {'final loss':>10} {'epochs':>6} "
@@ -377,14 +378,14 @@ def table(result: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     backend = start(args)
     rank, size = backend.rank, backend.size
     device = worker_device(args.device)
     out = Path(args.out)
     # Every (data, batch size) must give each worker at least one full batch: check all before training any.
-    settings: List[Dict[str, Any]] = []
+    settings: list[dict[str, Any]] = []
     loaders = {}
     for data in args.data:
         for bs in args.batch_sizes:
@@ -405,7 +406,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
               + "; ".join(f"{st['data']} batch {st['batch_size']}/worker ({st['steps_per_epoch']} steps/epoch)" for st in settings))
     t_start = time.perf_counter()
 
-    def record(st: Dict[str, Any], spec: str, lr: float, run: Dict[str, Any]) -> None:
+    def record(st: dict[str, Any], spec: str, lr: float, run: dict[str, Any]) -> None:
         res = st["optimizers"].setdefault(spec, {"lr_grid": {}})
         res["config"] = {**variant_config(spec), **optimizer_kwargs(spec, args, st["data"])}  # what the runs used
         point = res["lr_grid"].setdefault(repr(lr), {"lr": lr, "runs": []})
@@ -430,7 +431,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                       + "; ".join(f"[{i + 1}] {describe(st, *r)}" for i, r in enumerate(mine)))
             gens = [train_epochs(args, backend, device, st["data"], loaders[st["data"], st["batch_size"]], *r, label=f"[{i + 1}] ")
                     for i, r in enumerate(mine)]
-            last: List[Dict[str, Any]] = [{} for _ in mine]
+            last: list[dict[str, Any]] = [{} for _ in mine]
             live = list(range(len(mine)))
             while live:
                 for i in list(live):
@@ -442,7 +443,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                 record(st, spec, lr, run)
     for st in settings:
         summarise(st, args.optimizers)
-    result = {"args": {k: v for k, v in vars(args).items()}, "machine": machine(), "engine": backend.name,
+    result = {"args": dict(vars(args).items()), "machine": machine(), "engine": backend.name,
               "world_size": size, "device": str(device), "total_s": time.perf_counter() - t_start,
               "seconds": "cumulative training seconds (forward, backward, step with its communication), "
                          "evaluation and set-up excluded, mean over workers",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Dict, List
 
 import torch
 import torch.nn as nn
@@ -39,7 +38,7 @@ from .common import bar_chart, log, machine, save_json, start, stats, workload_p
 def _comm_alone(opt: SPDKFACOptimizer, repeats: int) -> float:
     """Seconds to all-reduce this optimizer's fused factor groups back to back, nothing else running."""
     plan = opt.fusion_plan()
-    groups: List[int] = []
+    groups: list[int] = []
     for kind in ("A", "G"):
         kind_groups = plan[kind] or [[(kind, layer.name)] for layer in opt.layers]  # None: layer-wise
         for g in kind_groups:
@@ -71,8 +70,8 @@ def main() -> None:
     x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=g)
     y = torch.randint(0, 1000, (args.batch_size,), generator=g)
     warm = 5  # 1 warm-up + 3 profiled factor steps + 1 on the new plan
-    samples: Dict[str, Dict[str, List[float]]] = {p: {"compute": [], "wait": [], "iter": [], "alone": []} for p in ["sgd", *args.policies]}
-    plans: Dict[str, Dict[str, int]] = {}
+    samples: dict[str, dict[str, list[float]]] = {p: {"compute": [], "wait": [], "iter": [], "alone": []} for p in ["sgd", *args.policies]}
+    plans: dict[str, dict[str, int]] = {}
     for rnd in range(args.rounds):
         for policy in ["sgd", *args.policies]:
             torch.manual_seed(0)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Dict, List
 
 import numpy as np
 import torch
@@ -39,7 +38,7 @@ def spd(dim: int, seed: int) -> torch.Tensor:
     return r @ r.T + 0.1 * torch.eye(dim)
 
 
-def gather(backend: CommBackend, value: float) -> List[float]:
+def gather(backend: CommBackend, value: float) -> list[float]:
     """Every rank's value, on every rank (all-reduce of one-hot slots)."""
     t = torch.zeros(backend.size, dtype=torch.float64)
     t[backend.rank] = value
@@ -60,7 +59,7 @@ def main() -> None:
     log(rank, f"inversion stage of {args.model}: {len(dims)} factors (largest {max(d for _, d in dims)}), {size} workers ({backend.name})")
 
     # Single inversions, measured on every rank (for the lower bound and the model check).
-    single: Dict[int, float] = {}
+    single: dict[int, float] = {}
     for key, d in sorted(dims, key=lambda kd: -kd[1]):
         if d in single:
             continue
@@ -68,10 +67,10 @@ def main() -> None:
         invert_spd(factors[key], args.damping)
         single[d] = max(gather(backend, time.perf_counter() - t0))
     t_inv = [single[d] for _, d in dims]
-    lower = max(max(t_inv), sum(t_inv) / size)
+    lower = max(*t_inv, sum(t_inv) / size)
 
     # Broadcast times for a few dimensions (model check).
-    bcast: Dict[int, float] = {}
+    bcast: dict[int, float] = {}
     if size > 1:
         for d in sorted({d for _, d in dims})[:: max(1, len({d for _, d in dims}) // 8)]:
             buf = torch.zeros(triangle_size(d))
@@ -84,7 +83,7 @@ def main() -> None:
             bcast[d] = max(gather(backend, float(np.median(reps[1:]))))
 
     plans = {s: place(s, dims, size, model.inverse, model.broadcast) for s in PLACEMENTS}
-    stage: Dict[str, List[float]] = {s: [] for s in PLACEMENTS}
+    stage: dict[str, list[float]] = {s: [] for s in PLACEMENTS}
     for rnd in range(args.rounds):
         for s in PLACEMENTS:
             backend.barrier()

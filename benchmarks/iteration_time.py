@@ -25,19 +25,17 @@ import gc
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
 
 from spdkfac import make_optimizer
-from spdkfac.variants import variant_argv, variant_config
 from spdkfac.comm import DEVICE_CHOICES, worker_device
 from spdkfac.host_memory import release_freed_memory
 from spdkfac.models import get_model
+from spdkfac.variants import variant_argv, variant_config
 
-from .common import (RESULTS, bar_chart, log, machine, ratio_interval, save_json, split_by_factor_step, start, stats,
-                     workload_parser)
+from .common import RESULTS, bar_chart, log, machine, ratio_interval, save_json, split_by_factor_step, start, stats, workload_parser
 
 VARIANTS = ["sgd", "dkfac", "mpdkfac", "spdkfac", "-pipe-lbp", "+pipe-lbp", "-pipe+lbp", "+pipe+lbp", "spdkfac-dp"]
 PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"]
@@ -74,8 +72,8 @@ class VariantRun:
                       kl_clip=None, profile_steps=3, timeline=True)
         self.opt = make_optimizer(variant, self.model, lr=1e-4, momentum=0.9, backend=backend, **kw)
         self.it = 0
-        self.total: List[float] = []
-        self.fwdbwd: List[float] = []
+        self.total: list[float] = []
+        self.fwdbwd: list[float] = []
 
     def iteration(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One training iteration; returns its seconds (kept when past the warm-up)."""
@@ -93,7 +91,7 @@ class VariantRun:
         self.it += 1
         return t2 - t0
 
-    def finish(self, per_variant_memory: bool = True) -> Dict[str, object]:
+    def finish(self, per_variant_memory: bool = True) -> dict[str, object]:
         """The breakdown of the measured iterations (plus the amortised inversion), then free the variant."""
         args, opt, backend = self.args, self.opt, self.backend
         total, kfac = self.total, self.kfac
@@ -133,7 +131,7 @@ class VariantRun:
         return {"iteration": total, "parts": parts, "memory": mem}
 
 
-def run_round(variants: List[str], args, backend, x, y, interleave: bool, label: str) -> Dict[str, Dict[str, object]]:
+def run_round(variants: list[str], args, backend, x, y, interleave: bool, label: str) -> dict[str, dict[str, object]]:
     """Every variant's warm-up and measured iterations: one variant after another, or interleaved.
 
     Each variant's mean is logged (prefixed by ``label``) as soon as it is known: after the variant
@@ -141,10 +139,10 @@ def run_round(variants: List[str], args, backend, x, y, interleave: bool, label:
     """
     steps = args.warmup + args.iters
 
-    def done(v: str, result: Dict[str, object]) -> None:
+    def done(v: str, result: dict[str, object]) -> None:
         log(backend.rank, f"  {label} {v:<10} {stats(result['iteration'])['mean']*1e3:9.1f} ms/iter")
 
-    out: Dict[str, Dict[str, object]] = {}
+    out: dict[str, dict[str, object]] = {}
     if not interleave:
         for v in variants:
             # The previous variant's freed (retained) memory goes back, so this one's RSS is its own.
@@ -166,7 +164,7 @@ def run_round(variants: List[str], args, backend, x, y, interleave: bool, label:
     return out
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = workload_parser(__doc__, iters=4)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
@@ -198,7 +196,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     y = torch.randint(0, 10, (args.batch_size,), generator=g)
     device = worker_device(args.device)
     x, y = x.to(device), y.to(device)
-    results: Dict[str, Dict[str, object]] = {}
+    results: dict[str, dict[str, object]] = {}
     for rnd in range(args.rounds):
         for v, r in run_round(args.variants, args, backend, x, y, args.interleave, f"round {rnd + 1}/{args.rounds}").items():
             if v in results:
@@ -210,7 +208,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 results[v] = r
 
     # The slowest rank sets the pace: average the per-rank means (ranks are symmetric here).
-    table: List[Dict[str, object]] = []
+    table: list[dict[str, object]] = []
     for v, r in results.items():
         vec = torch.tensor([stats(r["iteration"])["mean"], stats(r["iteration"])["stdev"]] + [r["parts"][k] for k in PARTS], dtype=torch.float64)
         backend.allreduce_async(vec, f"bench.iter.{v}").wait()

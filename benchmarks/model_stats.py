@@ -21,7 +21,6 @@ import math
 import os
 import time
 from collections import Counter
-from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -32,7 +31,7 @@ from spdkfac.models import get_model
 DEFAULT_MODELS = ["resnet50", "resnet152", "densenet201", "inception_v4"]
 
 # The paper's Table II: parameters (M), preconditioned layers, sum of A / G upper triangles (M).
-PAPER_TABLE2: Dict[str, Dict[str, float]] = {
+PAPER_TABLE2: dict[str, dict[str, float]] = {
     "resnet50": {"params_m": 25.6, "layers": 54, "a_elems_m": 62.3, "g_elems_m": 14.6},
     "resnet152": {"params_m": 60.2, "layers": 156, "a_elems_m": 162.0, "g_elems_m": 32.9},
     # DenseNet-201's G total is printed as 18.0M; with the exact 20,013,928-parameter network it is
@@ -53,14 +52,14 @@ def _matches(ours: float, paper: float) -> bool:
     return abs(ours - paper) <= 0.05 + MATCH_RTOL * abs(paper)
 
 
-def model_stats(name: str, num_classes: int = 1000, model: Optional[nn.Module] = None) -> Dict[str, object]:
+def model_stats(name: str, num_classes: int = 1000, model: nn.Module | None = None) -> dict[str, object]:
     """Table II numbers and the per-factor dimensions of one registered model (``model``: that model, already built)."""
     if model is None:
         model = get_model(name, num_classes=num_classes)
-    layers: List[KFACLayer] = kfac_layers(model)
+    layers: list[KFACLayer] = kfac_layers(model)
     a_dims = [layer.a_dim for layer in layers]
     g_dims = [layer.g_dim for layer in layers]
-    stats: Dict[str, object] = {
+    stats: dict[str, object] = {
         "params": sum(p.numel() for p in model.parameters()),
         "layers": len(layers),
         "num_a": len(a_dims),
@@ -86,7 +85,7 @@ def model_stats(name: str, num_classes: int = 1000, model: Optional[nn.Module] =
     return stats
 
 
-def kfac_arithmetic(model: nn.Module, input_shape: Tuple[int, ...]) -> Dict[str, float]:
+def kfac_arithmetic(model: nn.Module, input_shape: tuple[int, ...]) -> dict[str, float]:
     """Floating-point operations of one iteration's K-FAC work next to the layers' own, for one input batch.
 
     Shapes come from a forward pass on the ``meta`` device (nothing is
@@ -104,7 +103,7 @@ def kfac_arithmetic(model: nn.Module, input_shape: Tuple[int, ...]) -> Dict[str,
     """
     meta = copy.deepcopy(model).to("meta")
     layers = kfac_layers(meta)
-    rows: Dict[str, int] = {}
+    rows: dict[str, int] = {}
 
     def recorder(name: str):
         def record(mod: nn.Module, inputs, out: torch.Tensor) -> None:
@@ -126,7 +125,7 @@ def kfac_arithmetic(model: nn.Module, input_shape: Tuple[int, ...]) -> Dict[str,
     return ops
 
 
-def arithmetic_floor(ops: Dict[str, float], factor_every: int, dp_workers: int = 1) -> float:
+def arithmetic_floor(ops: dict[str, float], factor_every: int, dp_workers: int = 1) -> float:
     """Lowest amortised K-FAC / SGD iteration-time ratio the arithmetic allows at one FLOP rate.
 
     Counts what no implementation avoids: the preconditioning (split over
@@ -139,7 +138,7 @@ def arithmetic_floor(ops: Dict[str, float], factor_every: int, dp_workers: int =
     return 1.0 + extra / ops["forward_backward"]
 
 
-def plot_sizes(results: Dict[str, Dict[str, object]], path: str) -> None:
+def plot_sizes(results: dict[str, dict[str, object]], path: str) -> None:
     """Scatter of factor sizes (upper-triangle elements, log x) against how many factors have that size."""
     import matplotlib
 
@@ -167,12 +166,12 @@ def plot_sizes(results: Dict[str, Dict[str, object]], path: str) -> None:
     plt.close(fig)
 
 
-def _fmt_row(name: str, st: Dict[str, object]) -> str:
+def _fmt_row(name: str, st: dict[str, object]) -> str:
     return (f"{name:<14}{st['params']:>13,}{st['layers']:>8}{st['num_a']:>6}{st['num_g']:>6}"
             f"{st['a_elems'] / 1e6:>11.2f}{st['g_elems'] / 1e6:>11.2f}{st['max_dim']:>9}")
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, object]]:
+def main(argv: list[str] | None = None) -> dict[str, dict[str, object]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help="registered model names")
     parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
@@ -186,7 +185,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, object]]:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
 
-    results: Dict[str, Dict[str, object]] = {}
+    results: dict[str, dict[str, object]] = {}
     for name in args.models:
         t0 = time.perf_counter()
         model = get_model(name, num_classes=args.num_classes)

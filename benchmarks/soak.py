@@ -20,7 +20,7 @@ import hashlib
 import random
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import psutil
 import torch
@@ -47,7 +47,7 @@ def _digest(model: nn.Module, opt: SPDKFACOptimizer) -> str:
     return h.hexdigest()
 
 
-def main(argv: List[str] | None = None) -> Dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--every", type=int, default=100, help="sample memory and pending work every this many steps")
@@ -67,7 +67,7 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
     rng = random.Random(1234 + rank)
     data = torch.Generator().manual_seed(rank)
     proc = psutil.Process()
-    samples: List[Dict[str, float]] = []
+    samples: list[dict[str, float]] = []
     delayed = 0
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):

@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable
 
 import torch
 
@@ -32,7 +32,7 @@ from spdkfac.linalg import invert_spd
 from spdkfac.perfmodels import PerfModel, fit_inverse_model
 
 
-def _cpu_times(fn: Callable[[], object], repeats: int) -> List[float]:
+def _cpu_times(fn: Callable[[], object], repeats: int) -> list[float]:
     fn()  # warm-up
     out = []
     for _ in range(repeats):
@@ -60,8 +60,8 @@ def main() -> int:
         x = torch.randn(d, d, generator=gen, dtype=torch.float64).to(dtype)
         spd = x @ x.T / d
         reps = 3 if d >= 1024 else 9  # a short run: the large points cost seconds each
-        times = _cpu_times(lambda: eigen_payload(spd), reps)
-        inverse = statistics.median(_cpu_times(lambda: invert_spd(spd, 1e-3), reps))
+        times = _cpu_times(lambda spd=spd: eigen_payload(spd), reps)
+        inverse = statistics.median(_cpu_times(lambda spd=spd: invert_spd(spd, 1e-3), reps))
         medians.append(statistics.median(times))
         means.append(statistics.fmean(times))
         inverse_ratio.append(inverse / t_file)

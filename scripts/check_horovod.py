@@ -12,9 +12,8 @@ results on every rank.
 
 import sys
 
-import torch
-
 import horovod.torch as hvd
+import torch
 
 
 def main() -> int:

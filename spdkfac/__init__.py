@@ -12,4 +12,4 @@ from .variants import VARIANTS, make_optimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["SPDKFACOptimizer", "NonFiniteError", "NonFiniteFactorError", "KFACParamScheduler", "VARIANTS", "make_optimizer", "retain_freed_memory", "__version__"]
+__all__ = ["VARIANTS", "KFACParamScheduler", "NonFiniteError", "NonFiniteFactorError", "SPDKFACOptimizer", "__version__", "make_optimizer", "retain_freed_memory"]

@@ -14,16 +14,17 @@ the communication engine starts its threads (``hvd.init()``,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import warnings
-from typing import Collection, List, Optional
+from collections.abc import Collection
 
 from .comm.device import local_rank_and_size
 
-__all__ = ["core_share", "bind_to_local_cores", "add_bind_cores_option", "bind_cores_if_asked"]
+__all__ = ["add_bind_cores_option", "bind_cores_if_asked", "bind_to_local_cores", "core_share"]
 
 
-def core_share(cores: Collection[int], local_rank: int, local_size: int) -> List[int]:
+def core_share(cores: Collection[int], local_rank: int, local_size: int) -> list[int]:
     """The block of ``cores`` for worker ``local_rank`` of ``local_size``: equal contiguous blocks.
 
     With more cores than workers the first ``len(cores) % local_size`` workers
@@ -43,7 +44,7 @@ def core_share(cores: Collection[int], local_rank: int, local_size: int) -> List
     return ordered[start : start + base + (1 if local_rank < extra else 0)]
 
 
-def bind_to_local_cores() -> Optional[List[int]]:
+def bind_to_local_cores() -> list[int] | None:
     """Restrict this worker (and every thread it starts from now on) to its share of the cores it may use.
 
     Returns the cores, or None in a run that no launcher started (nothing is
@@ -56,14 +57,12 @@ def bind_to_local_cores() -> Optional[List[int]]:
         return None
     share = core_share(os.sched_getaffinity(0), *local)
     for tid in _thread_ids():  # threads already started (importing torch starts some) as well as this one
-        try:
+        with contextlib.suppress(ProcessLookupError):  # that thread may have exited meanwhile
             os.sched_setaffinity(tid, share)
-        except ProcessLookupError:  # that thread has exited meanwhile
-            pass
     return share
 
 
-def _thread_ids() -> List[int]:
+def _thread_ids() -> list[int]:
     """This process's threads (Linux ``/proc``), or just the calling thread where that is not available."""
     try:
         return [int(tid) for tid in os.listdir("/proc/self/task")]
@@ -77,7 +76,7 @@ def add_bind_cores_option(parser: argparse.ArgumentParser) -> None:
                         help="bind each worker of a node to its own share of the cores (CPU nodes; see spdkfac.affinity)")
 
 
-def bind_cores_if_asked(args: argparse.Namespace) -> Optional[List[int]]:
+def bind_cores_if_asked(args: argparse.Namespace) -> list[int] | None:
     """:func:`bind_to_local_cores` when ``args`` asked for it (``--bind-cores``), else None.
 
     Call it before the communication engine starts its threads, so that they inherit the binding.

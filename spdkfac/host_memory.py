@@ -20,9 +20,9 @@ import ctypes
 import os
 import platform
 import resource
-from typing import Callable, Optional
+from typing import Callable
 
-__all__ = ["retain_freed_memory", "release_freed_memory", "minor_page_faults"]
+__all__ = ["minor_page_faults", "release_freed_memory", "retain_freed_memory"]
 
 # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -30,7 +30,7 @@ _M_MMAP_MAX = -4
 _DISABLE_ENV = "SPDKFAC_RETAIN_MEMORY"
 
 
-def _glibc_function(name: str, argtypes: list) -> Optional[Callable[..., int]]:
+def _glibc_function(name: str, argtypes: list) -> Callable[..., int] | None:
     """glibc's ``name`` with its C signature, or None off glibc (other libcs have neither knob)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None

@@ -7,14 +7,14 @@ shard (:class:`torch.utils.data.distributed.DistributedSampler`).
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-__all__ = ["ImageFolder", "ImageFolderError", "scan_image_folder", "make_loader", "IMAGE_EXTENSIONS"]
+__all__ = ["IMAGE_EXTENSIONS", "ImageFolder", "ImageFolderError", "make_loader", "scan_image_folder"]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff")
 MEAN = (0.485, 0.456, 0.406)
@@ -25,7 +25,7 @@ class ImageFolderError(ValueError):
     """The data directory is missing or malformed; the message says what and where."""
 
 
-def scan_image_folder(root: Path, classes: Optional[Sequence[str]] = None) -> Tuple[List[Tuple[Path, int]], List[str]]:
+def scan_image_folder(root: Path, classes: Sequence[str] | None = None) -> tuple[list[tuple[Path, int]], list[str]]:
     """``[(image path, class index)]`` and the sorted class names of ``root/<class>/*``."""
     root = Path(root)
     if not root.is_dir():
@@ -36,7 +36,7 @@ def scan_image_folder(root: Path, classes: Optional[Sequence[str]] = None) -> Tu
     if classes is not None and list(classes) != found:
         missing, extra = sorted(set(classes) - set(found)), sorted(set(found) - set(classes))
         raise ImageFolderError(f"{root} has different classes than the training set: missing {missing[:5]}, extra {extra[:5]}")
-    samples: List[Tuple[Path, int]] = []
+    samples: list[tuple[Path, int]] = []
     empty = []
     for idx, name in enumerate(found):
         files = sorted(p for p in (root / name).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
@@ -51,7 +51,7 @@ def scan_image_folder(root: Path, classes: Optional[Sequence[str]] = None) -> Tu
 class ImageFolder(Dataset):
     """Images of ``root/<class>/`` as normalised ``3 x size x size`` tensors."""
 
-    def __init__(self, root: Path, size: int = 224, train: bool = True, classes: Optional[Sequence[str]] = None) -> None:
+    def __init__(self, root: Path, size: int = 224, train: bool = True, classes: Sequence[str] | None = None) -> None:
         try:
             import PIL.Image  # noqa: F401
         except ImportError as exc:  # pragma: no cover
@@ -71,7 +71,7 @@ class ImageFolder(Dataset):
         except (UnidentifiedImageError, OSError) as exc:
             raise ImageFolderError(f"cannot read image {path}: {exc}") from None
 
-    def __getitem__(self, index: int) -> Tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         from PIL import Image
 
         path, label = self.samples[index]

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Union
 
 import torch
 import torch.nn as nn
@@ -40,11 +41,11 @@ from .conv_gram import conv_input_gram
 from .decomposition import Eigen, check_method, eigen_precondition
 from .linalg import channel_gram, pack_upper, symmetric_gram, triangle_size, unpack_upper
 
-__all__ = ["FactorKey", "KFACLayer", "RowExtractor", "make_extractor", "kfac_layers", "functional_submodules", "factor_list", "FACTOR_KINDS"]
+__all__ = ["FACTOR_KINDS", "FactorKey", "KFACLayer", "RowExtractor", "factor_list", "functional_submodules", "kfac_layers", "make_extractor"]
 
 FACTOR_KINDS = ("A", "G")
 #: A factor by (kind 'A' | 'G', layer name), the same on every rank.
-FactorKey = Tuple[str, str]
+FactorKey = tuple[str, str]
 
 
 class RowExtractor(abc.ABC):
@@ -53,7 +54,7 @@ class RowExtractor(abc.ABC):
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
-    def input_gram(self, x: torch.Tensor, with_bias: bool) -> Optional[Tuple[torch.Tensor, int]]:
+    def input_gram(self, x: torch.Tensor, with_bias: bool) -> tuple[torch.Tensor, int] | None:
         """``rows^T rows`` (with a ones column if ``with_bias``) and the row count, when cheaper than the rows; else None."""
         return None
 
@@ -105,7 +106,7 @@ class _LinearRows(RowExtractor):
 
 
 class _Conv2dRows(RowExtractor):
-    def __init__(self, module: nn.Conv2d, padding: Tuple[int, int]) -> None:
+    def __init__(self, module: nn.Conv2d, padding: tuple[int, int]) -> None:
         super().__init__(module)
         self.padding = padding
 
@@ -141,7 +142,7 @@ class _Conv2dRows(RowExtractor):
     def positions(self, rows: int, batch: int) -> int:
         return rows // batch
 
-    def input_gram(self, x: torch.Tensor, with_bias: bool) -> Optional[Tuple[torch.Tensor, int]]:
+    def input_gram(self, x: torch.Tensor, with_bias: bool) -> tuple[torch.Tensor, int] | None:
         """The rows' Gram and row count without im2col rows where there is a cheaper way.
 
         A 1x1 kernel without padding: the rows are the (strided) input's
@@ -166,7 +167,7 @@ class _Conv2dRows(RowExtractor):
         return self.module.out_channels
 
 
-def _with_bias_row(gram: torch.Tensor, x: torch.Tensor, with_bias: bool) -> Tuple[torch.Tensor, int]:
+def _with_bias_row(gram: torch.Tensor, x: torch.Tensor, with_bias: bool) -> tuple[torch.Tensor, int]:
     """The Gram of ``x``'s channel rows, bordered (``with_bias``) by the Gram terms of a ones column, and the row count."""
     count = math.prod(x.shape[:1] + x.shape[2:])
     if not with_bias:
@@ -181,7 +182,7 @@ def _with_bias_row(gram: torch.Tensor, x: torch.Tensor, with_bias: bool) -> Tupl
     return out, count
 
 
-def _explicit_conv_padding(m: nn.Conv2d) -> Optional[Tuple[int, int]]:
+def _explicit_conv_padding(m: nn.Conv2d) -> tuple[int, int] | None:
     """Integer padding of a conv layer, or None when im2col cannot express it."""
     if m.padding_mode != "zeros":
         return None
@@ -198,7 +199,7 @@ def _explicit_conv_padding(m: nn.Conv2d) -> Optional[Tuple[int, int]]:
     return (int(m.padding[0]), int(m.padding[1]))
 
 
-def make_extractor(module: nn.Module) -> Optional[RowExtractor]:
+def make_extractor(module: nn.Module) -> RowExtractor | None:
     """The row extractor for a supported layer, or None (the layer then gets plain SGD)."""
     if isinstance(module, nn.Linear):
         return _LinearRows(module)
@@ -237,11 +238,11 @@ class KFACLayer:
         self.has_bias = extractor.has_bias
         self.a_dim = extractor.in_dim + (1 if self.has_bias else 0)
         self.g_dim = extractor.out_dim
-        self._packed: Dict[str, Optional[torch.Tensor]] = {"A": None, "G": None}
-        self.A_inv: Optional[torch.Tensor] = None
-        self.G_inv: Optional[torch.Tensor] = None
-        self.A_eigen: Optional[Eigen] = None
-        self.G_eigen: Optional[Eigen] = None
+        self._packed: dict[str, torch.Tensor | None] = {"A": None, "G": None}
+        self.A_inv: torch.Tensor | None = None
+        self.G_inv: torch.Tensor | None = None
+        self.A_eigen: Eigen | None = None
+        self.G_eigen: Eigen | None = None
 
     def __repr__(self) -> str:
         return f"KFACLayer({self.name!r}, {type(self.module).__name__}, A {self.a_dim}x{self.a_dim}, G {self.g_dim}x{self.g_dim})"
@@ -302,7 +303,7 @@ class KFACLayer:
             current = self._packed[kind] = pack_upper(torch.eye(self.dim(kind), dtype=packed.dtype, device=packed.device))
         current.mul_(decay).add_(packed, alpha=1.0 - decay)
 
-    def set_factor(self, kind: str, value: Optional[torch.Tensor]) -> None:
+    def set_factor(self, kind: str, value: torch.Tensor | None) -> None:
         """Replace the running average (full matrix or packed triangle; None clears it)."""
         if value is None:
             self._packed[kind] = None
@@ -322,31 +323,31 @@ class KFACLayer:
             return factor
         raise ValueError(f"packed {kind} factor of {self.name!r} has {factor.numel()} elements, expected {triangle_size(dim)}")
 
-    def packed_factor(self, kind: str) -> Optional[torch.Tensor]:
+    def packed_factor(self, kind: str) -> torch.Tensor | None:
         """The running average as stored: its packed upper triangle (no copy)."""
         return self._packed[kind]
 
-    def factor(self, kind: str) -> Optional[torch.Tensor]:
+    def factor(self, kind: str) -> torch.Tensor | None:
         """The running average as a full symmetric matrix (unpacked afresh on each call)."""
         packed = self._packed[kind]
         return None if packed is None else unpack_upper(packed, self.dim(kind))
 
     @property
-    def A(self) -> Optional[torch.Tensor]:
+    def A(self) -> torch.Tensor | None:
         """Running average of the input-covariance factor (full matrix, unpacked on access)."""
         return self.factor("A")
 
     @A.setter
-    def A(self, value: Optional[torch.Tensor]) -> None:
+    def A(self, value: torch.Tensor | None) -> None:
         self.set_factor("A", value)
 
     @property
-    def G(self) -> Optional[torch.Tensor]:
+    def G(self) -> torch.Tensor | None:
         """Running average of the output-gradient-covariance factor (full matrix, unpacked on access)."""
         return self.factor("G")
 
     @G.setter
-    def G(self, value: Optional[torch.Tensor]) -> None:
+    def G(self, value: torch.Tensor | None) -> None:
         self.set_factor("G", value)
 
     def set_inverse(self, kind: str, inverse: torch.Tensor) -> None:
@@ -377,7 +378,7 @@ class KFACLayer:
         return held.dtype
 
     # -- gradients -----------------------------------------------------------------
-    def grad_matrix(self) -> Optional[torch.Tensor]:
+    def grad_matrix(self) -> torch.Tensor | None:
         """The layer gradient as a ``g_dim x a_dim`` matrix (bias as the last column)."""
         weight = self.module.weight
         if weight.grad is None:
@@ -389,7 +390,7 @@ class KFACLayer:
             grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
         return grad
 
-    def precondition(self, grad: torch.Tensor, damping: Optional[float] = None) -> torch.Tensor:
+    def precondition(self, grad: torch.Tensor, damping: float | None = None) -> torch.Tensor:
         """The preconditioned gradient, in the decomposition's precision (the caller casts back on writing).
 
         ``'inverse'``: ``G_inv @ grad @ A_inv`` (the damping is inside the
@@ -422,14 +423,14 @@ class KFACLayer:
 LayerFilter = Union[str, type]
 
 
-def functional_submodules(model: nn.Module) -> Dict[str, str]:
+def functional_submodules(model: nn.Module) -> dict[str, str]:
     """``{name: why}`` of supported layers whose weight their parent uses without calling their ``forward()``.
 
     ``nn.MultiheadAttention`` computes with ``out_proj.weight`` directly, so
     no hook of ``out_proj`` ever fires: there is no factor to precondition it
     with. Such layers get the plain momentum-SGD update.
     """
-    found: Dict[str, str] = {}
+    found: dict[str, str] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention) and isinstance(getattr(module, "out_proj", None), nn.Linear):
             found[f"{name}.out_proj" if name else "out_proj"] = "nn.MultiheadAttention uses out_proj.weight without calling out_proj"
@@ -445,7 +446,7 @@ def _skipped(name: str, module: nn.Module, skip: Sequence[LayerFilter]) -> bool:
     return False
 
 
-def kfac_layers(model: nn.Module, compute_method: str = "inverse", skip: Sequence[LayerFilter] = ()) -> List[KFACLayer]:
+def kfac_layers(model: nn.Module, compute_method: str = "inverse", skip: Sequence[LayerFilter] = ()) -> list[KFACLayer]:
     """A :class:`KFACLayer` for every supported layer with a trainable weight, in module order.
 
     Left out (plain momentum SGD): modules matched by ``skip`` (a module name,
@@ -463,10 +464,10 @@ def kfac_layers(model: nn.Module, compute_method: str = "inverse", skip: Sequenc
     if unmatched:
         raise ValueError(f"skip_layers entries {unmatched} match no module of the model (names: {[n for n, _ in model.named_modules() if n][:12]} ...)")
     functional = functional_submodules(model)
-    holders: Dict[int, List[str]] = {}
+    holders: dict[int, list[str]] = {}
     for pname, param in model.named_parameters(remove_duplicate=False):
         holders.setdefault(id(param), []).append(pname)
-    layers: List[KFACLayer] = []
+    layers: list[KFACLayer] = []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if weight is None or not weight.requires_grad or name in functional or _skipped(name, module, skip):
@@ -485,6 +486,6 @@ def kfac_layers(model: nn.Module, compute_method: str = "inverse", skip: Sequenc
     return layers
 
 
-def factor_list(layers: List[KFACLayer]) -> List[Tuple[Tuple[str, str], int]]:
+def factor_list(layers: list[KFACLayer]) -> list[tuple[tuple[str, str], int]]:
     """``[((kind, layer name), dim)]``: A then G of each layer, the order placements follow (Eq. 22)."""
     return [((kind, layer.name), layer.dim(kind)) for layer in layers for kind in FACTOR_KINDS]

@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, Tuple
 
 import torch
 
 __all__ = [
-    "triangle_size",
-    "symmetric_gram",
+    "all_finite",
     "channel_gram",
+    "cupy_available",
+    "invert_spd",
     "mirror_upper_",
     "pack_upper",
+    "symmetric_gram",
+    "triangle_size",
     "unpack_upper",
-    "invert_spd",
-    "cupy_available",
-    "all_finite",
 ]
 
 
@@ -109,7 +108,7 @@ def channel_gram(x: torch.Tensor) -> torch.Tensor:
     return symmetric_gram(channel_major.transpose(0, 1))
 
 
-_TRIU_CACHE: Dict[Tuple[int, str], torch.Tensor] = {}
+_TRIU_CACHE: dict[tuple[int, str], torch.Tensor] = {}
 
 
 def _flat_upper_indices(dim: int, device: torch.device) -> torch.Tensor:
@@ -181,7 +180,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
 def cupy_available() -> bool:
     """True when cupy imports and sees a CUDA device."""
     try:
-        import cupy  # noqa: F401
+        import cupy
         import cupyx.linalg  # noqa: F401
 
         return bool(cupy.cuda.runtime.getDeviceCount() > 0)

@@ -7,7 +7,7 @@ worker takes the same decision at the same step without communicating.
 from __future__ import annotations
 
 import warnings
-from typing import Iterable, List, Tuple
+from collections.abc import Iterable
 
 import torch
 
@@ -24,7 +24,7 @@ class NonFiniteError(FloatingPointError):
 class NonFiniteFactorError(NonFiniteError):
     """A Kronecker factor contained NaN or Inf; running averages were left untouched."""
 
-    def __init__(self, layers: List[FactorKey], step: int) -> None:
+    def __init__(self, layers: list[FactorKey], step: int) -> None:
         self.layers = layers
         names = ", ".join(f"{kind} of {name!r}" for kind, name in layers)
         super().__init__(
@@ -34,11 +34,11 @@ class NonFiniteFactorError(NonFiniteError):
         )
 
 
-class SkipStep(Exception):
+class SkipStep(Exception):  # noqa: N818 a control-flow signal, not an error
     """Raised inside ``step()`` to leave the step with nothing changed (internal)."""
 
 
-def non_finite(named: Iterable[Tuple[str, torch.Tensor]]) -> List[str]:
+def non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Names of the tensors holding NaN or Inf (one reduction per tensor, one synchronisation in all)."""
     items = [(name, t) for name, t in named if t is not None]
     if not items:

@@ -23,12 +23,13 @@ scheduler's change between two ``step()`` calls applies to the whole next step.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, TypeVar, Union
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
 
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import SPDKFACOptimizer
 
-__all__ = ["SCHEDULED_OPTIONS", "Scheduled", "StepSchedule", "KFACParamScheduler"]
+__all__ = ["SCHEDULED_OPTIONS", "KFACParamScheduler", "Scheduled", "StepSchedule"]
 
 #: The optimizer options that may be given as ``f(step) -> value``.
 SCHEDULED_OPTIONS = ("damping", "kl_clip", "factor_update_freq", "inv_update_freq")
@@ -55,13 +56,13 @@ class StepSchedule:
         if unknown:
             raise ValueError(f"options {unknown} cannot be scheduled; only {SCHEDULED_OPTIONS}")
         self._validators = dict(validators)
-        self.callables: Dict[str, Callable[[int], Any]] = {name: v for name, v in options.items() if callable(v)}
+        self.callables: dict[str, Callable[[int], Any]] = {name: v for name, v in options.items() if callable(v)}
 
     def is_scheduled(self, name: str) -> bool:
         """Whether ``name`` was given as a callable of the step."""
         return name in self.callables
 
-    def resolve(self, step: int, current: Mapping[str, Any]) -> Dict[str, Any]:
+    def resolve(self, step: int, current: Mapping[str, Any]) -> dict[str, Any]:
         """The validated values in force at ``step``: callables evaluated at it, the rest taken from ``current``.
 
         Raises:
@@ -69,7 +70,7 @@ class StepSchedule:
                 option and the step), or ``inv_update_freq`` is not a multiple of
                 ``factor_update_freq`` at this step.
         """
-        values: Dict[str, Any] = {}
+        values: dict[str, Any] = {}
         for name, check in self._validators.items():
             fn = self.callables.get(name)
             value = fn(step) if fn is not None else current[name]
@@ -88,7 +89,7 @@ class StepSchedule:
         return values
 
 
-def _check_epochs(name: str, epochs: Optional[Iterable[int]]) -> List[int]:
+def _check_epochs(name: str, epochs: Iterable[int] | None) -> list[int]:
     out = list(epochs) if epochs is not None else []
     for e in out:
         if isinstance(e, bool) or not isinstance(e, int) or e < 0:
@@ -131,11 +132,11 @@ class KFACParamScheduler:
 
     def __init__(
         self,
-        optimizer: "SPDKFACOptimizer",
+        optimizer: SPDKFACOptimizer,
         damping_alpha: float = 1.0,
-        damping_schedule: Optional[Iterable[int]] = None,
+        damping_schedule: Iterable[int] | None = None,
         update_freq_alpha: float = 1.0,
-        update_freq_schedule: Optional[Iterable[int]] = None,
+        update_freq_schedule: Iterable[int] | None = None,
     ) -> None:
         schedule = getattr(optimizer, "schedule", None)
         if not isinstance(schedule, StepSchedule):
@@ -161,10 +162,10 @@ class KFACParamScheduler:
         """The damping during ``epoch``."""
         return self.base_damping * self.damping_alpha ** sum(e <= epoch for e in self.damping_schedule)
 
-    def update_freqs_at(self, epoch: int) -> "tuple[int, int]":
+    def update_freqs_at(self, epoch: int) -> tuple[int, int]:
         """``(factor_update_freq, inv_update_freq)`` during ``epoch``."""
         scale = self.update_freq_alpha ** sum(e <= epoch for e in self.update_freq_schedule)
-        factor = max(1, int(round(self.base_factor_update_freq * scale)))
+        factor = max(1, round(self.base_factor_update_freq * scale))
         return factor, factor * (self.base_inv_update_freq // self.base_factor_update_freq)
 
     def step(self) -> None:
@@ -180,7 +181,7 @@ class KFACParamScheduler:
         if self.update_freq_schedule:
             self.optimizer.factor_update_freq, self.optimizer.inv_update_freq = self.update_freqs_at(self.epoch)
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """Everything but the optimizer (as ``torch.optim.lr_scheduler``)."""
         return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items() if k != "optimizer"}
 

@@ -11,6 +11,7 @@ and a checkpoint every epoch (``--resume`` continues from it exactly).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import itertools
 import math
@@ -18,9 +19,9 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -38,9 +39,10 @@ __all__ = ["main", "parse_args"]
 
 OPTIMIZERS = ("sgd", "spdkfac", "dkfac", "mpdkfac")
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_CPU = torch.device("cpu")
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="digits",
                    help="'digits' (bundled with scikit-learn), 'synthetic', or an ImageNet-style directory with train/ and val/")
@@ -202,18 +204,18 @@ def lr_at(args: argparse.Namespace, base_lr: float, epoch_float: float, workers:
     return base_lr * 0.1 ** sum(epoch_float >= e for e in args.lr_decay_epochs)
 
 
-def _average(backend: CommBackend, values: List[float], name: str, device: torch.device) -> List[float]:
+def _average(backend: CommBackend, values: list[float], name: str, device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     backend.allreduce_async(t, name).wait()
     return t.tolist()
 
 
-def _autocast(device: torch.device, amp: Optional[str]) -> torch.autocast:
+def _autocast(device: torch.device, amp: str | None) -> torch.autocast:
     return torch.autocast(device.type, dtype=AMP_DTYPES.get(amp or "bf16"), enabled=amp is not None)
 
 
-def evaluate(model: nn.Module, loader: ShardedLoader, backend: CommBackend, device: torch.device = torch.device("cpu"),
-             amp: Optional[str] = None) -> tuple[float, float]:
+def evaluate(model: nn.Module, loader: ShardedLoader, backend: CommBackend, device: torch.device = _CPU,
+             amp: str | None = None) -> tuple[float, float]:
     model.eval()
     loss_sum = correct = count = 0.0
     with torch.no_grad():
@@ -240,14 +242,12 @@ def _engine_settings(backend: CommBackend) -> str:
     if backend.name != "horovod":
         return ""
     cycle = os.environ.get("HOROVOD_CYCLE_TIME", "1")
-    try:
+    with contextlib.suppress(ValueError):
         cycle = f"{float(cycle):g}"  # horovodrun --cycle-time-ms 20 exports "20.0"
-    except ValueError:
-        pass
     return f" (cycle {cycle} ms)"
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
+def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     cores = bind_cores_if_asked(args)
     retain_freed_memory()  # CPU activations are reused, not page-faulted in every iteration
@@ -311,7 +311,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     if is_root:
         _start_log(log_path, fields, keep_before=position.epoch if resume is not None else 0)
 
-    def checkpoint(metrics: List[float]) -> None:
+    def checkpoint(metrics: list[float]) -> None:
         """Save on rank 0; the partial-epoch metrics are summed over every worker first (a collective)."""
         totals = _average(backend, metrics, "train.checkpoint", device)
         if is_root:
@@ -323,7 +323,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
 
     steps_per_epoch = len(train_loader)
     samples_per_epoch = steps_per_epoch * args.batch_size * size
-    row: Dict[str, float] = {}
+    row: dict[str, float] = {}
     last_epoch = args.epochs if args.stop_after is None else min(args.epochs, position.epoch + args.stop_after)
     while position.epoch < last_epoch:
         epoch = position.epoch
@@ -333,7 +333,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         # The partial sums a mid-epoch checkpoint saved are every worker's: rank 0 carries them on.
         loss_sum, correct, count = position.metrics if is_root else (0.0, 0.0, 0.0)
         position.metrics = (0.0, 0.0, 0.0)
-        iter_times: List[float] = []
+        iter_times: list[float] = []
         lr = lr_at(args, base_lr, epoch, size)
         for x, y in batches:
             lr = lr_at(args, base_lr, epoch + position.samples / samples_per_epoch, size)
@@ -404,7 +404,7 @@ class Position:
     epoch: int = 0
     samples: int = 0
     step: int = 0
-    metrics: Tuple[float, float, float] = (0.0, 0.0, 0.0)  # loss sum, correct, count of the epoch so far (all workers)
+    metrics: tuple[float, float, float] = (0.0, 0.0, 0.0)  # loss sum, correct, count of the epoch so far (all workers)
 
 
 #: Arguments that may change between a run and its resumption without changing what is trained.
@@ -412,7 +412,7 @@ RUNTIME_ARGS = ("resume", "overwrite", "allow_changed_args", "stop_after", "quie
                 "out_dir", "device", "checkpoint_every", "backend", "perf_model")
 
 
-def _prepare_run_dir(args: argparse.Namespace, out_dir: Path, is_root: bool, backend: CommBackend) -> Optional[Tuple[Path, Dict]]:
+def _prepare_run_dir(args: argparse.Namespace, out_dir: Path, is_root: bool, backend: CommBackend) -> tuple[Path, dict] | None:
     """Check ``--out-dir`` before any work, and find the checkpoint to resume from (None: a fresh run).
 
     Every worker takes the same decision from the same directory. A directory
@@ -448,8 +448,8 @@ def _prepare_run_dir(args: argparse.Namespace, out_dir: Path, is_root: bool, bac
     return found
 
 
-def _restore(ckpt: Dict, path: Path, args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
-             scaler: Optional[torch.amp.GradScaler], kfac_scheduler: Optional[KFACParamScheduler], size: int,
+def _restore(ckpt: dict, path: Path, args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
+             scaler: torch.amp.GradScaler | None, kfac_scheduler: KFACParamScheduler | None, size: int,
              is_root: bool) -> Position:
     """Load a checkpoint into the run after checking it was made by the same training (the reason if not)."""
     changed = changed_arguments(ckpt["args"], vars(args), RUNTIME_ARGS)
@@ -481,9 +481,9 @@ def _restore(ckpt: Dict, path: Path, args: argparse.Namespace, model: nn.Module,
     return position
 
 
-def _start_log(path: Path, fields: List[str], keep_before: int) -> None:
+def _start_log(path: Path, fields: list[str], keep_before: int) -> None:
     """Start the CSV log, keeping the rows of the epochs before ``keep_before`` (those a resumed run does not redo)."""
-    rows: List[List[str]] = []
+    rows: list[list[str]] = []
     if keep_before > 0 and path.exists():
         with open(path, newline="") as fh:
             rows = [r for r in list(csv.reader(fh))[1:] if r and int(r[0]) < keep_before]

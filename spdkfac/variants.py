@@ -1,14 +1,15 @@
 """The paper's baselines and ablations as configurations of the one optimizer."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch.nn as nn
 
-__all__ = ["VARIANTS", "make_optimizer", "variant_config", "variant_argv"]
+__all__ = ["VARIANTS", "make_optimizer", "variant_argv", "variant_config"]
 
 #: name -> keyword arguments of :class:`~spdkfac.SPDKFACOptimizer`
-VARIANTS: Dict[str, Dict[str, Any]] = {
+VARIANTS: dict[str, dict[str, Any]] = {
     # S-SGD: same gradient all-reduce, no K-FAC.
     "sgd": dict(precondition=False),
     # SPD-KFAC: pipelined factor all-reduce with optimal fusion + load-balancing placement.
@@ -44,7 +45,7 @@ def _parse_value(text: str) -> Any:
     return text.strip()
 
 
-def variant_config(spec: str) -> Dict[str, Any]:
+def variant_config(spec: str) -> dict[str, Any]:
     """Optimizer keyword arguments of ``'name'`` or ``'name:key=value,key=value'`` (a variant with changes).
 
     The second form lets a benchmark run a variant with one switch flipped
@@ -75,14 +76,14 @@ def make_optimizer(variant: str, model: nn.Module, **kwargs: Any):
     return SPDKFACOptimizer(model, **config)
 
 
-def variant_argv(argv: Sequence[str], flag: str = "--variants") -> List[str]:
+def variant_argv(argv: Sequence[str], flag: str = "--variants") -> list[str]:
     """``argv`` with each ablation name after ``flag`` (``-pipe+lbp``...) rewritten as ``flag=NAME``.
 
     argparse reads a list value that starts with a dash as an unknown
     option, so ``--variants sgd -pipe+lbp`` would fail; the option must use
     ``action="extend"`` for the rewritten pieces to add up.
     """
-    out: List[str] = []
+    out: list[str] = []
     listing = False  # inside the list of values that follows the flag
     for token in argv:
         if listing and token.startswith("-") and not token.startswith("--") and token.partition(":")[0] in VARIANTS:

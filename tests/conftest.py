@@ -2,15 +2,14 @@ import os
 import sys
 import warnings
 
+import pytest
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 warnings.filterwarnings("ignore", message="no perf_model given")
-
-
-import pytest
-import torch
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import List, Sequence
 
 import pytest
 
@@ -38,7 +38,7 @@ def require_horovod() -> None:
     pytest.skip("Horovod not installed (run scripts/setup.sh)")
 
 
-def launcher_command(engine: str, nproc: int, script: Sequence[str]) -> List[str]:
+def launcher_command(engine: str, nproc: int, script: Sequence[str]) -> list[str]:
     """The command line that starts ``script`` on ``nproc`` local workers."""
     if engine == "torch":
         return [
@@ -68,7 +68,7 @@ def run_workers(engine: str, nproc: int, script: Sequence[str], timeout: int = T
     for attempt in (1, 2):
         cmd = launcher_command(engine, nproc, script)
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired as exc:
             out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
             pytest.fail(f"{engine} run with {nproc} workers hung for {timeout}s: {' '.join(cmd)}\n{out[-4000:]}")

@@ -1,13 +1,11 @@
 """Gradient accumulation: k micro-batches of b give one batch of k*b, with one round of communication per step."""
 from __future__ import annotations
 
-from typing import List
-
 import pytest
 import torch
 import torch.nn as nn
-
 from nets import batch, small_net, train
+
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm.base import CommBackend, CompletedHandle, Handle
 
@@ -20,11 +18,11 @@ def _params(model):
 
 def _assert_close(a, b):
     for k, v in a.items():
-        torch.testing.assert_close(b[k], v, rtol=1e-9, atol=1e-11, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(b[k], v, rtol=1e-9, atol=1e-11, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize(
-    "k, extra",
+    ("k", "extra"),
     [
         (2, {}),
         (4, {}),
@@ -68,7 +66,8 @@ def test_grad_scaler_with_a_skipped_step_discards_the_accumulated_factors(float6
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     opt = SPDKFACOptimizer(model, grad_scaler=scaler, accumulation_steps=2, **KW)
     train(model, opt, x, y, 4, scaler=scaler, poisoned={1: mask}, accumulate=2)
-    assert opt.steps == 3 and scaler.get_scale() == 2.0**7
+    assert opt.steps == 3
+    assert scaler.get_scale() == 2.0**7
     ref = small_net()
     ref_opt = SPDKFACOptimizer(ref, **KW)
     for s in (0, 2, 3):  # the same batches, whole, without the poisoned step
@@ -166,7 +165,7 @@ class MirrorBackend(CommBackend):
     name = "mirror"
 
     def __init__(self) -> None:
-        self.log: List[str] = []
+        self.log: list[str] = []
 
     @property
     def rank(self) -> int:
@@ -205,7 +204,8 @@ def test_one_round_of_communication_per_step(float64):
             opt.step()
         logs[k] = backend.log
         sent = [n for n in per_pass if n]
-        assert len(sent) == 3 and per_pass[k - 1 :: k] == sent  # only the last micro-batch of each step communicates
+        assert len(sent) == 3
+        assert per_pass[k - 1 :: k] == sent
     assert logs[4] == logs[1]
     n_params = len(list(small_net().parameters()))
     assert len([n for n in logs[1] if n.startswith("spdkfac.grad.")]) == 3 * n_params

@@ -5,8 +5,8 @@ import json
 import re
 
 import pytest
-
 from launch import ROOT, run_workers
+
 from spdkfac.affinity import core_share
 from spdkfac.comm import local_rank, local_rank_and_size
 
@@ -30,14 +30,16 @@ def test_local_rank_and_size_from_each_launcher(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     assert local_rank_and_size() is None
     monkeypatch.setenv("SLURM_LOCALID", "1")
-    assert local_rank_and_size() is None and local_rank() == 1  # srun names no local size: nothing to split
+    assert local_rank_and_size() is None
+    assert local_rank() == 1
     monkeypatch.setenv("HOROVOD_LOCAL_RANK", "0")
     monkeypatch.setenv("HOROVOD_LOCAL_SIZE", "2")
     assert local_rank_and_size() == (0, 2)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     # torchrun's, when both are set: the same launcher the GPU choice (local_rank) trusts
-    assert local_rank_and_size() == (1, 4) and local_rank() == 1
+    assert local_rank_and_size() == (1, 4)
+    assert local_rank() == 1
     monkeypatch.setenv("LOCAL_RANK", "4")
     with pytest.raises(ValueError, match="not within"):
         local_rank_and_size()
@@ -55,7 +57,8 @@ def test_two_workers_bind_every_thread_to_their_own_cores(engine):
     assert sorted(reports) == [0, 1], out[-3000:]
     available = reports[0][0]
     shares = [reports[r][1] for r in (0, 1)]
-    assert all(shares) and set(shares[0]) | set(shares[1]) <= set(available)
+    assert all(shares)
+    assert set(shares[0]) | set(shares[1]) <= set(available)
     if len(available) >= 2:
         assert not set(shares[0]) & set(shares[1])  # a core each, at least
     for r in (0, 1):  # every thread, the engine's included, on the worker's own cores

@@ -5,7 +5,6 @@ import json
 import re
 
 import pytest
-
 from launch import run_workers
 
 
@@ -25,11 +24,13 @@ def test_iteration_time_measures_every_variant(tmp_path, interleave):
         assert parts == pytest.approx(row["mean_s"], rel=1e-6)
         kfac = row["variant"] != "sgd"
         # factors every 2 iterations, inverses every 8: no inversion in the window, so 1/8 of one is charged
-        assert (row["FactorComp"] > 0) == kfac and (row["InverseComp"] > 0) == kfac
+        assert (row["FactorComp"] > 0) == kfac
+        assert (row["InverseComp"] > 0) == kfac
         # steps 1-4 of each round, factors on steps 2 and 4: samples 1, 3, 5, 7 are factor-update iterations
         its = data["samples"][row["variant"]]
         assert row["factor_steps_n"] == row["other_steps_n"] == 4
-        assert row["factor_steps_s"] == pytest.approx(sum(its[1::2]) / 4) and row["other_steps_s"] == pytest.approx(sum(its[::2]) / 4)
+        assert row["factor_steps_s"] == pytest.approx(sum(its[1::2]) / 4)
+        assert row["other_steps_s"] == pytest.approx(sum(its[::2]) / 4)
     alternations = re.findall(r"iteration (\d+)/5[^:]*: sgd [\d.]+s, spdkfac [\d.]+s, dkfac [\d.]+s, -pipe\+lbp [\d.]+s", output)
     assert alternations == (["1", "2", "3", "4", "5"] * 2 if interleave else [])
     progress = re.findall(r"round (\d)/2 (\S+) +[\d.]+ ms/iter", output)  # each variant's mean, once per round
@@ -66,7 +67,8 @@ def test_ratio_interval():
     drift = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5]
     paired = ratio_interval([1.1 * d for d in drift], drift, paired=True)
     independent = ratio_interval([1.1 * d for d in drift], drift, paired=False)
-    assert paired[0] == pytest.approx(1.1) and paired[1] == pytest.approx(1.1)
+    assert paired[0] == pytest.approx(1.1)
+    assert paired[1] == pytest.approx(1.1)
     assert independent[0] < 1.0 < 1.2 < independent[1]
     # Medians ignore one outlier round that moves the mean ratio.
     outlier = [2.0] * 8 + [50.0]  # a median moves only if 5 of 9 draws hit the outlier (p < 0.3%)
@@ -85,7 +87,9 @@ def test_soak_keeps_replicas_identical_with_a_delayed_worker(tmp_path):
     out = tmp_path / "soak.json"
     run_workers("torch", 2, ["-m", "benchmarks.soak", "--steps", "200", "--every", "50", "--out", str(out)])
     result = json.loads(out.read_text())
-    assert result["replicas_bitwise_identical"] is True and result["steps"] == 200
+    assert result["replicas_bitwise_identical"] is True
+    assert result["steps"] == 200
     assert result["delayed_steps_on_last_rank"] > 0
-    assert result["max_pending_grad_handles"] == 0 and result["max_pending_factor_allreduces"] == 0
+    assert result["max_pending_grad_handles"] == 0
+    assert result["max_pending_factor_allreduces"] == 0
     assert len(result["samples"]) == 4

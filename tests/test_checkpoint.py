@@ -3,8 +3,8 @@ import io
 
 import torch
 import torch.nn as nn
-
 from nets import batch, small_net
+
 from spdkfac import SPDKFACOptimizer
 
 KW = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.01, factor_update_freq=2, inv_update_freq=4, backend="single")
@@ -46,12 +46,13 @@ def test_resume_is_bitwise_identical():
     for k, v in model.state_dict().items():
         assert torch.equal(resumed.state_dict()[k], v), k
     for a, b in zip(opt.layers, opt2.layers):
-        assert torch.equal(a.A, b.A) and torch.equal(a.G_inv, b.G_inv)
+        assert torch.equal(a.A, b.A)
+        assert torch.equal(a.G_inv, b.G_inv)
 
 
 def test_resume_without_kfac_state_would_differ():
     """Guard: corrupting the factors on resume changes the trajectory (so the test above can fail)."""
-    model, opt, first, opt1, x, y = _uninterrupted_and_first_half()
+    model, _opt, first, opt1, x, y = _uninterrupted_and_first_half()
     sd = opt1.state_dict()
     for entry in sd["kfac"]["layers"].values():
         entry["A"] = entry["A"] * 2

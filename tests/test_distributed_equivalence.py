@@ -13,7 +13,6 @@ import sys
 
 import pytest
 import torch
-
 from launch import ROOT, run_workers
 
 WORKER = str(ROOT / "tests" / "workers" / "train_configs.py")
@@ -113,7 +112,7 @@ def _assert_same(dist: dict, ref: dict) -> None:
     first = next(iter(ref.values()))["params"]
     for name in ref:
         for pname, value in ref[name]["params"].items():
-            torch.testing.assert_close(dist[name]["params"][pname], value, rtol=1e-9, atol=1e-11, msg=lambda m: f"{name}/{pname}: {m}")
+            torch.testing.assert_close(dist[name]["params"][pname], value, rtol=1e-9, atol=1e-11, msg=lambda m, name=name, pname=pname: f"{name}/{pname}: {m}")
     # Sanity: training moved the parameters, so equality is not trivial.
     init = __import__("nets").small_net().state_dict()
     assert any(not torch.allclose(first[k], init[k].to(first[k].dtype)) for k in init)
@@ -131,10 +130,12 @@ def test_fusion_policies_match_single_process(engine, tmp_path):
     assert len(dist["naive"]["fusion_plan"]["G"]) == 1
     assert len(dist["tiny-threshold"]["fusion_plan"]["A"]) > 1
     assert dist["replan"]["fusion_plans_made"] == 2
-    assert dist["freq-2-4"]["overlapped_steps"] == 4 and ref["freq-2-4"]["overlapped_steps"] == 0
+    assert dist["freq-2-4"]["overlapped_steps"] == 4
+    assert ref["freq-2-4"]["overlapped_steps"] == 0
     # Step 2 updates the factors but keeps the inverses: preconditioned before its factors were waited for.
     assert dist["freq-2-4"]["overlapped_factor_steps"] == 1 == dist["freq-2-4-no-pipelining"]["overlapped_factor_steps"]
-    assert dist["freq-1-3-no-overlap"]["overlapped_steps"] == 0 and dist["timeline"]["overlapped_steps"] == 0
+    assert dist["freq-1-3-no-overlap"]["overlapped_steps"] == 0
+    assert dist["timeline"]["overlapped_steps"] == 0
     assert dist["grad-scaler-skip"]["steps"] == ref["grad-scaler-skip"]["steps"] == STEPS - 1
     for name in ("nan-skip-gradient", "nan-skip-factor", "skip-bad-batch"):
         assert dist[name]["steps"] == ref[name]["steps"] == STEPS - 1, name
@@ -165,13 +166,15 @@ def _assert_timeline_consistent(iterations: list, n_layers: int) -> None:
         by_group: dict = {}
         for ev in events:
             assert ev["compute_end"] >= ev["compute_start"] >= 0
-            assert ev["comm_start"] is not None and ev["comm_end"] is not None, ev
+            assert ev["comm_start"] is not None, ev
+            assert ev["comm_end"] is not None, ev
             assert ev["comm_end"] >= ev["comm_start"] >= ev["compute_end"]
             by_group.setdefault(ev["group"], []).append(ev)
         for members in by_group.values():
             assert len({ev["comm_start"] for ev in members}) == 1
             assert members[0]["comm_start"] >= max(ev["compute_end"] for ev in members)
-        assert rec["factor_wait"] >= 0 and rec["inverse_stage"] >= rec["inverse_wait"] >= 0
+        assert rec["factor_wait"] >= 0
+        assert rec["inverse_stage"] >= rec["inverse_wait"] >= 0
     # After profiling, the big-alpha plan fuses: fewer groups than factors in the last iteration.
     assert len({ev["group"] for ev in iterations[-1]["factors"].values()}) < 2 * n_layers
 
@@ -183,16 +186,19 @@ def test_placements_match_single_process(engine, nproc, tmp_path):
     dist = _distributed(engine, nproc, 6 * nproc, PLACEMENT_CONFIGS, tmp_path)
     _assert_same(dist, ref)
     owners = dist["lbp-expensive-inverse"]["owners"]
-    assert any(o >= 0 for o in owners.values()) and any(o == -1 for o in owners.values())
+    assert any(o >= 0 for o in owners.values())
+    assert any(o == -1 for o in owners.values())
     assert set(dist["seq-default"]["owners"].values()) == set(range(nproc))
     # Every rank preconditions some layer (4 layers over 2 or 3 ranks), and each layer exactly one.
     assert set(dist["dp-lbp"]["precondition_owner"].values()) == set(range(nproc))
-    assert len(dist["dp-lbp"]["precondition_owner"]) == 4 and ref["dp-lbp"]["precondition_owner"] == {}
+    assert len(dist["dp-lbp"]["precondition_owner"]) == 4
+    assert ref["dp-lbp"]["precondition_owner"] == {}
     assert dist["dp-local-noclip-freq"]["overlapped_steps"] == 4  # distributed preconditioning as gradients arrive
     assert dist["dp-local-noclip-freq"]["overlapped_factor_steps"] == 1
     for name in ("eigen-lbp", "eigen-lbp-dp-freq"):
         owners = dist[name]["owners"]
-        assert any(o >= 0 for o in owners.values()) and any(o == -1 for o in owners.values()), owners
+        assert any(o >= 0 for o in owners.values()), owners
+        assert any(o == -1 for o in owners.values()), owners
     assert set(dist["eigen-seq-dp"]["owners"].values()) == set(range(nproc))
     assert dist["eigen-lbp-dp-freq"]["overlapped_steps"] == 4
 
@@ -213,7 +219,9 @@ BITWISE_CONFIGS["freq-2-4-no-pipelining"] = dict(BASE, placement="seq", pipelini
 def _assert_bitwise_equal(a, b, where: str) -> None:
     """Tensors (nested in dicts and lists) bitwise equal, with the path of the first difference."""
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs between ranks"
+        assert isinstance(b, torch.Tensor), f"{where} differs between ranks"
+        assert a.dtype == b.dtype, f"{where} differs between ranks"
+        assert torch.equal(a, b), f"{where} differs between ranks"
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), where
         for k in a:

@@ -19,13 +19,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import List, Optional
 
 import psutil
 import pytest
 import torch
-
 from launch import ROOT, free_port, launcher_command, require_horovod, run_workers
+
 from spdkfac.checkpoint import LATEST, PREVIOUS
 
 LOST = str(ROOT / "tests" / "workers" / "lost_worker.py")
@@ -49,8 +48,8 @@ def test_a_killed_worker_ends_the_job_naming_it(engine, phase):
     cmd = launcher_command(engine, 2, [LOST, "--backend", engine, "--phase", phase])
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             stdin=subprocess.DEVNULL)
-    killed_at: List[float] = []
-    lines: List[str] = []
+    killed_at: list[float] = []
+    lines: list[str] = []
 
     def read() -> None:
         assert proc.stdout is not None
@@ -87,7 +86,7 @@ def _model(out: Path, name: str = LATEST) -> dict:
     return torch.load(out / name, weights_only=False)["model"]
 
 
-def _kill_rank_once(torchrun: subprocess.Popen, out: Path, deadline: float) -> Optional[int]:
+def _kill_rank_once(torchrun: subprocess.Popen, out: Path, deadline: float) -> int | None:
     """Once the first checkpoint exists, SIGKILL the worker with RANK=1 of the first attempt; its pid."""
     while time.monotonic() < deadline and torchrun.poll() is None:
         if (out / LATEST).exists():
@@ -105,22 +104,22 @@ def _kill_rank_once(torchrun: subprocess.Popen, out: Path, deadline: float) -> O
 
 def test_torchrun_restarts_after_a_lost_worker_and_ends_like_an_uninterrupted_run(tmp_path):
     ref = tmp_path / "uninterrupted"
-    run_workers("torch", 2, TRAIN + ["--out-dir", str(ref)])
+    run_workers("torch", 2, [*TRAIN, "--out-dir", str(ref)])
 
     out = tmp_path / "elastic"
     # Elastic restarts need a rendezvous that starts each round afresh (c10d), not the static one of --master_port.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *TRAIN, "--out-dir", str(out)]
-    log = open(tmp_path / "elastic.log", "w+")
-    torchrun = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    killed = _kill_rank_once(torchrun, out, time.monotonic() + 240)
-    try:
-        torchrun.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        torchrun.kill()
-        pytest.fail("the restarted job hung")
-    log.seek(0)
-    output = log.read()
+    with open(tmp_path / "elastic.log", "w+") as log:
+        torchrun = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        killed = _kill_rank_once(torchrun, out, time.monotonic() + 240)
+        try:
+            torchrun.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            torchrun.kill()
+            pytest.fail("the restarted job hung")
+        log.seek(0)
+        output = log.read()
     assert killed is not None, f"the job ended before its worker could be killed:\n{output[-3000:]}"
     assert torchrun.returncode == 0, output[-5000:]
     resumed = re.search(r"resumed from \S+: step (\d+), epoch (\d+)", output)
@@ -129,28 +128,30 @@ def test_torchrun_restarts_after_a_lost_worker_and_ends_like_an_uninterrupted_ru
     got, want = _model(out), _model(ref)
     for k in want:
         assert torch.equal(got[k], want[k]), k
-    rows = list(csv.DictReader(open(out / "log.csv")))
+    rows = list(csv.DictReader((out / "log.csv").read_text().splitlines()))
     assert [r["epoch"] for r in rows] == ["0", "1", "2"]  # each epoch logged once
 
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_a_two_worker_checkpoint_resumes_on_another_worker_count(tmp_path, workers):
     two = tmp_path / "two"
-    run_workers("torch", 2, TRAIN + ["--epochs", "2", "--out-dir", str(two)])
+    run_workers("torch", 2, [*TRAIN, "--epochs", "2", "--out-dir", str(two)])
     # 22 steps per epoch on 2 workers: the previous checkpoint is step 40, mid-epoch 1.
     out = tmp_path / f"on{workers}"
     out.mkdir()
     shutil.copy(two / PREVIOUS, out / LATEST)
     shutil.copy(two / "log.csv", out / "log.csv")
-    args = TRAIN + ["--epochs", "2", "--out-dir", str(out)]
+    args = [*TRAIN, "--epochs", "2", "--out-dir", str(out)]
     if workers == 1:
         args[args.index("torch")] = "single"
         output = subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
                                 timeout=300, check=True).stdout
     else:
         output = run_workers("torch", workers, args)
-    assert "resumed from" in output and "step 40, epoch 1" in output
+    assert "resumed from" in output
+    assert "step 40, epoch 1" in output
     assert f"written by 2 worker(s), this run has {workers}" in output
-    rows = list(csv.DictReader(open(out / "log.csv")))
-    assert [r["epoch"] for r in rows] == ["0", "1"] and float(rows[-1]["test_acc"]) > 0.5
+    rows = list(csv.DictReader((out / "log.csv").read_text().splitlines()))
+    assert [r["epoch"] for r in rows] == ["0", "1"]
+    assert float(rows[-1]["test_acc"]) > 0.5
     assert torch.load(out / LATEST, weights_only=False)["world_size"] == workers

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-
 from nets import batch, small_net, small_transformer
+
 from spdkfac import SPDKFACOptimizer
 
 
@@ -27,10 +27,11 @@ def test_transformer_encoder_trains_with_out_proj_left_to_plain_sgd():
     _train(model, opt)
     out_proj = "encoder.layers.0.self_attn.out_proj.weight"
     assert not torch.equal(model.state_dict()[out_proj], before[out_proj])  # updated, by plain SGD
-    assert opt.steps == 4 and all(torch.isfinite(p).all() for p in model.parameters())
+    assert opt.steps == 4
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("skip,left", [(["4"], ["0", "2", "6"]), (["Conv2d"], ["4", "6"]), ([nn.Linear], ["0", "2"])])
+@pytest.mark.parametrize(("skip", "left"), [(["4"], ["0", "2", "6"]), (["Conv2d"], ["4", "6"]), ([nn.Linear], ["0", "2"])])
 def test_skip_layers_by_name_class_name_or_class(skip, left):
     model = small_net()
     opt = SPDKFACOptimizer(model, lr=0.05, backend="single", skip_layers=skip)

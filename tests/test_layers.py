@@ -11,7 +11,7 @@ from spdkfac import SPDKFACOptimizer
 def _patches(x: torch.Tensor, k: int, pad: int, stride: int) -> torch.Tensor:
     """im2col by explicit slicing (independent of F.unfold): rows (n*L, C*k*k), channel-major."""
     xp = nn.functional.pad(x, (pad, pad, pad, pad))
-    n, c, h, w = xp.shape
+    n, _c, h, w = xp.shape
     rows = []
     for b in range(n):
         for i in range(0, h - k + 1, stride):
@@ -119,7 +119,7 @@ def _patches_general(x, kernel, stride, padding, dilation):
 
 
 @pytest.mark.parametrize(
-    "kernel,stride,padding,dilation",
+    ("kernel", "stride", "padding", "dilation"),
     [((3, 3), (1, 1), (1, 1), (1, 1)), ((1, 1), (2, 2), (0, 0), (1, 1)), ((3, 3), (2, 2), (1, 1), (1, 1)),
      ((2, 3), (1, 2), (0, 1), (1, 1)), ((3, 3), (1, 1), (2, 2), (2, 2)), ((7, 7), (2, 2), (3, 3), (1, 1))],
 )
@@ -141,7 +141,7 @@ def test_conv_input_rows_match_explicit_im2col(kernel, stride, padding, dilation
 
 
 @pytest.mark.parametrize(
-    "kernel,padding,dilation,size",
+    ("kernel", "padding", "dilation", "size"),
     [((3, 3), (1, 1), (1, 1), (7, 7)), ((3, 3), (0, 0), (1, 1), (6, 5)), ((2, 3), (0, 1), (1, 1), (5, 8)),
      ((3, 3), (2, 2), (2, 2), (6, 6)), ((5, 5), (2, 2), (1, 1), (3, 4)), ((3, 1), (4, 0), (1, 1), (2, 5)),
      ((7, 7), (3, 3), (1, 1), (9, 9))],
@@ -168,7 +168,7 @@ def test_stride1_conv_factor_from_shared_shifts_equals_explicit_im2col_gram(kern
     assert torch.equal(a, a.T)
 
 
-@pytest.mark.parametrize("stride,size", [((1, 1), (12, 12)), ((2, 2), (24, 23)), ((1, 2), (5, 6))])
+@pytest.mark.parametrize(("stride", "size"), [((1, 1), (12, 12)), ((2, 2), (24, 23)), ((1, 2), (5, 6))])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_conv_factors_from_channel_grams_equal_explicit_rows(stride, size, bias, channels_last):
@@ -274,4 +274,5 @@ def test_running_averages_are_kept_packed_and_unpack_to_the_decayed_mean():
     with pytest.raises(ValueError, match=r"expected \(3, 3\)"):
         layer.update_factor("G", torch.zeros(4, 4), 0.9)
     layer.A = None
-    assert layer.A is None and layer.packed_factor("A") is None
+    assert layer.A is None
+    assert layer.packed_factor("A") is None

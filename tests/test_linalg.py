@@ -21,7 +21,8 @@ def test_pack_into_buffer_slice():
     buf = torch.zeros(10)
     pack_upper(sym, out=buf[2:8])
     assert torch.equal(buf[2:8], torch.tensor([0.0, 4, 8, 8, 12, 16]))
-    assert buf[:2].abs().sum() == 0 and buf[8:].abs().sum() == 0
+    assert buf[:2].abs().sum() == 0
+    assert buf[8:].abs().sum() == 0
 
 
 def test_unpack_rejects_wrong_size():
@@ -75,7 +76,7 @@ def test_symmetric_gram_equals_full_product_and_is_exactly_symmetric(d):
 
 
 @pytest.mark.parametrize(
-    "c,size,layout",
+    ("c", "size", "layout"),
     [(c, size, layout) for c, size in [(5, (12, 11)), (300, (12, 12)), (5, (3, 4)), (300, (2, 3)), (7, (130,))]
      for layout in ("nchw", "channels_last", "strided") if layout != "channels_last" or len(size) == 2],
 )

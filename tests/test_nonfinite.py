@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-
 from nets import batch, small_net
+
 from spdkfac import NonFiniteError, SPDKFACOptimizer
 
 KW = dict(lr=0.05, factor_update_freq=2, inv_update_freq=4, backend="single")
@@ -45,7 +45,8 @@ def test_nan_gradient_on_a_step_without_factors_is_refused_and_changes_nothing()
     assert all(torch.equal(v["momentum_buffer"], momenta[i]) for i, v in enumerate(opt.state.values()))
     assert opt.steps == 1
     _step(model, opt, x, y)  # usable again
-    assert opt.steps == 2 and all(torch.isfinite(p).all() for p in model.parameters())
+    assert opt.steps == 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_skip_nonfinite_skips_that_many_steps_in_a_row_then_raises():
@@ -57,7 +58,8 @@ def test_skip_nonfinite_skips_that_many_steps_in_a_row_then_raises():
     for attempt in (1, 2):  # a factor step (2 -> no: step 1 keeps factors) and again: both skipped
         with pytest.warns(UserWarning, match=rf"step skipped \({attempt} in a row, at most 2\)"):
             _step(model, opt, _poisoned(x), y)
-    assert opt.steps == 1 and all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
+    assert opt.steps == 1
+    assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
     with pytest.raises(NonFiniteError):
         _step(model, opt, _poisoned(x), y)
     _step(model, opt, x, y)  # a good step resets the count
@@ -76,7 +78,8 @@ def test_nan_factor_step_is_skipped_with_the_factors_untouched():
     params, _ = _state(model, opt)
     with pytest.warns(UserWarning, match="non-finite Kronecker factor"):
         _step(model, opt, _poisoned(x), y)
-    assert torch.equal(opt.layers[0].A, a0) and opt.steps == 2
+    assert torch.equal(opt.layers[0].A, a0)
+    assert opt.steps == 2
     assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
 
 

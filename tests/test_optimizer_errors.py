@@ -5,13 +5,13 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-
 from nets import batch, small_net
+
 from spdkfac import NonFiniteFactorError, SPDKFACOptimizer
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    ("kwargs", "match"),
     [
         (dict(lr=-0.1), "lr"),
         (dict(lr=float("nan")), "lr"),
@@ -47,7 +47,7 @@ def test_model_without_supported_layers():
 
 
 def test_not_a_module():
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module"):
         SPDKFACOptimizer([torch.zeros(2, requires_grad=True)], lr=0.1, backend="single")
 
 
@@ -173,6 +173,9 @@ def test_timeline_export_and_summary():
         opt.step()
     records = json.loads(opt.timeline.to_json())
     assert [r["step"] for r in records] == [0, 1, 2, 3]
-    assert len(records[0]["factors"]) == 2 * len(opt.layers) and records[1]["factors"] == {}
+    assert len(records[0]["factors"]) == 2 * len(opt.layers)
+    assert records[1]["factors"] == {}
     summary = opt.timeline.summary()
-    assert summary["iterations"] == 4 and summary["factor_compute"] > 0 and summary["inverse_stage"] > 0
+    assert summary["iterations"] == 4
+    assert summary["factor_compute"] > 0
+    assert summary["inverse_stage"] > 0

@@ -22,7 +22,8 @@ def test_fit_exponential_recovers_parameters():
     d = np.array([64, 128, 256, 512, 1024, 2048, 4096])
     t = 1e-4 * np.exp(7e-4 * d)
     a, b = fit_exponential(d, t)
-    assert a == pytest.approx(1e-4, rel=1e-6) and b == pytest.approx(7e-4, rel=1e-6)
+    assert a == pytest.approx(1e-4, rel=1e-6)
+    assert b == pytest.approx(7e-4, rel=1e-6)
     model, quality = fit_inverse_model(d, t)
     assert model.kind == "exp" or quality["cubic"]["mean_rel_error"] < quality["exp"]["mean_rel_error"]
 
@@ -31,7 +32,8 @@ def test_cubic_chosen_when_exponential_fits_badly():
     d = np.array([64, 128, 256, 512, 1024, 2048, 4096], dtype=float)
     t = 1e-5 + 2e-11 * d**3  # CPU-like: cubic growth
     model, quality = fit_inverse_model(d, t)
-    assert model.kind == "cubic" and quality["chosen"] == "cubic"
+    assert model.kind == "cubic"
+    assert quality["chosen"] == "cubic"
     for x, y in zip(d, t):
         assert model(x) == pytest.approx(y, rel=0.05)
 
@@ -49,7 +51,7 @@ def test_roundtrip_file(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "mutate, match",
+    ("mutate", "match"),
     [
         (lambda d: d.pop("broadcast"), "missing field"),
         (lambda d: d["allreduce"].update(alpha=-1.0), "allreduce.alpha must be positive"),
@@ -95,9 +97,11 @@ def test_measured_dimensions_take_precedence(tmp_path):
     path = tmp_path / "m.json"
     PerfModel.from_dict(data).save(path)
     model = PerfModel.load(path)
-    assert model.inverse(2304) == 0.25 and model.inverse.fitted(2304) == pytest.approx(1e-5 + 1e-11 * 2304**3)
+    assert model.inverse(2304) == 0.25
+    assert model.inverse.fitted(2304) == pytest.approx(1e-5 + 1e-11 * 2304**3)
     assert model.inverse(2048) == model.inverse.fitted(2048)
-    assert model.broadcast(64) == 0.002 and model.broadcast(65) == model.broadcast.fitted(65)
+    assert model.broadcast(64) == 0.002
+    assert model.broadcast(65) == model.broadcast.fitted(65)
     data["inverse"]["measured"] = {"100": -1.0}
     with pytest.raises(PerfModelError, match=r"inverse.measured\[100\] must be positive"):
         PerfModel.from_dict(data)
@@ -109,7 +113,9 @@ def test_eigen_curve_round_trips_and_is_what_eigen_plans_with(tmp_path):
     path = tmp_path / "m.json"
     PerfModel.from_dict(data, "m.json").save(path)
     model = PerfModel.load(path)
-    assert model.eigen is not None and model.eigen.kind == "cubic" and model.eigen.measured == {512: 0.05}
+    assert model.eigen is not None
+    assert model.eigen.kind == "cubic"
+    assert model.eigen.measured == {512: 0.05}
     assert model.to_dict()["eigen"] == PerfModel.from_dict(data).to_dict()["eigen"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a file with the curve: no estimate, no warning
@@ -117,7 +123,7 @@ def test_eigen_curve_round_trips_and_is_what_eigen_plans_with(tmp_path):
         assert model.decomposition("eigen")(1000) == pytest.approx(2e-5 + 9e-11 * 1000**3)
         assert model.decomposition("inverse") is model.inverse
     data["eigen"]["kind"] = "quartic"
-    with pytest.raises(PerfModelError, match="eigen.kind must be"):
+    with pytest.raises(PerfModelError, match=r"eigen.kind must be"):
         PerfModel.from_dict(data)
 
 
@@ -127,7 +133,8 @@ def test_file_without_eigen_curve_loads_and_eigen_estimates_from_inverse_with_on
     path = tmp_path / "old.json"
     path.write_text(json.dumps(data))
     model = PerfModel.load(path)
-    assert model.eigen is None and "eigen" not in model.to_dict()
+    assert model.eigen is None
+    assert "eigen" not in model.to_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model.decomposition("inverse")
@@ -147,13 +154,15 @@ def test_benchmark_fits_the_eigen_curve(tmp_path):
     model = run_benchmark(cfg, get_backend("single"))
     assert model.measurements["eigen"]["dims"] == [16, 32, 48, 64]
     assert all(t > 0 for t in model.measurements["eigen"]["seconds"])
-    assert model.eigen is not None and set(model.eigen.measured) == {16, 32, 48, 64}
+    assert model.eigen is not None
+    assert set(model.eigen.measured) == {16, 32, 48, 64}
     assert model.fit_quality["eigen"]["chosen"] == model.eigen.kind
     model.save(tmp_path / "m.json")
     assert PerfModel.load(tmp_path / "m.json").eigen.measured == model.eigen.measured
     skipped = run_benchmark(BenchmarkConfig(quick=True, repeats=3, warmup=1, inverse_dims=[16, 32], eigen=False),
                             get_backend("single"))
-    assert skipped.eigen is None and "eigen" not in skipped.measurements
+    assert skipped.eigen is None
+    assert "eigen" not in skipped.measurements
 
 
 def test_scaled_to_another_worker_count_is_what_the_optimizer_and_the_simulator_plan_with():
@@ -167,7 +176,10 @@ def test_scaled_to_another_worker_count_is_what_the_optimizer_and_the_simulator_
     assert eight.allreduce.alpha == pytest.approx(model.allreduce.alpha * 7)
     assert eight.allreduce.beta == pytest.approx(model.allreduce.beta * (7 / 8) / (1 / 2))
     assert eight.broadcast(64) == pytest.approx(model.broadcast(64) * math.ceil(math.log2(8)))
-    assert eight.inverse(64) == model.inverse(64) and eight.world_size == 8
-    assert model.scaled_to(2) is model and model.scaled_to(1) is model
+    assert eight.inverse(64) == model.inverse(64)
+    assert eight.world_size == 8
+    assert model.scaled_to(2) is model
+    assert model.scaled_to(1) is model
     sim = ScaledModels(model, 8)
-    assert sim.ar_alpha == eight.allreduce.alpha and sim.broadcast(64) == eight.broadcast.payload(64 * 65 // 2)
+    assert sim.ar_alpha == eight.allreduce.alpha
+    assert sim.broadcast(64) == eight.broadcast.payload(64 * 65 // 2)

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from launch import ROOT, run_workers
+
 from spdkfac.perfmodels import PerfModel
 
 TIMEOUT_S = 180
@@ -25,16 +25,19 @@ def _env() -> dict:
 def _cli(*args: str, timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
     """Run ``python -m spdkfac.perfmodels ARGS`` in one process."""
     return subprocess.run([sys.executable, "-m", "spdkfac.perfmodels", *args], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+                          check=False, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def _check_two_workers(path, engine: str) -> PerfModel:
     model = PerfModel.load(path)
-    assert model.meta["world_size"] == 2 and model.meta["engine"] == engine, model.meta
+    assert model.meta["world_size"] == 2, model.meta
+    assert model.meta["engine"] == engine, model.meta
     for kind in (model.allreduce, model.broadcast):
-        assert kind.alpha > 0 and kind.beta > 0
+        assert kind.alpha > 0
+        assert kind.beta > 0
     ar, bc = model.measurements["allreduce"], model.measurements["broadcast"]
-    assert ar["elements"] == [256, 4096, 16384] and bc["dims"] == [16, 32, 64]
+    assert ar["elements"] == [256, 4096, 16384]
+    assert bc["dims"] == [16, 32, 64]
     assert all(t > 0 for t in ar["seconds"] + bc["seconds"] + model.measurements["inverse"]["seconds"])
     return model
 
@@ -48,12 +51,14 @@ def test_single_process_benchmark_show_plot(tmp_path):
     model = PerfModel.load(out)
     assert model.measurements["inverse"]["dims"] == [32, 64, 96, 128]
     assert len(model.measurements["inverse"]["seconds"]) == 4
-    assert model.meta["world_size"] == 1 and model.meta["engine"] == "single"
+    assert model.meta["world_size"] == 1
+    assert model.meta["engine"] == "single"
     assert "note" in model.fit_quality  # single worker: default communication models
 
     shown = _cli("show", str(out))
     assert shown.returncode == 0, shown.stderr
-    assert model.measurements["eigen"]["dims"] == [32, 64, 96, 128] and model.eigen is not None
+    assert model.measurements["eigen"]["dims"] == [32, 64, 96, 128]
+    assert model.eigen is not None
     for needle in ("all-reduce  t(m) =", "broadcast   t(d) =", "inverse     t(d) =", "eigen       t(d) =", '"world_size": 1',
                    f"{model.allreduce.alpha:.3e}"):
         assert needle in shown.stdout, shown.stdout
@@ -65,7 +70,7 @@ def test_single_process_benchmark_show_plot(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "content, message",
+    ("content", "message"),
     [
         (lambda d: d.pop("broadcast"), "missing field(s) ['broadcast']"),
         (lambda d: d["allreduce"].update(alpha=-1.0), "allreduce.alpha must be positive"),
@@ -82,14 +87,17 @@ def test_show_rejects_malformed_file(tmp_path, content, message):
         bad.write_text(json.dumps(data))
     proc = _cli("show", str(bad))
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "error:" in proc.stderr and message in proc.stderr and str(bad) in proc.stderr, proc.stderr
+    assert "error:" in proc.stderr, proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert str(bad) in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("flag, values", [("--dims", ["64"]), ("--dims", ["64", "64"]), ("--sizes", ["1024"]), ("--dims", ["0", "64"])])
+@pytest.mark.parametrize(("flag", "values"), [("--dims", ["64"]), ("--dims", ["64", "64"]), ("--sizes", ["1024"]), ("--dims", ["0", "64"])])
 def test_benchmark_rejects_too_few_points_before_measuring(tmp_path, flag, values):
     out = tmp_path / "m.json"
     proc = _cli("benchmark", "--engine", "single", "--repeats", "1", "--warmup", "0", flag, *values, "--out", str(out))
-    assert proc.returncode == 2 and f"{flag} needs at least two distinct positive values" in proc.stderr, proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert f"{flag} needs at least two distinct positive values" in proc.stderr, proc.stderr
     assert not out.exists()
 
 
@@ -99,7 +107,9 @@ def test_benchmark_under_horovodrun(tmp_path):
     _check_two_workers(out, "horovod")
     bound = json.loads(out.read_text())["meta"]["bound_cores"]  # rank 0's block of the cores, as a bound run's
     available = sorted(os.sched_getaffinity(0))
-    assert bound and set(bound) <= set(available) and bound[0] == available[0], bound
+    assert bound, bound
+    assert set(bound) <= set(available), bound
+    assert bound[0] == available[0], bound
 
 
 def test_benchmark_under_torchrun(tmp_path):
@@ -121,14 +131,14 @@ def _mpirun() -> str:
 
 def test_benchmark_under_mpirun_mpi4py(tmp_path):
     mpirun = _mpirun()
-    version = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([mpirun, "--version"], check=False, capture_output=True, text=True).stdout
     # Open MPI refuses root without --allow-run-as-root, and counts slots strictly; -x exports the environment.
     extra = ["--allow-run-as-root", "--oversubscribe", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS"] if "Open MPI" in version else []
     out, png = tmp_path / "mpi.json", tmp_path / "mpi.png"
     cmd = [mpirun, *extra, "-np", "2", sys.executable, "-m", "spdkfac.perfmodels", "benchmark", "--engine", "mpi4py",
            *TINY, "--out", str(out), "--plot", str(png)]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), check=False, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         pytest.fail(f"mpirun hung for {TIMEOUT_S}s: {' '.join(cmd)}")
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-6000:]}"
@@ -141,4 +151,5 @@ def test_benchmark_refuses_an_unwritable_out_before_measuring(tmp_path, where):
     out = tmp_path / "nope" / "m.json" if where == "missing-dir" else tmp_path
     proc = _cli("benchmark", "--engine", "single", "--out", str(out))
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"cannot write {out}" in proc.stderr and "benchmarking" not in proc.stderr, proc.stderr
+    assert f"cannot write {out}" in proc.stderr, proc.stderr
+    assert "benchmarking" not in proc.stderr, proc.stderr

@@ -30,7 +30,7 @@ def test_lbp_sorted_descending_and_balanced():
     dims = [a.dim for a in plan.assignments]
     assert dims == sorted(dims, reverse=True)
     spans = plan.makespans()
-    lower = max(max(COMP(d) for _, d in resnetish()), sum(COMP(d) for _, d in resnetish()) / 2)
+    lower = max(*(COMP(d) for _, d in resnetish()), sum(COMP(d) for _, d in resnetish()) / 2)
     assert max(spans) >= lower
     assert max(spans) <= 1.5 * lower + sum(COMM(d) for _, d in resnetish())
 
@@ -114,13 +114,16 @@ def test_eigen_placement_costed_with_the_eigen_curve_and_the_q_and_d_payload():
     inverse = place("lbp", factors, 2, *stage_costs(perf, "inverse"))
     eigen = place("lbp", factors, 2, *stage_costs(perf, "eigen"))
     assert all(a.owner == ALL for a in inverse.assignments)
-    assert any(a.owner != ALL for a in eigen.assignments) and any(a.owner == ALL for a in eigen.assignments)
+    assert any(a.owner != ALL for a in eigen.assignments)
+    assert any(a.owner == ALL for a in eigen.assignments)
     for a in eigen.assignments:
         assert a.t_comp == perf.eigen(a.dim)
         assert a.t_comm == pytest.approx(1e-3 + 1e-8 * (a.dim * a.dim + a.dim))  # Q and d, not a triangle
     for a in inverse.assignments:  # unchanged: the broadcast model per dimension, measured points included
-        assert a.t_comm == pytest.approx(perf.broadcast(a.dim), rel=1e-12) and a.t_comp == perf.inverse(a.dim)
-    assert payload_size("inverse", 1024) == 1024 * 1025 // 2 and payload_size("eigen", 1024) == 1024 * 1025
+        assert a.t_comm == pytest.approx(perf.broadcast(a.dim), rel=1e-12)
+        assert a.t_comp == perf.inverse(a.dim)
+    assert payload_size("inverse", 1024) == 1024 * 1025 // 2
+    assert payload_size("eigen", 1024) == 1024 * 1025
     assert next(a for a in inverse.assignments if a.dim == 1024).t_comm == 0.5
 
     net = __import__("nets").small_net()

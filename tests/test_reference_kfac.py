@@ -17,7 +17,6 @@ with nothing from the library but the optimizer under test:
 from __future__ import annotations
 
 import copy
-from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -56,20 +55,20 @@ class ReferenceKFAC:
     """The reference K-FAC step, dense and unoptimised."""
 
     def __init__(self, model: nn.Module, lr: float, momentum: float, weight_decay: float, damping: float,
-                 factor_decay: float, kl_clip: Optional[float], factor_update_freq: int, inv_update_freq: int) -> None:
+                 factor_decay: float, kl_clip: float | None, factor_update_freq: int, inv_update_freq: int) -> None:
         self.model, self.lr, self.momentum, self.wd = model, lr, momentum, weight_decay
         self.damping, self.decay, self.kl_clip = damping, factor_decay, kl_clip
         self.fuf, self.iuf = factor_update_freq, inv_update_freq
         self.layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
-        self.A: Dict[nn.Module, torch.Tensor] = {}
-        self.G: Dict[nn.Module, torch.Tensor] = {}
-        self.A_inv: Dict[nn.Module, torch.Tensor] = {}
-        self.G_inv: Dict[nn.Module, torch.Tensor] = {}
-        self.momentum_buffers: Dict[nn.Parameter, torch.Tensor] = {}
+        self.A: dict[nn.Module, torch.Tensor] = {}
+        self.G: dict[nn.Module, torch.Tensor] = {}
+        self.A_inv: dict[nn.Module, torch.Tensor] = {}
+        self.G_inv: dict[nn.Module, torch.Tensor] = {}
+        self.momentum_buffers: dict[nn.Parameter, torch.Tensor] = {}
         self.steps = 0
 
     def _inputs_and_outputs(self, x: torch.Tensor):
-        seen: Dict[nn.Module, List[torch.Tensor]] = {}
+        seen: dict[nn.Module, list[torch.Tensor]] = {}
 
         def keep(module, inputs, output):
             output.retain_grad()
@@ -97,7 +96,7 @@ class ReferenceKFAC:
         G = gs.T @ gs / (n * s)
         return A, G
 
-    def _running(self, old: Optional[torch.Tensor], new: torch.Tensor) -> torch.Tensor:
+    def _running(self, old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         start = torch.eye(new.shape[0], dtype=new.dtype) if old is None else old
         return self.decay * start + (1 - self.decay) * new
 
@@ -169,11 +168,11 @@ def test_optimizer_takes_the_reference_step(name, float64):
         nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
         for (pname, p), p_ref in zip(net.named_parameters(), ref_net.parameters()):
-            torch.testing.assert_close(p, p_ref, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}/{pname} at step {opt.steps}: {m}")
+            torch.testing.assert_close(p, p_ref, rtol=1e-9, atol=1e-12, msg=lambda m, pname=pname: f"{name}/{pname} at step {opt.steps}: {m}")
     for layer, module in zip(opt.layers, reference.layers):
         torch.testing.assert_close(layer.A, reference.A[module], rtol=1e-9, atol=1e-12)
         torch.testing.assert_close(layer.G, reference.G[module], rtol=1e-9, atol=1e-12)
-    moved = max(float(((net.state_dict()[k] - v).abs().max())) for k, v in init.items())
+    moved = max(float((net.state_dict()[k] - v).abs().max()) for k, v in init.items())
     assert moved > 1e-4  # the comparison is not of parameters that never moved
 
 

@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 import torch.nn as nn
-
 from nets import batch, small_net, train
+
 from spdkfac import SPDKFACOptimizer
 from spdkfac.perfmodels import PerfModel
 
@@ -53,10 +53,12 @@ def test_drifted_times_change_the_plan():
     opt = SPDKFACOptimizer(model, lr=0.05, backend="single", profile_steps=1, replan_interval=2,
                            perf_model=_alpha_model(0.05))
     train(model, opt, x, y, 2)
-    assert opt.fusion_plans_made == 1 and len(opt.fusion_plan()["A"]) == 1
+    assert opt.fusion_plans_made == 1
+    assert len(opt.fusion_plan()["A"]) == 1
     stall.slow = True
     train(model, opt, x, y, 3)  # re-profile after factor step 4, new plan at 5
-    assert opt.fusion_plans_made == 2 and opt.fusion_plan_changes == 1
+    assert opt.fusion_plans_made == 2
+    assert opt.fusion_plan_changes == 1
     assert [[name for _, name in g] for g in opt.fusion_plan()["A"]] == [["0", "2"], ["5"]]
 
 

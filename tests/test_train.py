@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-
 from launch import ROOT, require_horovod, run_workers
+
 from spdkfac import train
 from spdkfac.imagefolder import ImageFolderError, scan_image_folder
 
@@ -47,9 +47,9 @@ def test_image_folder_errors(tmp_path):
 def test_malformed_directory_exits_with_message(tmp_path, capsys):
     root = _image_folder(tmp_path / "data")
     (root / "train" / "cat" / "0.png").write_bytes(b"not a png")
-    with pytest.raises(ImageFolderError, match="cannot read image"):
-        from spdkfac.imagefolder import ImageFolder
+    from spdkfac.imagefolder import ImageFolder
 
+    with pytest.raises(ImageFolderError, match="cannot read image"):
         ImageFolder(root / "train", 8)[0]
     with pytest.raises(SystemExit, match="neither 'digits', 'synthetic' nor an existing directory"):
         train.main(["--data", str(tmp_path / "nope"), "--backend", "single"])
@@ -61,27 +61,30 @@ def test_image_folder_training_runs(tmp_path):
     row = train.main(["--data", str(root), "--model", "cifar_resnet20", "--image-size", "8", "--batch-size", "4",
                       "--epochs", "1", "--workers", "0", "--backend", "single", "--out-dir", str(out), "--quiet",
                       "--optimizer", "spdkfac", "--damping", "0.03"])
-    assert 0.0 <= row["test_acc"] <= 1.0 and row["train_loss"] > 0
-    rows = list(csv.DictReader(open(out / "log.csv")))
-    assert len(rows) == 1 and (out / "checkpoint.pt").is_file()
+    assert 0.0 <= row["test_acc"] <= 1.0
+    assert row["train_loss"] > 0
+    rows = list(csv.DictReader((out / "log.csv").read_text().splitlines()))
+    assert len(rows) == 1
+    assert (out / "checkpoint.pt").is_file()
 
 
 def test_resume_continues_exactly(tmp_path):
     common = ["--data", "digits", "--backend", "single", "--quiet", "--batch-size", "64"]
-    full = train.main(common + ["--epochs", "2", "--out-dir", str(tmp_path / "full")])
+    full = train.main([*common, "--epochs", "2", "--out-dir", str(tmp_path / "full")])
     # Interrupt after epoch 0 of a 2-epoch run: rerun with the checkpoint of epoch 0 and --resume.
     part = tmp_path / "part"
-    train.main(common + ["--epochs", "2", "--out-dir", str(part)])
+    train.main([*common, "--epochs", "2", "--out-dir", str(part)])
     ref = torch.load(part / "checkpoint.pt")
-    first = train.main(common + ["--epochs", "2", "--out-dir", str(tmp_path / "ep0")] + ["--stop-after", "1"])
+    first = train.main([*common, "--epochs", "2", "--out-dir", str(tmp_path / "ep0"), "--stop-after", "1"])
     assert first["epoch"] == 0
-    resumed = train.main(common + ["--epochs", "2", "--out-dir", str(tmp_path / "ep0"), "--resume"])
+    resumed = train.main([*common, "--epochs", "2", "--out-dir", str(tmp_path / "ep0"), "--resume"])
     assert resumed["epoch"] == 1
-    assert resumed["test_acc"] == full["test_acc"] and resumed["train_loss"] == full["train_loss"]
+    assert resumed["test_acc"] == full["test_acc"]
+    assert resumed["train_loss"] == full["train_loss"]
     got = torch.load(tmp_path / "ep0" / "checkpoint.pt")
     for k, v in ref["model"].items():
         assert torch.equal(got["model"][k], v), k
-    assert len(list(csv.DictReader(open(tmp_path / "ep0" / "log.csv")))) == 2
+    assert len(list(csv.DictReader((tmp_path / "ep0" / "log.csv").read_text().splitlines()))) == 2
 
 
 def test_kfac_schedule_and_accumulation_resume_exactly(tmp_path):
@@ -89,16 +92,19 @@ def test_kfac_schedule_and_accumulation_resume_exactly(tmp_path):
     common = ["--data", "digits", "--backend", "single", "--quiet", "--batch-size", "64", "--epochs", "3", "--damping", "0.02",
               "--damping-decay", "0.5", "--damping-decay-epochs", "1", "--freq-scale", "2", "--freq-scale-epochs", "2",
               "--inv-update-freq", "2", "--accumulation-steps", "2"]
-    full = train.main(common + ["--out-dir", str(tmp_path / "full")])
-    train.main(common + ["--out-dir", str(tmp_path / "part"), "--stop-after", "1"])
+    full = train.main([*common, "--out-dir", str(tmp_path / "full")])
+    train.main([*common, "--out-dir", str(tmp_path / "part"), "--stop-after", "1"])
     after_first = torch.load(tmp_path / "part" / "checkpoint.pt")
-    assert after_first["kfac_scheduler"]["epoch"] == 1 and after_first["optimizer"]["param_groups"][0]["damping"] == 0.01
-    resumed = train.main(common + ["--out-dir", str(tmp_path / "part"), "--resume"])
-    assert resumed["train_loss"] == full["train_loss"] and resumed["test_acc"] == full["test_acc"]
+    assert after_first["kfac_scheduler"]["epoch"] == 1
+    assert after_first["optimizer"]["param_groups"][0]["damping"] == 0.01
+    resumed = train.main([*common, "--out-dir", str(tmp_path / "part"), "--resume"])
+    assert resumed["train_loss"] == full["train_loss"]
+    assert resumed["test_acc"] == full["test_acc"]
     ref, got = (torch.load(tmp_path / d / "checkpoint.pt") for d in ("full", "part"))
     for k, v in ref["model"].items():
         assert torch.equal(got["model"][k], v), k
-    assert got["optimizer"]["kfac"]["update_freqs"] == [2, 4] and got["kfac_scheduler"] == ref["kfac_scheduler"]
+    assert got["optimizer"]["kfac"]["update_freqs"] == [2, 4]
+    assert got["kfac_scheduler"] == ref["kfac_scheduler"]
 
 
 def test_resume_without_checkpoint_is_an_error(tmp_path):
@@ -110,8 +116,9 @@ def test_two_worker_torchrun_training(tmp_path):
     # Two epochs: K-FAC's running averages start from the identity, so its first epoch is SGD-like (45% here).
     out = run_workers("torch", 2, ["-m", "spdkfac.train", "--backend", "torch", "--data", "digits", "--epochs", "2",
                                    "--quiet", "--out-dir", str(tmp_path / "run")])
-    assert "2 worker(s) via torch" in out and "epoch   1" in out
-    rows = list(csv.DictReader(open(tmp_path / "run" / "log.csv")))
+    assert "2 worker(s) via torch" in out
+    assert "epoch   1" in out
+    rows = list(csv.DictReader((tmp_path / "run" / "log.csv").read_text().splitlines()))
     assert float(rows[-1]["test_acc"]) > 0.5
 
 
@@ -122,12 +129,13 @@ def test_horovod_launch_script_trains_with_the_chosen_cycle_time(tmp_path):
     env = dict(os.environ, NP="2", CYCLE_MS="20", PYTHON=sys.executable, PYTHONUNBUFFERED="1",
                HOROVODRUN=shutil.which("horovodrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]))
     args = ["--data", "digits", "--epochs", "2", "--quiet", "--out-dir", str(tmp_path / "run")]
-    run = subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(["bash", str(script), *args], env=env, check=False, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "2 worker(s) via horovod (cycle 20 ms)" in run.stdout
-    assert float(list(csv.DictReader(open(tmp_path / "run" / "log.csv")))[-1]["test_acc"]) > 0.5
-    bad = subprocess.run(["bash", str(script), *args], env=dict(env, CYCLE_MS="fast"), capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "CYCLE_MS must be a number" in bad.stderr
+    assert float(list(csv.DictReader((tmp_path / "run" / "log.csv").read_text().splitlines()))[-1]["test_acc"]) > 0.5
+    bad = subprocess.run(["bash", str(script), *args], env=dict(env, CYCLE_MS="fast"), check=False, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert "CYCLE_MS must be a number" in bad.stderr
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])

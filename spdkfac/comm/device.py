@@ -9,15 +9,14 @@ on GPU 0 they fail or serialise.
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["local_rank", "local_rank_and_size", "worker_device", "DEVICE_CHOICES"]
+__all__ = ["DEVICE_CHOICES", "local_rank", "local_rank_and_size", "worker_device"]
 
 # (local rank, local size) variables of torchrun, horovodrun (Gloo), Open MPI, MPICH/Intel MPI, Slurm's srun
 # (which names no local size), in the order they are trusted.
-_LAUNCHER_VARS: Tuple[Tuple[str, Optional[str]], ...] = (
+_LAUNCHER_VARS: tuple[tuple[str, str | None], ...] = (
     ("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
     ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
     ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
@@ -27,7 +26,7 @@ _LAUNCHER_VARS: Tuple[Tuple[str, Optional[str]], ...] = (
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
-def _launcher_vars() -> Optional[Tuple[str, Optional[str]]]:
+def _launcher_vars() -> tuple[str, str | None] | None:
     """The (rank, size) variable names of the launcher that started this process, or None."""
     return next(((r, s) for r, s in _LAUNCHER_VARS if r in os.environ), None)
 
@@ -49,7 +48,7 @@ def local_rank() -> int:
     return 0 if names is None else _env_int(names[0], "local rank")
 
 
-def local_rank_and_size() -> Optional[Tuple[int, int]]:
+def local_rank_and_size() -> tuple[int, int] | None:
     """This process's index on its node and the number of processes there, from the launcher's environment.
 
     None when no launcher set them (a plain single-process run, or a launcher

@@ -9,7 +9,7 @@ __all__ = ["HorovodBackend"]
 
 
 class _HorovodHandle:
-    __slots__ = ("_hvd", "_handle")
+    __slots__ = ("_handle", "_hvd")
 
     def __init__(self, hvd, handle) -> None:
         self._hvd = hvd

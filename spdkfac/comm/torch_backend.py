@@ -16,7 +16,7 @@ __all__ = ["TorchDistributedBackend"]
 
 
 class _TorchHandle:
-    __slots__ = ("_work", "_tensor", "_divisor")
+    __slots__ = ("_divisor", "_tensor", "_work")
 
     def __init__(self, work, tensor: torch.Tensor, divisor: int) -> None:
         self._work = work

@@ -5,16 +5,16 @@
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable
 
 import torch.nn as nn
 
 from .imagenet import densenet201, inception_v4, resnet50, resnet152
 from .small import DigitsCNN, MnistCNN, cifar_resnet20
 
-__all__ = ["MODELS", "get_model", "DigitsCNN", "MnistCNN", "cifar_resnet20"]
+__all__ = ["MODELS", "DigitsCNN", "MnistCNN", "cifar_resnet20", "get_model"]
 
-MODELS: Dict[str, Callable[..., nn.Module]] = {
+MODELS: dict[str, Callable[..., nn.Module]] = {
     "digits_cnn": DigitsCNN,
     "mnist_cnn": MnistCNN,
     "cifar_resnet20": cifar_resnet20,
@@ -25,7 +25,7 @@ MODELS: Dict[str, Callable[..., nn.Module]] = {
 }
 
 
-def get_model(name: str, num_classes: Optional[int] = None) -> nn.Module:
+def get_model(name: str, num_classes: int | None = None) -> nn.Module:
     """Instantiate a model by name (see :data:`MODELS`); ``num_classes`` None keeps the model's default."""
     kwargs = {} if num_classes is None else {"num_classes": num_classes}
     if name.startswith("torchvision:"):

@@ -16,17 +16,18 @@ so any input resolution at or above the documented minimum works.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Union
 
 import torch
 import torch.nn as nn
 
-__all__ = ["resnet50", "resnet152", "densenet201", "inception_v4", "ResNet", "DenseNet", "InceptionV4"]
+__all__ = ["DenseNet", "InceptionV4", "ResNet", "densenet201", "inception_v4", "resnet50", "resnet152"]
 
-Size2 = Union[int, Tuple[int, int]]
+Size2 = Union[int, tuple[int, int]]
 
 
-def _pair(v: Size2) -> Tuple[int, int]:
+def _pair(v: Size2) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
@@ -117,7 +118,7 @@ class ResNet(nn.Sequential):
     """
 
     def __init__(self, depths: Sequence[int], num_classes: int = 1000) -> None:
-        stages: "OrderedDict[str, nn.Module]" = OrderedDict()
+        stages: OrderedDict[str, nn.Module] = OrderedDict()
         stages["stem"] = nn.Sequential(ConvBN(3, 64, 7, 2), nn.MaxPool2d(3, 2, 1))
         cin = 64
         for i, (depth, width) in enumerate(zip(depths, (64, 128, 256, 512))):
@@ -162,7 +163,7 @@ class DenseNet(nn.Sequential):
 
     def __init__(self, blocks: Sequence[int], growth: int = 32, bn_size: int = 4,
                  compression: float = 0.5, num_classes: int = 1000) -> None:
-        stages: "OrderedDict[str, nn.Module]" = OrderedDict()
+        stages: OrderedDict[str, nn.Module] = OrderedDict()
         cin = 2 * growth
         stages["stem"] = nn.Sequential(ConvBN(3, cin, 7, 2), nn.MaxPool2d(3, 2, 1))
         for i, depth in enumerate(blocks):
@@ -187,7 +188,7 @@ def densenet201(num_classes: int = 1000) -> nn.Module:
 
 
 # --------------------------------------------------------------------------- Inception-v4
-def _chain(cin: int, *specs: Tuple[int, Size2]) -> Tuple[nn.Sequential, int]:
+def _chain(cin: int, *specs: tuple[int, Size2]) -> tuple[nn.Sequential, int]:
     """A stride-1, size-preserving chain of ``ConvBN(out, kernel)`` specs; returns it and its width."""
     layers = []
     for cout, kernel in specs:
@@ -218,7 +219,7 @@ def _inception_a(cin: int = 384) -> Concat:
                   _chain(cin, (64, 1), (96, 3))[0], _chain(cin, (64, 1), (96, 3), (96, 3))[0])
 
 
-def _reduction_a(cin: int = 384, k: int = 192, l: int = 224, m: int = 256, n: int = 384) -> Concat:
+def _reduction_a(cin: int = 384, k: int = 192, l: int = 224, m: int = 256, n: int = 384) -> Concat:  # noqa: E741 (k, l, m, n): the Inception-v4 paper's names
     """Reduction-A (35 -> 17 grid), filter sizes (k, l, m, n) = (192, 224, 256, 384): 384 -> 1024."""
     return Concat(nn.MaxPool2d(3, 2), ConvBN(cin, n, 3, 2, 0),
                   nn.Sequential(_chain(cin, (k, 1), (l, 3))[0], ConvBN(l, m, 3, 2, 0)))

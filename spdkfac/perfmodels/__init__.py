@@ -19,10 +19,10 @@ __all__ = [
     "InverseModel",
     "PerfModel",
     "PerfModelError",
-    "fit_linear",
-    "fit_exponential",
     "fit_cubic",
+    "fit_exponential",
     "fit_inverse_model",
+    "fit_linear",
     "load_perf_model",
     "r_squared",
 ]

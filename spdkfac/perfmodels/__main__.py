@@ -11,14 +11,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
 
 from ..affinity import add_bind_cores_option, bind_cores_if_asked
 from ..host_memory import retain_freed_memory
 from .models import PerfModel, PerfModelError
 
 
-def _unwritable(path: Path) -> Optional[str]:
+def _unwritable(path: Path) -> str | None:
     """Why ``path`` could not be written (its directory missing, not a directory, or read-only), or None."""
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.exists():
@@ -32,7 +31,7 @@ def _unwritable(path: Path) -> Optional[str]:
     return None
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m spdkfac.perfmodels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("benchmark", help="measure this launch's workers and write a model file")

@@ -17,8 +17,9 @@ import platform
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from ..decomposition import eigen_payload
 from ..linalg import invert_spd, triangle_size
 from .models import AllReduceModel, BroadcastModel, InverseModel, PerfModel, fit_inverse_model, fit_linear, r_squared
 
-__all__ = ["BenchmarkConfig", "run_benchmark", "Mpi4pyEngine"]
+__all__ = ["BenchmarkConfig", "Mpi4pyEngine", "run_benchmark"]
 
 QUICK_DIMS = [64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
 FULL_DIMS = [64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 5120, 6144, 8192]
@@ -43,18 +44,18 @@ class BenchmarkConfig:
     warmup: int = 10
     device: str = "auto"
     dtype: str = "float32"
-    inverse_dims: Optional[List[int]] = None
-    model_dims: Optional[List[int]] = None  # a network's factor dimensions, measured in addition
-    model_name: Optional[str] = None
-    message_sizes: Optional[List[int]] = None
+    inverse_dims: list[int] | None = None
+    model_dims: list[int] | None = None  # a network's factor dimensions, measured in addition
+    model_name: str | None = None
+    message_sizes: list[int] | None = None
     damping: float = 1e-3
     eigen: bool = True  # also time torch.linalg.eigh at the same dimensions (compute_method='eigen')
 
-    def dims(self) -> List[int]:
+    def dims(self) -> list[int]:
         base = self.inverse_dims or (QUICK_DIMS if self.quick else FULL_DIMS)
         return sorted(set(base) | set(self.model_dims or []))
 
-    def sizes(self) -> List[int]:
+    def sizes(self) -> list[int]:
         return self.message_sizes or (QUICK_SIZES if self.quick else FULL_SIZES)
 
 
@@ -173,7 +174,7 @@ def _time(fn: Callable[[], None], repeats: int, warmup: int, device: torch.devic
     return float(np.median(samples)), float(np.mean(samples))
 
 
-def _mean_over_ranks(engine: CommBackend, values: Sequence[float]) -> List[float]:
+def _mean_over_ranks(engine: CommBackend, values: Sequence[float]) -> list[float]:
     t = torch.tensor(list(values), dtype=torch.float64)
     engine.allreduce_async(t, "perfmodels.mean").wait()
     return t.tolist()
@@ -186,7 +187,7 @@ def _repeats_for(cfg: BenchmarkConfig, elements: int) -> int:
     return max(3, min(cfg.repeats, int(2e7 // max(elements, 1))))
 
 
-def run_benchmark(cfg: BenchmarkConfig, engine: Optional[CommBackend] = None) -> PerfModel:
+def run_benchmark(cfg: BenchmarkConfig, engine: CommBackend | None = None) -> PerfModel:
     """Measure, fit and return a :class:`PerfModel` (identical on every rank)."""
     engine = engine or get_backend("auto")
     device = torch.device("cuda" if (cfg.device == "auto" and torch.cuda.is_available()) else ("cpu" if cfg.device == "auto" else cfg.device))
@@ -196,15 +197,15 @@ def run_benchmark(cfg: BenchmarkConfig, engine: Optional[CommBackend] = None) ->
     comm_points = len(sizes) + len(dims) if engine.size > 1 else 0
     progress = _Progress(comm_points + len(dims) * (2 if cfg.eigen else 1), root)
 
-    ar_times: List[float] = []
-    bc_times: List[float] = []
-    means: Dict[str, List[float]] = {"allreduce": [], "broadcast": [], "inverse": [], "eigen": []}
+    ar_times: list[float] = []
+    bc_times: list[float] = []
+    means: dict[str, list[float]] = {"allreduce": [], "broadcast": [], "inverse": [], "eigen": []}
     if engine.size > 1:
         for m in sizes:
             buf = torch.ones(m, dtype=dtype, device=device)
             reps = _repeats_for(cfg, m)
             engine.barrier()
-            med, mean = _time(lambda: engine.allreduce_async(buf, f"perfmodels.ar.{m}").wait(), reps, min(cfg.warmup, reps), device)
+            med, mean = _time(lambda buf=buf, m=m: engine.allreduce_async(buf, f"perfmodels.ar.{m}").wait(), reps, min(cfg.warmup, reps), device)
             ar_times.append(med)
             means["allreduce"].append(mean)
             progress.step(f"all-reduce {m} elements")
@@ -212,7 +213,7 @@ def run_benchmark(cfg: BenchmarkConfig, engine: Optional[CommBackend] = None) ->
             buf = torch.ones(triangle_size(d), dtype=dtype, device=device)
             reps = _repeats_for(cfg, triangle_size(d))
             engine.barrier()
-            med, mean = _time(lambda: engine.broadcast_async(buf, 0, f"perfmodels.bc.{d}").wait(), reps, min(cfg.warmup, reps), device)
+            med, mean = _time(lambda buf=buf, d=d: engine.broadcast_async(buf, 0, f"perfmodels.bc.{d}").wait(), reps, min(cfg.warmup, reps), device)
             bc_times.append(med)
             means["broadcast"].append(mean)
             progress.step(f"broadcast d={d}")
@@ -221,17 +222,17 @@ def run_benchmark(cfg: BenchmarkConfig, engine: Optional[CommBackend] = None) ->
         means["allreduce"] = _mean_over_ranks(engine, means["allreduce"])
         means["broadcast"] = _mean_over_ranks(engine, means["broadcast"])
 
-    curves: Dict[str, Callable[[torch.Tensor], Any]] = {"inverse": lambda spd: invert_spd(spd, cfg.damping)}
+    curves: dict[str, Callable[[torch.Tensor], Any]] = {"inverse": lambda spd: invert_spd(spd, cfg.damping)}
     if cfg.eigen:
         curves["eigen"] = eigen_payload  # eigh and the [Q, d] buffer, as the decomposition stage runs it
-    times: Dict[str, List[float]] = {name: [] for name in curves}
+    times: dict[str, list[float]] = {name: [] for name in curves}
     for name, fn in curves.items():
         gen = torch.Generator(device="cpu").manual_seed(0)
         for d in dims:
             x = torch.randn(d, d, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
             spd = x @ x.T / d
             reps = _repeats_for(cfg, d**3 // 64)
-            med, mean = _time(lambda: fn(spd), reps, min(cfg.warmup, reps), device)
+            med, mean = _time(lambda fn=fn, spd=spd: fn(spd), reps, min(cfg.warmup, reps), device)
             times[name].append(med)
             means[name].append(mean)
             progress.step(f"{name} d={d}")
@@ -240,7 +241,7 @@ def run_benchmark(cfg: BenchmarkConfig, engine: Optional[CommBackend] = None) ->
             means[name] = _mean_over_ranks(engine, means[name])
     inv_times = times["inverse"]
 
-    quality: Dict[str, Any] = {}
+    quality: dict[str, Any] = {}
     if engine.size > 1:
         a_ar, b_ar = fit_linear(sizes, ar_times)
         tri = [triangle_size(d) for d in dims]
@@ -296,7 +297,7 @@ def _max_rel(measured: Sequence[float], predicted: Sequence[float]) -> float:
     return float(np.max(np.abs(p - m) / m))
 
 
-def _version(module: str) -> Optional[str]:
+def _version(module: str) -> str | None:
     try:
         return __import__(module).__version__
     except Exception:

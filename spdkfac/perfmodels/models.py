@@ -16,9 +16,10 @@ import dataclasses
 import json
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable
 
 import numpy as np
 
@@ -28,12 +29,12 @@ __all__ = [
     "InverseModel",
     "PerfModel",
     "PerfModelError",
-    "fit_linear",
-    "fit_exponential",
     "fit_cubic",
+    "fit_exponential",
     "fit_inverse_model",
-    "r_squared",
+    "fit_linear",
     "load_perf_model",
+    "r_squared",
 ]
 
 FORMAT_VERSION = 1
@@ -68,8 +69,8 @@ class AllReduceModel:
         return self.alpha + self.beta * elements
 
 
-def _check_measured(name: str, measured: Optional[Dict[int, float]]) -> Dict[int, float]:
-    out: Dict[int, float] = {}
+def _check_measured(name: str, measured: dict[int, float] | None) -> dict[int, float]:
+    out: dict[int, float] = {}
     for d, t in (measured or {}).items():
         out[int(d)] = _positive_finite(f"{name}.measured[{d}]", t)
     return out
@@ -85,7 +86,7 @@ class BroadcastModel:
 
     alpha: float
     beta: float
-    measured: Optional[Dict[int, float]] = None
+    measured: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         _positive_finite("broadcast.alpha", self.alpha)
@@ -120,8 +121,8 @@ class InverseModel:
     """
 
     kind: str
-    params: Dict[str, Any]
-    measured: Optional[Dict[int, float]] = None
+    params: dict[str, Any]
+    measured: dict[int, float] | None = None
     name: str = "inverse"  # the file's field (``'eigen'`` for the eigendecomposition model), for messages
 
     def __post_init__(self) -> None:
@@ -168,11 +169,11 @@ class PerfModel:
     allreduce: AllReduceModel
     broadcast: BroadcastModel
     inverse: InverseModel
-    meta: Dict[str, Any] = field(default_factory=dict)
-    measurements: Dict[str, Any] = field(default_factory=dict)
-    fit_quality: Dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    measurements: dict[str, Any] = field(default_factory=dict)
+    fit_quality: dict[str, Any] = field(default_factory=dict)
     source: str = "object"
-    eigen: Optional[InverseModel] = None
+    eigen: InverseModel | None = None
     _eigen_estimate_warned: bool = field(default=False, init=False, repr=False, compare=False)
 
     def decomposition(self, method: str) -> Callable[[float], float]:
@@ -200,7 +201,7 @@ class PerfModel:
         return lambda dim: EIGEN_OVER_INVERSE * inverse(dim)
 
     @property
-    def world_size(self) -> Optional[int]:
+    def world_size(self) -> int | None:
         ws = self.meta.get("world_size")
         return int(ws) if ws is not None else None
 
@@ -216,7 +217,7 @@ class PerfModel:
                 stacklevel=3,
             )
 
-    def scaled_to(self, workers: int) -> "PerfModel":
+    def scaled_to(self, workers: int) -> PerfModel:
         """The communication models extrapolated from the measured worker count W to ``workers`` (P).
 
         All-reduces as a ring: alpha by ``(P-1)/(W-1)``, beta by
@@ -241,7 +242,7 @@ class PerfModel:
         )
 
     # -- (de)serialisation -------------------------------------------------------
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "format_version": FORMAT_VERSION,
             "allreduce": {"alpha": self.allreduce.alpha, "beta": self.allreduce.beta, "unit": "seconds, elements"},
@@ -254,11 +255,11 @@ class PerfModel:
             "measurements": self.measurements,
         }
 
-    def save(self, path: Union[str, Path]) -> None:
+    def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1, sort_keys=False))
 
     @classmethod
-    def from_dict(cls, data: Dict[str, Any], source: str = "dict") -> "PerfModel":
+    def from_dict(cls, data: dict[str, Any], source: str = "dict") -> PerfModel:
         if not isinstance(data, dict):
             raise PerfModelError(f"{source}: expected a JSON object at top level")
         missing = [k for k in ("allreduce", "broadcast", "inverse") if k not in data]
@@ -285,7 +286,7 @@ class PerfModel:
         )
 
     @classmethod
-    def load(cls, path: Union[str, Path]) -> "PerfModel":
+    def load(cls, path: str | Path) -> PerfModel:
         p = Path(path)
         if not p.is_file():
             raise PerfModelError(f"performance model file {p} does not exist")
@@ -296,7 +297,7 @@ class PerfModel:
         return cls.from_dict(data, source=str(p))
 
     @classmethod
-    def default(cls) -> "PerfModel":
+    def default(cls) -> PerfModel:
         """Uncalibrated defaults (roughly a 2-worker CPU/gloo machine); fit your own."""
         return cls(
             allreduce=AllReduceModel(2.0e-4, 2.0e-9),
@@ -308,12 +309,12 @@ class PerfModel:
         )
 
 
-def _curve_dict(model: InverseModel) -> Dict[str, Any]:
+def _curve_dict(model: InverseModel) -> dict[str, Any]:
     return {"kind": model.kind, **model.params, "unit": "seconds, dimension d",
             "measured": {str(k): v for k, v in sorted((model.measured or {}).items())}}
 
 
-def _curve_from_dict(entry: Dict[str, Any], name: str) -> InverseModel:
+def _curve_from_dict(entry: dict[str, Any], name: str) -> InverseModel:
     params = dict(entry)
     kind = params.pop("kind", "exp")
     params.pop("unit", None)
@@ -321,7 +322,7 @@ def _curve_from_dict(entry: Dict[str, Any], name: str) -> InverseModel:
     return InverseModel(kind, params, measured, name=name)
 
 
-def load_perf_model(perf_model: Union[None, str, Path, PerfModel]) -> PerfModel:
+def load_perf_model(perf_model: str | Path | PerfModel | None) -> PerfModel:
     """Resolve the optimizer's ``perf_model=`` argument (path, object, or None for the default)."""
     if perf_model is None:
         warnings.warn(
@@ -378,7 +379,7 @@ def fit_exponential(d: Sequence[float], t: Sequence[float]) -> tuple[float, floa
     return float(np.exp(log_alpha)), max(float(beta), 1e-12)
 
 
-def fit_cubic(d: Sequence[float], t: Sequence[float]) -> List[float]:
+def fit_cubic(d: Sequence[float], t: Sequence[float]) -> list[float]:
     """Fit ``t = c0 + c1 d + c2 d^2 + c3 d^3`` weighted by ``1/t`` (relative error)."""
     da = np.asarray(d, dtype=float)
     ta = np.asarray(t, dtype=float)
@@ -392,13 +393,13 @@ def _mean_relative_error(t: np.ndarray, pred: np.ndarray) -> float:
     return float(np.mean(np.abs(pred - t) / t))
 
 
-def fit_inverse_model(d: Sequence[float], t: Sequence[float]) -> tuple[InverseModel, Dict[str, Any]]:
+def fit_inverse_model(d: Sequence[float], t: Sequence[float]) -> tuple[InverseModel, dict[str, Any]]:
     """Fit both the exponential (Eq. 26) and a cubic; keep the one with lower mean relative error."""
     da = np.asarray(d, dtype=float)
     ta = np.asarray(t, dtype=float)
     a, b = fit_exponential(da, ta)
     exp_model = InverseModel("exp", {"alpha": a, "beta": b})
-    quality: Dict[str, Any] = {
+    quality: dict[str, Any] = {
         "exp": {
             "alpha": a,
             "beta": b,

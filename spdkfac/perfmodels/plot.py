@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
 
 import numpy as np
 
@@ -11,7 +10,7 @@ from .models import InverseModel, PerfModel
 __all__ = ["plot_perf_model"]
 
 
-def plot_perf_model(model: PerfModel, out: Union[str, Path]) -> Path:
+def plot_perf_model(model: PerfModel, out: str | Path) -> Path:
     """Draw all-reduce, broadcast and inversion measurements with their fits; return the PNG path."""
     import matplotlib
 

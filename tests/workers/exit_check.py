@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from spdkfac.comm import get_backend  # noqa: E402
+from spdkfac.comm import get_backend
 
 finished_at: dict = {}
 

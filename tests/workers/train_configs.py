@@ -20,10 +20,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nets import batch, small_net, small_transformer, train  # noqa: E402
-from spdkfac import SPDKFACOptimizer  # noqa: E402
-from spdkfac.comm import get_backend  # noqa: E402
-from spdkfac.perfmodels import PerfModel  # noqa: E402
+from nets import batch, small_net, small_transformer, train
+
+from spdkfac import SPDKFACOptimizer
+from spdkfac.comm import get_backend
+from spdkfac.perfmodels import PerfModel
 
 warnings.filterwarnings("ignore", message="no perf_model given")
 warnings.filterwarnings("ignore", message="performance model")
@@ -102,7 +103,7 @@ def main() -> None:
         if nan_steps is not None:
             last = torch.zeros(args.global_batch, dtype=torch.bool)
             last[-1] = True
-            poisoned = {step: last[rank * local : (rank + 1) * local] for step in nan_steps}
+            poisoned = dict.fromkeys(nan_steps, last[rank * local:(rank + 1) * local])
         skip_bad_loss = cfg.pop("skip_bad_loss", False)
         clip = cfg.pop("clip_grad_norm", None)
         cfg.update(SCHEDULES[cfg.pop("schedule")] if "schedule" in cfg else {})
