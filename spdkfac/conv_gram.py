@@ -101,7 +101,7 @@ def conv_input_gram(
                     strip_products[key] = strip_pixels[rect] @ region(rect, *delta).transpose(0, 1)
                 part = strip_products[key]
                 corrections[(a, b)] = corrections[(a, b)] + part if (a, b) in corrections else part
-        if with_bias:
+        if col_sums is not None:  # with_bias
             s = col_sums.clone()
             for rect in strips:
                 s -= strip_pixels[rect].sum(dim=1)

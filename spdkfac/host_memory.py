@@ -30,12 +30,12 @@ _M_MMAP_MAX = -4
 _DISABLE_ENV = "SPDKFAC_RETAIN_MEMORY"
 
 
-def _glibc_function(name: str, argtypes: list) -> Callable[..., int] | None:
+def _glibc_function(name: str, argtypes: list[type[ctypes.c_int] | type[ctypes.c_size_t]]) -> Callable[..., int] | None:
     """glibc's ``name`` with its C signature, or None off glibc (other libcs have neither knob)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
-        fn = getattr(ctypes.CDLL(None), name)
+        fn = ctypes.CDLL(None)[name]
     except (OSError, AttributeError):
         return None
     fn.argtypes = argtypes

@@ -9,16 +9,22 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
+
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageFolder", "ImageFolderError", "make_loader", "scan_image_folder"]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff")
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
+#: One sample: a normalised ``3 x size x size`` image and its class index.
+Sample = tuple[torch.Tensor, int]
 
 
 class ImageFolderError(ValueError):
@@ -48,7 +54,7 @@ def scan_image_folder(root: Path, classes: Sequence[str] | None = None) -> tuple
     return samples, found
 
 
-class ImageFolder(Dataset):
+class ImageFolder(Dataset[Sample]):
     """Images of ``root/<class>/`` as normalised ``3 x size x size`` tensors."""
 
     def __init__(self, root: Path, size: int = 224, train: bool = True, classes: Sequence[str] | None = None) -> None:
@@ -62,16 +68,17 @@ class ImageFolder(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def _load(self, path: Path):
+    def _load(self, path: Path) -> PILImage:
         from PIL import Image, UnidentifiedImageError
 
         try:
             with Image.open(path) as img:
-                return img.convert("RGB")
+                rgb: PILImage = img.convert("RGB")
+                return rgb
         except (UnidentifiedImageError, OSError) as exc:
             raise ImageFolderError(f"cannot read image {path}: {exc}") from None
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> Sample:
         from PIL import Image
 
         path, label = self.samples[index]
@@ -82,13 +89,13 @@ class ImageFolder(Dataset):
             scale = random.uniform(0.35, 1.0)
             cw, ch = max(1, int(w * scale)), max(1, int(h * scale))
             x0, y0 = random.randint(0, w - cw), random.randint(0, h - ch)
-            img = img.crop((x0, y0, x0 + cw, y0 + ch)).resize((s, s), Image.BILINEAR)
+            img = img.crop((x0, y0, x0 + cw, y0 + ch)).resize((s, s), Image.Resampling.BILINEAR)
             if random.random() < 0.5:
-                img = img.transpose(Image.FLIP_LEFT_RIGHT)
+                img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         else:
             w, h = img.size
             short = int(s / 0.875)
-            img = img.resize((max(short, int(w * short / h)), max(short, int(h * short / w))), Image.BILINEAR)
+            img = img.resize((max(short, int(w * short / h)), max(short, int(h * short / w))), Image.Resampling.BILINEAR)
             w, h = img.size
             x0, y0 = (w - s) // 2, (h - s) // 2
             img = img.crop((x0, y0, x0 + s, y0 + s))
@@ -96,8 +103,8 @@ class ImageFolder(Dataset):
         return (t - torch.tensor(MEAN)[:, None, None]) / torch.tensor(STD)[:, None, None], label
 
 
-def make_loader(dataset: Dataset, batch_size: int, rank: int, size: int, train: bool, workers: int = 2, seed: int = 0) -> DataLoader:
+def make_loader(dataset: Dataset[Sample], batch_size: int, rank: int, size: int, train: bool, workers: int = 2, seed: int = 0) -> DataLoader[Sample]:
     """A DataLoader over this worker's shard (equal shard sizes on every worker)."""
-    sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=train, seed=seed, drop_last=train)
+    sampler: DistributedSampler[int] = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=train, seed=seed, drop_last=train)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, drop_last=train,
                       persistent_workers=workers > 0)

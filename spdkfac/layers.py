@@ -46,12 +46,14 @@ __all__ = ["FACTOR_KINDS", "FactorKey", "KFACLayer", "RowExtractor", "factor_lis
 FACTOR_KINDS = ("A", "G")
 #: A factor by (kind 'A' | 'G', layer name), the same on every rank.
 FactorKey = tuple[str, str]
+#: The module types K-FAC preconditions (:func:`make_extractor`).
+SupportedLayer = Union[nn.Linear, nn.Conv2d]
 
 
 class RowExtractor(abc.ABC):
     """Turns a layer's input / output-gradient tensors into 2-D row matrices."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: SupportedLayer) -> None:
         self.module = module
 
     def input_gram(self, x: torch.Tensor, with_bias: bool) -> tuple[torch.Tensor, int] | None:
@@ -90,6 +92,11 @@ class RowExtractor(abc.ABC):
 
 
 class _LinearRows(RowExtractor):
+    module: nn.Linear
+
+    def __init__(self, module: nn.Linear) -> None:
+        super().__init__(module)
+
     def input_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, x.shape[-1])
 
@@ -106,6 +113,8 @@ class _LinearRows(RowExtractor):
 
 
 class _Conv2dRows(RowExtractor):
+    module: nn.Conv2d
+
     def __init__(self, module: nn.Conv2d, padding: tuple[int, int]) -> None:
         super().__init__(module)
         self.padding = padding
@@ -155,7 +164,8 @@ class _Conv2dRows(RowExtractor):
             return _with_bias_row(channel_gram(x[:, :, ::sh, ::sw]), x[:, :, ::sh, ::sw], with_bias)
         if tuple(m.stride) != (1, 1):
             return None
-        return conv_input_gram(x, m.kernel_size, self.padding, m.dilation, with_bias)
+        (kh, kw), (dh, dw) = m.kernel_size, m.dilation
+        return conv_input_gram(x, (kh, kw), self.padding, (dh, dw), with_bias)
 
     @property
     def in_dim(self) -> int:
@@ -230,7 +240,7 @@ class KFACLayer:
     which the inversion stage does once per inverse update.
     """
 
-    def __init__(self, name: str, module: nn.Module, extractor: RowExtractor, compute_method: str = "inverse") -> None:
+    def __init__(self, name: str, module: SupportedLayer, extractor: RowExtractor, compute_method: str = "inverse") -> None:
         self.name = name
         self.compute_method = check_method(compute_method)
         self.module = module
@@ -386,6 +396,7 @@ class KFACLayer:
         grad = weight.grad.reshape(weight.shape[0], -1)
         if self.has_bias:
             bias = self.module.bias
+            assert bias is not None  # has_bias
             bias_grad = bias.grad if bias.grad is not None else torch.zeros_like(bias)
             grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
         return grad
@@ -403,8 +414,12 @@ class KFACLayer:
         if self.compute_method == "eigen":
             if damping is None:
                 raise ValueError(f"layer {self.name!r} preconditions with eigendecompositions: pass the damping")
-            return eigen_precondition(grad, self.A_eigen, self.G_eigen, damping)  # type: ignore[arg-type]
-        return self.G_inv @ grad.to(self.G_inv.dtype) @ self.A_inv  # type: ignore[operator]
+            assert self.A_eigen is not None  # decomposed
+            assert self.G_eigen is not None
+            return eigen_precondition(grad, self.A_eigen, self.G_eigen, damping)
+        assert self.A_inv is not None  # decomposed
+        assert self.G_inv is not None
+        return self.G_inv @ grad.to(self.G_inv.dtype) @ self.A_inv
 
     def write_grad(self, grad: torch.Tensor) -> None:
         """Copy a ``g_dim x a_dim`` matrix back into the weight (and bias) gradients."""
@@ -412,11 +427,13 @@ class KFACLayer:
         if self.has_bias:
             w_part, b_part = grad[:, :-1], grad[:, -1]
             bias = self.module.bias
+            assert bias is not None  # has_bias
             if bias.grad is None:
                 bias.grad = torch.zeros_like(bias)
             bias.grad.copy_(b_part.reshape(bias.shape))
         else:
             w_part = grad
+        assert weight.grad is not None  # the caller preconditioned grad_matrix(), which needs it
         weight.grad.copy_(w_part.reshape(weight.shape))
 
 
@@ -482,7 +499,7 @@ def kfac_layers(model: nn.Module, compute_method: str = "inverse", skip: Sequenc
                 f"sums every use, but its factors would describe only this layer's; exclude the layers that share it "
                 f"with skip_layers (they then get the plain update)"
             )
-        layers.append(KFACLayer(layer_name, module, extractor, compute_method))
+        layers.append(KFACLayer(layer_name, extractor.module, extractor, compute_method))  # extractor.module is module
     return layers
 
 

@@ -207,10 +207,11 @@ def invert_spd(matrix: torch.Tensor, damping: float, use_cupy: bool = True) -> t
     if use_cupy and damped.is_cuda and cupy_available():  # pragma: no cover - needs a GPU
         import cupy
         import cupyx.linalg
+        from torch.utils.dlpack import from_dlpack
 
         with cupy.cuda.ExternalStream(torch.cuda.current_stream(damped.device).cuda_stream):
             inv_cp = cupyx.linalg.invh(cupy.from_dlpack(damped))
-            inv = torch.from_dlpack(inv_cp)
+            inv = from_dlpack(inv_cp)
     else:
         chol = torch.linalg.cholesky(damped)
         inv = torch.cholesky_inverse(chol)

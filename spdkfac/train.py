@@ -22,9 +22,11 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Union
 
 import torch
 import torch.nn as nn
+from torch.utils.data import DataLoader
 
 from .affinity import add_bind_cores_option, bind_cores_if_asked
 from .checkpoint import LATEST, PREVIOUS, CheckpointError, changed_arguments, newest_valid, save_rotating
@@ -36,6 +38,11 @@ from .schedules import KFACParamScheduler
 from .variants import make_optimizer
 
 __all__ = ["main", "parse_args"]
+
+#: A batch of inputs and labels.
+Batch = tuple[torch.Tensor, torch.Tensor]
+#: The in-memory data sets' loader, or a DataLoader over an image directory (``--data DIR``).
+Loader = Union[ShardedLoader, DataLoader[tuple[torch.Tensor, int]]]
 
 OPTIMIZERS = ("sgd", "spdkfac", "dkfac", "mpdkfac")
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -149,7 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _loaders(args: argparse.Namespace, rank: int, size: int):
+def _loaders(args: argparse.Namespace, rank: int, size: int) -> tuple[Loader, Loader, int, str]:
     """(train loader, test loader, number of classes, default model name) for ``--data``."""
     if args.data == "digits":
         train, test = load_digits(seed=args.seed)
@@ -181,11 +188,13 @@ def _loaders(args: argparse.Namespace, rank: int, size: int):
             ShardedLoader(test, 256, rank, size, shuffle=False), train.num_classes, model)
 
 
-def _set_epoch(loader, epoch: int) -> None:
-    if hasattr(loader, "set_epoch"):
+def _set_epoch(loader: Loader, epoch: int) -> None:
+    if isinstance(loader, ShardedLoader):
         loader.set_epoch(epoch)
-    elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
-        loader.sampler.set_epoch(epoch)
+        return
+    set_sampler_epoch = getattr(loader.sampler, "set_epoch", None)  # a DistributedSampler's
+    if set_sampler_epoch is not None:
+        set_sampler_epoch(epoch)
 
 
 def lr_at(args: argparse.Namespace, base_lr: float, epoch_float: float, workers: int = 1) -> float:
@@ -195,13 +204,15 @@ def lr_at(args: argparse.Namespace, base_lr: float, epoch_float: float, workers:
     K-FAC: a near-zero LR disables the KL clip, and the unclipped first
     preconditioned update would stay in the momentum buffer while the LR grows.
     """
-    if args.warmup_epochs > 0 and epoch_float < args.warmup_epochs:
+    warmup: float = args.warmup_epochs
+    if warmup > 0 and epoch_float < warmup:
         start = base_lr / workers
-        return start + (base_lr - start) * epoch_float / args.warmup_epochs
+        return start + (base_lr - start) * epoch_float / warmup
     if args.schedule == "cosine":
         progress = (epoch_float - args.warmup_epochs) / max(args.epochs - args.warmup_epochs, 1e-9)
         return base_lr * (0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0))))
-    return base_lr * 0.1 ** sum(epoch_float >= e for e in args.lr_decay_epochs)
+    decays: int = sum(epoch_float >= e for e in args.lr_decay_epochs)
+    return base_lr * 0.1**decays
 
 
 def _average(backend: CommBackend, values: list[float], name: str, device: torch.device) -> list[float]:
@@ -214,7 +225,7 @@ def _autocast(device: torch.device, amp: str | None) -> torch.autocast:
     return torch.autocast(device.type, dtype=AMP_DTYPES.get(amp or "bf16"), enabled=amp is not None)
 
 
-def evaluate(model: nn.Module, loader: ShardedLoader, backend: CommBackend, device: torch.device = _CPU,
+def evaluate(model: nn.Module, loader: Iterable[Batch], backend: CommBackend, device: torch.device = _CPU,
              amp: str | None = None) -> tuple[float, float]:
     model.eval()
     loss_sum = correct = count = 0.0
@@ -412,7 +423,7 @@ RUNTIME_ARGS = ("resume", "overwrite", "allow_changed_args", "stop_after", "quie
                 "out_dir", "device", "checkpoint_every", "backend", "perf_model")
 
 
-def _prepare_run_dir(args: argparse.Namespace, out_dir: Path, is_root: bool, backend: CommBackend) -> tuple[Path, dict] | None:
+def _prepare_run_dir(args: argparse.Namespace, out_dir: Path, is_root: bool, backend: CommBackend) -> tuple[Path, dict[str, Any]] | None:
     """Check ``--out-dir`` before any work, and find the checkpoint to resume from (None: a fresh run).
 
     Every worker takes the same decision from the same directory. A directory
@@ -448,7 +459,7 @@ def _prepare_run_dir(args: argparse.Namespace, out_dir: Path, is_root: bool, bac
     return found
 
 
-def _restore(ckpt: dict, path: Path, args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
+def _restore(ckpt: dict[str, Any], path: Path, args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
              scaler: torch.amp.GradScaler | None, kfac_scheduler: KFACParamScheduler | None, size: int,
              is_root: bool) -> Position:
     """Load a checkpoint into the run after checking it was made by the same training (the reason if not)."""
@@ -473,7 +484,7 @@ def _restore(ckpt: dict, path: Path, args: argparse.Namespace, model: nn.Module,
         torch.set_rng_state(ckpt["rng"])
     saved = ckpt.get("position") or {"epoch": int(ckpt["epoch"]) + 1, "samples": 0, "step": 0}
     position = Position(int(saved["epoch"]), int(saved["samples"]), int(saved["step"]),
-                        tuple(ckpt.get("partial_metrics") or (0.0, 0.0, 0.0)))  # type: ignore[arg-type]
+                        tuple(ckpt.get("partial_metrics") or (0.0, 0.0, 0.0)))
     written_by = int(ckpt.get("world_size", size))
     if written_by != size and is_root:
         print(f"  the checkpoint was written by {written_by} worker(s), this run has {size}: fusion and placement are "
@@ -493,7 +504,7 @@ def _start_log(path: Path, fields: list[str], keep_before: int) -> None:
         writer.writerows(rows)
 
 
-def _epoch_batches(loader, epoch: int, samples_done: int, batch_size: int, size: int) -> Iterable:
+def _epoch_batches(loader: Loader, epoch: int, samples_done: int, batch_size: int, size: int) -> Iterable[Batch]:
     """The batches of ``epoch`` still to do once ``samples_done`` of it (all workers together) are consumed."""
     if isinstance(loader, ShardedLoader):
         loader.set_epoch(epoch, start=samples_done)

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from .optimizer import SPDKFACOptimizer  # at run time imported lazily, in make_optimizer
 
 __all__ = ["VARIANTS", "make_optimizer", "variant_argv", "variant_config"]
 
@@ -64,7 +67,7 @@ def variant_config(spec: str) -> dict[str, Any]:
     return config
 
 
-def make_optimizer(variant: str, model: nn.Module, **kwargs: Any):
+def make_optimizer(variant: str, model: nn.Module, **kwargs: Any) -> SPDKFACOptimizer:
     """Build ``SPDKFACOptimizer`` configured as ``variant`` (see :data:`VARIANTS` and :func:`variant_config`)."""
     from .optimizer import SPDKFACOptimizer
 

@@ -1,6 +1,8 @@
 """Horovod engine: ``allreduce_async_`` / ``broadcast_async_`` (the paper's choice)."""
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from .base import CommBackend, Handle
@@ -11,7 +13,7 @@ __all__ = ["HorovodBackend"]
 class _HorovodHandle:
     __slots__ = ("_handle", "_hvd")
 
-    def __init__(self, hvd, handle) -> None:
+    def __init__(self, hvd: ModuleType, handle: int | None) -> None:  # hvd: horovod.torch; handle: its request id
         self._hvd = hvd
         self._handle = handle
 
@@ -43,11 +45,11 @@ class HorovodBackend(CommBackend):
 
     @property
     def rank(self) -> int:
-        return self._hvd.rank()
+        return int(self._hvd.rank())
 
     @property
     def size(self) -> int:
-        return self._hvd.size()
+        return int(self._hvd.size())
 
     def allreduce_async(self, tensor: torch.Tensor, name: str) -> Handle:
         return _HorovodHandle(self._hvd, self._hvd.allreduce_async_(tensor, name=name, op=self._hvd.Average))

@@ -5,6 +5,7 @@ import atexit
 import datetime
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -12,13 +13,16 @@ import torch.distributed as dist
 from .base import CommBackend, Handle
 from .device import worker_device
 
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import Work
+
 __all__ = ["TorchDistributedBackend"]
 
 
 class _TorchHandle:
     __slots__ = ("_divisor", "_tensor", "_work")
 
-    def __init__(self, work, tensor: torch.Tensor, divisor: int) -> None:
+    def __init__(self, work: Work | None, tensor: torch.Tensor, divisor: int) -> None:
         self._work = work
         self._tensor = tensor
         self._divisor = divisor
@@ -83,14 +87,17 @@ class TorchDistributedBackend(CommBackend):
         if not dist.is_available():  # pragma: no cover
             raise RuntimeError("torch.distributed is not available in this PyTorch build")
         if not dist.is_initialized():
+            from torch.distributed.distributed_c10d import PrefixStore
+            from torch.distributed.rendezvous import rendezvous
+
             engine = os.environ.get("SPDKFAC_DIST_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
             if engine == "nccl":
                 worker_device("cuda")  # NCCL communicates on the current device: this rank's own GPU
             # The rendezvous store outlives a torchrun restart: keys of the lost attempt's workers (their gloo
             # addresses) would be read by the new ones, which then fail to connect. One namespace per attempt.
-            store, rank, size = next(dist.rendezvous("env://"))
+            store, rank, size = next(rendezvous("env://"))
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            dist.init_process_group(backend=engine, store=dist.PrefixStore(f"spdkfac/attempt_{attempt}", store),
+            dist.init_process_group(backend=engine, store=PrefixStore(f"spdkfac/attempt_{attempt}", store),
                                     rank=rank, world_size=size)
             atexit.register(_shut_down_process_group)
 

@@ -33,7 +33,8 @@ def get_model(name: str, num_classes: int | None = None) -> nn.Module:
             import torchvision.models as tvm
         except Exception as exc:  # pragma: no cover - torchvision is optional
             raise ValueError(f"{name}: torchvision is not importable here ({exc})") from None
-        return getattr(tvm, name.split(":", 1)[1])(**kwargs)
+        model: nn.Module = getattr(tvm, name.split(":", 1)[1])(**kwargs)
+        return model
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)} or torchvision:<name>")
     return MODELS[name](**kwargs)

@@ -108,7 +108,8 @@ class Bottleneck(nn.Module):
         self.relu = nn.ReLU(inplace=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.relu(self.body(x) + self.shortcut(x))
+        out: torch.Tensor = self.relu(self.body(x) + self.shortcut(x))
+        return out
 
 
 class ResNet(nn.Sequential):

@@ -24,7 +24,8 @@ class DigitsCNN(nn.Module):
         self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(inplace=True), nn.Linear(64, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
+        logits: torch.Tensor = self.classifier(self.features(x))
+        return logits
 
 
 class MnistCNN(nn.Module):
@@ -50,7 +51,8 @@ class MnistCNN(nn.Module):
         self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(32 * 3 * 3, 64), nn.ReLU(inplace=True), nn.Linear(64, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
+        logits: torch.Tensor = self.classifier(self.features(x))
+        return logits
 
 
 class _BasicBlock(nn.Module):
@@ -68,7 +70,8 @@ class _BasicBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        return self.relu(out + (x if self.short is None else self.short(x)))
+        result: torch.Tensor = self.relu(out + (x if self.short is None else self.short(x)))
+        return result
 
 
 class _CifarResNet(nn.Module):
@@ -85,7 +88,8 @@ class _CifarResNet(nn.Module):
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.layers(self.stem(x)))
+        logits: torch.Tensor = self.head(self.layers(self.stem(x)))
+        return logits
 
 
 def cifar_resnet20(num_classes: int = 10) -> nn.Module:

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from ..comm import CommBackend, get_backend
 from ..decomposition import eigen_payload
 from ..linalg import invert_spd, triangle_size
 from .models import AllReduceModel, BroadcastModel, InverseModel, PerfModel, fit_inverse_model, fit_linear, r_squared
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 __all__ = ["BenchmarkConfig", "Mpi4pyEngine", "run_benchmark"]
 
@@ -79,11 +82,11 @@ class Mpi4pyEngine(CommBackend):
 
     @property
     def rank(self) -> int:
-        return self._comm.Get_rank()
+        return int(self._comm.Get_rank())
 
     @property
     def size(self) -> int:
-        return self._comm.Get_size()
+        return int(self._comm.Get_size())
 
     def _buffer(self, tensor: torch.Tensor) -> np.ndarray:
         """``tensor``'s numpy view (a contiguous copy when ``tensor`` is strided)."""
@@ -111,7 +114,7 @@ class Mpi4pyEngine(CommBackend):
 class _MpiHandle:
     """A pending mpi4py request; on completion it averages (all-reduce) and copies a staged buffer back."""
 
-    def __init__(self, req, tensor: torch.Tensor, array: np.ndarray, divisor: int) -> None:
+    def __init__(self, req: MPI.Request, tensor: torch.Tensor, array: np.ndarray, divisor: int) -> None:
         self._req, self._tensor, self._array, self._divisor = req, tensor, array, divisor
         self._staged = not tensor.is_contiguous()  # ``array`` is a copy, not a view
 
@@ -205,7 +208,7 @@ def run_benchmark(cfg: BenchmarkConfig, engine: CommBackend | None = None) -> Pe
             buf = torch.ones(m, dtype=dtype, device=device)
             reps = _repeats_for(cfg, m)
             engine.barrier()
-            med, mean = _time(lambda buf=buf, m=m: engine.allreduce_async(buf, f"perfmodels.ar.{m}").wait(), reps, min(cfg.warmup, reps), device)
+            med, mean = _time(lambda: engine.allreduce_async(buf, f"perfmodels.ar.{m}").wait(), reps, min(cfg.warmup, reps), device)  # noqa: B023 timed within this iteration
             ar_times.append(med)
             means["allreduce"].append(mean)
             progress.step(f"all-reduce {m} elements")
@@ -213,7 +216,7 @@ def run_benchmark(cfg: BenchmarkConfig, engine: CommBackend | None = None) -> Pe
             buf = torch.ones(triangle_size(d), dtype=dtype, device=device)
             reps = _repeats_for(cfg, triangle_size(d))
             engine.barrier()
-            med, mean = _time(lambda buf=buf, d=d: engine.broadcast_async(buf, 0, f"perfmodels.bc.{d}").wait(), reps, min(cfg.warmup, reps), device)
+            med, mean = _time(lambda: engine.broadcast_async(buf, 0, f"perfmodels.bc.{d}").wait(), reps, min(cfg.warmup, reps), device)  # noqa: B023 timed within this iteration
             bc_times.append(med)
             means["broadcast"].append(mean)
             progress.step(f"broadcast d={d}")
@@ -232,7 +235,7 @@ def run_benchmark(cfg: BenchmarkConfig, engine: CommBackend | None = None) -> Pe
             x = torch.randn(d, d, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
             spd = x @ x.T / d
             reps = _repeats_for(cfg, d**3 // 64)
-            med, mean = _time(lambda fn=fn, spd=spd: fn(spd), reps, min(cfg.warmup, reps), device)
+            med, mean = _time(lambda: fn(spd), reps, min(cfg.warmup, reps), device)  # noqa: B023 timed within this iteration
             times[name].append(med)
             means[name].append(mean)
             progress.step(f"{name} d={d}")
@@ -299,6 +302,6 @@ def _max_rel(measured: Sequence[float], predicted: Sequence[float]) -> float:
 
 def _version(module: str) -> str | None:
     try:
-        return __import__(module).__version__
+        return str(__import__(module).__version__)
     except Exception:
         return None

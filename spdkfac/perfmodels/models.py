@@ -16,12 +16,12 @@ import dataclasses
 import json
 import math
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = [
     "AllReduceModel",
@@ -148,10 +148,10 @@ class InverseModel:
     def fitted(self, dim: float) -> float:
         """The smooth model alone (no measured table)."""
         if self.kind == "exp":
-            return self.params["alpha"] * math.exp(self.params["beta"] * dim)
+            return float(self.params["alpha"] * math.exp(self.params["beta"] * dim))
         c = self.params["coeffs"]
         value = c[0] + c[1] * dim + c[2] * dim**2 + c[3] * dim**3
-        return max(value, self.params["floor"])
+        return float(max(value, self.params["floor"]))
 
 
 # Eigendecomposition (eigen_payload: torch.linalg.eigh and the [Q, d] buffer) over Cholesky inversion (invert_spd)
@@ -247,7 +247,7 @@ class PerfModel:
             "format_version": FORMAT_VERSION,
             "allreduce": {"alpha": self.allreduce.alpha, "beta": self.allreduce.beta, "unit": "seconds, elements"},
             "broadcast": {"alpha": self.broadcast.alpha, "beta": self.broadcast.beta, "unit": "seconds, d(d+1)/2 elements",
-                          "measured": {str(k): v for k, v in sorted(self.broadcast.measured.items())}},
+                          "measured": {str(k): v for k, v in sorted((self.broadcast.measured or {}).items())}},
             "inverse": _curve_dict(self.inverse),
             **({"eigen": _curve_dict(self.eigen)} if self.eigen is not None else {}),
             "meta": self.meta,
@@ -340,7 +340,7 @@ def load_perf_model(perf_model: str | Path | PerfModel | None) -> PerfModel:
 
 
 # -- fitting ----------------------------------------------------------------------------
-def r_squared(y: Sequence[float], y_hat: Sequence[float]) -> float:
+def r_squared(y: npt.ArrayLike, y_hat: npt.ArrayLike) -> float:
     """Coefficient of determination of predictions ``y_hat`` for ``y``."""
     y_a = np.asarray(y, dtype=float)
     r = y_a - np.asarray(y_hat, dtype=float)
@@ -348,11 +348,11 @@ def r_squared(y: Sequence[float], y_hat: Sequence[float]) -> float:
     return 1.0 - float((r**2).sum()) / ss_tot if ss_tot > 0 else 1.0
 
 
-def _relative_weights(y: np.ndarray) -> np.ndarray:
+def _relative_weights(y: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     return 1.0 / np.maximum(y, 1e-12)
 
 
-def fit_linear(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+def fit_linear(x: npt.ArrayLike, y: npt.ArrayLike) -> tuple[float, float]:
     """Least-squares ``y = alpha + beta * x`` weighted by ``1/y`` (relative error).
 
     Relative weighting keeps the small messages (which decide alpha) from being
@@ -369,7 +369,7 @@ def fit_linear(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
     return max(float(alpha), 1e-9), max(float(beta), 1e-18)
 
 
-def fit_exponential(d: Sequence[float], t: Sequence[float]) -> tuple[float, float]:
+def fit_exponential(d: npt.ArrayLike, t: npt.ArrayLike) -> tuple[float, float]:
     """Fit ``t = alpha * exp(beta * d)`` by least squares on ``log t``."""
     da = np.asarray(d, dtype=float)
     ta = np.asarray(t, dtype=float)
@@ -379,7 +379,7 @@ def fit_exponential(d: Sequence[float], t: Sequence[float]) -> tuple[float, floa
     return float(np.exp(log_alpha)), max(float(beta), 1e-12)
 
 
-def fit_cubic(d: Sequence[float], t: Sequence[float]) -> list[float]:
+def fit_cubic(d: npt.ArrayLike, t: npt.ArrayLike) -> list[float]:
     """Fit ``t = c0 + c1 d + c2 d^2 + c3 d^3`` weighted by ``1/t`` (relative error)."""
     da = np.asarray(d, dtype=float)
     ta = np.asarray(t, dtype=float)
@@ -393,7 +393,7 @@ def _mean_relative_error(t: np.ndarray, pred: np.ndarray) -> float:
     return float(np.mean(np.abs(pred - t) / t))
 
 
-def fit_inverse_model(d: Sequence[float], t: Sequence[float]) -> tuple[InverseModel, dict[str, Any]]:
+def fit_inverse_model(d: npt.ArrayLike, t: npt.ArrayLike) -> tuple[InverseModel, dict[str, Any]]:
     """Fit both the exponential (Eq. 26) and a cubic; keep the one with lower mean relative error."""
     da = np.asarray(d, dtype=float)
     ta = np.asarray(t, dtype=float)
