@@ -28,7 +28,7 @@ def _tool(name: str) -> str:
 
 def _run(cmd: list[str], timeout: float = 600) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, check=False, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd[1:])} failed:\n{proc.stdout}{proc.stderr}"
+    assert proc.returncode == 0, f"{Path(cmd[0]).name} {' '.join(cmd[1:])} failed:\n{proc.stdout}{proc.stderr}"
 
 
 def test_ruff_clean():
