@@ -68,6 +68,11 @@ class TensorFusionController:
     def plan(self, kind: str) -> Optional[List[List[FactorKey]]]:
         return self._plans[kind]
 
+    @property
+    def pending(self) -> int:
+        """All-reduces launched and not yet collected by :meth:`wait_all` (0 between steps)."""
+        return len(self._in_flight)
+
     def arrival_order(self, kind: str) -> List[FactorKey]:
         """Keys of pass ``kind`` in the order they were submitted this iteration."""
         return list(self._arrivals[kind])
