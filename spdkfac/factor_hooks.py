@@ -20,7 +20,7 @@ from .fusion.profiler import FusionProfiler
 from .layers import FACTOR_KINDS, FactorKey, KFACLayer
 from .linalg import all_finite
 from .nonfinite import NonFiniteFactorError, NonFiniteGuard
-from .timeline import FactorEvent, IterationRecord, Timeline
+from .timeline import IterationRecord, Timeline
 
 __all__ = ["FactorCollector"]
 
@@ -133,8 +133,7 @@ class FactorCollector:
             t_end = Timeline.now()
             self.profiler.factor_timed(kind, t_start, t_end)
             if self.record is not None:
-                rec = self.record
-                rec.factors[f"{kind}:{layer.name}"] = FactorEvent(kind, layer.name, rec.rel(t_start), rec.rel(t_end))
+                self.record.factor_computed(key, t_start, t_end)
                 self.controller.poll()
         if self.pipelining:
             self.arrived[kind].append(key)

@@ -15,13 +15,13 @@ which every rank, owner included, keeps as views into that buffer.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, cast
 
 import torch
 
 from .comm import CommBackend, Handle
 from .decomposition import Eigen, eigen_payload, payload_size, unpack_eigen
-from .layers import FACTOR_KINDS, KFACLayer
+from .layers import FACTOR_KINDS, FactorKey, KFACLayer
 from .linalg import invert_spd, pack_upper, unpack_upper
 from .placement import ALL, PlacementPlan
 from .timeline import IterationRecord, Timeline
@@ -147,21 +147,29 @@ class DecompositionStage:
         """Decompose every factor (this rank's share, the rest received) and store them in the layers."""
         self.step = step
         # Packed: each factor is unpacked only where it is decomposed.
-        factors = {(kind, name): layer.packed_factor(kind) for name, layer in self.layers.items() for kind in FACTOR_KINDS}
+        factors: Dict[Hashable, torch.Tensor] = {}
+        for name, layer in self.layers.items():
+            for kind in FACTOR_KINDS:
+                packed = layer.packed_factor(kind)
+                if packed is None:
+                    raise RuntimeError(f"factor {kind} of layer {name!r} was never computed; nothing to decompose")
+                factors[(kind, name)] = packed
         if self.compute_method == "eigen":
             eigens = compute_eigen(self.plan, factors, self.backend, record=record,
                                    decompose=lambda key, matrix: self.eigen(key, matrix))
-            for (kind, name), eigen in eigens.items():
+            for key, eigen in eigens.items():
+                kind, name = cast(FactorKey, key)
                 self.layers[name].set_eigen(kind, eigen)
             return
         inverses = compute_inverses(self.plan, factors, damping, self.backend, record=record,
                                     invert=lambda key, matrix: self.invert(key, matrix, damping))
-        for (kind, name), inverse in inverses.items():
+        for key, inverse in inverses.items():
+            kind, name = cast(FactorKey, key)
             self.layers[name].set_inverse(kind, inverse)
 
     def invert(self, key: Hashable, factor: torch.Tensor, damping: float) -> torch.Tensor:
         """``(factor + damping*I)^-1``; a failure names the factor and a damping that float rounding needs."""
-        kind, name = key  # type: ignore[misc]  # keys are FactorKeys
+        kind, name = cast(FactorKey, key)
         try:
             return invert_spd(factor, damping)
         except torch.linalg.LinAlgError as exc:
@@ -182,7 +190,7 @@ class DecompositionStage:
 
     def eigen(self, key: Hashable, factor: torch.Tensor) -> torch.Tensor:
         """The flat ``[Q, d]`` buffer of ``factor``; a failure names the factor."""
-        kind, name = key  # type: ignore[misc]  # keys are FactorKeys
+        kind, name = cast(FactorKey, key)
         try:
             return eigen_payload(factor)
         except torch.linalg.LinAlgError as exc:  # eigh did not converge (the factors were checked finite)

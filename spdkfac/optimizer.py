@@ -148,7 +148,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                                        self.perf_model, placement, compute_method, distribute_preconditioning)
         self.timeline: Optional[Timeline] = Timeline() if timeline else None
         # Names every rank agrees on (collectives are matched by name): the model's, else the position in the groups.
-        self.param_names = {p: n for n, p in model.named_parameters()}
+        self.param_names: Dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
         for i, p in enumerate(p for group in self.param_groups for p in group["params"]):
             self.param_names.setdefault(p, f"param{i}")
         self.kfac_step = KFACStep(self.config, self.layers, self.backend, self.perf_model, self.work_plan, self.param_groups,
@@ -159,7 +159,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     def _begin_iteration(self, abandon: bool = False) -> None:
         """Forget the finished (skipped, abandoned) step's state in every part."""
         record = self.timeline.begin(self.steps) if self.timeline is not None else None
-        self._record, self._kind, self._scale = record, None, None
+        self._record = record
+        self._kind: Optional[Tuple[bool, bool]] = None  # (updates factors, updates inverses), fixed when first needed
+        self._scale: Optional[float] = None
         self.kfac_step.begin(record, abandon)
 
     def _step_kind(self) -> Tuple[bool, bool]:

@@ -145,7 +145,7 @@ class TensorFusionController:
         if rec is not None:
             t = rec.rel(Timeline.now())
             for key in group.members:
-                ev = rec.factors.get(f"{key[0]}:{key[1]}")
+                ev = rec.event(key)
                 if ev is not None:
                     ev.comm_start = t
                     ev.group = group.gid
@@ -159,10 +159,10 @@ class TensorFusionController:
             return
         t = rec.rel(Timeline.now())
         for job in self._in_flight:
-            first = rec.factors.get(f"{job.layout[0][0][0]}:{job.layout[0][0][1]}")
+            first = rec.event(job.layout[0][0])
             if first is not None and first.comm_end is None and job.handle.done():
                 for key, _, _ in job.layout:
-                    ev = rec.factors.get(f"{key[0]}:{key[1]}")
+                    ev = rec.event(key)
                     if ev is not None:
                         ev.comm_end = t
 
@@ -204,7 +204,7 @@ class TensorFusionController:
                 t = Timeline.now()
                 rec.factor_wait += t - t_wait
                 for key, _, _ in job.layout:
-                    ev = rec.factors.get(f"{key[0]}:{key[1]}")
+                    ev = rec.event(key)
                     if ev is not None and ev.comm_end is None:
                         ev.comm_end = rec.rel(t)
             else:

@@ -79,7 +79,7 @@ class FusionProfiler:
             return
         dims = {layer.name: layer for layer in self.layers}
         element_size = torch.finfo(self.layers[0].factor_dtype).bits // 8
-        plans = {}
+        plans: Dict[str, List[List[FactorKey]]] = {}
         for kind in FACTOR_KINDS:
             order = arrived[kind]
             samples = [s for s in self._samples[kind] if len(s) == len(order)]
@@ -90,10 +90,10 @@ class FusionProfiler:
                                    self.perf_model.allreduce.alpha, self.perf_model.allreduce.beta,
                                    self.config.fusion_threshold_bytes, element_size=element_size)
             plans[kind] = [[order[i] for i in g] for g in groups]
-        if self.plans_made and any(self.controller.plan(kind) != groups for kind, groups in plans.items()):
+        if self.plans_made and any(self.controller.plan(kind) != plan for kind, plan in plans.items()):
             self.plan_changes += 1
-        for kind, groups in plans.items():
-            self.controller.set_plan(kind, groups)
+        for kind, plan in plans.items():
+            self.controller.set_plan(kind, plan)
         self.plans_made += 1
         self._planned = True
         self._samples = {"A": [], "G": []}
