@@ -178,6 +178,33 @@ class Writer:
             self.lines += self.link(plot, title)
 
 
+def model_stats(path: Path, d: Dict[str, Any]) -> List[str]:
+    """Table II: factor statistics per model, and the arithmetic floor of the amortised setting."""
+    need(d, path, "models")
+    rows = []
+    for name, st in d["models"].items():
+        need(st, path, "params", "layers", "a_elems", "g_elems")
+        ar = st.get("arithmetic") or {}
+        same = st.get("matches_paper")
+        rows.append([name, f"{st['params'] / 1e6:.1f}", str(st["layers"]), f"{st['a_elems'] / 1e6:.1f}",
+                     f"{st['g_elems'] / 1e6:.1f}", str(st.get("max_dim", "")),
+                     "" if not isinstance(same, dict) else ("yes" if all(same.values()) else
+                                                            "differs: " + ", ".join(k for k, v in same.items() if not v)),
+                     f"{ar['floor']:.2f}x" if "floor" in ar else "",
+                     f"{ar['floor_distributed_preconditioning']:.2f}x" if "floor_distributed_preconditioning" in ar else ""])
+    first = next(iter(d["models"].values()), {}).get("arithmetic") or {}
+    lines = ["Parameters and upper-triangle factor elements in millions. Floor: the lowest amortised K-FAC/SGD "
+             "iteration-time ratio the arithmetic allows at one FLOP rate"
+             + (f" ({first.get('resolution')}×{first.get('resolution')}, batch {first.get('batch_size')}, factors every "
+                f"{first.get('factor_every')} iterations; distributed preconditioning over {first.get('workers')} workers)"
+                if first else "") + ".", ""]
+    lines += table(["model", "params", "preconditioned layers", "A elements", "G elements", "largest factor",
+                    "matches the paper", "floor", "floor, dist. precond."], rows)
+    return lines + ["Command (the benchmark's documented command):", "", "```bash",
+                    "python -m benchmarks.model_stats", "```", "",
+                    "Machine: not recorded (counts and arithmetic do not depend on it).", ""]
+
+
 def iteration_time(path: Path, d: Dict[str, Any]) -> List[str]:
     """Table III: iteration time, its breakdown, speed-ups and memory per variant."""
     need(d, path, "table")
@@ -352,6 +379,7 @@ def build(results: Path, out: Path, label: Optional[str] = None) -> str:
                 "hand. Each benchmark writes its JSON (and a PNG) there; rerun it, then regenerate this file. "
                 "Ratios from one run are meaningful; absolute seconds depend on the machine and its load. "
                 "Explanations: [docs/performance.md](../docs/performance.md).", ""]
+    w.section("model_stats.json", "Model statistics (Table II) and the arithmetic floor", model_stats, "factor_sizes.png")
     w.section("iteration_time.json", "Iteration time and breakdown per variant (Table III)", iteration_time,
               "iteration_time.png")
     w.section("fusion_policies.json", "Pipelined factor communication per fusion policy (Fig. 10)", fusion_policies,

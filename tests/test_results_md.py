@@ -60,6 +60,11 @@ def results(tmp_path: Path) -> Path:
                     "lbp_speedup_vs_local_interval": None, "inverse_model_mean_rel_error": 0.0964,
                     "inverse_model_max_rel_error_d>=512": 0.1178, "broadcast_model_mean_rel_error": 0.443},
         "single_inversions": {"64": 0.0002}, "broadcasts": {"64": 0.0013}})
+    _write(res, "model_stats.json", {"num_classes": 1000, "models": {"resnet50": {
+        "params": 25557032, "layers": 54, "num_a": 54, "num_g": 54, "a_elems": 62312345, "g_elems": 14612345, "max_dim": 4608,
+        "matches_paper": {"params_m": True, "layers": True, "a_elems_m": True, "g_elems_m": False},
+        "arithmetic": {"resolution": 224, "batch_size": 32, "gflop": {}, "factor_every": 10, "workers": 2,
+                       "floor": 1.2345, "floor_distributed_preconditioning": 1.1321}}}})
     run = res / "convergence" / "mnist_run"
     optimizers = {
         "sgd": {"chosen_lr": 0.025, "best_test_acc": 0.937, "final_test_loss": 0.2129, "epochs_to_target": 20,
@@ -91,6 +96,10 @@ def test_tables_hold_the_numbers(results: Path, tmp_path: Path):
     out = tmp_path / "doc" / "RESULTS.md"
     assert results_md.main(["--results", str(results), "--out", str(out)]) == 0
     text = out.read_text()
+
+    ms = _section(text, "Model statistics")
+    assert "| resnet50 | 25.6 | 54 | 62.3 | 14.6 | 4608 | differs: g_elems_m | 1.23x | 1.13x |" in ms
+    assert "224×224, batch 32, factors every 10" in ms
 
     it = _section(text, "Iteration time")
     assert "| **SPD-KFAC** | 2777 ± 12 |" in it
