@@ -348,22 +348,24 @@ class InProcessGroup:
                 state = self._state()
                 self._fail(-1, CollectiveTimeoutError(f"the ranks did not finish within {limit:g} s\n{state}"))
             for t in threads:
-                t.join(1.0)
+                t.join(0.1)
             raise CollectiveTimeoutError(f"the ranks did not finish within {limit:g} s\n{state}")
-        if errors:
-            rank, exc = _root_cause(errors, self._failed_rank)
+        if errors or self._failure is not None:
+            rank, exc = self._root_cause(errors)
             raise RankError(rank, exc) from exc
         return [cast(T, r) for r in results]
 
-
-def _root_cause(errors: Sequence[Tuple[int, BaseException]], failed_rank: Optional[int]) -> Tuple[int, BaseException]:
-    """The error to report: the first that was not caused by another rank's failure."""
-    primary = [(r, e) for r, e in errors if not isinstance(e, CollectiveAbortedError)]
-    if failed_rank is not None:
+    def _root_cause(self, errors: Sequence[Tuple[int, BaseException]]) -> Tuple[int, BaseException]:
+        """The error to report: the one that stopped the group rather than those it caused in other ranks."""
+        primary = [(r, e) for r, e in errors if not isinstance(e, CollectiveAbortedError)]
         for r, e in primary:
-            if r == failed_rank:
+            if r == self._failed_rank:
                 return r, e
-    return primary[0] if primary else errors[0]
+        if primary:
+            return primary[0]
+        if self._failure is not None and self._failed_rank is not None and self._failed_rank >= 0:
+            return self._failed_rank, self._failure  # found when a rank returned: nobody raised it
+        return errors[0]
 
 
 def run_ranks(size: int, fn: Callable[[InProcessBackend], T], timeout: float = DEFAULT_TIMEOUT) -> List[T]:
