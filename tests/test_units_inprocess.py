@@ -104,6 +104,29 @@ def test_controller_averages_packed_factors_on_every_rank(size, plans, collectiv
             "spdkfac.factor.A.fc1.2", "spdkfac.factor.A.fc3.1", "spdkfac.factor.G.fc3.1", "spdkfac.factor.G.fc2.2"]
 
 
+def test_controller_replans_between_iterations():
+    """Layer-wise while profiling, then a fused plan, then the naive one: each iteration averages correctly."""
+    group = InProcessGroup(2)
+
+    def fn(b: CommBackend) -> List[Dict[FactorKey, torch.Tensor]]:
+        ctrl = TensorFusionController(b)
+        out = []
+        for step, plans in enumerate([None, FUSED, NAIVE]):
+            for kind in ("A", "G"):
+                ctrl.set_plan(kind, None if plans is None else plans[kind])
+            ctrl.begin_iteration()
+            for key in KEYS:
+                ctrl.submit(key, _batch_factor(key, b.rank, step))
+                if key == ("A", "fc1") and plans is not None:
+                    with pytest.raises(RuntimeError, match="cannot change the fusion plan"):
+                        ctrl.set_plan("G", None)
+            out.append(ctrl.wait_all())
+        return out
+
+    _check_averages(group.run(fn), 2)
+    assert len(group.history) == 6 + 4 + 2
+
+
 def test_controller_accepts_any_order_inside_a_group():
     """Under a plan the buffer layout follows the plan, not the arrival order, so only group completion order matters."""
 
