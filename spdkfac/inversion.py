@@ -56,8 +56,10 @@ def compute_inverses(
     inv_fn: Inverter = invert or (lambda key, m: invert_spd(m, damping))
 
     def owned(key: Hashable, matrix: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        inverse = inv_fn(key, matrix)
-        return inverse, pack_upper(inverse)
+        payload = pack_upper(inv_fn(key, matrix))
+        # Keep what the receivers rebuild, not the inverse itself: bitwise the same on every rank even for an
+        # ``invert`` whose result is not exactly symmetric and row-major.
+        return unpack_upper(payload, matrix.shape[0]), payload
 
     return _stage(plan, factors, backend, record, "inverse", owned, inv_fn, unpack_upper)
 
@@ -107,7 +109,7 @@ def _stage(
             out[a.key], payload = owned(a.key, _full(ref, a.dim))
         else:
             payload = torch.empty(payload_size(method, a.dim), dtype=ref.dtype, device=ref.device)
-        handle = backend.broadcast_async(payload, a.owner, f"spdkfac.{method}.{a.key}")
+        handle = backend.broadcast_async(payload, a.owner, f"spdkfac.{method}.{_collective_name(a.key)}")
         pending.append((handle, payload, a.key, a.owner, a.dim))
     for a in plan.assignments:
         if a.owner == ALL:
@@ -122,6 +124,11 @@ def _stage(
         record.inverse_wait += t1 - t_wait
         record.inverse_stage += t1 - t0
     return out
+
+
+def _collective_name(key: Hashable) -> str:
+    """``A.layer1`` for the factor key ``('A', 'layer1')`` (the same on every rank)."""
+    return ".".join(map(str, key)) if isinstance(key, tuple) else str(key)
 
 
 def _full(factor: torch.Tensor, dim: int) -> torch.Tensor:
