@@ -88,6 +88,16 @@ class StepSchedule:
             )
         return values
 
+    def fix_step(self, step: int, param_groups: list[dict[str, Any]], freqs: tuple[int, int]) -> tuple[int, int]:
+        """Resolve the values in force at ``step``: damping and kl_clip written to every param group, the
+        (factor, inverse) update frequencies returned."""
+        group = param_groups[0]
+        values = self.resolve(step, dict(damping=group["damping"], kl_clip=group["kl_clip"],
+                                         factor_update_freq=freqs[0], inv_update_freq=freqs[1]))
+        for g in param_groups:
+            g["damping"], g["kl_clip"] = values["damping"], values["kl_clip"]
+        return values["factor_update_freq"], values["inv_update_freq"]
+
 
 def _check_epochs(name: str, epochs: Iterable[int] | None) -> list[int]:
     out = list(epochs) if epochs is not None else []

@@ -138,7 +138,7 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
     factors = []
     for key in keys:
         kind, name = key.split(":", 1)
-        layer = opt._layer_by_name[name]
+        layer = {la.name: la for la in opt.layers}[name]
         factors.append({
             "kind": kind, "layer": name, "dim": layer.dim(kind),
             "ready": sum(r["events"][key][0] for r in runs) / n,

@@ -1,0 +1,133 @@
+"""The decisions every worker makes alike, and the simulator replays: one implementation of each.
+
+* :func:`fusion_groups`: which factors of a pass are all-reduced together
+  (Eq. 15 for ``'optimal'``), from their ready times and sizes;
+* :class:`WorkPlan`: who decomposes each factor (and broadcasts it), who
+  preconditions each layer, and the order of the broadcasts;
+* :func:`overlaps_preconditioning`: whether a step preconditions layers while
+  the gradient all-reduces are still running.
+
+They are pure functions of the model's shapes, the worker count and the
+fitted performance model, so every rank computes the same answer without
+communicating, and :mod:`spdkfac.simulate` predicts exactly the schedule the
+optimizer runs (it only adds costs).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+
+from .decomposition import stage_costs
+from .fusion.planner import Plan, plan_groups
+from .perfmodels import PerfModel
+from .placement import ALL, Assignment, PlacementPlan, balance_by_cost, place, preconditioning_cost
+
+__all__ = ["LayerShape", "WorkPlan", "fusion_groups", "overlaps_preconditioning", "ALL"]
+
+
+def fusion_groups(
+    policy: str,
+    pipelining: bool,
+    ready: Sequence[float],
+    sizes: Sequence[int],
+    alpha: float,
+    beta: float,
+    threshold_bytes: int,
+    element_size: int = 4,
+) -> Plan:
+    """Fusion groups (indices into the pass's factors, in arrival order) for one pass.
+
+    ``ready`` are the factors' ready times in arrival order (made
+    non-decreasing here: a group cannot launch before an earlier member).
+    Without pipelining every factor is sent together after the backward pass,
+    so there is no pipeline to exploit: all are planned as ready at once.
+    ``alpha``/``beta`` are the all-reduce model ``t(m) = alpha + beta*m`` at
+    this worker count.
+    """
+    times = list(itertools.accumulate(ready, max)) if pipelining else [0.0] * len(sizes)
+    return plan_groups(policy, times, sizes, alpha, beta, threshold_bytes, element_size=element_size)
+
+
+def overlaps_preconditioning(enabled: bool, precondition: bool, workers: int, inverse_step: bool) -> bool:
+    """Whether a step preconditions each layer as soon as its averaged gradient arrives.
+
+    Only on steps that keep the current inverses (the preconditioning then
+    does not need this step's factors), with K-FAC on, several workers (one
+    has nothing to wait for) and the option enabled.
+    """
+    return enabled and precondition and workers > 1 and not inverse_step
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the plan needs of a preconditioned layer: its name and factor dimensions."""
+
+    name: str
+    a_dim: int
+    g_dim: int
+
+    def dim(self, kind: str) -> int:
+        return self.a_dim if kind == "A" else self.g_dim
+
+
+@dataclass(frozen=True)
+class WorkPlan:
+    """Who decomposes each factor, who preconditions each layer; identical on every rank.
+
+    ``inversion`` places every factor (Algorithm 1 for ``'lbp'``, Eq. 22 for
+    ``'seq'``, everywhere for ``'local'``), costed with the performance model
+    at this worker count. ``preconditioners`` maps a layer to the one rank that
+    preconditions it and broadcasts the result (empty: every rank
+    preconditions every layer).
+    """
+
+    inversion: PlacementPlan
+    layers: Tuple[LayerShape, ...]
+    preconditioners: Dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def make(
+        cls,
+        layers: Sequence[LayerShape],
+        workers: int,
+        perf: PerfModel,
+        placement: str,
+        compute_method: str,
+        distribute_preconditioning: bool = False,
+    ) -> "WorkPlan":
+        """The plan for ``layers`` (in model order) on ``workers`` workers.
+
+        ``perf`` must already describe this worker count
+        (:meth:`~spdkfac.perfmodels.PerfModel.scaled_to`).
+        """
+        factors: List[Tuple[Hashable, int]] = [((kind, s.name), s.dim(kind)) for s in layers for kind in ("A", "G")]
+        inversion = place(placement, factors, workers, *stage_costs(perf, compute_method))
+        preconditioners: Dict[str, int] = {}
+        if distribute_preconditioning and workers > 1:
+            owners = balance_by_cost([preconditioning_cost(s.a_dim, s.g_dim) for s in layers], workers)
+            preconditioners = {s.name: rank for s, rank in zip(layers, owners)}
+        return cls(inversion, tuple(layers), preconditioners)
+
+    @property
+    def workers(self) -> int:
+        return self.inversion.world_size
+
+    def decomposer(self, key: Hashable) -> int:
+        """The rank that decomposes factor ``key`` and broadcasts it, or ``ALL``."""
+        return self.inversion.owner(key)
+
+    def preconditioner(self, layer: str) -> Optional[int]:
+        """The rank that preconditions ``layer`` (None: every rank does)."""
+        return self.preconditioners.get(layer)
+
+    def broadcast_order(self) -> List[Assignment]:
+        """The decomposition broadcasts, in the order every rank issues them."""
+        return self.inversion.broadcast_order()
+
+    def preconditioned_by_rank(self, names: Sequence[str]) -> List[List[int]]:
+        """Indices into ``names`` of the layers each rank preconditions (distributed preconditioning)."""
+        owned: List[List[int]] = [[] for _ in range(self.workers)]
+        for i, name in enumerate(names):
+            owned[self.preconditioners[name]].append(i)
+        return owned
