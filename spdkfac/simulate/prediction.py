@@ -10,7 +10,7 @@ costs: the profile's measured times and the fitted models at P workers.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from ..fusion import DEFAULT_THRESHOLD_BYTES
 from ..fusion.planner import serve_in_order
@@ -183,7 +183,7 @@ def _conversions(plan: PlacementPlan, facs: Sequence[FactorProfile], workers: in
     broadcasts; in the wait: unpacking the inverses it receives.
     """
     comp, recv = [0.0] * workers, [0.0] * workers
-    times = {f.key: f for f in facs}
+    times: Dict[Hashable, FactorProfile] = {f.key: f for f in facs}
     for a in plan.assignments:
         unpack, pack = times[a.key].unpack, times[a.key].pack
         for r in range(workers):

@@ -218,7 +218,6 @@ def load_profiles(paths: Sequence[str]) -> Profile:
 
 
 _WORKLOAD = ("model", "resolution", "batch_size", "threads", "comm_workers")
-_TIMES = ("forward", "backward", "step_other", "sgd_step", "sgd_grad_wait", "sgd_forward_backward", "unpack", "untimed_unpack")
 
 
 def _mean(values: Sequence[Optional[float]], first: Optional[float]) -> Optional[float]:
@@ -245,7 +244,10 @@ def average_profiles(profiles: Sequence[Profile]) -> Profile:
         if [f.key for f in other.factors] != [f.key for f in first.factors]:
             raise ValueError("profiles with different factors (another model graph) cannot be averaged")
     n = len(profiles)
-    times = {key: _mean([getattr(p, key) for p in profiles], getattr(first, key)) for key in _TIMES}
+
+    def mean(key: str) -> Any:
+        return _mean([getattr(p, key) for p in profiles], getattr(first, key))
+
     factors = []
     for i, fac in enumerate(first.factors):
         column = [p.factors[i] for p in profiles]
@@ -258,5 +260,9 @@ def average_profiles(profiles: Sequence[Profile]) -> Profile:
     if all(p.precondition for p in profiles):
         precondition = tuple(dataclasses.replace(entry, seconds=sum(p.precondition[i].seconds for p in profiles) / n)
                              for i, entry in enumerate(first.precondition))
-    return dataclasses.replace(first, **times, factors=tuple(factors), precondition=precondition, averaged_from=n,
-                               format_version=FORMAT_VERSION)
+    return dataclasses.replace(
+        first, forward=mean("forward"), backward=mean("backward"), step_other=mean("step_other"), sgd_step=mean("sgd_step"),
+        sgd_grad_wait=mean("sgd_grad_wait"), sgd_forward_backward=mean("sgd_forward_backward"), unpack=mean("unpack"),
+        untimed_unpack=mean("untimed_unpack"), factors=tuple(factors), precondition=precondition, averaged_from=n,
+        format_version=FORMAT_VERSION,
+    )

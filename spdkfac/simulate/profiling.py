@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 from ..comm import CommBackend
 from ..linalg import invert_spd, pack_upper
+from ..timeline import Timeline
 from .profile_file import FactorProfile, LayerPreconditionProfile, Profile
+
+if TYPE_CHECKING:
+    from .. import SPDKFACOptimizer
 
 __all__ = ["measure_profile"]
 
@@ -45,11 +49,11 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
         t0 = time.perf_counter()
         out = model(x)
         t1 = time.perf_counter()
-        nn.functional.cross_entropy(out, y).backward()
+        torch.autograd.backward(nn.functional.cross_entropy(out, y))
         t2 = time.perf_counter()
         opt.step()
         t3 = time.perf_counter()
-        rec = opt.timeline.iterations[-1]
+        rec = _timeline(opt).iterations[-1]
         if it < 2:
             continue  # warm-up (and the one inversion)
         run_events = {}
@@ -70,6 +74,8 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
             t0 = time.perf_counter()
             full = layer.factor(kind)
             t1 = time.perf_counter()
+            if full is None:
+                raise RuntimeError(f"the {kind} factor of {layer.name!r} was never computed while profiling")
             pack_upper(full)
             t2 = time.perf_counter()
             invert_spd(full, damping)
@@ -78,6 +84,8 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
     precondition = []
     for layer in opt.layers:
         grad = layer.grad_matrix()
+        if grad is None:
+            raise RuntimeError(f"layer {layer.name!r} has no gradient to precondition while profiling")
         layer.precondition(grad)
         t0 = time.perf_counter()
         for _ in range(3):
@@ -113,6 +121,13 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
     )
 
 
+def _timeline(opt: "SPDKFACOptimizer") -> Timeline:
+    """The optimizer's timeline (the profile builds it with ``timeline=True``)."""
+    if opt.timeline is None:
+        raise RuntimeError("the profiling optimizer records no timeline")
+    return opt.timeline
+
+
 def _measure_sgd_passes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, iters: int,
                         comm: Optional[CommBackend]) -> Dict[str, Union[float, int]]:
     """Plain-SGD passes, with the engine's real gradient all-reduces when ``comm`` is given.
@@ -129,11 +144,11 @@ def _measure_sgd_passes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, iter
     for it in range(3 * iters + 1):
         sgd.zero_grad()
         t0 = time.perf_counter()
-        nn.functional.cross_entropy(model(x), y).backward()
+        torch.autograd.backward(nn.functional.cross_entropy(model(x), y))
         t1 = time.perf_counter()
         sgd.step()
         if it:
-            wait = sgd.timeline.iterations[-1].grad_wait  # blocked on the gradient all-reduces
+            wait = _timeline(sgd).iterations[-1].grad_wait  # blocked on the gradient all-reduces
             steps.append(time.perf_counter() - t1 - wait)
             waits.append(wait)
             passes.append(t1 - t0)
