@@ -123,3 +123,8 @@ def test_measured_profile_round_trips_through_its_file(tmp_path):
     loaded = load_profiles([str(path)])
     assert loaded == prof
     assert predict(loaded, _perf(), 2, "spdkfac") == predict(prof, _perf(), 2, "spdkfac")
+
+
+def test_predict_refuses_an_untyped_profile():
+    with pytest.raises(TypeError, match="profile_from_dict"):
+        predict(_profile(), _perf(), 2, "spdkfac")

@@ -32,6 +32,11 @@ forward+backward (with the factor work in it) is slowed by the ratio the
 profile measured for plain-SGD passes with their real gradient all-reduces
 (Horovod's background thread and the copies cost CPU time throughout the
 backward pass, far more than the all-reduce model's transfer time).
+
+Layout: ``profile_file`` (the typed, versioned :class:`Profile`; the one
+upgrade of unversioned files), ``profiling`` (measuring one), ``scaling``
+(:class:`ScaledModels`), ``prediction`` (:func:`predict`: costs on top of
+:mod:`spdkfac.work_plan`'s decisions) and ``cli`` (this command line).
 """
 
 from .cli import DEFAULT_VARIANTS, main

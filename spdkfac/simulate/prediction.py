@@ -30,6 +30,8 @@ PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "Invers
 def predict(profile: Profile, perf: PerfModel, workers: int, variant: str, contention: bool = False,
             update_freq: Tuple[int, int] = (1, 1)) -> Dict[str, float]:
     """Predicted seconds per iteration and its breakdown (:data:`PARTS`) for ``variant`` on ``workers`` workers."""
+    if not isinstance(profile, Profile):  # callers from before typed profiles passed the file's dict
+        raise TypeError(f"predict takes a Profile (load_profiles or profile_from_dict), got {type(profile).__name__}")
     m = ScaledModels(perf, workers)
     cfg = variant_config(variant)
     fwd, bwd = profile.forward, profile.backward
