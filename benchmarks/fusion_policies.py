@@ -43,7 +43,7 @@ def _comm_alone(opt: SPDKFACOptimizer, repeats: int) -> float:
     for kind in ("A", "G"):
         kind_groups = plan[kind] or [[(kind, layer.name)] for layer in opt.layers]  # None: layer-wise
         for g in kind_groups:
-            groups.append(sum(triangle_size(opt._layer_by_name[name].dim(k)) for k, name in g))
+            groups.append(sum(triangle_size({la.name: la for la in opt.layers}[name].dim(k)) for k, name in g))
     buffers = [torch.zeros(n) for n in groups]
     backend = opt.backend
     times = []

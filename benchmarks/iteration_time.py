@@ -107,7 +107,7 @@ class VariantRun:
             # factors and charge 1/inv_freq of it to every iteration.
             backend.barrier()
             t0 = time.perf_counter()
-            opt._update_inverses()
+            opt.kfac_step.update_decompositions({"damping": opt.param_groups[0]["damping"]}, opt.steps)
             amortised_inverse = (time.perf_counter() - t0) / inv_freq
         recs = [r for r in (opt.timeline.iterations if opt.timeline else []) if r.step >= args.warmup]
         n = len(total)

@@ -81,8 +81,8 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
         opt.step()
         if step % args.every == 0:
             samples.append({"step": step, "rss_mb": proc.memory_info().rss / 2**20,
-                            "pending_grad_handles": len(opt._grad_handles),
-                            "pending_factor_allreduces": len(opt.controller._in_flight)})
+                            "pending_grad_handles": opt.kfac_step.grads.pending,
+                            "pending_factor_allreduces": opt.kfac_step.controller.pending})
             log(rank, f"step {step}/{args.steps}: rss {samples[-1]['rss_mb']:.1f} MB, {time.perf_counter() - t0:.0f} s")
     digest = _digest(model, opt)
     if size > 1:  # every rank's digest, through the engine: compare them on rank 0

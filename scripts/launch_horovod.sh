@@ -5,7 +5,7 @@
 # HOSTFILE lines look like "node1 slots=4". Set GLOO=0 to use MPI (Horovod built with MPI).
 # CYCLE_MS sets Horovod's background cycle (--cycle-time-ms; Horovod's default is 1 ms). On CPU-only nodes
 # with one worker per core, CYCLE_MS=20 leaves the cores to the computation, and spdkfac.train's --bind-cores
-# keeps each worker on its own cores (see README, Training job).
+# keeps each worker on its own cores (see docs/performance.md, Running on CPUs).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 NP="${NP:-2}"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # spdkfac environment installer (idempotent; safe to re-run).
 #
-#   bash scripts/setup.sh [--check] [--rebuild-horovod] [--with-mpi]
+#   bash scripts/setup.sh [--check] [--rebuild-horovod] [--with-mpi] [--without-horovod]
 #
 # Steps:
 #   1. create/reuse the virtualenv <repo>/.venv and upgrade pip/setuptools/wheel
@@ -11,6 +11,8 @@
 #   4. `pip install -e` the project itself (when setup.py exists)
 #   5. verify `import horovod.torch`; with --check also run a 2-process
 #      horovodrun smoke test (scripts/check_horovod.py)
+#   --without-horovod skips steps 3 and 5: torchrun (torch.distributed) and
+#      single-process runs need no Horovod (the test suite does)
 #   opt-in (--with-mpi; runs after step 3, so this run's Horovod build stays Gloo-only):
 #      Open MPI via apt-get when `mpirun` is missing, and mpi4py into the venv,
 #      for `python -m spdkfac.perfmodels benchmark --engine mpi4py`
@@ -37,6 +39,7 @@ RECIPE_REV="1"
 DO_CHECK=0
 FORCE_HOROVOD=0
 WITH_MPI=0
+WITHOUT_HOROVOD=0
 
 log()  { printf '[setup] %s\n' "$*"; }
 warn() { printf '[setup] WARNING: %s\n' "$*" >&2; }
@@ -44,7 +47,7 @@ die()  { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 
 usage() {
     cat <<EOF
-Usage: bash scripts/setup.sh [--check] [--rebuild-horovod] [--with-mpi]
+Usage: bash scripts/setup.sh [--check] [--rebuild-horovod] [--with-mpi] [--without-horovod]
 
   --check            after installing, run a real 2-process horovodrun (gloo)
                      smoke test: scripts/check_horovod.py
@@ -54,6 +57,8 @@ Usage: bash scripts/setup.sh [--check] [--rebuild-horovod] [--with-mpi]
                      libopenmpi-dev, only if mpirun is missing) and mpi4py
                      (for the perfmodels benchmark's --engine mpi4py; the
                      optimizer never needs them)
+  --without-horovod  do not build or check Horovod (enough for torchrun and
+                     single-process runs; the test suite needs Horovod)
   -h, --help         show this help
 EOF
 }
@@ -63,6 +68,7 @@ for arg in "$@"; do
         --check) DO_CHECK=1 ;;
         --rebuild-horovod) FORCE_HOROVOD=1 ;;
         --with-mpi) WITH_MPI=1 ;;
+        --without-horovod) WITHOUT_HOROVOD=1 ;;
         -h|--help) usage; exit 0 ;;
         *) usage >&2; die "unknown option: $arg" ;;
     esac
@@ -343,7 +349,10 @@ EOF
 }
 
 hvd_state="$(horovod_status)"
-if (( FORCE_HOROVOD )); then
+if (( WITHOUT_HOROVOD )); then
+    (( ! FORCE_HOROVOD && ! DO_CHECK )) || die "--without-horovod cannot be combined with --rebuild-horovod or --check"
+    log "--without-horovod: not building Horovod (launch with torchrun, or run a single process)"
+elif (( FORCE_HOROVOD )); then
     log "--rebuild-horovod given: rebuilding Horovod $HOROVOD_VERSION"
     build_horovod
 elif [[ "$hvd_state" == ok ]]; then
@@ -385,6 +394,10 @@ fi
 # --------------------------------------------------------------------------
 # 5. verification
 # --------------------------------------------------------------------------
+if (( WITHOUT_HOROVOD )); then
+    log "done in $(( SECONDS - T_START )) s (without Horovod)"
+    exit 0
+fi
 log "verifying: import horovod.torch"
 "$VPY" -c "import horovod.torch as hvd; import horovod, torch; print('[setup] horovod', horovod.__version__, '| torch', torch.__version__, '| gloo built:', hvd.gloo_built(), '| mpi built:', hvd.mpi_built(), '| nccl built:', bool(hvd.nccl_built()))" \
     || die "import horovod.torch failed after installation"

@@ -15,17 +15,18 @@ which every rank, owner included, keeps as views into that buffer.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, cast
 
 import torch
 
 from .comm import CommBackend, Handle
 from .decomposition import Eigen, eigen_payload, payload_size, unpack_eigen
+from .layers import FACTOR_KINDS, FactorKey, KFACLayer
 from .linalg import invert_spd, pack_upper, unpack_upper
 from .placement import ALL, PlacementPlan
 from .timeline import IterationRecord, Timeline
 
-__all__ = ["compute_inverses", "compute_eigen"]
+__all__ = ["compute_inverses", "compute_eigen", "DecompositionStage"]
 
 Inverter = Callable[[Hashable, torch.Tensor], torch.Tensor]
 Decomposer = Callable[[Hashable, torch.Tensor], torch.Tensor]
@@ -55,8 +56,10 @@ def compute_inverses(
     inv_fn: Inverter = invert or (lambda key, m: invert_spd(m, damping))
 
     def owned(key: Hashable, matrix: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        inverse = inv_fn(key, matrix)
-        return inverse, pack_upper(inverse)
+        payload = pack_upper(inv_fn(key, matrix))
+        # Keep what the receivers rebuild, not the inverse itself: bitwise the same on every rank even for an
+        # ``invert`` whose result is not exactly symmetric and row-major.
+        return unpack_upper(payload, matrix.shape[0]), payload
 
     return _stage(plan, factors, backend, record, "inverse", owned, inv_fn, unpack_upper)
 
@@ -106,7 +109,7 @@ def _stage(
             out[a.key], payload = owned(a.key, _full(ref, a.dim))
         else:
             payload = torch.empty(payload_size(method, a.dim), dtype=ref.dtype, device=ref.device)
-        handle = backend.broadcast_async(payload, a.owner, f"spdkfac.{method}.{a.key}")
+        handle = backend.broadcast_async(payload, a.owner, f"spdkfac.{method}.{_collective_name(a.key)}")
         pending.append((handle, payload, a.key, a.owner, a.dim))
     for a in plan.assignments:
         if a.owner == ALL:
@@ -123,6 +126,82 @@ def _stage(
     return out
 
 
+def _collective_name(key: Hashable) -> str:
+    """``A.layer1`` for the factor key ``('A', 'layer1')`` (the same on every rank)."""
+    return ".".join(map(str, key)) if isinstance(key, tuple) else str(key)
+
+
 def _full(factor: torch.Tensor, dim: int) -> torch.Tensor:
     """The full symmetric matrix of a factor given full or as its packed upper triangle."""
     return factor if factor.dim() == 2 else unpack_upper(factor, dim)
+
+
+class DecompositionStage:
+    """The optimizer's decomposition stage: decomposes its layers' factors per the plan and stores the results.
+
+    Wraps :func:`compute_inverses` / :func:`compute_eigen` with errors that
+    name the layer, the factor and the step, and a damping that would work.
+    """
+
+    def __init__(self, layers: Sequence[KFACLayer], plan: PlacementPlan, backend: CommBackend, compute_method: str) -> None:
+        self.layers = {layer.name: layer for layer in layers}
+        self.plan = plan
+        self.backend = backend
+        self.compute_method = compute_method
+        self.step = 0  # for the messages
+
+    def run(self, damping: float, step: int, record: Optional[IterationRecord] = None) -> None:
+        """Decompose every factor (this rank's share, the rest received) and store them in the layers."""
+        self.step = step
+        # Packed: each factor is unpacked only where it is decomposed.
+        factors: Dict[Hashable, torch.Tensor] = {}
+        for name, layer in self.layers.items():
+            for kind in FACTOR_KINDS:
+                packed = layer.packed_factor(kind)
+                if packed is None:
+                    raise RuntimeError(f"factor {kind} of layer {name!r} was never computed; nothing to decompose")
+                factors[(kind, name)] = packed
+        if self.compute_method == "eigen":
+            eigens = compute_eigen(self.plan, factors, self.backend, record=record,
+                                   decompose=lambda key, matrix: self.eigen(key, matrix))
+            for key, eigen in eigens.items():
+                kind, name = cast(FactorKey, key)
+                self.layers[name].set_eigen(kind, eigen)
+            return
+        inverses = compute_inverses(self.plan, factors, damping, self.backend, record=record,
+                                    invert=lambda key, matrix: self.invert(key, matrix, damping))
+        for key, inverse in inverses.items():
+            kind, name = cast(FactorKey, key)
+            self.layers[name].set_inverse(kind, inverse)
+
+    def invert(self, key: Hashable, factor: torch.Tensor, damping: float) -> torch.Tensor:
+        """``(factor + damping*I)^-1``; a failure names the factor and a damping that float rounding needs."""
+        kind, name = cast(FactorKey, key)
+        try:
+            return invert_spd(factor, damping)
+        except torch.linalg.LinAlgError as exc:
+            # The factors were checked finite, so the damping lost to rounding: a factor of lower rank than its
+            # dimension (fewer rows, samples x positions, than that) has only the damping on its null space, and
+            # Cholesky's rounding error grows with the factor's scale. Say which, with a damping that would do.
+            dim = factor.shape[0]
+            scale = float(factor.diagonal().max())
+            enough = dim * torch.finfo(factor.dtype).eps * scale
+            raise torch.linalg.LinAlgError(
+                f"factor {kind} of layer {name!r} (dimension {dim}, largest diagonal entry {scale:.3g}) is not "
+                f"positive definite even with damping {damping:g} at step {self.step}. A factor of lower rank than "
+                f"its dimension (from fewer rows, samples x positions, than that: a small batch) keeps only the "
+                f"damping in its null space, and {factor.dtype} rounding at this scale is about {enough:.2g}: raise "
+                f"damping well above that or the batch size; if training had been diverging, lower lr or kl_clip "
+                f"instead. ({exc})"
+            ) from exc
+
+    def eigen(self, key: Hashable, factor: torch.Tensor) -> torch.Tensor:
+        """The flat ``[Q, d]`` buffer of ``factor``; a failure names the factor."""
+        kind, name = cast(FactorKey, key)
+        try:
+            return eigen_payload(factor)
+        except torch.linalg.LinAlgError as exc:  # eigh did not converge (the factors were checked finite)
+            raise torch.linalg.LinAlgError(
+                f"the eigendecomposition of factor {kind} of layer {name!r} (dimension {factor.shape[0]}) failed "
+                f"at step {self.step}; compute_method='inverse' does not need one. ({exc})"
+            ) from exc

@@ -23,7 +23,7 @@ scheduler's change between two ``step()`` calls applies to the whole next step.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, TypeVar, Union
 
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import SPDKFACOptimizer
@@ -86,6 +86,16 @@ class StepSchedule:
                 f"(inverses are computed from freshly updated factors); it is not at step {step}"
             )
         return values
+
+    def fix_step(self, step: int, param_groups: List[Dict[str, Any]], freqs: Tuple[int, int]) -> Tuple[int, int]:
+        """Resolve the values in force at ``step``: damping and kl_clip written to every param group, the
+        (factor, inverse) update frequencies returned."""
+        group = param_groups[0]
+        values = self.resolve(step, dict(damping=group["damping"], kl_clip=group["kl_clip"],
+                                         factor_update_freq=freqs[0], inv_update_freq=freqs[1]))
+        for g in param_groups:
+            g["damping"], g["kl_clip"] = values["damping"], values["kl_clip"]
+        return values["factor_update_freq"], values["inv_update_freq"]
 
 
 def _check_epochs(name: str, epochs: Optional[Iterable[int]]) -> List[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 __all__ = ["FactorEvent", "IterationRecord", "Timeline"]
 
@@ -35,7 +35,7 @@ class IterationRecord:
 
     step: int
     t0: float
-    factors: Dict[str, FactorEvent] = field(default_factory=dict)
+    factors: Dict[str, FactorEvent] = field(default_factory=dict)  # by 'kind:layer' (JSON keys)
     grad_wait: float = 0.0  # non-overlapped gradient all-reduce (blocked in step())
     factor_wait: float = 0.0  # non-overlapped factor communication (blocked in wait)
     inverse_stage: float = 0.0  # wall time from first inversion until every inverse is held
@@ -45,6 +45,15 @@ class IterationRecord:
 
     def rel(self, t: float) -> float:
         return t - self.t0
+
+    def factor_computed(self, key: Tuple[str, str], start: float, end: float) -> None:
+        """Record that factor ``key`` = (kind, layer) was computed from ``start`` to ``end`` (clock times)."""
+        kind, layer = key
+        self.factors[f"{kind}:{layer}"] = FactorEvent(kind, layer, self.rel(start), self.rel(end))
+
+    def event(self, key: Tuple[str, str]) -> Optional[FactorEvent]:
+        """The event of factor ``key`` (None if it was not recorded)."""
+        return self.factors.get(f"{key[0]}:{key[1]}")
 
     @property
     def factor_compute(self) -> float:

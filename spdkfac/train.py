@@ -302,7 +302,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         if args.optimizer != "sgd":
             print(f"  {len(optimizer.layers)} preconditioned layers, damping {optimizer.param_groups[0]['damping']:g}, "
                   f"kl_clip {args.kl_clip:g}, factor/inverse update every {optimizer.factor_update_freq}/"
-                  f"{optimizer.inv_update_freq} steps; placement: {optimizer.placement_plan!r}")
+                  f"{optimizer.inv_update_freq} steps; placement: {optimizer.work_plan.inversion!r}")
         if resume is not None:
             print(f"  resumed from {resume[0]}: step {position.step}, epoch {position.epoch}, "
                   f"{position.samples} samples of it done", flush=True)

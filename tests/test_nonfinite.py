@@ -63,7 +63,7 @@ def test_skip_nonfinite_skips_that_many_steps_in_a_row_then_raises():
     _step(model, opt, x, y)  # a good step resets the count
     with pytest.warns(UserWarning, match=r"\(1 in a row"):
         _step(model, opt, _poisoned(x), y)
-    assert opt.nonfinite.skipped_total == 3
+    assert opt.kfac_step.nonfinite.skipped_total == 3
 
 
 def test_nan_factor_step_is_skipped_with_the_factors_untouched():

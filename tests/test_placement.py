@@ -127,4 +127,4 @@ def test_eigen_placement_costed_with_the_eigen_curve_and_the_q_and_d_payload():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the curve is there: no estimate
         opt = SPDKFACOptimizer(net, lr=0.1, backend="single", compute_method="eigen", perf_model=perf)
-    assert [a.t_comp for a in opt.placement_plan.assignments] == [perf.eigen(a.dim) for a in opt.placement_plan.assignments]
+    assert [a.t_comp for a in opt.work_plan.inversion.assignments] == [perf.eigen(a.dim) for a in opt.work_plan.inversion.assignments]

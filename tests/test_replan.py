@@ -38,7 +38,7 @@ def test_plans_are_remade_every_replan_interval():
     made = []
     for _ in range(8):
         train(model, opt, x, y, 1)
-        made.append(opt.fusion_plans_made)
+        made.append(opt.kfac_step.profiler.plans_made)
     # Warm-up at factor step 1, first plan at 2; re-profile at 3 -> plan at 4; at 6 -> plan at 7.
     assert made == [0, 1, 1, 2, 2, 2, 3, 3]
 
@@ -53,10 +53,10 @@ def test_drifted_times_change_the_plan():
     opt = SPDKFACOptimizer(model, lr=0.05, backend="single", profile_steps=1, replan_interval=2,
                            perf_model=_alpha_model(0.05))
     train(model, opt, x, y, 2)
-    assert opt.fusion_plans_made == 1 and len(opt.fusion_plan()["A"]) == 1
+    assert opt.kfac_step.profiler.plans_made == 1 and len(opt.fusion_plan()["A"]) == 1
     stall.slow = True
     train(model, opt, x, y, 3)  # re-profile after factor step 4, new plan at 5
-    assert opt.fusion_plans_made == 2 and opt.fusion_plan_changes == 1
+    assert opt.kfac_step.profiler.plans_made == 2 and opt.kfac_step.profiler.plan_changes == 1
     assert [[name for _, name in g] for g in opt.fusion_plan()["A"]] == [["0", "2"], ["5"]]
 
 

@@ -18,18 +18,19 @@ class Spy:
 
     def __init__(self, opt: SPDKFACOptimizer) -> None:
         self.factor_steps, self.inverse_steps, self.dampings = [], [], []
-        update_factors, update_inverses = opt._update_factors, opt._update_inverses
+        step = opt.kfac_step
+        update_factors, update_inverses = step.update_factors, step.update_decompositions
 
-        def factors() -> None:
+        def factors(*args) -> None:
             self.factor_steps.append(opt.steps)
-            update_factors()
+            update_factors(*args)
 
-        def inverses() -> None:
+        def inverses(*args) -> None:
             self.inverse_steps.append(opt.steps)
             self.dampings.append(opt.param_groups[0]["damping"])
-            update_inverses()
+            update_inverses(*args)
 
-        opt._update_factors, opt._update_inverses = factors, inverses
+        step.update_factors, step.update_decompositions = factors, inverses
 
 
 def _run(model, opt, x, y, start, stop, after_epoch=None, steps_per_epoch=None):

@@ -68,6 +68,11 @@ class TensorFusionController:
     def plan(self, kind: str) -> Optional[List[List[FactorKey]]]:
         return self._plans[kind]
 
+    @property
+    def pending(self) -> int:
+        """All-reduces launched and not yet collected by :meth:`wait_all` (0 between steps)."""
+        return len(self._in_flight)
+
     def arrival_order(self, kind: str) -> List[FactorKey]:
         """Keys of pass ``kind`` in the order they were submitted this iteration."""
         return list(self._arrivals[kind])
@@ -140,7 +145,7 @@ class TensorFusionController:
         if rec is not None:
             t = rec.rel(Timeline.now())
             for key in group.members:
-                ev = rec.factors.get(f"{key[0]}:{key[1]}")
+                ev = rec.event(key)
                 if ev is not None:
                     ev.comm_start = t
                     ev.group = group.gid
@@ -154,10 +159,10 @@ class TensorFusionController:
             return
         t = rec.rel(Timeline.now())
         for job in self._in_flight:
-            first = rec.factors.get(f"{job.layout[0][0][0]}:{job.layout[0][0][1]}")
+            first = rec.event(job.layout[0][0])
             if first is not None and first.comm_end is None and job.handle.done():
                 for key, _, _ in job.layout:
-                    ev = rec.factors.get(f"{key[0]}:{key[1]}")
+                    ev = rec.event(key)
                     if ev is not None:
                         ev.comm_end = t
 
@@ -199,7 +204,7 @@ class TensorFusionController:
                 t = Timeline.now()
                 rec.factor_wait += t - t_wait
                 for key, _, _ in job.layout:
-                    ev = rec.factors.get(f"{key[0]}:{key[1]}")
+                    ev = rec.event(key)
                     if ev is not None and ev.comm_end is None:
                         ev.comm_end = rec.rel(t)
             else:

@@ -61,14 +61,14 @@ def main() -> None:
 
             first.compute_g = killing_compute_g
         else:
-            invert = opt._invert
+            invert = opt.kfac_step.decompositions.invert
 
             def killing_invert(*a, **k):
                 if opt.steps == KILL_STEP:
                     die()
                 return invert(*a, **k)
 
-            opt._invert = killing_invert
+            opt.kfac_step.decompositions.invert = killing_invert
     for step in range(50):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()

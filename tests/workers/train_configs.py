@@ -119,13 +119,13 @@ def main() -> None:
             "steps": opt.steps,
             "damping": opt.param_groups[0]["damping"],
             "update_freqs": [opt.factor_update_freq, opt.inv_update_freq],
-            "fusion_plans_made": opt.fusion_plans_made,
+            "fusion_plans_made": opt.kfac_step.profiler.plans_made,
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "fusion_plan": opt.fusion_plan(),
-            "owners": {str(a.key): a.owner for a in opt.placement_plan.assignments},
-            "precondition_owner": dict(opt.precondition_owner),
-            "overlapped_steps": opt.overlapped_steps,
-            "overlapped_factor_steps": opt.overlapped_factor_steps,
+            "owners": {str(a.key): a.owner for a in opt.work_plan.inversion.assignments},
+            "precondition_owner": dict(opt.work_plan.preconditioners),
+            "overlapped_steps": opt.kfac_step.overlapped_steps,
+            "overlapped_factor_steps": opt.kfac_step.overlapped_factor_steps,
             "timeline": [asdict(it) for it in opt.timeline.iterations] if opt.timeline is not None else None,
         }
         if args.every_rank:  # momentum buffers, factors, inverses / eigendecompositions: compared across ranks

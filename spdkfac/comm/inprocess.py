@@ -1,0 +1,376 @@
+"""An in-process engine: ``size`` ranks as threads of one process, for unit tests.
+
+:class:`InProcessGroup` holds the shared state of ``size`` ranks and one
+:class:`InProcessBackend` per rank; each backend is meant to be driven by its
+own thread (:func:`run_ranks` starts them). Collectives follow the strictest
+rule of the real engines: torch.distributed matches collectives by issue
+order and Horovod by name, so here the ``k``-th collective every rank posts
+must be the same operation with the same name (and root, shape and dtype);
+anything else raises :class:`CollectiveMismatchError` naming both sides,
+which is the bug class this engine exists to catch.
+
+A collective completes when the last rank posts it: that rank computes the
+result once (an all-reduce sums the ranks' tensors in rank order, then
+divides by ``size``) and copies it into every rank's tensor, so all ranks
+hold bitwise identical results, as with the real engines. Posting returns a
+handle at once, and a rank may post any number of collectives before
+waiting on one. A rank that waits longer than the group's timeout, a rank
+that fails, or a rank that finishes while the others still expect a
+collective from it stops the whole group with an error that says what each
+rank is waiting on, so a test fails instead of hanging.
+
+Example::
+
+    def step(backend: CommBackend) -> torch.Tensor:
+        t = torch.full((3,), float(backend.rank))
+        backend.allreduce_async(t, "x").wait()
+        return t
+
+    assert all(t.tolist() == [0.5] * 3 for t in run_ranks(2, step))
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, cast
+
+import torch
+
+from .base import CommBackend, Handle
+
+__all__ = [
+    "InProcessGroup", "InProcessBackend", "run_ranks", "RankError", "CollectiveError", "CollectiveMismatchError",
+    "CollectiveTimeoutError", "CollectiveAbortedError", "DEFAULT_TIMEOUT",
+]
+
+DEFAULT_TIMEOUT = 60.0  # seconds a rank may wait on one collective, and a whole run_ranks call may take
+
+T = TypeVar("T")
+
+
+class CollectiveError(RuntimeError):
+    """Base class of the errors this engine raises about collectives."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks posted different collectives at the same position of their sequences (or one rank finished without it)."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective did not complete in time (some rank never posted it)."""
+
+
+class CollectiveAbortedError(CollectiveError):
+    """The group was stopped because of a failure elsewhere (another rank's error, a mismatch, a timeout)."""
+
+
+class RankError(RuntimeError):
+    """An exception raised by one rank's function in :func:`run_ranks`; the original is ``__cause__``."""
+
+    def __init__(self, rank: int, error: BaseException) -> None:
+        super().__init__(f"rank {rank} raised {type(error).__name__}: {error}")
+        self.rank = rank
+        self.error = error
+
+
+@dataclass
+class _Post:
+    """One rank's side of a collective."""
+
+    rank: int
+    tensor: torch.Tensor
+
+
+@dataclass
+class _Slot:
+    """The ``index``-th collective of every rank."""
+
+    index: int
+    op: str  # "allreduce", "broadcast" or "barrier"
+    name: str
+    root: Optional[int]
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    first_rank: int
+    posts: Dict[int, _Post] = field(default_factory=dict)
+    done: bool = False
+
+    def describe(self) -> str:
+        root = f" root={self.root}" if self.root is not None else ""
+        return f"#{self.index} {self.op} {self.name!r}{root} shape={self.shape} dtype={self.dtype}"
+
+
+class _Handle:
+    """The handle of one rank's side of a collective."""
+
+    __slots__ = ("_group", "_slot", "_rank")
+
+    def __init__(self, group: InProcessGroup, slot: _Slot, rank: int) -> None:
+        self._group = group
+        self._slot = slot
+        self._rank = rank
+
+    def wait(self) -> None:
+        self._group._wait(self._slot, self._rank)
+
+    def done(self) -> bool:
+        """True once complete; raises if the group was stopped before it completed."""
+        with self._group._cond:
+            if not self._slot.done and self._group._failure is not None:
+                raise CollectiveAbortedError(f"rank {self._rank}: {self._group._failure}")
+            return self._slot.done
+
+
+class InProcessBackend(CommBackend):
+    """One rank of an :class:`InProcessGroup`; use it from one thread only."""
+
+    name = "inprocess"
+
+    def __init__(self, group: InProcessGroup, rank: int) -> None:
+        self._group = group
+        self._rank = rank
+
+    @property
+    def group(self) -> InProcessGroup:
+        """The group this rank belongs to."""
+        return self._group
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._group.size
+
+    def allreduce_async(self, tensor: torch.Tensor, name: str) -> Handle:
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            raise TypeError(f"all-reduce {name!r} averages, so it needs a floating-point tensor, got {tensor.dtype}")
+        return self._group._post(self._rank, "allreduce", name, None, tensor)
+
+    def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> Handle:
+        if not 0 <= root < self._group.size:
+            raise ValueError(f"broadcast {name!r}: root {root} does not exist in a group of {self._group.size}")
+        return self._group._post(self._rank, "broadcast", name, root, tensor)
+
+    def barrier(self) -> None:
+        self._group._post(self._rank, "barrier", "spdkfac.barrier", None, torch.zeros(0)).wait()
+
+
+class InProcessGroup:
+    """Shared state of ``size`` in-process ranks; :attr:`backends` holds one engine per rank.
+
+    Args:
+        size: number of ranks.
+        timeout: seconds a rank may block in one ``wait()`` before the group
+            is stopped with a :class:`CollectiveTimeoutError`.
+    """
+
+    def __init__(self, size: int, timeout: float = DEFAULT_TIMEOUT) -> None:
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self.size = size
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._slots: Dict[int, _Slot] = {}  # collectives not yet complete, by index
+        self._posted = [0] * size  # collectives each rank has posted
+        self._waiting: List[Optional[_Slot]] = [None] * size
+        self._finished: List[bool] = [False] * size
+        self._failure: Optional[CollectiveError] = None
+        self._failed_rank: Optional[int] = None
+        self._history: List[Tuple[str, str]] = []
+        self.backends: Tuple[InProcessBackend, ...] = tuple(InProcessBackend(self, r) for r in range(size))
+
+    @property
+    def history(self) -> List[Tuple[str, str]]:
+        """``(op, name)`` of every completed collective, in order (barriers included)."""
+        with self._cond:
+            return list(self._history)
+
+    # -- posting and waiting ---------------------------------------------------------
+    def _post(self, rank: int, op: str, name: str, root: Optional[int], tensor: torch.Tensor) -> _Handle:
+        with self._cond:
+            self._check_alive(rank)
+            index = self._posted[rank]
+            self._posted[rank] += 1
+            slot = self._slots.get(index)
+            if slot is None:
+                slot = _Slot(index, op, name, root, tuple(tensor.shape), tensor.dtype, rank)
+                self._slots[index] = slot
+                gone = [r for r in range(self.size) if self._finished[r] and self._posted[r] <= index]
+                if gone:
+                    raise self._fail(rank, CollectiveMismatchError(
+                        f"rank {rank} posted collective {slot.describe()}, but rank(s) {gone} already finished "
+                        f"after posting {[self._posted[r] for r in gone]} collective(s)\n{self._state()}"))
+            else:
+                mine = _Slot(index, op, name, root, tuple(tensor.shape), tensor.dtype, rank)
+                if (op, name, root, mine.shape, tensor.dtype) != (slot.op, slot.name, slot.root, slot.shape, slot.dtype):
+                    raise self._fail(rank, CollectiveMismatchError(
+                        f"ranks disagree on collective #{index}: rank {slot.first_rank} posted "
+                        f"{slot.describe()}, rank {rank} posted {mine.describe()}"))
+            slot.posts[rank] = _Post(rank, tensor)
+            if len(slot.posts) == self.size:
+                self._complete(slot)
+            return _Handle(self, slot, rank)
+
+    def _complete(self, slot: _Slot) -> None:
+        """Compute the result once and copy it into every rank's tensor (called with the lock held)."""
+        tensors = [slot.posts[r].tensor for r in range(self.size)]
+        with torch.no_grad():
+            if slot.op == "allreduce":
+                result = tensors[0].clone()
+                for t in tensors[1:]:
+                    result.add_(t)
+                if self.size > 1:
+                    result.div_(self.size)
+            elif slot.op == "broadcast":
+                assert slot.root is not None
+                result = tensors[slot.root].clone()
+            else:
+                result = tensors[0]
+            if slot.op != "barrier":
+                for t in tensors:
+                    t.copy_(result)
+        slot.done = True
+        slot.posts.clear()  # drop the references to the ranks' tensors
+        del self._slots[slot.index]
+        self._history.append((slot.op, slot.name))
+        self._cond.notify_all()
+
+    def _wait(self, slot: _Slot, rank: int) -> None:
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            self._waiting[rank] = slot
+            try:
+                while not slot.done:
+                    self._check_alive(rank)
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise self._fail(rank, CollectiveTimeoutError(
+                            f"rank {rank} waited {self.timeout:g} s for collective {slot.describe()}\n{self._state()}"))
+                    self._cond.wait(left)
+            finally:
+                self._waiting[rank] = None
+
+    # -- failures --------------------------------------------------------------------
+    def _check_alive(self, rank: int) -> None:
+        if self._failure is not None:
+            raise CollectiveAbortedError(f"rank {rank} stopped: {self._failure}")
+
+    def _fail(self, rank: int, error: CollectiveError) -> CollectiveError:
+        """Stop the group with ``error`` (first failure wins) and wake every waiting rank; returns ``error``. Lock held."""
+        if self._failure is None:
+            self._failure = error
+            self._failed_rank = rank
+        self._cond.notify_all()
+        return error
+
+    def abort(self, rank: int, error: BaseException) -> None:
+        """Stop the group because ``rank`` failed with ``error``: the other ranks' waits raise."""
+        with self._cond:
+            if isinstance(error, CollectiveError):
+                self._fail(rank, error)
+            else:
+                self._fail(rank, CollectiveAbortedError(f"rank {rank} raised {type(error).__name__}: {error}"))
+
+    def finish(self, rank: int) -> None:
+        """Record that ``rank`` will post no more collectives; fails the group if peers still expect some."""
+        with self._cond:
+            self._finished[rank] = True
+            expected = [s for s in self._slots.values() if rank not in s.posts]
+            if expected and self._failure is None:
+                self._fail(rank, CollectiveMismatchError(
+                    f"rank {rank} finished after posting {self._posted[rank]} collective(s), but its peers "
+                    f"posted {', '.join(s.describe() for s in sorted(expected, key=lambda s: s.index))}\n{self._state()}"))
+
+    @property
+    def failure(self) -> Optional[CollectiveError]:
+        """The error that stopped the group, if any."""
+        return self._failure
+
+    def describe_state(self) -> str:
+        """What each rank has posted and is waiting on (for error messages)."""
+        with self._cond:
+            return self._state()
+
+    def _state(self) -> str:
+        lines = []
+        for r in range(self.size):
+            waiting = self._waiting[r]
+            if self._finished[r]:
+                what = "finished"
+            elif waiting is not None:
+                missing = [p for p in range(self.size) if p not in waiting.posts]
+                what = f"waiting on {waiting.describe()} (not yet posted by rank(s) {missing})"
+            else:
+                what = "running"
+            pending = sorted((s for s in self._slots.values() if r in s.posts), key=lambda s: s.index)
+            outstanding = "; posted, incomplete: " + ", ".join(s.describe() for s in pending) if pending else ""
+            lines.append(f"  rank {r}: {what}; {self._posted[r]} collective(s) posted{outstanding}")
+        return "state of the ranks:\n" + "\n".join(lines)
+
+    # -- running ---------------------------------------------------------------------
+    def run(self, fn: Callable[[InProcessBackend], T], timeout: Optional[float] = None) -> List[T]:
+        """Run ``fn(backend)`` for every rank, each in its own thread; return the results in rank order.
+
+        Raises:
+            RankError: the first exception a rank raised (a failure's root
+                cause is preferred over the errors it caused in other ranks),
+                with the rank in its message and the exception as ``__cause__``.
+            CollectiveTimeoutError: the ranks did not all return within
+                ``timeout`` seconds (default: the group's).
+        """
+        limit = self.timeout if timeout is None else timeout
+        results: List[Optional[T]] = [None] * self.size
+        errors: List[Tuple[int, BaseException]] = []
+        lock = threading.Lock()
+
+        def body(rank: int) -> None:
+            try:
+                results[rank] = fn(self.backends[rank])
+            except BaseException as exc:  # noqa: BLE001 - reported by run()
+                with lock:
+                    errors.append((rank, exc))
+                self.abort(rank, exc)
+            finally:
+                self.finish(rank)
+
+        threads = [threading.Thread(target=body, args=(r,), name=f"inprocess-rank-{r}", daemon=True)
+                   for r in range(self.size)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + limit
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            with self._cond:
+                state = self._state()
+                self._fail(-1, CollectiveTimeoutError(f"the ranks did not finish within {limit:g} s\n{state}"))
+            for t in threads:
+                t.join(0.1)
+            raise CollectiveTimeoutError(f"the ranks did not finish within {limit:g} s\n{state}")
+        if errors or self._failure is not None:
+            rank, exc = self._root_cause(errors)
+            raise RankError(rank, exc) from exc
+        return [cast(T, r) for r in results]
+
+    def _root_cause(self, errors: Sequence[Tuple[int, BaseException]]) -> Tuple[int, BaseException]:
+        """The error to report: the one that stopped the group rather than those it caused in other ranks."""
+        primary = [(r, e) for r, e in errors if not isinstance(e, CollectiveAbortedError)]
+        for r, e in primary:
+            if r == self._failed_rank:
+                return r, e
+        if primary:
+            return primary[0]
+        if self._failure is not None and self._failed_rank is not None and self._failed_rank >= 0:
+            return self._failed_rank, self._failure  # found when a rank returned: nobody raised it
+        return errors[0]
+
+
+def run_ranks(size: int, fn: Callable[[InProcessBackend], T], timeout: float = DEFAULT_TIMEOUT) -> List[T]:
+    """Run ``fn(backend)`` on ``size`` fresh in-process ranks (one thread each); results in rank order.
+
+    See :meth:`InProcessGroup.run` for the errors.
+    """
+    return InProcessGroup(size, timeout=timeout).run(fn)

@@ -1,0 +1,176 @@
+"""The optimizer's fixed options: validated once, frozen, shown whole by ``repr``.
+
+:class:`SPDKFACOptimizer <spdkfac.SPDKFACOptimizer>` keeps its hyperparameters
+that may change during training (``lr``, ``momentum``, ``weight_decay``,
+``factor_decay``, ``damping``, ``kl_clip``) in ``param_groups``, and the update
+frequencies as attributes (both may be scheduled, :mod:`spdkfac.schedules`).
+Everything else decides *how* the step is computed and is fixed for the
+optimizer's life: that is :class:`KFACConfig`. None of it changes the
+result, except ``precondition`` (K-FAC on or off), ``compute_method`` and
+``skip_layers``, which are what a checkpoint must agree on.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Optional, Tuple
+
+from .decomposition import COMPUTE_METHODS
+from .fusion.planner import DEFAULT_THRESHOLD_BYTES, FUSION_POLICIES
+from .layers import LayerFilter
+from .placement import PLACEMENTS
+
+__all__ = ["KFACConfig", "check_number", "check_positive_int"]
+
+
+def check_number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False,
+                 high_open: bool = True) -> float:
+    """``value`` as a float, or a TypeError/ValueError naming ``name`` and the allowed interval."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    v = float(value)
+    ok = math.isfinite(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+    if not ok:
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        raise ValueError(f"{name} must be in {lo}{low}, {high}{hi}, got {value!r}")
+    return v
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """``value`` if it is an int >= 1, else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _check_choice(name: str, value: Any, choices: Tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class KFACConfig:
+    """How the K-FAC step is computed and communicated (invalid values raise, naming the option).
+
+    The optimizer takes each of these as a keyword argument.
+
+    Attributes:
+        fusion: factor all-reduce fusion policy: ``'optimal'`` (Eq. 15),
+            ``'threshold'``, ``'layerwise'`` or ``'naive'``.
+        pipelining: all-reduce factors from the hooks as they are computed
+            (True) or all at once after the backward pass (False, as D-KFAC).
+        placement: inversion placement: ``'lbp'`` (Algorithm 1), ``'seq'``
+            (MPD-KFAC) or ``'local'`` (D-KFAC).
+        compute_method: ``'inverse'`` (the paper's damped inverses
+            ``(G+γI)^-1 grad (A+γI)^-1``) or ``'eigen'`` (KAISA's
+            eigendecompositions, ``(A ⊗ G + γI)^-1 vec(grad)``: a closer
+            approximation of the damped Fisher, a slower decomposition and a
+            broadcast of ``d*d + d`` instead of ``d(d+1)/2`` elements; the
+            placement is costed with the performance model's ``eigen`` curve).
+        distribute_preconditioning: each layer's gradient is preconditioned
+            by one worker (layers balanced by their matmul cost) and the
+            results are broadcast, one fused buffer per worker, instead of
+            every worker preconditioning every layer (not in the paper; as
+            KAISA's MEM-OPT). Trades a broadcast of all preconditioned
+            gradients per step for ``1/P`` of the preconditioning compute:
+            worth it where the preconditioning matmuls are slow next to the
+            network (CPU workers, or factors updated rarely). Same result.
+        overlap_preconditioning: on steps that keep the current inverses
+            (all but one in ``inv_update_freq``), precondition each layer as
+            soon as its averaged gradient arrives, last layer first, so that
+            the gradient all-reduce of the earlier layers hides behind the
+            preconditioning matmuls of the later ones; on such steps that
+            update the factors, the preconditioning (which reads only the
+            kept inverses) also runs before waiting for the factor
+            all-reduces, hiding them as well (not in the paper; the D-KFAC
+            and MPD-KFAC baselines turn it off). Same result.
+        fusion_threshold_bytes: buffer size of the ``'threshold'`` policy.
+        profile_steps: factor-update steps timed (after one warm-up step)
+            before the ``'optimal'`` fusion plan is made.
+        replan_interval: re-profile every this many factor-update steps and
+            replace the ``'optimal'`` plan if the per-layer times have drifted
+            (None: plan once). The current plan stays in use while the new
+            profile is taken; every worker switches at the same step.
+        timeline: record a per-iteration :class:`~spdkfac.timeline.Timeline`.
+        precondition: False turns K-FAC off: the optimizer is then plain
+            distributed momentum SGD with the same gradient communication
+            (the S-SGD baseline of the benchmarks).
+        accumulation_steps: gradient accumulation: call ``backward()`` this
+            many times (k), then ``step()`` once; each micro-batch loss is its
+            mean divided by k (torch's idiom), so the gradients sum to the mean
+            over the k micro-batches. The factors are the mean of the
+            micro-batches' (each G computed with the 1/k removed, like a loss
+            scale), i.e. with equal micro-batches exactly those of one batch
+            k times as large. One round of communication per step: factors are
+            summed locally and sent (pipelined) from the hooks of the k-th
+            micro-batch, and each gradient all-reduce starts at the k-th
+            accumulation of its parameter. A ``step()`` (or
+            :meth:`synchronize`) after another number of backward passes, or a
+            (k+1)-th backward pass, raises.
+        skip_nonfinite: how many consecutive steps meeting NaN or Inf (in the
+            averaged gradients, the averaged factors or the preconditioned
+            gradients) are skipped, with a warning, before a
+            :class:`NonFiniteError` is raised (0: raise at the first). A
+            skipped or refused step changes no parameter, momentum buffer or
+            factor and does not count as a step; every worker decides the same
+            at the same step, because the values checked are identical on all.
+            To skip a batch yourself after the forward pass, decide on every
+            worker at once: ``if not optimizer.finite_everywhere(loss):
+            continue`` (one tiny all-reduce).
+        skip_layers: modules to leave out of K-FAC (plain momentum-SGD
+            update): module names (``'encoder.layers.0.linear1'``), class
+            names (``'Linear'``) or classes. Layers whose weight is used
+            without their ``forward()`` (``nn.MultiheadAttention.out_proj``)
+            are left out automatically, with a notice; a weight shared by
+            several modules (tied weights) must be left out here.
+    """
+
+    fusion: str = "optimal"
+    pipelining: bool = True
+    placement: str = "lbp"
+    compute_method: str = "inverse"
+    distribute_preconditioning: bool = False
+    overlap_preconditioning: bool = True
+    fusion_threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
+    profile_steps: int = 3
+    replan_interval: Optional[int] = None
+    timeline: bool = False
+    precondition: bool = True
+    accumulation_steps: int = 1
+    skip_nonfinite: int = 0
+    skip_layers: Tuple[LayerFilter, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_choice("fusion", self.fusion, FUSION_POLICIES)
+        _check_choice("placement", self.placement, PLACEMENTS)
+        _check_choice("compute_method", self.compute_method, COMPUTE_METHODS)
+        for name in ("pipelining", "distribute_preconditioning", "overlap_preconditioning"):
+            _check_bool(name, getattr(self, name))
+        check_positive_int("accumulation_steps", self.accumulation_steps)
+        check_positive_int("profile_steps", self.profile_steps)
+        if self.replan_interval is not None:
+            check_positive_int("replan_interval", self.replan_interval)
+        threshold = self.fusion_threshold_bytes
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold <= 0:
+            raise ValueError(f"fusion_threshold_bytes must be a positive integer, got {threshold!r}")
+        skip = self.skip_nonfinite
+        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+            raise ValueError(f"skip_nonfinite must be a non-negative integer, got {skip!r}")
+        object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+
+    @property
+    def replans(self) -> bool:
+        """Whether the fusion plan is re-profiled during training (``'optimal'`` pipelined fusion only)."""
+        return self.replan_interval is not None and self.fusion == "optimal" and self.pipelining
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The options as plain values (``skip_layers`` classes by name), as saved in ``state_dict``."""
+        out = asdict(self)
+        out["skip_layers"] = [f if isinstance(f, str) else getattr(f, "__name__", repr(f)) for f in self.skip_layers]
+        return out

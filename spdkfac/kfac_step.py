@@ -1,0 +1,162 @@
+"""The order of the K-FAC work in one ``step()``, over the parts that do it.
+
+Two orders, because the preconditioning only needs the decompositions in use:
+
+* steps that decompose (and single-worker runs, or with
+  ``overlap_preconditioning`` off): wait for every gradient, fold in the
+  factors, decompose, precondition;
+* steps that keep the decompositions
+  (:func:`~spdkfac.work_plan.overlaps_preconditioning`): precondition each layer
+  as soon as its gradient is averaged, last layer first, while the remaining
+  gradient and factor all-reduces are still in flight, then fold in the
+  factors.
+
+Either way the update is checked for NaN/Inf before any parameter changes;
+a bad step is skipped on every worker alike (the values checked are the same
+everywhere) or raises.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from .comm import CommBackend
+from .config import KFACConfig
+from .factor_hooks import FactorCollector
+from .fusion.controller import TensorFusionController
+from .fusion.profiler import FusionProfiler
+from .grad_sync import GradientSync
+from .inversion import DecompositionStage
+from .layers import KFACLayer
+from .linalg import all_finite
+from .nonfinite import NonFiniteError, NonFiniteGuard, non_finite
+from .preconditioning import Preconditioner
+from .timeline import IterationRecord
+from .perfmodels import PerfModel
+from .work_plan import WorkPlan, overlaps_preconditioning
+
+__all__ = ["KFACStep", "Hyper"]
+
+#: This step's hyperparameters: damping, kl_clip, lr, factor_decay (from ``param_groups[0]``).
+Hyper = Dict[str, Optional[float]]
+
+
+class KFACStep:
+    """The parts of the K-FAC step, and the order of their work in ``step()`` (all before the SGD update).
+
+    Builds the parts for the optimizer: the factor hooks and the fusion
+    controller and profiler they feed, the gradient averaging, the
+    decomposition stage and the preconditioner (the last two following the
+    work plan).
+    """
+
+    def __init__(self, config: KFACConfig, layers: List[KFACLayer], backend: CommBackend, perf_model: PerfModel,
+                 work_plan: WorkPlan, param_groups: List[Dict[str, Any]], param_names: Dict[torch.Tensor, str],
+                 grad_scaler: Optional[Any], collecting: Callable[[nn.Module], bool],
+                 loss_scale: Callable[[], float]) -> None:
+        self.config = config
+        self.layers = layers
+        self.workers = backend.size
+        self.param_groups = param_groups
+        self.param_names = param_names
+        self.nonfinite = NonFiniteGuard(config.skip_nonfinite)
+        self.controller = TensorFusionController(backend)
+        self.profiler = FusionProfiler(config, backend, layers, self.controller, perf_model)
+        self.factors = FactorCollector(layers, self.controller, self.profiler, config.pipelining,
+                                       config.accumulation_steps, collecting, loss_scale)
+        self.grads = GradientSync(backend, param_groups, param_names, config.accumulation_steps, grad_scaler)
+        self.decompositions = DecompositionStage(layers, work_plan.inversion, backend, config.compute_method)
+        self.preconditioner = Preconditioner(layers, backend, work_plan, self.grads.wait)
+        self.record: Optional[IterationRecord] = None
+        self.overlapped_steps = 0  # steps that preconditioned while gradients were still being averaged
+        self.overlapped_factor_steps = 0  # of those, factor steps that preconditioned before waiting for the factors
+
+    def begin(self, record: Optional[IterationRecord], abandon: bool = False) -> None:
+        """Forget the finished (skipped, abandoned) step's state in every part."""
+        self.record = record
+        self.profiler.begin_iteration()
+        self.factors.reset(record)
+        self.grads.reset(record)
+        self.controller.begin_iteration(record, abandon=abandon)
+
+    @property
+    def backward_seen(self) -> bool:
+        """Whether a backward pass ran since the step began (its gradients or factors exist)."""
+        return self.grads.backward_seen or self.factors.backward_seen
+
+    def run(self, factor_step: bool, inverse_step: bool, hyper: Hyper, step: int) -> None:
+        """Average, fold in, decompose and precondition as this step needs; check the result is finite.
+
+        Raises :class:`~spdkfac.nonfinite.SkipStep` for a skipped step.
+        """
+        if self._overlapping(inverse_step):
+            self.grads.start_missing()  # every all-reduce in flight before waiting on any
+            if factor_step:
+                self.factors.send_stashed()
+            self._precondition(hyper, wait_for_grads=True)
+            self.grads.synchronize()  # the parameters outside the preconditioned layers
+            if factor_step:  # (after synchronize: a bad factor raises with no all-reduce left pending)
+                self.update_factors(hyper, step)
+                self.overlapped_factor_steps += 1
+            self.overlapped_steps += 1
+        else:
+            self.grads.synchronize()
+            if factor_step:
+                self.update_factors(hyper, step)
+            if inverse_step:
+                self.update_decompositions(hyper, step)
+            if self.config.precondition:
+                self._precondition(hyper)
+        self._check_finite(step)
+
+    def _overlapping(self, inverse_step: bool) -> bool:
+        if not overlaps_preconditioning(self.config.overlap_preconditioning, self.config.precondition, self.workers,
+                                        inverse_step):
+            return False
+        return not self.grads.synchronized and all(layer.decomposed for layer in self.layers)  # else: the plain path
+
+    def update_factors(self, hyper: Hyper, step: int) -> None:
+        """Fold this step's averaged factors into the running averages."""
+        factors = self.factors.take(self.nonfinite, step)
+        decay = hyper["factor_decay"]
+        assert decay is not None
+        by_name = {layer.name: layer for layer in self.layers}
+        for (kind, name), mat in factors.items():
+            by_name[name].update_factor(kind, mat, decay)
+        self.profiler.factor_step_done(self.factors.arrived)
+
+    def update_decompositions(self, hyper: Hyper, step: int) -> None:
+        """Recompute the inverses (or eigendecompositions) where the work plan says; every rank gets all."""
+        damping = hyper["damping"]
+        assert damping is not None
+        self.decompositions.run(damping, step, self.record)
+
+    def _precondition(self, hyper: Hyper, wait_for_grads: bool = False) -> None:
+        damping, lr = hyper["damping"], hyper["lr"]
+        assert damping is not None and lr is not None
+        self.preconditioner.run(damping, lr, hyper["kl_clip"], wait_for_grads, self.record)
+
+    def _check_finite(self, step: int) -> None:
+        """Skip (or refuse) a step whose averaged or preconditioned gradients hold NaN/Inf: never NaN parameters."""
+        params = (p for group in self.param_groups for p in group["params"])
+        bad = non_finite((self.param_names.get(p, "?"), p.grad) for p in params)
+        if not bad:
+            return
+        inverses = [f"{kind} of {layer.name!r}" for layer in self.layers for kind in ("A_inv", "G_inv")
+                    if getattr(layer, kind) is not None and not all_finite(getattr(layer, kind))]
+        cause = f"; the inverses {inverses} are non-finite (a damaged checkpoint?)" if inverses else ""
+        self.nonfinite.bad_step(NonFiniteError(
+            f"non-finite gradient(s) at step {step} for {bad[:8]}{' ...' if len(bad) > 8 else ''}{cause}. "
+            "No parameter was changed. Check the inputs/loss of that step (or lower the learning rate)."))
+
+    def finite_everywhere(self, value: torch.Tensor, backend: CommBackend) -> bool:
+        """Whether ``value`` is finite on every worker (one tiny all-reduce); if not, drop this step's factors."""
+        flag = torch.tensor([1.0 if all_finite(value.detach()) else 0.0], dtype=torch.float64, device=value.device)
+        if backend.size > 1:
+            backend.allreduce_async(flag, "spdkfac.finite_everywhere").wait()
+        finite = bool(flag.item() == 1.0)
+        if not finite:
+            self.controller.discard()
+        return finite

@@ -1,0 +1,124 @@
+"""The preconditioning stage: every layer's gradient replaced by its K-FAC update, KL-clipped.
+
+Each layer's averaged gradient becomes ``G_inv @ grad @ A_inv`` (or the eigen
+form, :mod:`spdkfac.decomposition`), computed by every rank, or, with
+distributed preconditioning, by the one rank the :class:`~spdkfac.work_plan.WorkPlan`
+names, which broadcasts its layers' results in one fused buffer. All updates
+are then scaled by the reference's KL clip
+``ν = min(1, sqrt(kl_clip / |Σ lr² v·grad|))``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .comm import CommBackend, Handle
+from .layers import KFACLayer
+from .timeline import IterationRecord, Timeline
+from .work_plan import WorkPlan
+
+__all__ = ["Preconditioner", "kl_clip_scale"]
+
+#: Blocks until the given parameters' averaged gradients are in place.
+GradWaiter = Callable[[List[torch.Tensor]], None]
+
+
+def kl_clip_scale(grads: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], lr: float,
+                  kl_clip: Optional[float]) -> float:
+    """The factor every update is multiplied by: ``min(1, sqrt(kl_clip / |Σ lr² v·grad|))`` (1 without a clip)."""
+    if kl_clip is None:
+        return 1.0
+    vg_sum = abs(sum(float((update * grad).sum()) for grad, update in zip(grads, updates)) * lr**2)
+    return min(1.0, math.sqrt(kl_clip / vg_sum)) if vg_sum > 0 else 1.0
+
+
+class Preconditioner:
+    """Preconditions the layers' gradients in place, locally or split across ranks per the work plan."""
+
+    def __init__(self, layers: List[KFACLayer], backend: CommBackend, plan: WorkPlan, wait_grads: GradWaiter) -> None:
+        self.layers = layers
+        self.backend = backend
+        self.plan = plan
+        self.wait_grads = wait_grads
+
+    def run(self, damping: float, lr: float, kl_clip: Optional[float], wait_for_grads: bool = False,
+            record: Optional[IterationRecord] = None) -> None:
+        """Replace each layer's gradient by its KL-clipped update.
+
+        With ``wait_for_grads`` the gradient all-reduces are still running:
+        layers are taken last first (the order their gradients were sent in)
+        and each waits only for its own gradient.
+        """
+        t0 = Timeline.now() if record is not None else 0.0
+        waited0 = record.grad_wait if record is not None else 0.0
+        layers = [layer for layer in self.layers if layer.module.weight.grad is not None]
+        if self.plan.preconditioners:
+            grads, updates = self._distributed(layers, damping, wait_for_grads, record)
+        else:
+            found: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+            for i in reversed(range(len(layers))) if wait_for_grads else range(len(layers)):
+                grad = self._grad(layers[i], wait_for_grads)
+                found[i] = (grad, layers[i].precondition(grad, damping))
+            grads = [found[i][0] for i in range(len(layers))]
+            updates = [found[i][1] for i in range(len(layers))]
+        scale = kl_clip_scale(grads, updates, lr, kl_clip)
+        for layer, update in zip(layers, updates):
+            layer.write_grad(update.mul_(scale) if scale != 1.0 else update)
+        if record is not None:
+            record.precondition += Timeline.now() - t0 - (record.grad_wait - waited0)
+
+    def _grad(self, layer: KFACLayer, wait: bool) -> torch.Tensor:
+        """The layer's averaged gradient matrix, first waiting for its all-reduces if ``wait``."""
+        if wait:
+            self.wait_grads([layer.module.weight, layer.module.bias] if layer.has_bias else [layer.module.weight])
+        grad = layer.grad_matrix()
+        assert grad is not None  # callers pass layers whose weight has a gradient
+        return grad
+
+    def _distributed(self, layers: List[KFACLayer], damping: float, wait_for_grads: bool,
+                     record: Optional[IterationRecord]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """Precondition this rank's layers, broadcast them fused, receive every other rank's.
+
+        The broadcasts are issued in rank order on every rank (a receive
+        before this rank's own work, so it completes while this rank
+        computes). Returns every layer's averaged gradient and update.
+        """
+        missing = [layer.name for layer in layers if not layer.decomposed]
+        if missing:  # checked on every rank before any broadcast, so no rank is left waiting
+            method = layers[0].compute_method
+            raise RuntimeError(f"layers {missing} have no {method} decompositions yet; factors were never updated")
+        grads: Dict[int, torch.Tensor] = {}
+        pending: List[Tuple[Handle, torch.Tensor, List[int]]] = []
+        for rank, indices in enumerate(self.plan.preconditioned_by_rank([layer.name for layer in layers])):
+            if not indices:
+                continue
+            dtype = layers[indices[0]].update_dtype
+            for i in indices[1:]:
+                dtype = torch.promote_types(dtype, layers[i].update_dtype)
+            if rank == self.backend.rank:
+                results: Dict[int, torch.Tensor] = {}
+                for i in reversed(indices) if wait_for_grads else indices:
+                    grads[i] = grad = self._grad(layers[i], wait_for_grads)
+                    results[i] = layers[i].precondition(grad, damping).reshape(-1).to(dtype)
+                buffer = torch.cat([results[i] for i in indices])
+            else:
+                numel = sum(layers[i].g_dim * layers[i].a_dim for i in indices)
+                buffer = torch.empty(numel, dtype=dtype, device=layers[indices[0]].module.weight.device)
+            pending.append((self.backend.broadcast_async(buffer, rank, f"spdkfac.precondition.{rank}"), buffer, indices))
+        t0 = Timeline.now()
+        updates: Dict[int, torch.Tensor] = {}
+        for handle, buffer, indices in pending:
+            handle.wait()
+            offset = 0
+            for i in indices:
+                shape = (layers[i].g_dim, layers[i].a_dim)
+                updates[i] = buffer[offset : offset + shape[0] * shape[1]].view(shape)
+                offset += shape[0] * shape[1]
+        if record is not None:
+            record.precondition_wait += Timeline.now() - t0
+        for i, layer in enumerate(layers):
+            if i not in grads:  # another rank's layer: its gradient is still needed for the KL clip
+                grads[i] = self._grad(layer, wait_for_grads)
+        return [grads[i] for i in range(len(layers))], [updates[i] for i in range(len(layers))]
