@@ -128,3 +128,20 @@ def test_measured_profile_round_trips_through_its_file(tmp_path):
 def test_predict_refuses_an_untyped_profile():
     with pytest.raises(TypeError, match="profile_from_dict"):
         predict(_profile(), _perf(), 2, "spdkfac")
+
+
+def test_the_plan_sees_the_layers_in_the_optimizers_order(monkeypatch):
+    """The preconditioning entries are recorded in ``opt.layers`` order, which the optimizer plans with."""
+    raw = _with_preconditioning(_profile())
+    raw["precondition"] = raw["precondition"][::-1]  # a model whose A factors become ready in another order
+    seen = []
+    make = WorkPlan.make
+
+    def spy(cls, layers, *args, **kwargs):
+        seen.append([s.name for s in layers])
+        return make(layers, *args, **kwargs)
+
+    monkeypatch.setattr(prediction.WorkPlan, "make", classmethod(spy))
+    predict(profile_from_dict(raw), _perf(), 2, "spdkfac")
+    predict(profile_from_dict(_profile()), _perf(), 2, "spdkfac")  # no entries: the A factors' order
+    assert seen == [[f"l{i}" for i in reversed(range(6))], [f"l{i}" for i in range(6)]]

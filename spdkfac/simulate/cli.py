@@ -108,5 +108,6 @@ def _predict(args: argparse.Namespace) -> int:
             print(f"{w:>7} {v:<10} {r['iteration']*1e3:10.1f} " + " ".join(f"{r[k]*1e3:11.1f}" for k in PARTS))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"profile": args.profile, "perf_model": args.perf_model, "contention": args.contention, "predictions": out}, fh, indent=1)
+            json.dump({"profile": args.profile, "perf_model": args.perf_model, "contention": args.contention,
+                       "predictions": out}, fh, indent=1)
     return 0

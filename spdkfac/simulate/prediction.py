@@ -48,7 +48,7 @@ def predict(profile: Profile, perf: PerfModel, workers: int, variant: str, conte
             raise ValueError("this profile has no plain-SGD pass time to model contention with; re-run `spdkfac.simulate profile`")
         inflation = max(1.0, profile.sgd_forward_backward / compute)
     grad_blocked, factor_blocked = _blocked_communication(profile, cfg, m, contention)
-    plan = WorkPlan.make(_layer_shapes(facs), workers, m.scaled, cfg["placement"], cfg.get("compute_method", "inverse"),
+    plan = WorkPlan.make(_layer_shapes(profile), workers, m.scaled, cfg["placement"], cfg.get("compute_method", "inverse"),
                          bool(cfg.get("distribute_preconditioning", False))) if kfac else None
     inverse_comp = inverse_comm = 0.0
     if plan is not None:
@@ -92,10 +92,19 @@ def _sgd_step(profile: Profile) -> float:
     return profile.sgd_step
 
 
-def _layer_shapes(facs: Sequence[FactorProfile]) -> List[LayerShape]:
-    """The preconditioned layers in the optimizer's order (its A factors' order), with their factor dimensions."""
-    dims = {f.key: f.dim for f in facs}
-    return [LayerShape(f.layer, dims[("A", f.layer)], dims[("G", f.layer)]) for f in facs if f.kind == "A"]
+def _layer_shapes(profile: Profile) -> List[LayerShape]:
+    """The preconditioned layers in the optimizer's order (``opt.layers``), with their factor dimensions.
+
+    The per-layer preconditioning entries are recorded in that order; older
+    profiles without them give the order the A factors became ready (the
+    same for the models profiled so far).
+    """
+    dims = {f.key: f.dim for f in profile.factors}
+    names = [f.layer for f in profile.factors if f.kind == "A"]
+    recorded = [p.layer for p in profile.precondition]
+    if sorted(recorded) == sorted(names):
+        names = recorded
+    return [LayerShape(name, dims[("A", name)], dims[("G", name)]) for name in names]
 
 
 def _blocked_communication(profile: Profile, cfg: Mapping[str, Any], m: ScaledModels, contention: bool) -> Tuple[float, float]:
