@@ -39,7 +39,7 @@ def main() -> None:
     for path in args.measured:
         data = json.loads(path.read_text())
         workload = {k: data["args"].get(k) for k in ("model", "resolution", "batch_size")}
-        profiled = {k: profile.get(k) for k in workload}
+        profiled = {k: getattr(profile, k) for k in workload}
         if workload != profiled:
             raise SystemExit(f"error: {path} measured {workload} but the profile {' + '.join(args.profile)} is of {profiled}; "
                              "profile the same workload (python -m spdkfac.simulate profile ...)")

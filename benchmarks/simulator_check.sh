@@ -4,20 +4,20 @@
 # predict them from the mean of the two profiles. (A model fitted hours earlier on a shared machine mixes
 # the machine's drift into the simulator's error; the two profiles bracket the measured window.)
 #
-#   bash benchmarks/simulator_check.sh NAME [iteration_time args...]
-#   bash benchmarks/simulator_check.sh amortised_224 --resolution 224 --batch-size 32 \
+#   bash benchmarks/simulator_check.sh [iteration_time args...]
+#   bash benchmarks/simulator_check.sh --resolution 224 --batch-size 32 \
 #       --update-freq 10 100 --iters 10 --warmup 1 --interleave --variants sgd spdkfac spdkfac-dp
 #
-# Writes benchmarks/results/calibrated_NAME/{perfmodel,profile_before,iteration_time,profile_after}.json and
-# benchmarks/results/simulator_check_NAME.json. NP (default 2) workers, Horovod over gloo. With --bind-cores
+# Writes benchmarks/results/simulator_check/{perfmodel,profile_before,iteration_time,profile_after}.json and
+# benchmarks/results/simulator_check.json, replacing the previous run's (one current run; the JSON records
+# the arguments). NP (default 2) workers, Horovod over gloo. With --bind-cores
 # among the arguments, the performance models and the profiles are measured with bound workers too.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-if [[ $# -lt 1 || "$1" == -* ]]; then
-    echo "usage: bash benchmarks/simulator_check.sh NAME [benchmarks.iteration_time args]" >&2
+if [[ $# -ge 1 && "$1" != -* ]]; then
+    echo "usage: bash benchmarks/simulator_check.sh [benchmarks.iteration_time args] (no run name: results are replaced)" >&2
     exit 2
 fi
-NAME="$1"; shift
 NP="${NP:-2}"
 PY="$ROOT/.venv/bin/python"
 [[ -x "$PY" ]] || { echo "error: $PY not found; run bash scripts/setup.sh first" >&2; exit 1; }
@@ -36,7 +36,7 @@ for ((i = 0; i < ${#args[@]}; i++)); do
         --bind-cores) BIND=(--bind-cores) ;;
     esac
 done
-DIR="benchmarks/results/calibrated_$NAME"
+DIR="benchmarks/results/simulator_check"
 mkdir -p "$DIR"
 launch() { horovodrun -np "$NP" -H "localhost:$NP" --gloo "$PY" "$@"; }
 
@@ -52,4 +52,4 @@ launch -m benchmarks.iteration_time --model "$MODEL" --threads 1 "$@" --out "$DI
 profile 4/5 profile_after.json
 echo "[simulator_check] 5/5 predictions vs measurements ($(date -u +%H:%M:%S))"
 "$PY" -m benchmarks.simulator_check "$DIR/iteration_time.json" --profile "$DIR/profile_before.json" "$DIR/profile_after.json" \
-    --perf-model "$DIR/perfmodel.json" --out "simulator_check_$NAME.json"
+    --perf-model "$DIR/perfmodel.json" --out simulator_check.json

@@ -317,7 +317,7 @@ def simulator_check(path: Path, d: Dict[str, Any]) -> List[str]:
         lines += [f"Largest error: {d['largest_abs_error']:.1%}.", ""]
     return lines + command_block(d, "benchmarks.simulator_check",
                                  "python -m benchmarks.simulator_check benchmarks/results/iteration_time.json") + [
-        "`bash benchmarks/simulator_check.sh NAME [iteration_time args]` fits the performance models, profiles, "
+        "`bash benchmarks/simulator_check.sh [iteration_time args]` fits the performance models, profiles, "
         "measures and predicts back to back, so that the machine's drift stays out of the comparison.", ""]
 
 

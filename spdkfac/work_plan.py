@@ -23,7 +23,7 @@ from .fusion.planner import Plan, plan_groups
 from .perfmodels import PerfModel
 from .placement import ALL, Assignment, PlacementPlan, balance_by_cost, place, preconditioning_cost
 
-__all__ = ["LayerShape", "WorkPlan", "fusion_groups", "overlaps_preconditioning", "ALL"]
+__all__ = ["LayerShape", "WorkPlan", "fusion_groups", "group_launch_times", "overlaps_preconditioning", "ALL"]
 
 
 def fusion_groups(
@@ -47,6 +47,19 @@ def fusion_groups(
     """
     times = list(itertools.accumulate(ready, max)) if pipelining else [0.0] * len(sizes)
     return plan_groups(policy, times, sizes, alpha, beta, threshold_bytes, element_size=element_size)
+
+
+def group_launch_times(groups: Plan, ready: Sequence[float], pipelining: bool, backward_end: float) -> List[float]:
+    """When each fusion group of :func:`fusion_groups` is all-reduced.
+
+    With pipelining, as soon as its last member is ready (no earlier than
+    any earlier factor, as in :func:`fusion_groups`); without, all after the
+    backward pass (``backward_end``).
+    """
+    if not pipelining:
+        return [backward_end] * len(groups)
+    times = list(itertools.accumulate(ready, max))
+    return [times[group[-1]] for group in groups]
 
 
 def overlaps_preconditioning(enabled: bool, precondition: bool, workers: int, inverse_step: bool) -> bool:

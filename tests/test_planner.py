@@ -1,7 +1,7 @@
 """Fusion planner (Eq. 15) on hand-computed cases."""
 import pytest
 
-from spdkfac.fusion.planner import plan_groups, plan_naive, plan_optimal, plan_threshold, simulate_plan
+from spdkfac.fusion.planner import plan_groups, plan_naive, plan_optimal, plan_threshold, serve_in_order, simulate_plan
 
 READY = [1.0, 2.0, 3.0, 4.0, 5.0]
 SIZES = [100, 100, 100, 100, 100]
@@ -47,3 +47,15 @@ def test_bad_input():
         plan_optimal([2.0, 1.0], [1, 1], 1.0, 1.0)
     with pytest.raises(ValueError, match="fusion must be one of"):
         plan_groups("bogus", READY, SIZES, 1.0, 1.0)
+
+
+def test_serve_in_order_is_one_engine_queue():
+    """Each launch starts when made and the previous one is done, in the order given (not re-sorted)."""
+    assert serve_in_order([(0.0, 10), (1.0, 10), (50.0, 5)], lambda m: 2.0 + m) == [12.0, 24.0, 57.0]
+    assert serve_in_order([(5.0, 1), (0.0, 1)], lambda m: 1.0) == [6.0, 7.0]
+    assert serve_in_order([], lambda m: 1.0) == []
+    # simulate_plan is that queue over a plan's groups (launched at their last member's readiness).
+    ready, sizes = [0.5, 1.0, 3.0, 3.2, 6.0], [100, 50, 300, 10, 20]
+    plan = [[0, 1], [2, 3], [4]]
+    ends = serve_in_order([(ready[g[-1]], sum(sizes[i] for i in g)) for g in plan], lambda m: 1.5 + 0.01 * m)
+    assert simulate_plan(plan, ready, sizes, 1.5, 0.01)[0] == ends[-1] == pytest.approx(10.3)

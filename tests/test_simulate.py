@@ -2,7 +2,13 @@
 import pytest
 
 from spdkfac.perfmodels import PerfModel
-from spdkfac.simulate import ScaledModels, predict
+from spdkfac.simulate import Profile, ScaledModels, profile_from_dict
+from spdkfac.simulate import predict as simulate_predict
+
+
+def predict(profile, *args, **kwargs):
+    """The simulator's predict; the tests build profiles as JSON objects (unversioned, as older files), read here."""
+    return simulate_predict(profile if isinstance(profile, Profile) else profile_from_dict(profile), *args, **kwargs)
 
 
 def _profile(n_layers=6, dim=256):
@@ -246,21 +252,21 @@ def test_averaged_profiles_predict_the_mean_workload():
     late["forward"], late["backward"] = 0.09, 0.16
     late["factors"] = [dict(f, ready=2 * f["ready"], compute=3 * f["compute"]) for f in late["factors"]]
     late["precondition"] = [dict(p, seconds=p["seconds"] + 0.004) for p in late["precondition"]]
-    mean = average_profiles([early, late])
-    assert mean["forward"] == pytest.approx(0.08) and mean["backward"] == pytest.approx(0.14)
-    assert mean["sgd_forward_backward"] == pytest.approx(0.25)
-    assert [f["ready"] for f in mean["factors"]] == pytest.approx([1.5 * f["ready"] for f in early["factors"]])
-    assert [f["compute"] for f in mean["factors"]] == pytest.approx([2 * f["compute"] for f in early["factors"]])
-    assert [p["seconds"] for p in mean["precondition"]] == pytest.approx([p["seconds"] + 0.002 for p in early["precondition"]])
+    mean = average_profiles([profile_from_dict(early), profile_from_dict(late)])
+    assert mean.forward == pytest.approx(0.08) and mean.backward == pytest.approx(0.14)
+    assert mean.sgd_forward_backward == pytest.approx(0.25)
+    assert [f.ready for f in mean.factors] == pytest.approx([1.5 * f["ready"] for f in early["factors"]])
+    assert [f.compute for f in mean.factors] == pytest.approx([2 * f["compute"] for f in early["factors"]])
+    assert [p.seconds for p in mean.precondition] == pytest.approx([p["seconds"] + 0.002 for p in early["precondition"]])
     assert early["forward"] == 0.07 and early["factors"][0]["ready"] == 0.01  # the inputs are left as they were
     perf = _perf()
     for variant in ("sgd", "spdkfac", "spdkfac-dp"):  # the simulator is linear in these times when nothing overlaps
         both = [predict(p, perf, 2, variant, contention=True)["iteration"] for p in (early, late)]
         assert predict(mean, perf, 2, variant, contention=True)["iteration"] == pytest.approx(sum(both) / 2, rel=0.05)
     with pytest.raises(ValueError, match="resolution"):
-        average_profiles([early, dict(late, resolution=16)])
+        average_profiles([profile_from_dict(early), profile_from_dict(dict(late, resolution=16))])
     with pytest.raises(ValueError, match="different factors"):
-        average_profiles([early, dict(late, factors=late["factors"][:-1])])
+        average_profiles([profile_from_dict(early), profile_from_dict(dict(late, factors=late["factors"][:-1]))])
 
 
 def test_sgd_gradient_wait_is_the_measured_one_at_the_profiled_worker_count():
@@ -311,9 +317,9 @@ def test_single_process_profile_times_every_inversion_and_predict_charges_them()
     from spdkfac.simulate import measure_profile
 
     prof = measure_profile("cifar_resnet20", resolution=8, batch_size=2, iters=1)
-    assert prof["comm_workers"] == 1 and prof["engine_warmed"] is False
-    assert all(f["invert"] > 0 for f in prof["factors"])
-    stage = sum(f["invert"] + f["unpack"] for f in prof["factors"])
+    assert prof.comm_workers == 1 and prof.engine_warmed is False
+    assert all(f.invert > 0 for f in prof.factors)
+    stage = sum(f.invert + f.unpack for f in prof.factors)
     for perf in (PerfModel.default(), _perf()):  # whatever the fit says, the measured inversions are charged
         assert predict(prof, perf, 1, "dkfac")["InverseComp"] == pytest.approx(stage)
 

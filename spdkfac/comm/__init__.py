@@ -6,10 +6,11 @@ from typing import Union
 
 from .base import CommBackend, CompletedHandle, Handle, SingleProcessBackend
 from .device import DEVICE_CHOICES, local_rank, local_rank_and_size, worker_device
+from .inprocess import InProcessBackend, InProcessGroup, run_ranks
 
 __all__ = [
     "CommBackend", "Handle", "CompletedHandle", "SingleProcessBackend", "get_backend", "detect_launcher",
-    "local_rank", "local_rank_and_size", "worker_device", "DEVICE_CHOICES",
+    "local_rank", "local_rank_and_size", "worker_device", "DEVICE_CHOICES", "InProcessBackend", "InProcessGroup", "run_ranks",
 ]
 
 _HOROVOD_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_GLOO_RENDEZVOUS_ADDR")

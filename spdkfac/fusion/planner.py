@@ -8,7 +8,7 @@ last member is ready.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 __all__ = [
     "FUSION_POLICIES",
@@ -19,6 +19,7 @@ __all__ = [
     "plan_naive",
     "plan_groups",
     "simulate_plan",
+    "serve_in_order",
 ]
 
 FUSION_POLICIES = ("optimal", "threshold", "layerwise", "naive")
@@ -129,19 +130,34 @@ def plan_groups(
     raise ValueError(f"fusion must be one of {FUSION_POLICIES}, got {policy!r}")
 
 
+def serve_in_order(launches: Sequence[Tuple[float, int]], cost: Callable[[int], float]) -> List[float]:
+    """End time of each launch ``(time, elements)`` on one communication engine, served in the given order.
+
+    The one queue model of the planner and the simulator: a launch starts
+    when it is made and the engine has finished the previous one, and takes
+    ``cost(elements)`` (``alpha + beta*m`` for an all-reduce).
+    """
+    ends: List[float] = []
+    free = 0.0
+    for at, elements in launches:
+        free = max(free, at) + cost(elements)
+        ends.append(free)
+    return ends
+
+
 def simulate_plan(
     plan: Plan, ready_times: Sequence[float], sizes: Sequence[int], alpha: float, beta: float
 ) -> Tuple[float, float]:
     """Predicted (communication end, non-overlapped communication) of a plan.
 
-    Communication runs one group at a time; a group starts once its last
-    member is ready and the engine is free. The non-overlapped part is how far
-    communication runs past the last factor's readiness.
+    Communication runs one group at a time (:func:`serve_in_order`); a group
+    starts once its last member is ready and the engine is free. The
+    non-overlapped part is how far communication runs past the last factor's
+    readiness.
     """
     _check(ready_times, sizes)
-    comm_free = 0.0
-    for group in plan:
-        start = max(ready_times[group[-1]], comm_free)
-        comm_free = start + alpha + beta * sum(sizes[i] for i in group)
+    launches = [(ready_times[group[-1]], sum(sizes[i] for i in group)) for group in plan]
+    ends = serve_in_order(launches, lambda m: alpha + beta * m)
+    comm_free = ends[-1] if ends else 0.0
     last_ready = ready_times[-1] if ready_times else 0.0
     return comm_free, max(0.0, comm_free - last_ready)

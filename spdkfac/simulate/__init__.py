@@ -1,0 +1,62 @@
+"""Predict iteration time and its breakdown at any worker count (D-KFAC, MPD-KFAC, SPD-KFAC, ...).
+
+Two steps::
+
+    python -m spdkfac.simulate profile --model resnet50 --resolution 32 --batch-size 4 --out profile.json
+    python -m spdkfac.simulate predict --profile profile.json --perf-model perfmodels/x.json --workers 2 4 8 64
+
+``profile`` measures one worker (launch it with the job's launcher so that all
+workers profile at once and share the machine as in training): forward and backward time, when each
+factor becomes ready and how long it took, gradient sizes, and the time of the
+rest of ``step()``. ``predict`` replays the decisions the optimizer makes, with
+the optimizer's own functions (:mod:`spdkfac.work_plan`): factor groups from
+:func:`~spdkfac.work_plan.fusion_groups` (launched when their last member is
+ready, or after backward without pipelining), gradient all-reduces launched as
+each layer's backward finishes, one communication engine serving launches in
+order with ``t(m) = alpha + beta*m`` (:func:`spdkfac.fusion.planner.serve_in_order`),
+then the inversion stage's makespan from :class:`~spdkfac.work_plan.WorkPlan`
+(planned with the fitted inversion model, as the optimizer plans; charged at
+the ratio of the profile's measured inversions to that model), with each rank's
+packing work (the profile's per-factor unpack and pack times). On steps that
+keep the inverses, variants with ``overlap_preconditioning`` hide up to their
+preconditioning time of the gradient wait, and on such steps that update the
+factors what remains of it hides the factor wait too. Variants may carry changes
+(``'spdkfac:overlap_preconditioning=false'``, see :func:`spdkfac.variants.variant_config`).
+
+Scaling to P workers: the fitted file holds costs at its own world size W.
+All-reduce costs are scaled by the ring factor ``(P-1)/P`` relative to W's
+(alpha by ``(P-1)/(W-1)``), broadcasts by ``ceil(log2 P)/ceil(log2 W)`` (a
+tree). ``--contention`` models machines where communication needs the same
+cores as computation (CPU workers with no spare core): nothing overlaps, and
+forward+backward (with the factor work in it) is slowed by the ratio the
+profile measured for plain-SGD passes with their real gradient all-reduces
+(Horovod's background thread and the copies cost CPU time throughout the
+backward pass, far more than the all-reduce model's transfer time).
+
+Layout: ``profile_file`` (the typed, versioned :class:`Profile`; the one
+upgrade of unversioned files), ``profiling`` (measuring one), ``scaling``
+(:class:`ScaledModels`), ``prediction`` (:func:`predict`: costs on top of
+:mod:`spdkfac.work_plan`'s decisions) and ``cli`` (this command line).
+"""
+
+from .cli import DEFAULT_VARIANTS, main
+from .prediction import PARTS, predict
+from .profile_file import (
+    FORMAT_VERSION,
+    PROFILE_FIELDS,
+    FactorProfile,
+    LayerPreconditionProfile,
+    Profile,
+    average_profiles,
+    load_profiles,
+    profile_from_dict,
+    upgrade_unversioned,
+)
+from .profiling import measure_profile
+from .scaling import ScaledModels
+
+__all__ = [
+    "measure_profile", "average_profiles", "load_profiles", "predict", "ScaledModels", "PARTS", "DEFAULT_VARIANTS", "main",
+    "Profile", "FactorProfile", "LayerPreconditionProfile", "FORMAT_VERSION", "PROFILE_FIELDS", "profile_from_dict",
+    "upgrade_unversioned",
+]

@@ -1,0 +1,113 @@
+"""The command line: ``python -m spdkfac.simulate profile|predict ...`` (the package docstring is its help)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import warnings
+from typing import Dict, List, Optional
+
+from ..affinity import add_bind_cores_option, bind_cores_if_asked
+from ..comm import detect_launcher, get_backend
+from ..host_memory import retain_freed_memory
+from ..perfmodels import PerfModel, PerfModelError
+from ..variants import variant_argv, variant_config
+from .prediction import PARTS, predict
+from .profile_file import load_profiles
+from .profiling import measure_profile
+
+__all__ = ["main", "DEFAULT_VARIANTS"]
+
+DEFAULT_VARIANTS = ("sgd", "dkfac", "mpdkfac", "spdkfac")  # what `predict` predicts without --variants
+
+
+def _parser() -> argparse.ArgumentParser:
+    from . import __doc__ as description
+
+    ap = argparse.ArgumentParser(prog="python -m spdkfac.simulate", description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("profile", help="measure a per-layer compute profile (under the job's launcher: every worker at once)")
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--resolution", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--iters", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
+    add_bind_cores_option(p)
+    p.add_argument("--out", required=True)
+    q = sub.add_parser("predict", help="predict iteration times from a profile and a performance model")
+    q.add_argument("--profile", required=True, nargs="+", help="one profile, or several to average (e.g. taken before and after)")
+    q.add_argument("--perf-model", required=True)
+    q.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
+    q.add_argument("--variants", nargs="*", action="extend", default=None, help=f"default: {' '.join(DEFAULT_VARIANTS)}")
+    q.add_argument("--contention", action="store_true", help="communication cannot overlap computation (CPU workers, no spare core)")
+    q.add_argument("--update-freq", type=int, nargs=2, default=[1, 1])
+    q.add_argument("--json", default=None, help="also write the predictions here")
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(variant_argv(sys.argv[1:] if argv is None else argv))
+    warnings.filterwarnings("ignore")
+    return _profile(args) if args.cmd == "profile" else _predict(args)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    """Under a launcher, every worker profiles at once, so the profile sees the same sharing of cores and
+    memory bandwidth as a real run (and the SGD passes the real gradient all-reduces); rank 0 writes it."""
+    for flag, value in (("--resolution", args.resolution), ("--batch-size", args.batch_size), ("--iters", args.iters),
+                        ("--threads", args.threads)):
+        if value < 1:
+            print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
+    cores = bind_cores_if_asked(args)
+    comm = get_backend("auto") if detect_launcher() != "single" else None  # the launcher detection of spdkfac.comm
+    rank, workers = (comm.rank, comm.size) if comm is not None else (0, 1)
+    if workers == 1:
+        comm = None
+    retained = retain_freed_memory()  # profile under the training job's allocator settings
+    prof = measure_profile(args.model, args.resolution, args.batch_size, args.iters, args.threads, comm)
+    prof = dataclasses.replace(prof, concurrent_workers=workers, retained_freed_memory=retained,
+                               bound_cores=None if cores is None else tuple(cores))
+    if rank != 0:
+        return 0
+    prof.save(args.out)
+    print(f"profile of {args.model}: forward {prof.forward*1e3:.1f} ms, backward {prof.backward*1e3:.1f} ms, "
+          f"{len(prof.factors)} factors; wrote {args.out}")
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    impossible = [f"--workers {w}" for w in args.workers if w < 1]
+    factor_freq, inv_freq = args.update_freq
+    if factor_freq < 1 or inv_freq < 1 or inv_freq % factor_freq:
+        impossible.append(f"--update-freq {factor_freq} {inv_freq} (both >= 1, the second a multiple of the first)")
+    if impossible:
+        print(f"error: impossible arguments: {', '.join(impossible)}", file=sys.stderr)
+        return 2
+    try:
+        prof = load_profiles(args.profile)
+        perf = PerfModel.load(args.perf_model)
+    except (ValueError, OSError, PerfModelError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    variants = args.variants or list(DEFAULT_VARIANTS)
+    for v in variants:
+        try:
+            variant_config(v)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    out: Dict[str, Dict[str, float]] = {}
+    print(f"{'workers':>7} {'variant':<10} {'iter (ms)':>10} " + " ".join(f"{k:>11}" for k in PARTS))
+    for w in args.workers:
+        for v in variants:
+            r = predict(prof, perf, w, v, args.contention, (factor_freq, inv_freq))
+            out[f"{w}:{v}"] = r
+            print(f"{w:>7} {v:<10} {r['iteration']*1e3:10.1f} " + " ".join(f"{r[k]*1e3:11.1f}" for k in PARTS))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"profile": args.profile, "perf_model": args.perf_model, "contention": args.contention,
+                       "predictions": out}, fh, indent=1)
+    return 0

@@ -1,0 +1,252 @@
+"""Predicted iteration time and its breakdown: the optimizer's decisions plus the profile's costs.
+
+Every decision is the optimizer's own function from :mod:`spdkfac.work_plan`
+(fusion groups and their launch times, the inversion placement, who
+preconditions each layer, when preconditioning overlaps the gradient
+all-reduces); communication runs on one engine queue
+(:func:`spdkfac.fusion.planner.serve_in_order`). This module only adds the
+costs: the profile's measured times and the fitted models at P workers.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+
+from ..fusion import DEFAULT_THRESHOLD_BYTES
+from ..fusion.planner import serve_in_order
+from ..linalg import triangle_size
+from ..perfmodels import PerfModel
+from ..placement import ALL, PlacementPlan
+from ..variants import variant_config
+from ..work_plan import LayerShape, WorkPlan, fusion_groups, group_launch_times, overlaps_preconditioning
+from .profile_file import FactorProfile, LayerPreconditionProfile, Profile
+from .scaling import ScaledModels
+
+__all__ = ["predict", "PARTS"]
+
+PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"]
+
+
+def predict(profile: Profile, perf: PerfModel, workers: int, variant: str, contention: bool = False,
+            update_freq: Tuple[int, int] = (1, 1)) -> Dict[str, float]:
+    """Predicted seconds per iteration and its breakdown (:data:`PARTS`) for ``variant`` on ``workers`` workers."""
+    if not isinstance(profile, Profile):  # callers from before typed profiles passed the file's dict
+        raise TypeError(f"predict takes a Profile (load_profiles or profile_from_dict), got {type(profile).__name__}")
+    m = ScaledModels(perf, workers)
+    cfg = variant_config(variant)
+    fwd, bwd = profile.forward, profile.backward
+    facs = profile.factors
+    kfac = bool(cfg.get("precondition", True))
+    f_freq, i_freq = update_freq
+    f_share = 1.0 / f_freq if kfac else 0.0
+    i_share = 1.0 / i_freq if kfac else 0.0
+    factor_compute = sum(f.compute for f in facs)
+    compute = fwd + bwd - factor_compute
+    inflation = 1.0  # how much concurrent communication slows forward+backward (CPU workers)
+    if contention and workers > 1 and profile.comm_workers > 1:
+        if profile.sgd_forward_backward is None:
+            raise ValueError("this profile has no plain-SGD pass time to model contention with; re-run `spdkfac.simulate profile`")
+        inflation = max(1.0, profile.sgd_forward_backward / compute)
+    grad_blocked, factor_blocked = _blocked_communication(profile, cfg, m, contention)
+    plan = WorkPlan.make(_layer_shapes(profile), workers, m.scaled, cfg["placement"], cfg.get("compute_method", "inverse"),
+                         bool(cfg.get("distribute_preconditioning", False))) if kfac else None
+    inverse_comp = inverse_comm = 0.0
+    if plan is not None:
+        inverse_comp, inverse_comm = _inversion_stage(plan, facs, m)
+    parts = {
+        # The profile computes factors in every pass; they are charged once, as FactorComp, at their share.
+        "FF&BP": compute * inflation,
+        "GradComm": grad_blocked if workers > 1 else 0.0,
+        "FactorComp": factor_compute * f_share * inflation,
+        "FactorComm": factor_blocked * f_share,
+        "InverseComp": inverse_comp * i_share,
+        "InverseComm": inverse_comm * i_share,
+        "Other": profile.step_other if kfac else _sgd_step(profile),
+    }
+    if not kfac and workers > 1 and profile.comm_workers == workers:
+        # At the profiled worker count, plain SGD's gradient wait was measured with the real all-reduces;
+        # profiles from before it was recorded apart hold it inside sgd_step (their sgd_grad_wait is 0).
+        parts["GradComm"] = profile.sgd_grad_wait
+    if kfac:
+        # Unpacking that older profiles timed only in total: every factor once, on every rank (0 otherwise).
+        parts["InverseComp"] += profile.untimed_unpack * i_share
+    if plan is not None and workers > 1 and plan.preconditioners:
+        parts["Other"] += _distributed_precondition_change(profile, plan, m, contention)
+    grad_share, factor_share = _overlap_shares(bool(cfg.get("overlap_preconditioning", True)), kfac, workers, f_share, i_share)
+    if not contention and (grad_share or factor_share):
+        # On steps that keep the inverses, the preconditioning of the layers whose gradients have arrived
+        # runs while the rest are still averaged: the blocked wait shrinks by up to this rank's preconditioning.
+        busy = _preconditioning_busy(profile, plan)
+        hidden = min(parts["GradComm"], busy)
+        parts["GradComm"] -= hidden * grad_share
+        # Factor steps that keep the inverses precondition before waiting for the factor all-reduces, so what
+        # is left of the preconditioning hides factor communication too (inverse steps are factor steps).
+        parts["FactorComm"] -= min(factor_blocked, busy - hidden) * factor_share
+    return {"iteration": sum(parts.values()), **parts}
+
+
+def _sgd_step(profile: Profile) -> float:
+    """The plain-SGD update's seconds (every profile since the first writes it)."""
+    if profile.sgd_step is None:
+        raise ValueError("this profile has no plain-SGD step time (sgd_step); re-run `spdkfac.simulate profile`")
+    return profile.sgd_step
+
+
+def _layer_shapes(profile: Profile) -> List[LayerShape]:
+    """The preconditioned layers in the optimizer's order (``opt.layers``), with their factor dimensions.
+
+    The per-layer preconditioning entries are recorded in that order; older
+    profiles without them give the order the A factors became ready (the
+    same for the models profiled so far).
+    """
+    dims = {f.key: f.dim for f in profile.factors}
+    names = [f.layer for f in profile.factors if f.kind == "A"]
+    recorded = [p.layer for p in profile.precondition]
+    if sorted(recorded) == sorted(names):
+        names = recorded
+    return [LayerShape(name, dims[("A", name)], dims[("G", name)]) for name in names]
+
+
+def _blocked_communication(profile: Profile, cfg: Mapping[str, Any], m: ScaledModels, contention: bool) -> Tuple[float, float]:
+    """Seconds the step waits after backward for (gradient, factor) all-reduces, on one engine queue.
+
+    Gradients are launched as each layer's backward finishes (the rest after
+    backward); factor groups are the optimizer's (:func:`fusion_groups`,
+    with the variant's threshold), launched as :func:`group_launch_times`
+    says. The wait is split between the two by their share of communication.
+    """
+    fwd, bwd = profile.forward, profile.backward
+    kfac = cfg.get("precondition", True)
+    launches: List[Tuple[float, int, str]] = [(fwd + f.ready, f.grad_numel, "grad") for f in profile.factors if f.kind == "G"]
+    launches.append((fwd + bwd, profile.other_grad_numel, "grad"))
+    threshold = int(cfg.get("fusion_threshold_bytes", DEFAULT_THRESHOLD_BYTES))  # the variant's, as the optimizer plans
+    if kfac:
+        for kind, offset in (("A", 0.0), ("G", fwd)):
+            fs = [f for f in profile.factors if f.kind == kind]
+            ready = [offset + f.ready for f in fs]
+            sizes = [triangle_size(f.dim) for f in fs]
+            groups = fusion_groups(cfg["fusion"], cfg["pipelining"], ready, sizes, m.ar_alpha, m.ar_beta, threshold)
+            times = group_launch_times(groups, ready, cfg["pipelining"], fwd + bwd)
+            launches += [(t, sum(sizes[i] for i in g), "factor") for t, g in zip(times, groups)]
+    compute_end = fwd + bwd
+    if m.workers == 1:
+        return 0.0, 0.0
+    launches.sort(key=lambda x: (x[0], x[2] == "factor"))  # the engine serves launches in the order they are made
+
+    def cost(elements: int) -> float:
+        return m.allreduce(elements) if elements else 0.0
+
+    ends = serve_in_order([(t, elements) for t, elements, _ in launches], cost)
+    comm_time = {"grad": 0.0, "factor": 0.0}
+    for _, elements, kind in launches:
+        comm_time[kind] += cost(elements)
+    done = compute_end + comm_time["grad"] + comm_time["factor"] if contention else max(compute_end, ends[-1])
+    blocked = done - compute_end
+    total_comm = comm_time["grad"] + comm_time["factor"]
+    grad_blocked = blocked * comm_time["grad"] / total_comm if total_comm else 0.0
+    return grad_blocked, blocked - grad_blocked
+
+
+def _inversion_stage(plan: WorkPlan, facs: Sequence[FactorProfile], m: ScaledModels) -> Tuple[float, float]:
+    """(computation, wait) seconds of the inversion stage on its critical rank.
+
+    The placement is the optimizer's (planned with the fitted model); an
+    'eigen' variant is planned and costed with the eigen curve and payload.
+    The profile's measured inversions (over fitted) set the charge ratio, and
+    its packing times stand for the eigen buffers'.
+    """
+    workers = plan.workers
+    charged = _charged(plan.inversion, _inverse_scale(facs, m))
+    spans = charged.makespans()
+    comp_extra, recv_extra = _conversions(charged, facs, workers)
+    critical = max(range(workers), key=lambda r: spans[r] + comp_extra[r] + recv_extra[r])
+    own = [a for a in charged.assignments if a.owner in (critical, ALL)]
+    inverse_comp = sum(a.t_comp for a in own)
+    inverse_comm = spans[critical] - inverse_comp + recv_extra[critical]  # the wait includes unpacking what arrived
+    return inverse_comp + comp_extra[critical], inverse_comm
+
+
+def _inverse_scale(facs: Sequence[FactorProfile], m: ScaledModels) -> float:
+    """Measured over fitted inversion time of the profile's factors (1 for profiles that did not time them).
+
+    The fit comes from a separate benchmark process; the profile inverted the
+    same factors inside the job's process (same allocator state, engine warmed
+    by real collectives), which is where the optimizer inverts them.
+    """
+    measured = [f.invert for f in facs]
+    if any(t is None for t in measured):
+        return 1.0
+    fitted = sum(m.inverse(f.dim) for f in facs)
+    return sum(t for t in measured if t is not None) / fitted if fitted > 0 else 1.0
+
+
+def _charged(plan: PlacementPlan, scale: float) -> PlacementPlan:
+    """``plan`` (made with the fitted model, as the optimizer makes it) with its inversions costed at ``scale``."""
+    if scale == 1.0:
+        return plan
+    return PlacementPlan(plan.strategy, plan.world_size, [replace(a, t_comp=a.t_comp * scale) for a in plan.assignments])
+
+
+def _conversions(plan: PlacementPlan, facs: Sequence[FactorProfile], workers: int) -> Tuple[List[float], List[float]]:
+    """Per rank, the packing work of the inversion stage: (before its wait, in its wait), in seconds.
+
+    Before: unpacking the factors it inverts and packing the inverses it
+    broadcasts; in the wait: unpacking the inverses it receives.
+    """
+    comp, recv = [0.0] * workers, [0.0] * workers
+    times: Dict[Hashable, FactorProfile] = {f.key: f for f in facs}
+    for a in plan.assignments:
+        unpack, pack = times[a.key].unpack, times[a.key].pack
+        for r in range(workers):
+            if a.owner in (r, ALL):
+                comp[r] += unpack + (pack if a.owner == r and workers > 1 else 0.0)
+            else:
+                recv[r] += unpack
+    return comp, recv
+
+
+def _overlap_shares(enabled: bool, kfac: bool, workers: int, f_share: float, i_share: float) -> Tuple[float, float]:
+    """Shares of all steps whose preconditioning hides (gradient wait, factor wait), by the optimizer's rule.
+
+    :func:`overlaps_preconditioning` decides per step; steps that keep the
+    inverses are ``1 - i_share`` of all, and ``f_share - i_share`` of all
+    also update the factors (their factor wait can be hidden too).
+    """
+    steps = ((1.0 - i_share, False), (i_share, True))  # (share of all steps, inverse step)
+    grad = sum(share for share, inverse in steps if overlaps_preconditioning(enabled, kfac, workers, inverse))
+    factor = max(0.0, f_share - i_share) if overlaps_preconditioning(enabled, kfac, workers, False) else 0.0
+    return float(grad), factor
+
+
+def _rank_shares(layers: Sequence[LayerPreconditionProfile], plan: WorkPlan) -> List[Tuple[float, int]]:
+    """(preconditioning seconds, result elements) of each rank, with the plan's preconditioning owners."""
+    unknown = [p.layer for p in layers if plan.preconditioner(p.layer) is None]
+    if unknown:
+        raise ValueError(f"the profile's preconditioning times name layers without factors: {unknown}")
+    owners = [plan.preconditioner(p.layer) for p in layers]
+    return [(sum(p.seconds for p, o in zip(layers, owners) if o == r),
+             sum(p.g_dim * p.a_dim for p, o in zip(layers, owners) if o == r)) for r in range(plan.workers)]
+
+
+def _preconditioning_busy(profile: Profile, plan: Optional[WorkPlan]) -> float:
+    """Seconds of preconditioning matmuls on the busiest rank (0 for profiles without per-layer times)."""
+    layers = profile.precondition
+    if plan is None or not plan.preconditioners:
+        return sum(p.seconds for p in layers)
+    return max((seconds for seconds, _ in _rank_shares(layers, plan)), default=0.0)
+
+
+def _distributed_precondition_change(profile: Profile, plan: WorkPlan, m: ScaledModels, contention: bool) -> float:
+    """Seconds the split preconditioning adds to (negative: saves from) the single-worker ``step()``.
+
+    The busiest rank's share replaces the whole preconditioning; the fused
+    broadcasts of the results follow (one per rank; serialized under
+    ``contention``, else the last one is what is waited for).
+    """
+    layers = profile.precondition
+    if not layers:
+        raise ValueError("this profile has no per-layer preconditioning times; re-run `spdkfac.simulate profile`")
+    shares = _rank_shares(layers, plan)
+    broadcasts = [m.broadcast_elements(elements) for _, elements in shares]
+    comm = sum(broadcasts) if contention else max(broadcasts)
+    return max(seconds for seconds, _ in shares) + comm - sum(p.seconds for p in layers)

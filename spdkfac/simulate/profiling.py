@@ -1,0 +1,162 @@
+"""Measuring a profile: one worker's per-layer compute times (``python -m spdkfac.simulate profile``)."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from ..comm import CommBackend
+from ..linalg import invert_spd, pack_upper
+from ..timeline import Timeline
+from .profile_file import FactorProfile, LayerPreconditionProfile, Profile
+
+if TYPE_CHECKING:
+    from .. import SPDKFACOptimizer
+
+__all__ = ["measure_profile"]
+
+
+def measure_profile(model_name: str, resolution: int, batch_size: int, iters: int = 4, threads: int = 1,
+                    comm: Optional[CommBackend] = None) -> Profile:
+    """Per-layer compute profile of one worker (factors every iteration, no factor communication).
+
+    With ``comm`` (the job's engine, several workers), plain-SGD passes with
+    their real gradient all-reduces run first: they record how much
+    communication slows forward+backward on this machine, and they leave the
+    engine as it is during training. Everything after is timed in that state,
+    because an engine that has run collectives costs the cores more while it
+    idles than a fresh one, such as the one the performance models were fitted
+    next to (Horovod's 1 ms background cycle: ~10% of a bound CPU worker's
+    core on the reference machine). That includes the inversion of every
+    factor, which :func:`~spdkfac.simulate.predict` compares with the fitted inversion model.
+    """
+    from .. import SPDKFACOptimizer
+    from ..models import get_model
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = get_model(model_name)
+    x = torch.randn(batch_size, 3, resolution, resolution)
+    y = torch.randint(0, 10, (batch_size,))
+    sgd = _measure_sgd_passes(model, x, y, iters, comm)
+    opt = SPDKFACOptimizer(model, lr=1e-4, backend="single", inv_update_freq=10**6, kl_clip=None, timeline=True, fusion="layerwise")
+    runs: List[Dict[str, float]] = []
+    events: List[Dict[str, Tuple[float, float]]] = []  # per run: factor key -> (ready, compute) seconds
+    for it in range(iters + 2):
+        opt.zero_grad()
+        t0 = time.perf_counter()
+        out = model(x)
+        t1 = time.perf_counter()
+        torch.autograd.backward(nn.functional.cross_entropy(out, y))
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        rec = _timeline(opt).iterations[-1]
+        if it < 2:
+            continue  # warm-up (and the one inversion)
+        run_events = {}
+        for key, ev in rec.factors.items():
+            start = rec.t0 + ev.compute_start
+            end = rec.t0 + ev.compute_end
+            base = t0 if ev.kind == "A" else t1
+            run_events[key] = (end - base, end - start)
+        events.append(run_events)
+        runs.append({"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2 - rec.inverse_stage})
+    # The running averages are kept packed: a rank unpacks each factor it inverts, packs each inverse it
+    # broadcasts and unpacks each inverse it receives. Timed per factor (as a factor; an inverse is the same size),
+    # with its inversion.
+    damping = opt.param_groups[0]["damping"]
+    per_factor: Dict[str, Tuple[float, float, float]] = {}  # factor -> (unpack, pack, invert) seconds
+    for layer in opt.layers:
+        for kind in ("A", "G"):
+            t0 = time.perf_counter()
+            full = layer.factor(kind)
+            t1 = time.perf_counter()
+            if full is None:
+                raise RuntimeError(f"the {kind} factor of {layer.name!r} was never computed while profiling")
+            pack_upper(full)
+            t2 = time.perf_counter()
+            invert_spd(full, damping)
+            per_factor[f"{kind}:{layer.name}"] = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+    # Per-layer preconditioning time, for variants that split it across workers.
+    precondition = []
+    for layer in opt.layers:
+        grad = layer.grad_matrix()
+        if grad is None:
+            raise RuntimeError(f"layer {layer.name!r} has no gradient to precondition while profiling")
+        layer.precondition(grad)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            layer.precondition(grad)
+        precondition.append(LayerPreconditionProfile(layer.name, (time.perf_counter() - t0) / 3, layer.a_dim, layer.g_dim))
+    opt.remove_hooks()
+    n = len(runs)
+    by_name = {layer.name: layer for layer in opt.layers}
+    factors = []
+    for key in events[0]:  # the order the factors became ready
+        kind, name = key.split(":", 1)
+        layer = by_name[name]
+        factors.append(FactorProfile(
+            kind=kind, layer=name, dim=layer.dim(kind),
+            ready=sum(e[key][0] for e in events) / n,
+            compute=sum(e[key][1] for e in events) / n,
+            grad_numel=sum(p.numel() for p in layer.module.parameters() if p.requires_grad) if kind == "G" else 0,
+            unpack=per_factor[key][0], pack=per_factor[key][1], invert=per_factor[key][2],
+        ))
+    covered = {id(p) for layer in opt.layers for p in layer.module.parameters()}
+    return Profile(
+        model=model_name, resolution=resolution, batch_size=batch_size, threads=threads,
+        forward=sum(r["forward"] for r in runs) / n,
+        backward=sum(r["backward"] for r in runs) / n,
+        step_other=sum(r["step"] for r in runs) / n,
+        sgd_step=float(sgd["sgd_step"]), sgd_grad_wait=float(sgd["sgd_grad_wait"]),
+        sgd_forward_backward=float(sgd["sgd_forward_backward"]), comm_workers=int(sgd["comm_workers"]),
+        engine_warmed=comm is not None,  # later parts timed with the engine as it is in training
+        unpack=sum(u for u, _, _ in per_factor.values()),
+        precondition=tuple(precondition),
+        other_grad_numel=sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in covered),
+        factors=tuple(factors),
+    )
+
+
+def _timeline(opt: "SPDKFACOptimizer") -> Timeline:
+    """The optimizer's timeline (the profile builds it with ``timeline=True``)."""
+    if opt.timeline is None:
+        raise RuntimeError("the profiling optimizer records no timeline")
+    return opt.timeline
+
+
+def _measure_sgd_passes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, iters: int,
+                        comm: Optional[CommBackend]) -> Dict[str, Union[float, int]]:
+    """Plain-SGD passes, with the engine's real gradient all-reduces when ``comm`` is given.
+
+    Three times as many as the K-FAC passes: they are short, and their
+    blocked wait (what the simulator charges plain SGD at the profiled worker
+    count) varies from pass to pass by as much as the wait itself.
+    """
+    from .. import SPDKFACOptimizer
+
+    sgd = SPDKFACOptimizer(model, lr=1e-4, backend=comm if comm is not None else "single", precondition=False,
+                           timeline=True)
+    steps, waits, passes = [], [], []
+    for it in range(3 * iters + 1):
+        sgd.zero_grad()
+        t0 = time.perf_counter()
+        torch.autograd.backward(nn.functional.cross_entropy(model(x), y))
+        t1 = time.perf_counter()
+        sgd.step()
+        if it:
+            wait = _timeline(sgd).iterations[-1].grad_wait  # blocked on the gradient all-reduces
+            steps.append(time.perf_counter() - t1 - wait)
+            waits.append(wait)
+            passes.append(t1 - t0)
+    sgd.remove_hooks()
+    sgd.zero_grad()
+    return {
+        "sgd_step": sum(steps) / len(steps),  # the update alone
+        "sgd_grad_wait": sum(waits) / len(waits),  # measured blocked wait, real all-reduces
+        "sgd_forward_backward": sum(passes) / len(passes),  # with gradient all-reduces when comm_workers > 1
+        "comm_workers": sgd.backend.size,
+    }
