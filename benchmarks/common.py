@@ -1,4 +1,5 @@
 """Shared helpers of the benchmark programs: engine, output folder, summary statistics."""
+
 from __future__ import annotations
 
 import argparse
@@ -88,9 +89,15 @@ def stats(samples: Sequence[float]) -> dict[str, float]:
     }
 
 
-def ratio_interval(numerator: Sequence[float], denominator: Sequence[float], paired: bool,
-                   confidence: float = 0.95, resamples: int = 4000, seed: int = 0,
-                   statistic: str = "mean") -> tuple[float, float]:
+def ratio_interval(
+    numerator: Sequence[float],
+    denominator: Sequence[float],
+    paired: bool,
+    confidence: float = 0.95,
+    resamples: int = 4000,
+    seed: int = 0,
+    statistic: str = "mean",
+) -> tuple[float, float]:
     """Bootstrap interval of ``statistic(numerator) / statistic(denominator)`` from per-iteration seconds.
 
     On a noisy machine one iteration of the same work can take 15% more or
@@ -113,6 +120,7 @@ def ratio_interval(numerator: Sequence[float], denominator: Sequence[float], pai
     g = torch.Generator().manual_seed(seed)
     i = torch.randint(num.numel(), (resamples, num.numel()), generator=g)
     j = i if paired else torch.randint(den.numel(), (resamples, den.numel()), generator=g)
+
     def centre(x: torch.Tensor) -> torch.Tensor:
         return x.mean(dim=1) if statistic == "mean" else torch.quantile(x, 0.5, dim=1)  # the midpoint median
 

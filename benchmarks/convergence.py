@@ -23,6 +23,7 @@ forward+backward and step seconds say where the time goes.
 Writes <out>/convergence.json and one PNG per (data, batch size) with test
 accuracy and test loss against epochs and against seconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,7 @@ from spdkfac.affinity import add_bind_cores_option
 from spdkfac.comm import DEVICE_CHOICES, worker_device
 from spdkfac.models import get_model
 from spdkfac.optimizer import NonFiniteError
-from spdkfac.train import _average, _loaders, evaluate, lr_at
+from spdkfac.train import average_over_workers, evaluate, lr_at, make_loaders
 from spdkfac.variants import make_optimizer, variant_argv, variant_config
 
 from .common import RESULTS, log, machine, save_json, start
@@ -58,30 +59,46 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", nargs="+", default=["mnist5k"], choices=DATA)
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[256], help="per-worker batch sizes")
-    ap.add_argument("--optimizers", nargs="*", action="extend", default=None,
-                    help="variant names of spdkfac.variants (default: sgd spdkfac), or name:key=value,... "
-                         "(e.g. spdkfac:factor_update_freq=10,inv_update_freq=10)")
+    ap.add_argument(
+        "--optimizers",
+        nargs="*",
+        action="extend",
+        default=None,
+        help="variant names of spdkfac.variants (default: sgd spdkfac), or name:key=value,... "
+        "(e.g. spdkfac:factor_update_freq=10,inv_update_freq=10)",
+    )
     ap.add_argument("--epochs", type=int, default=20)
-    ap.add_argument("--lr-grid", nargs="+", default=[],
-                    help="base LRs per worker (scaled by the number of workers): plain numbers for every optimizer, "
-                         f"OPT=lr,lr,... for one (OPT: a variant name or an exact --optimizers entry); "
-                         f"default {','.join(map(str, DEFAULT_LR_GRID))}")
-    ap.add_argument("--interleave", action="store_true",
-                    help="hold all runs of a (data, batch size) at once and alternate their epochs, so that a shared "
-                         "machine's changing load slows every optimizer alike (fairer seconds; more memory)")
+    ap.add_argument(
+        "--lr-grid",
+        nargs="+",
+        default=[],
+        help="base LRs per worker (scaled by the number of workers): plain numbers for every optimizer, "
+        f"OPT=lr,lr,... for one (OPT: a variant name or an exact --optimizers entry); "
+        f"default {','.join(map(str, DEFAULT_LR_GRID))}",
+    )
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="hold all runs of a (data, batch size) at once and alternate their epochs, so that a shared "
+        "machine's changing load slows every optimizer alike (fairer seconds; more memory)",
+    )
     ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="model-initialisation and shuffling seeds")
     ap.add_argument("--split-seed", type=int, default=42, help="seed of the fixed train/test split")
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--weight-decay", type=float, default=5e-4)
     ap.add_argument("--warmup-epochs", type=float, default=1.0)
     ap.add_argument("--damping", type=float, default=0.003, help="Tikhonov damping (the paper's and spdkfac.train's default)")
-    ap.add_argument("--kl-clip", type=float, default=None,
-                    help="KL-clip bound (default as spdkfac.train: 1e-4 on digits, the paper's 1e-3 otherwise)")
+    ap.add_argument(
+        "--kl-clip", type=float, default=None, help="KL-clip bound (default as spdkfac.train: 1e-4 on digits, the paper's 1e-3 otherwise)"
+    )
     ap.add_argument("--factor-decay", type=float, default=0.95)
     ap.add_argument("--factor-update-freq", type=int, default=1)
     ap.add_argument("--inv-update-freq", type=int, default=1)
-    ap.add_argument("--perf-model", default="perfmodels/reference-cpu-gloo-2.json",
-                    help="fitted performance model for SPD-KFAC's fusion and placement ('none': profile only)")
+    ap.add_argument(
+        "--perf-model",
+        default="perfmodels/reference-cpu-gloo-2.json",
+        help="fitted performance model for SPD-KFAC's fusion and placement ('none': profile only)",
+    )
     ap.add_argument("--device", default="cpu", choices=DEVICE_CHOICES)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
     add_bind_cores_option(ap)
@@ -171,7 +188,7 @@ def schedule(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def train_run(args, backend, device, data: str, loaders, spec: str, base_lr: float, seed: int) -> dict[str, Any]:
-    """One training run on ``loaders`` (spdkfac.train._loaders's answer); per-epoch metrics, identical on every worker.
+    """One training run on ``loaders`` (spdkfac.train.make_loaders's answer); per-epoch metrics, identical on every worker.
 
     Stops early if it diverges (non-finite values or loss).
     """
@@ -181,8 +198,9 @@ def train_run(args, backend, device, data: str, loaders, spec: str, base_lr: flo
     return last
 
 
-def train_epochs(args, backend, device, data: str, loaders, spec: str, base_lr: float, seed: int,
-                 label: str = "") -> Iterator[dict[str, Any]]:
+def train_epochs(
+    args, backend, device, data: str, loaders, spec: str, base_lr: float, seed: int, label: str = ""
+) -> Iterator[dict[str, Any]]:
     """:func:`train_run` one epoch at a time: yields the run's record (updated in place) after each epoch.
 
     Runs may alternate epochs (``--interleave``): each epoch sets the shared
@@ -195,8 +213,9 @@ def train_epochs(args, backend, device, data: str, loaders, spec: str, base_lr: 
     model = get_model(model_name, num_classes=num_classes).to(device)
     peak = base_lr * size
     lr = peak
-    opt = make_optimizer(spec, model, lr=peak, momentum=args.momentum, weight_decay=args.weight_decay, backend=backend,
-                         **optimizer_kwargs(spec, args, data))
+    opt = make_optimizer(
+        spec, model, lr=peak, momentum=args.momentum, weight_decay=args.weight_decay, backend=backend, **optimizer_kwargs(spec, args, data)
+    )
     sched = schedule(args)
     steps = len(train_loader)
     epochs: list[dict[str, Any]] = []
@@ -234,18 +253,31 @@ def train_epochs(args, backend, device, data: str, loaders, spec: str, base_lr: 
             loss_sum += float(loss.detach()) * len(y)
             count += len(y)
         epoch_s = time.perf_counter() - t_epoch
-        loss_sum, count, epoch_s, fwdbwd, step_s, failed = _average(
-            backend, [loss_sum, count, epoch_s, fwdbwd, step_s, failed], "convergence.train", device)
+        loss_sum, count, epoch_s, fwdbwd, step_s, failed = average_over_workers(
+            backend, [loss_sum, count, epoch_s, fwdbwd, step_s, failed], "convergence.train", device
+        )
         if failed:
             diverged = diverged or f"epoch {epoch + 1}: non-finite values on a worker"
             break
         seconds += epoch_s
         test_loss, test_acc = evaluate(model, test_loader, backend, device)
-        row = {"epoch": epoch + 1, "train_loss": loss_sum / max(count, 1), "test_loss": test_loss, "test_acc": test_acc,
-               "epoch_s": epoch_s, "seconds": seconds, "fwdbwd_s": fwdbwd, "step_s": step_s, "lr": lr}
+        row = {
+            "epoch": epoch + 1,
+            "train_loss": loss_sum / max(count, 1),
+            "test_loss": test_loss,
+            "test_acc": test_acc,
+            "epoch_s": epoch_s,
+            "seconds": seconds,
+            "fwdbwd_s": fwdbwd,
+            "step_s": step_s,
+            "lr": lr,
+        }
         epochs.append(row)
-        log(rank, f"    {label}epoch {epoch + 1:3d}/{args.epochs}  train loss {row['train_loss']:.4f}  test loss {test_loss:.4f} "
-                  f"acc {test_acc:.4f}  {epoch_s:6.2f} s (fwd+bwd {fwdbwd:.2f}, step {step_s:.2f})  total {seconds:7.1f} s")
+        log(
+            rank,
+            f"    {label}epoch {epoch + 1:3d}/{args.epochs}  train loss {row['train_loss']:.4f}  test loss {test_loss:.4f} "
+            f"acc {test_acc:.4f}  {epoch_s:6.2f} s (fwd+bwd {fwdbwd:.2f}, step {step_s:.2f})  total {seconds:7.1f} s",
+        )
         if not all(math.isfinite(row[k]) for k in ("train_loss", "test_loss")):
             diverged = f"epoch {epoch + 1}: non-finite loss"
             break
@@ -291,14 +323,17 @@ def summarise(setting: dict[str, Any], optimizers: list[str]) -> None:
         res = setting["optimizers"][spec]
         best = max(res["lr_grid"], key=lambda lr: score(res["lr_grid"][lr]["curve"]))
         curve = res["lr_grid"][best]["curve"]
-        res.update(chosen_lr=float(best), curve=curve,
-                   best_test_acc=max((r["test_acc"] for r in curve), default=None),
-                   final_test_loss=curve[-1]["test_loss"] if curve else None,
-                   final_test_acc=curve[-1]["test_acc"] if curve else None,
-                   diverged=res["lr_grid"][best]["diverged"],
-                   mean_epoch_s=statistics.fmean(r["epoch_s"] for r in curve) if curve else None,
-                   mean_fwdbwd_s=statistics.fmean(r["fwdbwd_s"] for r in curve) if curve else None,
-                   mean_step_s=statistics.fmean(r["step_s"] for r in curve) if curve else None)
+        res.update(
+            chosen_lr=float(best),
+            curve=curve,
+            best_test_acc=max((r["test_acc"] for r in curve), default=None),
+            final_test_loss=curve[-1]["test_loss"] if curve else None,
+            final_test_acc=curve[-1]["test_acc"] if curve else None,
+            diverged=res["lr_grid"][best]["diverged"],
+            mean_epoch_s=statistics.fmean(r["epoch_s"] for r in curve) if curve else None,
+            mean_fwdbwd_s=statistics.fmean(r["fwdbwd_s"] for r in curve) if curve else None,
+            mean_step_s=statistics.fmean(r["step_s"] for r in curve) if curve else None,
+        )
     ref = next((o for o in optimizers if variant_config(o).get("precondition", True) is False), optimizers[0])
     target = setting["optimizers"][ref]["best_test_acc"]
     setting["reference"], setting["target_test_acc"] = ref, target
@@ -307,11 +342,17 @@ def summarise(setting: dict[str, Any], optimizers: list[str]) -> None:
     for spec in optimizers:
         res = setting["optimizers"][spec]
         e, s = reach(res["curve"], target) if target is not None else (None, None)
-        res.update(epochs_to_target=e, seconds_to_target=s,
-                   epochs_ratio=e / ref_epochs if e is not None and ref_epochs else None,
-                   seconds_ratio=s / ref_secs if s is not None and ref_secs else None,
-                   final_test_loss_ratio=(res["final_test_loss"] / ref_res["final_test_loss"]
-                                          if res["final_test_loss"] is not None and ref_res["final_test_loss"] else None))
+        res.update(
+            epochs_to_target=e,
+            seconds_to_target=s,
+            epochs_ratio=e / ref_epochs if e is not None and ref_epochs else None,
+            seconds_ratio=s / ref_secs if s is not None and ref_secs else None,
+            final_test_loss_ratio=(
+                res["final_test_loss"] / ref_res["final_test_loss"]
+                if res["final_test_loss"] is not None and ref_res["final_test_loss"]
+                else None
+            ),
+        )
 
 
 def plot(setting: dict[str, Any], path: Path, world_size: int) -> Path:
@@ -342,8 +383,9 @@ def plot(setting: dict[str, Any], path: Path, world_size: int) -> Path:
     handles, labels = axes[0][0].get_legend_handles_labels()  # one legend for all four panels, below them
     rows = len(labels)
     fig.legend(handles, labels, loc="lower center", ncol=1 if rows <= 3 else 2, fontsize=8, frameon=False)
-    fig.suptitle(f"{setting['data']}: batch {setting['batch_size']}/worker x {world_size} workers "
-                 f"({setting['steps_per_epoch']} steps/epoch)")
+    fig.suptitle(
+        f"{setting['data']}: batch {setting['batch_size']}/worker x {world_size} workers ({setting['steps_per_epoch']} steps/epoch)"
+    )
     legend_rows = rows if rows <= 3 else -(-rows // 2)
     fig.tight_layout(rect=(0, 0.03 + 0.03 * legend_rows, 1, 1))
     fig.savefig(path, dpi=110)
@@ -362,19 +404,25 @@ def _fmt(x: float | None, spec: str) -> str:
 def table(result: dict[str, Any]) -> str:
     """The results as text: one line per (data, batch size, optimizer), then the target."""
     w = max([len("optimizer")] + [len(spec) for st in result["settings"] for spec in st["optimizers"]])
-    head = (f"{'data':<8} {'batch':>5} {'optimizer':<{w}} {'lr':>6} {'best acc':>8} {'final loss':>10} {'epochs':>6} "
-            f"{'secs':>7} {'x ref ep':>8} {'x ref s':>7} {'s/epoch':>7} {'fwd+bwd':>7} {'step':>6}")
+    head = (
+        f"{'data':<8} {'batch':>5} {'optimizer':<{w}} {'lr':>6} {'best acc':>8} {'final loss':>10} {'epochs':>6} "
+        f"{'secs':>7} {'x ref ep':>8} {'x ref s':>7} {'s/epoch':>7} {'fwd+bwd':>7} {'step':>6}"
+    )
     lines = [head]
     for st in result["settings"]:
         for spec, r in st["optimizers"].items():
-            lines.append(f"{st['data']:<8} {st['batch_size']:>5} {spec:<{w}} {r['chosen_lr']:>6g} "
-                         f"{_fmt(r['best_test_acc'], '8.4f')} {_fmt(r['final_test_loss'], '10.4f')} "
-                         f"{_fmt(r['epochs_to_target'], '6d')} {_fmt(r['seconds_to_target'], '7.1f')} "
-                         f"{_fmt(r['epochs_ratio'], '8.2f')} {_fmt(r['seconds_ratio'], '7.2f')} "
-                         f"{_fmt(r['mean_epoch_s'], '7.2f')} {_fmt(r['mean_fwdbwd_s'], '7.2f')} {_fmt(r['mean_step_s'], '6.2f')}"
-                         + (f"  diverged ({r['diverged'][:40]})" if r["diverged"] else ""))
-        lines.append(f"  target: {st['reference']}'s best test accuracy {_fmt(st['target_test_acc'], '.4f')} "
-                     "(epochs, secs: to reach it; x ref: ratio to the reference's; s/epoch, fwd+bwd, step: mean training seconds per epoch)")
+            lines.append(
+                f"{st['data']:<8} {st['batch_size']:>5} {spec:<{w}} {r['chosen_lr']:>6g} "
+                f"{_fmt(r['best_test_acc'], '8.4f')} {_fmt(r['final_test_loss'], '10.4f')} "
+                f"{_fmt(r['epochs_to_target'], '6d')} {_fmt(r['seconds_to_target'], '7.1f')} "
+                f"{_fmt(r['epochs_ratio'], '8.2f')} {_fmt(r['seconds_ratio'], '7.2f')} "
+                f"{_fmt(r['mean_epoch_s'], '7.2f')} {_fmt(r['mean_fwdbwd_s'], '7.2f')} {_fmt(r['mean_step_s'], '6.2f')}"
+                + (f"  diverged ({r['diverged'][:40]})" if r["diverged"] else "")
+            )
+        lines.append(
+            f"  target: {st['reference']}'s best test accuracy {_fmt(st['target_test_acc'], '.4f')} "
+            "(epochs, secs: to reach it; x ref: ratio to the reference's; s/epoch, fwd+bwd, step: mean training seconds per epoch)"
+        )
     return "\n".join(lines)
 
 
@@ -390,20 +438,34 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for data in args.data:
         for bs in args.batch_sizes:
             try:
-                loaders[data, bs] = _loaders(argparse.Namespace(data=data, seed=args.split_seed, batch_size=bs), rank, size)
+                loaders[data, bs] = make_loaders(argparse.Namespace(data=data, seed=args.split_seed, batch_size=bs), rank, size)
                 train_loader, test_loader, _, model_name = loaders[data, bs]
             except ImportError as exc:
                 raise SystemExit(f"error: {exc}") from None
             except ValueError:
-                n = len(_loaders(argparse.Namespace(data=data, seed=args.split_seed, batch_size=1), rank, size)[0].data)
-                raise SystemExit(f"error: --batch-sizes {bs}: {size} worker(s) x {bs} = {size * bs} images per step, "
-                                 f"more than {data}'s {n} training images") from None
-            settings.append({"data": data, "batch_size": bs, "global_batch": bs * size, "model": model_name,
-                             "train_size": len(train_loader.data), "test_size": len(test_loader.data),
-                             "steps_per_epoch": len(train_loader), "optimizers": {}})
+                n = len(make_loaders(argparse.Namespace(data=data, seed=args.split_seed, batch_size=1), rank, size)[0].data)
+                raise SystemExit(
+                    f"error: --batch-sizes {bs}: {size} worker(s) x {bs} = {size * bs} images per step, "
+                    f"more than {data}'s {n} training images"
+                ) from None
+            settings.append(
+                {
+                    "data": data,
+                    "batch_size": bs,
+                    "global_batch": bs * size,
+                    "model": model_name,
+                    "train_size": len(train_loader.data),
+                    "test_size": len(test_loader.data),
+                    "steps_per_epoch": len(train_loader),
+                    "optimizers": {},
+                }
+            )
     runs = [(st, spec, lr, seed) for st in settings for spec in args.optimizers for lr in args.grids[spec] for seed in args.seeds]
-    log(rank, f"convergence: {size} worker(s) via {backend.name} on {device}, {args.epochs} epochs, {len(runs)} runs: "
-              + "; ".join(f"{st['data']} batch {st['batch_size']}/worker ({st['steps_per_epoch']} steps/epoch)" for st in settings))
+    log(
+        rank,
+        f"convergence: {size} worker(s) via {backend.name} on {device}, {args.epochs} epochs, {len(runs)} runs: "
+        + "; ".join(f"{st['data']} batch {st['batch_size']}/worker ({st['steps_per_epoch']} steps/epoch)" for st in settings),
+    )
     t_start = time.perf_counter()
 
     def record(st: dict[str, Any], spec: str, lr: float, run: dict[str, Any]) -> None:
@@ -427,10 +489,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     else:  # the runs of a setting alternate epochs, so the machine's load drifts fall on all of them alike
         for st in settings:
             mine = [(spec, lr, seed) for s_, spec, lr, seed in runs if s_ is st]
-            log(rank, f"{st['data']} batch {st['batch_size']}/worker: {len(mine)} runs, interleaved by epoch: "
-                      + "; ".join(f"[{i + 1}] {describe(st, *r)}" for i, r in enumerate(mine)))
-            gens = [train_epochs(args, backend, device, st["data"], loaders[st["data"], st["batch_size"]], *r, label=f"[{i + 1}] ")
-                    for i, r in enumerate(mine)]
+            log(
+                rank,
+                f"{st['data']} batch {st['batch_size']}/worker: {len(mine)} runs, interleaved by epoch: "
+                + "; ".join(f"[{i + 1}] {describe(st, *r)}" for i, r in enumerate(mine)),
+            )
+            gens = [
+                train_epochs(args, backend, device, st["data"], loaders[st["data"], st["batch_size"]], *r, label=f"[{i + 1}] ")
+                for i, r in enumerate(mine)
+            ]
             last: list[dict[str, Any]] = [{} for _ in mine]
             live = list(range(len(mine)))
             while live:
@@ -443,19 +510,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 record(st, spec, lr, run)
     for st in settings:
         summarise(st, args.optimizers)
-    result = {"args": dict(vars(args).items()), "machine": machine(), "engine": backend.name,
-              "world_size": size, "device": str(device), "total_s": time.perf_counter() - t_start,
-              "seconds": "cumulative training seconds (forward, backward, step with its communication), "
-                         "evaluation and set-up excluded, mean over workers",
-              "settings": settings}
+    result = {
+        "args": dict(vars(args).items()),
+        "machine": machine(),
+        "engine": backend.name,
+        "world_size": size,
+        "device": str(device),
+        "total_s": time.perf_counter() - t_start,
+        "seconds": "cumulative training seconds (forward, backward, step with its communication), "
+        "evaluation and set-up excluded, mean over workers",
+        "settings": settings,
+    }
     if rank == 0:
         path = save_json(result, "convergence.json", out)
         pngs = [plot(st, out / f"convergence_{st['data']}_b{st['batch_size']}.png", size) for st in settings]
         print("\n" + table(result))
         for st in settings:
             for spec, r in st["optimizers"].items():
-                grid = ", ".join(f"{p['lr']:g}: {_fmt(p['best_test_acc'], '.4f')}" + (" (diverged)" if p["diverged"] else "")
-                                 for p in r["lr_grid"].values())
+                grid = ", ".join(
+                    f"{p['lr']:g}: {_fmt(p['best_test_acc'], '.4f')}" + (" (diverged)" if p["diverged"] else "")
+                    for p in r["lr_grid"].values()
+                )
                 print(f"  {st['data']} b{st['batch_size']} {spec}: LR grid (best test acc) {grid}; chose {r['chosen_lr']:g}")
         print(f"wrote {path} and {', '.join(map(str, pngs))}")
     return result

@@ -19,6 +19,7 @@ machine drift hits all of them alike. Per policy it reports, per iteration:
   hidden behind computation;
 * ``factor_stage`` = compute + non-overlapped communication (Fig. 10's bar).
 """
+
 from __future__ import annotations
 
 import gc
@@ -64,7 +65,10 @@ def main() -> None:
     args = ap.parse_args()
     backend = start(args)
     rank = backend.rank
-    log(rank, f"fusion policies on {args.model} @ {args.resolution}px, batch {args.batch_size}/worker, {backend.size} workers ({backend.name})")
+    log(
+        rank,
+        f"fusion policies on {args.model} @ {args.resolution}px, batch {args.batch_size}/worker, {backend.size} workers ({backend.name})",
+    )
 
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=g)
@@ -76,9 +80,19 @@ def main() -> None:
         for policy in ["sgd", *args.policies]:
             torch.manual_seed(0)
             model = get_model(args.model)
-            opt = SPDKFACOptimizer(model, lr=1e-4, backend=backend, fusion=policy if policy != "sgd" else "optimal", placement="local",
-                                   perf_model=args.perf_model, inv_update_freq=10**6, kl_clip=None, timeline=True, profile_steps=3,
-                                   precondition=policy != "sgd")
+            opt = SPDKFACOptimizer(
+                model,
+                lr=1e-4,
+                backend=backend,
+                fusion=policy if policy != "sgd" else "optimal",
+                placement="local",
+                perf_model=args.perf_model,
+                inv_update_freq=10**6,
+                kl_clip=None,
+                timeline=True,
+                profile_steps=3,
+                precondition=policy != "sgd",
+            )
             for it in range(warm + args.iters):
                 t0 = time.perf_counter()
                 opt.zero_grad()
@@ -92,10 +106,13 @@ def main() -> None:
             samples[policy]["alone"].append(_comm_alone(opt, repeats=2) if policy != "sgd" else 0.0)
             plan = opt.fusion_plan()
             plans[policy] = {k: (len(v) if v is not None else len(opt.layers)) for k, v in plan.items()}
-            log(rank, f"  round {rnd + 1}/{args.rounds} {policy:<10} groups A/G {plans[policy]['A']}/{plans[policy]['G']}  "
-                      f"compute {stats(samples[policy]['compute'])['median']*1e3:7.1f} ms  "
-                      f"blocked {stats(samples[policy]['wait'])['median']*1e3:7.1f} ms  "
-                      f"comm alone {samples[policy]['alone'][-1]*1e3:7.1f} ms")
+            log(
+                rank,
+                f"  round {rnd + 1}/{args.rounds} {policy:<10} groups A/G {plans[policy]['A']}/{plans[policy]['G']}  "
+                f"compute {stats(samples[policy]['compute'])['median'] * 1e3:7.1f} ms  "
+                f"blocked {stats(samples[policy]['wait'])['median'] * 1e3:7.1f} ms  "
+                f"comm alone {samples[policy]['alone'][-1] * 1e3:7.1f} ms",
+            )
             opt.remove_hooks()
             del opt, model
             gc.collect()
@@ -123,22 +140,39 @@ def main() -> None:
             "groups": plans[policy],
         }
     if rank == 0:
-        print(f"\nplain SGD: blocked on gradients {baseline['blocked']*1e3:.1f} ms, iteration {baseline['iteration']*1e3:.1f} ms")
-        print(f"{'policy':<10} {'groups A/G':>10} {'compute':>9} {'unhidden':>9} {'comm alone':>11} {'hidden':>7} {'stage':>9} {'vs naive':>9} {'iteration':>10}")
+        print(f"\nplain SGD: blocked on gradients {baseline['blocked'] * 1e3:.1f} ms, iteration {baseline['iteration'] * 1e3:.1f} ms")
+        print(
+            f"{'policy':<10} {'groups A/G':>10} {'compute':>9} {'unhidden':>9} {'comm alone':>11} {'hidden':>7} {'stage':>9} {'vs naive':>9} {'iteration':>10}"
+        )
         base = summary.get("naive", {}).get("factor_stage")
         for p, r in summary.items():
             speed = f"{base / r['factor_stage']:.2f}x" if base else "-"
-            print(f"{p:<10} {r['groups']['A']:>4}/{r['groups']['G']:<5} {r['factor_compute']*1e3:8.1f}m {r['factor_comm_nonoverlap']*1e3:8.1f}m "
-                  f"{r['factor_comm_total']*1e3:10.1f}m {r['hidden']:7.0%} {r['factor_stage']*1e3:8.1f}m {speed:>9} {r['iteration']*1e3:9.1f}m")
-        out = {"args": vars(args), "machine": machine(), "world_size": backend.size, "engine": backend.name, "sgd": baseline,
-               "results": summary, "samples": samples}
+            print(
+                f"{p:<10} {r['groups']['A']:>4}/{r['groups']['G']:<5} {r['factor_compute'] * 1e3:8.1f}m {r['factor_comm_nonoverlap'] * 1e3:8.1f}m "
+                f"{r['factor_comm_total'] * 1e3:10.1f}m {r['hidden']:7.0%} {r['factor_stage'] * 1e3:8.1f}m {speed:>9} {r['iteration'] * 1e3:9.1f}m"
+            )
+        out = {
+            "args": vars(args),
+            "machine": machine(),
+            "world_size": backend.size,
+            "engine": backend.name,
+            "sgd": baseline,
+            "results": summary,
+            "samples": samples,
+        }
         from pathlib import Path
 
         path = save_json(out, Path(args.out).name, Path(args.out).parent)
-        png = bar_chart(Path(args.out).with_suffix(".png"), list(summary), {
-            "FactorComp": [r["factor_compute"] * 1e3 for r in summary.values()],
-            "FactorComm (non-overlapped)": [r["factor_comm_nonoverlap"] * 1e3 for r in summary.values()],
-        }, f"Fig. 10: factor stage per fusion policy ({args.model}, {backend.size} workers)", "ms per iteration")
+        png = bar_chart(
+            Path(args.out).with_suffix(".png"),
+            list(summary),
+            {
+                "FactorComp": [r["factor_compute"] * 1e3 for r in summary.values()],
+                "FactorComm (non-overlapped)": [r["factor_comm_nonoverlap"] * 1e3 for r in summary.values()],
+            },
+            f"Fig. 10: factor stage per fusion policy ({args.model}, {backend.size} workers)",
+            "ms per iteration",
+        )
         print(f"wrote {path} and {png}")
 
 

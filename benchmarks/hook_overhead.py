@@ -6,6 +6,7 @@ Two identical copies of the model, one with SPDKFACOptimizer's hooks attached
 (on a step that is not a factor-update step, so the hooks only check and
 return) and one without; forward+backward timed alternately, same inputs.
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,8 +44,10 @@ def main() -> None:
     assert not opt.kfac_step.controller.arrival_order("A"), "hooks computed factors on a non-factor step"
     p, h = stats(times["plain"]), stats(times["hooked"])
     ratio = h["median"] / p["median"]
-    print(f"{args.model} @ {args.resolution}px batch {args.batch_size}: forward+backward plain {p['median']*1e3:.1f} ms, "
-          f"with hooks {h['median']*1e3:.1f} ms -> overhead {100 * (ratio - 1):+.1f}% (target <= +5%)")
+    print(
+        f"{args.model} @ {args.resolution}px batch {args.batch_size}: forward+backward plain {p['median'] * 1e3:.1f} ms, "
+        f"with hooks {h['median'] * 1e3:.1f} ms -> overhead {100 * (ratio - 1):+.1f}% (target <= +5%)"
+    )
     print(f"wrote {save_json({'args': vars(args), 'machine': machine(), 'plain': p, 'hooked': h, 'ratio': ratio}, 'hook_overhead.json')}")
 
 

@@ -10,6 +10,7 @@ over rounds. It also reports the lower bound
 single inversions, and how well the fitted models predict the measured
 inversion and broadcast times.
 """
+
 from __future__ import annotations
 
 import time
@@ -92,8 +93,15 @@ def main() -> None:
             stage[s].append(max(gather(backend, time.perf_counter() - t0)))
             log(rank, f"  round {rnd + 1}/{args.rounds} {LABELS[s]:<22} {stage[s][-1]:.3f} s (predicted {plans[s].makespan:.3f} s)")
 
-    res = {s: {"median_s": stats(stage[s])["median"], "samples": stage[s], "predicted_s": plans[s].makespan,
-               "local_factors": sum(a.is_local for a in plans[s].assignments)} for s in PLACEMENTS}
+    res = {
+        s: {
+            "median_s": stats(stage[s])["median"],
+            "samples": stage[s],
+            "predicted_s": plans[s].makespan,
+            "local_factors": sum(a.is_local for a in plans[s].assignments),
+        }
+        for s in PLACEMENTS
+    }
     inv_err = [abs(model.inverse(d) - t) / t for d, t in single.items()]
     bc_err = [abs(model.broadcast(d) - t) / t for d, t in bcast.items()]
     summary = {
@@ -102,8 +110,12 @@ def main() -> None:
         "lbp_speedup_vs_seq": res["seq"]["median_s"] / res["lbp"]["median_s"],
         "lbp_speedup_vs_local": res["local"]["median_s"] / res["lbp"]["median_s"],
         # 95% intervals of the median ratios over the interleaved rounds (None with a single round)
-        **{f"lbp_speedup_vs_{s}_interval": list(ratio_interval(stage[s], stage["lbp"], paired=True, statistic="median"))
-           if args.rounds > 1 else None for s in ("seq", "local")},
+        **{
+            f"lbp_speedup_vs_{s}_interval": list(ratio_interval(stage[s], stage["lbp"], paired=True, statistic="median"))
+            if args.rounds > 1
+            else None
+            for s in ("seq", "local")
+        },
         "inverse_model_mean_rel_error": float(np.mean(inv_err)),
         "inverse_model_max_rel_error_d>=512": float(max([e for (d, e) in zip(single, inv_err) if d >= 512], default=0.0)),
         "broadcast_model_mean_rel_error": float(np.mean(bc_err)) if bc_err else None,
@@ -119,15 +131,29 @@ def main() -> None:
         if args.rounds > 1:
             (a, b), (c, d) = summary["lbp_speedup_vs_seq_interval"], summary["lbp_speedup_vs_local_interval"]
             print(f"  95% intervals over the {args.rounds} rounds: {a:.2f}-{b:.2f}x vs Seq-Dist, {c:.2f}-{d:.2f}x vs Non-Dist")
-        print(f"model error: inversion mean {summary['inverse_model_mean_rel_error']:.0%} (max {summary['inverse_model_max_rel_error_d>=512']:.0%} for d>=512), "
-              f"broadcast mean {summary['broadcast_model_mean_rel_error'] or 0:.0%}")
+        print(
+            f"model error: inversion mean {summary['inverse_model_mean_rel_error']:.0%} (max {summary['inverse_model_max_rel_error_d>=512']:.0%} for d>=512), "
+            f"broadcast mean {summary['broadcast_model_mean_rel_error'] or 0:.0%}"
+        )
         print(plans["lbp"].table(lambda k: f"{k[0]}:{k[1]}"))
-        out = {"args": vars(args), "machine": machine(), "world_size": size, "engine": backend.name, "results": res, "summary": summary,
-               "single_inversions": single, "broadcasts": bcast}
+        out = {
+            "args": vars(args),
+            "machine": machine(),
+            "world_size": size,
+            "engine": backend.name,
+            "results": res,
+            "summary": summary,
+            "single_inversions": single,
+            "broadcasts": bcast,
+        }
         path = save_json(out, Path(args.out).name, Path(args.out).parent)
-        png = bar_chart(Path(args.out).with_suffix(".png"), [LABELS[s] for s in PLACEMENTS],
-                        {"measured": [res[s]["median_s"] for s in PLACEMENTS]},
-                        f"Fig. 12: time to hold every inverse ({args.model}, {size} workers)", "seconds")
+        png = bar_chart(
+            Path(args.out).with_suffix(".png"),
+            [LABELS[s] for s in PLACEMENTS],
+            {"measured": [res[s]["median_s"] for s in PLACEMENTS]},
+            f"Fig. 12: time to hold every inverse ({args.model}, {size} workers)",
+            "seconds",
+        )
         print(f"wrote {path} and {png}")
 
 

@@ -18,6 +18,7 @@ When the measured window holds no inversion (``--update-freq F I`` with
 ``I`` larger than the window), one inversion stage is timed separately and
 ``1/I`` of it is added to every iteration (reported under InverseComp).
 """
+
 from __future__ import annotations
 
 import csv
@@ -68,8 +69,14 @@ class VariantRun:
         self.kfac = variant_config(variant).get("precondition", True)
         kw = {"timeline": True}  # SGD too, so its gradient wait is measured the same way
         if self.kfac:
-            kw = dict(perf_model=args.perf_model, factor_update_freq=args.update_freq[0], inv_update_freq=args.update_freq[1],
-                      kl_clip=None, profile_steps=3, timeline=True)
+            kw = dict(
+                perf_model=args.perf_model,
+                factor_update_freq=args.update_freq[0],
+                inv_update_freq=args.update_freq[1],
+                kl_clip=None,
+                profile_steps=3,
+                timeline=True,
+            )
         self.opt = make_optimizer(variant, self.model, lr=1e-4, momentum=0.9, backend=backend, **kw)
         self.it = 0
         self.total: list[float] = []
@@ -120,8 +127,10 @@ class VariantRun:
         total = [t + amortised_inverse for t in total]
         parts["Other"] = max(0.0, it_mean - sum(v for k, v in parts.items() if k != "Other"))
         # The process's resident memory is one variant's only when variants run one after another.
-        mem = {"rss_mb": _rss_mb() if per_variant_memory else float("nan"),
-               "kfac_state_mb": sum(opt.memory_usage().values()) / 2**20 if kfac else 0.0}
+        mem = {
+            "rss_mb": _rss_mb() if per_variant_memory else float("nan"),
+            "kfac_state_mb": sum(opt.memory_usage().values()) / 2**20 if kfac else 0.0,
+        }
         if self.device.type == "cuda" and per_variant_memory:
             mem["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         if hasattr(opt, "remove_hooks"):
@@ -140,7 +149,7 @@ def run_round(variants: list[str], args, backend, x, y, interleave: bool, label:
     steps = args.warmup + args.iters
 
     def done(v: str, result: dict[str, object]) -> None:
-        log(backend.rank, f"  {label} {v:<10} {stats(result['iteration'])['mean']*1e3:9.1f} ms/iter")
+        log(backend.rank, f"  {label} {v:<10} {stats(result['iteration'])['mean'] * 1e3:9.1f} ms/iter")
 
     out: dict[str, dict[str, object]] = {}
     if not interleave:
@@ -156,8 +165,13 @@ def run_round(variants: list[str], args, backend, x, y, interleave: bool, label:
     runs = [VariantRun(v, args, backend, x.device) for v in variants]
     for it in range(steps):
         secs = [run.iteration(x, y) for run in runs]
-        log(backend.rank, f"    iteration {it + 1}/{steps}" + ("" if it >= args.warmup else " (warm-up)") + ": "
-            + ", ".join(f"{v} {s:.2f}s" for v, s in zip(variants, secs)))
+        log(
+            backend.rank,
+            f"    iteration {it + 1}/{steps}"
+            + ("" if it >= args.warmup else " (warm-up)")
+            + ": "
+            + ", ".join(f"{v} {s:.2f}s" for v, s in zip(variants, secs)),
+        )
     for v, run in zip(variants, runs):
         out[v] = run.finish(per_variant_memory=False)
         done(v, out[v])
@@ -167,15 +181,27 @@ def run_round(variants: list[str], args, backend, x, y, interleave: bool, label:
 def main(argv: list[str] | None = None) -> None:
     ap = workload_parser(__doc__, iters=4)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
-                    help="auto: the worker's own GPU (local rank) when CUDA is available, else the CPU")
+    ap.add_argument(
+        "--device",
+        default="auto",
+        choices=DEVICE_CHOICES,
+        help="auto: the worker's own GPU (local rank) when CUDA is available, else the CPU",
+    )
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--interleave", action="store_true",
-                    help="hold every variant at once and alternate their iterations (robust to a drifting machine; "
-                         "needs the memory of all variants together, and reports no per-variant RSS)")
-    ap.add_argument("--variants", nargs="*", action="extend", default=None,
-                    help="variant names (default: all), or name:key=value,... for a variant with a switch changed "
-                         "(e.g. spdkfac:overlap_preconditioning=false)")
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="hold every variant at once and alternate their iterations (robust to a drifting machine; "
+        "needs the memory of all variants together, and reports no per-variant RSS)",
+    )
+    ap.add_argument(
+        "--variants",
+        nargs="*",
+        action="extend",
+        default=None,
+        help="variant names (default: all), or name:key=value,... for a variant with a switch changed "
+        "(e.g. spdkfac:overlap_preconditioning=false)",
+    )
     ap.add_argument("--update-freq", type=int, nargs=2, default=[1, 1], metavar=("FACTOR", "INVERSE"))
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/iteration_time[_amortised].json)")
     args = ap.parse_args(variant_argv(sys.argv[1:] if argv is None else argv))
@@ -189,8 +215,11 @@ def main(argv: list[str] | None = None) -> None:
     rank = backend.rank
     suffix = "" if args.update_freq == [1, 1] else "_amortised"
     out = Path(args.out or RESULTS / f"iteration_time{suffix}.json")
-    log(rank, f"iteration time: {args.model} @ {args.resolution}px, batch {args.batch_size}/worker, {backend.size} workers ({backend.name}), "
-              f"factors every {args.update_freq[0]}, inverses every {args.update_freq[1]} iterations")
+    log(
+        rank,
+        f"iteration time: {args.model} @ {args.resolution}px, batch {args.batch_size}/worker, {backend.size} workers ({backend.name}), "
+        f"factors every {args.update_freq[0]}, inverses every {args.update_freq[1]} iterations",
+    )
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=g)
     y = torch.randint(0, 10, (args.batch_size,), generator=g)
@@ -210,13 +239,23 @@ def main(argv: list[str] | None = None) -> None:
     # The slowest rank sets the pace: average the per-rank means (ranks are symmetric here).
     table: list[dict[str, object]] = []
     for v, r in results.items():
-        vec = torch.tensor([stats(r["iteration"])["mean"], stats(r["iteration"])["stdev"]] + [r["parts"][k] for k in PARTS], dtype=torch.float64)
+        vec = torch.tensor(
+            [stats(r["iteration"])["mean"], stats(r["iteration"])["stdev"]] + [r["parts"][k] for k in PARTS], dtype=torch.float64
+        )
         backend.allreduce_async(vec, f"bench.iter.{v}").wait()
         mem = torch.tensor([r["memory"]["rss_mb"]], dtype=torch.float64)
         backend.allreduce_async(mem, f"bench.mem.{v}").wait()
         vals = vec.tolist()
-        table.append({"variant": v, "mean_s": vals[0], "stdev_s": vals[1], **{k: vals[2 + i] for i, k in enumerate(PARTS)},
-                      "rss_mb": mem.item(), "kfac_state_mb": r["memory"]["kfac_state_mb"]})
+        table.append(
+            {
+                "variant": v,
+                "mean_s": vals[0],
+                "stdev_s": vals[1],
+                **{k: vals[2 + i] for i, k in enumerate(PARTS)},
+                "rss_mb": mem.item(),
+                "kfac_state_mb": r["memory"]["kfac_state_mb"],
+            }
+        )
     by = {row["variant"]: row for row in table}
     ref = by.get("spdkfac") or by.get("+pipe+lbp")
     samples = {v: r["iteration"] for v, r in results.items()}
@@ -238,9 +277,11 @@ def main(argv: list[str] | None = None) -> None:
         head = f"{'variant':<10} {'iter (ms)':>15} " + " ".join(f"{p:>11}" for p in PARTS) + f" {'SP1':>6} {'SP2':>6} {'RSS MB':>7}"
         print("\n" + head)
         for row in table:
-            print(f"{row['variant']:<10} {row['mean_s']*1e3:8.1f} ±{row['stdev_s']*1e3:5.1f} "
-                  + " ".join(f"{row[p]*1e3:11.1f}" for p in PARTS)
-                  + f" {row['SP1'] or 0:6.2f} {row['SP2'] or 0:6.2f} {row['rss_mb']:7.0f}")
+            print(
+                f"{row['variant']:<10} {row['mean_s'] * 1e3:8.1f} ±{row['stdev_s'] * 1e3:5.1f} "
+                + " ".join(f"{row[p] * 1e3:11.1f}" for p in PARTS)
+                + f" {row['SP1'] or 0:6.2f} {row['SP2'] or 0:6.2f} {row['rss_mb']:7.0f}"
+            )
         for row in table:
             for key, what in (("SP1", "faster than D-KFAC"), ("SP2", "faster than MPD-KFAC"), ("vs_sgd", "SGD's time")):
                 if f"{key}_lo" in row:
@@ -250,19 +291,36 @@ def main(argv: list[str] | None = None) -> None:
             if "factor_steps_s" in row and "other_steps_s" in row:
                 sgd = by.get("sgd", {})
                 vs = {k: f" ({row[k] / sgd[k]:.2f}x SGD's)" if k in sgd else "" for k in ("factor_steps_s", "other_steps_s")}
-                print(f"  {row['variant']:<10} factor-update iterations {row['factor_steps_s']:.2f} s"
-                      f"{vs['factor_steps_s']} (n={row['factor_steps_n']}), the others "
-                      f"{row['other_steps_s']:.2f} s{vs['other_steps_s']} (n={row['other_steps_n']})")
+                print(
+                    f"  {row['variant']:<10} factor-update iterations {row['factor_steps_s']:.2f} s"
+                    f"{vs['factor_steps_s']} (n={row['factor_steps_n']}), the others "
+                    f"{row['other_steps_s']:.2f} s{vs['other_steps_s']} (n={row['other_steps_n']})"
+                )
         if ref and "sgd" in by:
             print(f"SPD-KFAC / SGD iteration time: {ref['mean_s'] / by['sgd']['mean_s']:.2f}x")
-        path = save_json({"args": vars(args), "machine": machine(), "world_size": backend.size, "engine": backend.name,
-                          "table": table, "samples": samples}, out.name, out.parent)
+        path = save_json(
+            {
+                "args": vars(args),
+                "machine": machine(),
+                "world_size": backend.size,
+                "engine": backend.name,
+                "table": table,
+                "samples": samples,
+            },
+            out.name,
+            out.parent,
+        )
         with open(out.with_suffix(".csv"), "w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for row in table for k in row)), restval="")
             w.writeheader()
             w.writerows(table)
-        png = bar_chart(out.with_suffix(".png"), [r["variant"] for r in table], {p: [r[p] * 1e3 for r in table] for p in PARTS},
-                        f"iteration breakdown ({args.model}, {backend.size} workers, updates every {args.update_freq})", "ms per iteration")
+        png = bar_chart(
+            out.with_suffix(".png"),
+            [r["variant"] for r in table],
+            {p: [r[p] * 1e3 for r in table] for p in PARTS},
+            f"iteration breakdown ({args.model}, {backend.size} workers, updates every {args.update_freq})",
+            "ms per iteration",
+        )
         print(f"wrote {path}, {out.with_suffix('.csv')} and {png}")
 
 

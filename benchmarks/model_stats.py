@@ -12,6 +12,7 @@ optimizer sizes them. Models are built on the CPU; no forward pass is run.
 Writes ``model_stats.json`` and ``factor_sizes.png`` (factor-size distribution,
 as in the paper's Fig. 3) into the output directory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,12 +77,14 @@ def model_stats(name: str, num_classes: int = 1000, model: nn.Module | None = No
     }
     paper = PAPER_TABLE2.get(name)
     if paper is not None:
-        ours = {"params_m": stats["params"] / 1e6, "layers": stats["layers"],
-                "a_elems_m": stats["a_elems"] / 1e6, "g_elems_m": stats["g_elems"] / 1e6}
-        stats["paper"] = paper
-        stats["matches_paper"] = {
-            key: (ours[key] == paper[key]) if key == "layers" else _matches(ours[key], paper[key]) for key in paper
+        ours = {
+            "params_m": stats["params"] / 1e6,
+            "layers": stats["layers"],
+            "a_elems_m": stats["a_elems"] / 1e6,
+            "g_elems_m": stats["g_elems"] / 1e6,
         }
+        stats["paper"] = paper
+        stats["matches_paper"] = {key: (ours[key] == paper[key]) if key == "layers" else _matches(ours[key], paper[key]) for key in paper}
     return stats
 
 
@@ -108,6 +111,7 @@ def kfac_arithmetic(model: nn.Module, input_shape: tuple[int, ...]) -> dict[str,
     def recorder(name: str):
         def record(mod: nn.Module, inputs, out: torch.Tensor) -> None:
             rows[name] = out.numel() // out.shape[1] if out.dim() > 2 else out.numel() // out.shape[-1]
+
         return record
 
     for layer in layers:
@@ -151,8 +155,17 @@ def plot_sizes(results: dict[str, dict[str, object]], path: str) -> None:
     for i, (name, st) in enumerate(results.items()):
         counts = Counter(tri(d) for d in list(st["a_dims"]) + list(st["g_dims"]))
         sizes = sorted(counts)
-        ax.scatter(sizes, [counts[s] for s in sizes], marker=markers[i % len(markers)], s=28,
-                   alpha=0.75, facecolors="none" if i % 2 else None, label=name, edgecolors=f"C{i}", color=f"C{i}")
+        ax.scatter(
+            sizes,
+            [counts[s] for s in sizes],
+            marker=markers[i % len(markers)],
+            s=28,
+            alpha=0.75,
+            facecolors="none" if i % 2 else None,
+            label=name,
+            edgecolors=f"C{i}",
+            color=f"C{i}",
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")  # counts range from 1 to ~100; a log axis keeps the many small counts apart
     ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%d"))
@@ -167,8 +180,10 @@ def plot_sizes(results: dict[str, dict[str, object]], path: str) -> None:
 
 
 def _fmt_row(name: str, st: dict[str, object]) -> str:
-    return (f"{name:<14}{st['params']:>13,}{st['layers']:>8}{st['num_a']:>6}{st['num_g']:>6}"
-            f"{st['a_elems'] / 1e6:>11.2f}{st['g_elems'] / 1e6:>11.2f}{st['max_dim']:>9}")
+    return (
+        f"{name:<14}{st['params']:>13,}{st['layers']:>8}{st['num_a']:>6}{st['num_g']:>6}"
+        f"{st['a_elems'] / 1e6:>11.2f}{st['g_elems'] / 1e6:>11.2f}{st['max_dim']:>9}"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, object]]:
@@ -192,13 +207,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, object]]:
         results[name] = model_stats(name, args.num_classes, model)
         ops = kfac_arithmetic(model, (args.batch_size, 3, args.resolution, args.resolution))
         results[name]["arithmetic"] = {
-            "resolution": args.resolution, "batch_size": args.batch_size, "gflop": {k: v / 1e9 for k, v in ops.items()},
-            "factor_every": args.factor_every, "workers": args.workers,
+            "resolution": args.resolution,
+            "batch_size": args.batch_size,
+            "gflop": {k: v / 1e9 for k, v in ops.items()},
+            "factor_every": args.factor_every,
+            "workers": args.workers,
             "floor": arithmetic_floor(ops, args.factor_every),
             "floor_distributed_preconditioning": arithmetic_floor(ops, args.factor_every, args.workers),
         }
-        print(f"[model_stats] {name}: {results[name]['layers']} preconditioned layers "
-              f"({time.perf_counter() - t0:.2f}s)", flush=True)
+        print(f"[model_stats] {name}: {results[name]['layers']} preconditioned layers ({time.perf_counter() - t0:.2f}s)", flush=True)
 
     print()
     print(f"{'model':<14}{'params':>13}{'layers':>8}{'#A':>6}{'#G':>6}{'A elems(M)':>11}{'G elems(M)':>11}{'max dim':>9}")
@@ -209,20 +226,27 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, object]]:
         if "paper" not in st:
             continue
         p, ok = st["paper"], st["matches_paper"]
-        print(f"  {name:<14} params {st['params'] / 1e6:.1f} vs {p['params_m']} ({'ok' if ok['params_m'] else 'differs'}), "
-              f"layers {st['layers']} vs {p['layers']} ({'ok' if ok['layers'] else 'differs'}), "
-              f"A {st['a_elems'] / 1e6:.1f} vs {p['a_elems_m']} ({'ok' if ok['a_elems_m'] else 'differs'}), "
-              f"G {st['g_elems'] / 1e6:.1f} vs {p['g_elems_m']} ({'ok' if ok['g_elems_m'] else 'differs'})")
+        print(
+            f"  {name:<14} params {st['params'] / 1e6:.1f} vs {p['params_m']} ({'ok' if ok['params_m'] else 'differs'}), "
+            f"layers {st['layers']} vs {p['layers']} ({'ok' if ok['layers'] else 'differs'}), "
+            f"A {st['a_elems'] / 1e6:.1f} vs {p['a_elems_m']} ({'ok' if ok['a_elems_m'] else 'differs'}), "
+            f"G {st['g_elems'] / 1e6:.1f} vs {p['g_elems_m']} ({'ok' if ok['g_elems_m'] else 'differs'})"
+        )
 
-    print(f"\nK-FAC arithmetic per iteration (GFLOP) at {args.resolution}x{args.resolution}, batch {args.batch_size}; "
-          f"floor = lowest amortised K-FAC/SGD time ratio at one FLOP rate, factors every {args.factor_every}:")
-    print(f"{'model':<14}{'fwd+bwd':>9}{'precond':>9}{'G':>8}{'A plain':>9}{'A unfold':>10}{'floor':>8}"
-          f"{'floor dp/' + str(args.workers):>12}")
+    print(
+        f"\nK-FAC arithmetic per iteration (GFLOP) at {args.resolution}x{args.resolution}, batch {args.batch_size}; "
+        f"floor = lowest amortised K-FAC/SGD time ratio at one FLOP rate, factors every {args.factor_every}:"
+    )
+    print(
+        f"{'model':<14}{'fwd+bwd':>9}{'precond':>9}{'G':>8}{'A plain':>9}{'A unfold':>10}{'floor':>8}{'floor dp/' + str(args.workers):>12}"
+    )
     for name, st in results.items():
         ar, gf = st["arithmetic"], st["arithmetic"]["gflop"]
-        print(f"{name:<14}{gf['forward_backward']:>9.1f}{gf['precondition']:>9.1f}{gf['factor_g']:>8.1f}"
-              f"{gf['factor_a_plain']:>9.1f}{gf['factor_a_unfolded']:>10.1f}{ar['floor']:>7.3f}x"
-              f"{ar['floor_distributed_preconditioning']:>11.3f}x")
+        print(
+            f"{name:<14}{gf['forward_backward']:>9.1f}{gf['precondition']:>9.1f}{gf['factor_g']:>8.1f}"
+            f"{gf['factor_a_plain']:>9.1f}{gf['factor_a_unfolded']:>10.1f}{ar['floor']:>7.3f}x"
+            f"{ar['floor_distributed_preconditioning']:>11.3f}x"
+        )
 
     os.makedirs(args.out_dir, exist_ok=True)
     json_path = os.path.join(args.out_dir, "model_stats.json")

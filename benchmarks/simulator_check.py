@@ -8,6 +8,7 @@ iteration time at that result's worker count with
 :func:`spdkfac.simulate.predict` (``--contention`` for CPU workers without a
 spare core, the default here) and prints the relative error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,12 @@ from .common import RESULTS, save_json
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("measured", nargs="+", type=Path)
-    ap.add_argument("--profile", nargs="+", default=[str(RESULTS / "profile_resnet50.json")],
-                    help="per-layer profile(s) of the measured workload; several are averaged (taken before and after)")
+    ap.add_argument(
+        "--profile",
+        nargs="+",
+        default=[str(RESULTS / "profile_resnet50.json")],
+        help="per-layer profile(s) of the measured workload; several are averaged (taken before and after)",
+    )
     ap.add_argument("--perf-model", default="perfmodels/reference-cpu-gloo-2.json")
     ap.add_argument("--no-contention", action="store_true", help="assume communication overlaps computation (GPU clusters)")
     ap.add_argument("--out", default="simulator_check.json", help="file name under benchmarks/results/")
@@ -32,7 +37,7 @@ def main() -> None:
     try:
         profile = load_profiles(args.profile)
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}")
+        raise SystemExit(f"error: {exc}") from None
     perf = PerfModel.load(args.perf_model)
     rows = []
     print(f"{'workers':>7} {'variant':<10} {'updates':>8} {'measured':>10} {'predicted':>10} {'error':>7}")
@@ -41,16 +46,29 @@ def main() -> None:
         workload = {k: data["args"].get(k) for k in ("model", "resolution", "batch_size")}
         profiled = {k: getattr(profile, k) for k in workload}
         if workload != profiled:
-            raise SystemExit(f"error: {path} measured {workload} but the profile {' + '.join(args.profile)} is of {profiled}; "
-                             "profile the same workload (python -m spdkfac.simulate profile ...)")
+            raise SystemExit(
+                f"error: {path} measured {workload} but the profile {' + '.join(args.profile)} is of {profiled}; "
+                "profile the same workload (python -m spdkfac.simulate profile ...)"
+            )
         workers = data["world_size"]
         freq = tuple(data["args"]["update_freq"])
         for row in data["table"]:
             pred = predict(profile, perf, workers, row["variant"], contention=not args.no_contention, update_freq=freq)
             err = (pred["iteration"] - row["mean_s"]) / row["mean_s"]
-            rows.append({"workers": workers, "variant": row["variant"], "update_freq": freq, "measured_s": row["mean_s"],
-                         "predicted_s": pred["iteration"], "rel_error": err, "predicted_parts": pred})
-            print(f"{workers:>7} {row['variant']:<10} {freq[0]:>3}/{freq[1]:<4} {row['mean_s']*1e3:9.1f}m {pred['iteration']*1e3:9.1f}m {err:+7.1%}")
+            rows.append(
+                {
+                    "workers": workers,
+                    "variant": row["variant"],
+                    "update_freq": freq,
+                    "measured_s": row["mean_s"],
+                    "predicted_s": pred["iteration"],
+                    "rel_error": err,
+                    "predicted_parts": pred,
+                }
+            )
+            print(
+                f"{workers:>7} {row['variant']:<10} {freq[0]:>3}/{freq[1]:<4} {row['mean_s'] * 1e3:9.1f}m {pred['iteration'] * 1e3:9.1f}m {err:+7.1%}"
+            )
     worst = max(abs(r["rel_error"]) for r in rows)
     print(f"largest error {worst:.1%}")
     print(f"wrote {save_json({'rows': rows, 'largest_abs_error': worst, 'contention': not args.no_contention}, args.out)}")

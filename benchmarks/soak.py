@@ -13,6 +13,7 @@ factor all-reduces in flight). At the end all ranks compare a bitwise digest
 of their parameters, momentum buffers, factors and inverses. Writes
 ``benchmarks/results/soak.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,16 +34,26 @@ from spdkfac.affinity import add_bind_cores_option
 
 def _net() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ReLU(),
-                         nn.Flatten(), nn.Linear(8 * 8 * 8, 32), nn.ReLU(), nn.Linear(32, 10))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 8 * 8, 32),
+        nn.ReLU(),
+        nn.Linear(32, 10),
+    )
 
 
 def _digest(model: nn.Module, opt: SPDKFACOptimizer) -> str:
     """SHA-256 of every parameter, momentum buffer, factor and inverse, byte for byte."""
     h = hashlib.sha256()
-    for tensor in list(model.state_dict().values()) + [
-        t for layer in opt.layers for t in (layer.A, layer.G, layer.A_inv, layer.G_inv) if t is not None
-    ] + [s["momentum_buffer"] for s in opt.state.values() if "momentum_buffer" in s]:
+    for tensor in (
+        list(model.state_dict().values())
+        + [t for layer in opt.layers for t in (layer.A, layer.G, layer.A_inv, layer.G_inv) if t is not None]
+        + [s["momentum_buffer"] for s in opt.state.values() if "momentum_buffer" in s]
+    ):
         h.update(tensor.detach().contiguous().numpy().tobytes())
     return h.hexdigest()
 
@@ -62,8 +73,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     backend = start(args)
     rank, size = backend.rank, backend.size
     model = _net()
-    opt = SPDKFACOptimizer(model, lr=0.01, momentum=0.9, weight_decay=5e-4, damping=0.03, kl_clip=1e-3,
-                           inv_update_freq=10, placement="seq", backend=backend)
+    opt = SPDKFACOptimizer(
+        model, lr=0.01, momentum=0.9, weight_decay=5e-4, damping=0.03, kl_clip=1e-3, inv_update_freq=10, placement="seq", backend=backend
+    )
     rng = random.Random(1234 + rank)
     data = torch.Generator().manual_seed(rank)
     proc = psutil.Process()
@@ -80,9 +92,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         if step % args.every == 0:
-            samples.append({"step": step, "rss_mb": proc.memory_info().rss / 2**20,
-                            "pending_grad_handles": opt.kfac_step.grads.pending,
-                            "pending_factor_allreduces": opt.kfac_step.controller.pending})
+            samples.append(
+                {
+                    "step": step,
+                    "rss_mb": proc.memory_info().rss / 2**20,
+                    "pending_grad_handles": opt.kfac_step.grads.pending,
+                    "pending_factor_allreduces": opt.kfac_step.controller.pending,
+                }
+            )
             log(rank, f"step {step}/{args.steps}: rss {samples[-1]['rss_mb']:.1f} MB, {time.perf_counter() - t0:.0f} s")
     digest = _digest(model, opt)
     if size > 1:  # every rank's digest, through the engine: compare them on rank 0
@@ -101,20 +118,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         delayed = int(count.item())
     warm = [s for s in samples if s["step"] > args.steps // 10]
     result = {
-        "steps": args.steps, "workers": size, "engine": backend.name, "delayed_steps_on_last_rank": delayed,
-        "max_delay_ms": args.max_delay_ms, "replicas_bitwise_identical": identical, "digest_rank0": digest,
+        "steps": args.steps,
+        "workers": size,
+        "engine": backend.name,
+        "delayed_steps_on_last_rank": delayed,
+        "max_delay_ms": args.max_delay_ms,
+        "replicas_bitwise_identical": identical,
+        "digest_rank0": digest,
         "rss_mb_after_warmup": [warm[0]["rss_mb"], warm[-1]["rss_mb"]],
         "rss_growth_mb_after_warmup": warm[-1]["rss_mb"] - warm[0]["rss_mb"],
         "max_pending_grad_handles": max(s["pending_grad_handles"] for s in samples),
         "max_pending_factor_allreduces": max(s["pending_factor_allreduces"] for s in samples),
-        "seconds": time.perf_counter() - t0, "samples": samples, "machine": machine(),
+        "seconds": time.perf_counter() - t0,
+        "samples": samples,
+        "machine": machine(),
         "command": f"{backend.name} x{size}: python -m benchmarks.soak --steps {args.steps}",
     }
     if rank == 0:
         path = save_json(result, Path(args.out).name, Path(args.out).parent)
-        log(rank, f"replicas bitwise identical: {identical}; rss growth after warm-up {result['rss_growth_mb_after_warmup']:+.1f} MB; "
-                  f"pending after step(): {result['max_pending_grad_handles']} gradient handles, "
-                  f"{result['max_pending_factor_allreduces']} factor all-reduces; wrote {path}")
+        log(
+            rank,
+            f"replicas bitwise identical: {identical}; rss growth after warm-up {result['rss_growth_mb_after_warmup']:+.1f} MB; "
+            f"pending after step(): {result['max_pending_grad_handles']} gradient handles, "
+            f"{result['max_pending_factor_allreduces']} factor all-reduces; wrote {path}",
+        )
     if not identical:
         raise SystemExit("replicas differ")
     return result

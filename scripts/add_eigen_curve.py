@@ -14,6 +14,7 @@ it was::
 
     python scripts/add_eigen_curve.py perfmodels/reference-cpu-gloo-2.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,12 +66,20 @@ def main() -> int:
         medians.append(statistics.median(times))
         means.append(statistics.fmean(times))
         inverse_ratio.append(inverse / t_file)
-        print(f"eigen d={d}: {medians[-1] * 1e3:.2f} ms; inversion {inverse * 1e3:.2f} ms here, "
-              f"{t_file * 1e3:.2f} ms in the file ({reps} repeats)", file=sys.stderr, flush=True)
+        print(
+            f"eigen d={d}: {medians[-1] * 1e3:.2f} ms; inversion {inverse * 1e3:.2f} ms here, "
+            f"{t_file * 1e3:.2f} ms in the file ({reps} repeats)",
+            file=sys.stderr,
+            flush=True,
+        )
     model, quality = fit_inverse_model(dims, medians)
     quality["max_rel_error"] = max(abs(model.fitted(d) - t) / t for d, t in zip(dims, medians))
-    data["eigen"] = {"kind": model.kind, **model.params, "unit": "seconds, dimension d",
-                     "measured": {str(d): t for d, t in zip(dims, medians)}}
+    data["eigen"] = {
+        "kind": model.kind,
+        **model.params,
+        "unit": "seconds, dimension d",
+        "measured": {str(d): t for d, t in zip(dims, medians)},
+    }
     data.setdefault("measurements", {})["eigen"] = {"dims": dims, "seconds": medians, "mean_seconds": means}
     data.setdefault("fit_quality", {})["eigen"] = quality
     meta["eigen_curve"] = (

@@ -48,8 +48,7 @@ def main() -> int:
         torch.arange(4, dtype=torch.float32) + 100.0 * root,
     ]
     in_place = [vec_sum, vec_avg, mat, bcast]
-    names = ["allreduce_async_(op=Sum)", "allreduce_async_(average)", "allreduce_async_(matrix)",
-             f"broadcast_async_(root_rank={root})"]
+    names = ["allreduce_async_(op=Sum)", "allreduce_async_(average)", "allreduce_async_(matrix)", f"broadcast_async_(root_rank={root})"]
     for name, out, buf, exp in zip(names, outputs, in_place, expected):
         assert torch.allclose(out, exp), f"rank {rank}: {name} returned {out}, expected {exp}"
         assert torch.allclose(buf, exp), f"rank {rank}: {name} did not update in place: {buf}"

@@ -7,6 +7,7 @@ A convergence.json (from ``python -m benchmarks.convergence``) gives one
 figure per (data, batch size) next to the JSON: test accuracy and test loss
 against epochs and against training seconds.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -11,6 +11,7 @@ benchmark always writes, stops the script with an error naming the file.
 The output depends only on the input files, so regenerating it after an
 unchanged set of results gives the same bytes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,13 +19,20 @@ import json
 import os
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable
 
 PARTS = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other")
 LABELS = {
-    "sgd": "SGD", "dkfac": "D-KFAC", "mpdkfac": "MPD-KFAC", "spdkfac": "**SPD-KFAC**",
-    "-pipe-lbp": "−Pipe−LBP", "+pipe-lbp": "+Pipe−LBP", "-pipe+lbp": "−Pipe+LBP", "+pipe+lbp": "+Pipe+LBP",
+    "sgd": "SGD",
+    "dkfac": "D-KFAC",
+    "mpdkfac": "MPD-KFAC",
+    "spdkfac": "**SPD-KFAC**",
+    "-pipe-lbp": "−Pipe−LBP",
+    "+pipe-lbp": "+Pipe−LBP",
+    "-pipe+lbp": "−Pipe+LBP",
+    "+pipe+lbp": "+Pipe+LBP",
     "spdkfac-dp": "SPD-KFAC + dist. precond.",
 }
 PLACEMENT_LABELS = {"lbp": "LBP (SPD-KFAC)", "seq": "Seq-Dist (MPD-KFAC)", "local": "Non-Dist (D-KFAC)"}
@@ -36,7 +44,7 @@ class ResultsError(Exception):
     """A result file that cannot be read or lacks what its benchmark writes (the message names the file)."""
 
 
-def load(path: Path) -> Dict[str, Any]:
+def load(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``; :class:`ResultsError` naming the file when it is malformed."""
     try:
         data = json.loads(path.read_text())
@@ -49,19 +57,19 @@ def load(path: Path) -> Dict[str, Any]:
     return data
 
 
-def need(data: Dict[str, Any], path: Path, *keys: str) -> None:
+def need(data: dict[str, Any], path: Path, *keys: str) -> None:
     """Raise :class:`ResultsError` naming ``path`` unless ``data`` has every key in ``keys``."""
     missing = [k for k in keys if k not in data]
     if missing:
         raise ResultsError(f"{path}: missing {', '.join(repr(k) for k in missing)} (not a file this benchmark writes?)")
 
 
-def ms(seconds: Optional[float]) -> str:
+def ms(seconds: float | None) -> str:
     """Seconds as whole milliseconds ('–' when not recorded)."""
     return "–" if seconds is None else f"{seconds * 1e3:.0f}"
 
 
-def ratio(value: Optional[float], lo: Optional[float] = None, hi: Optional[float] = None) -> str:
+def ratio(value: float | None, lo: float | None = None, hi: float | None = None) -> str:
     """A ratio as ``1.23x``, with its 95% interval when recorded."""
     if value is None:
         return ""
@@ -69,7 +77,7 @@ def ratio(value: Optional[float], lo: Optional[float] = None, hi: Optional[float
     return f"{text} ({lo:.2f}–{hi:.2f})" if lo is not None and hi is not None else text
 
 
-def machine_line(data: Dict[str, Any]) -> str:
+def machine_line(data: dict[str, Any]) -> str:
     """What the numbers were measured on, from the JSON's ``machine`` record."""
     m = data.get("machine")
     if not isinstance(m, dict):
@@ -88,7 +96,7 @@ def machine_line(data: Dict[str, Any]) -> str:
     return "; ".join(bits)
 
 
-def launcher(data: Dict[str, Any], module: str) -> str:
+def launcher(data: dict[str, Any], module: str) -> str:
     """The launch prefix for ``python -m module`` under the engine and worker count the JSON records."""
     engine, n = data.get("engine"), data.get("world_size", data.get("workers"))
     if engine == "horovod" and n:
@@ -98,7 +106,7 @@ def launcher(data: Dict[str, Any], module: str) -> str:
     return f".venv/bin/python -m {module}"
 
 
-def rebuilt_command(data: Dict[str, Any], module: str, out: Optional[str] = None) -> str:
+def rebuilt_command(data: dict[str, Any], module: str, out: str | None = None) -> str:
     """The benchmark's command line rebuilt from the ``args`` the JSON records (``--out`` replaced by ``out``)."""
     words = [launcher(data, module)]
     for key, value in data["args"].items():
@@ -116,7 +124,7 @@ def rebuilt_command(data: Dict[str, Any], module: str, out: Optional[str] = None
     return " ".join(words)
 
 
-def recorded_command(data: Dict[str, Any], module: str) -> str:
+def recorded_command(data: dict[str, Any], module: str) -> str:
     """The JSON's ``command``; an ``ENGINE xN: python -m ...`` record is written with its launcher."""
     cmd: str = data["command"]
     match = re.fullmatch(rf"(\w+) x(\d+): python -m {re.escape(module)}(.*)", cmd)
@@ -126,7 +134,7 @@ def recorded_command(data: Dict[str, Any], module: str) -> str:
     return cmd
 
 
-def command_block(data: Dict[str, Any], module: str, documented: str, out: Optional[str] = None) -> List[str]:
+def command_block(data: dict[str, Any], module: str, documented: str, out: str | None = None) -> list[str]:
     """Markdown lines giving the command and the machine of one result."""
     if isinstance(data.get("command"), str):
         how, cmd = "as recorded", recorded_command(data, module)
@@ -137,11 +145,11 @@ def command_block(data: Dict[str, Any], module: str, documented: str, out: Optio
     return [f"Command ({how}):", "", "```bash", cmd, "```", "", f"Machine: {machine_line(data)}.", ""]
 
 
-def table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> List[str]:
+def table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     """A Markdown table."""
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return lines + [""]
+    return [*lines, ""]
 
 
 class Writer:
@@ -149,14 +157,14 @@ class Writer:
 
     def __init__(self, results: Path, out: Path, label: str) -> None:
         self.results, self.out, self.label = results, out, label
-        self.lines: List[str] = []
-        self.skipped: List[str] = []
+        self.lines: list[str] = []
+        self.skipped: list[str] = []
 
     def shown(self, rel: str) -> str:
         """A results-relative path as the reader should type it."""
         return f"{self.label}/{rel}"
 
-    def link(self, rel: str, text: str) -> List[str]:
+    def link(self, rel: str, text: str) -> list[str]:
         """Markdown lines showing a plot next to the results (none when the file does not exist)."""
         target = self.results / rel
         if not target.is_file():
@@ -164,8 +172,7 @@ class Writer:
         href = Path(os.path.relpath(target, self.out.parent)).as_posix()
         return [f"![{text}]({href})", ""]
 
-    def section(self, rel: str, title: str, render: Callable[[Path, Dict[str, Any]], List[str]],
-                plot: Optional[str] = None) -> None:
+    def section(self, rel: str, title: str, render: Callable[[Path, dict[str, Any]], list[str]], plot: str | None = None) -> None:
         """One claim's section from ``results/rel`` (and its plot), or a note that the file is absent."""
         path = self.results / rel
         self.lines += [f"## {title}", ""]
@@ -178,7 +185,7 @@ class Writer:
             self.lines += self.link(plot, title)
 
 
-def model_stats(path: Path, d: Dict[str, Any]) -> List[str]:
+def model_stats(path: Path, d: dict[str, Any]) -> list[str]:
     """Table II: factor statistics per model, and the arithmetic floor of the amortised setting."""
     need(d, path, "models")
     rows = []
@@ -186,58 +193,112 @@ def model_stats(path: Path, d: Dict[str, Any]) -> List[str]:
         need(st, path, "params", "layers", "a_elems", "g_elems")
         ar = st.get("arithmetic") or {}
         same = st.get("matches_paper")
-        rows.append([name, f"{st['params'] / 1e6:.1f}", str(st["layers"]), f"{st['a_elems'] / 1e6:.1f}",
-                     f"{st['g_elems'] / 1e6:.1f}", str(st.get("max_dim", "")),
-                     "" if not isinstance(same, dict) else ("yes" if all(same.values()) else
-                                                            "differs: " + ", ".join(k for k, v in same.items() if not v)),
-                     f"{ar['floor']:.2f}x" if "floor" in ar else "",
-                     f"{ar['floor_distributed_preconditioning']:.2f}x" if "floor_distributed_preconditioning" in ar else ""])
+        rows.append(
+            [
+                name,
+                f"{st['params'] / 1e6:.1f}",
+                str(st["layers"]),
+                f"{st['a_elems'] / 1e6:.1f}",
+                f"{st['g_elems'] / 1e6:.1f}",
+                str(st.get("max_dim", "")),
+                ""
+                if not isinstance(same, dict)
+                else ("yes" if all(same.values()) else "differs: " + ", ".join(k for k, v in same.items() if not v)),
+                f"{ar['floor']:.2f}x" if "floor" in ar else "",
+                f"{ar['floor_distributed_preconditioning']:.2f}x" if "floor_distributed_preconditioning" in ar else "",
+            ]
+        )
     first = next(iter(d["models"].values()), {}).get("arithmetic") or {}
-    lines = ["Parameters and upper-triangle factor elements in millions. Floor: the lowest amortised K-FAC/SGD "
-             "iteration-time ratio the arithmetic allows at one FLOP rate"
-             + (f" ({first.get('resolution')}×{first.get('resolution')}, batch {first.get('batch_size')}, factors every "
-                f"{first.get('factor_every')} iterations; distributed preconditioning over {first.get('workers')} workers)"
-                if first else "") + ".", ""]
-    lines += table(["model", "params", "preconditioned layers", "A elements", "G elements", "largest factor",
-                    "matches the paper", "floor", "floor, dist. precond."], rows)
-    return lines + ["Command (the benchmark's documented command):", "", "```bash",
-                    "python -m benchmarks.model_stats", "```", "",
-                    "Machine: not recorded (counts and arithmetic do not depend on it).", ""]
+    lines = [
+        "Parameters and upper-triangle factor elements in millions. Floor: the lowest amortised K-FAC/SGD "
+        "iteration-time ratio the arithmetic allows at one FLOP rate"
+        + (
+            f" ({first.get('resolution')}×{first.get('resolution')}, batch {first.get('batch_size')}, factors every "
+            f"{first.get('factor_every')} iterations; distributed preconditioning over {first.get('workers')} workers)"
+            if first
+            else ""
+        )
+        + ".",
+        "",
+    ]
+    lines += table(
+        [
+            "model",
+            "params",
+            "preconditioned layers",
+            "A elements",
+            "G elements",
+            "largest factor",
+            "matches the paper",
+            "floor",
+            "floor, dist. precond.",
+        ],
+        rows,
+    )
+    return [
+        *lines,
+        "Command (the benchmark's documented command):",
+        "",
+        "```bash",
+        "python -m benchmarks.model_stats",
+        "```",
+        "",
+        "Machine: not recorded (counts and arithmetic do not depend on it).",
+        "",
+    ]
 
 
-def iteration_time(path: Path, d: Dict[str, Any]) -> List[str]:
+def iteration_time(path: Path, d: dict[str, Any]) -> list[str]:
     """Table III: iteration time, its breakdown, speed-ups and memory per variant."""
     need(d, path, "table")
     a = d.get("args", {})
-    lines = [f"{a.get('model', '?')} at {a.get('resolution', '?')}×{a.get('resolution', '?')}, batch "
-             f"{a.get('batch_size', '?')} per worker, factors/inverses every {'/'.join(map(str, a.get('update_freq', ['?'])))} "
-             f"iteration(s); {a.get('warmup', '?')} warm-up and {a.get('iters', '?')} measured iterations per variant"
-             f"{', interleaved' if a.get('interleave') else ''}. Milliseconds per iteration; SP1 = D-KFAC's time over "
-             "the row's, SP2 = MPD-KFAC's (95% bootstrap interval when recorded).", ""]
+    lines = [
+        f"{a.get('model', '?')} at {a.get('resolution', '?')}×{a.get('resolution', '?')}, batch "
+        f"{a.get('batch_size', '?')} per worker, factors/inverses every {'/'.join(map(str, a.get('update_freq', ['?'])))} "
+        f"iteration(s); {a.get('warmup', '?')} warm-up and {a.get('iters', '?')} measured iterations per variant"
+        f"{', interleaved' if a.get('interleave') else ''}. Milliseconds per iteration; SP1 = D-KFAC's time over "
+        "the row's, SP2 = MPD-KFAC's (95% bootstrap interval when recorded).",
+        "",
+    ]
     rows = []
     for r in d["table"]:
         need(r, path, "variant", "mean_s")
-        rows.append([LABELS.get(r["variant"], r["variant"]), f"{ms(r['mean_s'])} ± {ms(r.get('stdev_s'))}",
-                     *[ms(r.get(p)) for p in PARTS],
-                     *(("", "") if r["variant"] == "sgd" else  # SGD's speed-up over K-FAC says nothing
-                       (ratio(r.get("SP1"), r.get("SP1_lo"), r.get("SP1_hi")),
-                        ratio(r.get("SP2"), r.get("SP2_lo"), r.get("SP2_hi")))),
-                     ratio(r.get("vs_sgd"), r.get("vs_sgd_lo"), r.get("vs_sgd_hi")),
-                     f"{r['rss_mb']:.0f} MB" if r.get("rss_mb") else ""])
+        rows.append(
+            [
+                LABELS.get(r["variant"], r["variant"]),
+                f"{ms(r['mean_s'])} ± {ms(r.get('stdev_s'))}",
+                *[ms(r.get(p)) for p in PARTS],
+                *(
+                    ("", "")
+                    if r["variant"] == "sgd"
+                    # SGD's speed-up over K-FAC says nothing
+                    else (ratio(r.get("SP1"), r.get("SP1_lo"), r.get("SP1_hi")), ratio(r.get("SP2"), r.get("SP2_lo"), r.get("SP2_hi")))
+                ),
+                ratio(r.get("vs_sgd"), r.get("vs_sgd_lo"), r.get("vs_sgd_hi")),
+                f"{r['rss_mb']:.0f} MB" if r.get("rss_mb") else "",
+            ]
+        )
     lines += table(["variant", "iteration", *PARTS, "SP1", "SP2", "vs SGD", "RSS"], rows)
     split = [r for r in d["table"] if "factor_steps_s" in r or "other_steps_s" in r]
     if split:
-        lines += table(["variant", "factor-update iterations", "other iterations"],
-                       [[LABELS.get(r["variant"], r["variant"]),
-                         f"{r['factor_steps_s']:.2f} s (n={r.get('factor_steps_n', '?')})" if "factor_steps_s" in r else "",
-                         f"{r['other_steps_s']:.2f} s (n={r.get('other_steps_n', '?')})" if "other_steps_s" in r else ""]
-                        for r in split])
-    lines += command_block(d, "benchmarks.iteration_time",
-                           "horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m benchmarks.iteration_time")
+        lines += table(
+            ["variant", "factor-update iterations", "other iterations"],
+            [
+                [
+                    LABELS.get(r["variant"], r["variant"]),
+                    f"{r['factor_steps_s']:.2f} s (n={r.get('factor_steps_n', '?')})" if "factor_steps_s" in r else "",
+                    f"{r['other_steps_s']:.2f} s (n={r.get('other_steps_n', '?')})" if "other_steps_s" in r else "",
+                ]
+                for r in split
+            ],
+        )
+    lines += command_block(
+        d, "benchmarks.iteration_time", "horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m benchmarks.iteration_time"
+    )
     return lines
 
 
-def fusion_policies(path: Path, d: Dict[str, Any]) -> List[str]:
+def fusion_policies(path: Path, d: dict[str, Any]) -> list[str]:
     """Fig. 10: factor computation and unhidden factor communication per fusion policy."""
     need(d, path, "results")
     res = d["results"]
@@ -247,25 +308,44 @@ def fusion_policies(path: Path, d: Dict[str, Any]) -> List[str]:
         need(r, path, "factor_compute", "factor_comm_nonoverlap", "factor_comm_total", "factor_stage")
         groups = r.get("groups") or {}
         hidden = r.get("hidden")
-        rows.append([policy, f"{groups.get('A', '?')}/{groups.get('G', '?')}", ms(r["factor_compute"]),
-                     ms(r["factor_comm_nonoverlap"]), ms(r["factor_comm_total"]),
-                     "" if hidden is None else f"{hidden:.0%}", ms(r["factor_stage"]),
-                     ratio(naive / r["factor_stage"]) if naive and r["factor_stage"] else ""])
-    lines = ["Milliseconds per iteration. Unhidden: time `step()` blocks on communication minus what plain SGD "
-             "blocks on in the same run; alone: the same fused all-reduces timed back to back; factor stage = "
-             "computation + unhidden communication.", ""]
-    lines += table(["policy", "all-reduces A/G", "FactorComp", "unhidden FactorComm", "FactorComm alone", "hidden",
-                    "factor stage", "vs naive"], rows)
-    return lines + command_block(d, "benchmarks.fusion_policies",
-                                 "horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m benchmarks.fusion_policies")
+        rows.append(
+            [
+                policy,
+                f"{groups.get('A', '?')}/{groups.get('G', '?')}",
+                ms(r["factor_compute"]),
+                ms(r["factor_comm_nonoverlap"]),
+                ms(r["factor_comm_total"]),
+                "" if hidden is None else f"{hidden:.0%}",
+                ms(r["factor_stage"]),
+                ratio(naive / r["factor_stage"]) if naive and r["factor_stage"] else "",
+            ]
+        )
+    lines = [
+        "Milliseconds per iteration. Unhidden: time `step()` blocks on communication minus what plain SGD "
+        "blocks on in the same run; alone: the same fused all-reduces timed back to back; factor stage = "
+        "computation + unhidden communication.",
+        "",
+    ]
+    lines += table(
+        ["policy", "all-reduces A/G", "FactorComp", "unhidden FactorComm", "FactorComm alone", "hidden", "factor stage", "vs naive"], rows
+    )
+    return lines + command_block(
+        d, "benchmarks.fusion_policies", "horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m benchmarks.fusion_policies"
+    )
 
 
-def inverse_placement(path: Path, d: Dict[str, Any]) -> List[str]:
+def inverse_placement(path: Path, d: dict[str, Any]) -> list[str]:
     """Fig. 12: time to hold every inverse per placement, speed-ups and model errors."""
     need(d, path, "results", "summary")
-    rows = [[PLACEMENT_LABELS.get(k, k), f"{r['median_s']:.2f} s",
-             f"{r['predicted_s']:.2f} s" if r.get("predicted_s") is not None else "", str(r.get("local_factors", ""))]
-            for k, r in d["results"].items()]
+    rows = [
+        [
+            PLACEMENT_LABELS.get(k, k),
+            f"{r['median_s']:.2f} s",
+            f"{r['predicted_s']:.2f} s" if r.get("predicted_s") is not None else "",
+            str(r.get("local_factors", "")),
+        ]
+        for k, r in d["results"].items()
+    ]
     s = d["summary"]
     lines = ["Time until every worker holds every inverse (median over rounds).", ""]
     lines += table(["placement", "measured", "predicted by the models", "factors inverted locally"], rows)
@@ -276,116 +356,157 @@ def inverse_placement(path: Path, d: Dict[str, Any]) -> List[str]:
             iv = s.get(f"{key}_interval") or [None, None]
             facts.append(f"LBP vs {name}: {ratio(s[key], *iv)}")
     if "lbp_over_lower_bound" in s:
-        facts.append(f"LBP over the lower bound max(largest inversion, total/P) = {s.get('lower_bound_s', 0):.2f} s: "
-                     f"{s['lbp_over_lower_bound']:.2f}x")
+        facts.append(
+            f"LBP over the lower bound max(largest inversion, total/P) = {s.get('lower_bound_s', 0):.2f} s: "
+            f"{s['lbp_over_lower_bound']:.2f}x"
+        )
     if "inverse_model_mean_rel_error" in s:
-        facts.append(f"inversion model error: mean {s['inverse_model_mean_rel_error']:.0%}"
-                     + (f", largest for d ≥ 512 {s['inverse_model_max_rel_error_d>=512']:.0%}"
-                        if "inverse_model_max_rel_error_d>=512" in s else ""))
+        facts.append(
+            f"inversion model error: mean {s['inverse_model_mean_rel_error']:.0%}"
+            + (f", largest for d ≥ 512 {s['inverse_model_max_rel_error_d>=512']:.0%}" if "inverse_model_max_rel_error_d>=512" in s else "")
+        )
     if s.get("broadcast_model_mean_rel_error") is not None:
         facts.append(f"broadcast model error: mean {s['broadcast_model_mean_rel_error']:.0%}")
     lines += [f"- {f}" for f in facts] + [""]
-    return lines + command_block(d, "benchmarks.inverse_placement",
-                                 "horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m benchmarks.inverse_placement")
+    return lines + command_block(
+        d, "benchmarks.inverse_placement", "horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m benchmarks.inverse_placement"
+    )
 
 
-def hook_overhead(path: Path, d: Dict[str, Any]) -> List[str]:
+def hook_overhead(path: Path, d: dict[str, Any]) -> list[str]:
     """Forward+backward with and without the hooks."""
     need(d, path, "plain", "hooked", "ratio")
     a = d.get("args", {})
-    lines = [f"Forward+backward with and without the optimizer's hooks on a step that updates no factor "
-             f"({a.get('model', '?')} at {a.get('resolution', '?')}×{a.get('resolution', '?')}, batch {a.get('batch_size', '?')}; "
-             "medians).", ""]
-    lines += table(["without hooks", "with hooks", "overhead"],
-                   [[f"{ms(d['plain']['median'])} ms", f"{ms(d['hooked']['median'])} ms", f"{(d['ratio'] - 1):+.1%}"]])
+    lines = [
+        f"Forward+backward with and without the optimizer's hooks on a step that updates no factor "
+        f"({a.get('model', '?')} at {a.get('resolution', '?')}×{a.get('resolution', '?')}, batch {a.get('batch_size', '?')}; "
+        "medians).",
+        "",
+    ]
+    lines += table(
+        ["without hooks", "with hooks", "overhead"],
+        [[f"{ms(d['plain']['median'])} ms", f"{ms(d['hooked']['median'])} ms", f"{(d['ratio'] - 1):+.1%}"]],
+    )
     return lines + command_block(d, "benchmarks.hook_overhead", ".venv/bin/python -m benchmarks.hook_overhead --model resnet50")
 
 
-def simulator_check(path: Path, d: Dict[str, Any]) -> List[str]:
+def simulator_check(path: Path, d: dict[str, Any]) -> list[str]:
     """Predicted against measured iteration times."""
     need(d, path, "rows")
     rows = []
     for r in d["rows"]:
         need(r, path, "variant", "measured_s", "predicted_s", "rel_error")
         freq = "/".join(map(str, r.get("update_freq", ["?"])))
-        rows.append([str(r.get("workers", "?")), LABELS.get(r["variant"], r["variant"]), freq, ms(r["measured_s"]),
-                     ms(r["predicted_s"]), f"{r['rel_error']:+.1%}"])
-    lines = ["Scale simulator's predicted iteration time against measured `iteration_time` results (milliseconds; "
-             f"contention model {'on' if d.get('contention') else 'off'}).", ""]
+        rows.append(
+            [
+                str(r.get("workers", "?")),
+                LABELS.get(r["variant"], r["variant"]),
+                freq,
+                ms(r["measured_s"]),
+                ms(r["predicted_s"]),
+                f"{r['rel_error']:+.1%}",
+            ]
+        )
+    lines = [
+        "Scale simulator's predicted iteration time against measured `iteration_time` results (milliseconds; "
+        f"contention model {'on' if d.get('contention') else 'off'}).",
+        "",
+    ]
     lines += table(["workers", "variant", "factor/inverse every", "measured", "predicted", "error"], rows)
     if "largest_abs_error" in d:
         lines += [f"Largest error: {d['largest_abs_error']:.1%}.", ""]
-    return lines + command_block(d, "benchmarks.simulator_check",
-                                 "python -m benchmarks.simulator_check benchmarks/results/iteration_time.json") + [
-        "`bash benchmarks/simulator_check.sh [iteration_time args]` fits the performance models, profiles, "
-        "measures and predicts back to back, so that the machine's drift stays out of the comparison.", ""]
+    return (
+        lines
+        + command_block(d, "benchmarks.simulator_check", "python -m benchmarks.simulator_check benchmarks/results/iteration_time.json")
+        + [
+            "`bash benchmarks/simulator_check.sh [iteration_time args]` fits the performance models, profiles, "
+            "measures and predicts back to back, so that the machine's drift stays out of the comparison.",
+            "",
+        ]
+    )
 
 
-def soak(path: Path, d: Dict[str, Any]) -> List[str]:
+def soak(path: Path, d: dict[str, Any]) -> list[str]:
     """The soak run's checks."""
     need(d, path, "steps", "replicas_bitwise_identical")
-    rows = [["steps", str(d["steps"])],
-            ["workers", f"{d.get('workers', '?')} ({d.get('engine', '?')})"],
-            ["steps delayed on the last rank (up to ms)", f"{d.get('delayed_steps_on_last_rank', '?')} "
-                                                          f"({d.get('max_delay_ms', '?')})"],
-            ["replicas bitwise identical at the end", "yes" if d["replicas_bitwise_identical"] else "**no**"],
-            ["resident memory growth after warm-up", f"{d.get('rss_growth_mb_after_warmup', 0):+.1f} MB"],
-            ["most gradient handles pending after `step()`", str(d.get("max_pending_grad_handles", "?"))],
-            ["most factor all-reduces pending after `step()`", str(d.get("max_pending_factor_allreduces", "?"))]]
+    rows = [
+        ["steps", str(d["steps"])],
+        ["workers", f"{d.get('workers', '?')} ({d.get('engine', '?')})"],
+        ["steps delayed on the last rank (up to ms)", f"{d.get('delayed_steps_on_last_rank', '?')} ({d.get('max_delay_ms', '?')})"],
+        ["replicas bitwise identical at the end", "yes" if d["replicas_bitwise_identical"] else "**no**"],
+        ["resident memory growth after warm-up", f"{d.get('rss_growth_mb_after_warmup', 0):+.1f} MB"],
+        ["most gradient handles pending after `step()`", str(d.get("max_pending_grad_handles", "?"))],
+        ["most factor all-reduces pending after `step()`", str(d.get("max_pending_factor_allreduces", "?"))],
+    ]
     lines = table(["", ""], rows)
-    return lines + command_block(d, "benchmarks.soak",
-                                 "horovodrun -np 2 -H localhost:2 --gloo python -m benchmarks.soak --steps 3000")
+    return lines + command_block(d, "benchmarks.soak", "horovodrun -np 2 -H localhost:2 --gloo python -m benchmarks.soak --steps 3000")
 
 
-def convergence(w: Writer, run: str) -> Callable[[Path, Dict[str, Any]], List[str]]:
+def convergence(w: Writer, run: str) -> Callable[[Path, dict[str, Any]], list[str]]:
     """The renderer of one convergence run's folder (its tables, command and curves)."""
-    def render(path: Path, d: Dict[str, Any]) -> List[str]:
+
+    def render(path: Path, d: dict[str, Any]) -> list[str]:
         need(d, path, "settings")
-        lines: List[str] = []
+        lines: list[str] = []
         pngs = []
         for st in d["settings"]:
             need(st, path, "data", "batch_size", "optimizers")
             target = st.get("target_test_acc")
-            lines += [f"{st['data']}, {st['batch_size']} per worker ({st.get('global_batch', '?')} in all, "
-                      f"{st.get('steps_per_epoch', '?')} steps per epoch); target: the reference's best test accuracy"
-                      + (f", {target:.1%}" if target is not None else "") + ".", ""]
+            lines += [
+                f"{st['data']}, {st['batch_size']} per worker ({st.get('global_batch', '?')} in all, "
+                f"{st.get('steps_per_epoch', '?')} steps per epoch); target: the reference's best test accuracy"
+                + (f", {target:.1%}" if target is not None else "")
+                + ".",
+                "",
+            ]
             rows = []
             for spec, r in st["optimizers"].items():
                 e, s = r.get("epochs_to_target"), r.get("seconds_to_target")
-                rows.append([f"`{spec}`", f"{r['chosen_lr']:g}" if r.get("chosen_lr") is not None else "",
-                             f"{r['best_test_acc']:.1%}" if r.get("best_test_acc") is not None else "",
-                             f"{r['final_test_loss']:.3f}" if r.get("final_test_loss") is not None else "",
-                             "not reached" if e is None else f"{e} ({ratio(r.get('epochs_ratio'))})",
-                             "not reached" if s is None else f"{s:.1f} ({ratio(r.get('seconds_ratio'))})"])
-            lines += table(["optimizer", "best LR of the grid", "best test acc", "final test loss",
-                            "epochs to target", "seconds to target"], rows)
+                rows.append(
+                    [
+                        f"`{spec}`",
+                        f"{r['chosen_lr']:g}" if r.get("chosen_lr") is not None else "",
+                        f"{r['best_test_acc']:.1%}" if r.get("best_test_acc") is not None else "",
+                        f"{r['final_test_loss']:.3f}" if r.get("final_test_loss") is not None else "",
+                        "not reached" if e is None else f"{e} ({ratio(r.get('epochs_ratio'))})",
+                        "not reached" if s is None else f"{s:.1f} ({ratio(r.get('seconds_ratio'))})",
+                    ]
+                )
+            lines += table(
+                ["optimizer", "best LR of the grid", "best test acc", "final test loss", "epochs to target", "seconds to target"], rows
+            )
             pngs.append(f"convergence/{run}/convergence_{st['data']}_b{st['batch_size']}.png")
-        lines += command_block(d, "benchmarks.convergence",
-                               "horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m benchmarks.convergence",
-                               out=w.shown(f"convergence/{run}"))
+        lines += command_block(
+            d,
+            "benchmarks.convergence",
+            "horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m benchmarks.convergence",
+            out=w.shown(f"convergence/{run}"),
+        )
         for png in pngs:
             lines += w.link(png, f"test accuracy and loss, {run}")
         return lines
+
     return render
 
 
-def build(results: Path, out: Path, label: Optional[str] = None) -> str:
+def build(results: Path, out: Path, label: str | None = None) -> str:
     """The Markdown text of RESULTS.md for the result files under ``results``."""
     if not results.is_dir():
         raise ResultsError(f"{results}: no such results folder")
     w = Writer(results, out, label or results.as_posix())
-    w.lines += ["# Results", "",
-                f"Generated by `python scripts/results_md.py` from the JSON files in `{w.label}/`; do not edit by "
-                "hand. Each benchmark writes its JSON (and a PNG) there; rerun it, then regenerate this file. "
-                "Ratios from one run are meaningful; absolute seconds depend on the machine and its load. "
-                "Explanations: [docs/performance.md](../docs/performance.md).", ""]
+    w.lines += [
+        "# Results",
+        "",
+        f"Generated by `python scripts/results_md.py` from the JSON files in `{w.label}/`; do not edit by "
+        "hand. Each benchmark writes its JSON (and a PNG) there; rerun it, then regenerate this file. "
+        "Ratios from one run are meaningful; absolute seconds depend on the machine and its load. "
+        "Explanations: [docs/performance.md](../docs/performance.md).",
+        "",
+    ]
     w.section("model_stats.json", "Model statistics (Table II) and the arithmetic floor", model_stats, "factor_sizes.png")
-    w.section("iteration_time.json", "Iteration time and breakdown per variant (Table III)", iteration_time,
-              "iteration_time.png")
-    w.section("fusion_policies.json", "Pipelined factor communication per fusion policy (Fig. 10)", fusion_policies,
-              "fusion_policies.png")
-    w.section("inverse_placement.json", "Placement of the inversions (Fig. 12)", inverse_placement,
-              "inverse_placement.png")
+    w.section("iteration_time.json", "Iteration time and breakdown per variant (Table III)", iteration_time, "iteration_time.png")
+    w.section("fusion_policies.json", "Pipelined factor communication per fusion policy (Fig. 10)", fusion_policies, "fusion_policies.png")
+    w.section("inverse_placement.json", "Placement of the inversions (Fig. 12)", inverse_placement, "inverse_placement.png")
     w.section("hook_overhead.json", "Cost of the hooks on steps without a factor update", hook_overhead)
     w.section("simulator_check.json", "Scale simulator against measurements", simulator_check)
     w.section("soak.json", "Soak run: replicas, memory and pending work over many steps", soak)
@@ -397,12 +518,11 @@ def build(results: Path, out: Path, label: Optional[str] = None) -> str:
     for run in runs:
         w.section(f"convergence/{run}/convergence.json", f"Time to accuracy: {run}", convergence(w, run))
     if w.skipped:
-        w.lines += ["## Not present", "", "Skipped because the file is absent: "
-                    + ", ".join(f"`{s}`" for s in w.skipped) + ".", ""]
+        w.lines += ["## Not present", "", "Skipped because the file is absent: " + ", ".join(f"`{s}`" for s in w.skipped) + ".", ""]
     return "\n".join(w.lines).rstrip("\n") + "\n"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default="benchmarks/results", help="folder holding the result JSON files")

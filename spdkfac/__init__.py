@@ -5,6 +5,7 @@ Quick start::
     from spdkfac import SPDKFACOptimizer
     optimizer = SPDKFACOptimizer(model, lr=0.1, momentum=0.9)   # instead of torch.optim.SGD
 """
+
 from .host_memory import retain_freed_memory
 from .optimizer import NonFiniteError, NonFiniteFactorError, SPDKFACOptimizer
 from .schedules import KFACParamScheduler
@@ -12,4 +13,13 @@ from .variants import VARIANTS, make_optimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["VARIANTS", "KFACParamScheduler", "NonFiniteError", "NonFiniteFactorError", "SPDKFACOptimizer", "__version__", "make_optimizer", "retain_freed_memory"]
+__all__ = [
+    "VARIANTS",
+    "KFACParamScheduler",
+    "NonFiniteError",
+    "NonFiniteFactorError",
+    "SPDKFACOptimizer",
+    "__version__",
+    "make_optimizer",
+    "retain_freed_memory",
+]

@@ -11,6 +11,7 @@ own cores. It binds the process's threads that exist, and should run before
 the communication engine starts its threads (``hvd.init()``,
 ``init_process_group``), which then inherit it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,8 +73,11 @@ def _thread_ids() -> list[int]:
 
 def add_bind_cores_option(parser: argparse.ArgumentParser) -> None:
     """The ``--bind-cores`` switch every program of the project that runs workers offers (see :func:`bind_to_local_cores`)."""
-    parser.add_argument("--bind-cores", action="store_true",
-                        help="bind each worker of a node to its own share of the cores (CPU nodes; see spdkfac.affinity)")
+    parser.add_argument(
+        "--bind-cores",
+        action="store_true",
+        help="bind each worker of a node to its own share of the cores (CPU nodes; see spdkfac.affinity)",
+    )
 
 
 def bind_cores_if_asked(args: argparse.Namespace) -> list[int] | None:

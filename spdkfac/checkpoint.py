@@ -7,6 +7,7 @@ checkpoints intact; a checkpoint that cannot be read (truncated, garbage,
 empty) is reported by path, and :func:`newest_valid` falls back to the
 previous one.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,7 +63,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except (EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as exc:
-        raise CheckpointError(f"{path}: not a readable checkpoint, probably truncated or overwritten ({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(
+            f"{path}: not a readable checkpoint, probably truncated or overwritten ({type(exc).__name__}: {exc})"
+        ) from exc
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED_KEYS):
         missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
         raise CheckpointError(f"{path}: not a checkpoint of spdkfac.train (missing {missing})")

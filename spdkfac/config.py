@@ -9,11 +9,12 @@ optimizer's life: that is :class:`KFACConfig`. None of it changes the
 result, except ``precondition`` (K-FAC on or off), ``compute_method`` and
 ``skip_layers``, which are what a checkpoint must agree on.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 from .decomposition import COMPUTE_METHODS
 from .fusion.planner import DEFAULT_THRESHOLD_BYTES, FUSION_POLICIES
@@ -23,8 +24,7 @@ from .placement import PLACEMENTS
 __all__ = ["KFACConfig", "check_number", "check_positive_int"]
 
 
-def check_number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False,
-                 high_open: bool = True) -> float:
+def check_number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True) -> float:
     """``value`` as a float, or a TypeError/ValueError naming ``name`` and the allowed interval."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -44,7 +44,7 @@ def check_positive_int(name: str, value: Any) -> int:
     return value
 
 
-def _check_choice(name: str, value: Any, choices: Tuple[str, ...]) -> None:
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
@@ -139,12 +139,12 @@ class KFACConfig:
     overlap_preconditioning: bool = True
     fusion_threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
     profile_steps: int = 3
-    replan_interval: Optional[int] = None
+    replan_interval: int | None = None
     timeline: bool = False
     precondition: bool = True
     accumulation_steps: int = 1
     skip_nonfinite: int = 0
-    skip_layers: Tuple[LayerFilter, ...] = ()
+    skip_layers: tuple[LayerFilter, ...] = ()
 
     def __post_init__(self) -> None:
         _check_choice("fusion", self.fusion, FUSION_POLICIES)
@@ -169,7 +169,7 @@ class KFACConfig:
         """Whether the fusion plan is re-profiled during training (``'optimal'`` pipelined fusion only)."""
         return self.replan_interval is not None and self.fusion == "optimal" and self.pipelining
 
-    def as_dict(self) -> Dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
         """The options as plain values (``skip_layers`` classes by name), as saved in ``state_dict``."""
         out = asdict(self)
         out["skip_layers"] = [f if isinstance(f, str) else getattr(f, "__name__", repr(f)) for f in self.skip_layers]

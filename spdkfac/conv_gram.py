@@ -18,6 +18,7 @@ computing only its upper half), plus small products over the border strips.
 Same sums, reassociated: the result equals the im2col Gram to rounding (and
 is exactly symmetric).
 """
+
 from __future__ import annotations
 
 import torch

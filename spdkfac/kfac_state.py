@@ -5,20 +5,23 @@ Kept apart from ``torch.optim.Optimizer``'s own state (momentum buffers,
 ``state_dict``. Loading checks that the checkpoint fits (same compute method,
 same layers with the same factor dimensions) before anything is changed.
 """
+
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from .decomposition import Eigen, unpack_eigen
 from .layers import FACTOR_KINDS, KFACLayer
 
-__all__ = ["save_kfac_state", "check_kfac_state", "load_kfac_state", "memory_usage"]
+__all__ = ["check_kfac_state", "load_kfac_state", "memory_usage", "save_kfac_state"]
 
 
-def save_kfac_state(layers: Sequence[KFACLayer], steps: int, update_freqs: Tuple[int, int], compute_method: str,
-                    config: Dict[str, Any]) -> Dict[str, Any]:
+def save_kfac_state(
+    layers: Sequence[KFACLayer], steps: int, update_freqs: tuple[int, int], compute_method: str, config: dict[str, Any]
+) -> dict[str, Any]:
     """The ``'kfac'`` entry of a state dict (tensors by reference, as ``torch.optim`` does)."""
     return {
         "steps": steps,
@@ -32,19 +35,20 @@ def save_kfac_state(layers: Sequence[KFACLayer], steps: int, update_freqs: Tuple
                 "G": layer.G,
                 "A_inv": layer.A_inv,
                 "G_inv": layer.G_inv,
-                **{f"{kind}_eigen": None if e is None else {"Q": e.Q, "d": e.d}
-                   for kind, e in (("A", layer.A_eigen), ("G", layer.G_eigen))},
+                **{
+                    f"{kind}_eigen": None if e is None else {"Q": e.Q, "d": e.d} for kind, e in (("A", layer.A_eigen), ("G", layer.G_eigen))
+                },
             }
             for layer in layers
         },
     }
 
 
-def check_kfac_state(state_dict: Any, layers: Sequence[KFACLayer], compute_method: str) -> Dict[str, Any]:
+def check_kfac_state(state_dict: Any, layers: Sequence[KFACLayer], compute_method: str) -> dict[str, Any]:
     """The ``'kfac'`` entry of ``state_dict`` if it fits these layers and method; a ValueError saying why not."""
     if not isinstance(state_dict, dict) or "kfac" not in state_dict:
         raise ValueError("not an SPDKFACOptimizer checkpoint: the 'kfac' entry is missing")
-    kfac: Dict[str, Any] = state_dict["kfac"]
+    kfac: dict[str, Any] = state_dict["kfac"]
     method = kfac.get("compute_method", "inverse")  # checkpoints from before the eigen method hold inverses
     if method != compute_method:
         raise ValueError(
@@ -67,7 +71,7 @@ def check_kfac_state(state_dict: Any, layers: Sequence[KFACLayer], compute_metho
     return kfac
 
 
-def load_kfac_state(kfac: Dict[str, Any], layers: Sequence[KFACLayer]) -> None:
+def load_kfac_state(kfac: dict[str, Any], layers: Sequence[KFACLayer]) -> None:
     """Copy a checked ``'kfac'`` entry's factors and decompositions into the layers (onto their devices)."""
     for layer in layers:
         entry = kfac["layers"][layer.name]
@@ -82,14 +86,14 @@ def load_kfac_state(kfac: Dict[str, Any], layers: Sequence[KFACLayer]) -> None:
                 layer.set_eigen(kind, unpack_eigen(buffer, layer.dim(kind)))
 
 
-def memory_usage(layers: Sequence[KFACLayer], compute_method: str) -> Dict[str, int]:
+def memory_usage(layers: Sequence[KFACLayer], compute_method: str) -> dict[str, int]:
     """Bytes held by factors (packed running averages) and inverses (or eigendecompositions), per kind."""
     held = ("A_inv", "G_inv") if compute_method == "inverse" else ("A_eigen", "G_eigen")
     out = dict.fromkeys(FACTOR_KINDS + held, 0)
     for layer in layers:
         for attr in out:
             value = layer.packed_factor(attr) if attr in FACTOR_KINDS else getattr(layer, attr)
-            tensors: List[Any] = [value.Q, value.d] if isinstance(value, Eigen) else [value]
+            tensors: list[Any] = [value.Q, value.d] if isinstance(value, Eigen) else [value]
             for t in tensors:
                 if t is not None:
                     out[attr] += t.numel() * t.element_size()

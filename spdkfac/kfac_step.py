@@ -15,9 +15,10 @@ Either way the update is checked for NaN/Inf before any parameter changes;
 a bad step is skipped on every worker alike (the values checked are the same
 everywhere) or raises.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -32,15 +33,15 @@ from .inversion import DecompositionStage
 from .layers import KFACLayer
 from .linalg import all_finite
 from .nonfinite import NonFiniteError, NonFiniteGuard, non_finite
+from .perfmodels import PerfModel
 from .preconditioning import Preconditioner
 from .timeline import IterationRecord
-from .perfmodels import PerfModel
 from .work_plan import WorkPlan, overlaps_preconditioning
 
-__all__ = ["KFACStep", "Hyper"]
+__all__ = ["Hyper", "KFACStep"]
 
 #: This step's hyperparameters: damping, kl_clip, lr, factor_decay (from ``param_groups[0]``).
-Hyper = Dict[str, Optional[float]]
+Hyper = dict[str, Optional[float]]
 
 
 class KFACStep:
@@ -52,10 +53,19 @@ class KFACStep:
     work plan).
     """
 
-    def __init__(self, config: KFACConfig, layers: List[KFACLayer], backend: CommBackend, perf_model: PerfModel,
-                 work_plan: WorkPlan, param_groups: List[Dict[str, Any]], param_names: Dict[torch.Tensor, str],
-                 grad_scaler: Optional[Any], collecting: Callable[[nn.Module], bool],
-                 loss_scale: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        config: KFACConfig,
+        layers: list[KFACLayer],
+        backend: CommBackend,
+        perf_model: PerfModel,
+        work_plan: WorkPlan,
+        param_groups: list[dict[str, Any]],
+        param_names: dict[torch.Tensor, str],
+        grad_scaler: Any | None,
+        collecting: Callable[[nn.Module], bool],
+        loss_scale: Callable[[], float],
+    ) -> None:
         self.config = config
         self.layers = layers
         self.workers = backend.size
@@ -64,16 +74,17 @@ class KFACStep:
         self.nonfinite = NonFiniteGuard(config.skip_nonfinite)
         self.controller = TensorFusionController(backend)
         self.profiler = FusionProfiler(config, backend, layers, self.controller, perf_model)
-        self.factors = FactorCollector(layers, self.controller, self.profiler, config.pipelining,
-                                       config.accumulation_steps, collecting, loss_scale)
+        self.factors = FactorCollector(
+            layers, self.controller, self.profiler, config.pipelining, config.accumulation_steps, collecting, loss_scale
+        )
         self.grads = GradientSync(backend, param_groups, param_names, config.accumulation_steps, grad_scaler)
         self.decompositions = DecompositionStage(layers, work_plan.inversion, backend, config.compute_method)
         self.preconditioner = Preconditioner(layers, backend, work_plan, self.grads.wait)
-        self.record: Optional[IterationRecord] = None
+        self.record: IterationRecord | None = None
         self.overlapped_steps = 0  # steps that preconditioned while gradients were still being averaged
         self.overlapped_factor_steps = 0  # of those, factor steps that preconditioned before waiting for the factors
 
-    def begin(self, record: Optional[IterationRecord], abandon: bool = False) -> None:
+    def begin(self, record: IterationRecord | None, abandon: bool = False) -> None:
         """Forget the finished (skipped, abandoned) step's state in every part."""
         self.record = record
         self.profiler.begin_iteration()
@@ -112,8 +123,7 @@ class KFACStep:
         self._check_finite(step)
 
     def _overlapping(self, inverse_step: bool) -> bool:
-        if not overlaps_preconditioning(self.config.overlap_preconditioning, self.config.precondition, self.workers,
-                                        inverse_step):
+        if not overlaps_preconditioning(self.config.overlap_preconditioning, self.config.precondition, self.workers, inverse_step):
             return False
         return not self.grads.synchronized and all(layer.decomposed for layer in self.layers)  # else: the plain path
 
@@ -135,7 +145,8 @@ class KFACStep:
 
     def _precondition(self, hyper: Hyper, wait_for_grads: bool = False) -> None:
         damping, lr = hyper["damping"], hyper["lr"]
-        assert damping is not None and lr is not None
+        assert damping is not None
+        assert lr is not None
         self.preconditioner.run(damping, lr, hyper["kl_clip"], wait_for_grads, self.record)
 
     def _check_finite(self, step: int) -> None:
@@ -144,12 +155,19 @@ class KFACStep:
         bad = non_finite((self.param_names.get(p, "?"), p.grad) for p in params)
         if not bad:
             return
-        inverses = [f"{kind} of {layer.name!r}" for layer in self.layers for kind in ("A_inv", "G_inv")
-                    if getattr(layer, kind) is not None and not all_finite(getattr(layer, kind))]
+        inverses = [
+            f"{kind} of {layer.name!r}"
+            for layer in self.layers
+            for kind in ("A_inv", "G_inv")
+            if getattr(layer, kind) is not None and not all_finite(getattr(layer, kind))
+        ]
         cause = f"; the inverses {inverses} are non-finite (a damaged checkpoint?)" if inverses else ""
-        self.nonfinite.bad_step(NonFiniteError(
-            f"non-finite gradient(s) at step {step} for {bad[:8]}{' ...' if len(bad) > 8 else ''}{cause}. "
-            "No parameter was changed. Check the inputs/loss of that step (or lower the learning rate)."))
+        self.nonfinite.bad_step(
+            NonFiniteError(
+                f"non-finite gradient(s) at step {step} for {bad[:8]}{' ...' if len(bad) > 8 else ''}{cause}. "
+                "No parameter was changed. Check the inputs/loss of that step (or lower the learning rate)."
+            )
+        )
 
     def finite_everywhere(self, value: torch.Tensor, backend: CommBackend) -> bool:
         """Whether ``value`` is finite on every worker (one tiny all-reduce); if not, drop this step's factors."""

@@ -6,6 +6,7 @@ Cholesky factorisation, which is both the fastest and the most stable inverse
 for a symmetric positive-definite matrix; on CUDA it goes through cuSOLVER
 (via cupy when installed, via torch otherwise).
 """
+
 from __future__ import annotations
 
 import functools
@@ -147,9 +148,7 @@ def pack_upper(matrix: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
 def unpack_upper(packed: torch.Tensor, dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rebuild the full symmetric ``dim x dim`` matrix from its packed upper triangle."""
     if packed.numel() != triangle_size(dim):
-        raise ValueError(
-            f"packed triangle has {packed.numel()} elements, expected {triangle_size(dim)} for dim={dim}"
-        )
+        raise ValueError(f"packed triangle has {packed.numel()} elements, expected {triangle_size(dim)} for dim={dim}")
     if out is None:
         out = packed.new_empty(dim, dim)
     if dim >= _ROWWISE_MIN_DIM:

@@ -4,6 +4,7 @@ Every value checked here is the same on every worker (averaged gradients,
 averaged factors, identical inverses and preconditioned gradients), so every
 worker takes the same decision at the same step without communicating.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -14,7 +15,6 @@ import torch
 from .layers import FactorKey
 
 __all__ = ["NonFiniteError", "NonFiniteFactorError", "NonFiniteGuard", "SkipStep", "non_finite"]
-
 
 
 class NonFiniteError(FloatingPointError):

@@ -6,10 +6,12 @@ work plan, decomposition stage, preconditioner), fixes each step's hyperparamete
 and leaves the order of the K-FAC work to :class:`~spdkfac.kfac_step.KFACStep`;
 then it takes the momentum-SGD step. See ``docs/design.md``.
 """
+
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -17,8 +19,8 @@ import torch.nn as nn
 from .comm import CommBackend, get_backend
 from .config import KFACConfig, check_number, check_positive_int
 from .fusion import DEFAULT_THRESHOLD_BYTES
-from .kfac_step import KFACStep
 from .kfac_state import check_kfac_state, load_kfac_state, memory_usage, save_kfac_state
+from .kfac_step import KFACStep
 from .layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, functional_submodules, kfac_layers
 from .nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
 from .perfmodels import PerfModel, load_perf_model
@@ -27,7 +29,7 @@ from .sgd import momentum_sgd_update
 from .timeline import Timeline
 from .work_plan import LayerShape, WorkPlan
 
-__all__ = ["SPDKFACOptimizer", "NonFiniteError", "NonFiniteFactorError"]
+__all__ = ["NonFiniteError", "NonFiniteFactorError", "SPDKFACOptimizer"]
 
 _SCHEDULE_CHECKS = dict(
     damping=lambda n, v: check_number(n, v, 0.0, low_open=True),
@@ -88,50 +90,76 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         damping: Scheduled[float] = 0.003,
         factor_decay: float = 0.95,
-        kl_clip: Scheduled[Optional[float]] = 0.001,
+        kl_clip: Scheduled[float | None] = 0.001,
         factor_update_freq: Scheduled[int] = 1,
         inv_update_freq: Scheduled[int] = 1,
-        backend: Union[str, CommBackend] = "auto",
+        backend: str | CommBackend = "auto",
         fusion: str = "optimal",
         pipelining: bool = True,
         placement: str = "lbp",
         compute_method: str = "inverse",
         distribute_preconditioning: bool = False,
         overlap_preconditioning: bool = True,
-        perf_model: Union[None, str, PerfModel] = None,
+        perf_model: str | PerfModel | None = None,
         fusion_threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
         profile_steps: int = 3,
-        replan_interval: Optional[int] = None,
+        replan_interval: int | None = None,
         timeline: bool = False,
         precondition: bool = True,
-        grad_scaler: Optional[Any] = None,
+        grad_scaler: Any | None = None,
         accumulation_steps: int = 1,
         skip_nonfinite: int = 0,
         skip_layers: Sequence[LayerFilter] = (),
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        for name, value, high in (("lr", lr, float("inf")), ("momentum", momentum, 1.0),
-                                  ("weight_decay", weight_decay, float("inf")), ("factor_decay", factor_decay, 1.0)):
+        for name, value, high in (
+            ("lr", lr, float("inf")),
+            ("momentum", momentum, 1.0),
+            ("weight_decay", weight_decay, float("inf")),
+            ("factor_decay", factor_decay, 1.0),
+        ):
             check_number(name, value, 0.0, high)
         scheduled = dict(damping=damping, kl_clip=kl_clip, factor_update_freq=factor_update_freq, inv_update_freq=inv_update_freq)
         self.schedule = StepSchedule(scheduled, _SCHEDULE_CHECKS)
         initial = self.schedule.resolve(0, scheduled)  # validates numbers, and callables' values at the first step
-        self.config = KFACConfig(fusion, pipelining, placement, compute_method, distribute_preconditioning,
-                                 overlap_preconditioning, fusion_threshold_bytes, profile_steps, replan_interval,
-                                 timeline, precondition, accumulation_steps, skip_nonfinite, tuple(skip_layers))
+        self.config = KFACConfig(
+            fusion,
+            pipelining,
+            placement,
+            compute_method,
+            distribute_preconditioning,
+            overlap_preconditioning,
+            fusion_threshold_bytes,
+            profile_steps,
+            replan_interval,
+            timeline,
+            precondition,
+            accumulation_steps,
+            skip_nonfinite,
+            tuple(skip_layers),
+        )
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "unscale_")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, damping=initial["damping"],
-                                      factor_decay=factor_decay, kl_clip=initial["kl_clip"]))
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                momentum=momentum,
+                weight_decay=weight_decay,
+                damping=initial["damping"],
+                factor_decay=factor_decay,
+                kl_clip=initial["kl_clip"],
+            ),
+        )
         self.model, self.grad_scaler, self.steps = model, grad_scaler, 0
         self.factor_update_freq: int = initial["factor_update_freq"]  # in force (see _step_kind)
         self.inv_update_freq: int = initial["inv_update_freq"]
         self.compute_method, self.precondition = compute_method, precondition
-        self.layers: List[KFACLayer] = kfac_layers(model, compute_method, self.config.skip_layers) if precondition else []
+        self.layers: list[KFACLayer] = kfac_layers(model, compute_method, self.config.skip_layers) if precondition else []
         functional = functional_submodules(model)
         if precondition and functional:  # a notice, once: these layers are not preconditioned
             warnings.warn(f"these layers get the plain momentum-SGD update, without K-FAC: {functional}", stacklevel=2)
@@ -144,15 +172,31 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         loaded = load_perf_model(perf_model)
         loaded.check_world_size(self.backend.size)
         self.perf_model = loaded.scaled_to(self.backend.size)  # plan for this worker count, as the simulator
-        self.work_plan = WorkPlan.make([LayerShape(la.name, la.a_dim, la.g_dim) for la in self.layers], self.backend.size,
-                                       self.perf_model, placement, compute_method, distribute_preconditioning)
-        self.timeline: Optional[Timeline] = Timeline() if timeline else None
+        self.work_plan = WorkPlan.make(
+            [LayerShape(la.name, la.a_dim, la.g_dim) for la in self.layers],
+            self.backend.size,
+            self.perf_model,
+            placement,
+            compute_method,
+            distribute_preconditioning,
+        )
+        self.timeline: Timeline | None = Timeline() if timeline else None
         # Names every rank agrees on (collectives are matched by name): the model's, else the position in the groups.
-        self.param_names: Dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
+        self.param_names: dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
         for i, p in enumerate(p for group in self.param_groups for p in group["params"]):
             self.param_names.setdefault(p, f"param{i}")
-        self.kfac_step = KFACStep(self.config, self.layers, self.backend, self.perf_model, self.work_plan, self.param_groups,
-                                  self.param_names, grad_scaler, self._collecting, self._loss_scale)
+        self.kfac_step = KFACStep(
+            self.config,
+            self.layers,
+            self.backend,
+            self.perf_model,
+            self.work_plan,
+            self.param_groups,
+            self.param_names,
+            grad_scaler,
+            self._collecting,
+            self._loss_scale,
+        )
         self._begin_iteration()
 
     # ------------------------------------------------------------------ per step
@@ -160,11 +204,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """Forget the finished (skipped, abandoned) step's state in every part."""
         record = self.timeline.begin(self.steps) if self.timeline is not None else None
         self._record = record
-        self._kind: Optional[Tuple[bool, bool]] = None  # (updates factors, updates inverses), fixed when first needed
-        self._scale: Optional[float] = None
+        self._kind: tuple[bool, bool] | None = None  # (updates factors, updates inverses), fixed when first needed
+        self._scale: float | None = None
         self.kfac_step.begin(record, abandon)
 
-    def _step_kind(self) -> Tuple[bool, bool]:
+    def _step_kind(self) -> tuple[bool, bool]:
         """(updates factors, updates inverses) this step, with this step's hyperparameters fixed, once per step.
 
         Runs when the step first needs them (its first training forward pass,
@@ -176,8 +220,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             freqs = self.schedule.fix_step(self.steps, self.param_groups, (self.factor_update_freq, self.inv_update_freq))
             self.factor_update_freq, self.inv_update_freq = freqs
             first = any(not layer.decomposed for layer in self.layers)
-            self._kind = (self.precondition and (first or self.steps % freqs[0] == 0),
-                          self.precondition and (first or self.steps % freqs[1] == 0))
+            self._kind = (
+                self.precondition and (first or self.steps % freqs[0] == 0),
+                self.precondition and (first or self.steps % freqs[1] == 0),
+            )
         return self._kind
 
     def _collecting(self, module: nn.Module) -> bool:
@@ -191,7 +237,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------- step
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Precondition the gradients and take one momentum-SGD step."""
         loss = None
         if closure is not None:
@@ -258,18 +304,19 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         return finite
 
     # --------------------------------------------------------------- state
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """Optimizer state plus K-FAC state (step counter, factors, decompositions, update frequencies).
 
         Callable schedules are not saved: pass the same ones to the optimizer
         that loads this. Save between steps (not mid-accumulation).
         """
         sd = super().state_dict()
-        sd["kfac"] = save_kfac_state(self.layers, self.steps, (self.factor_update_freq, self.inv_update_freq),
-                                     self.compute_method, self.config.as_dict())
+        sd["kfac"] = save_kfac_state(
+            self.layers, self.steps, (self.factor_update_freq, self.inv_update_freq), self.compute_method, self.config.as_dict()
+        )
         return sd
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a checkpoint made by :meth:`state_dict` for the same model and compute method."""
         kfac = check_kfac_state(state_dict, self.layers, self.compute_method)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kfac"})
@@ -280,11 +327,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._begin_iteration()
 
     # ------------------------------------------------------------ reporting
-    def memory_usage(self) -> Dict[str, int]:
+    def memory_usage(self) -> dict[str, int]:
         """Bytes held by factors (packed running averages) and inverses (or eigendecompositions), per kind."""
         return memory_usage(self.layers, self.compute_method)
 
-    def fusion_plan(self) -> Dict[str, Optional[List[List[FactorKey]]]]:
+    def fusion_plan(self) -> dict[str, list[list[FactorKey]] | None]:
         """Current fusion groups per pass (None while profiling, or for ``'layerwise'``)."""
         return {kind: self.kfac_step.controller.plan(kind) for kind in FACTOR_KINDS}
 
@@ -297,6 +344,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         g = self.param_groups[0]
         hyper = ", ".join(f"{k}={g[k]}" for k in ("lr", "momentum", "weight_decay", "damping", "factor_decay", "kl_clip"))
         options = ", ".join(f"{k}={v!r}" for k, v in self.config.as_dict().items())
-        return (f"SPDKFACOptimizer(layers={len(self.layers)}, {hyper}, factor_update_freq={self.factor_update_freq}, "
-                f"inv_update_freq={self.inv_update_freq}, backend={self.backend.name}(rank {self.backend.rank}/"
-                f"{self.backend.size}), {options}, perf_model={self.perf_model.source!r})")
+        return (
+            f"SPDKFACOptimizer(layers={len(self.layers)}, {hyper}, factor_update_freq={self.factor_update_freq}, "
+            f"inv_update_freq={self.inv_update_freq}, backend={self.backend.name}(rank {self.backend.rank}/"
+            f"{self.backend.size}), {options}, perf_model={self.perf_model.source!r})"
+        )

@@ -21,13 +21,23 @@ size without processes.
 :func:`balance_by_cost` places whole layers instead of factors, for the
 optional distributed preconditioning (not in the paper; KAISA's MEM-OPT).
 """
+
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, Hashable, List, Sequence, Tuple
+from typing import Callable
 
 __all__ = [
-    "ALL", "PLACEMENTS", "Assignment", "PlacementPlan", "place", "place_lbp", "place_seq", "place_local", "balance_by_cost",
+    "ALL",
+    "PLACEMENTS",
+    "Assignment",
+    "PlacementPlan",
+    "balance_by_cost",
+    "place",
+    "place_lbp",
+    "place_local",
+    "place_seq",
     "preconditioning_cost",
 ]
 
@@ -58,14 +68,14 @@ class PlacementPlan:
     def __init__(self, strategy: str, world_size: int, assignments: Sequence[Assignment]) -> None:
         self.strategy = strategy
         self.world_size = world_size
-        self.assignments: List[Assignment] = list(assignments)
-        self._by_key: Dict[Hashable, Assignment] = {a.key: a for a in self.assignments}
+        self.assignments: list[Assignment] = list(assignments)
+        self._by_key: dict[Hashable, Assignment] = {a.key: a for a in self.assignments}
 
     def owner(self, key: Hashable) -> int:
         """Rank that inverts ``key``, or :data:`ALL`."""
         return self._by_key[key].owner
 
-    def broadcast_order(self) -> List[Assignment]:
+    def broadcast_order(self) -> list[Assignment]:
         """The order in which every rank issues the broadcasts of owned factors.
 
         Round ``k`` holds each rank's ``k``-th owned factor, so an owner issues
@@ -73,14 +83,14 @@ class PlacementPlan:
         same on every rank (required by torch.distributed).
         """
         per_rank = [[a for a in self.assignments if a.owner == r] for r in range(self.world_size)]
-        order: List[Assignment] = []
+        order: list[Assignment] = []
         for k in range(max((len(p) for p in per_rank), default=0)):
             for p in per_rank:
                 if k < len(p):
                     order.append(p[k])
         return order
 
-    def makespans(self) -> List[float]:
+    def makespans(self) -> list[float]:
         """Modelled time for each rank to hold every inverse (Eq. 21)."""
         spans = [0.0] * self.world_size
         for a in self.assignments:
@@ -101,20 +111,20 @@ class PlacementPlan:
         lines.append(f"{'factor':<40} {'dim':>6} {'owner':>6} {'t_inv(ms)':>10} {'t_bcast(ms)':>11}")
         for a in self.assignments:
             owner = "all" if a.owner == ALL else str(a.owner)
-            lines.append(f"{key_format(a.key):<40} {a.dim:>6} {owner:>6} {a.t_comp*1e3:>10.3f} {a.t_comm*1e3:>11.3f}")
-        spans = ", ".join(f"rank {r}: {s*1e3:.2f} ms" for r, s in enumerate(self.makespans()))
-        lines.append(f"predicted makespan: {spans} (max {self.makespan*1e3:.2f} ms)")
+            lines.append(f"{key_format(a.key):<40} {a.dim:>6} {owner:>6} {a.t_comp * 1e3:>10.3f} {a.t_comm * 1e3:>11.3f}")
+        spans = ", ".join(f"rank {r}: {s * 1e3:.2f} ms" for r, s in enumerate(self.makespans()))
+        lines.append(f"predicted makespan: {spans} (max {self.makespan * 1e3:.2f} ms)")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         n_local = sum(a.is_local for a in self.assignments)
         return (
             f"PlacementPlan({self.strategy!r}, world_size={self.world_size}, factors={len(self.assignments)}, "
-            f"local={n_local}, makespan={self.makespan*1e3:.2f} ms)"
+            f"local={n_local}, makespan={self.makespan * 1e3:.2f} ms)"
         )
 
 
-def _validate(factors: Sequence[Tuple[Hashable, int]], world_size: int) -> None:
+def _validate(factors: Sequence[tuple[Hashable, int]], world_size: int) -> None:
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     keys = [k for k, _ in factors]
@@ -125,26 +135,24 @@ def _validate(factors: Sequence[Tuple[Hashable, int]], world_size: int) -> None:
             raise ValueError(f"factor {k!r} has invalid dimension {d}")
 
 
-def place_local(factors: Sequence[Tuple[Hashable, int]], world_size: int, t_comp: CostFn, t_comm: CostFn) -> PlacementPlan:
+def place_local(factors: Sequence[tuple[Hashable, int]], world_size: int, t_comp: CostFn, t_comm: CostFn) -> PlacementPlan:
     """D-KFAC: every rank inverts every factor."""
     _validate(factors, world_size)
     return PlacementPlan("local", world_size, [Assignment(k, d, ALL, t_comp(d), t_comm(d)) for k, d in factors])
 
 
-def place_seq(factors: Sequence[Tuple[Hashable, int]], world_size: int, t_comp: CostFn, t_comm: CostFn) -> PlacementPlan:
+def place_seq(factors: Sequence[tuple[Hashable, int]], world_size: int, t_comp: CostFn, t_comm: CostFn) -> PlacementPlan:
     """MPD-KFAC (Eq. 22): factor ``i`` (model order) goes to rank ``i % P``; all are broadcast."""
     _validate(factors, world_size)
     if world_size == 1:
         return place_local(factors, world_size, t_comp, t_comm)
-    return PlacementPlan(
-        "seq", world_size, [Assignment(k, d, i % world_size, t_comp(d), t_comm(d)) for i, (k, d) in enumerate(factors)]
-    )
+    return PlacementPlan("seq", world_size, [Assignment(k, d, i % world_size, t_comp(d), t_comm(d)) for i, (k, d) in enumerate(factors)])
 
 
-def _algorithm1(factors: Sequence[Tuple[Hashable, int]], world_size: int, t_comp: CostFn, t_comm: CostFn) -> PlacementPlan:
+def _algorithm1(factors: Sequence[tuple[Hashable, int]], world_size: int, t_comp: CostFn, t_comm: CostFn) -> PlacementPlan:
     load = [0.0] * world_size
     order = sorted(range(len(factors)), key=lambda i: (-factors[i][1], i))  # stable: ties keep model order
-    out: List[Assignment] = []
+    out: list[Assignment] = []
     for i in order:
         key, dim = factors[i]
         comp, comm = t_comp(dim), t_comm(dim)
@@ -159,7 +167,7 @@ def _algorithm1(factors: Sequence[Tuple[Hashable, int]], world_size: int, t_comp
     return PlacementPlan("lbp", world_size, out)
 
 
-def place_lbp(factors: Sequence[Tuple[Hashable, int]], world_size: int, t_comp: CostFn, t_comm: CostFn) -> PlacementPlan:
+def place_lbp(factors: Sequence[tuple[Hashable, int]], world_size: int, t_comp: CostFn, t_comm: CostFn) -> PlacementPlan:
     """SPD-KFAC's load-balancing placement (Algorithm 1), never predicted worse than ``seq``."""
     _validate(factors, world_size)
     if world_size == 1:
@@ -175,13 +183,13 @@ def place_lbp(factors: Sequence[Tuple[Hashable, int]], world_size: int, t_comp: 
 
 def place(
     strategy: str,
-    factors: Sequence[Tuple[Hashable, int]],
+    factors: Sequence[tuple[Hashable, int]],
     world_size: int,
     t_comp: CostFn,
     t_comm: CostFn,
 ) -> PlacementPlan:
     """Dispatch to ``place_<strategy>`` (one of :data:`PLACEMENTS`)."""
-    solvers: Dict[str, Callable[..., PlacementPlan]] = {"lbp": place_lbp, "seq": place_seq, "local": place_local}
+    solvers: dict[str, Callable[..., PlacementPlan]] = {"lbp": place_lbp, "seq": place_seq, "local": place_local}
     if strategy not in solvers:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {strategy!r}")
     return solvers[strategy](factors, world_size, t_comp, t_comm)
@@ -192,7 +200,7 @@ def preconditioning_cost(a_dim: int, g_dim: int) -> float:
     return float(g_dim * a_dim * (g_dim + a_dim))
 
 
-def balance_by_cost(costs: Sequence[float], world_size: int) -> List[int]:
+def balance_by_cost(costs: Sequence[float], world_size: int) -> list[int]:
     """Rank for each item so that the largest per-rank total cost is small (greedy, largest first).
 
     Deterministic (ties go to the lower index and the lower rank), so every

@@ -7,10 +7,12 @@ names, which broadcasts its layers' results in one fused buffer. All updates
 are then scaled by the reference's KL clip
 ``ν = min(1, sqrt(kl_clip / |Σ lr² v·grad|))``.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Callable
 
 import torch
 
@@ -22,11 +24,10 @@ from .work_plan import WorkPlan
 __all__ = ["Preconditioner", "kl_clip_scale"]
 
 #: Blocks until the given parameters' averaged gradients are in place.
-GradWaiter = Callable[[List[torch.Tensor]], None]
+GradWaiter = Callable[[list[torch.Tensor]], None]
 
 
-def kl_clip_scale(grads: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], lr: float,
-                  kl_clip: Optional[float]) -> float:
+def kl_clip_scale(grads: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], lr: float, kl_clip: float | None) -> float:
     """The factor every update is multiplied by: ``min(1, sqrt(kl_clip / |Σ lr² v·grad|))`` (1 without a clip)."""
     if kl_clip is None:
         return 1.0
@@ -37,14 +38,15 @@ def kl_clip_scale(grads: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
 class Preconditioner:
     """Preconditions the layers' gradients in place, locally or split across ranks per the work plan."""
 
-    def __init__(self, layers: List[KFACLayer], backend: CommBackend, plan: WorkPlan, wait_grads: GradWaiter) -> None:
+    def __init__(self, layers: list[KFACLayer], backend: CommBackend, plan: WorkPlan, wait_grads: GradWaiter) -> None:
         self.layers = layers
         self.backend = backend
         self.plan = plan
         self.wait_grads = wait_grads
 
-    def run(self, damping: float, lr: float, kl_clip: Optional[float], wait_for_grads: bool = False,
-            record: Optional[IterationRecord] = None) -> None:
+    def run(
+        self, damping: float, lr: float, kl_clip: float | None, wait_for_grads: bool = False, record: IterationRecord | None = None
+    ) -> None:
         """Replace each layer's gradient by its KL-clipped update.
 
         With ``wait_for_grads`` the gradient all-reduces are still running:
@@ -57,7 +59,7 @@ class Preconditioner:
         if self.plan.preconditioners:
             grads, updates = self._distributed(layers, damping, wait_for_grads, record)
         else:
-            found: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+            found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             for i in reversed(range(len(layers))) if wait_for_grads else range(len(layers)):
                 grad = self._grad(layers[i], wait_for_grads)
                 found[i] = (grad, layers[i].precondition(grad, damping))
@@ -72,13 +74,15 @@ class Preconditioner:
     def _grad(self, layer: KFACLayer, wait: bool) -> torch.Tensor:
         """The layer's averaged gradient matrix, first waiting for its all-reduces if ``wait``."""
         if wait:
-            self.wait_grads([layer.module.weight, layer.module.bias] if layer.has_bias else [layer.module.weight])
+            bias = layer.module.bias
+            self.wait_grads([layer.module.weight] if bias is None else [layer.module.weight, bias])
         grad = layer.grad_matrix()
         assert grad is not None  # callers pass layers whose weight has a gradient
         return grad
 
-    def _distributed(self, layers: List[KFACLayer], damping: float, wait_for_grads: bool,
-                     record: Optional[IterationRecord]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    def _distributed(
+        self, layers: list[KFACLayer], damping: float, wait_for_grads: bool, record: IterationRecord | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Precondition this rank's layers, broadcast them fused, receive every other rank's.
 
         The broadcasts are issued in rank order on every rank (a receive
@@ -89,8 +93,8 @@ class Preconditioner:
         if missing:  # checked on every rank before any broadcast, so no rank is left waiting
             method = layers[0].compute_method
             raise RuntimeError(f"layers {missing} have no {method} decompositions yet; factors were never updated")
-        grads: Dict[int, torch.Tensor] = {}
-        pending: List[Tuple[Handle, torch.Tensor, List[int]]] = []
+        grads: dict[int, torch.Tensor] = {}
+        pending: list[tuple[Handle, torch.Tensor, list[int]]] = []
         for rank, indices in enumerate(self.plan.preconditioned_by_rank([layer.name for layer in layers])):
             if not indices:
                 continue
@@ -98,7 +102,7 @@ class Preconditioner:
             for i in indices[1:]:
                 dtype = torch.promote_types(dtype, layers[i].update_dtype)
             if rank == self.backend.rank:
-                results: Dict[int, torch.Tensor] = {}
+                results: dict[int, torch.Tensor] = {}
                 for i in reversed(indices) if wait_for_grads else indices:
                     grads[i] = grad = self._grad(layers[i], wait_for_grads)
                     results[i] = layers[i].precondition(grad, damping).reshape(-1).to(dtype)
@@ -108,7 +112,7 @@ class Preconditioner:
                 buffer = torch.empty(numel, dtype=dtype, device=layers[indices[0]].module.weight.device)
             pending.append((self.backend.broadcast_async(buffer, rank, f"spdkfac.precondition.{rank}"), buffer, indices))
         t0 = Timeline.now()
-        updates: Dict[int, torch.Tensor] = {}
+        updates: dict[int, torch.Tensor] = {}
         for handle, buffer, indices in pending:
             handle.wait()
             offset = 0

@@ -20,6 +20,7 @@ The optimizer resolves the values in force for a step once, when that step
 first needs them (its first training forward pass, or ``step()``), so a
 scheduler's change between two ``step()`` calls applies to the whole next step.
 """
+
 from __future__ import annotations
 
 import math
@@ -92,8 +93,9 @@ class StepSchedule:
         """Resolve the values in force at ``step``: damping and kl_clip written to every param group, the
         (factor, inverse) update frequencies returned."""
         group = param_groups[0]
-        values = self.resolve(step, dict(damping=group["damping"], kl_clip=group["kl_clip"],
-                                         factor_update_freq=freqs[0], inv_update_freq=freqs[1]))
+        values = self.resolve(
+            step, dict(damping=group["damping"], kl_clip=group["kl_clip"], factor_update_freq=freqs[0], inv_update_freq=freqs[1])
+        )
         for g in param_groups:
             g["damping"], g["kl_clip"] = values["damping"], values["kl_clip"]
         return values["factor_update_freq"], values["inv_update_freq"]

@@ -1,14 +1,15 @@
 """The update every parameter gets after preconditioning: ``torch.optim.SGD``'s momentum and weight decay."""
+
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 
 __all__ = ["momentum_sgd_update"]
 
 
-def momentum_sgd_update(param_groups: List[Dict[str, Any]], state: Dict[torch.Tensor, Dict[str, Any]]) -> None:
+def momentum_sgd_update(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, dict[str, Any]]) -> None:
     """``p -= lr * buf`` with ``buf = momentum*buf + (grad + wd*p)`` (the first ``buf`` is the gradient), in place."""
     for group in param_groups:
         lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]

@@ -6,12 +6,12 @@ its computation started and ended, when its fused all-reduce was launched and
 when it was seen complete, plus the time the optimizer spent blocked waiting
 for factor and inverse communication (the *non-overlapped* communication).
 """
+
 from __future__ import annotations
 
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
 
 __all__ = ["FactorEvent", "IterationRecord", "Timeline"]
 
@@ -25,8 +25,8 @@ class FactorEvent:
     compute_start: float
     compute_end: float
     group: int = -1
-    comm_start: Optional[float] = None
-    comm_end: Optional[float] = None
+    comm_start: float | None = None
+    comm_end: float | None = None
 
 
 @dataclass
@@ -35,7 +35,7 @@ class IterationRecord:
 
     step: int
     t0: float
-    factors: Dict[str, FactorEvent] = field(default_factory=dict)  # by 'kind:layer' (JSON keys)
+    factors: dict[str, FactorEvent] = field(default_factory=dict)  # by 'kind:layer' (JSON keys)
     grad_wait: float = 0.0  # non-overlapped gradient all-reduce (blocked in step())
     factor_wait: float = 0.0  # non-overlapped factor communication (blocked in wait)
     inverse_stage: float = 0.0  # wall time from first inversion until every inverse is held
@@ -46,12 +46,12 @@ class IterationRecord:
     def rel(self, t: float) -> float:
         return t - self.t0
 
-    def factor_computed(self, key: Tuple[str, str], start: float, end: float) -> None:
+    def factor_computed(self, key: tuple[str, str], start: float, end: float) -> None:
         """Record that factor ``key`` = (kind, layer) was computed from ``start`` to ``end`` (clock times)."""
         kind, layer = key
         self.factors[f"{kind}:{layer}"] = FactorEvent(kind, layer, self.rel(start), self.rel(end))
 
-    def event(self, key: Tuple[str, str]) -> Optional[FactorEvent]:
+    def event(self, key: tuple[str, str]) -> FactorEvent | None:
         """The event of factor ``key`` (None if it was not recorded)."""
         return self.factors.get(f"{key[0]}:{key[1]}")
 
@@ -65,8 +65,8 @@ class Timeline:
     """A list of :class:`IterationRecord`, one per recorded step."""
 
     def __init__(self) -> None:
-        self.iterations: List[IterationRecord] = []
-        self.current: Optional[IterationRecord] = None
+        self.iterations: list[IterationRecord] = []
+        self.current: IterationRecord | None = None
 
     @staticmethod
     def now() -> float:
@@ -86,7 +86,7 @@ class Timeline:
     def to_json(self) -> str:
         return json.dumps([asdict(it) for it in self.iterations], indent=1)
 
-    def summary(self, skip: int = 0) -> Dict[str, float]:
+    def summary(self, skip: int = 0) -> dict[str, float]:
         """Mean per-iteration factor compute, non-overlapped factor comm and inverse stage."""
         its = self.iterations[skip:]
         if not its:

@@ -1,4 +1,5 @@
 """The paper's baselines and ablations as configurations of the one optimizer."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

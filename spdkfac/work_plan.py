@@ -12,18 +12,19 @@ fitted performance model, so every rank computes the same answer without
 communicating, and :mod:`spdkfac.simulate` predicts exactly the schedule the
 optimizer runs (it only adds costs).
 """
+
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 from .decomposition import stage_costs
 from .fusion.planner import Plan, plan_groups
 from .perfmodels import PerfModel
 from .placement import ALL, Assignment, PlacementPlan, balance_by_cost, place, preconditioning_cost
 
-__all__ = ["LayerShape", "WorkPlan", "fusion_groups", "group_launch_times", "overlaps_preconditioning", "ALL"]
+__all__ = ["ALL", "LayerShape", "WorkPlan", "fusion_groups", "group_launch_times", "overlaps_preconditioning"]
 
 
 def fusion_groups(
@@ -49,7 +50,7 @@ def fusion_groups(
     return plan_groups(policy, times, sizes, alpha, beta, threshold_bytes, element_size=element_size)
 
 
-def group_launch_times(groups: Plan, ready: Sequence[float], pipelining: bool, backward_end: float) -> List[float]:
+def group_launch_times(groups: Plan, ready: Sequence[float], pipelining: bool, backward_end: float) -> list[float]:
     """When each fusion group of :func:`fusion_groups` is all-reduced.
 
     With pipelining, as soon as its last member is ready (no earlier than
@@ -96,8 +97,8 @@ class WorkPlan:
     """
 
     inversion: PlacementPlan
-    layers: Tuple[LayerShape, ...]
-    preconditioners: Dict[str, int] = field(default_factory=dict)
+    layers: tuple[LayerShape, ...]
+    preconditioners: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def make(
@@ -108,15 +109,15 @@ class WorkPlan:
         placement: str,
         compute_method: str,
         distribute_preconditioning: bool = False,
-    ) -> "WorkPlan":
+    ) -> WorkPlan:
         """The plan for ``layers`` (in model order) on ``workers`` workers.
 
         ``perf`` must already describe this worker count
         (:meth:`~spdkfac.perfmodels.PerfModel.scaled_to`).
         """
-        factors: List[Tuple[Hashable, int]] = [((kind, s.name), s.dim(kind)) for s in layers for kind in ("A", "G")]
+        factors: list[tuple[Hashable, int]] = [((kind, s.name), s.dim(kind)) for s in layers for kind in ("A", "G")]
         inversion = place(placement, factors, workers, *stage_costs(perf, compute_method))
-        preconditioners: Dict[str, int] = {}
+        preconditioners: dict[str, int] = {}
         if distribute_preconditioning and workers > 1:
             owners = balance_by_cost([preconditioning_cost(s.a_dim, s.g_dim) for s in layers], workers)
             preconditioners = {s.name: rank for s, rank in zip(layers, owners)}
@@ -130,17 +131,17 @@ class WorkPlan:
         """The rank that decomposes factor ``key`` and broadcasts it, or ``ALL``."""
         return self.inversion.owner(key)
 
-    def preconditioner(self, layer: str) -> Optional[int]:
+    def preconditioner(self, layer: str) -> int | None:
         """The rank that preconditions ``layer`` (None: every rank does)."""
         return self.preconditioners.get(layer)
 
-    def broadcast_order(self) -> List[Assignment]:
+    def broadcast_order(self) -> list[Assignment]:
         """The decomposition broadcasts, in the order every rank issues them."""
         return self.inversion.broadcast_order()
 
-    def preconditioned_by_rank(self, names: Sequence[str]) -> List[List[int]]:
+    def preconditioned_by_rank(self, names: Sequence[str]) -> list[list[int]]:
         """Indices into ``names`` of the layers each rank preconditions (distributed preconditioning)."""
-        owned: List[List[int]] = [[] for _ in range(self.workers)]
+        owned: list[list[int]] = [[] for _ in range(self.workers)]
         for i, name in enumerate(names):
             owned[self.preconditioners[name]].append(i)
         return owned

@@ -1,4 +1,5 @@
 """Launch real multi-process runs (horovodrun / torchrun with gloo on CPU) from tests."""
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,16 @@ def launcher_command(engine: str, nproc: int, script: Sequence[str]) -> list[str
     """The command line that starts ``script`` on ``nproc`` local workers."""
     if engine == "torch":
         return [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *script,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            *script,
         ]
     if engine == "horovod":
         hvdrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
@@ -68,7 +77,9 @@ def run_workers(engine: str, nproc: int, script: Sequence[str], timeout: int = T
     for attempt in (1, 2):
         cmd = launcher_command(engine, nproc, script)
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+            proc = subprocess.run(
+                cmd, cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+            )
         except subprocess.TimeoutExpired as exc:
             out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
             pytest.fail(f"{engine} run with {nproc} workers hung for {timeout}s: {' '.join(cmd)}\n{out[-4000:]}")

@@ -1,4 +1,5 @@
 """Small deterministic networks and data shared by the tests and the multi-process workers."""
+
 from __future__ import annotations
 
 import torch
@@ -46,8 +47,18 @@ def batch(n: int, seed: int = 1):
     return x, y
 
 
-def train(model: nn.Module, opt, x: torch.Tensor, y: torch.Tensor, steps: int, scaler=None, poisoned=None, clip=None,
-          accumulate: int = 1, skip_bad_loss: bool = False):
+def train(
+    model: nn.Module,
+    opt,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    steps: int,
+    scaler=None,
+    poisoned=None,
+    clip=None,
+    accumulate: int = 1,
+    skip_bad_loss: bool = False,
+):
     """``steps`` optimizer steps; each step uses a different slice-preserving perturbation of the batch.
 
     With a GradScaler the loop is the mixed-precision one (``scaler.step`` may

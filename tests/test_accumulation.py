@@ -1,4 +1,5 @@
 """Gradient accumulation: k micro-batches of b give one batch of k*b, with one round of communication per step."""
+
 from __future__ import annotations
 
 import pytest
@@ -191,8 +192,7 @@ def test_one_round_of_communication_per_step(float64):
     for k in (1, 4):
         backend = MirrorBackend()
         model = small_net()
-        kw = dict(KW, backend=backend, placement="local", fusion="layerwise", accumulation_steps=k, factor_update_freq=2,
-                  inv_update_freq=2)
+        kw = dict(KW, backend=backend, placement="local", fusion="layerwise", accumulation_steps=k, factor_update_freq=2, inv_update_freq=2)
         opt = SPDKFACOptimizer(model, **kw)
         per_pass = []
         for s in range(3):

@@ -1,4 +1,5 @@
 """Binding workers to cores: the split of a node's cores, the launchers' variables, and real 2-worker runs."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,17 @@ def test_core_share_splits_the_cores_into_contiguous_blocks():
 
 
 def test_local_rank_and_size_from_each_launcher(monkeypatch):
-    for var in ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "SLURM_LOCALID"):
+    for var in (
+        "HOROVOD_LOCAL_RANK",
+        "HOROVOD_LOCAL_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "MPI_LOCALRANKID",
+        "MPI_LOCALNRANKS",
+        "SLURM_LOCALID",
+    ):
         monkeypatch.delenv(var, raising=False)
     assert local_rank_and_size() is None
     monkeypatch.setenv("SLURM_LOCALID", "1")

@@ -1,4 +1,5 @@
 """Loss scaling (torch.amp.GradScaler) with the optimizer: unscaled factors, skipped steps, synchronize()."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """The iteration-time benchmark on real worker processes: variants one after another and interleaved."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,29 @@ from launch import run_workers
 def test_iteration_time_measures_every_variant(tmp_path, interleave):
     out = tmp_path / "it.json"
     variants = ["sgd", "spdkfac", "dkfac", "-pipe+lbp"]  # an ablation name that starts with a dash, too
-    args = ["-m", "benchmarks.iteration_time", "--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2",
-            "--iters", "4", "--warmup", "1", "--rounds", "2", "--update-freq", "2", "8",
-            "--variants", *variants, "--out", str(out)]
+    args = [
+        "-m",
+        "benchmarks.iteration_time",
+        "--model",
+        "cifar_resnet20",
+        "--resolution",
+        "8",
+        "--batch-size",
+        "2",
+        "--iters",
+        "4",
+        "--warmup",
+        "1",
+        "--rounds",
+        "2",
+        "--update-freq",
+        "2",
+        "8",
+        "--variants",
+        *variants,
+        "--out",
+        str(out),
+    ]
     output = run_workers("torch", 2, args + (["--interleave"] if interleave else []))
     data = json.loads(out.read_text())
     assert [row["variant"] for row in data["table"]] == variants

@@ -1,4 +1,5 @@
 """Save/resume reproduces the uninterrupted trajectory bit for bit."""
+
 import io
 
 import torch

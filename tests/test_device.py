@@ -1,4 +1,5 @@
 """Which device a worker computes on, from the launcher's local-rank variables."""
+
 from __future__ import annotations
 
 import pytest

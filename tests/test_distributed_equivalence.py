@@ -6,6 +6,7 @@ gradient accumulation); the reference is one process with the whole batch (P*b),
 no accumulation and no communication. Runs in float64 so that the tolerance can
 be tight enough to catch any real difference.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,30 +36,37 @@ PLACEMENT_CONFIGS = {
 # Distributed preconditioning: each layer preconditioned on one rank, results broadcast (with and without KL-clip,
 # with inverses owned and broadcast or inverted everywhere, and with steps that reuse old inverses).
 PLACEMENT_CONFIGS["dp-lbp"] = dict(BASE, placement="lbp", perf_model="expensive-inverse", distribute_preconditioning=True)
-PLACEMENT_CONFIGS["dp-local-noclip-freq"] = dict(BASE, placement="local", kl_clip=None, factor_update_freq=2,
-                                                 inv_update_freq=4, distribute_preconditioning=True)
+PLACEMENT_CONFIGS["dp-local-noclip-freq"] = dict(
+    BASE, placement="local", kl_clip=None, factor_update_freq=2, inv_update_freq=4, distribute_preconditioning=True
+)
 # compute_method='eigen': eigendecompositions owned and broadcast as [Q, d] or computed everywhere, the placement
 # costed with the eigen curve ("expensive-eigen" makes the inverse curve free, so only the eigen curve owns factors).
 PLACEMENT_CONFIGS["eigen-lbp"] = dict(BASE, placement="lbp", perf_model="expensive-eigen", compute_method="eigen")
 PLACEMENT_CONFIGS["eigen-seq-dp"] = dict(BASE, placement="seq", compute_method="eigen", distribute_preconditioning=True)
-PLACEMENT_CONFIGS["eigen-local-freq"] = dict(BASE, placement="local", compute_method="eigen", factor_update_freq=2,
-                                             inv_update_freq=4)
-PLACEMENT_CONFIGS["eigen-lbp-dp-freq"] = dict(BASE, placement="lbp", perf_model="expensive-eigen", compute_method="eigen",
-                                              distribute_preconditioning=True, factor_update_freq=2, inv_update_freq=4)
+PLACEMENT_CONFIGS["eigen-local-freq"] = dict(BASE, placement="local", compute_method="eigen", factor_update_freq=2, inv_update_freq=4)
+PLACEMENT_CONFIGS["eigen-lbp-dp-freq"] = dict(
+    BASE,
+    placement="lbp",
+    perf_model="expensive-eigen",
+    compute_method="eigen",
+    distribute_preconditioning=True,
+    factor_update_freq=2,
+    inv_update_freq=4,
+)
 FREQ_CONFIGS = {
     "timeline": dict(BASE, fusion="optimal", placement="lbp", perf_model="big-alpha", timeline=True),
     # Steps 1-3 and 5 keep the inverses: preconditioning overlaps the gradient all-reduce (or, without
     # overlap_preconditioning, waits for every gradient first as the paper's baselines do).
-    "freq-2-4": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="optimal", placement="lbp",
-                     perf_model="expensive-inverse"),
+    "freq-2-4": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="optimal", placement="lbp", perf_model="expensive-inverse"),
     # The same without pipelining: step 2's factors are sent after backward, before its preconditioning.
-    "freq-2-4-no-pipelining": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="threshold", pipelining=False,
-                                   placement="seq"),
-    "freq-1-3-no-overlap": dict(BASE, factor_update_freq=1, inv_update_freq=3, fusion="optimal", placement="lbp",
-                                overlap_preconditioning=False),
+    "freq-2-4-no-pipelining": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="threshold", pipelining=False, placement="seq"),
+    "freq-1-3-no-overlap": dict(
+        BASE, factor_update_freq=1, inv_update_freq=3, fusion="optimal", placement="lbp", overlap_preconditioning=False
+    ),
     # GradScaler loop; step 2 has a NaN on one worker only, so every worker must skip it and drop its factors.
-    "grad-scaler-skip": dict(BASE, fusion="optimal", placement="lbp", perf_model="expensive-inverse",
-                             amp={"init_scale": 2.0**10, "nan_step": 2}),
+    "grad-scaler-skip": dict(
+        BASE, fusion="optimal", placement="lbp", perf_model="expensive-inverse", amp={"init_scale": 2.0**10, "nan_step": 2}
+    ),
     # Re-profiling every 2 factor steps: the plan is remade (and may change) mid-run on every worker at once.
     "replan": dict(BASE, fusion="optimal", placement="lbp", profile_steps=1, replan_interval=2),
     # A NaN on one worker only, on a step that keeps the factors (3) and on one that updates them (2): every
@@ -80,11 +88,19 @@ SCHEDULE_CONFIGS = {
     "accum-2": dict(BASE, fusion="optimal", placement="lbp", accumulation_steps=2),
     "accum-4-bigalpha": dict(BASE, fusion="optimal", placement="local", perf_model="big-alpha", accumulation_steps=4),
     "accum-2-no-pipelining": dict(BASE, fusion="threshold", pipelining=False, placement="seq", accumulation_steps=2),
-    "accum-2-freq-2-4": dict(BASE, factor_update_freq=2, inv_update_freq=4, fusion="optimal", placement="lbp",
-                             perf_model="expensive-inverse", accumulation_steps=2),
+    "accum-2-freq-2-4": dict(
+        BASE,
+        factor_update_freq=2,
+        inv_update_freq=4,
+        fusion="optimal",
+        placement="lbp",
+        perf_model="expensive-inverse",
+        accumulation_steps=2,
+    ),
     "accum-2-dp-schedule": dict(BASE, placement="lbp", distribute_preconditioning=True, schedule="decay", accumulation_steps=2),
-    "accum-2-grad-scaler-skip": dict(BASE, fusion="optimal", placement="lbp", amp={"init_scale": 2.0**10, "nan_step": 2},
-                                     accumulation_steps=2),
+    "accum-2-grad-scaler-skip": dict(
+        BASE, fusion="optimal", placement="lbp", amp={"init_scale": 2.0**10, "nan_step": 2}, accumulation_steps=2
+    ),
     "accum-2-clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05, accumulation_steps=2),
 }
 
@@ -94,17 +110,47 @@ def _reference(global_batch: int, configs: dict, tmp_path) -> dict:
     import subprocess
 
     subprocess.run(
-        [sys.executable, WORKER, "--backend", "single", "--configs", json.dumps(configs), "--global-batch", str(global_batch),
-         "--steps", str(STEPS), "--out", str(out), "--no-accumulation"],
-        check=True, cwd=ROOT, capture_output=True,
+        [
+            sys.executable,
+            WORKER,
+            "--backend",
+            "single",
+            "--configs",
+            json.dumps(configs),
+            "--global-batch",
+            str(global_batch),
+            "--steps",
+            str(STEPS),
+            "--out",
+            str(out),
+            "--no-accumulation",
+        ],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
     )
     return torch.load(out)
 
 
 def _distributed(engine: str, nproc: int, global_batch: int, configs: dict, tmp_path) -> dict:
     out = tmp_path / f"{engine}-{nproc}.pt"
-    run_workers(engine, nproc, [WORKER, "--backend", engine, "--configs", json.dumps(configs),
-                                "--global-batch", str(global_batch), "--steps", str(STEPS), "--out", str(out)])
+    run_workers(
+        engine,
+        nproc,
+        [
+            WORKER,
+            "--backend",
+            engine,
+            "--configs",
+            json.dumps(configs),
+            "--global-batch",
+            str(global_batch),
+            "--steps",
+            str(STEPS),
+            "--out",
+            str(out),
+        ],
+    )
     return torch.load(out)
 
 
@@ -112,7 +158,9 @@ def _assert_same(dist: dict, ref: dict) -> None:
     first = next(iter(ref.values()))["params"]
     for name in ref:
         for pname, value in ref[name]["params"].items():
-            torch.testing.assert_close(dist[name]["params"][pname], value, rtol=1e-9, atol=1e-11, msg=lambda m, name=name, pname=pname: f"{name}/{pname}: {m}")
+            torch.testing.assert_close(
+                dist[name]["params"][pname], value, rtol=1e-9, atol=1e-11, msg=lambda m, name=name, pname=pname: f"{name}/{pname}: {m}"
+            )
     # Sanity: training moved the parameters, so equality is not trivial.
     init = __import__("nets").small_net().state_dict()
     assert any(not torch.allclose(first[k], init[k].to(first[k].dtype)) for k in init)
@@ -205,15 +253,17 @@ def test_placements_match_single_process(engine, nproc, tmp_path):
 
 # Every placement, compute method and fusion policy, with and without distributed preconditioning.
 BITWISE_CONFIGS = {
-    f"{method}-{placement}{'-dp' if dp else ''}": dict(BASE, placement=placement, compute_method=method,
-                                                       distribute_preconditioning=dp, perf_model="expensive-inverse")
-    for method in ("inverse", "eigen") for placement in ("lbp", "seq", "local") for dp in (False, True)
+    f"{method}-{placement}{'-dp' if dp else ''}": dict(
+        BASE, placement=placement, compute_method=method, distribute_preconditioning=dp, perf_model="expensive-inverse"
+    )
+    for method in ("inverse", "eigen")
+    for placement in ("lbp", "seq", "local")
+    for dp in (False, True)
 }
-BITWISE_CONFIGS.update({
-    f"fusion-{policy}": dict(BASE, fusion=policy, placement="seq") for policy in ("threshold", "layerwise", "naive")
-})
-BITWISE_CONFIGS["freq-2-4-no-pipelining"] = dict(BASE, placement="seq", pipelining=False, fusion="threshold",
-                                                 factor_update_freq=2, inv_update_freq=4)
+BITWISE_CONFIGS.update({f"fusion-{policy}": dict(BASE, fusion=policy, placement="seq") for policy in ("threshold", "layerwise", "naive")})
+BITWISE_CONFIGS["freq-2-4-no-pipelining"] = dict(
+    BASE, placement="seq", pipelining=False, fusion="threshold", factor_update_freq=2, inv_update_freq=4
+)
 
 
 def _assert_bitwise_equal(a, b, where: str) -> None:
@@ -240,8 +290,26 @@ def test_replicas_bitwise_identical_in_float32(engine, nproc, tmp_path):
     """Every rank holds bitwise the same parameters, momentum buffers, factors and inverses (or Q and d) after
     every configuration's steps, whether it computed or received each inverse (float32, where layouts matter)."""
     out = tmp_path / f"{engine}-{nproc}-f32.pt"
-    run_workers(engine, nproc, [WORKER, "--backend", engine, "--configs", json.dumps(BITWISE_CONFIGS), "--global-batch",
-                                str(4 * nproc), "--steps", str(STEPS), "--dtype", "float32", "--every-rank", "--out", str(out)])
+    run_workers(
+        engine,
+        nproc,
+        [
+            WORKER,
+            "--backend",
+            engine,
+            "--configs",
+            json.dumps(BITWISE_CONFIGS),
+            "--global-batch",
+            str(4 * nproc),
+            "--steps",
+            str(STEPS),
+            "--dtype",
+            "float32",
+            "--every-rank",
+            "--out",
+            str(out),
+        ],
+    )
     ranks = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(nproc)]
     init = __import__("nets").small_net().state_dict()
     for name in BITWISE_CONFIGS:
@@ -262,8 +330,26 @@ def test_replicas_stay_bitwise_identical_over_500_steps(tmp_path):
     # well above their float32 rounding keeps them invertible.
     configs = {"seq-long": dict(BASE, placement="seq", factor_update_freq=1, inv_update_freq=10, damping=5.0, lr=0.01)}
     out = tmp_path / "long.pt"
-    run_workers("torch", 2, [WORKER, "--backend", "torch", "--configs", json.dumps(configs), "--global-batch", "8",
-                             "--steps", "500", "--dtype", "float32", "--every-rank", "--out", str(out)])
+    run_workers(
+        "torch",
+        2,
+        [
+            WORKER,
+            "--backend",
+            "torch",
+            "--configs",
+            json.dumps(configs),
+            "--global-batch",
+            "8",
+            "--steps",
+            "500",
+            "--dtype",
+            "float32",
+            "--every-rank",
+            "--out",
+            str(out),
+        ],
+    )
     ranks = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]
     assert ranks[0]["seq-long"]["steps"] == 500
     for part in ("params", "optimizer_state"):

@@ -7,6 +7,7 @@
   exit 0 and the parameters of an uninterrupted run.
 * A checkpoint written by 2 workers resumes on 1 and on 3.
 """
+
 from __future__ import annotations
 
 import csv
@@ -46,8 +47,9 @@ def test_a_killed_worker_ends_the_job_naming_it(engine, phase):
     if engine == "horovod":
         require_horovod()
     cmd = launcher_command(engine, 2, [LOST, "--backend", engine, "--phase", phase])
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL
+    )
     killed_at: list[float] = []
     lines: list[str] = []
 
@@ -78,8 +80,23 @@ def test_a_killed_worker_ends_the_job_naming_it(engine, phase):
     assert detect < DETECT_LIMIT_S
 
 
-TRAIN = ["-m", "spdkfac.train", "--backend", "torch", "--data", "digits", "--epochs", "3", "--batch-size", "32",
-         "--quiet", "--checkpoint-every", "4", "--resume", "auto"]
+TRAIN = [
+    "-m",
+    "spdkfac.train",
+    "--backend",
+    "torch",
+    "--data",
+    "digits",
+    "--epochs",
+    "3",
+    "--batch-size",
+    "32",
+    "--quiet",
+    "--checkpoint-every",
+    "4",
+    "--resume",
+    "auto",
+]
 
 
 def _model(out: Path, name: str = LATEST) -> dict:
@@ -108,8 +125,22 @@ def test_torchrun_restarts_after_a_lost_worker_and_ends_like_an_uninterrupted_ru
 
     out = tmp_path / "elastic"
     # Elastic restarts need a rendezvous that starts each round afresh (c10d), not the static one of --master_port.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *TRAIN, "--out-dir", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        *TRAIN,
+        "--out-dir",
+        str(out),
+    ]
     with open(tmp_path / "elastic.log", "w+") as log:
         torchrun = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         killed = _kill_rank_once(torchrun, out, time.monotonic() + 240)
@@ -144,8 +175,9 @@ def test_a_two_worker_checkpoint_resumes_on_another_worker_count(tmp_path, worke
     args = [*TRAIN, "--epochs", "2", "--out-dir", str(out)]
     if workers == 1:
         args[args.index("torch")] = "single"
-        output = subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                                timeout=300, check=True).stdout
+        output = subprocess.run(
+            [sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300, check=True
+        ).stdout
     else:
         output = run_workers("torch", workers, args)
     assert "resumed from" in output

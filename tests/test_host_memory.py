@@ -1,4 +1,5 @@
 """retain_freed_memory: freed CPU tensors are reused instead of being faulted in again (in a fresh process each)."""
+
 import json
 import os
 import platform
@@ -7,8 +8,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                                reason="glibc-only allocator setting")
+pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc-only allocator setting")
 
 # Activation-like churn: several large tensors of mixed sizes allocated, used and freed, round after round.
 CHURN = """
@@ -27,8 +27,7 @@ PAGES_PER_ROUND = (40 + 64 + 24 + 100 + 8) * 2**20 // 4096
 
 
 def _churn(**env: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHURN], env={**os.environ, **env}, capture_output=True, text=True,
-                         check=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", CHURN], env={**os.environ, **env}, capture_output=True, text=True, check=True, timeout=120)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

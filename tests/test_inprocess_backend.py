@@ -1,9 +1,9 @@
 """The in-process engine (N ranks as threads): results, matching rules, failures."""
+
 from __future__ import annotations
 
 import threading
 import time
-from typing import List, Tuple
 
 import pytest
 import torch
@@ -20,7 +20,7 @@ from spdkfac.comm.inprocess import (
 )
 
 
-def _local(rank: int, shape: Tuple[int, ...] = (7, 5), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _local(rank: int, shape: tuple[int, ...] = (7, 5), dtype: torch.dtype = torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + rank)
     return torch.randn(shape, generator=g, dtype=dtype)
 
@@ -82,7 +82,7 @@ def test_non_contiguous_tensors_are_written_in_place():
 def test_many_outstanding_handles_waited_in_any_order():
     n = 20
 
-    def fn(b: CommBackend) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    def fn(b: CommBackend) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         reduced = [torch.full((i + 1,), float(b.rank * 10 + i)) for i in range(n)]
         sent = [torch.full((2,), float(b.rank * 100 + i)) for i in range(n)]
         handles = []
@@ -104,7 +104,7 @@ def test_many_outstanding_handles_waited_in_any_order():
 
 def test_a_collective_completes_when_the_last_rank_posts_it():
     posted = threading.Event()
-    seen: List[bool] = []
+    seen: list[bool] = []
 
     def fn(b: CommBackend) -> None:
         t = torch.ones(3)
@@ -134,7 +134,9 @@ def test_barrier_history_name_and_single_rank():
     assert group.run(fn) == ["InProcessBackend(rank=0, size=2)", "InProcessBackend(rank=1, size=2)"]
     assert group.history == [("allreduce", "a"), ("barrier", "spdkfac.barrier"), ("broadcast", "b")]
     b0 = group.backends[0]
-    assert b0.name == "inprocess" and get_backend(b0) is b0 and b0.group is group
+    assert b0.name == "inprocess"
+    assert get_backend(b0) is b0
+    assert b0.group is group
 
     def alone(b: CommBackend) -> torch.Tensor:
         t = torch.tensor([3.0])
@@ -154,7 +156,8 @@ def test_invalid_arguments():
 
     with pytest.raises(RankError) as info:
         run_ranks(2, integer)
-    assert isinstance(info.value.__cause__, TypeError) and "floating-point" in str(info.value)
+    assert isinstance(info.value.__cause__, TypeError)
+    assert "floating-point" in str(info.value)
 
     def bad_root(b: CommBackend) -> None:
         b.broadcast_async(torch.ones(2), 2, "w")
@@ -170,7 +173,11 @@ def test_different_names_at_the_same_position_raise_naming_both():
         b.allreduce_async(torch.zeros(2), f"layer{b.rank}").wait()
 
     msg = str(_mismatch(fn))
-    assert "collective #1" in msg and "'layer0'" in msg and "'layer1'" in msg and "rank 0" in msg and "rank 1" in msg
+    assert "collective #1" in msg
+    assert "'layer0'" in msg
+    assert "'layer1'" in msg
+    assert "rank 0" in msg
+    assert "rank 1" in msg
 
 
 def test_different_issue_order_raises_even_with_matching_names():
@@ -183,11 +190,13 @@ def test_different_issue_order_raises_even_with_matching_names():
             h.wait()
 
     msg = str(_mismatch(fn))
-    assert "collective #0" in msg and "'a'" in msg and "'b'" in msg
+    assert "collective #0" in msg
+    assert "'a'" in msg
+    assert "'b'" in msg
 
 
 @pytest.mark.parametrize(
-    "what, post",
+    ("what", "post"),
     [
         ("shape", lambda b: b.allreduce_async(torch.zeros(2 + b.rank), "x")),
         ("dtype", lambda b: b.allreduce_async(torch.zeros(2, dtype=torch.float32 if b.rank else torch.float64), "x")),
@@ -201,7 +210,8 @@ def test_shape_dtype_root_or_operation_mismatch_raises(what, post):
 
     msg = str(_mismatch(fn))
     expected = {"shape": "shape=(3,)", "dtype": "torch.float32", "root": "root=1", "op": "broadcast"}[what]
-    assert expected in msg and "'x'" in msg
+    assert expected in msg
+    assert "'x'" in msg
 
 
 def test_a_rank_that_finishes_without_a_collective_its_peers_posted():
@@ -213,7 +223,8 @@ def test_a_rank_that_finishes_without_a_collective_its_peers_posted():
     start = time.monotonic()
     msg = str(_mismatch(fn, size=3))
     assert time.monotonic() - start < 5  # detected, not timed out
-    assert "'extra'" in msg and ("rank(s) [1] already finished" in msg or "rank 1 finished" in msg)
+    assert "'extra'" in msg
+    assert "rank(s) [1] already finished" in msg or "rank 1 finished" in msg
 
 
 # -- failures --------------------------------------------------------------------------------
@@ -228,7 +239,8 @@ def test_an_exception_in_one_rank_surfaces_with_its_rank_and_does_not_hang():
     with pytest.raises(RankError, match="rank 2 raised ValueError: boom on purpose") as info:
         run_ranks(3, fn, timeout=20)
     assert time.monotonic() - start < 5
-    assert info.value.rank == 2 and isinstance(info.value.__cause__, ValueError)
+    assert info.value.rank == 2
+    assert isinstance(info.value.__cause__, ValueError)
 
 
 def test_a_wait_that_times_out_names_what_each_rank_is_waiting_on():
@@ -245,7 +257,9 @@ def test_a_wait_that_times_out_names_what_each_rank_is_waiting_on():
         group.run(fn, timeout=10)
     assert isinstance(info.value.__cause__, CollectiveTimeoutError)
     msg = str(info.value)
-    assert info.value.rank == 0 and "'posted-by-0'" in msg and "not yet posted by rank(s) [1]" in msg
+    assert info.value.rank == 0
+    assert "'posted-by-0'" in msg
+    assert "not yet posted by rank(s) [1]" in msg
 
 
 def test_run_times_out_when_ranks_never_return():
@@ -259,10 +273,11 @@ def test_run_times_out_when_ranks_never_return():
             release.wait(10)
 
     try:
-        with pytest.raises(CollectiveTimeoutError, match="did not finish within 0.3 s") as info:
+        with pytest.raises(CollectiveTimeoutError, match=r"did not finish within 0\.3 s") as info:
             group.run(fn, timeout=0.3)
         msg = str(info.value)
-        assert "rank 0: waiting on #0 allreduce 'stuck'" in msg and "rank 1: running" in msg
+        assert "rank 0: waiting on #0 allreduce 'stuck'" in msg
+        assert "rank 1: running" in msg
     finally:
         release.set()
 

@@ -1,4 +1,5 @@
 """Which layers K-FAC preconditions: skip_layers, layers used without forward(), tied weights (one process)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """The preconditioned update equals an explicit dense Kronecker computation built here independently."""
+
 import copy
 
 import pytest
@@ -120,8 +121,14 @@ def _patches_general(x, kernel, stride, padding, dilation):
 
 @pytest.mark.parametrize(
     ("kernel", "stride", "padding", "dilation"),
-    [((3, 3), (1, 1), (1, 1), (1, 1)), ((1, 1), (2, 2), (0, 0), (1, 1)), ((3, 3), (2, 2), (1, 1), (1, 1)),
-     ((2, 3), (1, 2), (0, 1), (1, 1)), ((3, 3), (1, 1), (2, 2), (2, 2)), ((7, 7), (2, 2), (3, 3), (1, 1))],
+    [
+        ((3, 3), (1, 1), (1, 1), (1, 1)),
+        ((1, 1), (2, 2), (0, 0), (1, 1)),
+        ((3, 3), (2, 2), (1, 1), (1, 1)),
+        ((2, 3), (1, 2), (0, 1), (1, 1)),
+        ((3, 3), (1, 1), (2, 2), (2, 2)),
+        ((7, 7), (2, 2), (3, 3), (1, 1)),
+    ],
 )
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_conv_input_rows_match_explicit_im2col(kernel, stride, padding, dilation, channels_last):
@@ -142,9 +149,15 @@ def test_conv_input_rows_match_explicit_im2col(kernel, stride, padding, dilation
 
 @pytest.mark.parametrize(
     ("kernel", "padding", "dilation", "size"),
-    [((3, 3), (1, 1), (1, 1), (7, 7)), ((3, 3), (0, 0), (1, 1), (6, 5)), ((2, 3), (0, 1), (1, 1), (5, 8)),
-     ((3, 3), (2, 2), (2, 2), (6, 6)), ((5, 5), (2, 2), (1, 1), (3, 4)), ((3, 1), (4, 0), (1, 1), (2, 5)),
-     ((7, 7), (3, 3), (1, 1), (9, 9))],
+    [
+        ((3, 3), (1, 1), (1, 1), (7, 7)),
+        ((3, 3), (0, 0), (1, 1), (6, 5)),
+        ((2, 3), (0, 1), (1, 1), (5, 8)),
+        ((3, 3), (2, 2), (2, 2), (6, 6)),
+        ((5, 5), (2, 2), (1, 1), (3, 4)),
+        ((3, 1), (4, 0), (1, 1), (2, 5)),
+        ((7, 7), (3, 3), (1, 1), (9, 9)),
+    ],
 )
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("channels_last", [False, True])

@@ -77,8 +77,12 @@ def test_symmetric_gram_equals_full_product_and_is_exactly_symmetric(d):
 
 @pytest.mark.parametrize(
     ("c", "size", "layout"),
-    [(c, size, layout) for c, size in [(5, (12, 11)), (300, (12, 12)), (5, (3, 4)), (300, (2, 3)), (7, (130,))]
-     for layout in ("nchw", "channels_last", "strided") if layout != "channels_last" or len(size) == 2],
+    [
+        (c, size, layout)
+        for c, size in [(5, (12, 11)), (300, (12, 12)), (5, (3, 4)), (300, (2, 3)), (7, (130,))]
+        for layout in ("nchw", "channels_last", "strided")
+        if layout != "channels_last" or len(size) == 2
+    ],
 )
 def test_channel_gram_equals_gram_of_the_channel_rows(c, size, layout):
     """Per-sample in place (>= 128 positions), channel-major copy (fewer), and channels-last rows: one Gram."""

@@ -3,6 +3,7 @@
 scripts/setup.sh installs ruff and mypy; a missing tool skips its test, except under
 SPDKFAC_REQUIRE_HOROVOD=1 (CI, where the environment is complete), where it fails.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """ImageNet model zoo: parameter counts, K-FAC layer structure, small-input forward passes, stats script."""
+
 import json
 import os
 import subprocess
@@ -82,7 +83,11 @@ def test_model_stats_script(tmp_path):
     out = tmp_path / "stats"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.model_stats", "--models", "resnet50", "--out-dir", str(out)],
-        cwd=ROOT, check=False, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "resnet50" in proc.stdout
@@ -103,8 +108,7 @@ def test_model_stats_script(tmp_path):
 def test_kfac_arithmetic_counts_by_hand():
     from benchmarks.model_stats import arithmetic_floor, kfac_arithmetic
 
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 6, 1, stride=2, bias=False), nn.Flatten(),
-                          nn.Linear(6 * 4 * 4, 10))
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 6, 1, stride=2, bias=False), nn.Flatten(), nn.Linear(6 * 4 * 4, 10))
     ops = kfac_arithmetic(model, (2, 3, 8, 8))
     r1, r2, r3 = 2 * 8 * 8, 2 * 4 * 4, 2  # rows: samples x output positions
     assert ops["forward_backward"] == 3 * 2 * (r1 * 27 * 4 + r2 * 4 * 6 + r3 * 96 * 10)

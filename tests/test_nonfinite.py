@@ -3,6 +3,7 @@
 The 2-worker version (a NaN on one worker only, every worker skipping the same
 step) is in test_distributed_equivalence.py.
 """
+
 from __future__ import annotations
 
 import copy

@@ -1,4 +1,5 @@
 """Bad input gets a clear error naming the problem."""
+
 import copy
 import re
 

@@ -1,4 +1,5 @@
 """Fitting recovers known parameters; bad files are rejected with reasons."""
+
 import json
 import math
 import warnings
@@ -159,8 +160,7 @@ def test_benchmark_fits_the_eigen_curve(tmp_path):
     assert model.fit_quality["eigen"]["chosen"] == model.eigen.kind
     model.save(tmp_path / "m.json")
     assert PerfModel.load(tmp_path / "m.json").eigen.measured == model.eigen.measured
-    skipped = run_benchmark(BenchmarkConfig(quick=True, repeats=3, warmup=1, inverse_dims=[16, 32], eigen=False),
-                            get_backend("single"))
+    skipped = run_benchmark(BenchmarkConfig(quick=True, repeats=3, warmup=1, inverse_dims=[16, 32], eigen=False), get_backend("single"))
     assert skipped.eigen is None
     assert "eigen" not in skipped.measurements
 

@@ -1,4 +1,5 @@
 """``python -m spdkfac.perfmodels`` as real processes: one worker, horovodrun, torchrun and mpirun (mpi4py)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,8 +25,16 @@ def _env() -> dict:
 
 def _cli(*args: str, timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
     """Run ``python -m spdkfac.perfmodels ARGS`` in one process."""
-    return subprocess.run([sys.executable, "-m", "spdkfac.perfmodels", *args], cwd=ROOT, env=_env(),
-                          check=False, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "spdkfac.perfmodels", *args],
+        cwd=ROOT,
+        env=_env(),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def _check_two_workers(path, engine: str) -> PerfModel:
@@ -44,8 +53,23 @@ def _check_two_workers(path, engine: str) -> PerfModel:
 
 def test_single_process_benchmark_show_plot(tmp_path):
     out = tmp_path / "m.json"
-    proc = _cli("benchmark", "--engine", "single", "--quick", "--repeats", "3", "--warmup", "1",
-                "--dims", "32", "64", "96", "128", "--out", str(out))
+    proc = _cli(
+        "benchmark",
+        "--engine",
+        "single",
+        "--quick",
+        "--repeats",
+        "3",
+        "--warmup",
+        "1",
+        "--dims",
+        "32",
+        "64",
+        "96",
+        "128",
+        "--out",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"wrote {out}" in proc.stdout
     model = PerfModel.load(out)
@@ -59,8 +83,14 @@ def test_single_process_benchmark_show_plot(tmp_path):
     assert shown.returncode == 0, shown.stderr
     assert model.measurements["eigen"]["dims"] == [32, 64, 96, 128]
     assert model.eigen is not None
-    for needle in ("all-reduce  t(m) =", "broadcast   t(d) =", "inverse     t(d) =", "eigen       t(d) =", '"world_size": 1',
-                   f"{model.allreduce.alpha:.3e}"):
+    for needle in (
+        "all-reduce  t(m) =",
+        "broadcast   t(d) =",
+        "inverse     t(d) =",
+        "eigen       t(d) =",
+        '"world_size": 1',
+        f"{model.allreduce.alpha:.3e}",
+    ):
         assert needle in shown.stdout, shown.stdout
 
     png = tmp_path / "m.png"
@@ -135,10 +165,27 @@ def test_benchmark_under_mpirun_mpi4py(tmp_path):
     # Open MPI refuses root without --allow-run-as-root, and counts slots strictly; -x exports the environment.
     extra = ["--allow-run-as-root", "--oversubscribe", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS"] if "Open MPI" in version else []
     out, png = tmp_path / "mpi.json", tmp_path / "mpi.png"
-    cmd = [mpirun, *extra, "-np", "2", sys.executable, "-m", "spdkfac.perfmodels", "benchmark", "--engine", "mpi4py",
-           *TINY, "--out", str(out), "--plot", str(png)]
+    cmd = [
+        mpirun,
+        *extra,
+        "-np",
+        "2",
+        sys.executable,
+        "-m",
+        "spdkfac.perfmodels",
+        "benchmark",
+        "--engine",
+        "mpi4py",
+        *TINY,
+        "--out",
+        str(out),
+        "--plot",
+        str(png),
+    ]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), check=False, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=_env(), check=False, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"mpirun hung for {TIMEOUT_S}s: {' '.join(cmd)}")
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-6000:]}"

@@ -1,4 +1,5 @@
 """Placement solvers (Algorithm 1, Eq. 22, local) as pure functions, any world size."""
+
 import random
 
 import pytest

@@ -1,4 +1,5 @@
 """Fusion planner (Eq. 15) on hand-computed cases."""
+
 import pytest
 
 from spdkfac.fusion.planner import plan_groups, plan_naive, plan_optimal, plan_threshold, serve_in_order, simulate_plan

@@ -1,12 +1,13 @@
 """Preconditioner and KFACStep pieces on in-process ranks (threads): distributed preconditioning without processes."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-
 from nets import small_net
+
 from spdkfac.comm import SingleProcessBackend
 from spdkfac.comm.inprocess import RankError, run_ranks
 from spdkfac.decomposition import eigen_payload, unpack_eigen
@@ -84,7 +85,8 @@ def test_distributed_preconditioning_equals_local_bitwise_on_every_rank(method, 
 def test_kl_clip_binds_and_scales_every_layer_alike():
     unclipped, clipped = _local_result("inverse", None), _local_result("inverse", 1e-6)
     ratios = {round(float((c / u).flatten()[0]), 9) for c, u in zip(clipped, unclipped)}
-    assert len(ratios) == 1 and 0 < ratios.pop() < 1  # one ν < 1 for every layer
+    assert len(ratios) == 1
+    assert 0 < ratios.pop() < 1
 
 
 def test_kl_clip_scale_formula():

@@ -14,6 +14,7 @@ with nothing from the library but the optimizer under test:
 * momentum SGD as ``torch.optim.SGD`` (weight decay added to the
   preconditioned gradient, no dampening).
 """
+
 from __future__ import annotations
 
 import copy
@@ -54,8 +55,18 @@ def _im2col(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
 class ReferenceKFAC:
     """The reference K-FAC step, dense and unoptimised."""
 
-    def __init__(self, model: nn.Module, lr: float, momentum: float, weight_decay: float, damping: float,
-                 factor_decay: float, kl_clip: float | None, factor_update_freq: int, inv_update_freq: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float,
+        momentum: float,
+        weight_decay: float,
+        damping: float,
+        factor_decay: float,
+        kl_clip: float | None,
+        factor_update_freq: int,
+        inv_update_freq: int,
+    ) -> None:
         self.model, self.lr, self.momentum, self.wd = model, lr, momentum, weight_decay
         self.damping, self.decay, self.kl_clip = damping, factor_decay, kl_clip
         self.fuf, self.iuf = factor_update_freq, inv_update_freq
@@ -168,7 +179,9 @@ def test_optimizer_takes_the_reference_step(name, float64):
         nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
         for (pname, p), p_ref in zip(net.named_parameters(), ref_net.parameters()):
-            torch.testing.assert_close(p, p_ref, rtol=1e-9, atol=1e-12, msg=lambda m, pname=pname: f"{name}/{pname} at step {opt.steps}: {m}")
+            torch.testing.assert_close(
+                p, p_ref, rtol=1e-9, atol=1e-12, msg=lambda m, pname=pname: f"{name}/{pname} at step {opt.steps}: {m}"
+            )
     for layer, module in zip(opt.layers, reference.layers):
         torch.testing.assert_close(layer.A, reference.A[module], rtol=1e-9, atol=1e-12)
         torch.testing.assert_close(layer.G, reference.G[module], rtol=1e-9, atol=1e-12)

@@ -1,4 +1,5 @@
 """Re-profiling the per-layer times and re-planning the fusion groups when they drift."""
+
 from __future__ import annotations
 
 import time
@@ -50,8 +51,7 @@ def test_drifted_times_change_the_plan():
     stall = Stall()
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), stall, nn.Tanh(), nn.Linear(6, 3))
     x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-    opt = SPDKFACOptimizer(model, lr=0.05, backend="single", profile_steps=1, replan_interval=2,
-                           perf_model=_alpha_model(0.05))
+    opt = SPDKFACOptimizer(model, lr=0.05, backend="single", profile_steps=1, replan_interval=2, perf_model=_alpha_model(0.05))
     train(model, opt, x, y, 2)
     assert opt.kfac_step.profiler.plans_made == 1
     assert len(opt.fusion_plan()["A"]) == 1

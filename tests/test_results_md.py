@@ -1,4 +1,5 @@
 """scripts/results_md.py: RESULTS.md from result JSON files in the shapes the benchmarks write."""
+
 import importlib.util
 import json
 from pathlib import Path
@@ -10,14 +11,30 @@ _spec = importlib.util.spec_from_file_location("results_md", ROOT / "scripts" / 
 results_md = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(results_md)
 
-MACHINE = {"cpu": "x86_64", "cores": 16, "torch": "2.13.0+cu128", "torch_threads": 4, "cuda": "Test GPU 80GB",
-           "python": "3.11.7", "retained_freed_memory": True, "horovod_cycle_time_ms": "20", "bound_cores": [0, 1]}
+MACHINE = {
+    "cpu": "x86_64",
+    "cores": 16,
+    "torch": "2.13.0+cu128",
+    "torch_threads": 4,
+    "cuda": "Test GPU 80GB",
+    "python": "3.11.7",
+    "retained_freed_memory": True,
+    "horovod_cycle_time_ms": "20",
+    "bound_cores": [0, 1],
+}
 PARTS = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other")
 
 
 def _row(variant, mean, **extra):
-    return {"variant": variant, "mean_s": mean, "stdev_s": 0.0123, **{p: 0.001 * (i + 1) for i, p in enumerate(PARTS)},
-            "rss_mb": 1234.0, "kfac_state_mb": 100.0, **extra}
+    return {
+        "variant": variant,
+        "mean_s": mean,
+        "stdev_s": 0.0123,
+        **{p: 0.001 * (i + 1) for i, p in enumerate(PARTS)},
+        "rss_mb": 1234.0,
+        "kfac_state_mb": 100.0,
+        **extra,
+    }
 
 
 def _write(folder: Path, name: str, obj) -> None:
@@ -31,57 +48,206 @@ def results(tmp_path: Path) -> Path:
     """A results folder holding iteration_time, fusion_policies, inverse_placement and one convergence run."""
     res = tmp_path / "results"
     res.mkdir()
-    iteration_args = {"model": "resnet50", "resolution": 32, "batch_size": 4, "iters": 6, "perf_model": "p.json", "threads": 1,
-                      "warmup": 2, "device": "auto", "rounds": 1, "interleave": True,
-                      "variants": ["sgd", "dkfac", "mpdkfac", "spdkfac", "-pipe+lbp"], "update_freq": [10, 100], "out": None}
-    table = [_row("sgd", 0.5), _row("dkfac", 4.321, SP1=1.0, SP2=0.97),
-             _row("mpdkfac", 4.2, SP1=1.03, SP2=1.0),
-             _row("spdkfac", 2.777, SP1=1.556, SP2=1.512, SP1_lo=1.411, SP1_hi=1.699, SP2_lo=1.4, SP2_hi=1.6,
-                  vs_sgd=5.554, vs_sgd_lo=5.1, vs_sgd_hi=6.0, factor_steps_s=9.876, factor_steps_n=1,
-                  other_steps_s=1.234, other_steps_n=5),
-             _row("-pipe+lbp", 2.9, SP1=1.49, SP2=1.45)]
-    _write(res, "iteration_time.json", {"args": iteration_args, "machine": MACHINE, "world_size": 4, "engine": "torch",
-                                        "table": table, "samples": {r["variant"]: [r["mean_s"]] * 6 for r in table}})
+    iteration_args = {
+        "model": "resnet50",
+        "resolution": 32,
+        "batch_size": 4,
+        "iters": 6,
+        "perf_model": "p.json",
+        "threads": 1,
+        "warmup": 2,
+        "device": "auto",
+        "rounds": 1,
+        "interleave": True,
+        "variants": ["sgd", "dkfac", "mpdkfac", "spdkfac", "-pipe+lbp"],
+        "update_freq": [10, 100],
+        "out": None,
+    }
+    table = [
+        _row("sgd", 0.5),
+        _row("dkfac", 4.321, SP1=1.0, SP2=0.97),
+        _row("mpdkfac", 4.2, SP1=1.03, SP2=1.0),
+        _row(
+            "spdkfac",
+            2.777,
+            SP1=1.556,
+            SP2=1.512,
+            SP1_lo=1.411,
+            SP1_hi=1.699,
+            SP2_lo=1.4,
+            SP2_hi=1.6,
+            vs_sgd=5.554,
+            vs_sgd_lo=5.1,
+            vs_sgd_hi=6.0,
+            factor_steps_s=9.876,
+            factor_steps_n=1,
+            other_steps_s=1.234,
+            other_steps_n=5,
+        ),
+        _row("-pipe+lbp", 2.9, SP1=1.49, SP2=1.45),
+    ]
+    _write(
+        res,
+        "iteration_time.json",
+        {
+            "args": iteration_args,
+            "machine": MACHINE,
+            "world_size": 4,
+            "engine": "torch",
+            "table": table,
+            "samples": {r["variant"]: [r["mean_s"]] * 6 for r in table},
+        },
+    )
     (res / "iteration_time.png").write_bytes(b"\x89PNG")
-    fusion = {p: {"factor_compute": 0.3901, "blocked": 0.28, "factor_comm_nonoverlap": nonover, "factor_comm_total": 0.6191,
-                  "hidden": hidden, "factor_stage": stage, "factor_unpack": 0.9, "iteration": 5.5, "groups": groups}
-              for p, nonover, hidden, stage, groups in (("optimal", 0.1719, 0.72, 0.5621, {"A": 35, "G": 37}),
-                                                        ("naive", 0.5616, 0.0, 0.9331, {"A": 1, "G": 1}))}
-    _write(res, "fusion_policies.json", {"args": {"model": "resnet50", "out": "/elsewhere/fusion_policies.json"},
-                                         "world_size": 2, "engine": "horovod", "sgd": {"blocked": 0.11, "iteration": 0.36},
-                                         "results": fusion, "samples": {}})
-    _write(res, "inverse_placement.json", {
-        "args": {"model": "resnet50", "rounds": 3}, "machine": MACHINE, "world_size": 2, "engine": "horovod",
-        "results": {"lbp": {"median_s": 6.4139, "samples": [6.4], "predicted_s": 5.5882, "local_factors": 51},
-                    "seq": {"median_s": 10.0924, "samples": [10.1], "predicted_s": 9.6456, "local_factors": 0},
-                    "local": {"median_s": 10.3582, "samples": [10.4], "predicted_s": 10.9266, "local_factors": 108}},
-        "summary": {"lower_bound_s": 5.6257, "lbp_over_lower_bound": 1.1401, "lbp_speedup_vs_seq": 1.5735,
-                    "lbp_speedup_vs_local": 1.6149, "lbp_speedup_vs_seq_interval": [1.55, 1.87],
-                    "lbp_speedup_vs_local_interval": None, "inverse_model_mean_rel_error": 0.0964,
-                    "inverse_model_max_rel_error_d>=512": 0.1178, "broadcast_model_mean_rel_error": 0.443},
-        "single_inversions": {"64": 0.0002}, "broadcasts": {"64": 0.0013}})
-    _write(res, "model_stats.json", {"num_classes": 1000, "models": {"resnet50": {
-        "params": 25557032, "layers": 54, "num_a": 54, "num_g": 54, "a_elems": 62312345, "g_elems": 14612345, "max_dim": 4608,
-        "matches_paper": {"params_m": True, "layers": True, "a_elems_m": True, "g_elems_m": False},
-        "arithmetic": {"resolution": 224, "batch_size": 32, "gflop": {}, "factor_every": 10, "workers": 2,
-                       "floor": 1.2345, "floor_distributed_preconditioning": 1.1321}}}})
+    fusion = {
+        p: {
+            "factor_compute": 0.3901,
+            "blocked": 0.28,
+            "factor_comm_nonoverlap": nonover,
+            "factor_comm_total": 0.6191,
+            "hidden": hidden,
+            "factor_stage": stage,
+            "factor_unpack": 0.9,
+            "iteration": 5.5,
+            "groups": groups,
+        }
+        for p, nonover, hidden, stage, groups in (
+            ("optimal", 0.1719, 0.72, 0.5621, {"A": 35, "G": 37}),
+            ("naive", 0.5616, 0.0, 0.9331, {"A": 1, "G": 1}),
+        )
+    }
+    _write(
+        res,
+        "fusion_policies.json",
+        {
+            "args": {"model": "resnet50", "out": "/elsewhere/fusion_policies.json"},
+            "world_size": 2,
+            "engine": "horovod",
+            "sgd": {"blocked": 0.11, "iteration": 0.36},
+            "results": fusion,
+            "samples": {},
+        },
+    )
+    _write(
+        res,
+        "inverse_placement.json",
+        {
+            "args": {"model": "resnet50", "rounds": 3},
+            "machine": MACHINE,
+            "world_size": 2,
+            "engine": "horovod",
+            "results": {
+                "lbp": {"median_s": 6.4139, "samples": [6.4], "predicted_s": 5.5882, "local_factors": 51},
+                "seq": {"median_s": 10.0924, "samples": [10.1], "predicted_s": 9.6456, "local_factors": 0},
+                "local": {"median_s": 10.3582, "samples": [10.4], "predicted_s": 10.9266, "local_factors": 108},
+            },
+            "summary": {
+                "lower_bound_s": 5.6257,
+                "lbp_over_lower_bound": 1.1401,
+                "lbp_speedup_vs_seq": 1.5735,
+                "lbp_speedup_vs_local": 1.6149,
+                "lbp_speedup_vs_seq_interval": [1.55, 1.87],
+                "lbp_speedup_vs_local_interval": None,
+                "inverse_model_mean_rel_error": 0.0964,
+                "inverse_model_max_rel_error_d>=512": 0.1178,
+                "broadcast_model_mean_rel_error": 0.443,
+            },
+            "single_inversions": {"64": 0.0002},
+            "broadcasts": {"64": 0.0013},
+        },
+    )
+    _write(
+        res,
+        "model_stats.json",
+        {
+            "num_classes": 1000,
+            "models": {
+                "resnet50": {
+                    "params": 25557032,
+                    "layers": 54,
+                    "num_a": 54,
+                    "num_g": 54,
+                    "a_elems": 62312345,
+                    "g_elems": 14612345,
+                    "max_dim": 4608,
+                    "matches_paper": {"params_m": True, "layers": True, "a_elems_m": True, "g_elems_m": False},
+                    "arithmetic": {
+                        "resolution": 224,
+                        "batch_size": 32,
+                        "gflop": {},
+                        "factor_every": 10,
+                        "workers": 2,
+                        "floor": 1.2345,
+                        "floor_distributed_preconditioning": 1.1321,
+                    },
+                }
+            },
+        },
+    )
     run = res / "convergence" / "mnist_run"
     optimizers = {
-        "sgd": {"chosen_lr": 0.025, "best_test_acc": 0.937, "final_test_loss": 0.2129, "epochs_to_target": 20,
-                "seconds_to_target": 29.296, "epochs_ratio": 1.0, "seconds_ratio": 1.0, "curve": []},
+        "sgd": {
+            "chosen_lr": 0.025,
+            "best_test_acc": 0.937,
+            "final_test_loss": 0.2129,
+            "epochs_to_target": 20,
+            "seconds_to_target": 29.296,
+            "epochs_ratio": 1.0,
+            "seconds_ratio": 1.0,
+            "curve": [],
+        },
         "spdkfac:factor_update_freq=10,inv_update_freq=10": {
-            "chosen_lr": 0.05, "best_test_acc": 0.967, "final_test_loss": 0.1132, "epochs_to_target": 9,
-            "seconds_to_target": 12.051, "epochs_ratio": 0.45, "seconds_ratio": 0.4114, "curve": []},
-        "spdkfac:kl_clip=0.0001": {"chosen_lr": 0.05, "best_test_acc": 0.93, "final_test_loss": 0.3, "epochs_to_target": None,
-                                   "seconds_to_target": None, "epochs_ratio": None, "seconds_ratio": None, "curve": []},
+            "chosen_lr": 0.05,
+            "best_test_acc": 0.967,
+            "final_test_loss": 0.1132,
+            "epochs_to_target": 9,
+            "seconds_to_target": 12.051,
+            "epochs_ratio": 0.45,
+            "seconds_ratio": 0.4114,
+            "curve": [],
+        },
+        "spdkfac:kl_clip=0.0001": {
+            "chosen_lr": 0.05,
+            "best_test_acc": 0.93,
+            "final_test_loss": 0.3,
+            "epochs_to_target": None,
+            "seconds_to_target": None,
+            "epochs_ratio": None,
+            "seconds_ratio": None,
+            "curve": [],
+        },
     }
-    _write(run, "convergence.json", {
-        "args": {"data": ["mnist5k"], "batch_sizes": [256], "optimizers": list(optimizers), "epochs": 20,
-                 "lr_grid": ["sgd=0.0125,0.025"], "interleave": True, "kl_clip": None, "grids": {"sgd": [0.0125]},
-                 "out": "/tmp/somewhere"},
-        "machine": MACHINE, "engine": "horovod", "world_size": 2, "settings": [
-            {"data": "mnist5k", "batch_size": 256, "global_batch": 512, "steps_per_epoch": 7, "reference": "sgd",
-             "target_test_acc": 0.937, "optimizers": optimizers}]})
+    _write(
+        run,
+        "convergence.json",
+        {
+            "args": {
+                "data": ["mnist5k"],
+                "batch_sizes": [256],
+                "optimizers": list(optimizers),
+                "epochs": 20,
+                "lr_grid": ["sgd=0.0125,0.025"],
+                "interleave": True,
+                "kl_clip": None,
+                "grids": {"sgd": [0.0125]},
+                "out": "/tmp/somewhere",
+            },
+            "machine": MACHINE,
+            "engine": "horovod",
+            "world_size": 2,
+            "settings": [
+                {
+                    "data": "mnist5k",
+                    "batch_size": 256,
+                    "global_batch": 512,
+                    "steps_per_epoch": 7,
+                    "reference": "sgd",
+                    "target_test_acc": 0.937,
+                    "optimizers": optimizers,
+                }
+            ],
+        },
+    )
     (run / "convergence_mnist5k_b256.png").write_bytes(b"\x89PNG")
     return res
 
@@ -103,13 +269,23 @@ def test_tables_hold_the_numbers(results: Path, tmp_path: Path):
 
     it = _section(text, "Iteration time")
     assert "| **SPD-KFAC** | 2777 ± 12 |" in it
-    assert "1.56x (1.41–1.70)" in it and "1.51x (1.40–1.60)" in it and "5.55x (5.10–6.00)" in it
-    assert "| D-KFAC | 4321 ± 12 |" in it and "1.00x" in it and "0.97x" in it
-    assert "9.88 s (n=1)" in it and "1.23 s (n=5)" in it  # amortised: factor-update iterations apart
+    assert "1.56x (1.41–1.70)" in it
+    assert "1.51x (1.40–1.60)" in it
+    assert "5.55x (5.10–6.00)" in it
+    assert "| D-KFAC | 4321 ± 12 |" in it
+    assert "1.00x" in it
+    assert "0.97x" in it
+    assert "9.88 s (n=1)" in it
+    assert "1.23 s (n=5)" in it
     assert "torchrun --nproc_per_node 4 -m benchmarks.iteration_time" in it
-    assert "--variants sgd dkfac mpdkfac spdkfac -pipe+lbp" in it and "--interleave" in it and "--update-freq 10 100" in it
+    assert "--variants sgd dkfac mpdkfac spdkfac -pipe+lbp" in it
+    assert "--interleave" in it
+    assert "--update-freq 10 100" in it
     assert "--out" not in it  # None: the default path
-    assert "16 cores" in it and "GPU Test GPU 80GB" in it and "4 worker(s) via torch" in it and "HOROVOD_CYCLE_TIME=20" in it
+    assert "16 cores" in it
+    assert "GPU Test GPU 80GB" in it
+    assert "4 worker(s) via torch" in it
+    assert "HOROVOD_CYCLE_TIME=20" in it
     assert "results/iteration_time.png" in it
 
     fu = _section(text, "Pipelined factor communication")
@@ -120,15 +296,21 @@ def test_tables_hold_the_numbers(results: Path, tmp_path: Path):
     assert "fusion_policies.png" not in fu  # no plot in the folder: no link
 
     pl = _section(text, "Placement of the inversions")
-    assert "| LBP (SPD-KFAC) | 6.41 s | 5.59 s | 51 |" in pl and "| Non-Dist (D-KFAC) | 10.36 s | 10.93 s | 108 |" in pl
-    assert "LBP vs Seq-Dist: 1.57x (1.55–1.87)" in pl and "LBP vs Non-Dist: 1.61x" in pl
-    assert "5.63 s: 1.14x" in pl and "mean 10%" in pl and "12%" in pl
+    assert "| LBP (SPD-KFAC) | 6.41 s | 5.59 s | 51 |" in pl
+    assert "| Non-Dist (D-KFAC) | 10.36 s | 10.93 s | 108 |" in pl
+    assert "LBP vs Seq-Dist: 1.57x (1.55–1.87)" in pl
+    assert "LBP vs Non-Dist: 1.61x" in pl
+    assert "5.63 s: 1.14x" in pl
+    assert "mean 10%" in pl
+    assert "12%" in pl
 
     cv = _section(text, "Time to accuracy: mnist_run")
     assert "| `sgd` | 0.025 | 93.7% | 0.213 | 20 (1.00x) | 29.3 (1.00x) |" in cv
     assert "| `spdkfac:factor_update_freq=10,inv_update_freq=10` | 0.05 | 96.7% | 0.113 | 9 (0.45x) | 12.1 (0.41x) |" in cv
     assert "not reached" in cv
-    assert f"--out {results}/convergence/mnist_run" in cv and "--grids" not in cv and "--kl-clip" not in cv
+    assert f"--out {results}/convergence/mnist_run" in cv
+    assert "--grids" not in cv
+    assert "--kl-clip" not in cv
     assert "(../results/convergence/mnist_run/convergence_mnist5k_b256.png)" in cv
 
     for missing in ("hook_overhead.json", "simulator_check.json", "soak.json"):  # optional: skipped with a note
@@ -147,7 +329,7 @@ def test_malformed_json_names_the_file(results: Path, tmp_path: Path, capsys):
     bad = results / "inverse_placement.json"
     bad.write_text('{"results": {"lbp": ')
     out = tmp_path / "RESULTS.md"
-    with pytest.raises(results_md.ResultsError, match="inverse_placement.json: not valid JSON"):
+    with pytest.raises(results_md.ResultsError, match=r"inverse_placement\.json: not valid JSON"):
         results_md.build(results, out)
     assert results_md.main(["--results", str(results), "--out", str(out)]) == 1
     assert str(bad) in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 One process, real training on digits (a few seconds per run).
 """
+
 from __future__ import annotations
 
 import csv
@@ -85,7 +86,10 @@ def test_damaged_checkpoints_name_the_file_and_auto_resume_falls_back(tmp_path):
     # Every checkpoint unusable: an error naming the newest, never a silent fresh start.
     (out / LATEST).write_bytes(b"")
     (out / PREVIOUS).write_bytes(b"garbage")
-    with pytest.warns(UserWarning, match="skipping unusable checkpoint"), pytest.raises(SystemExit, match=f"cannot resume: .*{LATEST}: the checkpoint file is empty"):
+    with (
+        pytest.warns(UserWarning, match="skipping unusable checkpoint"),
+        pytest.raises(SystemExit, match=f"cannot resume: .*{LATEST}: the checkpoint file is empty"),
+    ):
         _run(out, "--resume", "auto")
 
 

@@ -1,4 +1,5 @@
 """Step schedules (callables of the step) and the per-epoch KFACParamScheduler: values, timing, resume."""
+
 from __future__ import annotations
 
 import io
@@ -6,8 +7,8 @@ import io
 import pytest
 import torch
 import torch.nn as nn
-
 from nets import batch, small_net
+
 from spdkfac import KFACParamScheduler, SPDKFACOptimizer
 
 KW = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.01, kl_clip=0.01, backend="single")
@@ -55,9 +56,16 @@ def test_callable_values_are_taken_at_their_steps():
         seen.append(step)
         return 0.1 / (step + 1)
 
-    opt = SPDKFACOptimizer(model, **dict(KW, damping=damping, kl_clip=lambda s: None if s % 2 else 0.01,
-                                         factor_update_freq=lambda s: 1 if s < 4 else 3,
-                                         inv_update_freq=lambda s: 2 if s < 4 else 6))
+    opt = SPDKFACOptimizer(
+        model,
+        **dict(
+            KW,
+            damping=damping,
+            kl_clip=lambda s: None if s % 2 else 0.01,
+            factor_update_freq=lambda s: 1 if s < 4 else 3,
+            inv_update_freq=lambda s: 2 if s < 4 else 6,
+        ),
+    )
     spy = Spy(opt)
     kl_clips = []
     for s in range(10):
@@ -69,7 +77,7 @@ def test_callable_values_are_taken_at_their_steps():
     assert spy.inverse_steps == [0, 2, 6]
     assert spy.dampings == [0.1 / 1, 0.1 / 3, 0.1 / 7]
     assert kl_clips == [None if s % 2 else 0.01 for s in range(10)]
-    assert seen == [0] + list(range(10))  # once at construction, then once per step
+    assert seen == [0, *range(10)]  # once at construction, then once per step
     assert (opt.factor_update_freq, opt.inv_update_freq) == (3, 6)
 
 
@@ -83,17 +91,20 @@ def test_numbers_and_param_group_writes_keep_working():
     opt.factor_update_freq, opt.inv_update_freq = 1, 3
     _run(model, opt, x, y, 4, 10)
     assert spy.factor_steps == [0, 2, 4, 5, 6, 7, 8, 9]
-    assert spy.inverse_steps == [0, 6, 9] and spy.dampings == [0.01, 0.5, 0.5]  # freq 3 in force from step 4
+    assert spy.inverse_steps == [0, 6, 9]
+    assert spy.dampings == [0.01, 0.5, 0.5]
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    ("kwargs", "match"),
     [
         (dict(damping=lambda s: 0.01 if s < 3 else -1.0), r"damping must be in .*schedule's value at step 3"),
         (dict(kl_clip=lambda s: "big" if s == 2 else 0.01), r"kl_clip must be a number.*at step 2"),
         (dict(factor_update_freq=lambda s: 1 if s < 4 else 0), r"factor_update_freq must be a positive integer.*at step 4"),
-        (dict(factor_update_freq=lambda s: 1 if s < 3 else 2, inv_update_freq=3),
-         r"inv_update_freq \(3\) must be a multiple of factor_update_freq \(2\).*at step 3"),
+        (
+            dict(factor_update_freq=lambda s: 1 if s < 3 else 2, inv_update_freq=3),
+            r"inv_update_freq \(3\) must be a multiple of factor_update_freq \(2\).*at step 3",
+        ),
     ],
 )
 def test_bad_scheduled_value_names_option_and_step(kwargs, match):
@@ -128,12 +139,18 @@ def test_first_step_always_updates_factors_and_inverses():
     opt.steps = 3  # e.g. a counter set from outside: no inverses exist yet, so this step must make them
     spy = Spy(opt)
     _run(model, opt, x, y, 3, 12)
-    assert spy.factor_steps == [3, 5, 10] and spy.inverse_steps == [3, 10]
+    assert spy.factor_steps == [3, 5, 10]
+    assert spy.inverse_steps == [3, 10]
 
 
 def _schedule_kw():
-    return dict(KW, damping=lambda s: 0.05 * 0.7 ** s, kl_clip=lambda s: 0.01 / (1 + s), factor_update_freq=lambda s: 1 + s // 4,
-                inv_update_freq=lambda s: 2 * (1 + s // 4))
+    return dict(
+        KW,
+        damping=lambda s: 0.05 * 0.7**s,
+        kl_clip=lambda s: 0.01 / (1 + s),
+        factor_update_freq=lambda s: 1 + s // 4,
+        inv_update_freq=lambda s: 2 * (1 + s // 4),
+    )
 
 
 def test_resume_with_callables_is_bitwise_identical():

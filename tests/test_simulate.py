@@ -1,4 +1,5 @@
 """The scale simulator's event model on a hand-made profile."""
+
 import pytest
 
 from spdkfac.perfmodels import PerfModel
@@ -15,8 +16,16 @@ def _profile(n_layers=6, dim=256):
     factors = []
     for kind in ("A", "G"):
         for i in range(n_layers):
-            factors.append({"kind": kind, "layer": f"l{i}", "dim": dim + 64 * i, "ready": 0.01 * (i + 1), "compute": 0.002,
-                            "grad_numel": 10000 if kind == "G" else 0})
+            factors.append(
+                {
+                    "kind": kind,
+                    "layer": f"l{i}",
+                    "dim": dim + 64 * i,
+                    "ready": 0.01 * (i + 1),
+                    "compute": 0.002,
+                    "grad_numel": 10000 if kind == "G" else 0,
+                }
+            )
     return {"forward": 0.07, "backward": 0.12, "step_other": 0.01, "sgd_step": 0.002, "other_grad_numel": 500, "factors": factors}
 
 
@@ -76,8 +85,7 @@ def test_ring_scaling_of_allreduce():
 
 def _with_preconditioning(prof, seconds=(0.4, 0.3, 0.2, 0.1, 0.05, 0.05)):
     prof = dict(prof)
-    prof["precondition"] = [{"layer": f"l{i}", "seconds": t, "a_dim": 256 + 64 * i, "g_dim": 256 + 64 * i}
-                            for i, t in enumerate(seconds)]
+    prof["precondition"] = [{"layer": f"l{i}", "seconds": t, "a_dim": 256 + 64 * i, "g_dim": 256 + 64 * i} for i, t in enumerate(seconds)]
     prof["step_other"] = sum(seconds) + 0.01
     return prof
 
@@ -116,7 +124,8 @@ def test_contention_slows_compute_by_the_profiled_sgd_ratio():
     assert busy["FF&BP"] == pytest.approx(1.5 * 0.19)
     assert busy["FactorComp"] == pytest.approx(1.5 * 0.024)
     free = predict(prof, perf, 2, "spdkfac")  # no contention: nothing slowed
-    assert free["FF&BP"] == pytest.approx(0.19) and free["FactorComp"] == pytest.approx(0.024)
+    assert free["FF&BP"] == pytest.approx(0.19)
+    assert free["FactorComp"] == pytest.approx(0.024)
     assert predict(prof, perf, 1, "spdkfac", contention=True)["FF&BP"] == pytest.approx(0.19)  # no communication
     single = dict(prof, comm_workers=1)  # profiled without communication: no ratio known
     assert predict(single, perf, 2, "spdkfac", contention=True)["FF&BP"] == pytest.approx(0.19)
@@ -128,24 +137,49 @@ def test_profile_under_a_launcher_records_layers_and_sgd_with_real_allreduces(tm
     import os
 
     from launch import run_workers
+
     from spdkfac.layers import kfac_layers
     from spdkfac.models import get_model
 
     out = tmp_path / "profile.json"
-    run_workers("torch", 2, ["-m", "spdkfac.simulate", "profile", "--model", "cifar_resnet20", "--resolution", "8",
-                             "--batch-size", "2", "--iters", "1", "--bind-cores", "--out", str(out)])
+    run_workers(
+        "torch",
+        2,
+        [
+            "-m",
+            "spdkfac.simulate",
+            "profile",
+            "--model",
+            "cifar_resnet20",
+            "--resolution",
+            "8",
+            "--batch-size",
+            "2",
+            "--iters",
+            "1",
+            "--bind-cores",
+            "--out",
+            str(out),
+        ],
+    )
     prof = json.loads(out.read_text())
     assert prof["comm_workers"] == prof["concurrent_workers"] == 2
     available = sorted(os.sched_getaffinity(0))  # rank 0 profiled on its own block of the cores, as a bound run
-    assert prof["bound_cores"] and set(prof["bound_cores"]) <= set(available) and prof["bound_cores"][0] == available[0]
+    assert prof["bound_cores"]
+    assert set(prof["bound_cores"]) <= set(available)
+    assert prof["bound_cores"][0] == available[0]
     n_layers = len(kfac_layers(get_model("cifar_resnet20")))
-    assert len(prof["factors"]) == 2 * n_layers and len(prof["precondition"]) == n_layers
-    assert all(f["compute"] > 0 and f["ready"] > 0 and f["unpack"] > 0 and f["pack"] > 0 and f["invert"] > 0
-               for f in prof["factors"])
+    assert len(prof["factors"]) == 2 * n_layers
+    assert len(prof["precondition"]) == n_layers
+    assert all(f["compute"] > 0 and f["ready"] > 0 and f["unpack"] > 0 and f["pack"] > 0 and f["invert"] > 0 for f in prof["factors"])
     assert prof["engine_warmed"] is True  # the SGD passes ran first, with the real all-reduces
     assert prof["unpack"] == pytest.approx(sum(f["unpack"] for f in prof["factors"]))
-    assert prof["sgd_forward_backward"] > 0 and prof["forward"] > 0 and prof["backward"] > 0
-    assert prof["sgd_grad_wait"] >= 0 and prof["sgd_step"] > 0 and prof["unpack"] > 0
+    assert prof["sgd_forward_backward"] > 0
+    assert prof["forward"] > 0
+    assert prof["backward"] > 0
+    assert prof["sgd_grad_wait"] >= 0
+    assert prof["sgd_step"] > 0
+    assert prof["unpack"] > 0
     predicted = predict(prof, PerfModel.default(), 4, "spdkfac-dp", contention=True)
     assert predicted["iteration"] >= predicted["FF&BP"] > 0
 
@@ -158,8 +192,9 @@ def test_overlapped_preconditioning_hides_gradient_wait_on_steps_that_keep_the_i
     over = predict(prof, perf, 2, "spdkfac", update_freq=(10, 100))
     assert plain["GradComm"] > 0.011  # longer than the preconditioning: all of it is hidden on 99 steps in 100
     assert over["GradComm"] == pytest.approx(plain["GradComm"] - 0.011 * 0.99)
-    assert {k: v for k, v in over.items() if k not in ("GradComm", "iteration")} == \
-        {k: v for k, v in plain.items() if k not in ("GradComm", "iteration")}
+    assert {k: v for k, v in over.items() if k not in ("GradComm", "iteration")} == {
+        k: v for k, v in plain.items() if k not in ("GradComm", "iteration")
+    }
     # Distributed preconditioning: only the busiest rank's share (layers 0 and 3..5 vs 1 and 2 by cost) is hidden.
     dp_plain = predict(prof, perf, 2, "spdkfac-dp:overlap_preconditioning=false", update_freq=(10, 100))
     dp = predict(prof, perf, 2, "spdkfac-dp", update_freq=(10, 100))
@@ -205,19 +240,39 @@ def test_ablation_names_with_a_leading_dash_are_accepted_on_the_command_line(tmp
     from spdkfac.simulate import main
     from spdkfac.variants import variant_argv
 
-    assert variant_argv(["--variants", "sgd", "-pipe+lbp", "-pipe-lbp:fusion=layerwise", "--workers", "2"]) == \
-        ["--variants", "sgd", "--variants=-pipe+lbp", "--variants=-pipe-lbp:fusion=layerwise", "--workers", "2"]
+    assert variant_argv(["--variants", "sgd", "-pipe+lbp", "-pipe-lbp:fusion=layerwise", "--workers", "2"]) == [
+        "--variants",
+        "sgd",
+        "--variants=-pipe+lbp",
+        "--variants=-pipe-lbp:fusion=layerwise",
+        "--workers",
+        "2",
+    ]
     assert variant_argv(["--workers", "2", "-h"]) == ["--workers", "2", "-h"]  # only after --variants
     profile, perf, out = tmp_path / "profile.json", tmp_path / "perf.json", tmp_path / "pred.json"
     profile.write_text(json.dumps(_profile()))
     _perf().save(perf)
-    argv = ["predict", "--profile", str(profile), "--perf-model", str(perf), "--workers", "2",
-            "--variants", "-pipe+lbp", "sgd", "+pipe-lbp", "--json", str(out)]
+    argv = [
+        "predict",
+        "--profile",
+        str(profile),
+        "--perf-model",
+        str(perf),
+        "--workers",
+        "2",
+        "--variants",
+        "-pipe+lbp",
+        "sgd",
+        "+pipe-lbp",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     assert list(json.loads(out.read_text())["predictions"]) == ["2:-pipe+lbp", "2:sgd", "2:+pipe-lbp"]
-    assert main(argv[:-2] + ["+pipe+pipe"]) == 2 and "unknown variant '+pipe+pipe'" in capsys.readouterr().err
+    assert main([*argv[:-2], "+pipe+pipe"]) == 2
+    assert "unknown variant '+pipe+pipe'" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # not a variant: argparse's own error names it
-        main(argv[:-2] + ["-pipe+pipe"])
+        main([*argv[:-2], "-pipe+pipe"])
     assert "-pipe+pipe" in capsys.readouterr().err
 
 
@@ -229,15 +284,16 @@ def test_inversion_stage_charges_each_rank_its_own_packing_work():
         f["unpack"], f["pack"] = 0.010, 0.004
     unpack_all = 0.010 * len(timed["factors"])
     perf = _perf()
-    for variant, low, high in (("dkfac", unpack_all, unpack_all),  # every rank unpacks every factor, packs nothing
-                               ("mpdkfac", unpack_all + 0.004, unpack_all + 0.004 * len(timed["factors"]))):
+    for variant, low, high in (
+        ("dkfac", unpack_all, unpack_all),  # every rank unpacks every factor, packs nothing
+        ("mpdkfac", unpack_all + 0.004, unpack_all + 0.004 * len(timed["factors"])),
+    ):
         plain, charged = predict(bare, perf, 2, variant), predict(timed, perf, 2, variant)
         extra = charged["iteration"] - plain["iteration"]
         assert low - 1e-12 <= extra <= high + 1e-12, (variant, extra)
         assert charged["InverseComm"] >= plain["InverseComm"] + (0.0 if variant == "dkfac" else 0.010)  # received ones
     # One worker broadcasts nothing: it only unpacks.
-    assert predict(timed, perf, 1, "spdkfac")["iteration"] - predict(bare, perf, 1, "spdkfac")["iteration"] == \
-        pytest.approx(unpack_all)
+    assert predict(timed, perf, 1, "spdkfac")["iteration"] - predict(bare, perf, 1, "spdkfac")["iteration"] == pytest.approx(unpack_all)
     # A profile with only the old total charges it to every rank, as before.
     total = dict(bare, unpack=unpack_all)
     assert predict(total, perf, 2, "mpdkfac")["iteration"] == pytest.approx(predict(bare, perf, 2, "mpdkfac")["iteration"] + unpack_all)
@@ -253,12 +309,14 @@ def test_averaged_profiles_predict_the_mean_workload():
     late["factors"] = [dict(f, ready=2 * f["ready"], compute=3 * f["compute"]) for f in late["factors"]]
     late["precondition"] = [dict(p, seconds=p["seconds"] + 0.004) for p in late["precondition"]]
     mean = average_profiles([profile_from_dict(early), profile_from_dict(late)])
-    assert mean.forward == pytest.approx(0.08) and mean.backward == pytest.approx(0.14)
+    assert mean.forward == pytest.approx(0.08)
+    assert mean.backward == pytest.approx(0.14)
     assert mean.sgd_forward_backward == pytest.approx(0.25)
     assert [f.ready for f in mean.factors] == pytest.approx([1.5 * f["ready"] for f in early["factors"]])
     assert [f.compute for f in mean.factors] == pytest.approx([2 * f["compute"] for f in early["factors"]])
     assert [p.seconds for p in mean.precondition] == pytest.approx([p["seconds"] + 0.002 for p in early["precondition"]])
-    assert early["forward"] == 0.07 and early["factors"][0]["ready"] == 0.01  # the inputs are left as they were
+    assert early["forward"] == 0.07
+    assert early["factors"][0]["ready"] == 0.01
     perf = _perf()
     for variant in ("sgd", "spdkfac", "spdkfac-dp"):  # the simulator is linear in these times when nothing overlaps
         both = [predict(p, perf, 2, variant, contention=True)["iteration"] for p in (early, late)]
@@ -276,7 +334,8 @@ def test_sgd_gradient_wait_is_the_measured_one_at_the_profiled_worker_count():
     assert at_profiled["GradComm"] == pytest.approx(0.05)  # measured, not the model's on top of it
     assert at_profiled["Other"] == pytest.approx(prof["sgd_step"])
     modelled = predict(prof, perf, 8, "sgd")  # another worker count: the all-reduce model
-    assert modelled["GradComm"] != pytest.approx(0.05) and modelled["GradComm"] > 0
+    assert modelled["GradComm"] != pytest.approx(0.05)
+    assert modelled["GradComm"] > 0
     # Older profiles hold the wait inside sgd_step: counted there once, not again from the model.
     old = {k: v for k, v in prof.items() if k != "sgd_grad_wait"}
     assert predict(old, perf, 2, "sgd")["GradComm"] == 0.0
@@ -317,7 +376,8 @@ def test_single_process_profile_times_every_inversion_and_predict_charges_them()
     from spdkfac.simulate import measure_profile
 
     prof = measure_profile("cifar_resnet20", resolution=8, batch_size=2, iters=1)
-    assert prof.comm_workers == 1 and prof.engine_warmed is False
+    assert prof.comm_workers == 1
+    assert prof.engine_warmed is False
     assert all(f.invert > 0 for f in prof.factors)
     stage = sum(f.invert + f.unpack for f in prof.factors)
     for perf in (PerfModel.default(), _perf()):  # whatever the fit says, the measured inversions are charged
@@ -331,7 +391,8 @@ def test_eigen_variant_plans_and_charges_the_eigen_curve_and_payload():
     eig_perf = PerfModel.from_dict(d)
     m = ScaledModels(eig_perf, 4)
     compute, comm = m.stage_costs("eigen")
-    assert compute(512) == eig_perf.eigen(512) and comm(512) == pytest.approx(m.broadcast_elements(512 * 512 + 512))
+    assert compute(512) == eig_perf.eigen(512)
+    assert comm(512) == pytest.approx(m.broadcast_elements(512 * 512 + 512))
     assert m.stage_costs("inverse")[1](512) == pytest.approx(m.broadcast_elements(512 * 513 // 2))
     inverse = predict(prof, eig_perf, 4, "dkfac")
     eigen = predict(prof, eig_perf, 4, "dkfac:compute_method=eigen")  # every rank decomposes every factor
@@ -348,15 +409,19 @@ def test_predict_rejects_impossible_arguments_and_malformed_profiles(tmp_path, c
     profile.write_text(json.dumps(_profile()))
     _perf().save(perf)
     base = ["predict", "--profile", str(profile), "--perf-model", str(perf)]
-    assert main(base + ["--workers", "0", "4"]) == 2 and "--workers 0" in capsys.readouterr().err
-    assert main(base + ["--update-freq", "10", "15"]) == 2 and "--update-freq 10 15" in capsys.readouterr().err
+    assert main([*base, "--workers", "0", "4"]) == 2
+    assert "--workers 0" in capsys.readouterr().err
+    assert main([*base, "--update-freq", "10", "15"]) == 2
+    assert "--update-freq 10 15" in capsys.readouterr().err
     broken = {k: v for k, v in _profile().items() if k != "backward"}
     profile.write_text(json.dumps(broken))
-    assert main(base + ["--workers", "2"]) == 2
+    assert main([*base, "--workers", "2"]) == 2
     err = capsys.readouterr().err
-    assert str(profile) in err and "['backward']" in err
+    assert str(profile) in err
+    assert "['backward']" in err
     profile.write_text("{truncated")
-    assert main(base) == 2 and "is not valid JSON" in capsys.readouterr().err
+    assert main(base) == 2
+    assert "is not valid JSON" in capsys.readouterr().err
     assert main(["predict", "--profile", str(tmp_path / "none.json"), "--perf-model", str(perf)]) == 2
     assert "cannot read profile" in capsys.readouterr().err
 

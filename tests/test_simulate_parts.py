@@ -1,4 +1,5 @@
 """The simulator's parts: it replays the optimizer's work plan, and its profile files are typed and versioned."""
+
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -7,17 +8,17 @@ import pytest
 from test_simulate import _perf, _profile, _with_preconditioning
 
 from spdkfac import work_plan
+from spdkfac.placement import PlacementPlan
 from spdkfac.simulate import (
     FORMAT_VERSION,
     Profile,
     load_profiles,
     measure_profile,
     predict,
+    prediction,
     profile_from_dict,
     upgrade_unversioned,
 )
-from spdkfac.placement import PlacementPlan
-from spdkfac.simulate import prediction
 from spdkfac.work_plan import LayerShape, WorkPlan
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
@@ -28,9 +29,15 @@ def _shapes(prof):
     return [LayerShape(name, dims[("A", name)], dims[("G", name)]) for kind, name in dims if kind == "A"]
 
 
-@pytest.mark.parametrize("variant, placement, distributed", [
-    ("spdkfac", "lbp", False), ("mpdkfac", "seq", False), ("dkfac", "local", False), ("spdkfac-dp", "lbp", True),
-])
+@pytest.mark.parametrize(
+    ("variant", "placement", "distributed"),
+    [
+        ("spdkfac", "lbp", False),
+        ("mpdkfac", "seq", False),
+        ("dkfac", "local", False),
+        ("spdkfac-dp", "lbp", True),
+    ],
+)
 def test_predict_places_inversions_and_preconditioning_with_the_optimizers_work_plan(monkeypatch, variant, placement, distributed):
     raw = _with_preconditioning(_profile())
     perf = _perf()
@@ -47,7 +54,8 @@ def test_predict_places_inversions_and_preconditioning_with_the_optimizers_work_
     assert len(made) == 1
     expected = WorkPlan.make(_shapes(raw), 4, perf.scaled_to(4), placement, "inverse", distributed)
     assert [(a.key, a.owner) for a in made[0].inversion.assignments] == [(a.key, a.owner) for a in expected.inversion.assignments]
-    assert made[0].preconditioners == expected.preconditioners and bool(expected.preconditioners) == distributed
+    assert made[0].preconditioners == expected.preconditioners
+    assert bool(expected.preconditioners) == distributed
 
 
 def test_predict_has_no_placement_of_its_own(monkeypatch):
@@ -81,8 +89,7 @@ def test_predict_takes_fusion_groups_and_the_overlap_rule_from_the_work_plan(mon
 
     monkeypatch.setattr(prediction, "fusion_groups", fusion_spy)
     monkeypatch.setattr(prediction, "overlaps_preconditioning", overlap_spy)
-    predict(profile_from_dict(_with_preconditioning(_profile())), _perf(), 2, "dkfac:fusion_threshold_bytes=64",
-            update_freq=(10, 100))
+    predict(profile_from_dict(_with_preconditioning(_profile())), _perf(), 2, "dkfac:fusion_threshold_bytes=64", update_freq=(10, 100))
     assert [args[:2] for args in calls["fusion"]] == [("threshold", False)] * 2  # A pass, G pass
     assert all(args[6] == 64 for args in calls["fusion"])  # the variant's threshold reaches the planner
     assert (False, True, 2, False) in calls["overlap"]  # D-KFAC disables the overlap; the rule is asked per step kind
@@ -90,17 +97,24 @@ def test_predict_takes_fusion_groups_and_the_overlap_rule_from_the_work_plan(mon
 
 def test_an_unversioned_profile_is_read_through_the_one_upgrade():
     old = load_profiles([str(RESULTS / "profile_resnet50.json")])  # pack_unpack only, no invert, no sgd_grad_wait
-    assert isinstance(old, Profile) and old.format_version == FORMAT_VERSION
-    assert old.untimed_unpack == 0.0 and all(f.unpack == f.pack == 0.0 and f.invert is None for f in old.factors)
-    assert old.sgd_grad_wait == 0.0 and old.comm_workers == 2 and len(old.precondition) == len(old.factors) // 2
+    assert isinstance(old, Profile)
+    assert old.format_version == FORMAT_VERSION
+    assert old.untimed_unpack == 0.0
+    assert all(f.unpack == f.pack == 0.0 and f.invert is None for f in old.factors)
+    assert old.sgd_grad_wait == 0.0
+    assert old.comm_workers == 2
+    assert len(old.precondition) == len(old.factors) // 2
     raw = _profile()
     raw["unpack"] = 0.25  # a total only: every rank pays it
     upgraded = upgrade_unversioned(raw)
-    assert upgraded.untimed_unpack == 0.25 and upgraded.comm_workers == 1 and upgraded.precondition == ()
+    assert upgraded.untimed_unpack == 0.25
+    assert upgraded.comm_workers == 1
+    assert upgraded.precondition == ()
     for f in raw["factors"]:
         f["unpack"], f["pack"], f["invert"] = 0.01, 0.002, 0.003
     timed = upgrade_unversioned(raw)
-    assert timed.untimed_unpack == 0.0 and all((f.unpack, f.pack, f.invert) == (0.01, 0.002, 0.003) for f in timed.factors)
+    assert timed.untimed_unpack == 0.0
+    assert all((f.unpack, f.pack, f.invert) == (0.01, 0.002, 0.003) for f in timed.factors)
     raw["factors"][0].pop("invert")  # not every inversion timed: none counts as timed
     assert all(f.invert is None for f in upgrade_unversioned(raw).factors)
 

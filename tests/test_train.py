@@ -1,4 +1,5 @@
 """The training job: data errors, an ImageFolder run, exact --resume, and a 2-worker torchrun run."""
+
 from __future__ import annotations
 
 import csv
@@ -58,9 +59,31 @@ def test_malformed_directory_exits_with_message(tmp_path, capsys):
 def test_image_folder_training_runs(tmp_path):
     root = _image_folder(tmp_path / "data")
     out = tmp_path / "run"
-    row = train.main(["--data", str(root), "--model", "cifar_resnet20", "--image-size", "8", "--batch-size", "4",
-                      "--epochs", "1", "--workers", "0", "--backend", "single", "--out-dir", str(out), "--quiet",
-                      "--optimizer", "spdkfac", "--damping", "0.03"])
+    row = train.main(
+        [
+            "--data",
+            str(root),
+            "--model",
+            "cifar_resnet20",
+            "--image-size",
+            "8",
+            "--batch-size",
+            "4",
+            "--epochs",
+            "1",
+            "--workers",
+            "0",
+            "--backend",
+            "single",
+            "--out-dir",
+            str(out),
+            "--quiet",
+            "--optimizer",
+            "spdkfac",
+            "--damping",
+            "0.03",
+        ]
+    )
     assert 0.0 <= row["test_acc"] <= 1.0
     assert row["train_loss"] > 0
     rows = list(csv.DictReader((out / "log.csv").read_text().splitlines()))
@@ -89,9 +112,31 @@ def test_resume_continues_exactly(tmp_path):
 
 def test_kfac_schedule_and_accumulation_resume_exactly(tmp_path):
     """--damping-decay / --freq-scale (KFACParamScheduler, checkpointed) and --accumulation-steps: --resume is exact."""
-    common = ["--data", "digits", "--backend", "single", "--quiet", "--batch-size", "64", "--epochs", "3", "--damping", "0.02",
-              "--damping-decay", "0.5", "--damping-decay-epochs", "1", "--freq-scale", "2", "--freq-scale-epochs", "2",
-              "--inv-update-freq", "2", "--accumulation-steps", "2"]
+    common = [
+        "--data",
+        "digits",
+        "--backend",
+        "single",
+        "--quiet",
+        "--batch-size",
+        "64",
+        "--epochs",
+        "3",
+        "--damping",
+        "0.02",
+        "--damping-decay",
+        "0.5",
+        "--damping-decay-epochs",
+        "1",
+        "--freq-scale",
+        "2",
+        "--freq-scale-epochs",
+        "2",
+        "--inv-update-freq",
+        "2",
+        "--accumulation-steps",
+        "2",
+    ]
     full = train.main([*common, "--out-dir", str(tmp_path / "full")])
     train.main([*common, "--out-dir", str(tmp_path / "part"), "--stop-after", "1"])
     after_first = torch.load(tmp_path / "part" / "checkpoint.pt")
@@ -114,8 +159,11 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
 
 def test_two_worker_torchrun_training(tmp_path):
     # Two epochs: K-FAC's running averages start from the identity, so its first epoch is SGD-like (45% here).
-    out = run_workers("torch", 2, ["-m", "spdkfac.train", "--backend", "torch", "--data", "digits", "--epochs", "2",
-                                   "--quiet", "--out-dir", str(tmp_path / "run")])
+    out = run_workers(
+        "torch",
+        2,
+        ["-m", "spdkfac.train", "--backend", "torch", "--data", "digits", "--epochs", "2", "--quiet", "--out-dir", str(tmp_path / "run")],
+    )
     assert "2 worker(s) via torch" in out
     assert "epoch   1" in out
     rows = list(csv.DictReader((tmp_path / "run" / "log.csv").read_text().splitlines()))
@@ -126,30 +174,63 @@ def test_horovod_launch_script_trains_with_the_chosen_cycle_time(tmp_path):
     """scripts/launch_horovod.sh end to end: 2 Horovod workers, CYCLE_MS reaching Horovod, a bad value refused."""
     require_horovod()
     script = ROOT / "scripts" / "launch_horovod.sh"
-    env = dict(os.environ, NP="2", CYCLE_MS="20", PYTHON=sys.executable, PYTHONUNBUFFERED="1",
-               HOROVODRUN=shutil.which("horovodrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]))
+    env = dict(
+        os.environ,
+        NP="2",
+        CYCLE_MS="20",
+        PYTHON=sys.executable,
+        PYTHONUNBUFFERED="1",
+        HOROVODRUN=shutil.which("horovodrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]),
+    )
     args = ["--data", "digits", "--epochs", "2", "--quiet", "--out-dir", str(tmp_path / "run")]
     run = subprocess.run(["bash", str(script), *args], env=env, check=False, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "2 worker(s) via horovod (cycle 20 ms)" in run.stdout
     assert float(list(csv.DictReader((tmp_path / "run" / "log.csv").read_text().splitlines()))[-1]["test_acc"]) > 0.5
-    bad = subprocess.run(["bash", str(script), *args], env=dict(env, CYCLE_MS="fast"), check=False, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        ["bash", str(script), *args], env=dict(env, CYCLE_MS="fast"), check=False, capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2
     assert "CYCLE_MS must be a number" in bad.stderr
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
 def test_mixed_precision_training(tmp_path, capsys, amp):
-    row = train.main(["--data", "digits", "--backend", "single", "--quiet", "--batch-size", "64", "--epochs", "2",
-                      "--amp", amp, "--device", "cpu", "--out-dir", str(tmp_path / "amp")])
+    row = train.main(
+        [
+            "--data",
+            "digits",
+            "--backend",
+            "single",
+            "--quiet",
+            "--batch-size",
+            "64",
+            "--epochs",
+            "2",
+            "--amp",
+            amp,
+            "--device",
+            "cpu",
+            "--out-dir",
+            str(tmp_path / "amp"),
+        ]
+    )
     assert f"({amp} autocast)" in capsys.readouterr().out
     assert row["test_acc"] > 0.5
     scaler_state = torch.load(tmp_path / "amp" / "checkpoint.pt")["grad_scaler"]
     assert (scaler_state is not None) == (amp == "fp16")
 
 
-@pytest.mark.parametrize("flags", [["--distribute-preconditioning"], ["--damping", "0.01"], ["--inv-update-freq", "10"],
-                                   ["--damping-decay", "0.5"], ["--freq-scale-epochs", "3"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--distribute-preconditioning"],
+        ["--damping", "0.01"],
+        ["--inv-update-freq", "10"],
+        ["--damping-decay", "0.5"],
+        ["--freq-scale-epochs", "3"],
+    ],
+)
 def test_kfac_flags_with_sgd_are_an_error(flags, capsys):
     with pytest.raises(SystemExit) as exc:
         train.parse_args(["--optimizer", "sgd", *flags])

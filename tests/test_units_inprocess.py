@@ -5,9 +5,10 @@ matches collectives the strict way (same order, same names, shapes, roots on
 every rank), so these tests also check that the parts issue their
 collectives consistently.
 """
+
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+from collections.abc import Hashable, Sequence
 
 import pytest
 import torch
@@ -34,9 +35,13 @@ def _spd(dim: int, seed: int) -> torch.Tensor:
 
 
 # -- fusion controller -----------------------------------------------------------------------
-DIMS: Dict[FactorKey, int] = {
-    ("A", "fc1"): 5, ("A", "fc2"): 4, ("A", "fc3"): 7,
-    ("G", "fc1"): 3, ("G", "fc2"): 6, ("G", "fc3"): 2,
+DIMS: dict[FactorKey, int] = {
+    ("A", "fc1"): 5,
+    ("A", "fc2"): 4,
+    ("A", "fc3"): 7,
+    ("G", "fc1"): 3,
+    ("G", "fc2"): 6,
+    ("G", "fc3"): 2,
 }
 FORWARD = [("A", "fc1"), ("A", "fc2"), ("A", "fc3")]  # arrival order of the A factors (forward pass)
 BACKWARD = [("G", "fc3"), ("G", "fc2"), ("G", "fc1")]  # and of the G factors (backward pass)
@@ -50,7 +55,7 @@ def _batch_factor(key: FactorKey, rank: int, step: int) -> torch.Tensor:
     return _spd(DIMS[key], 1000 * step + 100 * rank + KEYS.index(key))
 
 
-def _expected(key: FactorKey, size: int, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _expected(key: FactorKey, size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The packed average as the engine computes it (rank-order sum, one division), and the plain mean."""
     packed = [pack_upper(_batch_factor(key, r, step)) for r in range(size)]
     total = packed[0].clone()
@@ -62,10 +67,10 @@ def _expected(key: FactorKey, size: int, step: int) -> Tuple[torch.Tensor, torch
 
 def _controller_steps(
     backend: CommBackend,
-    plans: Optional[Dict[str, List[List[FactorKey]]]],
+    plans: dict[str, list[list[FactorKey]]] | None,
     steps: int = 2,
-    order: Optional[Sequence[FactorKey]] = None,
-) -> List[Dict[FactorKey, torch.Tensor]]:
+    order: Sequence[FactorKey] | None = None,
+) -> list[dict[FactorKey, torch.Tensor]]:
     ctrl = TensorFusionController(backend)
     if plans is not None:
         for kind, groups in plans.items():
@@ -79,7 +84,7 @@ def _controller_steps(
     return out
 
 
-def _check_averages(per_rank: List[List[Dict[FactorKey, torch.Tensor]]], size: int) -> None:
+def _check_averages(per_rank: list[list[dict[FactorKey, torch.Tensor]]], size: int) -> None:
     for step in range(len(per_rank[0])):
         for key in KEYS:
             exact, mean = _expected(key, size, step)
@@ -92,23 +97,28 @@ def _check_averages(per_rank: List[List[Dict[FactorKey, torch.Tensor]]], size: i
 
 
 @pytest.mark.parametrize("size", [2, 3])
-@pytest.mark.parametrize("plans, collectives", [(None, 6), (FUSED, 4), (NAIVE, 2)], ids=["layerwise", "fused", "naive"])
+@pytest.mark.parametrize(("plans", "collectives"), [(None, 6), (FUSED, 4), (NAIVE, 2)], ids=["layerwise", "fused", "naive"])
 def test_controller_averages_packed_factors_on_every_rank(size, plans, collectives):
     group = InProcessGroup(size)
     per_rank = group.run(lambda b: _controller_steps(b, plans))
     _check_averages(per_rank, size)
     history = group.history
-    assert len(history) == 2 * collectives and all(op == "allreduce" for op, _ in history)
+    assert len(history) == 2 * collectives
+    assert all(op == "allreduce" for op, _ in history)
     if plans is FUSED:  # groups are launched when their last member arrives, named after the first member
         assert [name for _, name in history[:4]] == [
-            "spdkfac.factor.A.fc1.2", "spdkfac.factor.A.fc3.1", "spdkfac.factor.G.fc3.1", "spdkfac.factor.G.fc2.2"]
+            "spdkfac.factor.A.fc1.2",
+            "spdkfac.factor.A.fc3.1",
+            "spdkfac.factor.G.fc3.1",
+            "spdkfac.factor.G.fc2.2",
+        ]
 
 
 def test_controller_replans_between_iterations():
     """Layer-wise while profiling, then a fused plan, then the naive one: each iteration averages correctly."""
     group = InProcessGroup(2)
 
-    def fn(b: CommBackend) -> List[Dict[FactorKey, torch.Tensor]]:
+    def fn(b: CommBackend) -> list[dict[FactorKey, torch.Tensor]]:
         ctrl = TensorFusionController(b)
         out = []
         for step, plans in enumerate([None, FUSED, NAIVE]):
@@ -130,7 +140,7 @@ def test_controller_replans_between_iterations():
 def test_controller_accepts_any_order_inside_a_group():
     """Under a plan the buffer layout follows the plan, not the arrival order, so only group completion order matters."""
 
-    def fn(b: CommBackend) -> List[Dict[FactorKey, torch.Tensor]]:
+    def fn(b: CommBackend) -> list[dict[FactorKey, torch.Tensor]]:
         order = KEYS if b.rank == 0 else [("A", "fc2"), ("A", "fc1"), ("A", "fc3"), ("G", "fc3"), ("G", "fc1"), ("G", "fc2")]
         return _controller_steps(b, FUSED, order=order)
 
@@ -155,7 +165,7 @@ def test_controller_groups_completed_in_another_order_on_one_rank_are_a_mismatch
 def test_controller_discard_waits_for_launched_allreduces_and_the_next_iteration_is_clean():
     group = InProcessGroup(3)
 
-    def fn(b: CommBackend) -> Dict[FactorKey, torch.Tensor]:
+    def fn(b: CommBackend) -> dict[FactorKey, torch.Tensor]:
         ctrl = TensorFusionController(b)
         for kind, groups in FUSED.items():
             ctrl.set_plan(kind, groups)
@@ -163,7 +173,8 @@ def test_controller_discard_waits_for_launched_allreduces_and_the_next_iteration
         for key in FORWARD + BACKWARD[:2]:  # A groups launched; G: one group launched, the other half filled
             ctrl.submit(key, _batch_factor(key, b.rank, 0))
         ctrl.discard()
-        assert ctrl.arrival_order("A") == [] and ctrl.arrival_order("G") == []
+        assert ctrl.arrival_order("A") == []
+        assert ctrl.arrival_order("G") == []
         ctrl.begin_iteration()  # nothing left in flight or half filled
         for key in KEYS:
             ctrl.submit(key, _batch_factor(key, b.rank, 1))
@@ -171,7 +182,10 @@ def test_controller_discard_waits_for_launched_allreduces_and_the_next_iteration
 
     results = group.run(fn)
     assert [name for _, name in group.history[:3]] == [
-        "spdkfac.factor.A.fc1.2", "spdkfac.factor.A.fc3.1", "spdkfac.factor.G.fc3.1"]  # waited for on every rank
+        "spdkfac.factor.A.fc1.2",
+        "spdkfac.factor.A.fc3.1",
+        "spdkfac.factor.G.fc3.1",
+    ]  # waited for on every rank
     for key in KEYS:
         exact, _ = _expected(key, 3, 1)
         for res in results:
@@ -203,9 +217,15 @@ def test_controller_factor_missing_on_every_rank_raises_and_one_rank_missing_it_
 
 
 # -- decomposition stage -------------------------------------------------------------------
-FACTOR_DIMS: List[Tuple[Hashable, int]] = [
-    (("A", "l1"), 4), (("G", "l1"), 20), (("A", "l2"), 24), (("G", "l2"), 9),
-    (("A", "l3"), 30), (("G", "l3"), 16), (("A", "l4"), 40), (("G", "l4"), 6),
+FACTOR_DIMS: list[tuple[Hashable, int]] = [
+    (("A", "l1"), 4),
+    (("G", "l1"), 20),
+    (("A", "l2"), 24),
+    (("G", "l2"), 9),
+    (("A", "l3"), 30),
+    (("G", "l3"), 16),
+    (("A", "l4"), 40),
+    (("G", "l4"), 6),
 ]
 DAMPING = 0.03
 
@@ -222,7 +242,7 @@ def _plan(strategy: str, size: int = 3) -> PlacementPlan:
     return place(strategy, FACTOR_DIMS, size, _t_comp, _t_comm)
 
 
-def _factors(form: str, unowned_nan: Optional[Tuple[PlacementPlan, int]] = None) -> Dict[Hashable, torch.Tensor]:
+def _factors(form: str, unowned_nan: tuple[PlacementPlan, int] | None = None) -> dict[Hashable, torch.Tensor]:
     """The averaged factors (full or packed); with ``unowned_nan`` the ones ``rank`` neither owns nor inverts are NaN."""
     out = {}
     for i, (key, dim) in enumerate(FACTOR_DIMS):
@@ -245,9 +265,9 @@ def test_the_placements_used_here_mix_owned_and_local_factors():
 def test_compute_inverses_gives_every_rank_every_inverse(strategy, form):
     plan = _plan(strategy)
     group = InProcessGroup(3)
-    calls: List[List[Hashable]] = [[] for _ in range(3)]
+    calls: list[list[Hashable]] = [[] for _ in range(3)]
 
-    def fn(b: CommBackend) -> Dict[Hashable, torch.Tensor]:
+    def fn(b: CommBackend) -> dict[Hashable, torch.Tensor]:
         def invert(key: Hashable, matrix: torch.Tensor) -> torch.Tensor:
             calls[b.rank].append(key)
             return invert_spd(matrix, DAMPING)
@@ -281,8 +301,10 @@ def test_compute_eigen_gives_every_rank_the_same_decomposition(strategy, form):
         reference = unpack_eigen(eigen_payload(full), dim)
         first = results[0][key]
         for res in results[1:]:
-            assert torch.equal(res[key].Q, first.Q) and torch.equal(res[key].d, first.d), key
-        assert first.Q.shape == (dim, dim) and first.d.shape == (dim,)
+            assert torch.equal(res[key].Q, first.Q), key
+            assert torch.equal(res[key].d, first.d), key
+        assert first.Q.shape == (dim, dim)
+        assert first.d.shape == (dim,)
         assert torch.allclose(first.d, reference.d, rtol=1e-10, atol=1e-10), key
         assert torch.allclose(first.Q, reference.Q, rtol=1e-10, atol=1e-10), key
         assert torch.allclose(first.Q @ torch.diag(first.d) @ first.Q.T, full, atol=1e-10), key
@@ -304,7 +326,7 @@ def test_a_failing_inversion_on_its_owner_surfaces_with_the_rank():
     plan = _plan("seq")
     bad_key, bad_owner = plan.assignments[2].key, plan.assignments[2].owner
 
-    def fn(b: CommBackend) -> Dict[Hashable, torch.Tensor]:
+    def fn(b: CommBackend) -> dict[Hashable, torch.Tensor]:
         factors = _factors("full")
         if b.rank == bad_owner:
             factors[bad_key] = -torch.eye(dict(FACTOR_DIMS)[bad_key], dtype=DTYPE)  # not positive definite

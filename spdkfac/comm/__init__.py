@@ -1,16 +1,27 @@
 """Communication engines behind one interface, and ``backend='auto'`` selection."""
+
 from __future__ import annotations
 
 import os
-from typing import Union
 
 from .base import CommBackend, CompletedHandle, Handle, SingleProcessBackend
 from .device import DEVICE_CHOICES, local_rank, local_rank_and_size, worker_device
 from .inprocess import InProcessBackend, InProcessGroup, run_ranks
 
 __all__ = [
-    "CommBackend", "Handle", "CompletedHandle", "SingleProcessBackend", "get_backend", "detect_launcher",
-    "local_rank", "local_rank_and_size", "worker_device", "DEVICE_CHOICES", "InProcessBackend", "InProcessGroup", "run_ranks",
+    "DEVICE_CHOICES",
+    "CommBackend",
+    "CompletedHandle",
+    "Handle",
+    "InProcessBackend",
+    "InProcessGroup",
+    "SingleProcessBackend",
+    "detect_launcher",
+    "get_backend",
+    "local_rank",
+    "local_rank_and_size",
+    "run_ranks",
+    "worker_device",
 ]
 
 _HOROVOD_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_GLOO_RENDEZVOUS_ADDR")
@@ -36,7 +47,7 @@ def detect_launcher() -> str:
     return "single"
 
 
-def get_backend(backend: Union[str, CommBackend] = "auto") -> CommBackend:
+def get_backend(backend: str | CommBackend = "auto") -> CommBackend:
     """Return a communication engine.
 
     Args:

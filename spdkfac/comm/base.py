@@ -7,6 +7,7 @@ in-place asynchronous broadcast. Each returns a :class:`Handle` whose
 identical on every rank (Horovod matches operations by name; torch.distributed
 matches them by issue order, so callers must also issue them in the same order).
 """
+
 from __future__ import annotations
 
 import abc
@@ -14,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Handle", "CommBackend", "CompletedHandle", "SingleProcessBackend"]
+__all__ = ["CommBackend", "CompletedHandle", "Handle", "SingleProcessBackend"]
 
 
 class Handle(Protocol):

@@ -6,6 +6,7 @@ current device matters beyond placing tensors: NCCL (torch.distributed) and
 Horovod's GPU collectives work on the current device, and with every process
 on GPU 0 they fail or serialise.
 """
+
 from __future__ import annotations
 
 import os

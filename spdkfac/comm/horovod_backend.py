@@ -1,4 +1,5 @@
 """Horovod engine: ``allreduce_async_`` / ``broadcast_async_`` (the paper's choice)."""
+
 from __future__ import annotations
 
 from types import ModuleType
@@ -36,8 +37,7 @@ class HorovodBackend(CommBackend):
             import horovod.torch as hvd
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise ImportError(
-                "backend='horovod' needs Horovod with PyTorch support; run scripts/setup.sh "
-                "or pip install 'spdkfac[horovod]'"
+                "backend='horovod' needs Horovod with PyTorch support; run scripts/setup.sh or pip install 'spdkfac[horovod]'"
             ) from exc
         if not hvd.is_initialized():
             hvd.init()

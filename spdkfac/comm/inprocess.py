@@ -28,20 +28,29 @@ Example::
 
     assert all(t.tolist() == [0.5] * 3 for t in run_ranks(2, step))
 """
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, cast
+from typing import Callable, TypeVar, cast
 
 import torch
 
 from .base import CommBackend, Handle
 
 __all__ = [
-    "InProcessGroup", "InProcessBackend", "run_ranks", "RankError", "CollectiveError", "CollectiveMismatchError",
-    "CollectiveTimeoutError", "CollectiveAbortedError", "DEFAULT_TIMEOUT",
+    "DEFAULT_TIMEOUT",
+    "CollectiveAbortedError",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "InProcessBackend",
+    "InProcessGroup",
+    "RankError",
+    "run_ranks",
 ]
 
 DEFAULT_TIMEOUT = 60.0  # seconds a rank may wait on one collective, and a whole run_ranks call may take
@@ -89,11 +98,11 @@ class _Slot:
     index: int
     op: str  # "allreduce", "broadcast" or "barrier"
     name: str
-    root: Optional[int]
-    shape: Tuple[int, ...]
+    root: int | None
+    shape: tuple[int, ...]
     dtype: torch.dtype
     first_rank: int
-    posts: Dict[int, _Post] = field(default_factory=dict)
+    posts: dict[int, _Post] = field(default_factory=dict)
     done: bool = False
 
     def describe(self) -> str:
@@ -104,7 +113,7 @@ class _Slot:
 class _Handle:
     """The handle of one rank's side of a collective."""
 
-    __slots__ = ("_group", "_slot", "_rank")
+    __slots__ = ("_group", "_rank", "_slot")
 
     def __init__(self, group: InProcessGroup, slot: _Slot, rank: int) -> None:
         self._group = group
@@ -173,23 +182,23 @@ class InProcessGroup:
         self.size = size
         self.timeout = timeout
         self._cond = threading.Condition()
-        self._slots: Dict[int, _Slot] = {}  # collectives not yet complete, by index
+        self._slots: dict[int, _Slot] = {}  # collectives not yet complete, by index
         self._posted = [0] * size  # collectives each rank has posted
-        self._waiting: List[Optional[_Slot]] = [None] * size
-        self._finished: List[bool] = [False] * size
-        self._failure: Optional[CollectiveError] = None
-        self._failed_rank: Optional[int] = None
-        self._history: List[Tuple[str, str]] = []
-        self.backends: Tuple[InProcessBackend, ...] = tuple(InProcessBackend(self, r) for r in range(size))
+        self._waiting: list[_Slot | None] = [None] * size
+        self._finished: list[bool] = [False] * size
+        self._failure: CollectiveError | None = None
+        self._failed_rank: int | None = None
+        self._history: list[tuple[str, str]] = []
+        self.backends: tuple[InProcessBackend, ...] = tuple(InProcessBackend(self, r) for r in range(size))
 
     @property
-    def history(self) -> List[Tuple[str, str]]:
+    def history(self) -> list[tuple[str, str]]:
         """``(op, name)`` of every completed collective, in order (barriers included)."""
         with self._cond:
             return list(self._history)
 
     # -- posting and waiting ---------------------------------------------------------
-    def _post(self, rank: int, op: str, name: str, root: Optional[int], tensor: torch.Tensor) -> _Handle:
+    def _post(self, rank: int, op: str, name: str, root: int | None, tensor: torch.Tensor) -> _Handle:
         with self._cond:
             self._check_alive(rank)
             index = self._posted[rank]
@@ -200,15 +209,23 @@ class InProcessGroup:
                 self._slots[index] = slot
                 gone = [r for r in range(self.size) if self._finished[r] and self._posted[r] <= index]
                 if gone:
-                    raise self._fail(rank, CollectiveMismatchError(
-                        f"rank {rank} posted collective {slot.describe()}, but rank(s) {gone} already finished "
-                        f"after posting {[self._posted[r] for r in gone]} collective(s)\n{self._state()}"))
+                    raise self._fail(
+                        rank,
+                        CollectiveMismatchError(
+                            f"rank {rank} posted collective {slot.describe()}, but rank(s) {gone} already finished "
+                            f"after posting {[self._posted[r] for r in gone]} collective(s)\n{self._state()}"
+                        ),
+                    )
             else:
                 mine = _Slot(index, op, name, root, tuple(tensor.shape), tensor.dtype, rank)
                 if (op, name, root, mine.shape, tensor.dtype) != (slot.op, slot.name, slot.root, slot.shape, slot.dtype):
-                    raise self._fail(rank, CollectiveMismatchError(
-                        f"ranks disagree on collective #{index}: rank {slot.first_rank} posted "
-                        f"{slot.describe()}, rank {rank} posted {mine.describe()}"))
+                    raise self._fail(
+                        rank,
+                        CollectiveMismatchError(
+                            f"ranks disagree on collective #{index}: rank {slot.first_rank} posted "
+                            f"{slot.describe()}, rank {rank} posted {mine.describe()}"
+                        ),
+                    )
             slot.posts[rank] = _Post(rank, tensor)
             if len(slot.posts) == self.size:
                 self._complete(slot)
@@ -247,8 +264,12 @@ class InProcessGroup:
                     self._check_alive(rank)
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise self._fail(rank, CollectiveTimeoutError(
-                            f"rank {rank} waited {self.timeout:g} s for collective {slot.describe()}\n{self._state()}"))
+                        raise self._fail(
+                            rank,
+                            CollectiveTimeoutError(
+                                f"rank {rank} waited {self.timeout:g} s for collective {slot.describe()}\n{self._state()}"
+                            ),
+                        )
                     self._cond.wait(left)
             finally:
                 self._waiting[rank] = None
@@ -280,12 +301,16 @@ class InProcessGroup:
             self._finished[rank] = True
             expected = [s for s in self._slots.values() if rank not in s.posts]
             if expected and self._failure is None:
-                self._fail(rank, CollectiveMismatchError(
-                    f"rank {rank} finished after posting {self._posted[rank]} collective(s), but its peers "
-                    f"posted {', '.join(s.describe() for s in sorted(expected, key=lambda s: s.index))}\n{self._state()}"))
+                self._fail(
+                    rank,
+                    CollectiveMismatchError(
+                        f"rank {rank} finished after posting {self._posted[rank]} collective(s), but its peers "
+                        f"posted {', '.join(s.describe() for s in sorted(expected, key=lambda s: s.index))}\n{self._state()}"
+                    ),
+                )
 
     @property
-    def failure(self) -> Optional[CollectiveError]:
+    def failure(self) -> CollectiveError | None:
         """The error that stopped the group, if any."""
         return self._failure
 
@@ -311,7 +336,7 @@ class InProcessGroup:
         return "state of the ranks:\n" + "\n".join(lines)
 
     # -- running ---------------------------------------------------------------------
-    def run(self, fn: Callable[[InProcessBackend], T], timeout: Optional[float] = None) -> List[T]:
+    def run(self, fn: Callable[[InProcessBackend], T], timeout: float | None = None) -> list[T]:
         """Run ``fn(backend)`` for every rank, each in its own thread; return the results in rank order.
 
         Raises:
@@ -322,22 +347,21 @@ class InProcessGroup:
                 ``timeout`` seconds (default: the group's).
         """
         limit = self.timeout if timeout is None else timeout
-        results: List[Optional[T]] = [None] * self.size
-        errors: List[Tuple[int, BaseException]] = []
+        results: list[T | None] = [None] * self.size
+        errors: list[tuple[int, BaseException]] = []
         lock = threading.Lock()
 
         def body(rank: int) -> None:
             try:
                 results[rank] = fn(self.backends[rank])
-            except BaseException as exc:  # noqa: BLE001 - reported by run()
+            except BaseException as exc:
                 with lock:
                     errors.append((rank, exc))
                 self.abort(rank, exc)
             finally:
                 self.finish(rank)
 
-        threads = [threading.Thread(target=body, args=(r,), name=f"inprocess-rank-{r}", daemon=True)
-                   for r in range(self.size)]
+        threads = [threading.Thread(target=body, args=(r,), name=f"inprocess-rank-{r}", daemon=True) for r in range(self.size)]
         for t in threads:
             t.start()
         deadline = time.monotonic() + limit
@@ -355,7 +379,7 @@ class InProcessGroup:
             raise RankError(rank, exc) from exc
         return [cast(T, r) for r in results]
 
-    def _root_cause(self, errors: Sequence[Tuple[int, BaseException]]) -> Tuple[int, BaseException]:
+    def _root_cause(self, errors: Sequence[tuple[int, BaseException]]) -> tuple[int, BaseException]:
         """The error to report: the one that stopped the group rather than those it caused in other ranks."""
         primary = [(r, e) for r, e in errors if not isinstance(e, CollectiveAbortedError)]
         for r, e in primary:
@@ -368,7 +392,7 @@ class InProcessGroup:
         return errors[0]
 
 
-def run_ranks(size: int, fn: Callable[[InProcessBackend], T], timeout: float = DEFAULT_TIMEOUT) -> List[T]:
+def run_ranks(size: int, fn: Callable[[InProcessBackend], T], timeout: float = DEFAULT_TIMEOUT) -> list[T]:
     """Run ``fn(backend)`` on ``size`` fresh in-process ranks (one thread each); results in rank order.
 
     See :meth:`InProcessGroup.run` for the errors.

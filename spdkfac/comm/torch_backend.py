@@ -1,4 +1,5 @@
 """torch.distributed engine: gloo on CPU, NCCL on GPU, launched with ``torchrun``."""
+
 from __future__ import annotations
 
 import atexit
@@ -97,8 +98,7 @@ class TorchDistributedBackend(CommBackend):
             # addresses) would be read by the new ones, which then fail to connect. One namespace per attempt.
             store, rank, size = next(rendezvous("env://"))
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            dist.init_process_group(backend=engine, store=PrefixStore(f"spdkfac/attempt_{attempt}", store),
-                                    rank=rank, world_size=size)
+            dist.init_process_group(backend=engine, store=PrefixStore(f"spdkfac/attempt_{attempt}", store), rank=rank, world_size=size)
             atexit.register(_shut_down_process_group)
 
     @property

@@ -12,10 +12,11 @@ averages packed, so nothing is unpacked here).
 Without a plan for a pass (the first iterations, while the per-layer times
 are being profiled) every factor is launched alone, in arrival order.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -24,22 +25,21 @@ from ..layers import FactorKey
 from ..linalg import pack_upper, triangle_size
 from ..timeline import IterationRecord, Timeline
 
-__all__ = ["TensorFusionController", "FactorKey"]
-
+__all__ = ["FactorKey", "TensorFusionController"]
 
 
 @dataclass
 class _Group:
-    members: List[FactorKey]
+    members: list[FactorKey]
     gid: int
-    arrived: Dict[FactorKey, torch.Tensor] = field(default_factory=dict)
+    arrived: dict[FactorKey, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
 class _InFlight:
     handle: Handle
     buffer: torch.Tensor
-    layout: List[Tuple[FactorKey, int, int]]  # (key, dim, offset)
+    layout: list[tuple[FactorKey, int, int]]  # (key, dim, offset)
     gid: int
     kind: str
 
@@ -49,23 +49,23 @@ class TensorFusionController:
 
     def __init__(self, backend: CommBackend) -> None:
         self.backend = backend
-        self.record: Optional[IterationRecord] = None
-        self._plans: Dict[str, Optional[List[List[FactorKey]]]] = {"A": None, "G": None}
-        self._group_of: Dict[FactorKey, _Group] = {}
-        self._groups: List[_Group] = []
-        self._in_flight: List[_InFlight] = []
-        self._local: Dict[FactorKey, torch.Tensor] = {}
-        self._arrivals: Dict[str, List[FactorKey]] = {"A": [], "G": []}
+        self.record: IterationRecord | None = None
+        self._plans: dict[str, list[list[FactorKey]] | None] = {"A": None, "G": None}
+        self._group_of: dict[FactorKey, _Group] = {}
+        self._groups: list[_Group] = []
+        self._in_flight: list[_InFlight] = []
+        self._local: dict[FactorKey, torch.Tensor] = {}
+        self._arrivals: dict[str, list[FactorKey]] = {"A": [], "G": []}
         self._next_gid = 0
 
     # -- configuration -------------------------------------------------------------
-    def set_plan(self, kind: str, groups: Optional[Sequence[Sequence[FactorKey]]]) -> None:
+    def set_plan(self, kind: str, groups: Sequence[Sequence[FactorKey]] | None) -> None:
         """Use ``groups`` (lists of factor keys) for pass ``kind``; None means layer-wise."""
         if self._in_flight or any(g.arrived for g in self._groups):
             raise RuntimeError("cannot change the fusion plan while factors are in flight")
         self._plans[kind] = [list(g) for g in groups] if groups is not None else None
 
-    def plan(self, kind: str) -> Optional[List[List[FactorKey]]]:
+    def plan(self, kind: str) -> list[list[FactorKey]] | None:
         return self._plans[kind]
 
     @property
@@ -73,12 +73,12 @@ class TensorFusionController:
         """All-reduces launched and not yet collected by :meth:`wait_all` (0 between steps)."""
         return len(self._in_flight)
 
-    def arrival_order(self, kind: str) -> List[FactorKey]:
+    def arrival_order(self, kind: str) -> list[FactorKey]:
         """Keys of pass ``kind`` in the order they were submitted this iteration."""
         return list(self._arrivals[kind])
 
     # -- per iteration ---------------------------------------------------------------
-    def begin_iteration(self, record: Optional[IterationRecord] = None, abandon: bool = False) -> None:
+    def begin_iteration(self, record: IterationRecord | None = None, abandon: bool = False) -> None:
         """Reset per-iteration state; ``record`` receives timeline events if given.
 
         ``abandon`` drops what the last iteration left in flight without
@@ -93,7 +93,7 @@ class TensorFusionController:
         self._groups = []
         self._group_of = {}
         self._next_gid = 0
-        for kind, plan in self._plans.items():
+        for plan in self._plans.values():
             if plan is None:
                 continue
             for members in plan:
@@ -181,7 +181,7 @@ class TensorFusionController:
         for g in self._groups:
             g.arrived.clear()
 
-    def wait_all(self) -> Dict[FactorKey, torch.Tensor]:
+    def wait_all(self) -> dict[FactorKey, torch.Tensor]:
         """Block until every launched all-reduce is done; return the averaged factors.
 
         Communicated factors come back as packed upper triangles (views into
@@ -195,7 +195,7 @@ class TensorFusionController:
                 "these factors were never computed in this factor-update step, so their fused all-reduce "
                 f"could not start: {missing}. Every preconditioned layer must run in every step."
             )
-        results: Dict[FactorKey, torch.Tensor] = dict(self._local)
+        results: dict[FactorKey, torch.Tensor] = dict(self._local)
         rec = self.record
         for job in self._in_flight:
             if rec is not None:

@@ -6,27 +6,29 @@ positions in the order the factors become ready (forward order for A,
 backward order for G), and is all-reduced as one fused buffer as soon as its
 last member is ready.
 """
+
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Callable
 
 __all__ = [
-    "FUSION_POLICIES",
     "DEFAULT_THRESHOLD_BYTES",
-    "plan_optimal",
-    "plan_threshold",
+    "FUSION_POLICIES",
+    "plan_groups",
     "plan_layerwise",
     "plan_naive",
-    "plan_groups",
-    "simulate_plan",
+    "plan_optimal",
+    "plan_threshold",
     "serve_in_order",
+    "simulate_plan",
 ]
 
 FUSION_POLICIES = ("optimal", "threshold", "layerwise", "naive")
 #: The ``'threshold'`` policy's buffer size unless configured (the optimizer's and the simulator's default).
 DEFAULT_THRESHOLD_BYTES = 64 * 1024 * 1024
 
-Plan = List[List[int]]
+Plan = list[list[int]]
 
 
 def _check(ready_times: Sequence[float], sizes: Sequence[int]) -> None:
@@ -85,7 +87,7 @@ def plan_threshold(sizes: Sequence[int], threshold_bytes: int, element_size: int
     if threshold_bytes <= 0:
         raise ValueError("threshold_bytes must be positive")
     groups: Plan = []
-    current: List[int] = []
+    current: list[int] = []
     used = 0
     for i, size in enumerate(sizes):
         nbytes = size * element_size
@@ -130,14 +132,14 @@ def plan_groups(
     raise ValueError(f"fusion must be one of {FUSION_POLICIES}, got {policy!r}")
 
 
-def serve_in_order(launches: Sequence[Tuple[float, int]], cost: Callable[[int], float]) -> List[float]:
+def serve_in_order(launches: Sequence[tuple[float, int]], cost: Callable[[int], float]) -> list[float]:
     """End time of each launch ``(time, elements)`` on one communication engine, served in the given order.
 
     The one queue model of the planner and the simulator: a launch starts
     when it is made and the engine has finished the previous one, and takes
     ``cost(elements)`` (``alpha + beta*m`` for an all-reduce).
     """
-    ends: List[float] = []
+    ends: list[float] = []
     free = 0.0
     for at, elements in launches:
         free = max(free, at) + cost(elements)
@@ -145,9 +147,7 @@ def serve_in_order(launches: Sequence[Tuple[float, int]], cost: Callable[[int], 
     return ends
 
 
-def simulate_plan(
-    plan: Plan, ready_times: Sequence[float], sizes: Sequence[int], alpha: float, beta: float
-) -> Tuple[float, float]:
+def simulate_plan(plan: Plan, ready_times: Sequence[float], sizes: Sequence[int], alpha: float, beta: float) -> tuple[float, float]:
     """Predicted (communication end, non-overlapped communication) of a plan.
 
     Communication runs one group at a time (:func:`serve_in_order`); a group

@@ -8,10 +8,11 @@ the groups of :func:`spdkfac.work_plan.fusion_groups` to the controller. With
 ``replan_interval`` it samples again every so many factor steps, keeping the
 current plan meanwhile, and every rank switches at the same step.
 """
+
 from __future__ import annotations
 
 import statistics
-from typing import Dict, List, Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -29,8 +30,14 @@ __all__ = ["FusionProfiler"]
 class FusionProfiler:
     """Times the factors' ready times until a fusion plan is made, then makes it."""
 
-    def __init__(self, config: KFACConfig, backend: CommBackend, layers: Sequence[KFACLayer],
-                 controller: TensorFusionController, perf_model: PerfModel) -> None:
+    def __init__(
+        self,
+        config: KFACConfig,
+        backend: CommBackend,
+        layers: Sequence[KFACLayer],
+        controller: TensorFusionController,
+        perf_model: PerfModel,
+    ) -> None:
         self.config = config
         self.backend = backend
         self.layers = list(layers)
@@ -39,9 +46,9 @@ class FusionProfiler:
         self.plans_made = 0  # plans made so far (the first, then one per re-profile)
         self.plan_changes = 0  # re-profiles that changed the plan
         self._planned = config.fusion == "layerwise" or not config.precondition
-        self._samples: Dict[str, List[List[float]]] = {"A": [], "G": []}
-        self._ready: Dict[str, List[float]] = {"A": [], "G": []}
-        self._pass_t0: Dict[str, Optional[float]] = {"A": None, "G": None}
+        self._samples: dict[str, list[list[float]]] = {"A": [], "G": []}
+        self._ready: dict[str, list[float]] = {"A": [], "G": []}
+        self._pass_t0: dict[str, float | None] = {"A": None, "G": None}
         self._factor_steps = 0
         self._sample_after = 1  # factor steps up to this one are not sampled (the first is a warm-up)
 
@@ -61,7 +68,7 @@ class FusionProfiler:
             t0 = self._pass_t0[kind] = t_start
         self._ready[kind].append(t_end - t0)
 
-    def factor_step_done(self, arrived: Dict[str, List[FactorKey]]) -> None:
+    def factor_step_done(self, arrived: dict[str, list[FactorKey]]) -> None:
         """Count a completed factor step (factors in ``arrived`` order); sample, plan or schedule a re-profile."""
         self._factor_steps += 1
         if self.active:
@@ -70,7 +77,7 @@ class FusionProfiler:
             self._planned = False  # sample the next profile_steps factor steps, keeping the current plan meanwhile
             self._sample_after = self._factor_steps
 
-    def _sample_and_plan(self, arrived: Dict[str, List[FactorKey]]) -> None:
+    def _sample_and_plan(self, arrived: dict[str, list[FactorKey]]) -> None:
         if self._factor_steps > self._sample_after:
             for kind in FACTOR_KINDS:
                 self._samples[kind].append(list(self._ready[kind]))
@@ -79,16 +86,23 @@ class FusionProfiler:
             return
         dims = {layer.name: layer for layer in self.layers}
         element_size = torch.finfo(self.layers[0].factor_dtype).bits // 8
-        plans: Dict[str, List[List[FactorKey]]] = {}
+        plans: dict[str, list[list[FactorKey]]] = {}
         for kind in FACTOR_KINDS:
             order = arrived[kind]
             samples = [s for s in self._samples[kind] if len(s) == len(order)]
             ready = [statistics.median(col) for col in zip(*samples)] if samples else [0.0] * len(order)
             ready = self._agree_on_profile(kind, order, ready)
             sizes = [triangle_size(dims[name].dim(k)) for k, name in order]
-            groups = fusion_groups(self.config.fusion, self.config.pipelining, ready, sizes,
-                                   self.perf_model.allreduce.alpha, self.perf_model.allreduce.beta,
-                                   self.config.fusion_threshold_bytes, element_size=element_size)
+            groups = fusion_groups(
+                self.config.fusion,
+                self.config.pipelining,
+                ready,
+                sizes,
+                self.perf_model.allreduce.alpha,
+                self.perf_model.allreduce.beta,
+                self.config.fusion_threshold_bytes,
+                element_size=element_size,
+            )
             plans[kind] = [[order[i] for i in g] for g in groups]
         if self.plans_made and any(self.controller.plan(kind) != plan for kind, plan in plans.items()):
             self.plan_changes += 1
@@ -98,13 +112,14 @@ class FusionProfiler:
         self._planned = True
         self._samples = {"A": [], "G": []}
 
-    def _agree_on_profile(self, kind: str, order: List[FactorKey], ready: List[float]) -> List[float]:
+    def _agree_on_profile(self, kind: str, order: list[FactorKey], ready: list[float]) -> list[float]:
         """Every rank adopts rank 0's ready times; the factor order must match everywhere."""
         if self.backend.size == 1:
             return ready
         index = {layer.name: i for i, layer in enumerate(self.layers)}
-        payload = torch.tensor([float(index[name]) for _, name in order] + ready, dtype=torch.float64,
-                               device=self.layers[0].module.weight.device)  # NCCL broadcasts device tensors only
+        payload = torch.tensor(
+            [float(index[name]) for _, name in order] + ready, dtype=torch.float64, device=self.layers[0].module.weight.device
+        )  # NCCL broadcasts device tensors only
         self.backend.broadcast_async(payload, 0, f"spdkfac.profile.{kind}").wait()
         n = len(order)
         root_order = [int(v) for v in payload[:n].tolist()]

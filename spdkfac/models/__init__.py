@@ -3,6 +3,7 @@
 ``get_model(name, num_classes)`` builds any registered model; names prefixed
 ``torchvision:`` use torchvision's constructors when torchvision imports.
 """
+
 from __future__ import annotations
 
 from typing import Callable

@@ -13,6 +13,7 @@ sees every Conv2d with an ``A`` dimension of ``in_channels * kh * kw``; the
 final Linear layer has a bias. Every network ends in global average pooling,
 so any input resolution at or above the documented minimum works.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -40,8 +41,7 @@ class ConvBN(nn.Sequential):
     "valid" convolution.
     """
 
-    def __init__(self, cin: int, cout: int, kernel: Size2, stride: int = 1,
-                 padding: Size2 | None = None, relu: bool = True) -> None:
+    def __init__(self, cin: int, cout: int, kernel: Size2, stride: int = 1, padding: Size2 | None = None, relu: bool = True) -> None:
         kh, kw = _pair(kernel)
         pad = (kh // 2, kw // 2) if padding is None else _pair(padding)
         layers = [nn.Conv2d(cin, cout, (kh, kw), stride, pad, bias=False), nn.BatchNorm2d(cout)]
@@ -54,8 +54,7 @@ class BNReLUConv(nn.Sequential):
     """Pre-activation unit ``BatchNorm2d`` + ``ReLU`` + ``Conv2d(bias=False)`` (DenseNet order)."""
 
     def __init__(self, cin: int, cout: int, kernel: int) -> None:
-        super().__init__(nn.BatchNorm2d(cin), nn.ReLU(inplace=True),
-                         nn.Conv2d(cin, cout, kernel, 1, kernel // 2, bias=False))
+        super().__init__(nn.BatchNorm2d(cin), nn.ReLU(inplace=True), nn.Conv2d(cin, cout, kernel, 1, kernel // 2, bias=False))
 
 
 class Concat(nn.Module):
@@ -101,8 +100,7 @@ class Bottleneck(nn.Module):
     def __init__(self, cin: int, width: int, stride: int = 1) -> None:
         super().__init__()
         cout = width * self.expansion
-        self.body = nn.Sequential(ConvBN(cin, width, 1), ConvBN(width, width, 3, stride),
-                                  ConvBN(width, cout, 1, relu=False))
+        self.body = nn.Sequential(ConvBN(cin, width, 1), ConvBN(width, width, 3, stride), ConvBN(width, cout, 1, relu=False))
         needs_proj = stride != 1 or cin != cout
         self.shortcut = ConvBN(cin, cout, 1, stride, relu=False) if needs_proj else nn.Identity()
         self.relu = nn.ReLU(inplace=True)
@@ -162,8 +160,9 @@ class DenseNet(nn.Sequential):
     Minimum input is 32x32 (total stride 32); 3x64x64 and up is a sensible test size.
     """
 
-    def __init__(self, blocks: Sequence[int], growth: int = 32, bn_size: int = 4,
-                 compression: float = 0.5, num_classes: int = 1000) -> None:
+    def __init__(
+        self, blocks: Sequence[int], growth: int = 32, bn_size: int = 4, compression: float = 0.5, num_classes: int = 1000
+    ) -> None:
         stages: OrderedDict[str, nn.Module] = OrderedDict()
         cin = 2 * growth
         stages["stem"] = nn.Sequential(ConvBN(3, cin, 7, 2), nn.MaxPool2d(3, 2, 1))
@@ -206,38 +205,45 @@ def _avgpool_branch(cin: int, cout: int) -> nn.Sequential:
 def _stem() -> nn.Sequential:
     """Inception-v4 stem: 3 channels -> 384 channels at 1/8 resolution (35x35 for 299x299 input)."""
     return nn.Sequential(
-        ConvBN(3, 32, 3, 2, 0), ConvBN(32, 32, 3, 1, 0), ConvBN(32, 64, 3),
-        Concat(nn.MaxPool2d(3, 2), ConvBN(64, 96, 3, 2, 0)),                              # 160
-        Concat(nn.Sequential(ConvBN(160, 64, 1), ConvBN(64, 96, 3, 1, 0)),
-               nn.Sequential(_chain(160, (64, 1), (64, (7, 1)), (64, (1, 7)))[0], ConvBN(64, 96, 3, 1, 0))),  # 192
-        Concat(ConvBN(192, 192, 3, 2, 0), nn.MaxPool2d(3, 2)),                            # 384
+        ConvBN(3, 32, 3, 2, 0),
+        ConvBN(32, 32, 3, 1, 0),
+        ConvBN(32, 64, 3),
+        Concat(nn.MaxPool2d(3, 2), ConvBN(64, 96, 3, 2, 0)),  # 160
+        Concat(
+            nn.Sequential(ConvBN(160, 64, 1), ConvBN(64, 96, 3, 1, 0)),
+            nn.Sequential(_chain(160, (64, 1), (64, (7, 1)), (64, (1, 7)))[0], ConvBN(64, 96, 3, 1, 0)),
+        ),  # 192
+        Concat(ConvBN(192, 192, 3, 2, 0), nn.MaxPool2d(3, 2)),  # 384
     )
 
 
 def _inception_a(cin: int = 384) -> Concat:
     """Inception-A (35x35 grid): four branches of 96 channels each -> 384."""
-    return Concat(_avgpool_branch(cin, 96), ConvBN(cin, 96, 1),
-                  _chain(cin, (64, 1), (96, 3))[0], _chain(cin, (64, 1), (96, 3), (96, 3))[0])
+    return Concat(_avgpool_branch(cin, 96), ConvBN(cin, 96, 1), _chain(cin, (64, 1), (96, 3))[0], _chain(cin, (64, 1), (96, 3), (96, 3))[0])
 
 
 def _reduction_a(cin: int = 384, k: int = 192, l: int = 224, m: int = 256, n: int = 384) -> Concat:  # noqa: E741 (k, l, m, n): the Inception-v4 paper's names
     """Reduction-A (35 -> 17 grid), filter sizes (k, l, m, n) = (192, 224, 256, 384): 384 -> 1024."""
-    return Concat(nn.MaxPool2d(3, 2), ConvBN(cin, n, 3, 2, 0),
-                  nn.Sequential(_chain(cin, (k, 1), (l, 3))[0], ConvBN(l, m, 3, 2, 0)))
+    return Concat(nn.MaxPool2d(3, 2), ConvBN(cin, n, 3, 2, 0), nn.Sequential(_chain(cin, (k, 1), (l, 3))[0], ConvBN(l, m, 3, 2, 0)))
 
 
 def _inception_b(cin: int = 1024) -> Concat:
     """Inception-B (17x17 grid) with factorised 1x7 / 7x1 convolutions: 1024 -> 1024."""
-    return Concat(_avgpool_branch(cin, 128), ConvBN(cin, 384, 1),
-                  _chain(cin, (192, 1), (224, (1, 7)), (256, (7, 1)))[0],
-                  _chain(cin, (192, 1), (192, (7, 1)), (224, (1, 7)), (224, (7, 1)), (256, (1, 7)))[0])
+    return Concat(
+        _avgpool_branch(cin, 128),
+        ConvBN(cin, 384, 1),
+        _chain(cin, (192, 1), (224, (1, 7)), (256, (7, 1)))[0],
+        _chain(cin, (192, 1), (192, (7, 1)), (224, (1, 7)), (224, (7, 1)), (256, (1, 7)))[0],
+    )
 
 
 def _reduction_b(cin: int = 1024) -> Concat:
     """Reduction-B (17 -> 8 grid): 1024 -> 1536."""
-    return Concat(nn.MaxPool2d(3, 2),
-                  nn.Sequential(ConvBN(cin, 192, 1), ConvBN(192, 192, 3, 2, 0)),
-                  nn.Sequential(_chain(cin, (256, 1), (256, (1, 7)), (320, (7, 1)))[0], ConvBN(320, 320, 3, 2, 0)))
+    return Concat(
+        nn.MaxPool2d(3, 2),
+        nn.Sequential(ConvBN(cin, 192, 1), ConvBN(192, 192, 3, 2, 0)),
+        nn.Sequential(_chain(cin, (256, 1), (256, (1, 7)), (320, (7, 1)))[0], ConvBN(320, 320, 3, 2, 0)),
+    )
 
 
 def _split_1x3_3x1(cin: int, cout: int = 256) -> Concat:
@@ -247,9 +253,12 @@ def _split_1x3_3x1(cin: int, cout: int = 256) -> Concat:
 
 def _inception_c(cin: int = 1536) -> Concat:
     """Inception-C (8x8 grid) with 1x3 / 3x1 forks: six outputs of 256 channels -> 1536."""
-    return Concat(_avgpool_branch(cin, 256), ConvBN(cin, 256, 1),
-                  nn.Sequential(ConvBN(cin, 384, 1), _split_1x3_3x1(384)),
-                  nn.Sequential(_chain(cin, (384, 1), (448, (3, 1)), (512, (1, 3)))[0], _split_1x3_3x1(512)))
+    return Concat(
+        _avgpool_branch(cin, 256),
+        ConvBN(cin, 256, 1),
+        nn.Sequential(ConvBN(cin, 384, 1), _split_1x3_3x1(384)),
+        nn.Sequential(_chain(cin, (384, 1), (448, (3, 1)), (512, (1, 3)))[0], _split_1x3_3x1(512)),
+    )
 
 
 class InceptionV4(nn.Sequential):
@@ -264,15 +273,19 @@ class InceptionV4(nn.Sequential):
     MIN_INPUT = 75
 
     def __init__(self, num_classes: int = 1000, dropout: float = 0.2) -> None:
-        super().__init__(OrderedDict([
-            ("stem", _stem()),
-            ("inception_a", nn.Sequential(*[_inception_a() for _ in range(4)])),
-            ("reduction_a", _reduction_a()),
-            ("inception_b", nn.Sequential(*[_inception_b() for _ in range(7)])),
-            ("reduction_b", _reduction_b()),
-            ("inception_c", nn.Sequential(*[_inception_c() for _ in range(3)])),
-            ("head", _head(1536, num_classes, dropout)),
-        ]))
+        super().__init__(
+            OrderedDict(
+                [
+                    ("stem", _stem()),
+                    ("inception_a", nn.Sequential(*[_inception_a() for _ in range(4)])),
+                    ("reduction_a", _reduction_a()),
+                    ("inception_b", nn.Sequential(*[_inception_b() for _ in range(7)])),
+                    ("reduction_b", _reduction_b()),
+                    ("inception_c", nn.Sequential(*[_inception_c() for _ in range(3)])),
+                    ("head", _head(1536, num_classes, dropout)),
+                ]
+            )
+        )
         _init_weights(self)
 
 

@@ -1,4 +1,5 @@
 """Small CPU-friendly models: CNNs for 8x8 digits and 28x28 MNIST, and a CIFAR-style ResNet-20."""
+
 from __future__ import annotations
 
 import torch

@@ -1,9 +1,10 @@
 """Command line: ``python -m spdkfac.perfmodels {benchmark,plot,show} ...``.
 
-    horovodrun -np 2 -H localhost:2 --gloo python -m spdkfac.perfmodels benchmark --quick --out perfmodels/x.json
-    python -m spdkfac.perfmodels plot perfmodels/x.json --out perfmodels/x.png
-    python -m spdkfac.perfmodels show perfmodels/x.json
+horovodrun -np 2 -H localhost:2 --gloo python -m spdkfac.perfmodels benchmark --quick --out perfmodels/x.json
+python -m spdkfac.perfmodels plot perfmodels/x.json --out perfmodels/x.png
+python -m spdkfac.perfmodels show perfmodels/x.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,9 @@ def _unwritable(path: Path) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m spdkfac.perfmodels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m spdkfac.perfmodels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("benchmark", help="measure this launch's workers and write a model file")
     b.add_argument("--out", required=True, help="JSON file to write (rank 0)")
@@ -83,12 +86,24 @@ def main(argv: list[str] | None = None) -> int:
             from ..models import get_model
 
             model_dims = sorted({dim for _, dim in factor_list(kfac_layers(get_model(args.model)))})
-        cfg = BenchmarkConfig(quick=args.quick, repeats=args.repeats, warmup=args.warmup, device=args.device,
-                              dtype=args.dtype, inverse_dims=args.dims, message_sizes=args.sizes,
-                              model_dims=model_dims, model_name=args.model, eigen=not args.no_eigen)
+        cfg = BenchmarkConfig(
+            quick=args.quick,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            device=args.device,
+            dtype=args.dtype,
+            inverse_dims=args.dims,
+            message_sizes=args.sizes,
+            model_dims=model_dims,
+            model_name=args.model,
+            eigen=not args.no_eigen,
+        )
         if engine.rank == 0:
-            print(f"benchmarking {engine.name} x{engine.size}: {len(cfg.sizes())} all-reduce sizes, "
-                  f"{len(cfg.dims())} dimensions, {cfg.repeats} repeats after {cfg.warmup} warm-up runs", file=sys.stderr)
+            print(
+                f"benchmarking {engine.name} x{engine.size}: {len(cfg.sizes())} all-reduce sizes, "
+                f"{len(cfg.dims())} dimensions, {cfg.repeats} repeats after {cfg.warmup} warm-up runs",
+                file=sys.stderr,
+            )
         model = run_benchmark(cfg, engine)
         model.meta["bound_cores"] = cores
         if engine.rank == 0:
@@ -116,9 +131,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _summary(model: PerfModel) -> str:
-    lines = [f"performance model {model.source}: measured {json.dumps({k: model.meta.get(k) for k in ('engine', 'world_size', 'device', 'dtype', 'date')})}"]
-    lines.append(f"  all-reduce  t(m) = {model.allreduce.alpha:.3e} + {model.allreduce.beta:.3e} * m   {model.fit_quality.get('allreduce', '')}")
-    lines.append(f"  broadcast   t(d) = {model.broadcast.alpha:.3e} + {model.broadcast.beta:.3e} * d(d+1)/2   {model.fit_quality.get('broadcast', '')}")
+    lines = [
+        f"performance model {model.source}: measured {json.dumps({k: model.meta.get(k) for k in ('engine', 'world_size', 'device', 'dtype', 'date')})}"
+    ]
+    lines.append(
+        f"  all-reduce  t(m) = {model.allreduce.alpha:.3e} + {model.allreduce.beta:.3e} * m   {model.fit_quality.get('allreduce', '')}"
+    )
+    lines.append(
+        f"  broadcast   t(d) = {model.broadcast.alpha:.3e} + {model.broadcast.beta:.3e} * d(d+1)/2   {model.fit_quality.get('broadcast', '')}"
+    )
     for name, curve in (("inverse", model.inverse), ("eigen", model.eigen)):
         if curve is None:
             lines.append(f"  {name:<11} not measured (compute_method='eigen' estimates it from the inverse model)")
@@ -127,11 +148,15 @@ def _summary(model: PerfModel) -> str:
             lines.append(f"  {name:<11} t(d) = {curve.params['alpha']:.3e} * exp({curve.params['beta']:.3e} * d)")
         else:
             c = curve.params["coeffs"]
-            lines.append(f"  {name:<11} t(d) = {c[0]:.3e} + {c[1]:.3e} d + {c[2]:.3e} d^2 + {c[3]:.3e} d^3 (cubic fitted better than Eq. 26)")
+            lines.append(
+                f"  {name:<11} t(d) = {c[0]:.3e} + {c[1]:.3e} d + {c[2]:.3e} d^2 + {c[3]:.3e} d^3 (cubic fitted better than Eq. 26)"
+            )
         q = model.fit_quality.get(name, {})
         if q:
-            lines.append(f"  {name} fit: chosen {q.get('chosen')}, exp mean rel err {q.get('exp', {}).get('mean_rel_error', float('nan')):.1%}"
-                         + (f", cubic {q['cubic']['mean_rel_error']:.1%}" if "cubic" in q else ""))
+            lines.append(
+                f"  {name} fit: chosen {q.get('chosen')}, exp mean rel err {q.get('exp', {}).get('mean_rel_error', float('nan')):.1%}"
+                + (f", cubic {q['cubic']['mean_rel_error']:.1%}" if "cubic" in q else "")
+            )
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ paper uses 100 and 10); the point is the *median* of the individual timings
 (robust to the other processes of a shared machine; the mean is stored too),
 averaged over the ranks.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -19,18 +20,17 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from ..comm import CommBackend, get_backend
+from ..comm.mpi4py_backend import Mpi4pyEngine
 from ..decomposition import eigen_payload
 from ..linalg import invert_spd, triangle_size
-from .models import AllReduceModel, BroadcastModel, InverseModel, PerfModel, fit_inverse_model, fit_linear, r_squared
-
-if TYPE_CHECKING:
-    from mpi4py import MPI
+from .fitting import fit_inverse_model, fit_linear, r_squared
+from .models import AllReduceModel, BroadcastModel, InverseModel, PerfModel
 
 __all__ = ["BenchmarkConfig", "Mpi4pyEngine", "run_benchmark"]
 
@@ -60,80 +60,6 @@ class BenchmarkConfig:
 
     def sizes(self) -> list[int]:
         return self.message_sizes or (QUICK_SIZES if self.quick else FULL_SIZES)
-
-
-class Mpi4pyEngine(CommBackend):
-    """Raw MPI collectives through mpi4py (benchmark only: the library's own overhead baseline).
-
-    Works on CPU tensors (their numpy views are the MPI buffers); launch with
-    ``mpirun -np N python -m spdkfac.perfmodels benchmark --engine mpi4py``.
-    """
-
-    name = "mpi4py"
-
-    def __init__(self) -> None:
-        try:
-            from mpi4py import MPI
-        except ImportError as exc:
-            raise ImportError("--engine mpi4py needs mpi4py (pip install 'spdkfac[mpi]') and an MPI launch (mpirun)") from exc
-        self._mpi = MPI
-        self._comm = MPI.COMM_WORLD
-        self._types = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T}
-
-    @property
-    def rank(self) -> int:
-        return int(self._comm.Get_rank())
-
-    @property
-    def size(self) -> int:
-        return int(self._comm.Get_size())
-
-    def _buffer(self, tensor: torch.Tensor) -> np.ndarray:
-        """``tensor``'s numpy view (a contiguous copy when ``tensor`` is strided)."""
-        if tensor.device.type != "cpu":
-            raise ValueError(f"--engine mpi4py measures host buffers; got a {tensor.device} tensor (pass --device cpu)")
-        if tensor.dtype not in self._types:
-            raise TypeError(f"--engine mpi4py supports {', '.join(str(t) for t in self._types)}; got {tensor.dtype}")
-        return tensor.detach().contiguous().numpy()
-
-    def allreduce_async(self, tensor: torch.Tensor, name: str) -> _MpiHandle:
-        if not tensor.is_floating_point():
-            raise TypeError(f"all-reduce averages, so it needs a floating-point tensor, got {tensor.dtype}")
-        array = self._buffer(tensor)
-        req = self._comm.Iallreduce(self._mpi.IN_PLACE, [array, self._types[tensor.dtype]], op=self._mpi.SUM)
-        return _MpiHandle(req, tensor, array, self.size)
-
-    def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> _MpiHandle:
-        array = self._buffer(tensor)
-        return _MpiHandle(self._comm.Ibcast([array, self._types[tensor.dtype]], root=root), tensor, array, 1)
-
-    def barrier(self) -> None:
-        self._comm.Barrier()
-
-
-class _MpiHandle:
-    """A pending mpi4py request; on completion it averages (all-reduce) and copies a staged buffer back."""
-
-    def __init__(self, req: MPI.Request, tensor: torch.Tensor, array: np.ndarray, divisor: int) -> None:
-        self._req, self._tensor, self._array, self._divisor = req, tensor, array, divisor
-        self._staged = not tensor.is_contiguous()  # ``array`` is a copy, not a view
-
-    def _finish(self) -> None:
-        if self._divisor > 1:
-            self._array /= self._divisor
-        if self._staged:
-            self._tensor.copy_(torch.from_numpy(self._array))
-        self._req = None
-
-    def wait(self) -> None:
-        if self._req is not None:
-            self._req.Wait()
-            self._finish()
-
-    def done(self) -> bool:
-        if self._req is not None and self._req.Test():
-            self._finish()
-        return self._req is None
 
 
 class _Progress:
@@ -193,7 +119,9 @@ def _repeats_for(cfg: BenchmarkConfig, elements: int) -> int:
 def run_benchmark(cfg: BenchmarkConfig, engine: CommBackend | None = None) -> PerfModel:
     """Measure, fit and return a :class:`PerfModel` (identical on every rank)."""
     engine = engine or get_backend("auto")
-    device = torch.device("cuda" if (cfg.device == "auto" and torch.cuda.is_available()) else ("cpu" if cfg.device == "auto" else cfg.device))
+    device = torch.device(
+        "cuda" if (cfg.device == "auto" and torch.cuda.is_available()) else ("cpu" if cfg.device == "auto" else cfg.device)
+    )
     dtype = getattr(torch, cfg.dtype)
     sizes, dims = cfg.sizes(), cfg.dims()
     root = engine.rank == 0
@@ -250,8 +178,14 @@ def run_benchmark(cfg: BenchmarkConfig, engine: CommBackend | None = None) -> Pe
         tri = [triangle_size(d) for d in dims]
         a_bc, b_bc = fit_linear(tri, bc_times)
         ar_model, bc_model = AllReduceModel(a_ar, b_ar), BroadcastModel(a_bc, b_bc)
-        quality["allreduce"] = {"r2": r_squared(ar_times, [ar_model(m) for m in sizes]), "max_rel_error": _max_rel(ar_times, [ar_model(m) for m in sizes])}
-        quality["broadcast"] = {"r2": r_squared(bc_times, [bc_model.fitted(d) for d in dims]), "max_rel_error": _max_rel(bc_times, [bc_model.fitted(d) for d in dims])}
+        quality["allreduce"] = {
+            "r2": r_squared(ar_times, [ar_model(m) for m in sizes]),
+            "max_rel_error": _max_rel(ar_times, [ar_model(m) for m in sizes]),
+        }
+        quality["broadcast"] = {
+            "r2": r_squared(bc_times, [bc_model.fitted(d) for d in dims]),
+            "max_rel_error": _max_rel(bc_times, [bc_model.fitted(d) for d in dims]),
+        }
     else:
         ar_model, bc_model = PerfModel.default().allreduce, PerfModel.default().broadcast
         quality["note"] = "single worker: communication models are the built-in defaults (nothing to measure)"
@@ -290,8 +224,9 @@ def run_benchmark(cfg: BenchmarkConfig, engine: CommBackend | None = None) -> Pe
     }
     if cfg.eigen:
         measurements["eigen"] = {"dims": dims, "seconds": times["eigen"], "mean_seconds": means["eigen"]}
-    return PerfModel(ar_model, bc_model, inv_model, meta=meta, measurements=measurements, fit_quality=quality,
-                     source="benchmark", eigen=eig_model)
+    return PerfModel(
+        ar_model, bc_model, inv_model, meta=meta, measurements=measurements, fit_quality=quality, source="benchmark", eigen=eig_model
+    )
 
 
 def _max_rel(measured: Sequence[float], predicted: Sequence[float]) -> float:

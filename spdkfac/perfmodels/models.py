@@ -10,6 +10,7 @@
 Every rank loads the same file, so every rank makes the same fusion and
 placement decisions.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,21 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-import numpy.typing as npt
-
 __all__ = [
     "AllReduceModel",
     "BroadcastModel",
     "InverseModel",
     "PerfModel",
     "PerfModelError",
-    "fit_cubic",
-    "fit_exponential",
-    "fit_inverse_model",
-    "fit_linear",
     "load_perf_model",
-    "r_squared",
 ]
 
 FORMAT_VERSION = 1
@@ -246,8 +239,12 @@ class PerfModel:
         return {
             "format_version": FORMAT_VERSION,
             "allreduce": {"alpha": self.allreduce.alpha, "beta": self.allreduce.beta, "unit": "seconds, elements"},
-            "broadcast": {"alpha": self.broadcast.alpha, "beta": self.broadcast.beta, "unit": "seconds, d(d+1)/2 elements",
-                          "measured": {str(k): v for k, v in sorted((self.broadcast.measured or {}).items())}},
+            "broadcast": {
+                "alpha": self.broadcast.alpha,
+                "beta": self.broadcast.beta,
+                "unit": "seconds, d(d+1)/2 elements",
+                "measured": {str(k): v for k, v in sorted((self.broadcast.measured or {}).items())},
+            },
             "inverse": _curve_dict(self.inverse),
             **({"eigen": _curve_dict(self.eigen)} if self.eigen is not None else {}),
             "meta": self.meta,
@@ -310,8 +307,12 @@ class PerfModel:
 
 
 def _curve_dict(model: InverseModel) -> dict[str, Any]:
-    return {"kind": model.kind, **model.params, "unit": "seconds, dimension d",
-            "measured": {str(k): v for k, v in sorted((model.measured or {}).items())}}
+    return {
+        "kind": model.kind,
+        **model.params,
+        "unit": "seconds, dimension d",
+        "measured": {str(k): v for k, v in sorted((model.measured or {}).items())},
+    }
 
 
 def _curve_from_dict(entry: dict[str, Any], name: str) -> InverseModel:
@@ -340,84 +341,3 @@ def load_perf_model(perf_model: str | Path | PerfModel | None) -> PerfModel:
 
 
 # -- fitting ----------------------------------------------------------------------------
-def r_squared(y: npt.ArrayLike, y_hat: npt.ArrayLike) -> float:
-    """Coefficient of determination of predictions ``y_hat`` for ``y``."""
-    y_a = np.asarray(y, dtype=float)
-    r = y_a - np.asarray(y_hat, dtype=float)
-    ss_tot = float(((y_a - y_a.mean()) ** 2).sum())
-    return 1.0 - float((r**2).sum()) / ss_tot if ss_tot > 0 else 1.0
-
-
-def _relative_weights(y: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-    return 1.0 / np.maximum(y, 1e-12)
-
-
-def fit_linear(x: npt.ArrayLike, y: npt.ArrayLike) -> tuple[float, float]:
-    """Least-squares ``y = alpha + beta * x`` weighted by ``1/y`` (relative error).
-
-    Relative weighting keeps the small messages (which decide alpha) from being
-    swamped by the large ones. Non-positive coefficients are clamped to a tiny
-    positive value, because a model must never predict free communication.
-    """
-    xa = np.asarray(x, dtype=float)
-    ya = np.asarray(y, dtype=float)
-    if xa.size < 2:
-        raise PerfModelError("need at least two measurements to fit a line")
-    w = _relative_weights(ya)
-    design = np.stack([np.ones_like(xa), xa], axis=1) * w[:, None]
-    (alpha, beta), *_ = np.linalg.lstsq(design, ya * w, rcond=None)
-    return max(float(alpha), 1e-9), max(float(beta), 1e-18)
-
-
-def fit_exponential(d: npt.ArrayLike, t: npt.ArrayLike) -> tuple[float, float]:
-    """Fit ``t = alpha * exp(beta * d)`` by least squares on ``log t``."""
-    da = np.asarray(d, dtype=float)
-    ta = np.asarray(t, dtype=float)
-    if np.any(ta <= 0):
-        raise PerfModelError("inversion times must be positive to fit an exponential")
-    beta, log_alpha = np.polyfit(da, np.log(ta), 1)
-    return float(np.exp(log_alpha)), max(float(beta), 1e-12)
-
-
-def fit_cubic(d: npt.ArrayLike, t: npt.ArrayLike) -> list[float]:
-    """Fit ``t = c0 + c1 d + c2 d^2 + c3 d^3`` weighted by ``1/t`` (relative error)."""
-    da = np.asarray(d, dtype=float)
-    ta = np.asarray(t, dtype=float)
-    w = _relative_weights(ta)
-    design = np.stack([da**k for k in range(4)], axis=1) * w[:, None]
-    coeffs, *_ = np.linalg.lstsq(design, ta * w, rcond=None)
-    return [float(c) for c in coeffs]
-
-
-def _mean_relative_error(t: np.ndarray, pred: np.ndarray) -> float:
-    return float(np.mean(np.abs(pred - t) / t))
-
-
-def fit_inverse_model(d: npt.ArrayLike, t: npt.ArrayLike) -> tuple[InverseModel, dict[str, Any]]:
-    """Fit both the exponential (Eq. 26) and a cubic; keep the one with lower mean relative error."""
-    da = np.asarray(d, dtype=float)
-    ta = np.asarray(t, dtype=float)
-    a, b = fit_exponential(da, ta)
-    exp_model = InverseModel("exp", {"alpha": a, "beta": b})
-    quality: dict[str, Any] = {
-        "exp": {
-            "alpha": a,
-            "beta": b,
-            "mean_rel_error": _mean_relative_error(ta, np.array([exp_model(x) for x in da])),
-            "r2": r_squared(ta, [exp_model(x) for x in da]),
-        }
-    }
-    best = exp_model
-    if da.size >= 4:
-        coeffs = fit_cubic(da, ta)
-        cubic = InverseModel("cubic", {"coeffs": coeffs, "floor": float(max(ta.min() * 0.5, 1e-9))})
-        pred = np.array([cubic(x) for x in da])
-        quality["cubic"] = {
-            "coeffs": coeffs,
-            "mean_rel_error": _mean_relative_error(ta, pred),
-            "r2": r_squared(ta, pred),
-        }
-        if quality["cubic"]["mean_rel_error"] < quality["exp"]["mean_rel_error"]:
-            best = cubic
-    quality["chosen"] = best.kind
-    return best, quality

@@ -1,4 +1,5 @@
 """Measured points against fitted curves (the paper's Figs. 7, 8 and 11) as one PNG."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,7 +28,9 @@ def plot_perf_model(model: PerfModel, out: str | Path) -> Path:
         m = np.array(ar["elements"], dtype=float)
         ax.loglog(m, np.array(ar["seconds"]) * 1e3, "o", label="measured")
         grid = np.logspace(np.log10(m.min()), np.log10(m.max()), 100)
-        ax.loglog(grid, [model.allreduce(x) * 1e3 for x in grid], "-", label=f"α={model.allreduce.alpha:.2e}s, β={model.allreduce.beta:.2e}s/elem")
+        ax.loglog(
+            grid, [model.allreduce(x) * 1e3 for x in grid], "-", label=f"α={model.allreduce.alpha:.2e}s, β={model.allreduce.beta:.2e}s/elem"
+        )
     ax.set(title="all-reduce (Eq. 14)", xlabel="elements m", ylabel="time (ms)")
     ax.legend(fontsize=8)
 
@@ -38,7 +41,12 @@ def plot_perf_model(model: PerfModel, out: str | Path) -> Path:
     bc = meas.get("broadcast") or {}
     if bc:
         ax.plot(bc["dims"], np.array(bc["seconds"]) * 1e3, "o", label="measured")
-        ax.plot(grid_d, [model.broadcast.fitted(d) * 1e3 for d in grid_d], "-", label=f"α={model.broadcast.alpha:.2e}s, β={model.broadcast.beta:.2e}s/elem")
+        ax.plot(
+            grid_d,
+            [model.broadcast.fitted(d) * 1e3 for d in grid_d],
+            "-",
+            label=f"α={model.broadcast.alpha:.2e}s, β={model.broadcast.beta:.2e}s/elem",
+        )
     ax.set(title="broadcast of d(d+1)/2 elements (Eq. 27)", xlabel="dimension d", ylabel="time (ms)")
     ax.legend(fontsize=8)
 
@@ -48,7 +56,9 @@ def plot_perf_model(model: PerfModel, out: str | Path) -> Path:
         q = model.fit_quality.get("inverse", {})
         if "exp" in q:
             exp = InverseModel("exp", {"alpha": q["exp"]["alpha"], "beta": q["exp"]["beta"]})
-            ax.semilogy(grid_d, [exp(d) * 1e3 for d in grid_d], "--", label=f"exp fit (Eq. 26), mean rel err {q['exp']['mean_rel_error']:.0%}")
+            ax.semilogy(
+                grid_d, [exp(d) * 1e3 for d in grid_d], "--", label=f"exp fit (Eq. 26), mean rel err {q['exp']['mean_rel_error']:.0%}"
+            )
         if "cubic" in q:
             cub = InverseModel("cubic", {"coeffs": q["cubic"]["coeffs"], "floor": float(min(inv["seconds"]) * 0.5)})
             ax.semilogy(grid_d, [cub(d) * 1e3 for d in grid_d], ":", label=f"cubic fit, mean rel err {q['cubic']['mean_rel_error']:.0%}")

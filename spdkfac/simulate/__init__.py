@@ -56,7 +56,19 @@ from .profiling import measure_profile
 from .scaling import ScaledModels
 
 __all__ = [
-    "measure_profile", "average_profiles", "load_profiles", "predict", "ScaledModels", "PARTS", "DEFAULT_VARIANTS", "main",
-    "Profile", "FactorProfile", "LayerPreconditionProfile", "FORMAT_VERSION", "PROFILE_FIELDS", "profile_from_dict",
+    "DEFAULT_VARIANTS",
+    "FORMAT_VERSION",
+    "PARTS",
+    "PROFILE_FIELDS",
+    "FactorProfile",
+    "LayerPreconditionProfile",
+    "Profile",
+    "ScaledModels",
+    "average_profiles",
+    "load_profiles",
+    "main",
+    "measure_profile",
+    "predict",
+    "profile_from_dict",
     "upgrade_unversioned",
 ]

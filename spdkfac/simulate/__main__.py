@@ -1,4 +1,5 @@
 """``python -m spdkfac.simulate profile|predict ...`` (see :mod:`spdkfac.simulate.cli`)."""
+
 import sys
 
 from .cli import main

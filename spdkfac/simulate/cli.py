@@ -1,4 +1,5 @@
 """The command line: ``python -m spdkfac.simulate profile|predict ...`` (the package docstring is its help)."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,7 +7,6 @@ import dataclasses
 import json
 import sys
 import warnings
-from typing import Dict, List, Optional
 
 from ..affinity import add_bind_cores_option, bind_cores_if_asked
 from ..comm import detect_launcher, get_backend
@@ -17,7 +17,7 @@ from .prediction import PARTS, predict
 from .profile_file import load_profiles
 from .profiling import measure_profile
 
-__all__ = ["main", "DEFAULT_VARIANTS"]
+__all__ = ["DEFAULT_VARIANTS", "main"]
 
 DEFAULT_VARIANTS = ("sgd", "dkfac", "mpdkfac", "spdkfac")  # what `predict` predicts without --variants
 
@@ -25,8 +25,9 @@ DEFAULT_VARIANTS = ("sgd", "dkfac", "mpdkfac", "spdkfac")  # what `predict` pred
 def _parser() -> argparse.ArgumentParser:
     from . import __doc__ as description
 
-    ap = argparse.ArgumentParser(prog="python -m spdkfac.simulate", description=description,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m spdkfac.simulate", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("profile", help="measure a per-layer compute profile (under the job's launcher: every worker at once)")
     p.add_argument("--model", default="resnet50")
@@ -47,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(variant_argv(sys.argv[1:] if argv is None else argv))
     warnings.filterwarnings("ignore")
     return _profile(args) if args.cmd == "profile" else _predict(args)
@@ -56,8 +57,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _profile(args: argparse.Namespace) -> int:
     """Under a launcher, every worker profiles at once, so the profile sees the same sharing of cores and
     memory bandwidth as a real run (and the SGD passes the real gradient all-reduces); rank 0 writes it."""
-    for flag, value in (("--resolution", args.resolution), ("--batch-size", args.batch_size), ("--iters", args.iters),
-                        ("--threads", args.threads)):
+    for flag, value in (
+        ("--resolution", args.resolution),
+        ("--batch-size", args.batch_size),
+        ("--iters", args.iters),
+        ("--threads", args.threads),
+    ):
         if value < 1:
             print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
             return 2
@@ -68,13 +73,16 @@ def _profile(args: argparse.Namespace) -> int:
         comm = None
     retained = retain_freed_memory()  # profile under the training job's allocator settings
     prof = measure_profile(args.model, args.resolution, args.batch_size, args.iters, args.threads, comm)
-    prof = dataclasses.replace(prof, concurrent_workers=workers, retained_freed_memory=retained,
-                               bound_cores=None if cores is None else tuple(cores))
+    prof = dataclasses.replace(
+        prof, concurrent_workers=workers, retained_freed_memory=retained, bound_cores=None if cores is None else tuple(cores)
+    )
     if rank != 0:
         return 0
     prof.save(args.out)
-    print(f"profile of {args.model}: forward {prof.forward*1e3:.1f} ms, backward {prof.backward*1e3:.1f} ms, "
-          f"{len(prof.factors)} factors; wrote {args.out}")
+    print(
+        f"profile of {args.model}: forward {prof.forward * 1e3:.1f} ms, backward {prof.backward * 1e3:.1f} ms, "
+        f"{len(prof.factors)} factors; wrote {args.out}"
+    )
     return 0
 
 
@@ -99,15 +107,16 @@ def _predict(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    out: Dict[str, Dict[str, float]] = {}
+    out: dict[str, dict[str, float]] = {}
     print(f"{'workers':>7} {'variant':<10} {'iter (ms)':>10} " + " ".join(f"{k:>11}" for k in PARTS))
     for w in args.workers:
         for v in variants:
             r = predict(prof, perf, w, v, args.contention, (factor_freq, inv_freq))
             out[f"{w}:{v}"] = r
-            print(f"{w:>7} {v:<10} {r['iteration']*1e3:10.1f} " + " ".join(f"{r[k]*1e3:11.1f}" for k in PARTS))
+            print(f"{w:>7} {v:<10} {r['iteration'] * 1e3:10.1f} " + " ".join(f"{r[k] * 1e3:11.1f}" for k in PARTS))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"profile": args.profile, "perf_model": args.perf_model, "contention": args.contention,
-                       "predictions": out}, fh, indent=1)
+            json.dump(
+                {"profile": args.profile, "perf_model": args.perf_model, "contention": args.contention, "predictions": out}, fh, indent=1
+            )
     return 0

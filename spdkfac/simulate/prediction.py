@@ -7,10 +7,12 @@ all-reduces); communication runs on one engine queue
 (:func:`spdkfac.fusion.planner.serve_in_order`). This module only adds the
 costs: the profile's measured times and the fitted models at P workers.
 """
+
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any
 
 from ..fusion import DEFAULT_THRESHOLD_BYTES
 from ..fusion.planner import serve_in_order
@@ -22,13 +24,14 @@ from ..work_plan import LayerShape, WorkPlan, fusion_groups, group_launch_times,
 from .profile_file import FactorProfile, LayerPreconditionProfile, Profile
 from .scaling import ScaledModels
 
-__all__ = ["predict", "PARTS"]
+__all__ = ["PARTS", "predict"]
 
 PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"]
 
 
-def predict(profile: Profile, perf: PerfModel, workers: int, variant: str, contention: bool = False,
-            update_freq: Tuple[int, int] = (1, 1)) -> Dict[str, float]:
+def predict(
+    profile: Profile, perf: PerfModel, workers: int, variant: str, contention: bool = False, update_freq: tuple[int, int] = (1, 1)
+) -> dict[str, float]:
     """Predicted seconds per iteration and its breakdown (:data:`PARTS`) for ``variant`` on ``workers`` workers."""
     if not isinstance(profile, Profile):  # callers from before typed profiles passed the file's dict
         raise TypeError(f"predict takes a Profile (load_profiles or profile_from_dict), got {type(profile).__name__}")
@@ -48,8 +51,18 @@ def predict(profile: Profile, perf: PerfModel, workers: int, variant: str, conte
             raise ValueError("this profile has no plain-SGD pass time to model contention with; re-run `spdkfac.simulate profile`")
         inflation = max(1.0, profile.sgd_forward_backward / compute)
     grad_blocked, factor_blocked = _blocked_communication(profile, cfg, m, contention)
-    plan = WorkPlan.make(_layer_shapes(profile), workers, m.scaled, cfg["placement"], cfg.get("compute_method", "inverse"),
-                         bool(cfg.get("distribute_preconditioning", False))) if kfac else None
+    plan = (
+        WorkPlan.make(
+            _layer_shapes(profile),
+            workers,
+            m.scaled,
+            cfg["placement"],
+            cfg.get("compute_method", "inverse"),
+            bool(cfg.get("distribute_preconditioning", False)),
+        )
+        if kfac
+        else None
+    )
     inverse_comp = inverse_comm = 0.0
     if plan is not None:
         inverse_comp, inverse_comm = _inversion_stage(plan, facs, m)
@@ -92,7 +105,7 @@ def _sgd_step(profile: Profile) -> float:
     return profile.sgd_step
 
 
-def _layer_shapes(profile: Profile) -> List[LayerShape]:
+def _layer_shapes(profile: Profile) -> list[LayerShape]:
     """The preconditioned layers in the optimizer's order (``opt.layers``), with their factor dimensions.
 
     The per-layer preconditioning entries are recorded in that order; older
@@ -107,7 +120,7 @@ def _layer_shapes(profile: Profile) -> List[LayerShape]:
     return [LayerShape(name, dims[("A", name)], dims[("G", name)]) for name in names]
 
 
-def _blocked_communication(profile: Profile, cfg: Mapping[str, Any], m: ScaledModels, contention: bool) -> Tuple[float, float]:
+def _blocked_communication(profile: Profile, cfg: Mapping[str, Any], m: ScaledModels, contention: bool) -> tuple[float, float]:
     """Seconds the step waits after backward for (gradient, factor) all-reduces, on one engine queue.
 
     Gradients are launched as each layer's backward finishes (the rest after
@@ -117,7 +130,7 @@ def _blocked_communication(profile: Profile, cfg: Mapping[str, Any], m: ScaledMo
     """
     fwd, bwd = profile.forward, profile.backward
     kfac = cfg.get("precondition", True)
-    launches: List[Tuple[float, int, str]] = [(fwd + f.ready, f.grad_numel, "grad") for f in profile.factors if f.kind == "G"]
+    launches: list[tuple[float, int, str]] = [(fwd + f.ready, f.grad_numel, "grad") for f in profile.factors if f.kind == "G"]
     launches.append((fwd + bwd, profile.other_grad_numel, "grad"))
     threshold = int(cfg.get("fusion_threshold_bytes", DEFAULT_THRESHOLD_BYTES))  # the variant's, as the optimizer plans
     if kfac:
@@ -147,7 +160,7 @@ def _blocked_communication(profile: Profile, cfg: Mapping[str, Any], m: ScaledMo
     return grad_blocked, blocked - grad_blocked
 
 
-def _inversion_stage(plan: WorkPlan, facs: Sequence[FactorProfile], m: ScaledModels) -> Tuple[float, float]:
+def _inversion_stage(plan: WorkPlan, facs: Sequence[FactorProfile], m: ScaledModels) -> tuple[float, float]:
     """(computation, wait) seconds of the inversion stage on its critical rank.
 
     The placement is the optimizer's (planned with the fitted model); an
@@ -187,14 +200,14 @@ def _charged(plan: PlacementPlan, scale: float) -> PlacementPlan:
     return PlacementPlan(plan.strategy, plan.world_size, [replace(a, t_comp=a.t_comp * scale) for a in plan.assignments])
 
 
-def _conversions(plan: PlacementPlan, facs: Sequence[FactorProfile], workers: int) -> Tuple[List[float], List[float]]:
+def _conversions(plan: PlacementPlan, facs: Sequence[FactorProfile], workers: int) -> tuple[list[float], list[float]]:
     """Per rank, the packing work of the inversion stage: (before its wait, in its wait), in seconds.
 
     Before: unpacking the factors it inverts and packing the inverses it
     broadcasts; in the wait: unpacking the inverses it receives.
     """
     comp, recv = [0.0] * workers, [0.0] * workers
-    times: Dict[Hashable, FactorProfile] = {f.key: f for f in facs}
+    times: dict[Hashable, FactorProfile] = {f.key: f for f in facs}
     for a in plan.assignments:
         unpack, pack = times[a.key].unpack, times[a.key].pack
         for r in range(workers):
@@ -205,7 +218,7 @@ def _conversions(plan: PlacementPlan, facs: Sequence[FactorProfile], workers: in
     return comp, recv
 
 
-def _overlap_shares(enabled: bool, kfac: bool, workers: int, f_share: float, i_share: float) -> Tuple[float, float]:
+def _overlap_shares(enabled: bool, kfac: bool, workers: int, f_share: float, i_share: float) -> tuple[float, float]:
     """Shares of all steps whose preconditioning hides (gradient wait, factor wait), by the optimizer's rule.
 
     :func:`overlaps_preconditioning` decides per step; steps that keep the
@@ -218,17 +231,19 @@ def _overlap_shares(enabled: bool, kfac: bool, workers: int, f_share: float, i_s
     return float(grad), factor
 
 
-def _rank_shares(layers: Sequence[LayerPreconditionProfile], plan: WorkPlan) -> List[Tuple[float, int]]:
+def _rank_shares(layers: Sequence[LayerPreconditionProfile], plan: WorkPlan) -> list[tuple[float, int]]:
     """(preconditioning seconds, result elements) of each rank, with the plan's preconditioning owners."""
     unknown = [p.layer for p in layers if plan.preconditioner(p.layer) is None]
     if unknown:
         raise ValueError(f"the profile's preconditioning times name layers without factors: {unknown}")
     owners = [plan.preconditioner(p.layer) for p in layers]
-    return [(sum(p.seconds for p, o in zip(layers, owners) if o == r),
-             sum(p.g_dim * p.a_dim for p, o in zip(layers, owners) if o == r)) for r in range(plan.workers)]
+    return [
+        (sum(p.seconds for p, o in zip(layers, owners) if o == r), sum(p.g_dim * p.a_dim for p, o in zip(layers, owners) if o == r))
+        for r in range(plan.workers)
+    ]
 
 
-def _preconditioning_busy(profile: Profile, plan: Optional[WorkPlan]) -> float:
+def _preconditioning_busy(profile: Profile, plan: WorkPlan | None) -> float:
     """Seconds of preconditioning matmuls on the busiest rank (0 for profiles without per-layer times)."""
     layers = profile.precondition
     if plan is None or not plan.preconditioners:

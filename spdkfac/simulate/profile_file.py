@@ -5,16 +5,25 @@ A profile is a :class:`Profile`; files carry ``format_version``
 :func:`upgrade_unversioned`, the one place that knows their older shapes;
 a version newer than this code is refused rather than half-read.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any
 
 __all__ = [
-    "FORMAT_VERSION", "PROFILE_FIELDS", "FactorProfile", "LayerPreconditionProfile", "Profile",
-    "profile_from_dict", "upgrade_unversioned", "load_profiles", "average_profiles",
+    "FORMAT_VERSION",
+    "PROFILE_FIELDS",
+    "FactorProfile",
+    "LayerPreconditionProfile",
+    "Profile",
+    "average_profiles",
+    "load_profiles",
+    "profile_from_dict",
+    "upgrade_unversioned",
 ]
 
 #: The version ``measure_profile`` writes; 1 is the first versioned format.
@@ -42,10 +51,10 @@ class FactorProfile:
     grad_numel: int  # elements of the layer's gradients (G factors; 0 for A)
     unpack: float = 0.0
     pack: float = 0.0
-    invert: Optional[float] = None
+    invert: float | None = None
 
     @property
-    def key(self) -> Tuple[str, str]:
+    def key(self) -> tuple[str, str]:
         """The placement key of this factor, as the optimizer names it."""
         return (self.kind, self.layer)
 
@@ -76,26 +85,26 @@ class Profile:
     backward: float
     step_other: float
     other_grad_numel: int  # gradient elements outside the preconditioned layers (all-reduced last)
-    factors: Tuple[FactorProfile, ...]
-    precondition: Tuple[LayerPreconditionProfile, ...] = ()
-    sgd_step: Optional[float] = None
+    factors: tuple[FactorProfile, ...]
+    precondition: tuple[LayerPreconditionProfile, ...] = ()
+    sgd_step: float | None = None
     sgd_grad_wait: float = 0.0
-    sgd_forward_backward: Optional[float] = None
+    sgd_forward_backward: float | None = None
     comm_workers: int = 1
     engine_warmed: bool = False
     unpack: float = 0.0  # the factors' unpack times in total (as measured)
     untimed_unpack: float = 0.0
-    model: Optional[str] = None
-    resolution: Optional[int] = None
-    batch_size: Optional[int] = None
-    threads: Optional[int] = None
-    concurrent_workers: Optional[int] = None
-    retained_freed_memory: Optional[bool] = None
-    bound_cores: Optional[Tuple[int, ...]] = None
-    averaged_from: Optional[int] = None
+    model: str | None = None
+    resolution: int | None = None
+    batch_size: int | None = None
+    threads: int | None = None
+    concurrent_workers: int | None = None
+    retained_freed_memory: bool | None = None
+    bound_cores: tuple[int, ...] | None = None
+    averaged_from: int | None = None
     format_version: int = FORMAT_VERSION
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """The file's JSON object (current version)."""
         return dataclasses.asdict(self)
 
@@ -114,11 +123,11 @@ def _check_times(raw: Mapping[str, Any], source: str) -> None:
         raise ValueError(f"profile {source}: field(s) {bad or ['factors']} must be non-negative times / a non-empty list")
 
 
-def _precondition(entries: Sequence[Mapping[str, Any]]) -> Tuple[LayerPreconditionProfile, ...]:
+def _precondition(entries: Sequence[Mapping[str, Any]]) -> tuple[LayerPreconditionProfile, ...]:
     return tuple(LayerPreconditionProfile(p["layer"], p["seconds"], p["a_dim"], p["g_dim"]) for p in entries)
 
 
-def _optional_tuple(values: Optional[Sequence[int]]) -> Optional[Tuple[int, ...]]:
+def _optional_tuple(values: Sequence[int] | None) -> tuple[int, ...] | None:
     return None if values is None else tuple(values)
 
 
@@ -163,7 +172,11 @@ def upgrade_unversioned(raw: Mapping[str, Any], source: str = "<profile>") -> Pr
     try:
         factors = tuple(
             FactorProfile(
-                kind=f["kind"], layer=f["layer"], dim=f["dim"], ready=f["ready"], compute=f["compute"],
+                kind=f["kind"],
+                layer=f["layer"],
+                dim=f["dim"],
+                ready=f["ready"],
+                compute=f["compute"],
                 grad_numel=f["grad_numel"],
                 unpack=f["unpack"] if timed_conversions else 0.0,
                 pack=f["pack"] if timed_conversions else 0.0,
@@ -172,16 +185,26 @@ def upgrade_unversioned(raw: Mapping[str, Any], source: str = "<profile>") -> Pr
             for f in facs
         )
         return Profile(
-            forward=raw["forward"], backward=raw["backward"], step_other=raw["step_other"],
-            other_grad_numel=raw["other_grad_numel"], factors=factors,
+            forward=raw["forward"],
+            backward=raw["backward"],
+            step_other=raw["step_other"],
+            other_grad_numel=raw["other_grad_numel"],
+            factors=factors,
             precondition=_precondition(raw.get("precondition") or ()),
-            sgd_step=raw.get("sgd_step"), sgd_grad_wait=raw.get("sgd_grad_wait", 0.0),
-            sgd_forward_backward=raw.get("sgd_forward_backward"), comm_workers=raw.get("comm_workers", 1),
-            engine_warmed=raw.get("engine_warmed", False), unpack=raw.get("unpack", 0.0),
+            sgd_step=raw.get("sgd_step"),
+            sgd_grad_wait=raw.get("sgd_grad_wait", 0.0),
+            sgd_forward_backward=raw.get("sgd_forward_backward"),
+            comm_workers=raw.get("comm_workers", 1),
+            engine_warmed=raw.get("engine_warmed", False),
+            unpack=raw.get("unpack", 0.0),
             untimed_unpack=0.0 if timed_conversions else raw.get("unpack", 0.0),
-            model=raw.get("model"), resolution=raw.get("resolution"), batch_size=raw.get("batch_size"),
-            threads=raw.get("threads"), concurrent_workers=raw.get("concurrent_workers"),
-            retained_freed_memory=raw.get("retained_freed_memory"), bound_cores=_optional_tuple(raw.get("bound_cores")),
+            model=raw.get("model"),
+            resolution=raw.get("resolution"),
+            batch_size=raw.get("batch_size"),
+            threads=raw.get("threads"),
+            concurrent_workers=raw.get("concurrent_workers"),
+            retained_freed_memory=raw.get("retained_freed_memory"),
+            bound_cores=_optional_tuple(raw.get("bound_cores")),
             averaged_from=raw.get("averaged_from"),
         )
     except KeyError as exc:
@@ -191,20 +214,21 @@ def upgrade_unversioned(raw: Mapping[str, Any], source: str = "<profile>") -> Pr
 def profile_from_dict(raw: Any, source: str = "<profile>") -> Profile:
     """A profile from a file's JSON object, whatever version this code can read."""
     if not isinstance(raw, dict):
-        raise ValueError(f"profile {source} lacks the field(s) {list(PROFILE_FIELDS)}; write it with "
-                         "`python -m spdkfac.simulate profile`")
+        raise ValueError(f"profile {source} lacks the field(s) {list(PROFILE_FIELDS)}; write it with `python -m spdkfac.simulate profile`")
     if "format_version" not in raw:
         return upgrade_unversioned(raw, source)
     version = raw["format_version"]
     if version == FORMAT_VERSION:
         return _parse_v1(raw, source)
-    raise ValueError(f"profile {source} has format_version {version!r}; this spdkfac reads versions up to "
-                     f"{FORMAT_VERSION} (a newer spdkfac wrote it, or re-profile with this one)")
+    raise ValueError(
+        f"profile {source} has format_version {version!r}; this spdkfac reads versions up to "
+        f"{FORMAT_VERSION} (a newer spdkfac wrote it, or re-profile with this one)"
+    )
 
 
 def load_profiles(paths: Sequence[str]) -> Profile:
     """Read one or more profile JSON files; several are averaged (:func:`average_profiles`)."""
-    profiles: List[Profile] = []
+    profiles: list[Profile] = []
     for path in paths:
         try:
             with open(path) as fh:
@@ -220,7 +244,7 @@ def load_profiles(paths: Sequence[str]) -> Profile:
 _WORKLOAD = ("model", "resolution", "batch_size", "threads", "comm_workers")
 
 
-def _mean(values: Sequence[Optional[float]], first: Optional[float]) -> Optional[float]:
+def _mean(values: Sequence[float | None], first: float | None) -> float | None:
     """The mean, or ``first`` as it was when some profile lacks the value."""
     if any(v is None for v in values):
         return first
@@ -251,18 +275,34 @@ def average_profiles(profiles: Sequence[Profile]) -> Profile:
     factors = []
     for i, fac in enumerate(first.factors):
         column = [p.factors[i] for p in profiles]
-        factors.append(dataclasses.replace(
-            fac, ready=sum(f.ready for f in column) / n, compute=sum(f.compute for f in column) / n,
-            unpack=sum(f.unpack for f in column) / n, pack=sum(f.pack for f in column) / n,
-            invert=_mean([f.invert for f in column], None),
-        ))
-    precondition: Tuple[LayerPreconditionProfile, ...] = ()
+        factors.append(
+            dataclasses.replace(
+                fac,
+                ready=sum(f.ready for f in column) / n,
+                compute=sum(f.compute for f in column) / n,
+                unpack=sum(f.unpack for f in column) / n,
+                pack=sum(f.pack for f in column) / n,
+                invert=_mean([f.invert for f in column], None),
+            )
+        )
+    precondition: tuple[LayerPreconditionProfile, ...] = ()
     if all(p.precondition for p in profiles):
-        precondition = tuple(dataclasses.replace(entry, seconds=sum(p.precondition[i].seconds for p in profiles) / n)
-                             for i, entry in enumerate(first.precondition))
+        precondition = tuple(
+            dataclasses.replace(entry, seconds=sum(p.precondition[i].seconds for p in profiles) / n)
+            for i, entry in enumerate(first.precondition)
+        )
     return dataclasses.replace(
-        first, forward=mean("forward"), backward=mean("backward"), step_other=mean("step_other"), sgd_step=mean("sgd_step"),
-        sgd_grad_wait=mean("sgd_grad_wait"), sgd_forward_backward=mean("sgd_forward_backward"), unpack=mean("unpack"),
-        untimed_unpack=mean("untimed_unpack"), factors=tuple(factors), precondition=precondition, averaged_from=n,
+        first,
+        forward=mean("forward"),
+        backward=mean("backward"),
+        step_other=mean("step_other"),
+        sgd_step=mean("sgd_step"),
+        sgd_grad_wait=mean("sgd_grad_wait"),
+        sgd_forward_backward=mean("sgd_forward_backward"),
+        unpack=mean("unpack"),
+        untimed_unpack=mean("untimed_unpack"),
+        factors=tuple(factors),
+        precondition=precondition,
+        averaged_from=n,
         format_version=FORMAT_VERSION,
     )

@@ -1,8 +1,9 @@
 """Measuring a profile: one worker's per-layer compute times (``python -m spdkfac.simulate profile``)."""
+
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -18,8 +19,9 @@ if TYPE_CHECKING:
 __all__ = ["measure_profile"]
 
 
-def measure_profile(model_name: str, resolution: int, batch_size: int, iters: int = 4, threads: int = 1,
-                    comm: Optional[CommBackend] = None) -> Profile:
+def measure_profile(
+    model_name: str, resolution: int, batch_size: int, iters: int = 4, threads: int = 1, comm: CommBackend | None = None
+) -> Profile:
     """Per-layer compute profile of one worker (factors every iteration, no factor communication).
 
     With ``comm`` (the job's engine, several workers), plain-SGD passes with
@@ -42,8 +44,8 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
     y = torch.randint(0, 10, (batch_size,))
     sgd = _measure_sgd_passes(model, x, y, iters, comm)
     opt = SPDKFACOptimizer(model, lr=1e-4, backend="single", inv_update_freq=10**6, kl_clip=None, timeline=True, fusion="layerwise")
-    runs: List[Dict[str, float]] = []
-    events: List[Dict[str, Tuple[float, float]]] = []  # per run: factor key -> (ready, compute) seconds
+    runs: list[dict[str, float]] = []
+    events: list[dict[str, tuple[float, float]]] = []  # per run: factor key -> (ready, compute) seconds
     for it in range(iters + 2):
         opt.zero_grad()
         t0 = time.perf_counter()
@@ -68,7 +70,7 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
     # broadcasts and unpacks each inverse it receives. Timed per factor (as a factor; an inverse is the same size),
     # with its inversion.
     damping = opt.param_groups[0]["damping"]
-    per_factor: Dict[str, Tuple[float, float, float]] = {}  # factor -> (unpack, pack, invert) seconds
+    per_factor: dict[str, tuple[float, float, float]] = {}  # factor -> (unpack, pack, invert) seconds
     for layer in opt.layers:
         for kind in ("A", "G"):
             t0 = time.perf_counter()
@@ -98,21 +100,32 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
     for key in events[0]:  # the order the factors became ready
         kind, name = key.split(":", 1)
         layer = by_name[name]
-        factors.append(FactorProfile(
-            kind=kind, layer=name, dim=layer.dim(kind),
-            ready=sum(e[key][0] for e in events) / n,
-            compute=sum(e[key][1] for e in events) / n,
-            grad_numel=sum(p.numel() for p in layer.module.parameters() if p.requires_grad) if kind == "G" else 0,
-            unpack=per_factor[key][0], pack=per_factor[key][1], invert=per_factor[key][2],
-        ))
+        factors.append(
+            FactorProfile(
+                kind=kind,
+                layer=name,
+                dim=layer.dim(kind),
+                ready=sum(e[key][0] for e in events) / n,
+                compute=sum(e[key][1] for e in events) / n,
+                grad_numel=sum(p.numel() for p in layer.module.parameters() if p.requires_grad) if kind == "G" else 0,
+                unpack=per_factor[key][0],
+                pack=per_factor[key][1],
+                invert=per_factor[key][2],
+            )
+        )
     covered = {id(p) for layer in opt.layers for p in layer.module.parameters()}
     return Profile(
-        model=model_name, resolution=resolution, batch_size=batch_size, threads=threads,
+        model=model_name,
+        resolution=resolution,
+        batch_size=batch_size,
+        threads=threads,
         forward=sum(r["forward"] for r in runs) / n,
         backward=sum(r["backward"] for r in runs) / n,
         step_other=sum(r["step"] for r in runs) / n,
-        sgd_step=float(sgd["sgd_step"]), sgd_grad_wait=float(sgd["sgd_grad_wait"]),
-        sgd_forward_backward=float(sgd["sgd_forward_backward"]), comm_workers=int(sgd["comm_workers"]),
+        sgd_step=float(sgd["sgd_step"]),
+        sgd_grad_wait=float(sgd["sgd_grad_wait"]),
+        sgd_forward_backward=float(sgd["sgd_forward_backward"]),
+        comm_workers=int(sgd["comm_workers"]),
         engine_warmed=comm is not None,  # later parts timed with the engine as it is in training
         unpack=sum(u for u, _, _ in per_factor.values()),
         precondition=tuple(precondition),
@@ -121,15 +134,14 @@ def measure_profile(model_name: str, resolution: int, batch_size: int, iters: in
     )
 
 
-def _timeline(opt: "SPDKFACOptimizer") -> Timeline:
+def _timeline(opt: SPDKFACOptimizer) -> Timeline:
     """The optimizer's timeline (the profile builds it with ``timeline=True``)."""
     if opt.timeline is None:
         raise RuntimeError("the profiling optimizer records no timeline")
     return opt.timeline
 
 
-def _measure_sgd_passes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, iters: int,
-                        comm: Optional[CommBackend]) -> Dict[str, Union[float, int]]:
+def _measure_sgd_passes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, iters: int, comm: CommBackend | None) -> dict[str, float | int]:
     """Plain-SGD passes, with the engine's real gradient all-reduces when ``comm`` is given.
 
     Three times as many as the K-FAC passes: they are short, and their
@@ -138,8 +150,7 @@ def _measure_sgd_passes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, iter
     """
     from .. import SPDKFACOptimizer
 
-    sgd = SPDKFACOptimizer(model, lr=1e-4, backend=comm if comm is not None else "single", precondition=False,
-                           timeline=True)
+    sgd = SPDKFACOptimizer(model, lr=1e-4, backend=comm if comm is not None else "single", precondition=False, timeline=True)
     steps, waits, passes = [], [], []
     for it in range(3 * iters + 1):
         sgd.zero_grad()

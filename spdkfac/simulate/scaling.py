@@ -1,8 +1,9 @@
 """The fitted performance models at the predicted worker count (one implementation: :meth:`PerfModel.scaled_to`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Tuple
+from typing import Callable
 
 from ..decomposition import payload_size
 from ..perfmodels import PerfModel
@@ -47,6 +48,6 @@ class ScaledModels:
     def inverse(self, dim: int) -> float:
         return self.perf.inverse(dim)
 
-    def stage_costs(self, method: str) -> Tuple[Callable[[int], float], Callable[[int], float]]:
+    def stage_costs(self, method: str) -> tuple[Callable[[int], float], Callable[[int], float]]:
         """(decomposition, broadcast) seconds of a ``d x d`` factor for ``compute_method`` at ``workers``."""
         return self.perf.decomposition(method), lambda dim: self.broadcast(dim, method)

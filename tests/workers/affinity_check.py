@@ -1,4 +1,5 @@
 """Worker: bind to this worker's cores, start the engine, then report every thread's allowed cores."""
+
 from __future__ import annotations
 
 import glob

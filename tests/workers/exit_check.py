@@ -5,6 +5,7 @@ An ``atexit`` handler registered *before* the engine creates the group runs
 sees what the engine left behind. Rank 1 finishes its work early (it skips a
 sleep) to show that the engine's exit barrier keeps it until rank 0 is done.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -23,8 +24,10 @@ finished_at: dict = {}
 
 
 def report() -> None:
-    print(f"rank {finished_at['rank']}: group alive at exit={dist.is_initialized()} "
-          f"exit delay={time.monotonic() - finished_at['t']:.2f}s", flush=True)
+    print(
+        f"rank {finished_at['rank']}: group alive at exit={dist.is_initialized()} exit delay={time.monotonic() - finished_at['t']:.2f}s",
+        flush=True,
+    )
 
 
 atexit.register(report)

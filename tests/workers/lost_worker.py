@@ -8,6 +8,7 @@ then in the factor all-reduce); ``inversion``: in the inversion stage, while
 rank 0 waits for a broadcast inverse. Training runs at most 50 steps; rank 1
 dies at step 3.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,10 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nets import batch, small_net  # noqa: E402
-from spdkfac import SPDKFACOptimizer  # noqa: E402
-from spdkfac.comm import get_backend  # noqa: E402
+from nets import batch, small_net
+
+from spdkfac import SPDKFACOptimizer
+from spdkfac.comm import get_backend
 
 warnings.filterwarnings("ignore")
 KILL_STEP = 3

@@ -6,6 +6,7 @@ fixed global batch; rank 0 saves the final parameters of every configuration.
 
     python tests/workers/train_configs.py --backend torch --configs '<json>' --out result.pt
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,8 +76,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="float64", choices=["float32", "float64"])
-    ap.add_argument("--no-accumulation", action="store_true",
-                    help="ignore accumulation_steps: the full-batch reference of an accumulated run")
+    ap.add_argument(
+        "--no-accumulation", action="store_true", help="ignore accumulation_steps: the full-batch reference of an accumulated run"
+    )
     ap.add_argument("--every-rank", action="store_true", help="every rank saves its results, to OUT.rank<r>")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -103,7 +105,7 @@ def main() -> None:
         if nan_steps is not None:
             last = torch.zeros(args.global_batch, dtype=torch.bool)
             last[-1] = True
-            poisoned = dict.fromkeys(nan_steps, last[rank * local:(rank + 1) * local])
+            poisoned = dict.fromkeys(nan_steps, last[rank * local : (rank + 1) * local])
         skip_bad_loss = cfg.pop("skip_bad_loss", False)
         clip = cfg.pop("clip_grad_norm", None)
         cfg.update(SCHEDULES[cfg.pop("schedule")] if "schedule" in cfg else {})
@@ -114,8 +116,7 @@ def main() -> None:
             raise SystemExit(f"local batch {local} not divisible into {accumulate} micro-batches")
         model = small_transformer() if cfg.pop("model", None) == "transformer" else small_net()
         opt = SPDKFACOptimizer(model, backend=backend, perf_model=pm, **cfg)
-        train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned, clip=clip, accumulate=accumulate,
-              skip_bad_loss=skip_bad_loss)
+        train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned, clip=clip, accumulate=accumulate, skip_bad_loss=skip_bad_loss)
         results[name] = {
             "steps": opt.steps,
             "damping": opt.param_groups[0]["damping"],

@@ -1,0 +1,181 @@
+"""The training job's command line: options, defaults per data set, validation with clear errors."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from .affinity import add_bind_cores_option
+from .comm import DEVICE_CHOICES
+from .models import MODELS
+
+__all__ = ["AMP_DTYPES", "OPTIMIZERS", "parse_args"]
+
+OPTIMIZERS = ("sgd", "spdkfac", "dkfac", "mpdkfac")
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--data",
+        default="digits",
+        help="'digits' (bundled with scikit-learn), 'synthetic', or an ImageNet-style directory with train/ and val/",
+    )
+    p.add_argument("--image-size", type=int, default=224, help="crop size for directory data")
+    p.add_argument("--workers", type=int, default=2, help="data-loading processes per worker (directory data)")
+    p.add_argument("--model", default=None, help=f"model name, one of {sorted(MODELS)} (default: per data set)")
+    p.add_argument("--optimizer", default="spdkfac", choices=OPTIMIZERS)
+    p.add_argument("--backend", default="auto", choices=("auto", "horovod", "torch", "single"))
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=32, help="per-worker batch size")
+    p.add_argument("--lr", type=float, default=0.05, help="base learning rate (scaled by the number of workers)")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--warmup-epochs", type=float, default=1.0)
+    p.add_argument("--schedule", default="cosine", choices=("cosine", "step"))
+    p.add_argument("--lr-decay-epochs", type=int, nargs="*", default=[], help="epochs where --schedule step divides the LR by 10")
+    p.add_argument("--label-smoothing", type=float, default=0.0)
+    p.add_argument("--damping", type=float, default=None, help="Tikhonov damping (default: the paper's 0.003)")
+    p.add_argument("--factor-decay", type=float, default=0.95)
+    p.add_argument(
+        "--kl-clip",
+        type=float,
+        default=None,
+        help="KL-clip bound (default: the paper's 0.001; 1e-4 for --data digits, whose tiny CNN "
+        "overfits with the ImageNet value: final test loss 0.14 against 0.055)",
+    )
+    p.add_argument("--factor-update-freq", type=int, default=1)
+    p.add_argument("--inv-update-freq", type=int, default=1)
+    p.add_argument(
+        "--damping-decay", type=float, default=1.0, help="multiply the damping by this at each epoch of --damping-decay-epochs (e.g. 0.5)"
+    )
+    p.add_argument("--damping-decay-epochs", type=int, nargs="*", default=[], help="epochs where the damping decays")
+    p.add_argument(
+        "--freq-scale",
+        type=float,
+        default=1.0,
+        help="multiply both update frequencies by this at each epoch of --freq-scale-epochs (e.g. 10: "
+        "update factors and inverses less often once the Fisher is stable)",
+    )
+    p.add_argument("--freq-scale-epochs", type=int, nargs="*", default=[], help="epochs where the update frequencies scale")
+    p.add_argument(
+        "--accumulation-steps",
+        type=int,
+        default=1,
+        help="split each per-worker batch into this many micro-batches (gradient accumulation: one step, the memory of one micro-batch)",
+    )
+    p.add_argument(
+        "--compute-method",
+        default="inverse",
+        choices=("inverse", "eigen"),
+        help="precondition with damped inverses of each factor, or with their eigendecompositions "
+        "(damping added to the eigenvalues of A⊗G)",
+    )
+    p.add_argument(
+        "--skip-nonfinite",
+        type=int,
+        default=10,
+        help="skip up to this many consecutive steps that meet NaN/Inf (on every worker alike) before "
+        "stopping with an error; 0 stops at the first",
+    )
+    p.add_argument("--perf-model", default=None, help="fitted performance-model JSON (perfmodels/*.json)")
+    p.add_argument(
+        "--distribute-preconditioning",
+        action="store_true",
+        help="precondition each layer on one worker and broadcast the result (K-FAC optimizers)",
+    )
+    p.add_argument("--synthetic-size", type=int, default=512)
+    p.add_argument("--synthetic-shape", type=int, nargs="+", default=[3, 32, 32])
+    p.add_argument(
+        "--out-dir",
+        default="runs/latest",
+        help="checkpoints and CSV log go here; a directory that holds a run is never overwritten unless --overwrite is given",
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="required",
+        default=None,
+        metavar="auto",
+        help="continue the run in --out-dir from its newest valid checkpoint; '--resume auto' starts afresh "
+        "when there is none (what a restarted elastic job needs)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace the run that --out-dir holds")
+    p.add_argument(
+        "--allow-changed-args",
+        action="store_true",
+        help="resume even though training arguments differ from the checkpoint's (they are listed)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="also checkpoint every K optimizer steps (mid-epoch; the last two checkpoints are kept)",
+    )
+    p.add_argument("--stop-after", type=int, default=None, help="leave after this many epochs of this run (resume later)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
+    add_bind_cores_option(p)
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=DEVICE_CHOICES,
+        help="auto: the worker's own GPU (local rank) when CUDA is available, else the CPU",
+    )
+    p.add_argument(
+        "--amp",
+        nargs="?",
+        const="bf16",
+        default=None,
+        choices=tuple(AMP_DTYPES),
+        help="autocast forward/backward in bfloat16 (--amp, --amp bf16) or float16 with loss scaling "
+        "(--amp fp16); K-FAC factors stay float32",
+    )
+    p.add_argument("--quiet", action="store_true", help="no per-iteration progress line")
+    args = p.parse_args(argv)
+    if args.epochs < 1:
+        p.error("--epochs must be >= 1")
+    if args.batch_size < 1:
+        p.error("--batch-size must be >= 1")
+    if args.skip_nonfinite < 0:
+        p.error("--skip-nonfinite must be >= 0")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        p.error("--checkpoint-every must be >= 1")
+    if args.resume not in (None, "required", "auto"):
+        p.error(f"--resume takes no value or 'auto', got {args.resume!r}")
+    if args.resume and args.overwrite:
+        p.error("--resume and --overwrite contradict each other: continue the run, or replace it")
+    if args.accumulation_steps < 1 or args.batch_size % args.accumulation_steps:
+        p.error(f"--accumulation-steps must be >= 1 and divide --batch-size ({args.batch_size}), got {args.accumulation_steps}")
+    for flag, value in (("--damping-decay", args.damping_decay), ("--freq-scale", args.freq_scale)):
+        if not (math.isfinite(value) and value > 0):
+            p.error(f"{flag} must be a positive number, got {value}")
+    for flag, epochs in (("--damping-decay-epochs", args.damping_decay_epochs), ("--freq-scale-epochs", args.freq_scale_epochs)):
+        if any(e < 0 for e in epochs):
+            p.error(f"{flag} must be non-negative epochs, got {epochs}")
+    if args.optimizer == "sgd":
+        kfac_only = {
+            "--damping": args.damping is not None,
+            "--kl-clip": args.kl_clip is not None,
+            "--factor-decay": args.factor_decay != 0.95,
+            "--factor-update-freq": args.factor_update_freq != 1,
+            "--inv-update-freq": args.inv_update_freq != 1,
+            "--distribute-preconditioning": args.distribute_preconditioning,
+            "--compute-method": args.compute_method != "inverse",
+            "--damping-decay": args.damping_decay != 1.0,
+            "--damping-decay-epochs": bool(args.damping_decay_epochs),
+            "--freq-scale": args.freq_scale != 1.0,
+            "--freq-scale-epochs": bool(args.freq_scale_epochs),
+        }
+        given = [flag for flag, set_ in kfac_only.items() if set_]
+        if given:
+            p.error(f"{', '.join(given)} only apply to the K-FAC optimizers, not --optimizer sgd")
+    if args.damping is None:
+        args.damping = 0.003
+    if args.kl_clip is None:
+        args.kl_clip = 1e-4 if args.data == "digits" else 0.001
+    return args
