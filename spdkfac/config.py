@@ -13,7 +13,8 @@ result, except ``precondition`` (K-FAC on or off), ``compute_method`` and
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .decomposition import COMPUTE_METHODS
@@ -21,7 +22,7 @@ from .fusion.planner import DEFAULT_THRESHOLD_BYTES, FUSION_POLICIES
 from .layers import LayerFilter
 from .placement import PLACEMENTS
 
-__all__ = ["KFACConfig", "check_number", "check_positive_int"]
+__all__ = ["SCHEDULE_CHECKS", "KFACConfig", "check_hyperparameters", "check_number", "check_positive_int"]
 
 
 def check_number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True) -> float:
@@ -42,6 +43,23 @@ def check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
+
+
+def check_hyperparameters(lr: Any, momentum: Any, weight_decay: Any, factor_decay: Any) -> None:
+    """Raise naming the first of the SGD / running-average hyperparameters out of its range."""
+    check_number("lr", lr, 0.0)
+    check_number("momentum", momentum, 0.0, 1.0)
+    check_number("weight_decay", weight_decay, 0.0)
+    check_number("factor_decay", factor_decay, 0.0, 1.0)
+
+
+#: Validators of the options that may be scheduled (:mod:`spdkfac.schedules`), checked at every step.
+SCHEDULE_CHECKS = dict(
+    damping=lambda n, v: check_number(n, v, 0.0, low_open=True),
+    kl_clip=lambda n, v: None if v is None else check_number(n, v, 0.0, low_open=True),
+    factor_update_freq=check_positive_int,
+    inv_update_freq=check_positive_int,
+)
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -163,6 +181,12 @@ class KFACConfig:
         if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
             raise ValueError(f"skip_nonfinite must be a non-negative integer, got {skip!r}")
         object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> KFACConfig:
+        """The config of the entries of ``options`` named like its fields (e.g. a constructor's ``locals()``)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{name: value for name, value in options.items() if name in names})
 
     @property
     def replans(self) -> bool:

@@ -15,11 +15,24 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from .comm import CommBackend, Handle
 from .timeline import IterationRecord, Timeline
 
-__all__ = ["GradientSync"]
+__all__ = ["GradientSync", "collective_names"]
+
+
+def collective_names(model: nn.Module, param_groups: list[dict[str, Any]]) -> dict[torch.Tensor, str]:
+    """A name for every parameter that every rank agrees on (collectives are matched by name).
+
+    The model's parameter name, else the position in ``param_groups``; never
+    an object id, which differs between processes.
+    """
+    names: dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
+    for i, p in enumerate(p for group in param_groups for p in group["params"]):
+        names.setdefault(p, f"param{i}")
+    return names
 
 
 class GradientSync:

@@ -169,6 +169,11 @@ class KFACStep:
             )
         )
 
+    def remove_hooks(self) -> None:
+        """Detach the factor and gradient hooks from the model."""
+        self.factors.remove_hooks()
+        self.grads.remove_hooks()
+
     def finite_everywhere(self, value: torch.Tensor, backend: CommBackend) -> bool:
         """Whether ``value`` is finite on every worker (one tiny all-reduce); if not, drop this step's factors."""
         flag = torch.tensor([1.0 if all_finite(value.detach()) else 0.0], dtype=torch.float64, device=value.device)

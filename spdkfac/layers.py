@@ -29,6 +29,7 @@ space by ``1/damping``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Union
 
@@ -48,6 +49,7 @@ __all__ = [
     "functional_submodules",
     "kfac_layers",
     "make_extractor",
+    "preconditioned_layers",
 ]
 
 FACTOR_KINDS = ("A", "G")
@@ -341,3 +343,17 @@ def kfac_layers(model: nn.Module, compute_method: str = "inverse", skip: Sequenc
 def factor_list(layers: list[KFACLayer]) -> list[tuple[tuple[str, str], int]]:
     """``[((kind, layer name), dim)]``: A then G of each layer, the order placements follow (Eq. 22)."""
     return [((kind, layer.name), layer.dim(kind)) for layer in layers for kind in FACTOR_KINDS]
+
+
+def preconditioned_layers(model: nn.Module, compute_method: str, skip: Sequence[LayerFilter] = ()) -> list[KFACLayer]:
+    """:func:`kfac_layers`, with a notice naming the layers used without ``forward()``; at least one layer, or an error."""
+    functional = functional_submodules(model)
+    if functional:  # a notice, once: these layers are not preconditioned
+        warnings.warn(f"these layers get the plain momentum-SGD update, without K-FAC: {functional}", stacklevel=3)
+    layers = kfac_layers(model, compute_method, skip)
+    if not layers:
+        raise ValueError(
+            "model has no layer SPDKFACOptimizer can precondition (nn.Linear or nn.Conv2d with groups=1 "
+            "and zero padding, with a trainable weight); use torch.optim.SGD for this model"
+        )
+    return layers

@@ -9,7 +9,6 @@ then it takes the momentum-SGD step. See ``docs/design.md``.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -17,11 +16,12 @@ import torch
 import torch.nn as nn
 
 from .comm import CommBackend, get_backend
-from .config import KFACConfig, check_number, check_positive_int
+from .config import SCHEDULE_CHECKS, KFACConfig, check_hyperparameters
 from .fusion import DEFAULT_THRESHOLD_BYTES
+from .grad_sync import collective_names
 from .kfac_state import check_kfac_state, load_kfac_state, memory_usage, save_kfac_state
 from .kfac_step import KFACStep
-from .layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, functional_submodules, kfac_layers
+from .layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, preconditioned_layers
 from .nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
 from .perfmodels import PerfModel, load_perf_model
 from .schedules import Scheduled, StepSchedule
@@ -30,13 +30,6 @@ from .timeline import Timeline
 from .work_plan import LayerShape, WorkPlan
 
 __all__ = ["NonFiniteError", "NonFiniteFactorError", "SPDKFACOptimizer"]
-
-_SCHEDULE_CHECKS = dict(
-    damping=lambda n, v: check_number(n, v, 0.0, low_open=True),
-    kl_clip=lambda n, v: None if v is None else check_number(n, v, 0.0, low_open=True),
-    factor_update_freq=check_positive_int,
-    inv_update_freq=check_positive_int,
-)
 
 
 class SPDKFACOptimizer(torch.optim.Optimizer):
@@ -67,19 +60,15 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             attributes ``factor_update_freq`` / ``inv_update_freq``.
         backend: ``'auto'``, ``'horovod'``, ``'torch'``, ``'single'`` or a
             :class:`~spdkfac.comm.CommBackend`.
-        perf_model: a fitted performance-model JSON path, a
-            :class:`~spdkfac.perfmodels.PerfModel`, or None for the built-in
-            uncalibrated default (warns once).
+        perf_model: a fitted performance-model file or :class:`~spdkfac.perfmodels.PerfModel`
+            (None: an uncalibrated default, with a warning).
         grad_scaler: the ``torch.amp.GradScaler`` of a float16 loop; the loss
             scale is removed from the G factors and the gradients are averaged
             at the end of ``backward()``, before the scaler reads them; a step
             the scaler skips is discarded by the next :meth:`zero_grad`.
-        fusion, pipelining, placement, compute_method,
-        distribute_preconditioning, overlap_preconditioning,
-        fusion_threshold_bytes, profile_steps, replan_interval, timeline,
-        precondition, accumulation_steps, skip_nonfinite, skip_layers: how
-        the step is computed, see :class:`~spdkfac.config.KFACConfig`
-        (``self.config``).
+        fusion, pipelining, placement, compute_method, distribute_preconditioning, overlap_preconditioning,
+        fusion_threshold_bytes, profile_steps, replan_interval, timeline, precondition, accumulation_steps,
+        skip_nonfinite, skip_layers: how the step is computed: :class:`~spdkfac.config.KFACConfig`.
     """
 
     def __init__(
@@ -113,78 +102,29 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        for name, value, high in (
-            ("lr", lr, float("inf")),
-            ("momentum", momentum, 1.0),
-            ("weight_decay", weight_decay, float("inf")),
-            ("factor_decay", factor_decay, 1.0),
-        ):
-            check_number(name, value, 0.0, high)
+        check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay, factor_decay=factor_decay)
         scheduled = dict(damping=damping, kl_clip=kl_clip, factor_update_freq=factor_update_freq, inv_update_freq=inv_update_freq)
-        self.schedule = StepSchedule(scheduled, _SCHEDULE_CHECKS)
+        self.schedule = StepSchedule(scheduled, SCHEDULE_CHECKS)
         initial = self.schedule.resolve(0, scheduled)  # validates numbers, and callables' values at the first step
-        self.config = KFACConfig(
-            fusion,
-            pipelining,
-            placement,
-            compute_method,
-            distribute_preconditioning,
-            overlap_preconditioning,
-            fusion_threshold_bytes,
-            profile_steps,
-            replan_interval,
-            timeline,
-            precondition,
-            accumulation_steps,
-            skip_nonfinite,
-            tuple(skip_layers),
-        )
+        self.config = KFACConfig.from_options(locals())  # the options named like its fields
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "unscale_")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
-        super().__init__(
-            params,
-            dict(
-                lr=lr,
-                momentum=momentum,
-                weight_decay=weight_decay,
-                damping=initial["damping"],
-                factor_decay=factor_decay,
-                kl_clip=initial["kl_clip"],
-            ),
-        )
+        hyper = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, factor_decay=factor_decay)
+        super().__init__(params, {**hyper, "damping": initial["damping"], "kl_clip": initial["kl_clip"]})
         self.model, self.grad_scaler, self.steps = model, grad_scaler, 0
         self.factor_update_freq: int = initial["factor_update_freq"]  # in force (see _step_kind)
         self.inv_update_freq: int = initial["inv_update_freq"]
         self.compute_method, self.precondition = compute_method, precondition
-        self.layers: list[KFACLayer] = kfac_layers(model, compute_method, self.config.skip_layers) if precondition else []
-        functional = functional_submodules(model)
-        if precondition and functional:  # a notice, once: these layers are not preconditioned
-            warnings.warn(f"these layers get the plain momentum-SGD update, without K-FAC: {functional}", stacklevel=2)
-        if precondition and not self.layers:
-            raise ValueError(
-                "model has no layer SPDKFACOptimizer can precondition (nn.Linear or nn.Conv2d with groups=1 "
-                "and zero padding, with a trainable weight); use torch.optim.SGD for this model"
-            )
+        self.layers: list[KFACLayer] = preconditioned_layers(model, compute_method, self.config.skip_layers) if precondition else []
         self.backend = get_backend(backend)
-        loaded = load_perf_model(perf_model)
-        loaded.check_world_size(self.backend.size)
-        self.perf_model = loaded.scaled_to(self.backend.size)  # plan for this worker count, as the simulator
-        self.work_plan = WorkPlan.make(
-            [LayerShape(la.name, la.a_dim, la.g_dim) for la in self.layers],
-            self.backend.size,
-            self.perf_model,
-            placement,
-            compute_method,
-            distribute_preconditioning,
-        )
+        self.perf_model = load_perf_model(perf_model).for_world_size(self.backend.size)  # as the simulator plans
+        shapes = [LayerShape(la.name, la.a_dim, la.g_dim) for la in self.layers]
+        self.work_plan = WorkPlan.make(shapes, self.backend.size, self.perf_model, placement, compute_method, distribute_preconditioning)
         self.timeline: Timeline | None = Timeline() if timeline else None
-        # Names every rank agrees on (collectives are matched by name): the model's, else the position in the groups.
-        self.param_names: dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
-        for i, p in enumerate(p for group in self.param_groups for p in group["params"]):
-            self.param_names.setdefault(p, f"param{i}")
+        self.param_names = collective_names(model, self.param_groups)
         self.kfac_step = KFACStep(
             self.config,
             self.layers,
@@ -209,13 +149,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.kfac_step.begin(record, abandon)
 
     def _step_kind(self) -> tuple[bool, bool]:
-        """(updates factors, updates inverses) this step, with this step's hyperparameters fixed, once per step.
-
-        Runs when the step first needs them (its first training forward pass,
-        or ``step()``), so that a change between two ``step()`` calls holds for
-        the whole next step. A step updates factors (inverses) when
-        ``steps % freq == 0``, and always while some layer has no inverse yet.
-        """
+        """(updates factors, updates inverses): fixed with the step's hyperparameters when the step first needs them
+        (its first forward pass, or ``step()``), so a change between steps holds for the whole next step."""
         if self._kind is None:
             freqs = self.schedule.fix_step(self.steps, self.param_groups, (self.factor_update_freq, self.inv_update_freq))
             self.factor_update_freq, self.inv_update_freq = freqs
@@ -268,9 +203,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients; after a skipped ``step()`` also discard that step's factors (waited for first).
 
-        Raises:
-            RuntimeError: gradient all-reduces are still pending (``step()``
-                or :meth:`synchronize` was not called after ``backward()``).
+        Raises RuntimeError while gradient all-reduces are pending (no ``step()`` / :meth:`synchronize` yet).
         """
         if self.kfac_step.grads.pending and not self.kfac_step.grads.synchronized:
             raise RuntimeError("zero_grad() called while gradient all-reduces are pending; call step() (or synchronize()) first")
@@ -280,11 +213,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     def synchronize(self) -> None:
-        """Wait until every gradient holds its average over the workers (before reading them, e.g. to clip).
-
-        ``step()`` does this itself; with ``grad_scaler`` it runs at the end
-        of ``backward()``. Idempotent within a step.
-        """
+        """Wait until every gradient holds its average (call before reading them, e.g. to clip; ``step()`` does it)."""
         self.kfac_step.grads.synchronize()
 
     def finite_everywhere(self, value: torch.Tensor) -> bool:
@@ -337,8 +266,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     def remove_hooks(self) -> None:
         """Detach every hook from the model (the optimizer is unusable afterwards)."""
-        self.kfac_step.factors.remove_hooks()
-        self.kfac_step.grads.remove_hooks()
+        self.kfac_step.remove_hooks()
 
     def __repr__(self) -> str:
         g = self.param_groups[0]

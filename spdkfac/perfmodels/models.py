@@ -210,6 +210,11 @@ class PerfModel:
                 stacklevel=3,
             )
 
+    def for_world_size(self, workers: int) -> PerfModel:
+        """This model as a run on ``workers`` workers plans with it: warned if measured on another count, then scaled."""
+        self.check_world_size(workers)
+        return self.scaled_to(workers)
+
     def scaled_to(self, workers: int) -> PerfModel:
         """The communication models extrapolated from the measured worker count W to ``workers`` (P).
 
