@@ -154,7 +154,7 @@ def test_non_factor_steps_do_no_factor_work():
     for step in range(6):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
-        computed = opt.kfac_step.controller.arrival_order("A") + opt.kfac_step.controller.arrival_order("G")
+        computed = opt.kfac_step.factors.arrived["A"] + opt.kfac_step.factors.arrived["G"]
         assert (len(computed) == 2 * len(opt.layers)) == (step % 3 == 0), step
         before = opt.layers[0].A.clone() if opt.layers[0].A is not None else None
         opt.step()

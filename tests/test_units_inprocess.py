@@ -173,8 +173,7 @@ def test_controller_discard_waits_for_launched_allreduces_and_the_next_iteration
         for key in FORWARD + BACKWARD[:2]:  # A groups launched; G: one group launched, the other half filled
             ctrl.submit(key, _batch_factor(key, b.rank, 0))
         ctrl.discard()
-        assert ctrl.arrival_order("A") == []
-        assert ctrl.arrival_order("G") == []
+        assert ctrl.pending == 0
         ctrl.begin_iteration()  # nothing left in flight or half filled
         for key in KEYS:
             ctrl.submit(key, _batch_factor(key, b.rank, 1))

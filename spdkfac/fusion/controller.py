@@ -55,7 +55,7 @@ class TensorFusionController:
         self._groups: list[_Group] = []
         self._in_flight: list[_InFlight] = []
         self._local: dict[FactorKey, torch.Tensor] = {}
-        self._arrivals: dict[str, list[FactorKey]] = {"A": [], "G": []}
+        self._submitted: set[FactorKey] = set()  # this iteration's keys (a layer runs once per pass)
         self._next_gid = 0
 
     # -- configuration -------------------------------------------------------------
@@ -73,10 +73,6 @@ class TensorFusionController:
         """All-reduces launched and not yet collected by :meth:`wait_all` (0 between steps)."""
         return len(self._in_flight)
 
-    def arrival_order(self, kind: str) -> list[FactorKey]:
-        """Keys of pass ``kind`` in the order they were submitted this iteration."""
-        return list(self._arrivals[kind])
-
     # -- per iteration ---------------------------------------------------------------
     def begin_iteration(self, record: IterationRecord | None = None, abandon: bool = False) -> None:
         """Reset per-iteration state; ``record`` receives timeline events if given.
@@ -88,7 +84,7 @@ class TensorFusionController:
             raise RuntimeError("previous iteration's factors were never waited for")
         self._in_flight = []
         self.record = record
-        self._arrivals = {"A": [], "G": []}
+        self._submitted = set()
         self._local = {}
         self._groups = []
         self._group_of = {}
@@ -106,12 +102,12 @@ class TensorFusionController:
     def submit(self, key: FactorKey, factor: torch.Tensor) -> None:
         """Hand over a freshly computed batch factor; may launch an all-reduce."""
         kind = key[0]
-        if key in self._arrivals[kind]:
+        if key in self._submitted:
             raise RuntimeError(
                 f"factor {key[0]} of layer {key[1]!r} was computed twice in one step; a preconditioned "
                 "layer must run exactly once per forward/backward (no weight sharing)"
             )
-        self._arrivals[kind].append(key)
+        self._submitted.add(key)
         if self.backend.size == 1:
             self._local[key] = factor  # nothing to average: keep the reference
             return
@@ -172,7 +168,7 @@ class TensorFusionController:
         for job in self._in_flight:
             job.handle.wait()
         self._forget()
-        self._arrivals = {"A": [], "G": []}
+        self._submitted = set()
 
     def _forget(self) -> None:
         """Release this iteration's buffers and partly filled groups (the plan stays)."""
