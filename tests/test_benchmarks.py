@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from launch import run_workers
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("interleave", [False, True])
@@ -101,6 +106,18 @@ def test_ratio_interval():
         ratio_interval([1.0, 2.0], [1.0, 2.0, 3.0], paired=True)
     with pytest.raises(ValueError, match="at least two"):
         ratio_interval([1.0], [1.0, 2.0], paired=False)
+
+
+def test_hook_overhead_times_non_factor_steps(tmp_path):
+    """benchmarks/hook_overhead.py for real on a small model: it measures passes on which the hooks compute nothing."""
+    out = tmp_path / "hooks.json"
+    args = ["--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2", "--iters", "2", "--out", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.hook_overhead", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["args"]["model"] == "cifar_resnet20"
+    assert result["plain"]["median"] > 0
+    assert result["ratio"] == pytest.approx(result["hooked"]["median"] / result["plain"]["median"])
 
 
 def test_soak_keeps_replicas_identical_with_a_delayed_worker(tmp_path):
