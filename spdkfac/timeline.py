@@ -87,7 +87,7 @@ class Timeline:
         return json.dumps([asdict(it) for it in self.iterations], indent=1)
 
     def summary(self, skip: int = 0) -> dict[str, float]:
-        """Mean per-iteration factor compute, non-overlapped factor comm and inverse stage."""
+        """Mean per-iteration factor compute, the non-overlapped communication of each kind, and the stages."""
         its = self.iterations[skip:]
         if not its:
             return {}
@@ -100,4 +100,5 @@ class Timeline:
             "inverse_stage": sum(i.inverse_stage for i in its) / n,
             "inverse_comm_nonoverlap": sum(i.inverse_wait for i in its) / n,
             "precondition": sum(i.precondition for i in its) / n,
+            "precondition_comm_nonoverlap": sum(i.precondition_wait for i in its) / n,
         }

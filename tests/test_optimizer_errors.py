@@ -180,3 +180,4 @@ def test_timeline_export_and_summary():
     assert summary["iterations"] == 4
     assert summary["factor_compute"] > 0
     assert summary["inverse_stage"] > 0
+    assert summary["precondition_comm_nonoverlap"] == 0.0  # one worker: no preconditioned gradient is broadcast
