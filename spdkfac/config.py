@@ -15,14 +15,28 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 from .decomposition import COMPUTE_METHODS
 from .fusion.planner import DEFAULT_THRESHOLD_BYTES, FUSION_POLICIES
 from .layers import LayerFilter
 from .placement import PLACEMENTS
 
-__all__ = ["SCHEDULE_CHECKS", "KFACConfig", "check_hyperparameters", "check_number", "check_positive_int"]
+#: The choices of the enumerated options (checked at run time too: the values often come from a command line).
+FusionPolicy = Literal["optimal", "threshold", "layerwise", "naive"]
+Placement = Literal["lbp", "seq", "local"]
+ComputeMethod = Literal["inverse", "eigen"]
+
+__all__ = [
+    "SCHEDULE_CHECKS",
+    "ComputeMethod",
+    "FusionPolicy",
+    "KFACConfig",
+    "Placement",
+    "check_hyperparameters",
+    "check_number",
+    "check_positive_int",
+]
 
 
 def check_number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True) -> float:
@@ -149,10 +163,10 @@ class KFACConfig:
             several modules (tied weights) must be left out here.
     """
 
-    fusion: str = "optimal"
+    fusion: FusionPolicy = "optimal"
     pipelining: bool = True
-    placement: str = "lbp"
-    compute_method: str = "inverse"
+    placement: Placement = "lbp"
+    compute_method: ComputeMethod = "inverse"
     distribute_preconditioning: bool = False
     overlap_preconditioning: bool = True
     fusion_threshold_bytes: int = DEFAULT_THRESHOLD_BYTES

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .comm import CommBackend, get_backend
-from .config import SCHEDULE_CHECKS, KFACConfig, check_hyperparameters
+from .config import SCHEDULE_CHECKS, ComputeMethod, FusionPolicy, KFACConfig, Placement, check_hyperparameters
 from .fusion import DEFAULT_THRESHOLD_BYTES
 from .grad_sync import collective_names
 from .kfac_state import check_kfac_state, load_kfac_state, memory_usage, save_kfac_state
@@ -83,10 +83,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         factor_update_freq: Scheduled[int] = 1,
         inv_update_freq: Scheduled[int] = 1,
         backend: str | CommBackend = "auto",
-        fusion: str = "optimal",
+        fusion: FusionPolicy = "optimal",
         pipelining: bool = True,
-        placement: str = "lbp",
-        compute_method: str = "inverse",
+        placement: Placement = "lbp",
+        compute_method: ComputeMethod = "inverse",
         distribute_preconditioning: bool = False,
         overlap_preconditioning: bool = True,
         perf_model: str | PerfModel | None = None,
