@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from spdkfac.perfmodels import PerfModel
 from spdkfac.simulate import load_profiles, predict
 
-from .common import RESULTS, save_json
+from .common import RESULTS, machine, save_json
 
 
 def main() -> None:
@@ -71,7 +72,14 @@ def main() -> None:
             )
     worst = max(abs(r["rel_error"]) for r in rows)
     print(f"largest error {worst:.1%}")
-    print(f"wrote {save_json({'rows': rows, 'largest_abs_error': worst, 'contention': not args.no_contention}, args.out)}")
+    result = {
+        "rows": rows,
+        "largest_abs_error": worst,
+        "contention": not args.no_contention,
+        "command": " ".join(["python -m benchmarks.simulator_check", *sys.argv[1:]]),
+        "machine": machine(),
+    }
+    print(f"wrote {save_json(result, args.out)}")
 
 
 if __name__ == "__main__":
