@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from .decomposition import stage_costs
 from .fusion.planner import Plan, plan_groups
 from .perfmodels import PerfModel
-from .placement import ALL, Assignment, PlacementPlan, balance_by_cost, place, preconditioning_cost
+from .placement import ALL, PlacementPlan, balance_by_cost, place, preconditioning_cost
 
 __all__ = ["ALL", "LayerShape", "WorkPlan", "fusion_groups", "group_launch_times", "overlaps_preconditioning"]
 
@@ -91,9 +91,11 @@ class WorkPlan:
 
     ``inversion`` places every factor (Algorithm 1 for ``'lbp'``, Eq. 22 for
     ``'seq'``, everywhere for ``'local'``), costed with the performance model
-    at this worker count. ``preconditioners`` maps a layer to the one rank that
-    preconditions it and broadcasts the result (empty: every rank
-    preconditions every layer).
+    at this worker count: ``inversion.owner(key)`` is the rank that decomposes
+    a factor and broadcasts it (or ``ALL``), ``inversion.broadcast_order()``
+    the order every rank issues the broadcasts in. ``preconditioners`` maps a
+    layer to the one rank that preconditions it and broadcasts the result
+    (empty: every rank preconditions every layer).
     """
 
     inversion: PlacementPlan
@@ -127,17 +129,9 @@ class WorkPlan:
     def workers(self) -> int:
         return self.inversion.world_size
 
-    def decomposer(self, key: Hashable) -> int:
-        """The rank that decomposes factor ``key`` and broadcasts it, or ``ALL``."""
-        return self.inversion.owner(key)
-
     def preconditioner(self, layer: str) -> int | None:
         """The rank that preconditions ``layer`` (None: every rank does)."""
         return self.preconditioners.get(layer)
-
-    def broadcast_order(self) -> list[Assignment]:
-        """The decomposition broadcasts, in the order every rank issues them."""
-        return self.inversion.broadcast_order()
 
     def preconditioned_by_rank(self, names: Sequence[str]) -> list[list[int]]:
         """Indices into ``names`` of the layers each rank preconditions (distributed preconditioning)."""
