@@ -68,6 +68,7 @@ class KFACStep:
     ) -> None:
         self.config = config
         self.layers = layers
+        self._by_name = {layer.name: layer for layer in layers}
         self.workers = backend.size
         self.param_groups = param_groups
         self.param_names = param_names
@@ -132,9 +133,8 @@ class KFACStep:
         factors = self.factors.take(self.nonfinite, step)
         decay = hyper["factor_decay"]
         assert decay is not None
-        by_name = {layer.name: layer for layer in self.layers}
         for (kind, name), mat in factors.items():
-            by_name[name].update_factor(kind, mat, decay)
+            self._by_name[name].update_factor(kind, mat, decay)
         self.profiler.factor_step_done(self.factors.arrived)
 
     def update_decompositions(self, hyper: Hyper, step: int) -> None:

@@ -54,9 +54,7 @@ class NonFiniteGuard:
     """Skips up to ``max_skipped`` consecutive steps that meet NaN/Inf (with a warning), then raises."""
 
     def __init__(self, max_skipped: int) -> None:
-        if isinstance(max_skipped, bool) or not isinstance(max_skipped, int) or max_skipped < 0:
-            raise ValueError(f"skip_nonfinite must be a non-negative integer, got {max_skipped!r}")
-        self.max_skipped = max_skipped
+        self.max_skipped = max_skipped  # validated as KFACConfig.skip_nonfinite
         self.consecutive = 0
         self.skipped_total = 0
 
