@@ -29,6 +29,9 @@ from spdkfac import NonFiniteFactorError, SPDKFACOptimizer
         (dict(lr=0.1, distribute_preconditioning="yes"), "distribute_preconditioning"),
         (dict(lr=0.1, backend="mpi"), "backend"),
         (dict(lr=0.1, fusion_threshold_bytes=0), "fusion_threshold_bytes"),
+        (dict(lr=0.1, skip_nonfinite=-1), "skip_nonfinite must be a non-negative integer"),
+        (dict(lr=0.1, compute_method="cholesky"), "compute_method"),
+        (dict(lr=0.1, accumulation_steps=0), "accumulation_steps"),
         (dict(lr=0.1, perf_model="/nonexistent/model.json"), "does not exist"),
     ],
 )
