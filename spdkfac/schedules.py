@@ -168,7 +168,7 @@ class KFACParamScheduler:
         self.base_factor_update_freq: int = optimizer.factor_update_freq
         self.base_inv_update_freq: int = optimizer.inv_update_freq
         self.epoch = 0
-        self._apply()
+        self.apply()
 
     def damping_at(self, epoch: int) -> float:
         """The damping during ``epoch``."""
@@ -183,9 +183,10 @@ class KFACParamScheduler:
     def step(self) -> None:
         """End of an epoch: set the values of the next one."""
         self.epoch += 1
-        self._apply()
+        self.apply()
 
-    def _apply(self) -> None:
+    def apply(self) -> None:
+        """Put the scheduled values of the current epoch in force (after the bases or rules were changed, too)."""
         if self.damping_schedule:
             damping = self.damping_at(self.epoch)
             for group in self.optimizer.param_groups:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import io
 import itertools
 import math
 import os
@@ -30,11 +31,12 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from .affinity import bind_cores_if_asked
-from .checkpoint import LATEST, save_rotating
+from .checkpoint import LATEST, CheckpointError, save_rotating
 from .comm import CommBackend, get_backend, worker_device
 from .data import ShardedLoader, load_digits, load_mnist5k, synthetic
 from .host_memory import retain_freed_memory
 from .models import get_model
+from .run_dir import append_text
 from .schedules import KFACParamScheduler
 from .train_args import AMP_DTYPES, parse_args
 from .train_run import Position, prepare_run_dir, restore, start_log
@@ -162,6 +164,12 @@ def _engine_settings(backend: CommBackend) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Run the training job; returns the last epoch's metrics. The run directory is locked while it runs."""
+    with contextlib.ExitStack() as held:
+        return _run(argv, held)
+
+
+def _run(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, float]:
     args = parse_args(argv)
     cores = bind_cores_if_asked(args)
     retain_freed_memory()  # CPU activations are reused, not page-faulted in every iteration
@@ -215,7 +223,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
 
     out_dir = Path(args.out_dir)
-    resume = prepare_run_dir(args, out_dir, is_root, backend)
+    resume, lock = prepare_run_dir(args, out_dir, is_root, backend)
+    if lock is not None:
+        held.enter_context(lock)
     position = Position()
     if resume is not None:
         ckpt_path, ckpt = resume
@@ -249,9 +259,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         start_log(log_path, fields, keep_before=position.epoch if resume is not None else 0)
 
     def checkpoint(metrics: list[float]) -> None:
-        """Save on rank 0; the partial-epoch metrics are summed over every worker first (a collective)."""
+        """Save on rank 0; the partial-epoch metrics are averaged over every worker first (a collective)."""
         totals = average_over_workers(backend, metrics, "train.checkpoint", device)
-        if is_root:
+        if not is_root:
+            return
+        try:
             save_rotating(
                 {
                     "model": model.state_dict(),
@@ -267,6 +279,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 },
                 out_dir,
             )
+        except CheckpointError as exc:
+            raise SystemExit(f"error: {exc}") from None
 
     steps_per_epoch = len(train_loader)
     samples_per_epoch = steps_per_epoch * args.batch_size * size
@@ -277,8 +291,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         batches = _epoch_batches(train_loader, epoch, position.samples, args.batch_size, size)
         model.train()
         t_epoch = time.perf_counter()
-        # The partial sums a mid-epoch checkpoint saved are every worker's: rank 0 carries them on.
-        loss_sum, correct, count = position.metrics if is_root else (0.0, 0.0, 0.0)
+        # A mid-epoch checkpoint's partial sums, averaged over its workers: each worker carries its share on.
+        loss_sum, correct, count = position.metrics
         position.metrics = (0.0, 0.0, 0.0)
         iter_times: list[float] = []
         lr = lr_at(args, base_lr, epoch, size)
@@ -333,8 +347,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 f"iter {row['iter_ms']:.1f} ms  epoch {row['epoch_s']:.1f} s",
                 flush=True,
             )
-            with open(log_path, "a", newline="") as fh:
-                csv.writer(fh).writerow([row[f] for f in fields])
+            line = io.StringIO()
+            csv.writer(line).writerow([row[f] for f in fields])
+            append_text(log_path, line.getvalue())
         if kfac_scheduler is not None:  # the next epoch's damping and update frequencies (saved with the checkpoint)
             before = (optimizer.param_groups[0]["damping"], optimizer.factor_update_freq, optimizer.inv_update_freq)
             kfac_scheduler.step()

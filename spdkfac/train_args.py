@@ -107,7 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--allow-changed-args",
         action="store_true",
-        help="resume even though training arguments differ from the checkpoint's (they are listed)",
+        help="resume even though training arguments differ from the checkpoint's: the new values are applied and listed "
+        "(--optimizer, --model, --data, --compute-method and --seed cannot change)",
     )
     p.add_argument(
         "--checkpoint-every",
@@ -145,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--skip-nonfinite must be >= 0")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         p.error("--checkpoint-every must be >= 1")
+    if not args.out_dir.strip():
+        p.error("--out-dir must name a directory, got an empty string")
     if args.resume not in (None, "required", "auto"):
         p.error(f"--resume takes no value or 'auto', got {args.resume!r}")
     if args.resume and args.overwrite:

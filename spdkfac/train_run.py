@@ -1,13 +1,20 @@
 """A training run's directory: refusing to overwrite, resuming from the newest valid checkpoint, the CSV log.
 
-Every worker takes the same decision from the same directory; a resumed run
-must have been made with the same training arguments (or say which changed).
+Every worker takes the same decision from the same directory; one job at a
+time holds the directory (:mod:`spdkfac.run_dir`). A resumed run must have
+been made with the same training arguments, or ``--allow-changed-args``
+applies the new ones and says so: a run never trains with values other than
+those it reports and records.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import io
+import os
+import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,9 +24,10 @@ import torch.nn as nn
 
 from .checkpoint import LATEST, PREVIOUS, CheckpointError, changed_arguments, newest_valid
 from .comm import CommBackend
+from .run_dir import RunDirLockedError, RunLock, replace_text
 from .schedules import KFACParamScheduler
 
-__all__ = ["RUNTIME_ARGS", "Position", "prepare_run_dir", "restore", "start_log"]
+__all__ = ["FIXED_ARGS", "RUNTIME_ARGS", "Position", "prepare_run_dir", "restore", "start_log"]
 
 
 @dataclass
@@ -49,13 +57,23 @@ RUNTIME_ARGS = (
     "perf_model",
 )
 
+#: Arguments that fix what is trained or the order of its samples: a resumed run refuses to change them,
+#: even with --allow-changed-args (a checkpoint of another model, data set or optimizer cannot continue;
+#: another seed would draw the rest of the epoch from another permutation, repeating and skipping samples).
+FIXED_ARGS = ("optimizer", "model", "data", "compute_method", "seed", "synthetic_size", "synthetic_shape")
 
-def prepare_run_dir(args: argparse.Namespace, out_dir: Path, is_root: bool, backend: CommBackend) -> tuple[Path, dict[str, Any]] | None:
-    """Check ``--out-dir`` before any work, and find the checkpoint to resume from (None: a fresh run).
 
-    Every worker takes the same decision from the same directory. A directory
-    that holds a run is refused unless the run is resumed or ``--overwrite``
-    replaces it; an unwritable one is refused at once, not after the first epoch.
+def prepare_run_dir(
+    args: argparse.Namespace, out_dir: Path, is_root: bool, backend: CommBackend
+) -> tuple[tuple[Path, dict[str, Any]] | None, RunLock | None]:
+    """Check ``--out-dir`` before any work, lock it, and find the checkpoint to resume from.
+
+    Returns ``(checkpoint or None for a fresh run, the directory's lock on
+    rank 0)``; the caller releases the lock when the run ends. Every worker
+    takes the same decision from the same directory. A directory that holds a
+    run is refused unless the run is resumed or ``--overwrite`` replaces it;
+    one that another job holds, or an unwritable one, is refused at once, not
+    after the first epoch.
     """
     found = None
     if args.resume is not None:
@@ -76,18 +94,27 @@ def prepare_run_dir(args: argparse.Namespace, out_dir: Path, is_root: bool, back
                 "replace it with --overwrite, or choose another --out-dir"
             )
     backend.barrier()  # every worker has looked at the directory before rank 0 writes to it
+    lock = None
     if is_root:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
-            probe = out_dir / ".write-test"
-            probe.write_bytes(b"")
-            probe.unlink()
+            fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=out_dir)  # O_EXCL: never follows a planted link
+            os.close(fd)
+            os.unlink(probe)
         except OSError as exc:
             raise SystemExit(f"error: cannot write to --out-dir {out_dir}: {exc}") from None
+        try:
+            lock = RunLock(out_dir).acquire()
+        except RunDirLockedError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        if lock.taken_over is not None:
+            print(f"  {lock.path}: took over the lock of a job that ended without releasing it ({lock.taken_over})")
+        for stale in [*out_dir.glob(f"{LATEST}.*.tmp"), out_dir / f"{LATEST}.tmp"]:  # left by a killed job
+            stale.unlink(missing_ok=True)
         if args.overwrite:
             for name in (LATEST, PREVIOUS):
                 (out_dir / name).unlink(missing_ok=True)
-    return found
+    return found, lock
 
 
 def restore(
@@ -101,33 +128,50 @@ def restore(
     size: int,
     is_root: bool,
 ) -> Position:
-    """Load a checkpoint into the run after checking it was made by the same training (the reason if not)."""
+    """Load a checkpoint into the run after checking it was made by the same training (the reason if not).
+
+    With ``--allow-changed-args`` the changed arguments are applied: the
+    values the checkpoint restores (momentum, weight decay, damping, KL-clip,
+    factor decay, update frequencies and their per-epoch schedules) are
+    replaced by this run's, and the message lists what was applied.
+    """
     changed = changed_arguments(ckpt["args"], vars(args), RUNTIME_ARGS)
-    if changed:
-        listing = "; ".join(f"--{k.replace('_', '-')}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in changed.items())
-        if not args.allow_changed_args:
-            raise SystemExit(
-                f"error: {path} was written with other training arguments ({listing}); "
-                "resume with the same ones, or pass --allow-changed-args"
-            )
-        if is_root:
-            print(f"  resuming with changed arguments: {listing}")
+    listing = "; ".join(f"--{k.replace('_', '-')}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in changed.items())
+    fixed = [name for name in changed if name in FIXED_ARGS]
+    if fixed:
+        raise SystemExit(
+            f"error: {path} was written with other training arguments ({listing}); "
+            f"{', '.join('--' + n.replace('_', '-') for n in fixed)} cannot change when a run is resumed, "
+            "even with --allow-changed-args: resume with the same ones, or start a new run in another --out-dir"
+        )
+    if changed and not args.allow_changed_args:
+        raise SystemExit(
+            f"error: {path} was written with other training arguments ({listing}); "
+            "resume with the same ones, or pass --allow-changed-args to apply the new ones"
+        )
     try:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
-    except (ValueError, RuntimeError, KeyError) as exc:
+        if scaler is not None and ckpt.get("grad_scaler"):
+            scaler.load_state_dict(ckpt["grad_scaler"])
+        if kfac_scheduler is not None and ckpt.get("kfac_scheduler"):
+            kfac_scheduler.load_state_dict(ckpt["kfac_scheduler"])
+    except (ValueError, RuntimeError, KeyError, TypeError) as exc:
         raise SystemExit(f"error: cannot resume from {path}: {exc}") from None
-    if scaler is not None and ckpt.get("grad_scaler"):
-        scaler.load_state_dict(ckpt["grad_scaler"])
-    if kfac_scheduler is not None and ckpt.get("kfac_scheduler"):
-        kfac_scheduler.load_state_dict(ckpt["kfac_scheduler"])
+    if changed:
+        _apply_arguments(args, optimizer, kfac_scheduler)
+        if is_root:
+            print(f"  resuming with changed arguments, applied: {listing}")
     if ckpt.get("rng") is not None:
         torch.set_rng_state(ckpt["rng"])
     saved = ckpt.get("position") or {"epoch": int(ckpt["epoch"]) + 1, "samples": 0, "step": 0}
-    position = Position(
-        int(saved["epoch"]), int(saved["samples"]), int(saved["step"]), tuple(ckpt.get("partial_metrics") or (0.0, 0.0, 0.0))
-    )
     written_by = int(ckpt.get("world_size", size))
+    # The checkpoint holds the partial sums averaged over its workers; every worker of this run carries its share
+    # so that averaging over this run's workers at the end of the epoch gives the sums an uninterrupted run would.
+    partial = ckpt.get("partial_metrics") or (0.0, 0.0, 0.0)
+    share = 1.0 if written_by == size else written_by / size
+    metrics = (float(partial[0]) * share, float(partial[1]) * share, float(partial[2]) * share)
+    position = Position(int(saved["epoch"]), int(saved["samples"]), int(saved["step"]), metrics)
     if written_by != size and is_root:
         print(
             f"  the checkpoint was written by {written_by} worker(s), this run has {size}: fusion and placement are "
@@ -136,13 +180,53 @@ def restore(
     return position
 
 
+def _apply_arguments(args: argparse.Namespace, optimizer: torch.optim.Optimizer, kfac_scheduler: KFACParamScheduler | None) -> None:
+    """Put this run's hyperparameters in force over the ones a checkpoint restored.
+
+    The learning rate, epochs, warm-up and everything else the training loop
+    reads from ``args`` apply by themselves; these are the values that
+    ``load_state_dict`` brought back from the checkpoint.
+    """
+    for group in optimizer.param_groups:
+        group["momentum"] = args.momentum
+        group["weight_decay"] = args.weight_decay
+        if "damping" in group:  # the K-FAC optimizers'
+            group.update(damping=args.damping, kl_clip=args.kl_clip, factor_decay=args.factor_decay)
+    if kfac_scheduler is None:
+        return
+    optimizer_freqs = ("factor_update_freq", "inv_update_freq")
+    for name, value in zip(optimizer_freqs, (args.factor_update_freq, args.inv_update_freq)):
+        setattr(optimizer, name, value)
+    # The scheduler's bases and per-epoch rules come from this run's arguments; the epoch it stands at from the checkpoint.
+    kfac_scheduler.base_damping = args.damping
+    kfac_scheduler.base_factor_update_freq, kfac_scheduler.base_inv_update_freq = args.factor_update_freq, args.inv_update_freq
+    kfac_scheduler.damping_alpha, kfac_scheduler.damping_schedule = args.damping_decay, list(args.damping_decay_epochs)
+    kfac_scheduler.update_freq_alpha, kfac_scheduler.update_freq_schedule = args.freq_scale, list(args.freq_scale_epochs)
+    kfac_scheduler.apply()
+
+
 def start_log(path: Path, fields: list[str], keep_before: int) -> None:
-    """Start the CSV log, keeping the rows of the epochs before ``keep_before`` (those a resumed run does not redo)."""
+    """Start the CSV log, keeping the rows of the epochs before ``keep_before`` (those a resumed run does not redo).
+
+    A row that cannot be read (a damaged log) is dropped with a warning naming
+    the file and line; the log is written anew through a rename, never
+    through a symlink.
+    """
     rows: list[list[str]] = []
     if keep_before > 0 and path.exists():
         with open(path, newline="") as fh:
-            rows = [r for r in list(csv.reader(fh))[1:] if r and int(r[0]) < keep_before]
-    with open(path, "w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(fields)
-        writer.writerows(rows)
+            for line, row in enumerate(csv.reader(fh), start=1):
+                if line == 1 or not row:
+                    continue
+                try:
+                    epoch = int(row[0])
+                except ValueError:
+                    warnings.warn(f"{path}, line {line}: not a row of the log ({','.join(row)[:60]!r}); dropped", stacklevel=2)
+                    continue
+                if epoch < keep_before and len(row) == len(fields):
+                    rows.append(row)
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(fields)
+    writer.writerows(rows)
+    replace_text(path, out.getvalue())

@@ -52,7 +52,7 @@ def test_resuming_with_changed_arguments_names_them_and_refuses(tmp_path, capsys
         train.main([*COMMON[:-1], "3", "--lr", "0.1", "--out-dir", str(out), "--resume"])
     row = train.main([*COMMON[:-1], "3", "--out-dir", str(out), "--resume", "--allow-changed-args"])
     assert row["epoch"] == 2
-    assert "resuming with changed arguments: --epochs" in capsys.readouterr().out
+    assert "resuming with changed arguments, applied: --epochs" in capsys.readouterr().out
 
 
 def test_a_checkpoint_of_another_optimizer_is_refused_with_the_reason(tmp_path):
