@@ -161,6 +161,12 @@ def test_torchrun_restarts_after_a_lost_worker_and_ends_like_an_uninterrupted_ru
         assert torch.equal(got[k], want[k]), k
     rows = list(csv.DictReader((out / "log.csv").read_text().splitlines()))
     assert [r["epoch"] for r in rows] == ["0", "1", "2"]  # each epoch logged once
+    # The interrupted epoch's metrics are the uninterrupted run's: the partial sums saved mid-epoch are carried on
+    # by every worker once (they were averaged over the workers a second time before).
+    ref_rows = list(csv.DictReader((ref / "log.csv").read_text().splitlines()))
+    for mine, theirs in zip(rows, ref_rows):
+        for field in ("train_loss", "train_acc", "test_loss", "test_acc"):
+            assert float(mine[field]) == pytest.approx(float(theirs[field]), rel=1e-9), (mine["epoch"], field)
 
 
 @pytest.mark.parametrize("workers", [1, 3])
