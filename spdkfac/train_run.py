@@ -214,7 +214,7 @@ def start_log(path: Path, fields: list[str], keep_before: int) -> None:
     """
     rows: list[list[str]] = []
     if keep_before > 0 and path.exists():
-        with open(path, newline="") as fh:
+        with open(path, newline="", errors="replace") as fh:
             for line, row in enumerate(csv.reader(fh), start=1):
                 if line == 1 or not row:
                     continue

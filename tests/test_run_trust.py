@@ -209,8 +209,8 @@ def test_a_full_disk_leaves_the_checkpoints_intact_with_a_clear_message(tmp_path
 def test_a_damaged_log_row_is_dropped_with_a_warning(tmp_path):
     out = tmp_path / "run"
     _run(out, "--stop-after", "1")
-    with open(out / "log.csv", "a") as fh:
-        fh.write("garbage,,x\n")
+    with open(out / "log.csv", "ab") as fh:
+        fh.write(b"garbage,,x\n\xff\xfe\x00binary\n")
     with pytest.warns(UserWarning, match=r"log\.csv, line 3: not a row of the log"):
         _run(out, "--resume")
     rows = list(csv.DictReader((out / "log.csv").read_text().splitlines()))
