@@ -442,6 +442,36 @@ def soak(path: Path, d: dict[str, Any]) -> list[str]:
     return lines + command_block(d, "benchmarks.soak", "horovodrun -np 2 -H localhost:2 --gloo python -m benchmarks.soak --steps 3000")
 
 
+def fault_matrix(path: Path, d: dict[str, Any]) -> list[str]:
+    """The fault matrix: per case, whether the job survived, reported the fault clearly and lost nothing."""
+    need(d, path, "summary", "outcomes")
+    sm = d["summary"]
+    lines = [
+        f"{sm['tried']} cases tried ({sm['cases']} in all): {sm['survived']} survived, {sm['detected_with_clear_message']} of "
+        f"{sm['to_detect']} detected with a clear message, {sm['nothing_lost']} lost nothing; {sm['all_ok']} fully as expected.",
+        "",
+    ]
+
+    def yes(v: Any) -> str:
+        return "—" if v is None else ("yes" if v else "**no**")
+
+    rows = [
+        [
+            o["engine"],
+            o["group"],
+            o["case"],
+            yes(o["survived"]),
+            yes(o["detected"]),
+            yes(o["nothing_lost"]),
+            f"{o['seconds']:.0f} s",
+            "; ".join(o.get("notes") or []),
+        ]
+        for o in d["outcomes"]
+    ]
+    lines += table(["engine", "kind", "case", "survived", "detected (clear message)", "nothing lost", "time", "notes"], rows)
+    return lines + command_block(d, "benchmarks.fault_matrix", "python -m benchmarks.fault_matrix")
+
+
 def convergence(w: Writer, run: str) -> Callable[[Path, dict[str, Any]], list[str]]:
     """The renderer of one convergence run's folder (its tables, command and curves)."""
 
@@ -510,6 +540,7 @@ def build(results: Path, out: Path, label: str | None = None) -> str:
     w.section("hook_overhead.json", "Cost of the hooks on steps without a factor update", hook_overhead)
     w.section("simulator_check.json", "Scale simulator against measurements", simulator_check)
     w.section("soak.json", "Soak run: replicas, memory and pending work over many steps", soak)
+    w.section("fault_matrix.json", "Fault matrix: kills, damaged files, full disk, two jobs, frozen worker", fault_matrix)
     conv = results / "convergence"
     runs = sorted(p.name for p in conv.iterdir() if p.is_dir()) if conv.is_dir() else []
     if not runs:
