@@ -34,6 +34,7 @@ from spdkfac import make_optimizer
 from spdkfac.comm import DEVICE_CHOICES, worker_device
 from spdkfac.host_memory import release_freed_memory
 from spdkfac.models import get_model
+from spdkfac.output_path import output_file
 from spdkfac.variants import variant_argv, variant_config
 
 from .common import RESULTS, bar_chart, log, machine, ratio_interval, save_json, split_by_factor_step, start, stats, workload_parser
@@ -203,7 +204,12 @@ def main(argv: list[str] | None = None) -> None:
         "(e.g. spdkfac:overlap_preconditioning=false)",
     )
     ap.add_argument("--update-freq", type=int, nargs=2, default=[1, 1], metavar=("FACTOR", "INVERSE"))
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/iteration_time[_amortised].json)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        type=output_file(make_parents=True),
+        help="JSON path (default benchmarks/results/iteration_time[_amortised].json)",
+    )
     args = ap.parse_args(variant_argv(sys.argv[1:] if argv is None else argv))
     args.variants = args.variants or list(VARIANTS)
     for v in args.variants:
