@@ -94,7 +94,17 @@ def test_impossible_profile_values_are_refused_naming_the_file_and_field(mutate,
 def test_a_factor_that_is_not_an_object_is_refused_in_an_unversioned_profile():
     raw = _profile()
     raw["factors"][0] = 5
-    with pytest.raises(ValueError, match=r"profile p\.json: field factors\[0\] must be an object"):
+    with pytest.raises(
+        ValueError, match=r"profile p\.json: field factors\[0\] must be an object \(kind, layer, dim, ready, compute, grad_numel\)"
+    ):
+        profile_from_dict(raw, "p.json")
+
+
+@pytest.mark.parametrize("versioned", [True, False])
+def test_a_factor_without_a_required_field_is_refused_naming_it(versioned):
+    raw = _v1() if versioned else _profile()
+    del raw["factors"][3]["compute"]
+    with pytest.raises(ValueError, match=r"profile p\.json: field factors\[3\] lacks \['compute'\]"):
         profile_from_dict(raw, "p.json")
 
 

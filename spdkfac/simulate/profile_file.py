@@ -124,9 +124,13 @@ def _check_times(raw: Mapping[str, Any], source: str) -> None:
     bad = [key for key in ("forward", "backward", "step_other") if not isinstance(raw[key], (int, float)) or raw[key] < 0]
     if bad or not isinstance(raw["factors"], list) or not raw["factors"]:
         raise ValueError(f"profile {source}: field(s) {bad or ['factors']} must be non-negative times / a non-empty list")
+    required = [f.name for f in dataclasses.fields(FactorProfile) if f.default is dataclasses.MISSING]
     for i, factor in enumerate(raw["factors"]):
         if not isinstance(factor, Mapping):
-            raise ValueError(f"profile {source}: field factors[{i}] must be an object (kind, layer, dim, ...), got {factor!r}")
+            raise ValueError(f"profile {source}: field factors[{i}] must be an object ({', '.join(required)}), got {factor!r}")
+        missing = [name for name in required if name not in factor]
+        if missing:
+            raise ValueError(f"profile {source}: field factors[{i}] lacks {missing}; write it with `python -m spdkfac.simulate profile`")
 
 
 def _precondition(entries: Sequence[Mapping[str, Any]]) -> tuple[LayerPreconditionProfile, ...]:
