@@ -41,6 +41,7 @@ SCHEDULED_OPTIONS = ("damping", "kl_clip", "factor_update_freq", "inv_update_fre
 T = TypeVar("T")
 #: A hyperparameter given as a value or as a function of the step counter.
 Scheduled = Union[T, Callable[[int], T]]
+#: ``check(name, value)``: raises naming ``name`` if ``value`` is invalid, else returns it as a plain value (float, int, None).
 Validator = Callable[[str, Any], Any]
 
 
