@@ -58,9 +58,17 @@ def test_perfmodels_plot_refuses_an_unwritable_out_before_loading(tmp_path, caps
     with pytest.raises(SystemExit):
         perfmodels_main(["plot", "m.json", "--out", str(tmp_path / "no" / "m.png")])
     assert "argument --out: cannot write" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # the default, next to the JSON
-        perfmodels_main(["plot", str(tmp_path / "no" / "m.json")])
-    assert f"cannot write {tmp_path / 'no' / 'm.png'} (the default --out of plot)" in capsys.readouterr().err
+
+
+def test_perfmodels_plot_refuses_an_unwritable_default_out_before_plotting(tmp_path, capsys, monkeypatch):
+    from spdkfac.perfmodels import plot
+
+    _no_work(monkeypatch, plot, "plot_perf_model")
+    PerfModel.default().save(tmp_path / "m.json")
+    (tmp_path / "m.png").mkdir()  # where the default --out (next to the JSON) would go
+    with pytest.raises(SystemExit):
+        perfmodels_main(["plot", str(tmp_path / "m.json")])
+    assert f"cannot write {tmp_path / 'm.png'} (the default --out of plot): it is a directory" in capsys.readouterr().err
 
 
 def test_benchmark_out_is_checked_when_the_arguments_are_parsed(tmp_path, capsys):

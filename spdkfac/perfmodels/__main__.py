@@ -96,16 +96,16 @@ def main(argv: list[str] | None = None) -> int:
 
                 print(f"wrote {plot_perf_model(model, args.plot)}")
         return 0
-    if args.cmd == "plot" and args.out is None:  # the default, next to the JSON (a given --out is checked by argparse)
-        args.out = str(args.file).rsplit(".", 1)[0] + ".png"
-        problem = unwritable_reason(args.out)
-        if problem:
-            ap.error(f"cannot write {args.out} (the default --out of plot): {problem}")
     try:
         model = PerfModel.load(args.file)
     except PerfModelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.cmd == "plot" and args.out is None:  # the default, next to the JSON (a given --out is checked by argparse)
+        args.out = str(args.file).rsplit(".", 1)[0] + ".png"
+        problem = unwritable_reason(args.out)
+        if problem:
+            ap.error(f"cannot write {args.out} (the default --out of plot): {problem}")
     if args.cmd == "plot":
         from .plot import plot_perf_model
 
