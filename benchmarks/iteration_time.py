@@ -52,6 +52,20 @@ def _rss_mb() -> float:
         return float("nan")
 
 
+def optimizer_kwargs(variant: str, args) -> dict[str, object]:
+    """What this benchmark passes to make_optimizer beyond lr, momentum and backend (a variant spec may not set these)."""
+    if not variant_config(variant).get("precondition", True):
+        return {"timeline": True}  # SGD too, so its gradient wait is measured the same way
+    return dict(
+        perf_model=args.perf_model,
+        factor_update_freq=args.update_freq[0],
+        inv_update_freq=args.update_freq[1],
+        kl_clip=None,
+        profile_steps=3,
+        timeline=True,
+    )
+
+
 class VariantRun:
     """One variant's model and optimizer, stepped one iteration at a time so that variants can be interleaved.
 
@@ -68,17 +82,7 @@ class VariantRun:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         self.kfac = variant_config(variant).get("precondition", True)
-        kw = {"timeline": True}  # SGD too, so its gradient wait is measured the same way
-        if self.kfac:
-            kw = dict(
-                perf_model=args.perf_model,
-                factor_update_freq=args.update_freq[0],
-                inv_update_freq=args.update_freq[1],
-                kl_clip=None,
-                profile_steps=3,
-                timeline=True,
-            )
-        self.opt = make_optimizer(variant, self.model, lr=1e-4, momentum=0.9, backend=backend, **kw)
+        self.opt = make_optimizer(variant, self.model, lr=1e-4, momentum=0.9, backend=backend, **optimizer_kwargs(variant, args))
         self.it = 0
         self.total: list[float] = []
         self.fwdbwd: list[float] = []
@@ -214,9 +218,11 @@ def main(argv: list[str] | None = None) -> None:
     args.variants = args.variants or list(VARIANTS)
     for v in args.variants:
         try:
-            variant_config(v)
+            fixed = sorted(set(variant_config(v)) & {"lr", "momentum", "backend", *optimizer_kwargs(v, args)})
         except ValueError as exc:
             ap.error(str(exc))
+        if fixed:
+            ap.error(f"variant {v!r} sets {fixed}, which this benchmark sets itself (--update-freq, --perf-model, ...)")
     backend = start(args)
     rank = backend.rank
     suffix = "" if args.update_freq == [1, 1] else "_amortised"

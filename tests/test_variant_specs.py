@@ -71,3 +71,21 @@ def test_the_convergence_benchmark_refuses_a_bad_spec_when_parsing(tmp_path, cap
 def test_the_convergence_benchmark_takes_a_good_spec(tmp_path):
     args = _parse(tmp_path, "--optimizers", "sgd", "spdkfac:factor_update_freq=10,inv_update_freq=10")
     assert args.optimizers == ["sgd", "spdkfac:factor_update_freq=10,inv_update_freq=10"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("spdkfac:nosuchkey=1", "unknown option 'nosuchkey'"),
+        ("spdkfac:kl_clip=0.1", "variant 'spdkfac:kl_clip=0.1' sets ['kl_clip'], which this benchmark sets itself"),
+        ("sgd:timeline=false", "variant 'sgd:timeline=false' sets ['timeline']"),
+    ],
+)
+def test_the_iteration_time_benchmark_refuses_a_bad_spec_when_parsing(tmp_path, capsys, monkeypatch, spec, message):
+    import benchmarks.iteration_time as iteration_time
+
+    monkeypatch.setattr(iteration_time, "start", None)  # nothing may start: the error comes first
+    with pytest.raises(SystemExit) as exc:
+        iteration_time.main(["--variants", "sgd", spec, "--out", str(tmp_path / "it.json")])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
