@@ -69,9 +69,13 @@ def _check_value(key: str, value: Any) -> Any:
     if key in SCHEDULE_CHECKS:
         return SCHEDULE_CHECKS[key](key, value)
     if key == "skip_layers":  # one module or class name (a list would need the ',' that separates changes)
-        return (value,) if isinstance(value, str) else value
-    if key in ("backend", "perf_model") and not (isinstance(value, str) or (key == "perf_model" and value is None)):
-        raise TypeError(f"{key} must be a {'name' if key == 'backend' else 'file path or none'}, got {value!r}")
+        if not isinstance(value, str):
+            raise TypeError(f"skip_layers in a variant spec must be one module or class name, got {value!r}")
+        return (value,)
+    if key == "backend" and not isinstance(value, str):
+        raise TypeError(f"backend must be a name, got {value!r}")
+    if key == "perf_model" and value is not None and not isinstance(value, str):
+        raise TypeError(f"perf_model must be a file path or none, got {value!r}")
     return value
 
 

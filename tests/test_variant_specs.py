@@ -29,6 +29,8 @@ def test_an_unknown_key_is_refused_listing_the_valid_ones():
         ("spdkfac:momentum=2", r"momentum must be in \[0.0, 1.0"),
         ("spdkfac:profile_steps=1.5", "profile_steps must be a positive integer"),
         ("spdkfac:perf_model=3", "perf_model must be a file path"),
+        ("spdkfac:backend=1", "backend must be a name"),
+        ("spdkfac:skip_layers=none", "skip_layers in a variant spec must be one module or class name"),
         ("spdkfac:factor_update_freq=10,inv_update_freq=15", r"inv_update_freq \(15\) must be a multiple of factor_update_freq \(10\)"),
     ],
 )
