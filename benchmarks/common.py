@@ -16,6 +16,7 @@ import torch
 
 from spdkfac.affinity import add_bind_cores_option, bind_cores_if_asked
 from spdkfac.host_memory import retain_freed_memory
+from spdkfac.output_path import output_file
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -41,7 +42,7 @@ def workload_parser(doc: str, iters: int, out_name: str | None = None, model: st
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
     add_bind_cores_option(ap)
     if out_name is not None:
-        ap.add_argument("--out", default=str(RESULTS / out_name))
+        ap.add_argument("--out", default=str(RESULTS / out_name), type=output_file(make_parents=True))
     return ap
 
 

@@ -52,6 +52,8 @@ DATA = ("digits", "mnist5k")
 DEFAULT_LR_GRID = (0.025, 0.05, 0.1)
 #: Keyword arguments of the K-FAC optimizers that --damping etc. set (a variant spec may override them).
 KFAC_KEYS = ("damping", "kl_clip", "factor_decay", "factor_update_freq", "inv_update_freq")
+#: Optimizer options this benchmark passes itself, so a variant spec cannot set them (and where they come from).
+SET_BY_BENCHMARK = {"lr": "--lr-grid", "momentum": "--momentum", "weight_decay": "--weight-decay", "backend": "the launcher"}
 CURVE_KEYS = ("train_loss", "test_loss", "test_acc", "epoch_s", "seconds", "fwdbwd_s", "step_s", "lr")
 
 
@@ -114,7 +116,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ap.error("--optimizers lists an entry twice")
     for spec in args.optimizers:
         try:
-            variant_config(spec)
+            check_spec(spec, args)
         except ValueError as exc:
             ap.error(f"--optimizers: {exc}")
     try:
@@ -137,6 +139,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except OSError as exc:
         ap.error(f"--out {args.out} is not a writable folder ({exc})")
     return args
+
+
+def check_spec(spec: str, args: argparse.Namespace) -> None:
+    """A ValueError if ``spec`` (a variant with changes) could not make an optimizer with these arguments.
+
+    Checked while parsing, before any training: unknown options and bad
+    values (:func:`variant_config`), options this benchmark sets itself, and
+    update frequencies that do not divide once merged with ``--factor-update-freq``/``--inv-update-freq``.
+    """
+    config = variant_config(spec)
+    fixed = sorted(set(config) & set(SET_BY_BENCHMARK))
+    if fixed:
+        raise ValueError(f"{spec!r} sets {fixed}, which this benchmark sets itself ({', '.join(SET_BY_BENCHMARK[k] for k in fixed)})")
+    factor = config.get("factor_update_freq", args.factor_update_freq)
+    inverse = config.get("inv_update_freq", args.inv_update_freq)
+    if config.get("precondition", True) and factor >= 1 and inverse % factor:  # a bad option is refused on its own below
+        raise ValueError(
+            f"{spec!r}: inv_update_freq {inverse} is not a multiple of factor_update_freq {factor} (the spec's or the option's)"
+        )
 
 
 def lr_grids(entries: Sequence[str], optimizers: Sequence[str]) -> dict[str, list[float]]:

@@ -34,6 +34,7 @@ from spdkfac import make_optimizer
 from spdkfac.comm import DEVICE_CHOICES, worker_device
 from spdkfac.host_memory import release_freed_memory
 from spdkfac.models import get_model
+from spdkfac.output_path import output_file
 from spdkfac.variants import variant_argv, variant_config
 
 from .common import RESULTS, bar_chart, log, machine, ratio_interval, save_json, split_by_factor_step, start, stats, workload_parser
@@ -49,6 +50,20 @@ def _rss_mb() -> float:
         return psutil.Process().memory_info().rss / 2**20
     except ImportError:  # pragma: no cover
         return float("nan")
+
+
+def optimizer_kwargs(variant: str, args) -> dict[str, object]:
+    """What this benchmark passes to make_optimizer beyond lr, momentum and backend (a variant spec may not set these)."""
+    if not variant_config(variant).get("precondition", True):
+        return {"timeline": True}  # SGD too, so its gradient wait is measured the same way
+    return dict(
+        perf_model=args.perf_model,
+        factor_update_freq=args.update_freq[0],
+        inv_update_freq=args.update_freq[1],
+        kl_clip=None,
+        profile_steps=3,
+        timeline=True,
+    )
 
 
 class VariantRun:
@@ -67,17 +82,7 @@ class VariantRun:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         self.kfac = variant_config(variant).get("precondition", True)
-        kw = {"timeline": True}  # SGD too, so its gradient wait is measured the same way
-        if self.kfac:
-            kw = dict(
-                perf_model=args.perf_model,
-                factor_update_freq=args.update_freq[0],
-                inv_update_freq=args.update_freq[1],
-                kl_clip=None,
-                profile_steps=3,
-                timeline=True,
-            )
-        self.opt = make_optimizer(variant, self.model, lr=1e-4, momentum=0.9, backend=backend, **kw)
+        self.opt = make_optimizer(variant, self.model, lr=1e-4, momentum=0.9, backend=backend, **optimizer_kwargs(variant, args))
         self.it = 0
         self.total: list[float] = []
         self.fwdbwd: list[float] = []
@@ -203,14 +208,21 @@ def main(argv: list[str] | None = None) -> None:
         "(e.g. spdkfac:overlap_preconditioning=false)",
     )
     ap.add_argument("--update-freq", type=int, nargs=2, default=[1, 1], metavar=("FACTOR", "INVERSE"))
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/iteration_time[_amortised].json)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        type=output_file(make_parents=True),
+        help="JSON path (default benchmarks/results/iteration_time[_amortised].json)",
+    )
     args = ap.parse_args(variant_argv(sys.argv[1:] if argv is None else argv))
     args.variants = args.variants or list(VARIANTS)
     for v in args.variants:
         try:
-            variant_config(v)
+            fixed = sorted(set(variant_config(v)) & {"lr", "momentum", "backend", *optimizer_kwargs(v, args)})
         except ValueError as exc:
             ap.error(str(exc))
+        if fixed:
+            ap.error(f"variant {v!r} sets {fixed}, which this benchmark sets itself (--update-freq, --perf-model, ...)")
     backend = start(args)
     rank = backend.rank
     suffix = "" if args.update_freq == [1, 1] else "_amortised"

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from spdkfac.layers import KFACLayer, kfac_layers
 from spdkfac.models import get_model
+from spdkfac.output_path import unwritable_reason
 
 DEFAULT_MODELS = ["resnet50", "resnet152", "densenet201", "inception_v4"]
 
@@ -199,6 +200,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, object]]:
     for name in ("resolution", "batch_size", "factor_every", "workers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    problem = unwritable_reason(os.path.join(args.out_dir, "model_stats.json"), make_parents=True)  # before the models are built
+    if problem:
+        parser.error(f"cannot write into --out-dir {args.out_dir}: {problem}")
 
     results: dict[str, dict[str, object]] = {}
     for name in args.models:

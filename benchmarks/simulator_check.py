@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from spdkfac.output_path import unwritable_reason
 from spdkfac.perfmodels import PerfModel
 from spdkfac.simulate import load_profiles, predict
 
@@ -35,6 +36,9 @@ def main() -> None:
     ap.add_argument("--no-contention", action="store_true", help="assume communication overlaps computation (GPU clusters)")
     ap.add_argument("--out", default="simulator_check.json", help="file name under benchmarks/results/")
     args = ap.parse_args()
+    problem = unwritable_reason(RESULTS / args.out, make_parents=True)  # as save_json writes it
+    if problem:
+        ap.error(f"cannot write --out {RESULTS / args.out}: {problem}")
     try:
         profile = load_profiles(args.profile)
     except ValueError as exc:

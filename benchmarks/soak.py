@@ -30,6 +30,7 @@ import torch.nn as nn
 from benchmarks.common import RESULTS, log, machine, save_json, start
 from spdkfac import SPDKFACOptimizer
 from spdkfac.affinity import add_bind_cores_option
+from spdkfac.output_path import output_file
 
 
 def _net() -> nn.Module:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch-size", type=int, default=16, help="per worker")
     ap.add_argument("--threads", type=int, default=1)
     add_bind_cores_option(ap)
-    ap.add_argument("--out", default=str(RESULTS / "soak.json"))
+    ap.add_argument("--out", default=str(RESULTS / "soak.json"), type=output_file(make_parents=True))
     args = ap.parse_args(argv)
     if args.steps < 2 * args.every or args.every < 1:
         ap.error("--steps must be at least twice --every (a warm-up sample and a later one)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from numbers import Integral, Real
 from typing import Any, Literal
 
 from .decomposition import COMPUTE_METHODS
@@ -28,20 +29,27 @@ Placement = Literal["lbp", "seq", "local"]
 ComputeMethod = Literal["inverse", "eigen"]
 
 __all__ = [
+    "HYPERPARAMETER_CHECKS",
     "SCHEDULE_CHECKS",
     "ComputeMethod",
     "FusionPolicy",
     "KFACConfig",
     "Placement",
     "check_hyperparameters",
+    "check_non_negative_int",
     "check_number",
     "check_positive_int",
 ]
 
 
 def check_number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True) -> float:
-    """``value`` as a float, or a TypeError/ValueError naming ``name`` and the allowed interval."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """``value`` as a plain float, or a TypeError/ValueError naming ``name`` and the allowed interval.
+
+    Any real number is taken (``numpy.float32(0.1)`` too) and returned as a
+    Python float, so that ``state_dict`` holds plain values that
+    ``torch.load(weights_only=True)`` reads; bools are refused.
+    """
+    if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     v = float(value)
     ok = math.isfinite(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
@@ -52,19 +60,40 @@ def check_number(name: str, value: Any, low: float, high: float = math.inf, low_
     return v
 
 
+def _integer(value: Any) -> int | None:
+    """``value`` as a plain int if it is an integer (``numpy.int64`` too; not a bool), else None."""
+    return None if isinstance(value, bool) or not isinstance(value, Integral) else int(value)
+
+
 def check_positive_int(name: str, value: Any) -> int:
-    """``value`` if it is an int >= 1, else a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """``value`` as a plain int if it is an integer >= 1, else a ValueError naming ``name``."""
+    number = _integer(value)
+    if number is None or number < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
+    return number
 
 
-def check_hyperparameters(lr: Any, momentum: Any, weight_decay: Any, factor_decay: Any) -> None:
-    """Raise naming the first of the SGD / running-average hyperparameters out of its range."""
-    check_number("lr", lr, 0.0)
-    check_number("momentum", momentum, 0.0, 1.0)
-    check_number("weight_decay", weight_decay, 0.0)
-    check_number("factor_decay", factor_decay, 0.0, 1.0)
+def check_non_negative_int(name: str, value: Any) -> int:
+    """``value`` as a plain int if it is an integer >= 0, else a ValueError naming ``name``."""
+    number = _integer(value)
+    if number is None or number < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return number
+
+
+#: Validators of the SGD / running-average hyperparameters (each returns the plain value).
+HYPERPARAMETER_CHECKS = dict(
+    lr=lambda n, v: check_number(n, v, 0.0),
+    momentum=lambda n, v: check_number(n, v, 0.0, 1.0),
+    weight_decay=lambda n, v: check_number(n, v, 0.0),
+    factor_decay=lambda n, v: check_number(n, v, 0.0, 1.0),
+)
+
+
+def check_hyperparameters(lr: Any, momentum: Any, weight_decay: Any, factor_decay: Any) -> dict[str, float]:
+    """The SGD / running-average hyperparameters as plain floats; raises naming the first out of its range."""
+    given = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, factor_decay=factor_decay)
+    return {name: HYPERPARAMETER_CHECKS[name](name, value) for name, value in given.items()}
 
 
 #: Validators of the options that may be scheduled (:mod:`spdkfac.schedules`), checked at every step.
@@ -184,16 +213,12 @@ class KFACConfig:
         _check_choice("compute_method", self.compute_method, COMPUTE_METHODS)
         for name in ("pipelining", "distribute_preconditioning", "overlap_preconditioning"):
             _check_bool(name, getattr(self, name))
-        check_positive_int("accumulation_steps", self.accumulation_steps)
-        check_positive_int("profile_steps", self.profile_steps)
+        # Integers stored as plain ints (numpy integers are taken): the options are saved in state_dict.
+        for name in ("accumulation_steps", "profile_steps", "fusion_threshold_bytes"):
+            object.__setattr__(self, name, check_positive_int(name, getattr(self, name)))
         if self.replan_interval is not None:
-            check_positive_int("replan_interval", self.replan_interval)
-        threshold = self.fusion_threshold_bytes
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold <= 0:
-            raise ValueError(f"fusion_threshold_bytes must be a positive integer, got {threshold!r}")
-        skip = self.skip_nonfinite
-        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
-            raise ValueError(f"skip_nonfinite must be a non-negative integer, got {skip!r}")
+            object.__setattr__(self, "replan_interval", check_positive_int("replan_interval", self.replan_interval))
+        object.__setattr__(self, "skip_nonfinite", check_non_negative_int("skip_nonfinite", self.skip_nonfinite))
         object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
 
     @classmethod

@@ -8,6 +8,7 @@ shard (:class:`torch.utils.data.distributed.DistributedSampler`).
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -72,12 +73,27 @@ class ImageFolder(Dataset[Sample]):
         return len(self.samples)
 
     def _load(self, path: Path) -> PILImage:
+        """The image as RGB; an unreadable file or a decompression bomb is an :class:`ImageFolderError` naming it.
+
+        An image larger than Pillow's ``Image.MAX_IMAGE_PIXELS`` is refused, not
+        skipped: in a training set it is a damaged or hostile file, decoding it
+        would take gigabytes in every loader worker, and skipping it would
+        silently change the data (and the equal shards every worker needs).
+        Raise that limit before loading if such images are meant.
+        """
         from PIL import Image, UnidentifiedImageError
 
         try:
-            with Image.open(path) as img:
-                rgb: PILImage = img.convert("RGB")
-                return rgb
+            with warnings.catch_warnings():  # Pillow only warns between 1x and 2x the limit
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                with Image.open(path) as img:
+                    rgb: PILImage = img.convert("RGB")
+                    return rgb
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise ImageFolderError(
+                f"image {path} is too large to decode safely ({exc}); remove it, or raise PIL.Image.MAX_IMAGE_PIXELS "
+                f"(now {Image.MAX_IMAGE_PIXELS}) before loading if it is meant"
+            ) from None
         except (UnidentifiedImageError, OSError) as exc:
             raise ImageFolderError(f"cannot read image {path}: {exc}") from None
 

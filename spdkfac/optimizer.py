@@ -102,7 +102,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay, factor_decay=factor_decay)
+        hyper = check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay, factor_decay=factor_decay)  # plain floats
         scheduled = dict(damping=damping, kl_clip=kl_clip, factor_update_freq=factor_update_freq, inv_update_freq=inv_update_freq)
         self.schedule = StepSchedule(scheduled, SCHEDULE_CHECKS)
         initial = self.schedule.resolve(0, scheduled)  # validates numbers, and callables' values at the first step
@@ -112,7 +112,6 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
-        hyper = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, factor_decay=factor_decay)
         super().__init__(params, {**hyper, "damping": initial["damping"], "kl_clip": initial["kl_clip"]})
         self.model, self.grad_scaler, self.steps = model, grad_scaler, 0
         self.factor_update_freq: int = initial["factor_update_freq"]  # in force (see _step_kind)

@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
+
+from .config import SCHEDULE_CHECKS, check_non_negative_int, check_positive_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import SPDKFACOptimizer
@@ -38,6 +41,7 @@ SCHEDULED_OPTIONS = ("damping", "kl_clip", "factor_update_freq", "inv_update_fre
 T = TypeVar("T")
 #: A hyperparameter given as a value or as a function of the step counter.
 Scheduled = Union[T, Callable[[int], T]]
+#: ``check(name, value)``: raises naming ``name`` if ``value`` is invalid, else returns it as a plain value (float, int, None).
 Validator = Callable[[str, Any], Any]
 
 
@@ -76,11 +80,10 @@ class StepSchedule:
             fn = self.callables.get(name)
             value = fn(step) if fn is not None else current[name]
             try:
-                check(name, value)
+                values[name] = check(name, value)  # the plain value (a numpy scalar becomes a float or int)
             except (TypeError, ValueError) as exc:
                 source = f"the {name} schedule's value" if fn is not None else f"the {name} in force"
                 raise type(exc)(f"{exc} ({source} at step {step})") from None
-            values[name] = value
         factor_freq, inv_freq = values["factor_update_freq"], values["inv_update_freq"]
         if inv_freq % factor_freq:
             raise ValueError(
@@ -102,17 +105,53 @@ class StepSchedule:
 
 
 def _check_epochs(name: str, epochs: Iterable[int] | None) -> list[int]:
-    out = list(epochs) if epochs is not None else []
-    for e in out:
-        if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+    """The epochs as a sorted list of plain ints (numpy integers taken)."""
+    try:
+        given: list[Any] = list(epochs) if epochs is not None else []
+    except TypeError:
+        raise ValueError(f"{name} must be a list of epochs (non-negative integers), got {epochs!r}") from None
+    out = []
+    for e in given:
+        if isinstance(e, bool) or not isinstance(e, Integral) or int(e) < 0:
             raise ValueError(f"{name} must be a list of epochs (non-negative integers), got {epochs!r}")
+        out.append(int(e))
     return sorted(out)
 
 
 def _check_alpha(name: str, alpha: Any) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha > 0):
+    """``alpha`` as a plain float (numpy scalars taken) if it is a positive finite number."""
+    if isinstance(alpha, bool) or not isinstance(alpha, Real) or not (math.isfinite(alpha) and float(alpha) > 0):
         raise ValueError(f"{name} must be a positive number, got {alpha!r}")
     return float(alpha)
+
+
+#: The rule of each entry of a :class:`KFACParamScheduler` state (the constructor's; each returns the plain value).
+_STATE_CHECKS: dict[str, Validator] = {
+    "damping_alpha": _check_alpha,
+    "damping_schedule": _check_epochs,
+    "update_freq_alpha": _check_alpha,
+    "update_freq_schedule": _check_epochs,
+    "base_damping": SCHEDULE_CHECKS["damping"],
+    "base_factor_update_freq": check_positive_int,
+    "base_inv_update_freq": check_positive_int,
+    "epoch": check_non_negative_int,
+}
+
+
+def _checked_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of a scheduler state as plain values, or a ValueError naming the first bad key."""
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        try:
+            out[key] = _STATE_CHECKS[key](key, value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"KFACParamScheduler state: {exc}") from None
+    factor, inverse = out["base_factor_update_freq"], out["base_inv_update_freq"]
+    if inverse % factor:
+        raise ValueError(
+            f"KFACParamScheduler state: base_inv_update_freq ({inverse}) must be a multiple of base_factor_update_freq ({factor})"
+        )
+    return out
 
 
 class KFACParamScheduler:
@@ -199,11 +238,15 @@ class KFACParamScheduler:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items() if k != "optimizer"}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the optimizer's own checkpoint holds the values in force."""
+        """Restore :meth:`state_dict`; the optimizer's own checkpoint holds the values in force.
+
+        Every value is checked by the constructor's rules (a damaged or
+        edited checkpoint fails here, naming the key, not epochs later).
+        """
         expected = set(self.state_dict())
         if set(state_dict) != expected:
             raise ValueError(f"not a KFACParamScheduler state: keys {sorted(state_dict)}, expected {sorted(expected)}")
-        self.__dict__.update({k: (list(v) if isinstance(v, list) else v) for k, v in state_dict.items()})
+        self.__dict__.update(_checked_state(state_dict))
 
     def __repr__(self) -> str:
         return (

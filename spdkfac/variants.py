@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 
+from .config import HYPERPARAMETER_CHECKS, SCHEDULE_CHECKS, KFACConfig
+
 if TYPE_CHECKING:
     from .optimizer import SPDKFACOptimizer  # at run time imported lazily, in make_optimizer
 
-__all__ = ["VARIANTS", "make_optimizer", "variant_argv", "variant_config"]
+__all__ = ["VARIANTS", "make_optimizer", "variant_argv", "variant_config", "variant_keys"]
 
 #: name -> keyword arguments of :class:`~spdkfac.SPDKFACOptimizer`
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -49,12 +53,40 @@ def _parse_value(text: str) -> Any:
     return text.strip()
 
 
+@functools.cache
+def variant_keys() -> tuple[str, ...]:
+    """The optimizer keyword arguments a variant spec may change: all but the model and the GradScaler object."""
+    from .optimizer import SPDKFACOptimizer
+
+    names = inspect.signature(SPDKFACOptimizer.__init__).parameters
+    return tuple(sorted(n for n in names if n not in ("self", "model", "grad_scaler")))
+
+
+def _check_value(key: str, value: Any) -> Any:
+    """The value a spec gives ``key``, checked by the optimizer's own rule (TypeError/ValueError naming ``key``)."""
+    if key in HYPERPARAMETER_CHECKS:
+        return HYPERPARAMETER_CHECKS[key](key, value)
+    if key in SCHEDULE_CHECKS:
+        return SCHEDULE_CHECKS[key](key, value)
+    if key == "skip_layers":  # one module or class name (a list would need the ',' that separates changes)
+        if not isinstance(value, str):
+            raise TypeError(f"skip_layers in a variant spec must be one module or class name, got {value!r}")
+        return (value,)
+    if key == "backend" and not isinstance(value, str):
+        raise TypeError(f"backend must be a name, got {value!r}")
+    if key == "perf_model" and value is not None and not isinstance(value, str):
+        raise TypeError(f"perf_model must be a file path or none, got {value!r}")
+    return value
+
+
 def variant_config(spec: str) -> dict[str, Any]:
     """Optimizer keyword arguments of ``'name'`` or ``'name:key=value,key=value'`` (a variant with changes).
 
     The second form lets a benchmark run a variant with one switch flipped
     next to the original in the same launch, e.g.
-    ``'spdkfac:overlap_preconditioning=false'``.
+    ``'spdkfac:overlap_preconditioning=false'``. An unknown key or a value the
+    optimizer would refuse is a ValueError here, when a command line is
+    parsed, not a traceback when the optimizer is made.
     """
     name, _, changes = spec.partition(":")
     if name not in VARIANTS:
@@ -62,9 +94,24 @@ def variant_config(spec: str) -> dict[str, Any]:
     config = dict(VARIANTS[name])
     for item in filter(None, (c.strip() for c in changes.split(","))):
         key, eq, value = item.partition("=")
-        if not eq or not key.strip():
+        key = key.strip()
+        if not eq or not key:
             raise ValueError(f"bad change {item!r} in variant {spec!r}; write key=value")
-        config[key.strip()] = _parse_value(value)
+        if key not in variant_keys():
+            raise ValueError(f"unknown option {key!r} in variant {spec!r}; the options are {', '.join(variant_keys())}")
+        try:
+            config[key] = _check_value(key, _parse_value(value))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bad value in variant {spec!r}: {exc}") from None
+    try:
+        KFACConfig.from_options(config)  # the options of KFACConfig (choices, flags, integers), as the optimizer checks them
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad value in variant {spec!r}: {exc}") from None
+    freqs = config.get("factor_update_freq"), config.get("inv_update_freq")
+    if isinstance(freqs[0], int) and isinstance(freqs[1], int) and freqs[1] % freqs[0]:
+        raise ValueError(
+            f"bad value in variant {spec!r}: inv_update_freq ({freqs[1]}) must be a multiple of factor_update_freq ({freqs[0]})"
+        )
     return config
 
 

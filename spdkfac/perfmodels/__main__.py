@@ -9,27 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 
 from ..affinity import add_bind_cores_option, bind_cores_if_asked
 from ..host_memory import retain_freed_memory
+from ..output_path import output_file, unwritable_reason
 from .models import PerfModel, PerfModelError
-
-
-def _unwritable(path: Path) -> str | None:
-    """Why ``path`` could not be written (its directory missing, not a directory, or read-only), or None."""
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.exists():
-        return f"its directory {parent} does not exist"
-    if not parent.is_dir():
-        return f"{parent} is not a directory"
-    if path.is_dir():
-        return "it is a directory"
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        return "no permission to write there"
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("benchmark", help="measure this launch's workers and write a model file")
-    b.add_argument("--out", required=True, help="JSON file to write (rank 0)")
+    b.add_argument("--out", required=True, type=output_file(), help="JSON file to write (rank 0)")
     b.add_argument("--quick", action="store_true", help="fewer, smaller points (CPU)")
     b.add_argument("--engine", default="auto", choices=("auto", "horovod", "torch", "single", "mpi4py"))
     b.add_argument("--repeats", type=int, default=100)
@@ -51,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--sizes", type=int, nargs="*", help="all-reduce message sizes (elements)")
     b.add_argument("--threads", type=int, default=None, help="torch intra-op threads per worker")
     add_bind_cores_option(b)
-    b.add_argument("--plot", default=None, help="also write this PNG")
+    b.add_argument("--plot", default=None, type=output_file(), help="also write this PNG")
     p = sub.add_parser("plot", help="draw measurements against the fitted curves")
     p.add_argument("file")
-    p.add_argument("--out", default=None, help="PNG path (default: next to the JSON)")
+    p.add_argument("--out", default=None, type=output_file(), help="PNG path (default: next to the JSON)")
     s = sub.add_parser("show", help="validate a model file and print its parameters")
     s.add_argument("file")
     args = ap.parse_args(argv)
@@ -75,10 +60,6 @@ def main(argv: list[str] | None = None) -> int:
             # Checked before minutes of measuring: each model is a fit through at least two points.
             if values is not None and (len(set(values)) < 2 or min(values) < 1):
                 ap.error(f"{flag} needs at least two distinct positive values to fit a model, got {values}")
-        for path in filter(None, (args.out, args.plot)):  # before minutes of measuring, not after
-            problem = _unwritable(Path(path))
-            if problem:
-                ap.error(f"cannot write {path}: {problem}")
         engine = Mpi4pyEngine() if args.engine == "mpi4py" else get_backend(args.engine)
         model_dims = None
         if args.model:
@@ -120,11 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     except PerfModelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.cmd == "plot" and args.out is None:  # the default, next to the JSON (a given --out is checked by argparse)
+        args.out = str(args.file).rsplit(".", 1)[0] + ".png"
+        problem = unwritable_reason(args.out)
+        if problem:
+            ap.error(f"cannot write {args.out} (the default --out of plot): {problem}")
     if args.cmd == "plot":
         from .plot import plot_perf_model
 
-        out = args.out or str(args.file).rsplit(".", 1)[0] + ".png"
-        print(f"wrote {plot_perf_model(model, out)}")
+        print(f"wrote {plot_perf_model(model, args.out)}")
         return 0
     print(_summary(model))
     return 0

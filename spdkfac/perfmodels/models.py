@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..file_version import FormatVersionError, check_format_version
+
 __all__ = [
     "AllReduceModel",
     "BroadcastModel",
@@ -264,6 +266,7 @@ class PerfModel:
     def from_dict(cls, data: dict[str, Any], source: str = "dict") -> PerfModel:
         if not isinstance(data, dict):
             raise PerfModelError(f"{source}: expected a JSON object at top level")
+        _check_version(data, source)
         missing = [k for k in ("allreduce", "broadcast", "inverse") if k not in data]
         if missing:
             raise PerfModelError(f"{source}: missing field(s) {missing}")
@@ -309,6 +312,19 @@ class PerfModel:
             meta={"label": "built-in default (uncalibrated)"},
             source="built-in default (uncalibrated)",
         )
+
+
+_REMEDY = "re-measure with `python -m spdkfac.perfmodels benchmark`"
+
+
+def _check_version(data: dict[str, Any], source: str) -> None:
+    """Refuse a file without ``format_version`` or with one newer than :data:`FORMAT_VERSION` (every file written has one)."""
+    if "format_version" not in data:
+        raise PerfModelError(f"performance model {source} has no format_version field (this spdkfac writes {FORMAT_VERSION}); {_REMEDY}")
+    try:
+        check_format_version(data["format_version"], FORMAT_VERSION, "performance model", source, _REMEDY)
+    except FormatVersionError as exc:
+        raise PerfModelError(str(exc)) from None
 
 
 def _curve_dict(model: InverseModel) -> dict[str, Any]:

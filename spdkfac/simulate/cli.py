@@ -11,6 +11,7 @@ import warnings
 from ..affinity import add_bind_cores_option, bind_cores_if_asked
 from ..comm import detect_launcher, get_backend
 from ..host_memory import retain_freed_memory
+from ..output_path import output_file
 from ..perfmodels import PerfModel, PerfModelError
 from ..variants import variant_argv, variant_config
 from .prediction import PARTS, predict
@@ -36,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     add_bind_cores_option(p)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, type=output_file())
     q = sub.add_parser("predict", help="predict iteration times from a profile and a performance model")
     q.add_argument("--profile", required=True, nargs="+", help="one profile, or several to average (e.g. taken before and after)")
     q.add_argument("--perf-model", required=True)
@@ -44,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--variants", nargs="*", action="extend", default=None, help=f"default: {' '.join(DEFAULT_VARIANTS)}")
     q.add_argument("--contention", action="store_true", help="communication cannot overlap computation (CPU workers, no spare core)")
     q.add_argument("--update-freq", type=int, nargs=2, default=[1, 1])
-    q.add_argument("--json", default=None, help="also write the predictions here")
+    q.add_argument("--json", default=None, type=output_file(), help="also write the predictions here")
     return ap
 
 

@@ -14,6 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..file_version import check_format_version
+from .profile_check import check_profile
+
 __all__ = [
     "FORMAT_VERSION",
     "PROFILE_FIELDS",
@@ -121,6 +124,13 @@ def _check_times(raw: Mapping[str, Any], source: str) -> None:
     bad = [key for key in ("forward", "backward", "step_other") if not isinstance(raw[key], (int, float)) or raw[key] < 0]
     if bad or not isinstance(raw["factors"], list) or not raw["factors"]:
         raise ValueError(f"profile {source}: field(s) {bad or ['factors']} must be non-negative times / a non-empty list")
+    required = [f.name for f in dataclasses.fields(FactorProfile) if f.default is dataclasses.MISSING]
+    for i, factor in enumerate(raw["factors"]):
+        if not isinstance(factor, Mapping):
+            raise ValueError(f"profile {source}: field factors[{i}] must be an object ({', '.join(required)}), got {factor!r}")
+        missing = [name for name in required if name not in factor]
+        if missing:
+            raise ValueError(f"profile {source}: field factors[{i}] lacks {missing}; write it with `python -m spdkfac.simulate profile`")
 
 
 def _precondition(entries: Sequence[Mapping[str, Any]]) -> tuple[LayerPreconditionProfile, ...]:
@@ -209,21 +219,23 @@ def upgrade_unversioned(raw: Mapping[str, Any], source: str = "<profile>") -> Pr
         )
     except KeyError as exc:
         raise ValueError(f"profile {source} lacks the field {exc}; write it with `python -m spdkfac.simulate profile`") from None
+    except TypeError as exc:  # a factor or precondition entry that is not an object
+        raise ValueError(f"profile {source} is malformed: {exc}") from None
 
 
 def profile_from_dict(raw: Any, source: str = "<profile>") -> Profile:
-    """A profile from a file's JSON object, whatever version this code can read."""
+    """A profile from a file's JSON object, whatever version this code can read, every value checked (:func:`check_profile`)."""
     if not isinstance(raw, dict):
         raise ValueError(f"profile {source} lacks the field(s) {list(PROFILE_FIELDS)}; write it with `python -m spdkfac.simulate profile`")
     if "format_version" not in raw:
-        return upgrade_unversioned(raw, source)
-    version = raw["format_version"]
-    if version == FORMAT_VERSION:
-        return _parse_v1(raw, source)
-    raise ValueError(
-        f"profile {source} has format_version {version!r}; this spdkfac reads versions up to "
-        f"{FORMAT_VERSION} (a newer spdkfac wrote it, or re-profile with this one)"
-    )
+        profile = upgrade_unversioned(raw, source)
+    else:
+        check_format_version(
+            raw["format_version"], FORMAT_VERSION, "profile", source, "re-profile with `python -m spdkfac.simulate profile`"
+        )
+        profile = _parse_v1(raw, source)  # version 1, the only versioned format so far
+    check_profile(profile, source)  # finite times, positive dimensions: a bad value fails here, not in predict
+    return profile
 
 
 def load_profiles(paths: Sequence[str]) -> Profile:
