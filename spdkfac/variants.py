@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch.nn as nn
 
 if TYPE_CHECKING:
+    from .dho2 import DHO2Optimizer
     from .optimizer import SPDKFACOptimizer  # at run time imported lazily, in make_optimizer
 
 __all__ = ["VARIANTS", "make_optimizer", "variant_argv", "variant_config"]
@@ -68,10 +69,25 @@ def variant_config(spec: str) -> dict[str, Any]:
     return config
 
 
-def make_optimizer(variant: str, model: nn.Module, **kwargs: Any) -> SPDKFACOptimizer:
-    """Build ``SPDKFACOptimizer`` configured as ``variant`` (see :data:`VARIANTS` and :func:`variant_config`)."""
+@overload
+def make_optimizer(variant: Literal["dho2", "dho2-wa"], model: nn.Module, **kwargs: Any) -> DHO2Optimizer: ...
+
+
+@overload
+def make_optimizer(variant: str, model: nn.Module, **kwargs: Any) -> SPDKFACOptimizer: ...
+
+
+def make_optimizer(variant: str, model: nn.Module, **kwargs: Any) -> SPDKFACOptimizer | DHO2Optimizer:
+    """Build ``SPDKFACOptimizer`` configured as ``variant`` (see :data:`VARIANTS` and :func:`variant_config`),
+    or the DHO2 optimizer for ``'dho2'`` / ``'dho2-wa'`` (:data:`spdkfac.dho2.DHO2_VARIANTS`)."""
+    from .dho2 import DHO2_VARIANTS, DHO2Optimizer
     from .optimizer import SPDKFACOptimizer
 
+    if variant in DHO2_VARIANTS:
+        fixed: dict[str, Any] = dict(DHO2_VARIANTS[variant])
+        if set(fixed) & set(kwargs):
+            raise ValueError(f"variant {variant!r} fixes {sorted(set(fixed) & set(kwargs))}; do not pass them")
+        return DHO2Optimizer(model, **fixed, **kwargs)
     config = variant_config(variant)
     overlap = sorted(set(config) & set(kwargs))
     if overlap:

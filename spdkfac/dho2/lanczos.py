@@ -93,8 +93,9 @@ def distributed_lanczos(
     ``hvp`` maps a full vector to its full product with the Hessian (already
     averaged over the workers: the same on every worker). ``v1`` is the full
     unit start vector, the same on every worker. Stops early, with fewer
-    steps, when ``β`` falls to rounding level (the Krylov space is invariant:
-    its Ritz values are then exact eigenvalues).
+    steps, when ``β < √eps·‖H v_i‖`` (the Krylov space is invariant to that
+    accuracy: its Ritz pairs are then eigenpairs, e.g. after as many steps as
+    the Hessian has distinct eigenvalues).
     """
     rank, size = backend.rank, backend.size
     if split.size != size:
@@ -105,7 +106,9 @@ def distributed_lanczos(
     B = torch.zeros(steps, steps, dtype=dtype, device=device)
     D[:, 0] = v1[rows]
     v = torch.empty(split.n, dtype=dtype, device=device)
-    tol = 100 * torch.finfo(dtype).eps
+    # Stop once β < √eps·‖h‖: the Krylov space is invariant to that accuracy (its Ritz pairs are eigenpairs), and a
+    # smaller β would divide the one re-orthogonalisation pass's rounding into the next column (loss of orthogonality).
+    tol = torch.finfo(dtype).eps ** 0.5
     taken = steps
     for i in range(steps):
         v[rows] = D[:, i]

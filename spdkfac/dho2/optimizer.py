@@ -221,17 +221,17 @@ class DHO2Optimizer(torch.optim.Optimizer):
 
     def _refresh(self, closure: Closure) -> tuple[torch.Tensor, EigenBasis]:
         """New eigenpairs at the current parameters from the closure's loss (every worker: the same collectives, the same result)."""
+        before = [p.grad._version if p.grad is not None else None for p in self.params]
         with torch.enable_grad():
             loss = closure()
+        if [p.grad._version if p.grad is not None else None for p in self.params] != before:
+            raise RuntimeError("the closure changed the gradients: it must return the loss without calling backward()")
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"the closure must return the loss tensor (with its graph), got {type(loss).__name__}")
-        before = [p.grad._version if p.grad is not None else None for p in self.params]
         hvp = HessianVectorProduct(loss, self.params, self.backend)
         v1 = start_vector(self.n, self.config.seed * 1_000_003 + self.refreshes, self.params[0].dtype, self.params[0].device)
         result = distributed_lanczos(hvp, self.split, self.backend, self.lanczos_steps, v1)
         self._lanczos_bytes = result.basis_bytes
-        if [p.grad._version if p.grad is not None else None for p in self.params] != before:
-            raise RuntimeError("the closure changed the gradients: it must return the loss without calling backward()")
         if not bool(torch.isfinite(result.tridiagonal).all()):  # identical on every worker: all skip alike
             self.nonfinite.bad_step(NonFiniteError(f"non-finite Hessian-vector products at step {self.steps}; no parameter was changed"))
         values, vectors = extreme_eigenpairs(result, self.split, self.backend, self.config.k, self.config.l)
