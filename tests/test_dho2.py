@@ -120,7 +120,7 @@ def _lanczos(backend, H: torch.Tensor, steps: int, k: int, l: int, seed: int = 0
 def test_lanczos_extreme_eigenpairs_match_eigh_of_the_hessian():
     model, (x, y) = tiny_net(), data()
     H = hessian(model, x, y)
-    exact, Q = torch.linalg.eigh(H)
+    exact, _Q = torch.linalg.eigh(H)
     _, values, vectors = _lanczos(SingleProcessBackend(), H, H.shape[0], k=3, l=2)
     expected = torch.cat([exact[:2], exact[-3:]])
     assert torch.allclose(values, expected, rtol=0, atol=1e-6)
@@ -152,7 +152,8 @@ def test_distributed_lanczos_equals_the_single_process_one_and_is_bitwise_identi
         assert torch.allclose(result.tridiagonal, ref.tridiagonal, atol=1e-10)
         assert torch.allclose(values, ref_values, atol=1e-10)
         assert torch.allclose(vectors, ref_vectors, atol=1e-9)
-        assert torch.equal(values, outs[0][1]) and torch.equal(vectors, outs[0][2])
+        assert torch.equal(values, outs[0][1])
+        assert torch.equal(vectors, outs[0][2])
         assert torch.equal(result.tridiagonal, outs[0][0].tridiagonal)
         # Each rank holds only its rows of D: n·m/P values (rounded up).
         assert result.rows.shape == (RowSplit(n, size).counts[rank], m)
@@ -180,7 +181,8 @@ def test_distributed_lanczos_collectives_follow_algorithm_2():
 
 def test_row_split_is_even_and_covers_every_row():
     split = RowSplit(10, 3)
-    assert split.counts == [4, 3, 3] and split.offsets == [0, 4, 7]
+    assert split.counts == [4, 3, 3]
+    assert split.offsets == [0, 4, 7]
     assert [split.rows(r) for r in range(3)] == [slice(0, 4), slice(4, 7), slice(7, 10)]
 
 
@@ -233,7 +235,8 @@ def test_admm_state_follows_algorithm_3():
     wa2 = torch.tensor([0.0, 0.0])
     start2 = admm.end_period(wa2)
     pi2 = pi + 0.5 * (wa2 - start)
-    assert torch.allclose(admm.multiplier, pi2) and torch.allclose(start2, wa2 + pi2 / 0.5)
+    assert torch.allclose(admm.multiplier, pi2)
+    assert torch.allclose(start2, wa2 + pi2 / 0.5)
 
 
 # ------------------------------------------------------------ against a reference
@@ -374,7 +377,7 @@ def test_memory_of_the_lanczos_basis_shrinks_with_the_workers():
 def test_state_dict_resumes_bit_for_bit(admm):
     x, y = data()
     model = tiny_net()
-    opt = DHO2Optimizer(model, lr=1e-2, backend="single", admm=admm, **{k: v for k, v in OPTIONS.items()})
+    opt = DHO2Optimizer(model, lr=1e-2, backend="single", admm=admm, **OPTIONS)
     run_dho2(opt, model, x, y, 10)
 
     first = tiny_net()
@@ -396,7 +399,7 @@ def test_load_state_dict_refuses_another_model_or_setting():
     with pytest.raises(ValueError, match="parameters"):
         opt.load_state_dict(other.state_dict())
     with pytest.raises(ValueError, match="admm"):
-        opt.load_state_dict(DHO2Optimizer(tiny_net(), backend="single", admm=False, **{**OPTIONS}).state_dict())
+        opt.load_state_dict(DHO2Optimizer(tiny_net(), backend="single", admm=False, **OPTIONS).state_dict())
     with pytest.raises(ValueError, match="not a DHO2"):
         opt.load_state_dict(torch.optim.SGD(tiny_net().parameters(), lr=0.1).state_dict())
 
@@ -433,7 +436,9 @@ def test_nonfinite_hessian_products_skip_the_refresh_and_keep_the_parameters():
     nn.functional.cross_entropy(model(x), y).backward()
     with pytest.warns(UserWarning, match="Hessian"):
         opt.step(lambda: nn.functional.cross_entropy(model(x), y) * float("nan"))
-    assert torch.equal(flat(model), before) and opt.steps == 0 and opt.basis is None
+    assert torch.equal(flat(model), before)
+    assert opt.steps == 0
+    assert opt.basis is None
 
 
 # ---------------------------------------------------------------------- errors
@@ -483,14 +488,19 @@ def test_step_needs_the_closure_on_refresh_steps_and_refuses_one_that_calls_back
     assert opt.step(lambda: nn.functional.cross_entropy(model(x), y)) is not None
     opt.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
-    assert not opt.refresh_due and opt.step() is None  # no refresh: no closure needed
+    assert not opt.refresh_due
+    assert opt.step() is None
 
 
 def test_make_optimizer_builds_both_configurations():
     dho2 = make_optimizer("dho2", tiny_net(), lr=1e-3, backend="single")
     wa = make_optimizer("dho2-wa", tiny_net(), lr=1e-3, backend="single")
-    assert isinstance(dho2, DHO2Optimizer) and dho2.config.admm and dho2.admm is not None
-    assert isinstance(wa, DHO2Optimizer) and not wa.config.admm and wa.admm is None
+    assert isinstance(dho2, DHO2Optimizer)
+    assert dho2.config.admm
+    assert dho2.admm is not None
+    assert isinstance(wa, DHO2Optimizer)
+    assert not wa.config.admm
+    assert wa.admm is None
     assert "admm=False" in repr(wa)
     with pytest.raises(ValueError, match="fixes"):
         make_optimizer("dho2", tiny_net(), lr=1e-3, admm=False)
