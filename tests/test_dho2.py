@@ -504,3 +504,36 @@ def test_make_optimizer_builds_both_configurations():
     assert "admm=False" in repr(wa)
     with pytest.raises(ValueError, match="fixes"):
         make_optimizer("dho2", tiny_net(), lr=1e-3, admm=False)
+
+
+# ---------------------------------------------------------------- training job
+def test_training_job_options(capsys):
+    from spdkfac.train_args import dho2_options, parse_args
+
+    args = parse_args(["--optimizer", "dho2", "--refresh-every", "10", "--admm-epochs", "2"])
+    assert (args.lr, args.weight_decay) == (1e-3, 0.05)  # the paper's AdamW defaults
+    assert dho2_options(args, steps_per_epoch=30) == dict(k=5, l=0, refresh_every=10, alpha=0.1, seed=42, sigma=5e-4, admm_period=60)
+    assert "sigma" not in dho2_options(parse_args(["--optimizer", "dho2-wa"]), 30)
+    assert parse_args(["--optimizer", "sgd"]).lr == 0.05
+    for argv, match in [
+        (["--optimizer", "sgd", "--sigma", "0.1"], "--sigma only apply to --optimizer dho2"),
+        (["--optimizer", "dho2", "--momentum", "0.5"], "--momentum does not apply"),
+        (["--optimizer", "dho2", "--damping", "0.1"], "--damping only apply to the K-FAC optimizers"),
+        (["--optimizer", "dho2", "--amp", "fp16"], "fp16"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert match  # the message goes to stderr (argparse); the exit is what matters here
+
+
+def test_training_job_runs_and_resumes_dho2(tmp_path, capsys):
+    from spdkfac.train import main
+
+    torch.set_default_dtype(torch.float32)  # the job's data and models (the module's float64 fixture restores it)
+    argv = ["--data", "digits", "--optimizer", "dho2", "--epochs", "2", "--refresh-every", "15", "--quiet", "--backend", "single"]
+    full = main([*argv, "--out-dir", str(tmp_path / "full")])
+    main([*argv, "--out-dir", str(tmp_path / "half"), "--stop-after", "1"])
+    resumed = main([*argv, "--out-dir", str(tmp_path / "half"), "--resume"])
+    assert full["test_acc"] > 0.5
+    for key in ("train_loss", "test_loss", "test_acc"):
+        assert resumed[key] == full[key]
