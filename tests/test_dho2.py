@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from nets import dho2_batch, dho2_net
 from torch.func import functional_call
 
 from spdkfac import make_optimizer
@@ -32,17 +33,9 @@ from spdkfac.dho2 import (
 from spdkfac.dho2.lanczos import start_vector
 from spdkfac.nonfinite import NonFiniteError
 
+tiny_net, data = dho2_net, dho2_batch
+
 pytestmark = pytest.mark.usefixtures("float64")
-
-
-def tiny_net(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
-
-
-def data(n: int = 24, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
 
 
 def loss_at(model: nn.Module, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
