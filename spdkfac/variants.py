@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import torch.nn as nn
 
 if TYPE_CHECKING:
+    from .adamw import DistributedAdamW
     from .dho2 import DHO2Optimizer
     from .optimizer import SPDKFACOptimizer  # at run time imported lazily, in make_optimizer
 
-__all__ = ["VARIANTS", "make_optimizer", "variant_argv", "variant_config"]
+__all__ = ["OTHER_OPTIMIZERS", "VARIANTS", "make_optimizer", "optimizer_config", "variant_argv", "variant_config"]
 
 #: name -> keyword arguments of :class:`~spdkfac.SPDKFACOptimizer`
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -60,7 +61,24 @@ def variant_config(spec: str) -> dict[str, Any]:
     name, _, changes = spec.partition(":")
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r}; choose one of {sorted(VARIANTS)}")
-    config = dict(VARIANTS[name])
+    return _with_changes(dict(VARIANTS[name]), changes, spec)
+
+
+#: The optimizers beside the K-FAC configurations: DHO2 with and without ADMM, and its base AdamW.
+OTHER_OPTIMIZERS: dict[str, dict[str, Any]] = {"dho2": dict(admm=True), "dho2-wa": dict(admm=False), "adamw": {}}
+
+
+def optimizer_config(spec: str) -> dict[str, Any]:
+    """:func:`variant_config` of any name :func:`make_optimizer` takes: the K-FAC variants and :data:`OTHER_OPTIMIZERS`."""
+    name, _, changes = spec.partition(":")
+    if name in VARIANTS:
+        return variant_config(spec)
+    if name not in OTHER_OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(VARIANTS) + sorted(OTHER_OPTIMIZERS)}")
+    return _with_changes(dict(OTHER_OPTIMIZERS[name]), changes, spec)
+
+
+def _with_changes(config: dict[str, Any], changes: str, spec: str) -> dict[str, Any]:
     for item in filter(None, (c.strip() for c in changes.split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
@@ -74,25 +92,30 @@ def make_optimizer(variant: Literal["dho2", "dho2-wa"], model: nn.Module, **kwar
 
 
 @overload
+def make_optimizer(variant: Literal["adamw"], model: nn.Module, **kwargs: Any) -> DistributedAdamW: ...
+
+
+@overload
 def make_optimizer(variant: str, model: nn.Module, **kwargs: Any) -> SPDKFACOptimizer: ...
 
 
-def make_optimizer(variant: str, model: nn.Module, **kwargs: Any) -> SPDKFACOptimizer | DHO2Optimizer:
-    """Build ``SPDKFACOptimizer`` configured as ``variant`` (see :data:`VARIANTS` and :func:`variant_config`),
-    or the DHO2 optimizer for ``'dho2'`` / ``'dho2-wa'`` (:data:`spdkfac.dho2.DHO2_VARIANTS`)."""
-    from .dho2 import DHO2_VARIANTS, DHO2Optimizer
+def make_optimizer(variant: str, model: nn.Module, **kwargs: Any) -> SPDKFACOptimizer | DHO2Optimizer | DistributedAdamW:
+    """Build the optimizer ``variant`` names (see :func:`optimizer_config`): ``SPDKFACOptimizer`` configured as
+    one of :data:`VARIANTS`, the DHO2 optimizer (``'dho2'``, ``'dho2-wa'``) or its base, distributed AdamW (``'adamw'``)."""
+    from .adamw import DistributedAdamW
+    from .dho2 import DHO2Optimizer
     from .optimizer import SPDKFACOptimizer
 
-    if variant in DHO2_VARIANTS:
-        fixed: dict[str, Any] = dict(DHO2_VARIANTS[variant])
-        if set(fixed) & set(kwargs):
-            raise ValueError(f"variant {variant!r} fixes {sorted(set(fixed) & set(kwargs))}; do not pass them")
-        return DHO2Optimizer(model, **fixed, **kwargs)
-    config = variant_config(variant)
+    config = optimizer_config(variant)
     overlap = sorted(set(config) & set(kwargs))
     if overlap:
         raise ValueError(f"variant {variant!r} fixes {overlap}; do not pass them")
     config.update(kwargs)
+    name = variant.partition(":")[0]
+    if name == "adamw":
+        return DistributedAdamW(model, **config)
+    if name in OTHER_OPTIMIZERS:
+        return DHO2Optimizer(model, **config)
     return SPDKFACOptimizer(model, **config)
 
 

@@ -530,3 +530,28 @@ def test_training_job_runs_and_resumes_dho2(tmp_path, capsys):
     assert full["test_acc"] > 0.5
     for key in ("train_loss", "test_loss", "test_acc"):
         assert resumed[key] == full[key]
+
+
+def test_distributed_adamw_is_torch_adamw_on_the_averaged_gradient():
+    x, y = data(24)
+    ref_model = tiny_net()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.05)
+    for s in range(4):
+        ref.zero_grad()
+        nn.functional.cross_entropy(ref_model(x + 0.1 * s), y).backward()
+        ref.step()
+    models = [tiny_net() for _ in range(2)]
+
+    def fn(backend):
+        model = models[backend.rank]
+        opt = make_optimizer("adamw", model, lr=1e-2, backend=backend)
+        shard = slice(backend.rank * 12, (backend.rank + 1) * 12)
+        for s in range(4):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x[shard] + 0.1 * s), y[shard]).backward()
+            opt.step()
+        return flat(model)
+
+    out = run_ranks(2, fn)
+    assert torch.equal(out[0], out[1])
+    assert torch.allclose(out[0], flat(ref_model), rtol=0, atol=1e-12)

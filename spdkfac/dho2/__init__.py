@@ -9,6 +9,9 @@ iteration. The parts, each usable alone:
 - :mod:`.lanczos`: the distributed Lanczos iteration (Algorithms 1-2) and the extreme eigenpairs;
 - :mod:`.update`: the hybrid step (Eqs. 3, 4, 13) and the ADMM state (Algorithm 3);
 - :mod:`.optimizer`: :class:`DHO2Optimizer`, which schedules them.
+
+``make_optimizer('dho2' | 'dho2-wa', model, lr=...)`` builds it with and
+without the ADMM outer iteration (:data:`spdkfac.variants.OTHER_OPTIMIZERS`).
 """
 
 from .config import DHO2Config, default_lanczos_steps
@@ -17,14 +20,7 @@ from .lanczos import RowSplit, distributed_lanczos, extreme_eigenpairs
 from .optimizer import DHO2Optimizer
 from .update import ADMMState, EigenBasis, hybrid_delta
 
-#: name -> keyword arguments of :class:`DHO2Optimizer` (``make_optimizer('dho2', model, lr=...)``)
-DHO2_VARIANTS: dict[str, dict[str, bool]] = {
-    "dho2": dict(admm=True),  # Algorithm 3: the ADMM-like outer iteration
-    "dho2-wa": dict(admm=False),  # the paper's DHO2-WA: distributed FOSI without ADMM
-}
-
 __all__ = [
-    "DHO2_VARIANTS",
     "ADMMState",
     "DHO2Config",
     "DHO2Optimizer",
