@@ -74,7 +74,7 @@ def optimizer_config(spec: str) -> dict[str, Any]:
     if name in VARIANTS:
         return variant_config(spec)
     if name not in OTHER_OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(VARIANTS) + sorted(OTHER_OPTIMIZERS)}")
+        raise ValueError(f"unknown variant {name!r}; choose one of {sorted(VARIANTS) + sorted(OTHER_OPTIMIZERS)}")
     return _with_changes(dict(OTHER_OPTIMIZERS[name]), changes, spec)
 
 

@@ -181,6 +181,7 @@ class DHO2Optimizer(torch.optim.Optimizer):
                 "step(closure) with a closure returning this worker's batch loss (no backward()), on every worker"
             )
         loss = None
+        self.last_step_times = {}
         try:
             self.grads.synchronize()
             grad = flatten([p.grad for p in self.params], self.params)
