@@ -348,3 +348,34 @@ def test_missing_key_names_the_file(results: Path, tmp_path: Path):
 def test_no_results_folder(tmp_path: Path):
     with pytest.raises(results_md.ResultsError, match="no such results folder"):
         results_md.build(tmp_path / "absent", tmp_path / "RESULTS.md")
+
+
+def test_dho2_cost_section_lists_each_worker_count(tmp_path):
+    build = results_md.build
+    results = tmp_path / "results"
+    (results / "dho2_cost").mkdir(parents=True)
+    for size, basis in ((1, 4 * 2**20), (2, 2 * 2**20)):
+        record = {
+            "args": {"model": "mnist_cnn", "refresh_every": 5, "iters": 20, "out": "x"},
+            "machine": {"cpu": "test"},
+            "engine": "horovod" if size > 1 else "single",
+            "world_size": size,
+            "model": "mnist_cnn",
+            "params": 41642,
+            "lanczos_steps": 22,
+            "grad_s": 0.01,
+            "refresh_s": 0.4,
+            "update_s": 0.0008,
+            "per_iteration_s": 0.0908,
+            "memory": {"lanczos_basis": basis, "eigenvectors": 2**20},
+        }
+        (results / "dho2_cost" / f"w{size}.json").write_text(json.dumps(record))
+    text = build(results, tmp_path / "RESULTS.md")
+    section = _section(text, "DHO2: time per iteration and curvature memory per worker")
+    assert "| 1 (single) | mnist_cnn (n=41642, m=22) | 10 | 400 (every 5) | 0.8 | 91 | 4.00 | 1.00 |" in section
+    assert "| 2 (horovod) |" in section
+    assert "| 2.00 | 1.00 |" in section
+    assert "Not present" in text  # the other sections' notes are unchanged
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "DHO2" not in build(empty, tmp_path / "R2.md")  # absent: no section, no note
