@@ -546,7 +546,7 @@ def build(results: Path, out: Path, label: str | None = None) -> str:
     w.section("soak.json", "Soak run: replicas, memory and pending work over many steps", soak)
     costs = sorted((results / "dho2_cost").glob("w*.json"))
     if costs:  # optional, and new: no note when absent
-        w.lines += ["## DHO2: time per iteration and curvature memory per worker", ""] + dho2_cost(w, costs)
+        w.lines += ["## DHO2: time per iteration and curvature memory per worker", "", *dho2_cost(w, costs)]
     conv = results / "convergence"
     runs = sorted(p.name for p in conv.iterdir() if p.is_dir()) if conv.is_dir() else []
     if not runs:
