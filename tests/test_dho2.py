@@ -555,3 +555,18 @@ def test_distributed_adamw_is_torch_adamw_on_the_averaged_gradient():
     out = run_ranks(2, fn)
     assert torch.equal(out[0], out[1])
     assert torch.allclose(out[0], flat(ref_model), rtol=0, atol=1e-12)
+
+
+def test_a_learning_rate_schedule_scales_the_newton_step_too():
+    x, y = data()
+    steps = []
+    for lr_now in (1e-2, 5e-3):
+        model = tiny_net()
+        opt = DHO2Optimizer(
+            model, lr=1e-2, backend="single", admm=False, weight_decay=0.0, **{k: v for k, v in OPTIONS.items() if k != "sigma"}
+        )
+        opt.param_groups[0]["lr"] = lr_now
+        before = flat(model)
+        run_dho2(opt, model, x, y, 1)  # the first AdamW step is ±lr per coordinate: both parts scale with lr
+        steps.append(flat(model) - before)
+    assert torch.allclose(steps[1], steps[0] / 2, rtol=1e-6, atol=1e-12)

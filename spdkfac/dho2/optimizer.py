@@ -69,7 +69,10 @@ class DHO2Optimizer(torch.optim.Optimizer):
         k, l: the largest / smallest eigenpairs of the Newton subspace (FOSI's 5 and 0).
         refresh_every: T, steps between eigenpair refreshes (FOSI's 100).
         lanczos_steps: m; default ``max(4(k+l), 2 ln n)`` (FOSI's, at most n).
-        alpha: the Newton step's scale α (FOSI's 0.1 for an Adam base).
+        alpha: the Newton step's scale α (FOSI's 0.1 for an Adam base). A learning-rate schedule scales it too:
+            the step uses ``α · lr_now / lr``, so warm-up and decay apply to the whole update (without a
+            schedule, α as in the paper). Without this, the Newton step would stay at full size while the
+            base step decays, and as training converges the curvature (its divisor) shrinks.
         admm: the ADMM-like outer iteration (Algorithm 3); False gives DHO2-WA.
         sigma: σ, the augmented Lagrangian's penalty (5e-4, the paper's ResNet-101 value).
         admm_period: steps per outer iteration (the paper: P = 4 epochs; the training job passes 4 epochs of steps).
@@ -197,7 +200,8 @@ class DHO2Optimizer(torch.optim.Optimizer):
             w = self._flat_params()
             g = self.admm.gradient(grad) if self.admm is not None else grad
             shift = self.config.sigma if self.admm is not None else 0.0
-            delta = hybrid_delta(g, basis, self.config.alpha, shift, self._base_update(w))
+            alpha = self.config.alpha * float(self.param_groups[0]["lr"]) / self.config.lr  # follows the LR schedule
+            delta = hybrid_delta(g, basis, alpha, shift, self._base_update(w))
             w += delta
             self.steps += 1
             if refresh:
