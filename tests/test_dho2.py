@@ -570,3 +570,17 @@ def test_a_learning_rate_schedule_scales_the_newton_step_too():
         run_dho2(opt, model, x, y, 1)  # the first AdamW step is ±lr per coordinate: both parts scale with lr
         steps.append(flat(model) - before)
     assert torch.allclose(steps[1], steps[0] / 2, rtol=1e-6, atol=1e-12)
+
+
+def test_a_nonfinite_update_is_refused_and_leaves_the_parameters(monkeypatch):
+    x, y = data()
+    model = tiny_net()
+    options = {k: v for k, v in OPTIONS.items() if k not in ("eigenvalue_floor", "sigma")}
+    opt = DHO2Optimizer(model, backend="single", admm=False, eigenvalue_floor=0.0, **options)
+    # A curvature so small that α/|a| overflows: the Newton step is infinite.
+    monkeypatch.setattr(EigenBasis, "keep_curvature", lambda self, floor: EigenBasis(torch.full_like(self.values, 1e-320), self.vectors))
+    before = flat(model)
+    with pytest.raises(NonFiniteError, match="non-finite update"):
+        run_dho2(opt, model, x, y, 1)
+    assert torch.equal(flat(model), before)
+    assert opt.steps == 0

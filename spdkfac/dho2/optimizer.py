@@ -202,6 +202,8 @@ class DHO2Optimizer(torch.optim.Optimizer):
             shift = self.config.sigma if self.admm is not None else 0.0
             alpha = self.config.alpha * float(self.param_groups[0]["lr"]) / self.config.lr  # follows the LR schedule
             delta = hybrid_delta(g, basis, alpha, shift, self._base_update(w))
+            if not bool(torch.isfinite(delta).all()):  # identical on every worker (the base state has advanced)
+                self.nonfinite.bad_step(NonFiniteError(f"non-finite update at step {self.steps}; no parameter was changed"))
             w += delta
             self.steps += 1
             if refresh:
