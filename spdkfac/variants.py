@@ -1,4 +1,4 @@
-"""The paper's baselines and ablations as configurations of the one optimizer."""
+"""The paper's baselines and ablations as configurations of the one optimizer; beside them, DHO2 and AdamW by name."""
 
 from __future__ import annotations
 
