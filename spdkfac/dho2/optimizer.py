@@ -67,7 +67,7 @@ class DHO2Optimizer(torch.optim.Optimizer):
         weight_decay: AdamW's decoupled decay (0.05, the paper's), or SGD's L2 term.
         momentum: SGD's momentum (``base='sgd'`` only).
         k, l: the largest / smallest eigenpairs of the Newton subspace (FOSI's 5 and 0).
-        refresh_every: T, steps between eigenpair refreshes (FOSI's 100).
+        refresh_every: T, steps between eigenpair refreshes (the DHO2 paper's I; FOSI's default 100).
         lanczos_steps: m; default ``max(4(k+l), 2 ln n)`` (FOSI's, at most n).
         alpha: the Newton step's scale α (FOSI's 0.1 for an Adam base). A learning-rate schedule scales it too:
             the step uses ``α · lr_now / lr``, so warm-up and decay apply to the whole update (without a
