@@ -1,4 +1,4 @@
-"""Time-to-accuracy of SPD-KFAC against SGD on real data (digits, MNIST 5k).
+"""Time-to-accuracy of SPD-KFAC (and DHO2, AdamW) against SGD on real data (digits, MNIST 5k).
 
     horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m benchmarks.convergence \\
         --data mnist5k digits --batch-sizes 256 32 --optimizers sgd spdkfac --epochs 20
@@ -19,6 +19,11 @@ Seconds are cumulative training time (forward, backward, optimizer step and
 its communication, data batching), excluding model set-up and evaluation,
 averaged over the workers, measured alike for every optimizer. Per-epoch
 forward+backward and step seconds say where the time goes.
+
+DHO2 (``dho2``, ``dho2-wa``, e.g. ``dho2:refresh_every=20``) gets its loss
+closure, and each epoch records the seconds of its eigenpair refreshes (HVPs
+and Lanczos, part of the step) and its curvature memory per worker;
+``adamw`` and DHO2 use ``--adamw-weight-decay`` and no momentum.
 
 Writes <out>/convergence.json and one PNG per (data, batch size) with test
 accuracy and test loss against epochs and against seconds.
@@ -41,10 +46,11 @@ import torch.nn as nn
 
 from spdkfac.affinity import add_bind_cores_option
 from spdkfac.comm import DEVICE_CHOICES, worker_device
+from spdkfac.dho2 import DHO2Optimizer
 from spdkfac.models import get_model
 from spdkfac.optimizer import NonFiniteError
 from spdkfac.train import average_over_workers, evaluate, lr_at, make_loaders
-from spdkfac.variants import make_optimizer, variant_argv, variant_config
+from spdkfac.variants import OTHER_OPTIMIZERS, make_optimizer, optimizer_config, variant_argv
 
 from .common import RESULTS, log, machine, save_json, start
 
@@ -54,7 +60,7 @@ DEFAULT_LR_GRID = (0.025, 0.05, 0.1)
 KFAC_KEYS = ("damping", "kl_clip", "factor_decay", "factor_update_freq", "inv_update_freq")
 #: Optimizer options this benchmark passes itself, so a variant spec cannot set them (and where they come from).
 SET_BY_BENCHMARK = {"lr": "--lr-grid", "momentum": "--momentum", "weight_decay": "--weight-decay", "backend": "the launcher"}
-CURVE_KEYS = ("train_loss", "test_loss", "test_acc", "epoch_s", "seconds", "fwdbwd_s", "step_s", "lr")
+CURVE_KEYS = ("train_loss", "test_loss", "test_acc", "epoch_s", "seconds", "fwdbwd_s", "step_s", "refresh_s", "lr")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -66,8 +72,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         nargs="*",
         action="extend",
         default=None,
-        help="variant names of spdkfac.variants (default: sgd spdkfac), or name:key=value,... "
-        "(e.g. spdkfac:factor_update_freq=10,inv_update_freq=10)",
+        help="variant names of spdkfac.variants, or dho2, dho2-wa, adamw (default: sgd spdkfac), or name:key=value,... "
+        "(e.g. spdkfac:factor_update_freq=10,inv_update_freq=10, dho2:refresh_every=20)",
     )
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument(
@@ -87,7 +93,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="model-initialisation and shuffling seeds")
     ap.add_argument("--split-seed", type=int, default=42, help="seed of the fixed train/test split")
     ap.add_argument("--momentum", type=float, default=0.9)
-    ap.add_argument("--weight-decay", type=float, default=5e-4)
+    ap.add_argument("--weight-decay", type=float, default=5e-4, help="SGD and K-FAC")
+    ap.add_argument(
+        "--adamw-weight-decay", type=float, default=0.05, help="AdamW's decoupled decay: adamw, dho2, dho2-wa (the DHO2 paper's)"
+    )
     ap.add_argument("--warmup-epochs", type=float, default=1.0)
     ap.add_argument("--damping", type=float, default=0.003, help="Tikhonov damping (the paper's and spdkfac.train's default)")
     ap.add_argument(
@@ -145,10 +154,10 @@ def check_spec(spec: str, args: argparse.Namespace) -> None:
     """A ValueError if ``spec`` (a variant with changes) could not make an optimizer with these arguments.
 
     Checked while parsing, before any training: unknown options and bad
-    values (:func:`variant_config`), options this benchmark sets itself, and
+    values (:func:`~spdkfac.variants.optimizer_config`), options this benchmark sets itself, and
     update frequencies that do not divide once merged with ``--factor-update-freq``/``--inv-update-freq``.
     """
-    config = variant_config(spec)
+    config = optimizer_config(spec)
     fixed = sorted(set(config) & set(SET_BY_BENCHMARK))
     if fixed:
         raise ValueError(f"{spec!r} sets {fixed}, which this benchmark sets itself ({', '.join(SET_BY_BENCHMARK[k] for k in fixed)})")
@@ -193,14 +202,17 @@ def lr_grids(entries: Sequence[str], optimizers: Sequence[str]) -> dict[str, lis
 
 def optimizer_kwargs(spec: str, args: argparse.Namespace, data: str) -> dict[str, Any]:
     """Keyword arguments for make_optimizer beyond the variant's own (which a spec's changes override)."""
-    config = variant_config(spec)
+    config = optimizer_config(spec)
+    if spec.partition(":")[0] in OTHER_OPTIMIZERS:  # AdamW-based: its decay, no momentum
+        return {"weight_decay": args.adamw_weight_decay}
+    kw0: dict[str, Any] = {"momentum": args.momentum, "weight_decay": args.weight_decay}
     if not config.get("precondition", True):
-        return {}
+        return kw0
     kw = {k: getattr(args, k) for k in KFAC_KEYS}
     if kw["kl_clip"] is None:
         kw["kl_clip"] = 1e-4 if data == "digits" else 1e-3
     kw["perf_model"] = args.perf_model
-    return {k: v for k, v in kw.items() if k not in config}
+    return {**kw0, **{k: v for k, v in kw.items() if k not in config}}
 
 
 def schedule(args: argparse.Namespace) -> argparse.Namespace:
@@ -234,20 +246,19 @@ def train_epochs(
     model = get_model(model_name, num_classes=num_classes).to(device)
     peak = base_lr * size
     lr = peak
-    opt = make_optimizer(
-        spec, model, lr=peak, momentum=args.momentum, weight_decay=args.weight_decay, backend=backend, **optimizer_kwargs(spec, args, data)
-    )
+    opt = make_optimizer(spec, model, lr=peak, backend=backend, **optimizer_kwargs(spec, args, data))
+    dho2 = isinstance(opt, DHO2Optimizer)
     sched = schedule(args)
     steps = len(train_loader)
     epochs: list[dict[str, Any]] = []
-    run = {"seed": seed, "epochs": epochs, "diverged": None, "steps_per_epoch": steps, "model": model_name}
+    run: dict[str, Any] = {"seed": seed, "epochs": epochs, "diverged": None, "steps_per_epoch": steps, "model": model_name}
     seconds = 0.0
     diverged = None
     for epoch in range(args.epochs):
         train_loader.seed = seed  # the split stays fixed; initialisation and order change with the seed
         train_loader.set_epoch(epoch)
         model.train()
-        loss_sum = count = fwdbwd = step_s = 0.0
+        loss_sum = count = fwdbwd = step_s = refresh_s = 0.0
         failed = 0.0
         t_epoch = time.perf_counter()
         for it, (x, y) in enumerate(train_loader):
@@ -261,7 +272,7 @@ def train_epochs(
             loss.backward()
             t1 = time.perf_counter()
             try:
-                opt.step()
+                opt.step((lambda x=x, y=y: nn.functional.cross_entropy(model(x), y)) if dho2 else None)
             except NonFiniteError as exc:  # raised on every worker alike (averaged gradients and factors)
                 diverged = f"epoch {epoch + 1}: {exc}"
                 failed = 1.0
@@ -271,11 +282,13 @@ def train_epochs(
             t2 = time.perf_counter()
             fwdbwd += t1 - t0
             step_s += t2 - t1
+            if dho2:
+                refresh_s += opt.last_step_times.get("refresh", 0.0)
             loss_sum += float(loss.detach()) * len(y)
             count += len(y)
         epoch_s = time.perf_counter() - t_epoch
-        loss_sum, count, epoch_s, fwdbwd, step_s, failed = average_over_workers(
-            backend, [loss_sum, count, epoch_s, fwdbwd, step_s, failed], "convergence.train", device
+        loss_sum, count, epoch_s, fwdbwd, step_s, refresh_s, failed = average_over_workers(
+            backend, [loss_sum, count, epoch_s, fwdbwd, step_s, refresh_s, failed], "convergence.train", device
         )
         if failed:
             diverged = diverged or f"epoch {epoch + 1}: non-finite values on a worker"
@@ -291,6 +304,7 @@ def train_epochs(
             "seconds": seconds,
             "fwdbwd_s": fwdbwd,
             "step_s": step_s,
+            "refresh_s": refresh_s,
             "lr": lr,
         }
         epochs.append(row)
@@ -303,6 +317,8 @@ def train_epochs(
             diverged = f"epoch {epoch + 1}: non-finite loss"
             break
         yield run
+    if dho2:
+        run["memory"] = opt.memory_usage()  # this worker's curvature memory (rank 0's is saved)
     if hasattr(opt, "remove_hooks"):
         opt.remove_hooks()
     run["diverged"] = diverged
@@ -354,8 +370,10 @@ def summarise(setting: dict[str, Any], optimizers: list[str]) -> None:
             mean_epoch_s=statistics.fmean(r["epoch_s"] for r in curve) if curve else None,
             mean_fwdbwd_s=statistics.fmean(r["fwdbwd_s"] for r in curve) if curve else None,
             mean_step_s=statistics.fmean(r["step_s"] for r in curve) if curve else None,
+            mean_refresh_s=statistics.fmean(r["refresh_s"] for r in curve) if curve else None,
+            memory=next((run["memory"] for run in res["lr_grid"][best]["runs"] if "memory" in run), None),
         )
-    ref = next((o for o in optimizers if variant_config(o).get("precondition", True) is False), optimizers[0])
+    ref = next((o for o in optimizers if optimizer_config(o).get("precondition", True) is False), optimizers[0])
     target = setting["optimizers"][ref]["best_test_acc"]
     setting["reference"], setting["target_test_acc"] = ref, target
     ref_res = setting["optimizers"][ref]
@@ -427,7 +445,7 @@ def table(result: dict[str, Any]) -> str:
     w = max([len("optimizer")] + [len(spec) for st in result["settings"] for spec in st["optimizers"]])
     head = (
         f"{'data':<8} {'batch':>5} {'optimizer':<{w}} {'lr':>6} {'best acc':>8} {'final loss':>10} {'epochs':>6} "
-        f"{'secs':>7} {'x ref ep':>8} {'x ref s':>7} {'s/epoch':>7} {'fwd+bwd':>7} {'step':>6}"
+        f"{'secs':>7} {'x ref ep':>8} {'x ref s':>7} {'s/epoch':>7} {'fwd+bwd':>7} {'step':>6} {'refresh':>7}"
     )
     lines = [head]
     for st in result["settings"]:
@@ -437,12 +455,13 @@ def table(result: dict[str, Any]) -> str:
                 f"{_fmt(r['best_test_acc'], '8.4f')} {_fmt(r['final_test_loss'], '10.4f')} "
                 f"{_fmt(r['epochs_to_target'], '6d')} {_fmt(r['seconds_to_target'], '7.1f')} "
                 f"{_fmt(r['epochs_ratio'], '8.2f')} {_fmt(r['seconds_ratio'], '7.2f')} "
-                f"{_fmt(r['mean_epoch_s'], '7.2f')} {_fmt(r['mean_fwdbwd_s'], '7.2f')} {_fmt(r['mean_step_s'], '6.2f')}"
+                f"{_fmt(r['mean_epoch_s'], '7.2f')} {_fmt(r['mean_fwdbwd_s'], '7.2f')} {_fmt(r['mean_step_s'], '6.2f')} {_fmt(r['mean_refresh_s'], '7.2f')}"
                 + (f"  diverged ({r['diverged'][:40]})" if r["diverged"] else "")
             )
         lines.append(
             f"  target: {st['reference']}'s best test accuracy {_fmt(st['target_test_acc'], '.4f')} "
-            "(epochs, secs: to reach it; x ref: ratio to the reference's; s/epoch, fwd+bwd, step: mean training seconds per epoch)"
+            "(epochs, secs: to reach it; x ref: ratio to the reference's; s/epoch, fwd+bwd, step: mean training seconds per epoch; "
+            "refresh: DHO2's eigenpair refreshes, part of step)"
         )
     return "\n".join(lines)
 
@@ -491,7 +510,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     def record(st: dict[str, Any], spec: str, lr: float, run: dict[str, Any]) -> None:
         res = st["optimizers"].setdefault(spec, {"lr_grid": {}})
-        res["config"] = {**variant_config(spec), **optimizer_kwargs(spec, args, st["data"])}  # what the runs used
+        res["config"] = {**optimizer_config(spec), **optimizer_kwargs(spec, args, st["data"])}  # what the runs used
         point = res["lr_grid"].setdefault(repr(lr), {"lr": lr, "runs": []})
         point["runs"].append(run)
         if len(point["runs"]) == len(args.seeds):

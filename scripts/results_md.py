@@ -519,6 +519,40 @@ def convergence(w: Writer, run: str) -> Callable[[Path, dict[str, Any]], list[st
     return render
 
 
+def dho2_cost(w: Writer, paths: Sequence[Path]) -> list[str]:
+    """DHO2's iteration time split and curvature memory per worker, one row per worker count (``dho2_cost/w<P>.json``)."""
+    rows, commands = [], []
+    for path in paths:
+        d = load(path)
+        need(d, path, "world_size", "grad_s", "refresh_s", "update_s", "per_iteration_s", "memory", "params", "lanczos_steps")
+        every = (d.get("args") or {}).get("refresh_every", "?")
+        mem = d["memory"]
+        rows.append(
+            [
+                f"{d['world_size']} ({d.get('engine', '?')})",
+                f"{d.get('model', '?')} (n={d['params']}, m={d['lanczos_steps']})",
+                ms(d["grad_s"]),
+                f"{ms(d['refresh_s'])} (every {every})",
+                f"{d['update_s'] * 1e3:.1f}",
+                ms(d["per_iteration_s"]),
+                f"{mem.get('lanczos_basis', 0) / 2**20:.2f}",
+                f"{mem.get('eigenvectors', 0) / 2**20:.2f}",
+            ]
+        )
+        commands += command_block(d, "benchmarks.dho2_cost", "python -m benchmarks.dho2_cost", out=w.shown("dho2_cost"))
+    head = [
+        "workers",
+        "model",
+        "gradient (ms)",
+        "refresh: HVPs + Lanczos (ms)",
+        "update (ms)",
+        "per iteration, amortised (ms)",
+        "Lanczos basis per worker (MiB)",
+        "eigenvectors (MiB)",
+    ]
+    return table(head, rows) + commands
+
+
 def build(results: Path, out: Path, label: str | None = None) -> str:
     """The Markdown text of RESULTS.md for the result files under ``results``."""
     if not results.is_dir():
@@ -541,6 +575,9 @@ def build(results: Path, out: Path, label: str | None = None) -> str:
     w.section("simulator_check.json", "Scale simulator against measurements", simulator_check)
     w.section("soak.json", "Soak run: replicas, memory and pending work over many steps", soak)
     w.section("fault_matrix.json", "Fault matrix: kills, damaged files, full disk, two jobs, frozen worker", fault_matrix)
+    costs = sorted((results / "dho2_cost").glob("w*.json"))
+    if costs:  # optional, and new: no note when absent
+        w.lines += ["## DHO2: time per iteration and curvature memory per worker", "", *dho2_cost(w, costs)]
     conv = results / "convergence"
     runs = sorted(p.name for p in conv.iterdir() if p.is_dir()) if conv.is_dir() else []
     if not runs:

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from .updates import momentum_direction
+
 __all__ = ["momentum_sgd_update"]
 
 
@@ -16,12 +18,4 @@ def momentum_sgd_update(param_groups: list[dict[str, Any]], state: dict[torch.Te
         for p in group["params"]:
             if p.grad is None:
                 continue
-            d_p = p.grad if wd == 0 else p.grad.add(p, alpha=wd)
-            if momentum != 0:
-                buf = state[p].get("momentum_buffer")
-                if buf is None:
-                    buf = state[p]["momentum_buffer"] = d_p.detach().clone()
-                else:
-                    buf.mul_(momentum).add_(d_p)
-                d_p = buf
-            p.add_(d_p, alpha=-lr)
+            p.add_(momentum_direction(p.grad, p, state[p], momentum, wd), alpha=-lr)

@@ -21,10 +21,10 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 import torch
 import torch.nn as nn
@@ -38,7 +38,7 @@ from .host_memory import retain_freed_memory
 from .models import get_model
 from .run_dir import append_text
 from .schedules import KFACParamScheduler
-from .train_args import AMP_DTYPES, parse_args
+from .train_args import AMP_DTYPES, DHO2_OPTIMIZERS, KFAC_OPTIMIZERS, dho2_options, parse_args
 from .train_run import Position, prepare_run_dir, restore, start_log
 from .variants import make_optimizer
 
@@ -186,9 +186,9 @@ def _run(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, float]
     model_name = args.model or default_model
     model = get_model(model_name, num_classes=num_classes).to(device)
     base_lr = args.lr * size
-    kfac_kwargs = {}
-    if args.optimizer != "sgd":
-        kfac_kwargs = dict(
+    optimizer_kwargs: dict[str, Any] = dict(momentum=args.momentum)
+    if args.optimizer in KFAC_OPTIMIZERS:
+        optimizer_kwargs.update(
             damping=args.damping,
             factor_decay=args.factor_decay,
             kl_clip=args.kl_clip,
@@ -198,22 +198,23 @@ def _run(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, float]
             compute_method=args.compute_method,
             distribute_preconditioning=args.distribute_preconditioning,
         )
+    elif args.optimizer in DHO2_OPTIMIZERS:  # AdamW base (no momentum); its Hessian comes from a closure (below)
+        optimizer_kwargs = dict(dho2_options(args, len(train_loader)))
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     optimizer = make_optimizer(
         args.optimizer,
         model,
         lr=base_lr,
-        momentum=args.momentum,
         weight_decay=args.weight_decay,
         backend=backend,
         grad_scaler=scaler,
         accumulation_steps=args.accumulation_steps,
         skip_nonfinite=args.skip_nonfinite,
-        **kfac_kwargs,
+        **optimizer_kwargs,
     )
     # The per-epoch damping decay / update-frequency scaling of Pauloski et al. (K-FAC optimizers only).
     kfac_scheduler = None
-    if args.optimizer != "sgd":
+    if args.optimizer in KFAC_OPTIMIZERS:
         kfac_scheduler = KFACParamScheduler(
             optimizer,
             damping_alpha=args.damping_decay,
@@ -242,7 +243,7 @@ def _run(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, float]
             f"{f' ({args.amp} autocast)' if args.amp else ''}, "
             f"batch {args.batch_size}/worker, lr {base_lr:g}" + (f", rank 0 bound to cores {cores}" if cores else "")
         )
-        if args.optimizer != "sgd":
+        if args.optimizer in KFAC_OPTIMIZERS:
             print(
                 f"  {len(optimizer.layers)} preconditioned layers, damping {optimizer.param_groups[0]['damping']:g}, "
                 f"kl_clip {args.kl_clip:g}, factor/inverse update every {optimizer.factor_update_freq}/"
@@ -313,7 +314,7 @@ def _run(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, float]
                 correct += float((out.argmax(1) == ym).sum())
                 count += len(ym)
             if scaler is None:
-                optimizer.step()
+                optimizer.step(_loss_closure(model, x, y, args, device) if args.optimizer in DHO2_OPTIMIZERS else None)
             else:
                 scaler.step(optimizer)
                 scaler.update()
@@ -360,6 +361,18 @@ def _run(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, float]
     if is_root:
         print(f"done: log {log_path}, checkpoint {out_dir / LATEST}")
     return row
+
+
+def _loss_closure(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace, device: torch.device
+) -> Callable[[], torch.Tensor]:
+    """The batch's loss recomputed with its graph: DHO2 takes Hessian-vector products from it on the steps that refresh its eigenpairs."""
+
+    def closure() -> torch.Tensor:
+        with _autocast(device, args.amp):
+            return nn.functional.cross_entropy(model(x), y, label_smoothing=args.label_smoothing)
+
+    return closure
 
 
 def _epoch_batches(loader: Loader, epoch: int, samples_done: int, batch_size: int, size: int) -> Iterable[Batch]:

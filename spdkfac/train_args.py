@@ -11,9 +11,11 @@ from .affinity import add_bind_cores_option
 from .comm import DEVICE_CHOICES
 from .models import MODELS
 
-__all__ = ["AMP_DTYPES", "OPTIMIZERS", "parse_args"]
+__all__ = ["AMP_DTYPES", "DHO2_OPTIMIZERS", "KFAC_OPTIMIZERS", "OPTIMIZERS", "dho2_options", "parse_args"]
 
-OPTIMIZERS = ("sgd", "spdkfac", "dkfac", "mpdkfac")
+KFAC_OPTIMIZERS = ("spdkfac", "dkfac", "mpdkfac")
+DHO2_OPTIMIZERS = ("dho2", "dho2-wa")
+OPTIMIZERS = ("sgd", *KFAC_OPTIMIZERS, *DHO2_OPTIMIZERS)
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -31,9 +33,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", choices=("auto", "horovod", "torch", "single"))
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32, help="per-worker batch size")
-    p.add_argument("--lr", type=float, default=0.05, help="base learning rate (scaled by the number of workers)")
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument(
+        "--lr", type=float, default=None, help="base learning rate, scaled by the number of workers (default 0.05; DHO2's AdamW: 1e-3)"
+    )
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (SGD and K-FAC optimizers)")
+    p.add_argument("--weight-decay", type=float, default=None, help="default 5e-4; DHO2's AdamW: 0.05 (decoupled)")
     p.add_argument("--warmup-epochs", type=float, default=1.0)
     p.add_argument("--schedule", default="cosine", choices=("cosine", "step"))
     p.add_argument("--lr-decay-epochs", type=int, nargs="*", default=[], help="epochs where --schedule step divides the LR by 10")
@@ -81,6 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="skip up to this many consecutive steps that meet NaN/Inf (on every worker alike) before "
         "stopping with an error; 0 stops at the first",
     )
+    dho2 = p.add_argument_group("DHO2 (--optimizer dho2 / dho2-wa)")
+    dho2.add_argument("--dho2-k", type=int, default=5, help="largest Hessian eigenpairs in the Newton subspace")
+    dho2.add_argument("--dho2-l", type=int, default=0, help="smallest Hessian eigenpairs in the Newton subspace")
+    dho2.add_argument("--refresh-every", type=int, default=100, help="steps between Lanczos refreshes of the eigenpairs (T)")
+    dho2.add_argument("--alpha", type=float, default=0.1, help="scale of the Newton step")
+    dho2.add_argument("--sigma", type=float, default=5e-4, help="ADMM penalty σ (dho2)")
+    dho2.add_argument("--admm-epochs", type=float, default=4.0, help="epochs per ADMM outer iteration (the paper's P = 4; dho2)")
     p.add_argument("--perf-model", default=None, help="fitted performance-model JSON (perfmodels/*.json)")
     p.add_argument(
         "--distribute-preconditioning",
@@ -160,7 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, epochs in (("--damping-decay-epochs", args.damping_decay_epochs), ("--freq-scale-epochs", args.freq_scale_epochs)):
         if any(e < 0 for e in epochs):
             p.error(f"{flag} must be non-negative epochs, got {epochs}")
-    if args.optimizer == "sgd":
+    if args.optimizer not in KFAC_OPTIMIZERS:
         kfac_only = {
             "--damping": args.damping is not None,
             "--kl-clip": args.kl_clip is not None,
@@ -176,9 +187,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         }
         given = [flag for flag, set_ in kfac_only.items() if set_]
         if given:
-            p.error(f"{', '.join(given)} only apply to the K-FAC optimizers, not --optimizer sgd")
+            p.error(f"{', '.join(given)} only apply to the K-FAC optimizers, not --optimizer {args.optimizer}")
+    if args.optimizer in DHO2_OPTIMIZERS:
+        if args.momentum != 0.9:
+            p.error(f"--momentum does not apply to --optimizer {args.optimizer} (its AdamW base uses betas)")
+        if args.amp == "fp16":
+            p.error(f"--optimizer {args.optimizer} does not support --amp fp16 (loss scaling); use --amp bf16")
+        if args.admm_epochs <= 0:
+            p.error("--admm-epochs must be > 0")
+    else:
+        dho2_defaults = {"--dho2-k": 5, "--dho2-l": 0, "--refresh-every": 100, "--alpha": 0.1, "--sigma": 5e-4, "--admm-epochs": 4.0}
+        values = (args.dho2_k, args.dho2_l, args.refresh_every, args.alpha, args.sigma, args.admm_epochs)
+        given = [flag for (flag, default), value in zip(dho2_defaults.items(), values) if value != default]
+        if given:
+            p.error(f"{', '.join(given)} only apply to --optimizer dho2 / dho2-wa, not --optimizer {args.optimizer}")
+    if args.lr is None:
+        args.lr = 1e-3 if args.optimizer in DHO2_OPTIMIZERS else 0.05
+    if args.weight_decay is None:
+        args.weight_decay = 0.05 if args.optimizer in DHO2_OPTIMIZERS else 5e-4
     if args.damping is None:
         args.damping = 0.003
     if args.kl_clip is None:
         args.kl_clip = 1e-4 if args.data == "digits" else 0.001
     return args
+
+
+def dho2_options(args: argparse.Namespace, steps_per_epoch: int) -> dict[str, int | float]:
+    """Keyword arguments of the DHO2 optimizer from the command line (the ADMM period converted from epochs to steps)."""
+    options: dict[str, int | float] = dict(k=args.dho2_k, l=args.dho2_l, refresh_every=args.refresh_every, alpha=args.alpha, seed=args.seed)
+    if args.optimizer == "dho2":
+        options.update(sigma=args.sigma, admm_period=max(1, round(args.admm_epochs * steps_per_epoch)))
+    return options

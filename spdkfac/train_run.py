@@ -187,11 +187,10 @@ def _apply_arguments(args: argparse.Namespace, optimizer: torch.optim.Optimizer,
     reads from ``args`` apply by themselves; these are the values that
     ``load_state_dict`` brought back from the checkpoint.
     """
-    for group in optimizer.param_groups:
-        group["momentum"] = args.momentum
-        group["weight_decay"] = args.weight_decay
-        if "damping" in group:  # the K-FAC optimizers'
-            group.update(damping=args.damping, kl_clip=args.kl_clip, factor_decay=args.factor_decay)
+    values = dict(momentum=args.momentum, weight_decay=args.weight_decay, damping=args.damping, kl_clip=args.kl_clip)
+    values.update(factor_decay=args.factor_decay)
+    for group in optimizer.param_groups:  # the keys an optimizer keeps there (DHO2 keeps its options in its config)
+        group.update({key: value for key, value in values.items() if key in group})
     if kfac_scheduler is None:
         return
     optimizer_freqs = ("factor_update_freq", "inv_update_freq")

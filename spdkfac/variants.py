@@ -1,20 +1,22 @@
-"""The paper's baselines and ablations as configurations of the one optimizer."""
+"""The paper's baselines and ablations as configurations of the one optimizer; beside them, DHO2 and AdamW by name."""
 
 from __future__ import annotations
 
 import functools
 import inspect
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch.nn as nn
 
 from .config import HYPERPARAMETER_CHECKS, SCHEDULE_CHECKS, KFACConfig
 
 if TYPE_CHECKING:
+    from .adamw import DistributedAdamW
+    from .dho2 import DHO2Optimizer
     from .optimizer import SPDKFACOptimizer  # at run time imported lazily, in make_optimizer
 
-__all__ = ["VARIANTS", "make_optimizer", "variant_argv", "variant_config", "variant_keys"]
+__all__ = ["OTHER_OPTIMIZERS", "VARIANTS", "make_optimizer", "optimizer_config", "variant_argv", "variant_config", "variant_keys"]
 
 #: name -> keyword arguments of :class:`~spdkfac.SPDKFACOptimizer`
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -115,15 +117,67 @@ def variant_config(spec: str) -> dict[str, Any]:
     return config
 
 
-def make_optimizer(variant: str, model: nn.Module, **kwargs: Any) -> SPDKFACOptimizer:
-    """Build ``SPDKFACOptimizer`` configured as ``variant`` (see :data:`VARIANTS` and :func:`variant_config`)."""
+#: The optimizers beside the K-FAC configurations: DHO2 with and without ADMM, and its base AdamW.
+OTHER_OPTIMIZERS: dict[str, dict[str, Any]] = {"dho2": dict(admm=True), "dho2-wa": dict(admm=False), "adamw": {}}
+
+
+def optimizer_config(spec: str) -> dict[str, Any]:
+    """:func:`variant_config` of any name :func:`make_optimizer` takes: the K-FAC variants and :data:`OTHER_OPTIMIZERS`."""
+    name, _, changes = spec.partition(":")
+    if name in VARIANTS:
+        return variant_config(spec)
+    if name not in OTHER_OPTIMIZERS:
+        raise ValueError(f"unknown variant {name!r}; choose one of {sorted(VARIANTS) + sorted(OTHER_OPTIMIZERS)}")
+    return _other_changes(name, dict(OTHER_OPTIMIZERS[name]), changes, spec)
+
+
+def _other_changes(name: str, config: dict[str, Any], changes: str, spec: str) -> dict[str, Any]:
+    """``config`` with a spec's ``key=value`` changes; the keys checked against the optimizer's constructor (its values there)."""
+    from .adamw import DistributedAdamW
+    from .dho2 import DHO2Optimizer
+
+    cls = DistributedAdamW if name == "adamw" else DHO2Optimizer
+    keys = sorted(n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "model", "grad_scaler"))
+    for item in filter(None, (c.strip() for c in changes.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"bad change {item!r} in variant {spec!r}; write key=value")
+        if key not in keys:
+            raise ValueError(f"unknown option {key!r} in variant {spec!r}; the options of {name} are {', '.join(keys)}")
+        config[key] = _parse_value(value)
+    return config
+
+
+@overload
+def make_optimizer(variant: Literal["dho2", "dho2-wa"], model: nn.Module, **kwargs: Any) -> DHO2Optimizer: ...
+
+
+@overload
+def make_optimizer(variant: Literal["adamw"], model: nn.Module, **kwargs: Any) -> DistributedAdamW: ...
+
+
+@overload
+def make_optimizer(variant: str, model: nn.Module, **kwargs: Any) -> SPDKFACOptimizer: ...
+
+
+def make_optimizer(variant: str, model: nn.Module, **kwargs: Any) -> SPDKFACOptimizer | DHO2Optimizer | DistributedAdamW:
+    """Build the optimizer ``variant`` names (see :func:`optimizer_config`): ``SPDKFACOptimizer`` configured as
+    one of :data:`VARIANTS`, the DHO2 optimizer (``'dho2'``, ``'dho2-wa'``) or its base, distributed AdamW (``'adamw'``)."""
+    from .adamw import DistributedAdamW
+    from .dho2 import DHO2Optimizer
     from .optimizer import SPDKFACOptimizer
 
-    config = variant_config(variant)
+    config = optimizer_config(variant)
     overlap = sorted(set(config) & set(kwargs))
     if overlap:
         raise ValueError(f"variant {variant!r} fixes {overlap}; do not pass them")
     config.update(kwargs)
+    name = variant.partition(":")[0]
+    if name == "adamw":
+        return DistributedAdamW(model, **config)
+    if name in OTHER_OPTIMIZERS:
+        return DHO2Optimizer(model, **config)
     return SPDKFACOptimizer(model, **config)
 
 

@@ -94,3 +94,15 @@ def train(
             scaler.step(opt)
             scaler.update()
     return model
+
+
+def dho2_net(seed: int = 0) -> nn.Module:
+    """A tanh MLP small enough for explicit Hessians (43 parameters): DHO2's tests."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def dho2_batch(n: int = 24, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed float64 global batch for :func:`dho2_net` (4 features, 3 classes)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)

@@ -194,3 +194,22 @@ def test_train_job_runs_on_mnist5k(tmp_path):
     assert "model mnist_cnn" in proc.stdout
     assert "(8 batches/epoch/worker)" in proc.stdout
     assert (tmp_path / "run" / "log.csv").read_text().count("\n") == 2  # header + one epoch
+
+
+def test_convergence_runs_dho2_and_adamw(tmp_path):
+    out = tmp_path / "conv"
+    dho2 = "dho2:refresh_every=10,admm_period=40"
+    args = _args(out, epochs=2)
+    i = args.index("--optimizers")
+    args[i + 1 : i + 3] = ["adamw", dho2, "dho2-wa:refresh_every=10"]
+    j = args.index("--lr-grid")
+    args[j + 1 : j + 3] = ["0.001"]
+    _single(args)
+    (st,) = json.loads((out / "convergence.json").read_text())["settings"]
+    assert st["reference"] == "adamw"
+    res = st["optimizers"][dho2]
+    assert res["config"]["admm"] is True
+    assert res["config"]["weight_decay"] == 0.05
+    assert res["memory"]["lanczos_basis"] > 0
+    assert all(0 < r["refresh_s"] <= r["step_s"] for r in res["curve"])  # 2 refreshes per epoch (22 steps)
+    assert all(r["refresh_s"] == 0 for r in st["optimizers"]["adamw"]["curve"])

@@ -313,9 +313,31 @@ def test_tables_hold_the_numbers(results: Path, tmp_path: Path):
     assert "--kl-clip" not in cv
     assert "(../results/convergence/mnist_run/convergence_mnist5k_b256.png)" in cv
 
-    for missing in ("hook_overhead.json", "simulator_check.json", "soak.json"):  # optional: skipped with a note
+    for missing in ("hook_overhead.json", "simulator_check.json", "soak.json", "fault_matrix.json"):  # optional: a note
         assert f"_No `{results}/{missing}`: section skipped._" in text
-    assert _section(text, "Not present").count("`") == 6
+    assert _section(text, "Not present").count("`") == 8
+
+
+def test_the_fault_matrix_table(results: Path, tmp_path: Path):
+    outcome = dict(case="truncate checkpoint.pt", group="damage", engine="torch", survived=True, detected=True, nothing_lost=True)
+    frozen = dict(case="SIGSTOP rank 1", group="frozen", engine="horovod", survived=False, detected=None, nothing_lost=True)
+    summary = dict(cases=2, tried=2, survived=1, detected_with_clear_message=1, to_detect=1, nothing_lost=2, all_ok=1)
+    _write(
+        results,
+        "fault_matrix.json",
+        {
+            "summary": summary,
+            "outcomes": [{**outcome, "seconds": 15.4, "notes": []}, {**frozen, "seconds": 44.0, "notes": ["took 44 s"]}],
+            "command": "python -m benchmarks.fault_matrix --engines torch horovod",
+        },
+    )
+    out = tmp_path / "RESULTS.md"
+    assert results_md.main(["--results", str(results), "--out", str(out)]) == 0
+    fm = _section(out.read_text(), "Fault matrix")
+    assert "2 cases tried (2 in all): 1 survived, 1 of 1 detected with a clear message, 2 lost nothing; 1 fully as expected." in fm
+    assert "| torch | damage | truncate checkpoint.pt | yes | yes | yes | 15 s |  |" in fm
+    assert "| horovod | frozen | SIGSTOP rank 1 | **no** | — | yes | 44 s | took 44 s |" in fm
+    assert "python -m benchmarks.fault_matrix --engines torch horovod" in fm
 
 
 def test_output_is_deterministic(results: Path, tmp_path: Path):
@@ -348,3 +370,34 @@ def test_missing_key_names_the_file(results: Path, tmp_path: Path):
 def test_no_results_folder(tmp_path: Path):
     with pytest.raises(results_md.ResultsError, match="no such results folder"):
         results_md.build(tmp_path / "absent", tmp_path / "RESULTS.md")
+
+
+def test_dho2_cost_section_lists_each_worker_count(tmp_path):
+    build = results_md.build
+    results = tmp_path / "results"
+    (results / "dho2_cost").mkdir(parents=True)
+    for size, basis in ((1, 4 * 2**20), (2, 2 * 2**20)):
+        record = {
+            "args": {"model": "mnist_cnn", "refresh_every": 5, "iters": 20, "out": "x"},
+            "machine": {"cpu": "test"},
+            "engine": "horovod" if size > 1 else "single",
+            "world_size": size,
+            "model": "mnist_cnn",
+            "params": 41642,
+            "lanczos_steps": 22,
+            "grad_s": 0.01,
+            "refresh_s": 0.4,
+            "update_s": 0.0008,
+            "per_iteration_s": 0.0908,
+            "memory": {"lanczos_basis": basis, "eigenvectors": 2**20},
+        }
+        (results / "dho2_cost" / f"w{size}.json").write_text(json.dumps(record))
+    text = build(results, tmp_path / "RESULTS.md")
+    section = _section(text, "DHO2: time per iteration and curvature memory per worker")
+    assert "| 1 (single) | mnist_cnn (n=41642, m=22) | 10 | 400 (every 5) | 0.8 | 91 | 4.00 | 1.00 |" in section
+    assert "| 2 (horovod) |" in section
+    assert "| 2.00 | 1.00 |" in section
+    assert "Not present" in text  # the other sections' notes are unchanged
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "DHO2" not in build(empty, tmp_path / "R2.md")  # absent: no section, no note

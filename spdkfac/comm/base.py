@@ -3,7 +3,9 @@
 The optimizer only ever needs: who am I (``rank``), how many of us
 (``size``), an in-place asynchronous all-reduce that averages, and an
 in-place asynchronous broadcast. Each returns a :class:`Handle` whose
-``wait()`` blocks until the tensor holds the result. Collective names must be
+``wait()`` blocks until the tensor holds the result. DHO2's distributed
+Lanczos also gathers row blocks (``allgather_async``); engines without a
+native all-gather get one built from broadcasts. Collective names must be
 identical on every rank (Horovod matches operations by name; torch.distributed
 matches them by issue order, so callers must also issue them in the same order).
 """
@@ -11,11 +13,12 @@ matches them by issue order, so callers must also issue them in the same order).
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
-__all__ = ["CommBackend", "CompletedHandle", "Handle", "SingleProcessBackend"]
+__all__ = ["CommBackend", "CompletedHandle", "Handle", "HandleGroup", "SingleProcessBackend", "check_gather_counts"]
 
 
 class Handle(Protocol):
@@ -41,6 +44,34 @@ class CompletedHandle:
         return True
 
 
+class HandleGroup:
+    """Several pending collectives completed as one: ``wait()`` waits for each in order."""
+
+    __slots__ = ("_handles",)
+
+    def __init__(self, handles: Sequence[Handle]) -> None:
+        self._handles = list(handles)
+
+    def wait(self) -> None:
+        for handle in self._handles:
+            handle.wait()
+
+    def done(self) -> bool:
+        return all(handle.done() for handle in self._handles)
+
+
+def check_gather_counts(tensor: torch.Tensor, counts: Sequence[int], size: int, name: str) -> list[int]:
+    """The start offset of every rank's segment; raises unless ``counts`` tile the 1-D contiguous ``tensor``."""
+    if tensor.dim() != 1 or not tensor.is_contiguous():
+        raise ValueError(f"all-gather {name!r} fills a contiguous 1-D tensor, got shape {tuple(tensor.shape)}")
+    if len(counts) != size or any(c < 0 for c in counts) or sum(counts) != tensor.numel():
+        raise ValueError(f"all-gather {name!r}: counts {list(counts)} must give {size} non-negative sizes summing to {tensor.numel()}")
+    offsets = [0] * size
+    for r in range(1, size):
+        offsets[r] = offsets[r - 1] + counts[r - 1]
+    return offsets
+
+
 class CommBackend(abc.ABC):
     """Asynchronous collectives over a fixed group of workers."""
 
@@ -63,6 +94,21 @@ class CommBackend(abc.ABC):
     @abc.abstractmethod
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> Handle:
         """Start overwriting ``tensor`` in place with ``root``'s copy."""
+
+    def allgather_async(self, tensor: torch.Tensor, counts: Sequence[int], name: str) -> Handle:
+        """Start filling the 1-D ``tensor`` with every worker's segment, in rank order.
+
+        Rank ``r`` owns the ``counts[r]`` entries after ``sum(counts[:r])``
+        and has written them already; the others are overwritten with their
+        owners' copies (bitwise). ``counts`` is the same on every rank. This
+        default issues one broadcast per non-empty segment (named
+        ``f"{name}.{r}"``); engines with a native all-gather override it.
+        """
+        offsets = check_gather_counts(tensor, counts, self.size, name)
+        handles = [
+            self.broadcast_async(tensor[offsets[r] : offsets[r] + counts[r]], r, f"{name}.{r}") for r in range(self.size) if counts[r] > 0
+        ]
+        return HandleGroup(handles)
 
     def barrier(self) -> None:
         """Block until every worker reaches this point."""
@@ -91,6 +137,10 @@ class SingleProcessBackend(CommBackend):
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> Handle:
         if root != 0:
             raise ValueError(f"broadcast root {root} does not exist in a single-process run")
+        return CompletedHandle()
+
+    def allgather_async(self, tensor: torch.Tensor, counts: Sequence[int], name: str) -> Handle:
+        check_gather_counts(tensor, counts, 1, name)
         return CompletedHandle()
 
     def barrier(self) -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch
 
-from .base import CommBackend, Handle
+from .base import CommBackend, Handle, check_gather_counts
 
 __all__ = ["HorovodBackend"]
 
@@ -21,6 +22,25 @@ class _HorovodHandle:
     def wait(self) -> None:
         if self._handle is not None:
             self._hvd.synchronize(self._handle)
+            self._handle = None
+
+    def done(self) -> bool:
+        return self._handle is None or bool(self._hvd.poll(self._handle))
+
+
+class _HorovodGatherHandle:
+    """Horovod's all-gather returns a new tensor: copied into the caller's on ``wait()``."""
+
+    __slots__ = ("_handle", "_hvd", "_out")
+
+    def __init__(self, hvd: ModuleType, handle: int, out: torch.Tensor) -> None:
+        self._hvd = hvd
+        self._handle: int | None = handle
+        self._out = out
+
+    def wait(self) -> None:
+        if self._handle is not None:
+            self._out.copy_(self._hvd.synchronize(self._handle))
             self._handle = None
 
     def done(self) -> bool:
@@ -56,6 +76,11 @@ class HorovodBackend(CommBackend):
 
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> Handle:
         return _HorovodHandle(self._hvd, self._hvd.broadcast_async_(tensor, root_rank=root, name=name))
+
+    def allgather_async(self, tensor: torch.Tensor, counts: Sequence[int], name: str) -> Handle:
+        offsets = check_gather_counts(tensor, counts, self.size, name)
+        mine = tensor[offsets[self.rank] : offsets[self.rank] + counts[self.rank]]  # segments may differ in size
+        return _HorovodGatherHandle(self._hvd, self._hvd.allgather_async(mine, name=name), tensor)
 
     def barrier(self) -> None:
         self._hvd.allreduce(torch.zeros(1), name="spdkfac.barrier")

@@ -6,12 +6,13 @@ import atexit
 import datetime
 import os
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from .base import CommBackend, Handle
+from .base import CommBackend, Handle, check_gather_counts
 from .device import worker_device
 
 if TYPE_CHECKING:
@@ -35,6 +36,26 @@ class _TorchHandle:
         if self._divisor > 1:
             # gloo has no AVG reduction: sum, then divide once the sum has arrived.
             self._tensor.div_(self._divisor)
+        self._work = None
+
+    def done(self) -> bool:
+        return self._work is None or bool(self._work.is_completed())
+
+
+class _TorchGatherHandle:
+    """``all_gather`` into equal padded blocks; on ``wait()`` each block's segment is copied into place."""
+
+    __slots__ = ("_blocks", "_counts", "_offsets", "_out", "_work")
+
+    def __init__(self, work: Work | None, blocks: list[torch.Tensor], out: torch.Tensor, offsets: list[int], counts: Sequence[int]) -> None:
+        self._work, self._blocks, self._out, self._offsets, self._counts = work, blocks, out, offsets, list(counts)
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        self._work.wait()
+        for block, start, count in zip(self._blocks, self._offsets, self._counts):
+            self._out[start : start + count].copy_(block[:count])
         self._work = None
 
     def done(self) -> bool:
@@ -116,6 +137,15 @@ class TorchDistributedBackend(CommBackend):
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> Handle:
         work = dist.broadcast(tensor, src=root, async_op=True)
         return _TorchHandle(work, tensor, 1)
+
+    def allgather_async(self, tensor: torch.Tensor, counts: Sequence[int], name: str) -> Handle:
+        offsets = check_gather_counts(tensor, counts, self.size, name)
+        width = max(counts)  # all_gather moves equal blocks: pad every segment to the longest
+        mine = tensor.new_zeros(width)
+        mine[: counts[self.rank]].copy_(tensor[offsets[self.rank] : offsets[self.rank] + counts[self.rank]])
+        blocks = [tensor.new_empty(width) for _ in range(self.size)]
+        work = dist.all_gather(blocks, mine, async_op=True)
+        return _TorchGatherHandle(work, blocks, tensor, offsets, counts)
 
     def barrier(self) -> None:
         dist.barrier()
