@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 
 from .affinity import bind_cores_if_asked
 from .checkpoint import LATEST, save_rotating
-from .comm import CommBackend, get_backend, worker_device
+from .comm import CommBackend, get_backend, leaving_on_error, worker_device
 from .data import ShardedLoader, load_digits, load_mnist5k, synthetic
 from .host_memory import retain_freed_memory
 from .models import get_model
@@ -162,12 +162,22 @@ def _engine_settings(backend: CommBackend) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Train; on an error, leave at once instead of waiting for the other workers at exit (they may never come)."""
+    try:
+        return _train(argv)
+    except BaseException as exc:
+        if not (isinstance(exc, SystemExit) and exc.code in (None, 0)):
+            leaving_on_error()
+        raise
+
+
+def _train(argv: list[str] | None) -> dict[str, float]:
     args = parse_args(argv)
     cores = bind_cores_if_asked(args)
     retain_freed_memory()  # CPU activations are reused, not page-faulted in every iteration
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    backend = get_backend(args.backend)
+    backend = get_backend(args.backend, collective_timeout=args.collective_timeout)
     rank, size = backend.rank, backend.size
     is_root = rank == 0
     device = worker_device(args.device)
@@ -215,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
 
     out_dir = Path(args.out_dir)
-    resume = prepare_run_dir(args, out_dir, is_root, backend)
+    resume = prepare_run_dir(args, out_dir, is_root, backend, device)
     position = Position()
     if resume is not None:
         ckpt_path, ckpt = resume

@@ -18,8 +18,11 @@ import torch.nn as nn
 from .checkpoint import LATEST, PREVIOUS, CheckpointError, changed_arguments, newest_valid
 from .comm import CommBackend
 from .schedules import KFACParamScheduler
+from .train_startup import probe_out_dir
 
 __all__ = ["RUNTIME_ARGS", "Position", "prepare_run_dir", "restore", "start_log"]
+
+_CPU = torch.device("cpu")
 
 
 @dataclass
@@ -47,10 +50,13 @@ RUNTIME_ARGS = (
     "checkpoint_every",
     "backend",
     "perf_model",
+    "collective_timeout",
 )
 
 
-def prepare_run_dir(args: argparse.Namespace, out_dir: Path, is_root: bool, backend: CommBackend) -> tuple[Path, dict[str, Any]] | None:
+def prepare_run_dir(
+    args: argparse.Namespace, out_dir: Path, is_root: bool, backend: CommBackend, device: torch.device = _CPU
+) -> tuple[Path, dict[str, Any]] | None:
     """Check ``--out-dir`` before any work, and find the checkpoint to resume from (None: a fresh run).
 
     Every worker takes the same decision from the same directory. A directory
@@ -76,17 +82,10 @@ def prepare_run_dir(args: argparse.Namespace, out_dir: Path, is_root: bool, back
                 "replace it with --overwrite, or choose another --out-dir"
             )
     backend.barrier()  # every worker has looked at the directory before rank 0 writes to it
-    if is_root:
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            probe = out_dir / ".write-test"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            raise SystemExit(f"error: cannot write to --out-dir {out_dir}: {exc}") from None
-        if args.overwrite:
-            for name in (LATEST, PREVIOUS):
-                (out_dir / name).unlink(missing_ok=True)
+    probe_out_dir(out_dir, is_root, backend, device)  # every worker leaves if rank 0 cannot write there
+    if is_root and args.overwrite:
+        for name in (LATEST, PREVIOUS):
+            (out_dir / name).unlink(missing_ok=True)
     return found
 
 

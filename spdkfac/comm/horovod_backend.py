@@ -2,25 +2,40 @@
 
 from __future__ import annotations
 
+import datetime
+import math
+import os
+import socket
 from types import ModuleType
+from typing import Callable
 
 import torch
 
 from .base import CommBackend, Handle
+from .errors import DEFAULT_COLLECTIVE_TIMEOUT_S, CollectiveTimeoutError, check_collective_timeout, timeout_message
+from .liveness import Liveness
 
 __all__ = ["HorovodBackend"]
 
+_GLOO_TIMEOUT_VAR = "HOROVOD_GLOO_TIMEOUT_SECONDS"
+
 
 class _HorovodHandle:
-    __slots__ = ("_handle", "_hvd")
+    __slots__ = ("_handle", "_hvd", "_name", "_on_failure")
 
-    def __init__(self, hvd: ModuleType, handle: int | None) -> None:  # hvd: horovod.torch; handle: its request id
-        self._hvd = hvd
-        self._handle = handle
+    def __init__(self, hvd: ModuleType, handle: int | None, name: str, on_failure: Callable[[str, Exception], None]) -> None:
+        self._hvd = hvd  # horovod.torch
+        self._handle = handle  # its request id
+        self._name = name
+        self._on_failure = on_failure
 
     def wait(self) -> None:
         if self._handle is not None:
-            self._hvd.synchronize(self._handle)
+            try:
+                self._hvd.synchronize(self._handle)
+            except Exception as exc:
+                self._on_failure(self._name, exc)
+                raise
             self._handle = None
 
     def done(self) -> bool:
@@ -28,11 +43,21 @@ class _HorovodHandle:
 
 
 class HorovodBackend(CommBackend):
-    """Collectives through Horovod (initialised here if the user has not)."""
+    """Collectives through Horovod (initialised here if the user has not).
+
+    ``collective_timeout`` (seconds) becomes ``HOROVOD_GLOO_TIMEOUT_SECONDS``
+    when this engine initialises Horovod (a value exported by the user or
+    ``horovodrun --gloo-timeout-seconds`` wins): a worker whose Horovod
+    thread stops answering (a frozen process, an unreachable host) then shuts
+    Horovod down on every other worker after that long. The first failed
+    collective then raises :class:`~spdkfac.comm.errors.CollectiveTimeoutError`
+    naming the ranks whose heartbeats stopped (a small store on rank 0).
+    """
 
     name = "horovod"
 
-    def __init__(self) -> None:
+    def __init__(self, collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> None:
+        timeout_s = check_collective_timeout(collective_timeout)
         try:
             import horovod.torch as hvd
         except ImportError as exc:  # pragma: no cover - depends on the install
@@ -40,8 +65,11 @@ class HorovodBackend(CommBackend):
                 "backend='horovod' needs Horovod with PyTorch support; run scripts/setup.sh or pip install 'spdkfac[horovod]'"
             ) from exc
         if not hvd.is_initialized():
+            os.environ.setdefault(_GLOO_TIMEOUT_VAR, str(math.ceil(timeout_s)))  # read by hvd.init() only
             hvd.init()
         self._hvd = hvd
+        self._timeout_s = float(os.environ.get(_GLOO_TIMEOUT_VAR, "30"))  # Horovod's own default: 30 s
+        self._liveness = _start_liveness(hvd, timeout_s) if self.size > 1 else None
 
     @property
     def rank(self) -> int:
@@ -51,11 +79,42 @@ class HorovodBackend(CommBackend):
     def size(self) -> int:
         return int(self._hvd.size())
 
+    def _failed(self, collective: str, exc: Exception) -> None:
+        """Raise a CollectiveTimeoutError from ``exc`` when another worker's heartbeat stopped; else let ``exc`` be."""
+        if self._liveness is None or type(exc).__name__ != "HorovodInternalError":
+            return
+        silent = self._liveness.silent_ranks()
+        if silent or (silent is None and self.size == 2):  # None: the store on rank 0 does not answer either
+            raise CollectiveTimeoutError(timeout_message(collective, self.rank, self.size, self._timeout_s, silent or None)) from exc
+
     def allreduce_async(self, tensor: torch.Tensor, name: str) -> Handle:
-        return _HorovodHandle(self._hvd, self._hvd.allreduce_async_(tensor, name=name, op=self._hvd.Average))
+        handle = self._hvd.allreduce_async_(tensor, name=name, op=self._hvd.Average)
+        return _HorovodHandle(self._hvd, handle, name, self._failed)
 
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> Handle:
-        return _HorovodHandle(self._hvd, self._hvd.broadcast_async_(tensor, root_rank=root, name=name))
+        return _HorovodHandle(self._hvd, self._hvd.broadcast_async_(tensor, root_rank=root, name=name), name, self._failed)
 
     def barrier(self) -> None:
-        self._hvd.allreduce(torch.zeros(1), name="spdkfac.barrier")
+        self.allreduce_async(torch.zeros(1), "spdkfac.barrier").wait()
+
+
+def _start_liveness(hvd: ModuleType, timeout_s: float) -> Liveness | None:
+    """Heartbeats through a TCP store served by rank 0 (Horovod has no store of its own to lend); None if unreachable."""
+    from torch._C._distributed_c10d import TCPStore
+
+    host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+    store: TCPStore | None = None
+    if hvd.rank() == 0:
+        store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+    host, port = hvd.broadcast_object((host, store.port if store is not None else 0), root_rank=0, name="spdkfac.liveness")
+    try:
+        if store is None:
+            store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError):  # rank 0's host name does not resolve here: go without naming ranks
+        store = None
+    ok = hvd.allreduce(torch.tensor([0.0 if store is None else 1.0]), op=hvd.Min, name="spdkfac.liveness.ok")
+    if store is None or float(ok) < 1:
+        return None
+    liveness = Liveness(store, hvd.rank(), hvd.size(), interval_s=min(1.0, timeout_s / 10))
+    liveness.start()
+    return liveness

@@ -6,13 +6,16 @@ import atexit
 import datetime
 import os
 import sys
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
 from .base import CommBackend, Handle
 from .device import worker_device
+from .errors import DEFAULT_COLLECTIVE_TIMEOUT_S, CollectiveTimeoutError, check_collective_timeout, timeout_message
+from .liveness import Liveness
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Work
@@ -20,18 +23,36 @@ if TYPE_CHECKING:
 __all__ = ["TorchDistributedBackend"]
 
 
-class _TorchHandle:
-    __slots__ = ("_divisor", "_tensor", "_work")
+def _is_timeout(exc: BaseException) -> bool:
+    """gloo says "Timed out waiting 10000ms for recv operation to complete"; other engines "timeout"."""
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
 
-    def __init__(self, work: Work | None, tensor: torch.Tensor, divisor: int) -> None:
+
+def _wait(work: Work, name: str, on_timeout: Callable[[str], str]) -> None:
+    """``work.wait()``; a timeout becomes a :class:`CollectiveTimeoutError` that says who did not answer."""
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        if not _is_timeout(exc):
+            raise
+        raise CollectiveTimeoutError(on_timeout(name)) from exc
+
+
+class _TorchHandle:
+    __slots__ = ("_divisor", "_name", "_on_timeout", "_tensor", "_work")
+
+    def __init__(self, work: Work | None, tensor: torch.Tensor, divisor: int, name: str, on_timeout: Callable[[str], str]) -> None:
         self._work = work
         self._tensor = tensor
         self._divisor = divisor
+        self._name = name
+        self._on_timeout = on_timeout
 
     def wait(self) -> None:
         if self._work is None:
             return
-        self._work.wait()
+        _wait(self._work, self._name, self._on_timeout)
         if self._divisor > 1:
             # gloo has no AVG reduction: sum, then divide once the sum has arrived.
             self._tensor.div_(self._divisor)
@@ -41,10 +62,20 @@ class _TorchHandle:
         return self._work is None or bool(self._work.is_completed())
 
 
-_EXIT_BARRIER_TIMEOUT = datetime.timedelta(seconds=120)
+_leaving_on_error = threading.Event()
 
 
-def _shut_down_process_group() -> None:
+def skip_exit_barrier() -> None:
+    """This process leaves because of an error: tear its group down at exit without waiting for the others.
+
+    The peers may be blocked in another collective and would never reach the
+    exit barrier; waiting for them would only delay the failure the launcher
+    needs to see to stop the job.
+    """
+    _leaving_on_error.set()
+
+
+def _shut_down_process_group(timeout_s: float, liveness: Liveness | None) -> None:
     """Tear down the process group this module created, once every rank is done with it.
 
     Left to interpreter shutdown, a gloo process group can be destroyed while
@@ -52,17 +83,19 @@ def _shut_down_process_group() -> None:
     ("terminate called without an active exception") after all its work is
     done. So at exit each rank first waits for the others (a rank that exits
     early must not close its sockets under a peer still communicating), then
-    destroys the group. After an uncaught exception the barrier is skipped:
-    the peers may be blocked in a different collective, and the launcher stops
-    them anyway.
+    destroys the group. After an uncaught exception (or :func:`skip_exit_barrier`)
+    the barrier is skipped: the peers may be blocked in a different
+    collective, and the launcher stops them anyway.
     """
+    if liveness is not None:
+        liveness.stop()
     if not dist.is_initialized():
         return
-    failed = getattr(sys, "last_value", None) is not None
+    failed = _leaving_on_error.is_set() or getattr(sys, "last_value", None) is not None
     try:
         if not failed and dist.get_world_size() > 1:
             if dist.get_backend() == "gloo":
-                dist.monitored_barrier(timeout=_EXIT_BARRIER_TIMEOUT)
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
             else:
                 dist.barrier()
     except Exception as exc:  # a peer died or is stuck: still release our resources
@@ -80,13 +113,23 @@ class TorchDistributedBackend(CommBackend):
     GPU, ``LOCAL_RANK``, is made current first), and destroyed
     cleanly at interpreter exit after all ranks arrive; a group the caller
     created stays the caller's to destroy.
+
+    ``collective_timeout`` (seconds) bounds every collective of the group
+    this engine creates: with gloo, a collective that has not completed by
+    then raises :class:`~spdkfac.comm.errors.CollectiveTimeoutError` naming
+    the ranks that stopped answering (their heartbeats in the rendezvous store
+    stopped); with NCCL, torch's watchdog ends the process. A group the
+    caller created keeps the timeout given to its ``init_process_group``.
     """
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> None:
+        timeout_s = check_collective_timeout(collective_timeout)
         if not dist.is_available():  # pragma: no cover
             raise RuntimeError("torch.distributed is not available in this PyTorch build")
+        self._timeout_s: float | None = None  # unknown for a group the caller created
+        self._liveness: Liveness | None = None
         if not dist.is_initialized():
             from torch.distributed.distributed_c10d import PrefixStore
             from torch.distributed.rendezvous import rendezvous
@@ -98,8 +141,15 @@ class TorchDistributedBackend(CommBackend):
             # addresses) would be read by the new ones, which then fail to connect. One namespace per attempt.
             store, rank, size = next(rendezvous("env://"))
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            dist.init_process_group(backend=engine, store=PrefixStore(f"spdkfac/attempt_{attempt}", store), rank=rank, world_size=size)
-            atexit.register(_shut_down_process_group)
+            attempt_store = PrefixStore(f"spdkfac/attempt_{attempt}", store)
+            dist.init_process_group(
+                backend=engine, store=attempt_store, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
+            )
+            self._timeout_s = timeout_s
+            if size > 1:
+                self._liveness = Liveness(attempt_store, rank, size, interval_s=min(1.0, timeout_s / 10))
+                self._liveness.start()
+            atexit.register(_shut_down_process_group, timeout_s, self._liveness)
 
     @property
     def rank(self) -> int:
@@ -109,13 +159,20 @@ class TorchDistributedBackend(CommBackend):
     def size(self) -> int:
         return dist.get_world_size()
 
+    def _timed_out(self, collective: str) -> str:
+        """The message for ``collective`` timing out here (asks the other ranks' heartbeats who stopped)."""
+        silent = self._liveness.silent_ranks() if self._liveness is not None else None
+        return timeout_message(collective, self.rank, self.size, self._timeout_s, silent)
+
     def allreduce_async(self, tensor: torch.Tensor, name: str) -> Handle:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
-        return _TorchHandle(work, tensor, self.size)
+        return _TorchHandle(work, tensor, self.size, name, self._timed_out)
 
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> Handle:
         work = dist.broadcast(tensor, src=root, async_op=True)
-        return _TorchHandle(work, tensor, 1)
+        return _TorchHandle(work, tensor, 1, name, self._timed_out)
 
     def barrier(self) -> None:
-        dist.barrier()
+        work = dist.barrier(async_op=True)
+        if work is not None:
+            _wait(work, "spdkfac.barrier", self._timed_out)
