@@ -62,6 +62,8 @@ class _TorchHandle:
         return self._work is None or bool(self._work.is_completed())
 
 
+#: The longest the exit barrier waits, whatever the collective timeout: the ranks of a finished job arrive together.
+_EXIT_BARRIER_LIMIT_S = 120.0
 _leaving_on_error = threading.Event()
 
 
@@ -95,7 +97,7 @@ def _shut_down_process_group(timeout_s: float, liveness: Liveness | None) -> Non
     try:
         if not failed and dist.get_world_size() > 1:
             if dist.get_backend() == "gloo":
-                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=min(timeout_s, _EXIT_BARRIER_LIMIT_S)))
             else:
                 dist.barrier()
     except Exception as exc:  # a peer died or is stuck: still release our resources
