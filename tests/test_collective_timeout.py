@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from spdkfac.comm import DEFAULT_COLLECTIVE_TIMEOUT_S, SingleProcessBackend, check_collective_timeout, get_backend
-from spdkfac.comm.errors import timeout_message
+from spdkfac.comm.errors import lost_message, timeout_message
 from spdkfac.comm.liveness import Liveness
 from spdkfac.train_args import parse_args
 from spdkfac.train_run import RUNTIME_ARGS
@@ -63,6 +63,15 @@ def test_the_message_names_the_silent_ranks_or_says_what_is_known():
     unknown = timeout_message("x", rank=1, size=3, timeout_s=None, silent=None)
     assert "after" not in unknown  # the timeout of a group the caller made is not known
     assert "a worker among ranks 0, 2 did not answer" in unknown
+
+
+def test_a_lost_worker_message_names_it_and_keeps_the_engine_s_reason():
+    msg = lost_message("spdkfac.grad.fc.bias", rank=0, silent=[1], why="Horovod shut down")
+    assert (
+        msg
+        == "collective 'spdkfac.grad.fc.bias' failed on rank 0: rank 1 stopped answering (frozen, killed or unreachable); Horovod shut down"
+    )
+    assert "ranks 2, 3 stopped answering" in lost_message("x", rank=0, silent=[2, 3], why="")
 
 
 def test_heartbeats_name_the_worker_that_stopped_and_only_it():

@@ -34,6 +34,15 @@ ENDED_WITHIN_S = TIMEOUT_S + 30 + 35
 #: From a rank's start-up error to the job's end: it stalled 120 s per attempt under torchrun (the exit barrier).
 AFTER_ERROR_LIMIT_S = 30.0
 RANK_VAR = {"torch": "RANK", "horovod": "HOROVOD_RANK"}
+#: The error that names the frozen rank, per engine.
+NAMED = {
+    "torch": re.compile(
+        rf"CollectiveTimeoutError: collective '[^']+' timed out on rank 0 after {TIMEOUT_S} s \(collective_timeout\): rank 1 stopped"
+    ),
+    "horovod": re.compile(
+        rf"WorkerLostError: collective '[^']+' failed on rank 0: rank 1 stopped answering.*for {TIMEOUT_S} s, collective_timeout"
+    ),
+}
 
 
 def _env() -> dict:
@@ -121,9 +130,7 @@ def test_a_frozen_worker_ends_the_job_with_a_message_naming_it(engine, tmp_path)
     assert stopped is not None, f"rank 1 was never frozen:\n{out[-4000:]}"
     assert ended is not None, f"{engine}: the job hung with a frozen worker:\n{out[-4000:]}"
     assert job.proc.returncode != 0, out[-4000:]
-    named = job.first(
-        re.compile(rf"collective '[^']+' timed out on rank 0 after {TIMEOUT_S} s \(collective_timeout\): rank 1 stopped answering")
-    )
+    named = job.first(NAMED[engine])
     assert named is not None, f"the frozen rank is not named:\n{out[-4000:]}"
     print(f"{engine}: rank 1 named {named - stopped:.1f} s and the job ended {ended - stopped:.1f} s after it froze")
     assert named - stopped < NAMED_WITHIN_S

@@ -6,7 +6,7 @@ import os
 
 from .base import CommBackend, CompletedHandle, Handle, SingleProcessBackend
 from .device import DEVICE_CHOICES, local_rank, local_rank_and_size, worker_device
-from .errors import DEFAULT_COLLECTIVE_TIMEOUT_S, CollectiveError, CollectiveTimeoutError, check_collective_timeout
+from .errors import DEFAULT_COLLECTIVE_TIMEOUT_S, CollectiveError, CollectiveTimeoutError, WorkerLostError, check_collective_timeout
 from .inprocess import InProcessBackend, InProcessGroup, run_ranks
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "InProcessBackend",
     "InProcessGroup",
     "SingleProcessBackend",
+    "WorkerLostError",
     "detect_launcher",
     "get_backend",
     "leaving_on_error",
@@ -62,7 +63,8 @@ def get_backend(backend: str | CommBackend = "auto", collective_timeout: float =
             process), ``'horovod'``, ``'torch'``, ``'single'``.
         collective_timeout: seconds a worker waits for the others in one
             collective before the job fails with a
-            :class:`CollectiveTimeoutError` naming who did not answer (a
+            :class:`CollectiveTimeoutError` (torch.distributed) or
+            :class:`WorkerLostError` (Horovod) naming who did not answer (a
             frozen worker must not hold the job for torch's 30 minutes).
             Checked always; used by the engines created here (the single-process
             engine never waits, an engine instance keeps its own).

@@ -17,7 +17,9 @@ __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "CollectiveError",
     "CollectiveTimeoutError",
+    "WorkerLostError",
     "check_collective_timeout",
+    "lost_message",
     "timeout_message",
 ]
 
@@ -33,6 +35,10 @@ class CollectiveError(RuntimeError):
 
 class CollectiveTimeoutError(CollectiveError):
     """A collective did not complete in time: some worker stopped answering or never issued it."""
+
+
+class WorkerLostError(CollectiveError):
+    """A collective failed because a worker stopped answering (frozen past the timeout, killed, or unreachable)."""
 
 
 def check_collective_timeout(value: object) -> float:
@@ -67,3 +73,9 @@ def timeout_message(collective: str, rank: int, size: int, timeout_s: float | No
     if len(others) == 1:
         return head + f"rank {others[0]} did not answer (frozen, hung, or far behind)"
     return head + f"a worker among ranks {', '.join(str(r) for r in others)} did not answer (frozen, hung, or far behind)"
+
+
+def lost_message(collective: str, rank: int, silent: Sequence[int], why: str) -> str:
+    """What a rank says when ``collective`` failed because the ``silent`` ranks stopped answering; ``why``: the engine's part."""
+    who = f"rank {silent[0]}" if len(silent) == 1 else "ranks " + ", ".join(str(r) for r in silent)
+    return f"collective {collective!r} failed on rank {rank}: {who} stopped answering (frozen, killed or unreachable); {why}"

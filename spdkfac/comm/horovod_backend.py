@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from .base import CommBackend, Handle
-from .errors import DEFAULT_COLLECTIVE_TIMEOUT_S, CollectiveTimeoutError, check_collective_timeout, timeout_message
+from .errors import DEFAULT_COLLECTIVE_TIMEOUT_S, WorkerLostError, check_collective_timeout, lost_message
 from .liveness import Liveness
 
 __all__ = ["HorovodBackend"]
@@ -50,7 +50,7 @@ class HorovodBackend(CommBackend):
     ``horovodrun --gloo-timeout-seconds`` wins): a worker whose Horovod
     thread stops answering (a frozen process, an unreachable host) then shuts
     Horovod down on every other worker after that long. The first failed
-    collective then raises :class:`~spdkfac.comm.errors.CollectiveTimeoutError`
+    collective then raises :class:`~spdkfac.comm.errors.WorkerLostError`
     naming the ranks whose heartbeats stopped (a small store on rank 0).
     """
 
@@ -80,12 +80,15 @@ class HorovodBackend(CommBackend):
         return int(self._hvd.size())
 
     def _failed(self, collective: str, exc: Exception) -> None:
-        """Raise a CollectiveTimeoutError from ``exc`` when another worker's heartbeat stopped; else let ``exc`` be."""
+        """Raise a WorkerLostError from Horovod's shutdown when another worker's heartbeat stopped; else let ``exc`` be."""
         if self._liveness is None or type(exc).__name__ != "HorovodInternalError":
             return
         silent = self._liveness.silent_ranks()
-        if silent or (silent is None and self.size == 2):  # None: the store on rank 0 does not answer either
-            raise CollectiveTimeoutError(timeout_message(collective, self.rank, self.size, self._timeout_s, silent or None)) from exc
+        if silent is None and self.size == 2:  # the store on rank 0 does not answer either: rank 0 stopped
+            silent = [1 - self.rank]
+        if silent:
+            why = f"Horovod shut down (it gives up on a worker that does not answer for {self._timeout_s:g} s, collective_timeout)"
+            raise WorkerLostError(lost_message(collective, self.rank, silent, why)) from exc
 
     def allreduce_async(self, tensor: torch.Tensor, name: str) -> Handle:
         handle = self._hvd.allreduce_async_(tensor, name=name, op=self._hvd.Average)
