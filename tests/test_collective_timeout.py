@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch.distributed as dist
@@ -10,6 +11,7 @@ import torch.distributed as dist
 from spdkfac.comm import DEFAULT_COLLECTIVE_TIMEOUT_S, SingleProcessBackend, check_collective_timeout, get_backend
 from spdkfac.comm.errors import lost_message, timeout_message
 from spdkfac.comm.liveness import Liveness
+from spdkfac.comm.watchdog import WaitWatchdog
 from spdkfac.train_args import parse_args
 from spdkfac.train_run import RUNTIME_ARGS
 
@@ -87,3 +89,14 @@ def test_heartbeats_name_the_worker_that_stopped_and_only_it():
     finally:
         for b in beats:
             b.stop()
+
+
+def test_the_watchdog_sees_a_wait_only_while_it_lasts_longer_than_the_timeout():
+    # The check thread sleeps an hour here: it must not end the test process; overdue() is what it would act on.
+    watchdog = WaitWatchdog(0.05, describe=lambda name: name, interval_s=3600)
+    assert watchdog.overdue() is None
+    with watchdog.watching("spdkfac.grad.fc.weight"):
+        assert watchdog.overdue() is None  # not yet overdue
+        time.sleep(0.1)
+        assert watchdog.overdue() == "spdkfac.grad.fc.weight"
+    assert watchdog.overdue() is None  # the wait ended

@@ -8,6 +8,9 @@
   ends within seconds of the error, not the 120 s it stalled before (the
   exit barrier).
 * A rank that leaves with an error does not wait for the others at exit.
+* A worker alive but stuck outside the collectives ends the job too, and the
+  message says every worker is alive (torch: the group's timeout; Horovod,
+  which only notices frozen workers: the wait watchdog).
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ NAMED = {
     "torch": re.compile(
         rf"CollectiveTimeoutError: collective '[^']+' timed out on rank 0 after {TIMEOUT_S} s \(collective_timeout\): rank 1 stopped"
     ),
+    # Horovod's own timeout (WorkerLostError) or the wait watchdog (CollectiveTimeoutError), whichever fires first.
     "horovod": re.compile(
-        rf"WorkerLostError: collective '[^']+' failed on rank 0: rank 1 stopped answering.*for {TIMEOUT_S} s, collective_timeout"
+        rf"Error: collective '[^']+' (?:failed on rank 0|timed out on rank 0 after {TIMEOUT_S} s \(collective_timeout\)): rank 1 stopped answering"
     ),
 }
 
@@ -170,3 +174,26 @@ def test_a_rank_leaving_on_an_error_does_not_wait_for_the_others_at_exit():
     assert "passed a barrier rank 0 never reached" not in out
     print(f"the job ended {ended - failed:.1f} s after rank 0's error")
     assert ended - failed < AFTER_ERROR_LIMIT_S
+
+
+@pytest.mark.parametrize("engine", ["torch", "horovod"])
+def test_a_worker_alive_but_stuck_ends_the_job_and_is_not_called_frozen(engine):
+    if engine == "horovod":
+        require_horovod()
+    timeout = 5
+    cmd = launcher_command(engine, 2, [str(ROOT / "tests" / "workers" / "stuck_worker.py"), "--backend", engine, "--timeout", str(timeout)])
+    job = _Job(cmd)
+    ended = job.wait(timeout=240)
+    out = job.output()
+    assert ended is not None, f"{engine}: the job hung with a stuck worker:\n{out[-4000:]}"
+    assert job.proc.returncode != 0, out[-4000:]
+    stuck = job.first(re.compile("rank 1: stuck at step"))
+    named = job.first(
+        re.compile(rf"CollectiveTimeoutError: collective 'stuck.step3' timed out on rank 0 after {timeout} s .*every other worker is alive")
+    )
+    assert stuck is not None, out[-4000:]
+    assert named is not None, f"no error saying every worker is alive:\n{out[-4000:]}"
+    assert "finished all steps" not in out
+    print(f"{engine}: rank 0 gave up {named - stuck:.1f} s and the job ended {ended - stuck:.1f} s after rank 1 got stuck")
+    assert named - stuck < 3 * timeout + 10
+    assert ended - stuck < 3 * timeout + 30

@@ -12,8 +12,9 @@ from typing import Callable
 import torch
 
 from .base import CommBackend, Handle
-from .errors import DEFAULT_COLLECTIVE_TIMEOUT_S, WorkerLostError, check_collective_timeout, lost_message
+from .errors import DEFAULT_COLLECTIVE_TIMEOUT_S, WorkerLostError, check_collective_timeout, lost_message, timeout_message
 from .liveness import Liveness
+from .watchdog import WaitWatchdog
 
 __all__ = ["HorovodBackend"]
 
@@ -21,21 +22,17 @@ _GLOO_TIMEOUT_VAR = "HOROVOD_GLOO_TIMEOUT_SECONDS"
 
 
 class _HorovodHandle:
-    __slots__ = ("_handle", "_hvd", "_name", "_on_failure")
+    __slots__ = ("_handle", "_hvd", "_name", "_synchronize")
 
-    def __init__(self, hvd: ModuleType, handle: int | None, name: str, on_failure: Callable[[str, Exception], None]) -> None:
+    def __init__(self, hvd: ModuleType, handle: int | None, name: str, synchronize: Callable[[int, str], None]) -> None:
         self._hvd = hvd  # horovod.torch
         self._handle = handle  # its request id
         self._name = name
-        self._on_failure = on_failure
+        self._synchronize = synchronize
 
     def wait(self) -> None:
         if self._handle is not None:
-            try:
-                self._hvd.synchronize(self._handle)
-            except Exception as exc:
-                self._on_failure(self._name, exc)
-                raise
+            self._synchronize(self._handle, self._name)
             self._handle = None
 
     def done(self) -> bool:
@@ -52,6 +49,9 @@ class HorovodBackend(CommBackend):
     Horovod down on every other worker after that long. The first failed
     collective then raises :class:`~spdkfac.comm.errors.WorkerLostError`
     naming the ranks whose heartbeats stopped (a small store on rank 0).
+    A worker that is alive but never issues the collective is not noticed by
+    Horovod: a watchdog ends a worker whose wait lasts longer than
+    ``collective_timeout`` (exit status 1, the error printed first).
     """
 
     name = "horovod"
@@ -69,7 +69,9 @@ class HorovodBackend(CommBackend):
             hvd.init()
         self._hvd = hvd
         self._timeout_s = float(os.environ.get(_GLOO_TIMEOUT_VAR, "30"))  # Horovod's own default: 30 s
+        self._collective_timeout_s = timeout_s
         self._liveness = _start_liveness(hvd, timeout_s) if self.size > 1 else None
+        self._watchdog = WaitWatchdog(timeout_s, self._overdue, interval_s=min(1.0, timeout_s / 10)) if self.size > 1 else None
 
     @property
     def rank(self) -> int:
@@ -78,6 +80,23 @@ class HorovodBackend(CommBackend):
     @property
     def size(self) -> int:
         return int(self._hvd.size())
+
+    def _synchronize(self, handle: int, collective: str) -> None:
+        """Wait for ``handle`` (under the watchdog); a failure that lost a worker says which."""
+        try:
+            if self._watchdog is None:
+                self._hvd.synchronize(handle)
+            else:
+                with self._watchdog.watching(collective):
+                    self._hvd.synchronize(handle)
+        except Exception as exc:
+            self._failed(collective, exc)
+            raise
+
+    def _overdue(self, collective: str) -> str:
+        """The watchdog's message for a wait on ``collective`` longer than the timeout."""
+        silent = self._liveness.silent_ranks() if self._liveness is not None else None
+        return timeout_message(collective, self.rank, self.size, self._collective_timeout_s, silent)
 
     def _failed(self, collective: str, exc: Exception) -> None:
         """Raise a WorkerLostError from Horovod's shutdown when another worker's heartbeat stopped; else let ``exc`` be."""
@@ -92,10 +111,10 @@ class HorovodBackend(CommBackend):
 
     def allreduce_async(self, tensor: torch.Tensor, name: str) -> Handle:
         handle = self._hvd.allreduce_async_(tensor, name=name, op=self._hvd.Average)
-        return _HorovodHandle(self._hvd, handle, name, self._failed)
+        return _HorovodHandle(self._hvd, handle, name, self._synchronize)
 
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> Handle:
-        return _HorovodHandle(self._hvd, self._hvd.broadcast_async_(tensor, root_rank=root, name=name), name, self._failed)
+        return _HorovodHandle(self._hvd, self._hvd.broadcast_async_(tensor, root_rank=root, name=name), name, self._synchronize)
 
     def barrier(self) -> None:
         self.allreduce_async(torch.zeros(1), "spdkfac.barrier").wait()
