@@ -35,7 +35,7 @@ NAMED_WITHIN_S = 3 * TIMEOUT_S
 #: Until the launcher has stopped every process: torchrun waits 30 s after SIGTERM before SIGKILL, horovodrun 10 s.
 ENDED_WITHIN_S = TIMEOUT_S + 30 + 35
 #: From a rank's start-up error to the job's end: it stalled 120 s per attempt under torchrun (the exit barrier).
-AFTER_ERROR_LIMIT_S = 30.0
+AFTER_ERROR_LIMIT_S = 60.0
 RANK_VAR = {"torch": "RANK", "horovod": "HOROVOD_RANK"}
 #: The error that names the frozen rank, per engine.
 NAMED = {

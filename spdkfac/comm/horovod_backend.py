@@ -19,6 +19,9 @@ from .watchdog import WaitWatchdog
 __all__ = ["HorovodBackend"]
 
 _GLOO_TIMEOUT_VAR = "HOROVOD_GLOO_TIMEOUT_SECONDS"
+_HOROVOD_DEFAULT_GLOO_TIMEOUT_S = 30  # what hvd.init() uses when the variable is not set
+#: The longest a worker tries to reach the heartbeat store on rank 0 before going without naming ranks.
+_STORE_CONNECT_S = 30.0
 
 
 class _HorovodHandle:
@@ -42,11 +45,12 @@ class _HorovodHandle:
 class HorovodBackend(CommBackend):
     """Collectives through Horovod (initialised here if the user has not).
 
-    ``collective_timeout`` (seconds) becomes ``HOROVOD_GLOO_TIMEOUT_SECONDS``
-    when this engine initialises Horovod (a value exported by the user or
-    ``horovodrun --gloo-timeout-seconds`` wins): a worker whose Horovod
-    thread stops answering (a frozen process, an unreachable host) then shuts
-    Horovod down on every other worker after that long. The first failed
+    ``collective_timeout`` (seconds), at most Horovod's default 30 s, becomes
+    ``HOROVOD_GLOO_TIMEOUT_SECONDS`` when this engine initialises Horovod (a
+    value exported by the user or ``horovodrun --gloo-timeout-seconds``
+    wins): a worker whose Horovod thread stops answering (a frozen process,
+    an unreachable host) then shuts Horovod down on every other worker after
+    that long. The first failed
     collective then raises :class:`~spdkfac.comm.errors.WorkerLostError`
     naming the ranks whose heartbeats stopped (a small store on rank 0).
     A worker that is alive but never issues the collective is not noticed by
@@ -65,10 +69,12 @@ class HorovodBackend(CommBackend):
                 "backend='horovod' needs Horovod with PyTorch support; run scripts/setup.sh or pip install 'spdkfac[horovod]'"
             ) from exc
         if not hvd.is_initialized():
-            os.environ.setdefault(_GLOO_TIMEOUT_VAR, str(math.ceil(timeout_s)))  # read by hvd.init() only
+            # Never longer than Horovod's default: its background threads answer each other every cycle, so a
+            # longer wait only delays noticing a frozen worker (and the start-up rendezvous rarely needs more).
+            os.environ.setdefault(_GLOO_TIMEOUT_VAR, str(min(math.ceil(timeout_s), _HOROVOD_DEFAULT_GLOO_TIMEOUT_S)))
             hvd.init()
         self._hvd = hvd
-        self._timeout_s = float(os.environ.get(_GLOO_TIMEOUT_VAR, "30"))  # Horovod's own default: 30 s
+        self._timeout_s = float(os.environ.get(_GLOO_TIMEOUT_VAR, _HOROVOD_DEFAULT_GLOO_TIMEOUT_S))
         self._collective_timeout_s = timeout_s
         self._liveness = _start_liveness(hvd, timeout_s) if self.size > 1 else None
         self._watchdog = WaitWatchdog(timeout_s, self._overdue, interval_s=min(1.0, timeout_s / 10)) if self.size > 1 else None
@@ -131,7 +137,7 @@ def _start_liveness(hvd: ModuleType, timeout_s: float) -> Liveness | None:
     host, port = hvd.broadcast_object((host, store.port if store is not None else 0), root_rank=0, name="spdkfac.liveness")
     try:
         if store is None:
-            store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+            store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=min(timeout_s, _STORE_CONNECT_S)))
     except (RuntimeError, OSError):  # rank 0's host name does not resolve here: go without naming ranks
         store = None
     ok = hvd.allreduce(torch.tensor([0.0 if store is None else 1.0]), op=hvd.Min, name="spdkfac.liveness.ok")
