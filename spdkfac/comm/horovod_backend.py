@@ -50,12 +50,13 @@ class HorovodBackend(CommBackend):
     value exported by the user or ``horovodrun --gloo-timeout-seconds``
     wins): a worker whose Horovod thread stops answering (a frozen process,
     an unreachable host) then shuts Horovod down on every other worker after
-    that long. The first failed
-    collective then raises :class:`~spdkfac.comm.errors.WorkerLostError`
-    naming the ranks whose heartbeats stopped (a small store on rank 0).
-    A worker that is alive but never issues the collective is not noticed by
-    Horovod: a watchdog ends a worker whose wait lasts longer than
-    ``collective_timeout`` (exit status 1, the error printed first).
+    that long, and the first failed collective raises
+    :class:`~spdkfac.comm.errors.WorkerLostError` naming the ranks whose
+    heartbeats stopped (a small store on rank 0; not named if it cannot be
+    reached within 30 s at start-up). A worker that is alive but never
+    issues the collective is not noticed by Horovod: a watchdog ends a worker
+    whose wait lasts longer than ``collective_timeout`` (exit status 1, the
+    error printed first).
     """
 
     name = "horovod"
@@ -126,8 +127,18 @@ class HorovodBackend(CommBackend):
         self.allreduce_async(torch.zeros(1), "spdkfac.barrier").wait()
 
 
+#: The heartbeats of this process, started by the first engine built (a second one must not issue start-up collectives).
+_SHARED_LIVENESS: dict[str, Liveness | None] = {}
+
+
 def _start_liveness(hvd: ModuleType, timeout_s: float) -> Liveness | None:
     """Heartbeats through a TCP store served by rank 0 (Horovod has no store of its own to lend); None if unreachable."""
+    if "liveness" not in _SHARED_LIVENESS:
+        _SHARED_LIVENESS["liveness"] = _connect_liveness(hvd, timeout_s)
+    return _SHARED_LIVENESS["liveness"]
+
+
+def _connect_liveness(hvd: ModuleType, timeout_s: float) -> Liveness | None:
     from torch._C._distributed_c10d import TCPStore
 
     host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()

@@ -7,7 +7,7 @@ import datetime
 import os
 import sys
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,8 @@ class _TorchHandle:
 #: The longest the exit barrier waits, whatever the collective timeout: the ranks of a finished job arrive together.
 _EXIT_BARRIER_LIMIT_S = 120.0
 _leaving_on_error = threading.Event()
+#: What the engine that created this process's group knows about it (its timeout, its heartbeats).
+_OWN_GROUP: dict[str, Any] = {}
 
 
 def skip_exit_barrier() -> None:
@@ -91,6 +93,7 @@ def _shut_down_process_group(timeout_s: float, liveness: Liveness | None) -> Non
     """
     if liveness is not None:
         liveness.stop()
+    _OWN_GROUP.clear()
     if not dist.is_initialized():
         return
     failed = _leaving_on_error.is_set() or getattr(sys, "last_value", None) is not None
@@ -130,8 +133,9 @@ class TorchDistributedBackend(CommBackend):
         timeout_s = check_collective_timeout(collective_timeout)
         if not dist.is_available():  # pragma: no cover
             raise RuntimeError("torch.distributed is not available in this PyTorch build")
-        self._timeout_s: float | None = None  # unknown for a group the caller created
-        self._liveness: Liveness | None = None
+        # The timeout and heartbeats of the group an engine created earlier in this process; unknown for the caller's.
+        self._timeout_s: float | None = _OWN_GROUP.get("timeout_s")
+        self._liveness: Liveness | None = _OWN_GROUP.get("liveness")
         if not dist.is_initialized():
             from torch.distributed.distributed_c10d import PrefixStore
             from torch.distributed.rendezvous import rendezvous
@@ -152,6 +156,7 @@ class TorchDistributedBackend(CommBackend):
                 self._liveness = Liveness(attempt_store, rank, size, interval_s=min(1.0, timeout_s / 10))
                 self._liveness.start()
             atexit.register(_shut_down_process_group, timeout_s, self._liveness)
+            _OWN_GROUP.update(timeout_s=timeout_s, liveness=self._liveness)
 
     @property
     def rank(self) -> int:
