@@ -106,8 +106,13 @@ class HorovodBackend(CommBackend):
         return timeout_message(collective, self.rank, self.size, self._collective_timeout_s, silent)
 
     def _failed(self, collective: str, exc: Exception) -> None:
-        """Raise a WorkerLostError from Horovod's shutdown when another worker's heartbeat stopped; else let ``exc`` be."""
-        if self._liveness is None or type(exc).__name__ != "HorovodInternalError":
+        """Raise a WorkerLostError from ``exc`` when another worker's heartbeat stopped; else let ``exc`` be.
+
+        After Horovod shut down, issuing a collective raises HorovodInternalError
+        and waiting on one issued before may raise ValueError (its handle was
+        cleared): any error qualifies, the heartbeats decide.
+        """
+        if self._liveness is None:
             return
         silent = self._liveness.silent_ranks()
         if silent is None and self.size == 2:  # the store on rank 0 does not answer either: rank 0 stopped
@@ -117,11 +122,20 @@ class HorovodBackend(CommBackend):
             raise WorkerLostError(lost_message(collective, self.rank, silent, why)) from exc
 
     def allreduce_async(self, tensor: torch.Tensor, name: str) -> Handle:
-        handle = self._hvd.allreduce_async_(tensor, name=name, op=self._hvd.Average)
+        try:
+            handle = self._hvd.allreduce_async_(tensor, name=name, op=self._hvd.Average)
+        except Exception as exc:  # Horovod shut down before this collective was issued
+            self._failed(name, exc)
+            raise
         return _HorovodHandle(self._hvd, handle, name, self._synchronize)
 
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> Handle:
-        return _HorovodHandle(self._hvd, self._hvd.broadcast_async_(tensor, root_rank=root, name=name), name, self._synchronize)
+        try:
+            handle = self._hvd.broadcast_async_(tensor, root_rank=root, name=name)
+        except Exception as exc:
+            self._failed(name, exc)
+            raise
+        return _HorovodHandle(self._hvd, handle, name, self._synchronize)
 
     def barrier(self) -> None:
         self.allreduce_async(torch.zeros(1), "spdkfac.barrier").wait()
