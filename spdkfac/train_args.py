@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_COLLECTIVE_TIMEOUT_S,
         metavar="SECONDS",
         help="a worker that waits this long for the others in one collective ends the job, naming the rank "
-        "that stopped answering (a frozen worker; torch's own limit is 30 minutes)",
+        "that stopped answering (default %(default)g; torch's own limit is 30 minutes)",
     )
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32, help="per-worker batch size")
