@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 
 from .affinity import bind_cores_if_asked
 from .checkpoint import LATEST, CheckpointError, save_rotating
-from .comm import CommBackend, get_backend, worker_device
+from .comm import CommBackend, get_backend, leaving_on_error, worker_device
 from .data import ShardedLoader, load_digits, load_mnist5k, synthetic
 from .host_memory import retain_freed_memory
 from .models import get_model
@@ -164,18 +164,26 @@ def _engine_settings(backend: CommBackend) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Run the training job; returns the last epoch's metrics. The run directory is locked while it runs."""
-    with contextlib.ExitStack() as held:
-        return _run(argv, held)
+    """Run the training job; returns the last epoch's metrics. The run directory is locked while it runs.
+
+    On an error, this worker leaves at once instead of waiting for the others at exit (they may never come).
+    """
+    try:
+        with contextlib.ExitStack() as held:
+            return _train(argv, held)
+    except BaseException as exc:
+        if not (isinstance(exc, SystemExit) and exc.code in (None, 0)):
+            leaving_on_error()
+        raise
 
 
-def _run(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, float]:
+def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, float]:
     args = parse_args(argv)
     cores = bind_cores_if_asked(args)
     retain_freed_memory()  # CPU activations are reused, not page-faulted in every iteration
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    backend = get_backend(args.backend)
+    backend = get_backend(args.backend, collective_timeout=args.collective_timeout)
     rank, size = backend.rank, backend.size
     is_root = rank == 0
     device = worker_device(args.device)
@@ -224,7 +232,7 @@ def _run(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, float]
         )
 
     out_dir = Path(args.out_dir)
-    resume, lock = prepare_run_dir(args, out_dir, is_root, backend)
+    resume, lock = prepare_run_dir(args, out_dir, is_root, backend, device)
     if lock is not None:
         held.enter_context(lock)
     position = Position()

@@ -8,7 +8,7 @@ import math
 import torch
 
 from .affinity import add_bind_cores_option
-from .comm import DEVICE_CHOICES
+from .comm import DEFAULT_COLLECTIVE_TIMEOUT_S, DEVICE_CHOICES
 from .models import MODELS
 
 __all__ = ["AMP_DTYPES", "DHO2_OPTIMIZERS", "KFAC_OPTIMIZERS", "OPTIMIZERS", "dho2_options", "parse_args"]
@@ -31,6 +31,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help=f"model name, one of {sorted(MODELS)} (default: per data set)")
     p.add_argument("--optimizer", default="spdkfac", choices=OPTIMIZERS)
     p.add_argument("--backend", default="auto", choices=("auto", "horovod", "torch", "single"))
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a worker that waits this long for the others in one collective ends the job, naming the rank "
+        "that stopped answering (default %(default)g; torch's own limit is 30 minutes)",
+    )
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32, help="per-worker batch size")
     p.add_argument(
@@ -153,6 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--epochs must be >= 1")
     if args.batch_size < 1:
         p.error("--batch-size must be >= 1")
+    if not (math.isfinite(args.collective_timeout) and args.collective_timeout > 0):
+        p.error(f"--collective-timeout must be a positive number of seconds, got {args.collective_timeout}")
     if args.skip_nonfinite < 0:
         p.error("--skip-nonfinite must be >= 0")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import os
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +22,13 @@ import torch.nn as nn
 
 from .checkpoint import LATEST, PREVIOUS, CheckpointError, changed_arguments, newest_valid
 from .comm import CommBackend
-from .run_dir import RunDirLockedError, RunLock, replace_text
+from .run_dir import RunLock, replace_text
 from .schedules import KFACParamScheduler
+from .train_startup import RunDirError, leave_together, take_run_dir
 
 __all__ = ["FIXED_ARGS", "RUNTIME_ARGS", "Position", "prepare_run_dir", "restore", "start_log"]
+
+_CPU = torch.device("cpu")
 
 
 @dataclass
@@ -55,6 +56,7 @@ RUNTIME_ARGS = (
     "checkpoint_every",
     "backend",
     "perf_model",
+    "collective_timeout",
 )
 
 #: Arguments that fix what is trained or the order of its samples: a resumed run refuses to change them,
@@ -64,7 +66,7 @@ FIXED_ARGS = ("optimizer", "model", "data", "compute_method", "seed", "synthetic
 
 
 def prepare_run_dir(
-    args: argparse.Namespace, out_dir: Path, is_root: bool, backend: CommBackend
+    args: argparse.Namespace, out_dir: Path, is_root: bool, backend: CommBackend, device: torch.device = _CPU
 ) -> tuple[tuple[Path, dict[str, Any]] | None, RunLock | None]:
     """Check ``--out-dir`` before any work, lock it, and find the checkpoint to resume from.
 
@@ -94,26 +96,16 @@ def prepare_run_dir(
                 "replace it with --overwrite, or choose another --out-dir"
             )
     backend.barrier()  # every worker has looked at the directory before rank 0 writes to it
-    lock = None
+    lock, problem = None, ""
     if is_root:
         try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=out_dir)  # O_EXCL: never follows a planted link
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as exc:
-            raise SystemExit(f"error: cannot write to --out-dir {out_dir}: {exc}") from None
-        try:
-            lock = RunLock(out_dir).acquire()
-        except RunDirLockedError as exc:
-            raise SystemExit(f"error: {exc}") from None
-        if lock.taken_over is not None:
-            print(f"  {lock.path}: took over the lock of a job that ended without releasing it ({lock.taken_over})")
-        for stale in [*out_dir.glob(f"{LATEST}.*.tmp"), out_dir / f"{LATEST}.tmp"]:  # left by a killed job
-            stale.unlink(missing_ok=True)
-        if args.overwrite:
-            for name in (LATEST, PREVIOUS):
-                (out_dir / name).unlink(missing_ok=True)
+            lock = take_run_dir(out_dir, args.overwrite)
+        except RunDirError as exc:
+            problem = str(exc)
+    # Every worker leaves if rank 0 cannot use the directory (no worker left waiting in a collective).
+    leave_together(problem, is_root, backend, device, f"rank 0 cannot use --out-dir {out_dir} (its error says why)")
+    if lock is not None and lock.taken_over is not None:
+        print(f"  {lock.path}: took over the lock of a job that ended without releasing it ({lock.taken_over})")
     return found, lock
 
 

@@ -6,18 +6,24 @@ import os
 
 from .base import CommBackend, CompletedHandle, Handle, SingleProcessBackend
 from .device import DEVICE_CHOICES, local_rank, local_rank_and_size, worker_device
+from .errors import DEFAULT_COLLECTIVE_TIMEOUT_S, CollectiveError, CollectiveTimeoutError, WorkerLostError, check_collective_timeout
 from .inprocess import InProcessBackend, InProcessGroup, run_ranks
 
 __all__ = [
+    "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "DEVICE_CHOICES",
+    "CollectiveError",
+    "CollectiveTimeoutError",
     "CommBackend",
     "CompletedHandle",
     "Handle",
     "InProcessBackend",
     "InProcessGroup",
     "SingleProcessBackend",
+    "WorkerLostError",
     "detect_launcher",
     "get_backend",
+    "leaving_on_error",
     "local_rank",
     "local_rank_and_size",
     "run_ranks",
@@ -47,7 +53,7 @@ def detect_launcher() -> str:
     return "single"
 
 
-def get_backend(backend: str | CommBackend = "auto") -> CommBackend:
+def get_backend(backend: str | CommBackend = "auto", collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> CommBackend:
     """Return a communication engine.
 
     Args:
@@ -55,7 +61,15 @@ def get_backend(backend: str | CommBackend = "auto") -> CommBackend:
             (Horovod under ``horovodrun``/``mpirun``, torch.distributed under
             ``torchrun`` or an initialised process group, otherwise single
             process), ``'horovod'``, ``'torch'``, ``'single'``.
+        collective_timeout: seconds a worker waits for the others in one
+            collective before the job fails with a
+            :class:`CollectiveTimeoutError` (torch.distributed) or
+            :class:`WorkerLostError` (Horovod) naming who did not answer (a
+            frozen worker must not hold the job for torch's 30 minutes).
+            Checked always; used by the engines created here (the single-process
+            engine never waits, an engine instance keeps its own).
     """
+    timeout_s = check_collective_timeout(collective_timeout)
     if isinstance(backend, CommBackend):
         return backend
     if not isinstance(backend, str):
@@ -64,11 +78,25 @@ def get_backend(backend: str | CommBackend = "auto") -> CommBackend:
     if choice == "horovod":
         from .horovod_backend import HorovodBackend
 
-        return HorovodBackend()
+        return HorovodBackend(collective_timeout=timeout_s)
     if choice == "torch":
         from .torch_backend import TorchDistributedBackend
 
-        return TorchDistributedBackend()
+        return TorchDistributedBackend(collective_timeout=timeout_s)
     if choice == "single":
         return SingleProcessBackend()
     raise ValueError(f"backend must be 'auto', 'horovod', 'torch', 'single' or a CommBackend, got {backend!r}")
+
+
+def leaving_on_error() -> None:
+    """This process is about to exit because of an error: do not wait for the other workers at exit.
+
+    They may be blocked in a collective this process will never join; the
+    sooner it exits with its error, the sooner the launcher stops the job.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available():
+        from .torch_backend import skip_exit_barrier
+
+        skip_exit_barrier()

@@ -40,6 +40,7 @@ from typing import Callable, TypeVar, cast
 import torch
 
 from .base import CommBackend, Handle
+from .errors import CollectiveError, CollectiveTimeoutError
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -58,16 +59,8 @@ DEFAULT_TIMEOUT = 60.0  # seconds a rank may wait on one collective, and a whole
 T = TypeVar("T")
 
 
-class CollectiveError(RuntimeError):
-    """Base class of the errors this engine raises about collectives."""
-
-
 class CollectiveMismatchError(CollectiveError):
     """Ranks posted different collectives at the same position of their sequences (or one rank finished without it)."""
-
-
-class CollectiveTimeoutError(CollectiveError):
-    """A collective did not complete in time (some rank never posted it)."""
 
 
 class CollectiveAbortedError(CollectiveError):

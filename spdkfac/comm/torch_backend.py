@@ -6,14 +6,17 @@ import atexit
 import datetime
 import os
 import sys
+import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from .base import CommBackend, Handle, check_gather_counts
 from .device import worker_device
+from .errors import DEFAULT_COLLECTIVE_TIMEOUT_S, CollectiveTimeoutError, check_collective_timeout, timeout_message
+from .liveness import Liveness
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Work
@@ -21,18 +24,36 @@ if TYPE_CHECKING:
 __all__ = ["TorchDistributedBackend"]
 
 
-class _TorchHandle:
-    __slots__ = ("_divisor", "_tensor", "_work")
+def _is_timeout(exc: BaseException) -> bool:
+    """gloo says "Timed out waiting 10000ms for recv operation to complete"; other engines "timeout"."""
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
 
-    def __init__(self, work: Work | None, tensor: torch.Tensor, divisor: int) -> None:
+
+def _wait(work: Work, name: str, on_timeout: Callable[[str], str]) -> None:
+    """``work.wait()``; a timeout becomes a :class:`CollectiveTimeoutError` that says who did not answer."""
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        if not _is_timeout(exc):
+            raise
+        raise CollectiveTimeoutError(on_timeout(name)) from exc
+
+
+class _TorchHandle:
+    __slots__ = ("_divisor", "_name", "_on_timeout", "_tensor", "_work")
+
+    def __init__(self, work: Work | None, tensor: torch.Tensor, divisor: int, name: str, on_timeout: Callable[[str], str]) -> None:
         self._work = work
         self._tensor = tensor
         self._divisor = divisor
+        self._name = name
+        self._on_timeout = on_timeout
 
     def wait(self) -> None:
         if self._work is None:
             return
-        self._work.wait()
+        _wait(self._work, self._name, self._on_timeout)
         if self._divisor > 1:
             # gloo has no AVG reduction: sum, then divide once the sum has arrived.
             self._tensor.div_(self._divisor)
@@ -45,15 +66,25 @@ class _TorchHandle:
 class _TorchGatherHandle:
     """``all_gather`` into equal padded blocks; on ``wait()`` each block's segment is copied into place."""
 
-    __slots__ = ("_blocks", "_counts", "_offsets", "_out", "_work")
+    __slots__ = ("_blocks", "_counts", "_name", "_offsets", "_on_timeout", "_out", "_work")
 
-    def __init__(self, work: Work | None, blocks: list[torch.Tensor], out: torch.Tensor, offsets: list[int], counts: Sequence[int]) -> None:
+    def __init__(
+        self,
+        work: Work | None,
+        blocks: list[torch.Tensor],
+        out: torch.Tensor,
+        offsets: list[int],
+        counts: Sequence[int],
+        name: str,
+        on_timeout: Callable[[str], str],
+    ) -> None:
         self._work, self._blocks, self._out, self._offsets, self._counts = work, blocks, out, offsets, list(counts)
+        self._name, self._on_timeout = name, on_timeout
 
     def wait(self) -> None:
         if self._work is None:
             return
-        self._work.wait()
+        _wait(self._work, self._name, self._on_timeout)
         for block, start, count in zip(self._blocks, self._offsets, self._counts):
             self._out[start : start + count].copy_(block[:count])
         self._work = None
@@ -62,10 +93,24 @@ class _TorchGatherHandle:
         return self._work is None or bool(self._work.is_completed())
 
 
-_EXIT_BARRIER_TIMEOUT = datetime.timedelta(seconds=120)
+#: The longest the exit barrier waits, whatever the collective timeout: the ranks of a finished job arrive together.
+_EXIT_BARRIER_LIMIT_S = 120.0
+_leaving_on_error = threading.Event()
+#: What the engine that created this process's group knows about it (its timeout, its heartbeats).
+_OWN_GROUP: dict[str, Any] = {}
 
 
-def _shut_down_process_group() -> None:
+def skip_exit_barrier() -> None:
+    """This process leaves because of an error: tear its group down at exit without waiting for the others.
+
+    The peers may be blocked in another collective and would never reach the
+    exit barrier; waiting for them would only delay the failure the launcher
+    needs to see to stop the job.
+    """
+    _leaving_on_error.set()
+
+
+def _shut_down_process_group(timeout_s: float, liveness: Liveness | None) -> None:
     """Tear down the process group this module created, once every rank is done with it.
 
     Left to interpreter shutdown, a gloo process group can be destroyed while
@@ -73,17 +118,20 @@ def _shut_down_process_group() -> None:
     ("terminate called without an active exception") after all its work is
     done. So at exit each rank first waits for the others (a rank that exits
     early must not close its sockets under a peer still communicating), then
-    destroys the group. After an uncaught exception the barrier is skipped:
-    the peers may be blocked in a different collective, and the launcher stops
-    them anyway.
+    destroys the group. After an uncaught exception (or :func:`skip_exit_barrier`)
+    the barrier is skipped: the peers may be blocked in a different
+    collective, and the launcher stops them anyway.
     """
+    if liveness is not None:
+        liveness.stop()
+    _OWN_GROUP.clear()
     if not dist.is_initialized():
         return
-    failed = getattr(sys, "last_value", None) is not None
+    failed = _leaving_on_error.is_set() or getattr(sys, "last_value", None) is not None
     try:
         if not failed and dist.get_world_size() > 1:
             if dist.get_backend() == "gloo":
-                dist.monitored_barrier(timeout=_EXIT_BARRIER_TIMEOUT)
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=min(timeout_s, _EXIT_BARRIER_LIMIT_S)))
             else:
                 dist.barrier()
     except Exception as exc:  # a peer died or is stuck: still release our resources
@@ -101,13 +149,24 @@ class TorchDistributedBackend(CommBackend):
     GPU, ``LOCAL_RANK``, is made current first), and destroyed
     cleanly at interpreter exit after all ranks arrive; a group the caller
     created stays the caller's to destroy.
+
+    ``collective_timeout`` (seconds) bounds every collective of the group
+    this engine creates: with gloo, a collective that has not completed by
+    then raises :class:`~spdkfac.comm.errors.CollectiveTimeoutError` naming
+    the ranks that stopped answering (their heartbeats in the rendezvous store
+    stopped); with NCCL, torch's watchdog ends the process. A group the
+    caller created keeps the timeout given to its ``init_process_group``.
     """
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> None:
+        timeout_s = check_collective_timeout(collective_timeout)
         if not dist.is_available():  # pragma: no cover
             raise RuntimeError("torch.distributed is not available in this PyTorch build")
+        # The timeout and heartbeats of the group an engine created earlier in this process; unknown for the caller's.
+        self._timeout_s: float | None = _OWN_GROUP.get("timeout_s")
+        self._liveness: Liveness | None = _OWN_GROUP.get("liveness")
         if not dist.is_initialized():
             from torch.distributed.distributed_c10d import PrefixStore
             from torch.distributed.rendezvous import rendezvous
@@ -119,8 +178,16 @@ class TorchDistributedBackend(CommBackend):
             # addresses) would be read by the new ones, which then fail to connect. One namespace per attempt.
             store, rank, size = next(rendezvous("env://"))
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            dist.init_process_group(backend=engine, store=PrefixStore(f"spdkfac/attempt_{attempt}", store), rank=rank, world_size=size)
-            atexit.register(_shut_down_process_group)
+            attempt_store = PrefixStore(f"spdkfac/attempt_{attempt}", store)
+            dist.init_process_group(
+                backend=engine, store=attempt_store, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
+            )
+            self._timeout_s = timeout_s
+            if size > 1:
+                self._liveness = Liveness(attempt_store, rank, size, interval_s=min(1.0, timeout_s / 10))
+                self._liveness.start()
+            atexit.register(_shut_down_process_group, timeout_s, self._liveness)
+            _OWN_GROUP.update(timeout_s=timeout_s, liveness=self._liveness)
 
     @property
     def rank(self) -> int:
@@ -130,13 +197,18 @@ class TorchDistributedBackend(CommBackend):
     def size(self) -> int:
         return dist.get_world_size()
 
+    def _timed_out(self, collective: str) -> str:
+        """The message for ``collective`` timing out here (asks the other ranks' heartbeats who stopped)."""
+        silent = self._liveness.silent_ranks() if self._liveness is not None else None
+        return timeout_message(collective, self.rank, self.size, self._timeout_s, silent)
+
     def allreduce_async(self, tensor: torch.Tensor, name: str) -> Handle:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
-        return _TorchHandle(work, tensor, self.size)
+        return _TorchHandle(work, tensor, self.size, name, self._timed_out)
 
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> Handle:
         work = dist.broadcast(tensor, src=root, async_op=True)
-        return _TorchHandle(work, tensor, 1)
+        return _TorchHandle(work, tensor, 1, name, self._timed_out)
 
     def allgather_async(self, tensor: torch.Tensor, counts: Sequence[int], name: str) -> Handle:
         offsets = check_gather_counts(tensor, counts, self.size, name)
@@ -145,7 +217,9 @@ class TorchDistributedBackend(CommBackend):
         mine[: counts[self.rank]].copy_(tensor[offsets[self.rank] : offsets[self.rank] + counts[self.rank]])
         blocks = [tensor.new_empty(width) for _ in range(self.size)]
         work = dist.all_gather(blocks, mine, async_op=True)
-        return _TorchGatherHandle(work, blocks, tensor, offsets, counts)
+        return _TorchGatherHandle(work, blocks, tensor, offsets, counts, name, self._timed_out)
 
     def barrier(self) -> None:
-        dist.barrier()
+        work = dist.barrier(async_op=True)
+        if work is not None:
+            _wait(work, "spdkfac.barrier", self._timed_out)
