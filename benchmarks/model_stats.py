@@ -1,7 +1,7 @@
 """K-FAC factor statistics of the ImageNet models (the SPD-KFAC paper's Table II and Fig. 3).
 
 For every model: parameter count, number of preconditioned layers (those
-:func:`spdkfac.layers.make_extractor` accepts), number of ``A`` and ``G``
+:func:`spdkfac.layers.make_helper` accepts), number of ``A`` and ``G``
 factors, the total number of upper-triangle elements ``d(d+1)/2`` over all
 ``A`` and over all ``G`` factors, and the largest factor dimension. Factor
 dimensions come from :class:`spdkfac.layers.KFACLayer`, exactly as the

@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
-from .decomposition import COMPUTE_METHODS
 from .fusion.planner import DEFAULT_THRESHOLD_BYTES, FUSION_POLICIES
 from .layers import LayerFilter
+from .methods import COMPUTE_METHODS
 from .placement import PLACEMENTS
 
 #: The choices of the enumerated options (checked at run time too: the values often come from a command line).

@@ -89,7 +89,7 @@ def test_a_nan_inverse_from_a_damaged_checkpoint_is_named():
     opt = SPDKFACOptimizer(model, **KW)
     x, y = batch(8)
     _step(model, opt, x, y)
-    opt.layers[2].A_inv[0, 0] = float("nan")
+    opt.layers[2].decomposition("A")[0, 0] = float("nan")
     with pytest.raises(NonFiniteError, match=r"inverses \[\"A_inv of '4'\"\] are non-finite"):
         _step(model, opt, x, y)
 

@@ -39,7 +39,7 @@ class _Group:
 class _InFlight:
     handle: Handle
     buffer: torch.Tensor
-    layout: list[tuple[FactorKey, int, int]]  # (key, dim, offset)
+    layout: list[tuple[FactorKey, int, int]]  # (key, elements, offset)
     gid: int
     kind: str
 
@@ -124,15 +124,18 @@ class TensorFusionController:
 
     def _launch(self, group: _Group) -> None:
         first = group.arrived[group.members[0]]
-        total = sum(triangle_size(group.arrived[k].shape[0]) for k in group.members)
+        total = sum(_flat_size(group.arrived[k]) for k in group.members)
         buffer = torch.empty(total, dtype=first.dtype, device=first.device)
         layout = []
         offset = 0
         for key in group.members:
-            mat = group.arrived[key]
-            n = triangle_size(mat.shape[0])
-            pack_upper(mat, out=buffer[offset : offset + n])
-            layout.append((key, mat.shape[0], offset))
+            factor = group.arrived[key]
+            n = _flat_size(factor)
+            if factor.dim() == 2:  # a full symmetric matrix: its upper triangle travels
+                pack_upper(factor, out=buffer[offset : offset + n])
+            else:  # already in flat form (packed triangles, a diagonal)
+                buffer[offset : offset + n].copy_(factor)
+            layout.append((key, n, offset))
             offset += n
         group.arrived.clear()
         kind = group.members[0][0]
@@ -205,7 +208,12 @@ class TensorFusionController:
                         ev.comm_end = rec.rel(t)
             else:
                 job.handle.wait()
-            for key, dim, offset in job.layout:
-                results[key] = job.buffer[offset : offset + triangle_size(dim)]
+            for key, numel, offset in job.layout:
+                results[key] = job.buffer[offset : offset + numel]
         self._forget()
         return results
+
+
+def _flat_size(factor: torch.Tensor) -> int:
+    """Elements a factor occupies in a fused buffer: a full matrix's upper triangle, a flat factor whole."""
+    return triangle_size(factor.shape[0]) if factor.dim() == 2 else factor.numel()

@@ -169,17 +169,16 @@ class PerfModel:
     eigen: InverseModel | None = None
     _eigen_estimate_warned: bool = field(default=False, init=False, repr=False, compare=False)
 
-    def decomposition(self, method: str) -> Callable[[float], float]:
-        """Seconds to turn a ``d x d`` factor into what ``method`` preconditions with.
+    def decomposition(self, method: Any) -> Callable[[float], float]:
+        """Seconds to turn a ``d x d`` factor into what ``method`` (a name or a method object) preconditions with."""
+        from ..methods import get_method
 
-        ``'eigen'`` with a file that has no eigen model (measured before it
-        existed): :data:`EIGEN_OVER_INVERSE` times the inversion model, with a
-        warning the first time, since placement decisions rest on it.
-        """
-        if method == "inverse":
-            return self.inverse
-        if method != "eigen":
-            raise ValueError(f"unknown compute method {method!r}")
+        return get_method(method).curve(self)
+
+    def eigen_curve(self) -> Callable[[float], float]:
+        """The eigendecomposition model; in a file without one (measured before it existed),
+        :data:`EIGEN_OVER_INVERSE` times the inversion model, with a warning the first time, since
+        placement decisions rest on it."""
         if self.eigen is not None:
             return self.eigen
         if not self._eigen_estimate_warned:
@@ -188,7 +187,7 @@ class PerfModel:
                 f"performance model {self.source} has no eigendecomposition model: estimating it as "
                 f"{EIGEN_OVER_INVERSE:g}x the inversion model. Re-run `python -m spdkfac.perfmodels benchmark` "
                 "to measure it.",
-                stacklevel=3,
+                stacklevel=4,
             )
         inverse = self.inverse
         return lambda dim: EIGEN_OVER_INVERSE * inverse(dim)
