@@ -44,15 +44,15 @@ class MixedNet(nn.Module):
 
     Embedding (tokens derived from the input), Conv2d with reflect padding,
     grouped Conv2d (no bias), depthwise Conv2d with channel multiplier 2,
-    Conv1d with circular padding, and a Linear head; a BatchNorm and a
-    LayerNorm stay on plain SGD.
+    Conv1d with circular padding, and a Linear head; a GroupNorm and a
+    LayerNorm stay on plain SGD (per-sample normalisations, so N workers equal one).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(10, 3, padding_idx=0)
         self.conv = nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect")
-        self.norm = nn.BatchNorm2d(4)
+        self.norm = nn.GroupNorm(2, 4)
         self.grouped = nn.Conv2d(4, 6, 3, padding=1, groups=2, bias=False)
         self.depthwise = nn.Conv2d(6, 12, 3, stride=2, padding=1, groups=6)
         self.conv1d = nn.Conv1d(12, 4, 3, padding=1, padding_mode="circular")
