@@ -263,7 +263,7 @@ def functional_submodules(model: nn.Module) -> dict[str, str]:
     return found
 
 
-def _skipped(name: str, module: nn.Module, skip: Sequence[LayerFilter]) -> bool:
+def skipped(name: str, module: nn.Module, skip: Sequence[LayerFilter]) -> bool:
     for entry in skip:
         if isinstance(entry, str) and (entry == name or entry == type(module).__name__):
             return True
@@ -288,7 +288,7 @@ def kfac_layers(
     for entry in skip:
         if not isinstance(entry, (str, type)):
             raise TypeError(f"skip_layers entries are module names, class names or classes, got {entry!r}")
-    unmatched = [e for e in skip if not any(_skipped(n, m, [e]) for n, m in model.named_modules())]
+    unmatched = [e for e in skip if not any(skipped(n, m, [e]) for n, m in model.named_modules())]
     if unmatched:
         raise ValueError(
             f"skip_layers entries {unmatched} match no module of the model (names: {[n for n, _ in model.named_modules() if n][:12]} ...)"
@@ -301,7 +301,7 @@ def kfac_layers(
     layers: list[KFACLayer] = []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if weight is None or not weight.requires_grad or name in functional or _skipped(name, module, skip):
+        if weight is None or not weight.requires_grad or name in functional or skipped(name, module, skip):
             continue
         helper = make_helper(module)
         if helper is None:

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from .comm import CommBackend, get_backend
 from .config import SCHEDULE_CHECKS, ComputeMethod, FusionPolicy, KFACConfig, Placement, check_hyperparameters
+from .coverage import kfac_summary
 from .fusion import DEFAULT_THRESHOLD_BYTES
 from .grad_sync import collective_names
 from .kfac_state import check_kfac_state, load_kfac_state, memory_usage, save_kfac_state
@@ -261,6 +262,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     def memory_usage(self) -> dict[str, int]:
         """Bytes held by factors (packed running averages) and inverses (or eigendecompositions), per kind."""
         return memory_usage(self.layers, self.method)
+
+    def kfac_summary(self) -> str:
+        """Which modules K-FAC preconditions (by type, with how many parameters), which get plain SGD and why."""
+        return kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition)
 
     def fusion_plan(self) -> dict[str, list[list[FactorKey]] | None]:
         """Current fusion groups per pass (None while profiling, or for ``'layerwise'``)."""
