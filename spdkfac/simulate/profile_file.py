@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..factor_shape import FactorShape
+
 __all__ = [
     "FORMAT_VERSION",
     "PROFILE_FIELDS",
@@ -52,11 +54,18 @@ class FactorProfile:
     unpack: float = 0.0
     pack: float = 0.0
     invert: float | None = None
+    blocks: int = 1  # a grouped convolution's factors: one dim x dim block per group
+    diagonal: bool = False  # an embedding's A factor: a vector
 
     @property
     def key(self) -> tuple[str, str]:
         """The placement key of this factor, as the optimizer names it."""
         return (self.kind, self.layer)
+
+    @property
+    def shape(self) -> FactorShape:
+        """The factor's shape (dense, block-diagonal or diagonal), as the optimizer's layer has it."""
+        return FactorShape(self.dim, self.blocks, self.diagonal)
 
 
 @dataclass(frozen=True)

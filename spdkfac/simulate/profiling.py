@@ -110,6 +110,8 @@ def measure_profile(
                 unpack=per_factor[key][0],
                 pack=per_factor[key][1],
                 invert=per_factor[key][2],
+                blocks=layer.shape(kind).blocks,
+                diagonal=layer.shape(kind).diagonal,
             )
         )
     covered = {id(p) for layer in opt.layers for p in layer.params()}
