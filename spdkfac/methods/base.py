@@ -97,13 +97,19 @@ class DecompositionMethod(abc.ABC):
         the curve at ``d`` once (one call's fixed cost and one block's work),
         plus ``b - 1`` times the work above the fixed cost, ``t(d) - t(1)``
         (the batched LAPACK/cuSOLVER call pays its start-up once, every
-        block's arithmetic). Diagonal: elementwise, the fixed cost ``t(1)``.
+        block's arithmetic); where the performance model has batched
+        measurements, their fit instead (:class:`~spdkfac.perfmodels.models.BatchedModel`).
+        Diagonal: elementwise, the fixed cost ``t(1)``.
         """
+        from ..perfmodels.models import BatchedModel
+
         t = self.curve(perf)
         if shape.diagonal:
             return t(1)
-        one = t(shape.dim)
-        return one + (shape.blocks - 1) * max(one - t(1), 0.0)
+        if shape.blocks == 1:
+            return t(shape.dim)
+        batched = perf.batched.get(self.name)
+        return BatchedModel.rule(t, shape.blocks, shape.dim) if batched is None else batched(shape.blocks, shape.dim)
 
     def broadcast_cost(self, perf: PerfModel, shape: FactorShape) -> float:
         """Modelled seconds to broadcast one factor's payload."""

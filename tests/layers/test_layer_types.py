@@ -143,3 +143,26 @@ def test_block_diagonal_decompositions_are_one_batched_payload():
         assert method.cost(perf, FactorShape(10)) == one
     diag = FactorShape(7, diagonal=True)
     assert get_method("inverse").payload_size(diag) == get_method("eigen").payload_size(diag) == 7
+
+
+def test_batched_model_is_fitted_saved_and_used_by_the_methods():
+    from spdkfac.factor_shape import FactorShape
+    from spdkfac.methods import get_method
+    from spdkfac.perfmodels import PerfModel
+    from spdkfac.perfmodels.fitting import fit_batched
+    from spdkfac.perfmodels.models import BatchedModel
+
+    points = [(32, 9), (384, 9), (144, 25), (32, 36), (32, 144)]
+    truth = BatchedModel(5e-5, 2e-6, 4e-10)
+    (call, c0, c3), worst = fit_batched(points, [truth.fitted(b, d) for b, d in points])
+    assert (call, c0, c3) == pytest.approx((5e-5, 2e-6, 4e-10), rel=1e-6)
+    assert worst < 1e-9
+    data = PerfModel.default().to_dict()
+    data["batched"] = {"eigen": BatchedModel(call, c0, c3, {(32, 9): 1e-3}).to_dict()}
+    perf = PerfModel.from_dict(data)
+    assert perf.to_dict()["batched"] == data["batched"]
+    eigen, inverse = get_method("eigen"), get_method("inverse")
+    assert eigen.cost(perf, FactorShape(9, blocks=32)) == 1e-3  # a measured shape as measured
+    assert eigen.cost(perf, FactorShape(10, blocks=6)) == pytest.approx(call + 6 * (c0 + c3 * 1000))
+    rule = BatchedModel.rule(inverse.curve(perf), 6, 10)  # no batched inverse measurements: the rule
+    assert inverse.cost(perf, FactorShape(10, blocks=6)) == rule
