@@ -94,6 +94,16 @@ def test_a_nan_inverse_from_a_damaged_checkpoint_is_named():
         _step(model, opt, x, y)
 
 
+def test_a_nan_eigendecomposition_from_a_damaged_checkpoint_is_named():
+    model = small_net()
+    opt = SPDKFACOptimizer(model, compute_method="eigen", **KW)
+    x, y = batch(8)
+    _step(model, opt, x, y)
+    opt.layers[2].decomposition("G").Q[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"eigendecompositions \[\"G_eigen of '4'\"\] are non-finite"):
+        _step(model, opt, x, y)
+
+
 @pytest.mark.parametrize("pipelining", [True, False])
 def test_skipping_a_bad_batch_after_the_forward_pass_works(pipelining):
     model = small_net()
