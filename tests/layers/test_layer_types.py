@@ -23,6 +23,8 @@ CONVS = {
     "grouped-stride-dilation": lambda bias: nn.Conv2d(4, 4, 3, stride=2, dilation=2, padding=2, groups=2, bias=bias),
     "depthwise-x1": lambda bias: nn.Conv2d(3, 3, 3, padding=1, groups=3, bias=bias),
     "depthwise-x2": lambda bias: nn.Conv2d(3, 6, 3, stride=2, padding=1, groups=3, bias=bias),
+    "depthwise-dilated-5x5": lambda bias: nn.Conv2d(4, 4, 5, padding=3, dilation=2, groups=4, bias=bias),
+    "depthwise-x2-valid": lambda bias: nn.Conv2d(2, 4, (3, 2), groups=2, bias=bias),
     "reflect": lambda bias: nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect", bias=bias),
     "replicate-grouped": lambda bias: nn.Conv2d(4, 4, (3, 2), padding=(1, 2), padding_mode="replicate", groups=2, bias=bias),
     "circular-stride": lambda bias: nn.Conv2d(2, 3, 3, stride=2, padding=2, padding_mode="circular", bias=bias),
