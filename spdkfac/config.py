@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from .fusion.planner import DEFAULT_THRESHOLD_BYTES, FUSION_POLICIES
 from .layers import LayerFilter
-from .methods import COMPUTE_METHODS
+from .methods import METHODS
 from .placement import PLACEMENTS
 
 #: The choices of the enumerated options (checked at run time too: the values often come from a command line).
@@ -181,7 +181,7 @@ class KFACConfig:
     def __post_init__(self) -> None:
         _check_choice("fusion", self.fusion, FUSION_POLICIES)
         _check_choice("placement", self.placement, PLACEMENTS)
-        _check_choice("compute_method", self.compute_method, COMPUTE_METHODS)
+        _check_choice("compute_method", self.compute_method, tuple(METHODS))  # the registry as it is now
         for name in ("pipelining", "distribute_preconditioning", "overlap_preconditioning"):
             _check_bool(name, getattr(self, name))
         check_positive_int("accumulation_steps", self.accumulation_steps)

@@ -25,5 +25,5 @@ def get_method(method: str | DecompositionMethod) -> DecompositionMethod:
         return method
     cls = METHODS.get(method) if isinstance(method, str) else None
     if cls is None:
-        raise ValueError(f"compute_method must be one of {COMPUTE_METHODS}, got {method!r}")
+        raise ValueError(f"compute_method must be one of {tuple(METHODS)}, got {method!r}")
     return cls()
