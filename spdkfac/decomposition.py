@@ -12,9 +12,10 @@ Kronecker product (not to each factor), and only when preconditioning, so a
 new damping needs no new decomposition. ``Q`` is not symmetric: it travels
 whole, with ``d``, as one flat buffer of ``d*d + d`` elements.
 
-:func:`payload_size` is the one statement of what a factor's result costs to
-broadcast; the placement costs (:func:`stage_costs`), the decomposition stage
-and the simulator all use it.
+This module holds the eigendecomposition's maths; what each method does
+with a factor (decomposition, payload, preconditioning, checkpoint form,
+cost) is its class in :mod:`spdkfac.methods`. :func:`payload_size` and
+:func:`stage_costs` answer for a dense factor through those classes.
 """
 
 from __future__ import annotations
