@@ -240,7 +240,10 @@ def _rank_shares(layers: Sequence[LayerPreconditionProfile], plan: WorkPlan) -> 
         raise ValueError(f"the profile's preconditioning times name layers without factors: {unknown}")
     owners = [plan.preconditioner(p.layer) for p in layers]
     return [
-        (sum(p.seconds for p, o in zip(layers, owners) if o == r), sum(p.g_dim * p.a_dim for p, o in zip(layers, owners) if o == r))
+        (
+            sum(p.seconds for p, o in zip(layers, owners) if o == r),
+            sum(p.blocks * p.g_dim * p.a_dim for p, o in zip(layers, owners) if o == r),
+        )
         for r in range(plan.workers)
     ]
 

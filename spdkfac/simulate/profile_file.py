@@ -76,6 +76,7 @@ class LayerPreconditionProfile:
     seconds: float
     a_dim: int
     g_dim: int
+    blocks: int = 1  # a grouped convolution's gradient is blocks x g_dim x a_dim
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def _check_times(raw: Mapping[str, Any], source: str) -> None:
 
 
 def _precondition(entries: Sequence[Mapping[str, Any]]) -> tuple[LayerPreconditionProfile, ...]:
-    return tuple(LayerPreconditionProfile(p["layer"], p["seconds"], p["a_dim"], p["g_dim"]) for p in entries)
+    return tuple(LayerPreconditionProfile(p["layer"], p["seconds"], p["a_dim"], p["g_dim"], p.get("blocks", 1)) for p in entries)
 
 
 def _optional_tuple(values: Sequence[int] | None) -> tuple[int, ...] | None:

@@ -91,7 +91,9 @@ def measure_profile(
         t0 = time.perf_counter()
         for _ in range(3):
             layer.precondition(grad, damping)
-        precondition.append(LayerPreconditionProfile(layer.name, (time.perf_counter() - t0) / 3, layer.a_dim, layer.g_dim))
+        precondition.append(
+            LayerPreconditionProfile(layer.name, (time.perf_counter() - t0) / 3, layer.a_dim, layer.g_dim, layer.shape("G").blocks)
+        )
     opt.remove_hooks()
     n = len(runs)
     by_name = {layer.name: layer for layer in opt.layers}
