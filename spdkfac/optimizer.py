@@ -44,9 +44,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     N workers produce the parameters one worker would with the global batch.
 
     Args:
-        model: every ``nn.Linear`` and ``nn.Conv2d`` (groups=1, zero padding)
-            with a trainable weight is preconditioned; every other parameter
-            gets the plain momentum-SGD update.
+        model: every ``nn.Linear``, ``nn.Conv1d``, ``nn.Conv2d`` (any groups
+            and padding mode) and dense ``nn.Embedding`` with a trainable
+            weight is preconditioned (:mod:`spdkfac.layer_types`); every other
+            parameter gets the plain momentum-SGD update
+            (:meth:`kfac_summary` lists which, and why).
         lr, momentum, weight_decay: as ``torch.optim.SGD`` (read from
             ``param_groups`` each step, so LR schedulers work).
         damping: Tikhonov damping γ: ``(F + γI)^-1`` (``'eigen'``: added to

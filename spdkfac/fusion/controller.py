@@ -1,8 +1,9 @@
 """TensorFusionController: packs ready factors into fused buffers and all-reduces them.
 
 Hooks hand each freshly computed batch factor to :meth:`submit` (by
-reference). The controller copies its upper triangle into the buffer of the
-factor's fusion group; when the group's last member arrives it starts an
+reference). The controller copies its flat form (a full matrix's upper
+triangle; the layers hand over packed triangles or a diagonal) into the buffer
+of the factor's fusion group; when the group's last member arrives it starts an
 asynchronous all-reduce and returns at once, so the communication of early
 layers runs while later layers compute. :meth:`wait_all` (called from
 ``step()``) blocks on the handles and returns the averaged factors as packed
@@ -183,9 +184,9 @@ class TensorFusionController:
     def wait_all(self) -> dict[FactorKey, torch.Tensor]:
         """Block until every launched all-reduce is done; return the averaged factors.
 
-        Communicated factors come back as packed upper triangles (views into
-        their fused buffer), factors that needed no averaging (one worker) as
-        the full matrices the hooks submitted.
+        Communicated factors come back in flat form (views into their fused
+        buffer), factors that needed no averaging (one worker) as the hooks
+        submitted them.
         """
         missing = [k for g in self._groups for k in g.members if g.arrived and k not in g.arrived]
         if missing:
