@@ -1,9 +1,10 @@
 """K-FAC factor statistics of the ImageNet models (the SPD-KFAC paper's Table II and Fig. 3).
 
 For every model: parameter count, number of preconditioned layers (those
-:func:`spdkfac.layers.make_extractor` accepts), number of ``A`` and ``G``
+:func:`spdkfac.layers.make_helper` accepts), number of ``A`` and ``G``
 factors, the total number of upper-triangle elements ``d(d+1)/2`` over all
-``A`` and over all ``G`` factors, and the largest factor dimension. Factor
+``A`` and over all ``G`` factors (per block for grouped convolutions, whose
+factors are block-diagonal), and the largest factor (block) dimension. Factor
 dimensions come from :class:`spdkfac.layers.KFACLayer`, exactly as the
 optimizer sizes them. Models are built on the CPU; no forward pass is run.
 
@@ -30,7 +31,7 @@ from spdkfac.layers import KFACLayer, kfac_layers
 from spdkfac.models import get_model
 from spdkfac.output_path import unwritable_reason
 
-DEFAULT_MODELS = ["resnet50", "resnet152", "densenet201", "inception_v4"]
+DEFAULT_MODELS = ["resnet50", "resnet152", "densenet201", "inception_v4", "mobilenet_v2", "resnext50_32x4d", "efficientnet_b0"]
 
 # The paper's Table II: parameters (M), preconditioned layers, sum of A / G upper triangles (M).
 PAPER_TABLE2: dict[str, dict[str, float]] = {
@@ -61,20 +62,23 @@ def model_stats(name: str, num_classes: int = 1000, model: nn.Module | None = No
     layers: list[KFACLayer] = kfac_layers(model)
     a_dims = [layer.a_dim for layer in layers]
     g_dims = [layer.g_dim for layer in layers]
+    sizes = [layer.shape(kind).packed_size for layer in layers for kind in ("A", "G")]
     stats: dict[str, object] = {
         "params": sum(p.numel() for p in model.parameters()),
         "layers": len(layers),
         "num_a": len(a_dims),
         "num_g": len(g_dims),
-        "a_elems": sum(tri(d) for d in a_dims),
-        "g_elems": sum(tri(d) for d in g_dims),
+        "a_elems": sum(layer.shape("A").packed_size for layer in layers),
+        "g_elems": sum(layer.shape("G").packed_size for layer in layers),
         "max_a_dim": max(a_dims),
         "max_g_dim": max(g_dims),
         "max_dim": max(a_dims + g_dims),
-        "min_factor_elems": min(tri(d) for d in a_dims + g_dims),
-        "max_factor_elems": max(tri(d) for d in a_dims + g_dims),
+        "min_factor_elems": min(sizes),
+        "max_factor_elems": max(sizes),
         "a_dims": a_dims,
         "g_dims": g_dims,
+        "grouped_layers": sum(layer.shape("A").blocks > 1 for layer in layers),
+        "blocks": [layer.shape("A").blocks for layer in layers],
     }
     paper = PAPER_TABLE2.get(name)
     if paper is not None:
@@ -111,7 +115,8 @@ def kfac_arithmetic(model: nn.Module, input_shape: tuple[int, ...]) -> dict[str,
 
     def recorder(name: str):
         def record(mod: nn.Module, inputs, out: torch.Tensor) -> None:
-            rows[name] = out.numel() // out.shape[1] if out.dim() > 2 else out.numel() // out.shape[-1]
+            channels_first = isinstance(mod, (nn.Conv1d, nn.Conv2d))
+            rows[name] = out.numel() // out.shape[1] if channels_first else out.numel() // out.shape[-1]
 
         return record
 
@@ -120,13 +125,16 @@ def kfac_arithmetic(model: nn.Module, input_shape: tuple[int, ...]) -> dict[str,
     meta(torch.empty(*input_shape, device="meta"))
     ops = dict.fromkeys(["forward_backward", "precondition", "factor_g", "factor_a_plain", "factor_a_unfolded"], 0.0)
     for layer in layers:
-        r, a, g = rows[layer.name], layer.a_dim, layer.g_dim
+        r, a, g, b = rows[layer.name], layer.a_dim, layer.g_dim, layer.shape("G").blocks  # b blocks: grouped convolutions
         a_in = a - (1 if layer.has_bias else 0)
-        unfolded = isinstance(layer.module, nn.Conv2d) and math.prod(layer.module.kernel_size) > 1
-        ops["forward_backward"] += 3.0 * 2 * r * a_in * g
-        ops["precondition"] += 2.0 * g * a * (g + a)
-        ops["factor_g"] += float(r * g * (g + 1))
-        ops["factor_a_unfolded" if unfolded else "factor_a_plain"] += float(r * a * (a + 1))
+        unfolded = isinstance(layer.module, (nn.Conv1d, nn.Conv2d)) and math.prod(layer.module.kernel_size) > 1
+        ops["forward_backward"] += 3.0 * 2 * r * a_in * g * b
+        ops["precondition"] += 2.0 * g * a * (g + a) * b
+        ops["factor_g"] += float(r * g * (g + 1) * b)
+        if layer.shape("A").diagonal:  # an embedding's token counts
+            ops["factor_a_plain"] += float(r)
+        else:
+            ops["factor_a_unfolded" if unfolded else "factor_a_plain"] += float(r * a * (a + 1) * b)
     return ops
 
 
@@ -182,7 +190,7 @@ def plot_sizes(results: dict[str, dict[str, object]], path: str) -> None:
 
 def _fmt_row(name: str, st: dict[str, object]) -> str:
     return (
-        f"{name:<14}{st['params']:>13,}{st['layers']:>8}{st['num_a']:>6}{st['num_g']:>6}"
+        f"{name:<17}{st['params']:>13,}{st['layers']:>8}{st['num_a']:>6}{st['num_g']:>6}"
         f"{st['a_elems'] / 1e6:>11.2f}{st['g_elems'] / 1e6:>11.2f}{st['max_dim']:>9}"
     )
 
@@ -222,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, object]]:
         print(f"[model_stats] {name}: {results[name]['layers']} preconditioned layers ({time.perf_counter() - t0:.2f}s)", flush=True)
 
     print()
-    print(f"{'model':<14}{'params':>13}{'layers':>8}{'#A':>6}{'#G':>6}{'A elems(M)':>11}{'G elems(M)':>11}{'max dim':>9}")
+    print(f"{'model':<17}{'params':>13}{'layers':>8}{'#A':>6}{'#G':>6}{'A elems(M)':>11}{'G elems(M)':>11}{'max dim':>9}")
     for name, st in results.items():
         print(_fmt_row(name, st))
     print("\npaper Table II (M = million), ours vs paper:")
@@ -242,12 +250,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, object]]:
         f"floor = lowest amortised K-FAC/SGD time ratio at one FLOP rate, factors every {args.factor_every}:"
     )
     print(
-        f"{'model':<14}{'fwd+bwd':>9}{'precond':>9}{'G':>8}{'A plain':>9}{'A unfold':>10}{'floor':>8}{'floor dp/' + str(args.workers):>12}"
+        f"{'model':<17}{'fwd+bwd':>9}{'precond':>9}{'G':>8}{'A plain':>9}{'A unfold':>10}{'floor':>8}{'floor dp/' + str(args.workers):>12}"
     )
     for name, st in results.items():
         ar, gf = st["arithmetic"], st["arithmetic"]["gflop"]
         print(
-            f"{name:<14}{gf['forward_backward']:>9.1f}{gf['precondition']:>9.1f}{gf['factor_g']:>8.1f}"
+            f"{name:<17}{gf['forward_backward']:>9.1f}{gf['precondition']:>9.1f}{gf['factor_g']:>8.1f}"
             f"{gf['factor_a_plain']:>9.1f}{gf['factor_a_unfolded']:>10.1f}{ar['floor']:>7.3f}x"
             f"{ar['floor_distributed_preconditioning']:>11.3f}x"
         )

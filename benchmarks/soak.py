@@ -52,7 +52,7 @@ def _digest(model: nn.Module, opt: SPDKFACOptimizer) -> str:
     h = hashlib.sha256()
     for tensor in (
         list(model.state_dict().values())
-        + [t for layer in opt.layers for t in (layer.A, layer.G, layer.A_inv, layer.G_inv) if t is not None]
+        + [t for layer in opt.layers for t in (layer.A, layer.G, layer.decomposition("A"), layer.decomposition("G")) if t is not None]
         + [s["momentum_buffer"] for s in opt.state.values() if "momentum_buffer" in s]
     ):
         h.update(tensor.detach().contiguous().numpy().tobytes())

@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, fields
 from numbers import Integral, Real
 from typing import Any, Literal
 
-from .decomposition import COMPUTE_METHODS
 from .fusion.planner import DEFAULT_THRESHOLD_BYTES, FUSION_POLICIES
 from .layers import LayerFilter
+from .methods import METHODS
 from .placement import PLACEMENTS
 
 #: The choices of the enumerated options (checked at run time too: the values often come from a command line).
@@ -210,7 +210,7 @@ class KFACConfig:
     def __post_init__(self) -> None:
         _check_choice("fusion", self.fusion, FUSION_POLICIES)
         _check_choice("placement", self.placement, PLACEMENTS)
-        _check_choice("compute_method", self.compute_method, COMPUTE_METHODS)
+        _check_choice("compute_method", self.compute_method, tuple(METHODS))  # the registry as it is now
         for name in ("pipelining", "distribute_preconditioning", "overlap_preconditioning"):
             _check_bool(name, getattr(self, name))
         # Integers stored as plain ints (numpy integers are taken): the options are saved in state_dict.

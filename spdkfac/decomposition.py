@@ -12,9 +12,10 @@ Kronecker product (not to each factor), and only when preconditioning, so a
 new damping needs no new decomposition. ``Q`` is not symmetric: it travels
 whole, with ``d``, as one flat buffer of ``d*d + d`` elements.
 
-:func:`payload_size` is the one statement of what a factor's result costs to
-broadcast; the placement costs (:func:`stage_costs`), the decomposition stage
-and the simulator all use it.
+This module holds the eigendecomposition's maths; what each method does
+with a factor (decomposition, payload, preconditioning, checkpoint form,
+cost) is its class in :mod:`spdkfac.methods`. :func:`payload_size` and
+:func:`stage_costs` answer for a dense factor through those classes.
 """
 
 from __future__ import annotations
@@ -24,13 +25,12 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .linalg import triangle_size
+from .factor_shape import FactorShape
 
 if TYPE_CHECKING:  # pragma: no cover
     from .perfmodels import PerfModel
 
 __all__ = [
-    "COMPUTE_METHODS",
     "EIGEN_CLAMP",
     "Eigen",
     "eigen_payload",
@@ -40,34 +40,30 @@ __all__ = [
     "unpack_eigen",
 ]
 
-COMPUTE_METHODS = ("inverse", "eigen")
 EIGEN_CLAMP = 1e-10  # eigenvalues below this are rounding noise of a PSD factor: set to exactly 0
 
 CostFn = Callable[[int], float]
 
 
-def check_method(method: object) -> str:
-    """``method`` if it is one of :data:`COMPUTE_METHODS`, else a ValueError that lists them."""
-    if method not in COMPUTE_METHODS:
-        raise ValueError(f"compute_method must be one of {COMPUTE_METHODS}, got {method!r}")
-    return str(method)
-
-
 def payload_size(method: str, dim: int) -> int:
-    """Elements broadcast for one ``dim x dim`` factor: an inverse's upper triangle, or ``Q`` and ``d``."""
-    return triangle_size(dim) if check_method(method) == "inverse" else dim * dim + dim
+    """Elements broadcast for one dense ``dim x dim`` factor (:meth:`DecompositionMethod.payload_size <spdkfac.methods.DecompositionMethod.payload_size>`)."""
+    from .methods import get_method
+
+    return get_method(method).payload_size(FactorShape(dim))
 
 
 @dataclass(frozen=True)
 class Eigen:
     """One factor's eigendecomposition ``F = Q diag(d) Q^T``: ``Q`` row-major, ``d`` clamped to ``>= 0``.
 
-    Both are views into one flat buffer (the one broadcast), so every rank,
+    ``Q`` is ``(d, d)`` (``(blocks, d, d)`` for a block-diagonal factor, with
+    ``d`` ``(blocks, d)``), or None for a diagonal factor, its own
+    eigendecomposition. Both are views into one flat buffer (the one broadcast), so every rank,
     whether it computed or received them, holds the same values in the same
     memory layout and its matmuls round the same way.
     """
 
-    Q: torch.Tensor
+    Q: torch.Tensor | None  # None for a diagonal factor: Q = I
     d: torch.Tensor
 
 
@@ -89,13 +85,27 @@ def unpack_eigen(buffer: torch.Tensor, dim: int) -> Eigen:
 
 
 def eigen_precondition(grad: torch.Tensor, a: Eigen, g: Eigen, damping: float) -> torch.Tensor:
-    """``Q_G [(Q_G^T grad Q_A) / (d_G d_A^T + γ)] Q_A^T`` for a ``g_dim x a_dim`` gradient."""
-    v = g.Q.T @ grad.to(g.Q.dtype) @ a.Q
-    v.div_(torch.outer(g.d, a.d).add_(damping))
-    return g.Q @ v @ a.Q.T
+    """``Q_G [(Q_G^T grad Q_A) / (d_G d_A^T + γ)] Q_A^T`` for a ``g_dim x a_dim`` gradient (per block for stacks).
+
+    A diagonal ``A`` (``Q_A = I``) only scales: its rotations are left out.
+    """
+    if g.Q is None:
+        raise ValueError("a G factor is never diagonal")
+    if a.Q is not None and a.Q.dim() == 2 and g.Q.dim() == 2:
+        v = g.Q.T @ grad.to(g.Q.dtype) @ a.Q
+        v.div_(torch.outer(g.d, a.d).add_(damping))
+        return g.Q @ v @ a.Q.T
+    v = g.Q.transpose(-1, -2) @ grad.to(g.Q.dtype)
+    if a.Q is not None:
+        v = v @ a.Q
+    v.div_((g.d.unsqueeze(-1) * a.d.unsqueeze(-2)).add_(damping))
+    out = g.Q @ v
+    return out if a.Q is None else out @ a.Q.transpose(-1, -2)
 
 
 def stage_costs(perf: PerfModel, method: str) -> tuple[CostFn, CostFn]:
-    """Modelled seconds to decompose and to broadcast a ``d x d`` factor, as the placement solvers take them."""
-    compute = perf.decomposition(method)
-    return compute, lambda dim: perf.broadcast.payload(payload_size(method, dim))
+    """Modelled seconds to decompose and to broadcast a dense ``d x d`` factor, as the placement solvers take them."""
+    from .methods import get_method
+
+    m = get_method(method)
+    return lambda dim: m.cost(perf, FactorShape(dim)), lambda dim: m.broadcast_cost(perf, FactorShape(dim))

@@ -8,10 +8,11 @@ then decomposed locally while the broadcasts are in flight. Broadcasts are
 issued in :meth:`PlacementPlan.broadcast_order` on every rank, which
 torch.distributed requires.
 
-What travels is :func:`~spdkfac.decomposition.payload_size` elements per
-factor: an inverse's upper triangle (:func:`compute_inverses`), or an
-eigendecomposition's ``Q`` and ``d`` in one buffer (:func:`compute_eigen`),
-which every rank, owner included, keeps as views into that buffer.
+What travels is the compute method's payload (:mod:`spdkfac.methods`): an
+inverse's upper triangle(s), or an eigendecomposition's ``Q`` and ``d`` in
+one buffer, which every rank, owner included, keeps as views into that
+buffer; a grouped layer's blocks travel as one buffer. :func:`compute_inverses`
+and :func:`compute_eigen` run the stage for plain dense factors.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from typing import Any, Callable, cast
 import torch
 
 from .comm import CommBackend, Handle
-from .decomposition import Eigen, eigen_payload, payload_size, unpack_eigen
+from .decomposition import Eigen, eigen_payload, unpack_eigen
+from .factor_shape import FactorShape
 from .layers import FACTOR_KINDS, FactorKey, KFACLayer
-from .linalg import invert_spd, pack_upper, unpack_upper
+from .linalg import invert_spd, pack_upper, triangle_size, unpack_upper
+from .methods import LinAlgError
 from .placement import ALL, PlacementPlan
 from .timeline import IterationRecord, Timeline
-
-#: torch's error for a failed factorization (torch's stubs do not re-export it from torch.linalg).
-LinAlgError: type[RuntimeError] = torch.linalg.LinAlgError  # type: ignore[attr-defined]
 
 __all__ = ["DecompositionStage", "compute_eigen", "compute_inverses"]
 
@@ -45,7 +45,7 @@ def compute_inverses(
     record: IterationRecord | None = None,
     invert: Inverter | None = None,
 ) -> dict[Hashable, torch.Tensor]:
-    """Return ``{key: (factor + damping*I)^-1}`` for every factor in ``plan``, on every rank.
+    """Return ``{key: (factor + damping*I)^-1}`` for every dense factor in ``plan``, on every rank.
 
     Args:
         plan: who inverts what (identical on every rank).
@@ -55,8 +55,7 @@ def compute_inverses(
         damping: Tikhonov damping.
         backend: communication engine.
         record: timeline record to charge the stage and its blocking wait to.
-        invert: ``(key, matrix) -> inverse``; defaults to :func:`invert_spd`
-            (the optimizer passes one that names the layer in its errors).
+        invert: ``(key, matrix) -> inverse``; defaults to :func:`invert_spd`.
     """
     inv_fn: Inverter = invert or (lambda key, m: invert_spd(m, damping))
 
@@ -66,7 +65,18 @@ def compute_inverses(
         # ``invert`` whose result is not exactly symmetric and row-major.
         return unpack_upper(payload, matrix.shape[0]), payload
 
-    return _stage(plan, factors, backend, record, "inverse", owned, inv_fn, unpack_upper)
+    return _stage(
+        plan,
+        factors,
+        backend,
+        record,
+        "inverse",
+        _dense_full,
+        lambda key, dim: triangle_size(dim),
+        owned,
+        inv_fn,
+        lambda key, payload, dim: unpack_upper(payload, dim),
+    )
 
 
 def compute_eigen(
@@ -76,11 +86,10 @@ def compute_eigen(
     record: IterationRecord | None = None,
     decompose: Decomposer | None = None,
 ) -> dict[Hashable, Eigen]:
-    """Return ``{key: Eigen(Q, d)}`` of every factor in ``plan``, bit-identical on every rank.
+    """Return ``{key: Eigen(Q, d)}`` of every dense factor in ``plan``, bit-identical on every rank.
 
     ``decompose`` is ``(key, matrix) -> flat [Q, d] buffer``, defaulting to
-    :func:`~spdkfac.decomposition.eigen_payload` (the optimizer passes one that
-    names the layer in its errors). The damping is applied when
+    :func:`~spdkfac.decomposition.eigen_payload`. The damping is applied when
     preconditioning, so none is taken here.
     """
     dec_fn: Decomposer = decompose or (lambda key, m: eigen_payload(m))
@@ -90,7 +99,16 @@ def compute_eigen(
         return unpack_eigen(buffer, matrix.shape[0]), buffer  # kept as sent: the receivers' layout exactly
 
     return _stage(
-        plan, factors, backend, record, "eigen", owned, lambda key, matrix: unpack_eigen(dec_fn(key, matrix), matrix.shape[0]), unpack_eigen
+        plan,
+        factors,
+        backend,
+        record,
+        "eigen",
+        _dense_full,
+        lambda key, dim: dim * dim + dim,
+        owned,
+        lambda key, matrix: unpack_eigen(dec_fn(key, matrix), matrix.shape[0]),
+        lambda key, payload, dim: unpack_eigen(payload, dim),
     )
 
 
@@ -100,11 +118,14 @@ def _stage(
     backend: CommBackend,
     record: IterationRecord | None,
     method: str,
+    full: Callable[[Hashable, torch.Tensor, int], torch.Tensor],
+    payload_size: Callable[[Hashable, int], int],
     owned: Callable[[Hashable, torch.Tensor], tuple[Any, torch.Tensor]],
     local: Callable[[Hashable, torch.Tensor], Any],
-    received: Callable[[torch.Tensor, int], Any],
+    received: Callable[[Hashable, torch.Tensor, int], Any],
 ) -> dict[Hashable, Any]:
-    """Run the stage: ``owned`` gives (kept, flat payload), ``local`` the kept value, ``received`` unpacks a payload."""
+    """Run the stage: ``full`` unpacks a factor, ``owned`` gives (kept, flat payload), ``local`` the kept value,
+    ``received`` rebuilds it from a payload of ``payload_size(key, dim)`` elements."""
     rank = backend.rank
     t0 = Timeline.now() if record is not None else 0.0
     out: dict[Hashable, Any] = {}
@@ -112,19 +133,19 @@ def _stage(
     for a in plan.broadcast_order():
         ref = factors[a.key]
         if a.owner == rank:
-            out[a.key], payload = owned(a.key, _full(ref, a.dim))
+            out[a.key], payload = owned(a.key, full(a.key, ref, a.dim))
         else:
-            payload = torch.empty(payload_size(method, a.dim), dtype=ref.dtype, device=ref.device)
+            payload = torch.empty(payload_size(a.key, a.dim), dtype=ref.dtype, device=ref.device)
         handle = backend.broadcast_async(payload, a.owner, f"spdkfac.{method}.{_collective_name(a.key)}")
         pending.append((handle, payload, a.key, a.owner, a.dim))
     for a in plan.assignments:
         if a.owner == ALL:
-            out[a.key] = local(a.key, _full(factors[a.key], a.dim))
+            out[a.key] = local(a.key, full(a.key, factors[a.key], a.dim))
     t_wait = Timeline.now() if record is not None else 0.0
     for handle, payload, key, owner, dim in pending:
         handle.wait()
         if owner != rank:
-            out[key] = received(payload, dim)
+            out[key] = received(key, payload, dim)
     if record is not None:
         t1 = Timeline.now()
         record.inverse_wait += t1 - t_wait
@@ -137,7 +158,7 @@ def _collective_name(key: Hashable) -> str:
     return ".".join(map(str, key)) if isinstance(key, tuple) else str(key)
 
 
-def _full(factor: torch.Tensor, dim: int) -> torch.Tensor:
+def _dense_full(key: Hashable, factor: torch.Tensor, dim: int) -> torch.Tensor:
     """The full symmetric matrix of a factor given full or as its packed upper triangle."""
     return factor if factor.dim() == 2 else unpack_upper(factor, dim)
 
@@ -145,20 +166,28 @@ def _full(factor: torch.Tensor, dim: int) -> torch.Tensor:
 class DecompositionStage:
     """The optimizer's decomposition stage: decomposes its layers' factors per the plan and stores the results.
 
-    Wraps :func:`compute_inverses` / :func:`compute_eigen` with errors that
-    name the layer, the factor and the step, and a damping that would work.
+    What a factor becomes, how it travels and how a failure is explained
+    belong to the layers' compute method (:mod:`spdkfac.methods`); the
+    stage adds the layer, factor and step to the message.
     """
 
-    def __init__(self, layers: Sequence[KFACLayer], plan: PlacementPlan, backend: CommBackend, compute_method: str) -> None:
+    def __init__(self, layers: Sequence[KFACLayer], plan: PlacementPlan, backend: CommBackend) -> None:
         self.layers = {layer.name: layer for layer in layers}
         self.plan = plan
         self.backend = backend
-        self.compute_method = compute_method
+        self.method = layers[0].method if layers else None
         self.step = 0  # for the messages
+
+    def _shape(self, key: Hashable) -> FactorShape:
+        kind, name = cast(FactorKey, key)
+        return self.layers[name].shape(kind)
 
     def run(self, damping: float, step: int, record: IterationRecord | None = None) -> None:
         """Decompose every factor (this rank's share, the rest received) and store them in the layers."""
         self.step = step
+        method = self.method
+        if method is None:
+            return
         # Packed: each factor is unpacked only where it is decomposed.
         factors: dict[Hashable, torch.Tensor] = {}
         for name, layer in self.layers.items():
@@ -167,47 +196,36 @@ class DecompositionStage:
                 if packed is None:
                     raise RuntimeError(f"factor {kind} of layer {name!r} was never computed; nothing to decompose")
                 factors[(kind, name)] = packed
-        if self.compute_method == "eigen":
-            eigens = compute_eigen(self.plan, factors, self.backend, record=record, decompose=self.eigen)
-            for key, eigen in eigens.items():
-                kind, name = cast(FactorKey, key)
-                self.layers[name].set_eigen(kind, eigen)
-            return
-        inverses = compute_inverses(
-            self.plan, factors, damping, self.backend, record=record, invert=lambda key, matrix: self.invert(key, matrix, damping)
+
+        def owned(key: Hashable, factor: torch.Tensor) -> tuple[Any, torch.Tensor]:
+            result: tuple[Any, torch.Tensor] = self._guarded(key, factor, damping, lambda: method.owned(self._shape(key), factor, damping))
+            return result
+
+        def local(key: Hashable, factor: torch.Tensor) -> Any:
+            return self._guarded(key, factor, damping, lambda: method.local(self._shape(key), factor, damping))
+
+        results = _stage(
+            self.plan,
+            factors,
+            self.backend,
+            record,
+            method.name,
+            lambda key, factor, dim: self._shape(key).unpack(factor) if factor.dim() == 1 else factor,
+            lambda key, dim: method.payload_size(self._shape(key)),
+            owned,
+            local,
+            lambda key, payload, dim: method.received(payload, self._shape(key)),
         )
-        for key, inverse in inverses.items():
+        for key, value in results.items():
             kind, name = cast(FactorKey, key)
-            self.layers[name].set_inverse(kind, inverse)
+            self.layers[name].set_decomposition(kind, value)
 
-    def invert(self, key: Hashable, factor: torch.Tensor, damping: float) -> torch.Tensor:
-        """``(factor + damping*I)^-1``; a failure names the factor and a damping that float rounding needs."""
+    def _guarded(self, key: Hashable, factor: torch.Tensor, damping: float, compute: Callable[[], Any]) -> Any:
+        """``compute()``; a failed factorization re-raised with the method's explanation, naming the factor."""
         kind, name = cast(FactorKey, key)
         try:
-            return invert_spd(factor, damping)
+            return compute()
         except LinAlgError as exc:
-            # The factors were checked finite, so the damping lost to rounding: a factor of lower rank than its
-            # dimension (fewer rows, samples x positions, than that) has only the damping on its null space, and
-            # Cholesky's rounding error grows with the factor's scale. Say which, with a damping that would do.
-            dim = factor.shape[0]
-            scale = float(factor.diagonal().max())
-            enough = dim * torch.finfo(factor.dtype).eps * scale
-            raise LinAlgError(
-                f"factor {kind} of layer {name!r} (dimension {dim}, largest diagonal entry {scale:.3g}) is not "
-                f"positive definite even with damping {damping:g} at step {self.step}. A factor of lower rank than "
-                f"its dimension (from fewer rows, samples x positions, than that: a small batch) keeps only the "
-                f"damping in its null space, and {factor.dtype} rounding at this scale is about {enough:.2g}: raise "
-                f"damping well above that or the batch size; if training had been diverging, lower lr or kl_clip "
-                f"instead. ({exc})"
-            ) from exc
-
-    def eigen(self, key: Hashable, factor: torch.Tensor) -> torch.Tensor:
-        """The flat ``[Q, d]`` buffer of ``factor``; a failure names the factor."""
-        kind, name = cast(FactorKey, key)
-        try:
-            return eigen_payload(factor)
-        except LinAlgError as exc:  # eigh did not converge (the factors were checked finite)
-            raise LinAlgError(
-                f"the eigendecomposition of factor {kind} of layer {name!r} (dimension {factor.shape[0]}) failed "
-                f"at step {self.step}; compute_method='inverse' does not need one. ({exc})"
-            ) from exc
+            assert self.method is not None
+            message = self.method.failure(f"factor {kind} of layer {name!r}", self._shape(key), factor, damping, self.step, exc)
+            raise LinAlgError(message) from exc

@@ -11,32 +11,36 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from .decomposition import Eigen, unpack_eigen
 from .layers import FACTOR_KINDS, KFACLayer
+from .methods import DecompositionMethod, get_method
 
 __all__ = ["check_kfac_state", "load_kfac_state", "memory_usage", "save_kfac_state"]
 
 
 def save_kfac_state(
-    layers: Sequence[KFACLayer], steps: int, update_freqs: tuple[int, int], compute_method: str, config: dict[str, Any]
+    layers: Sequence[KFACLayer], steps: int, update_freqs: tuple[int, int], method: DecompositionMethod, config: dict[str, Any]
 ) -> dict[str, Any]:
-    """The ``'kfac'`` entry of a state dict (tensors by reference, as ``torch.optim`` does)."""
+    """The ``'kfac'`` entry of a state dict (tensors by reference, as ``torch.optim`` does).
+
+    Per layer: ``dims`` (the factor dimensions, of one block), the running
+    averages ``A`` and ``G`` in full form (``(d, d)``, ``(blocks, d, d)``, or
+    a diagonal's vector), and the method's decompositions under
+    ``A<suffix>`` / ``G<suffix>`` (``A_inv``: a tensor; ``A_eigen``:
+    ``{'Q', 'd'}``). Plain tensors, numbers, strings, lists and dicts only.
+    """
     return {
         "steps": steps,
         "update_freqs": list(update_freqs),
-        "compute_method": compute_method,
+        "compute_method": method.name,
         "config": config,  # for the record; only compute_method and the layers must match on load
         "layers": {
             layer.name: {
                 "dims": [layer.a_dim, layer.g_dim],
                 "A": layer.A,
                 "G": layer.G,
-                "A_inv": layer.A_inv,
-                "G_inv": layer.G_inv,
                 **{
-                    f"{kind}_eigen": None if e is None else {"Q": e.Q, "d": e.d} for kind, e in (("A", layer.A_eigen), ("G", layer.G_eigen))
+                    f"{kind}{method.suffix}": None if layer.decomposition(kind) is None else method.save(layer.decomposition(kind))
+                    for kind in FACTOR_KINDS
                 },
             }
             for layer in layers
@@ -44,17 +48,21 @@ def save_kfac_state(
     }
 
 
-def check_kfac_state(state_dict: Any, layers: Sequence[KFACLayer], compute_method: str) -> dict[str, Any]:
+def check_kfac_state(state_dict: Any, layers: Sequence[KFACLayer], method: DecompositionMethod) -> dict[str, Any]:
     """The ``'kfac'`` entry of ``state_dict`` if it fits these layers and method; a ValueError saying why not."""
     if not isinstance(state_dict, dict) or "kfac" not in state_dict:
         raise ValueError("not an SPDKFACOptimizer checkpoint: the 'kfac' entry is missing")
     kfac: dict[str, Any] = state_dict["kfac"]
-    method = kfac.get("compute_method", "inverse")  # checkpoints from before the eigen method hold inverses
-    if method != compute_method:
+    saved_method = kfac.get("compute_method", "inverse")  # checkpoints from before the eigen method hold inverses
+    if saved_method != method.name:
+        try:
+            what = get_method(saved_method).label
+        except ValueError:
+            what = "decompositions"
         raise ValueError(
-            f"checkpoint was saved with compute_method={method!r} but this optimizer uses "
-            f"compute_method={compute_method!r}: its {'inverses' if method == 'inverse' else 'eigendecompositions'} "
-            f"cannot precondition here; construct the optimizer with compute_method={method!r} to resume it"
+            f"checkpoint was saved with compute_method={saved_method!r} but this optimizer uses "
+            f"compute_method={method.name!r}: its {what} "
+            f"cannot precondition here; construct the optimizer with compute_method={saved_method!r} to resume it"
         )
     saved = kfac.get("layers", {})
     mine = {layer.name: [layer.a_dim, layer.g_dim] for layer in layers}
@@ -75,26 +83,28 @@ def load_kfac_state(kfac: dict[str, Any], layers: Sequence[KFACLayer]) -> None:
     """Copy a checked ``'kfac'`` entry's factors and decompositions into the layers (onto their devices)."""
     for layer in layers:
         entry = kfac["layers"][layer.name]
-        device = layer.module.weight.device
-        for attr in ("A", "G", "A_inv", "G_inv"):
-            value = entry.get(attr)
-            setattr(layer, attr, value.detach().clone().to(device) if value is not None else None)
+        device = layer.helper.weight.device
+        method = layer.method
         for kind in FACTOR_KINDS:
-            eig = entry.get(f"{kind}_eigen")
-            if eig is not None:  # one fresh [Q, d] buffer: the layout the decomposition stage leaves
-                buffer = torch.cat([eig["Q"].reshape(-1), eig["d"]]).detach().to(device)
-                layer.set_eigen(kind, unpack_eigen(buffer, layer.dim(kind)))
+            value = entry.get(kind)
+            try:
+                layer.set_factor(kind, value.detach().clone().to(device) if value is not None else None)
+                saved = entry.get(f"{kind}{method.suffix}")
+                layer.set_decomposition(kind, None if saved is None else method.load(saved, layer.shape(kind), device))
+            except ValueError as exc:
+                raise ValueError(f"checkpoint was saved for a different model: layer {layer.name!r}: {exc}") from None
 
 
-def memory_usage(layers: Sequence[KFACLayer], compute_method: str) -> dict[str, int]:
-    """Bytes held by factors (packed running averages) and inverses (or eigendecompositions), per kind."""
-    held = ("A_inv", "G_inv") if compute_method == "inverse" else ("A_eigen", "G_eigen")
+def memory_usage(layers: Sequence[KFACLayer], method: DecompositionMethod) -> dict[str, int]:
+    """Bytes held by factors (flat running averages) and the method's decompositions, per kind."""
+    held = tuple(f"{kind}{method.suffix}" for kind in FACTOR_KINDS)
     out = dict.fromkeys(FACTOR_KINDS + held, 0)
     for layer in layers:
-        for attr in out:
-            value = layer.packed_factor(attr) if attr in FACTOR_KINDS else getattr(layer, attr)
-            tensors: list[Any] = [value.Q, value.d] if isinstance(value, Eigen) else [value]
-            for t in tensors:
-                if t is not None:
-                    out[attr] += t.numel() * t.element_size()
+        for kind, key in zip(FACTOR_KINDS, held):
+            packed = layer.packed_factor(kind)
+            if packed is not None:
+                out[kind] += packed.numel() * packed.element_size()
+            kept = layer.decomposition(kind)
+            if kept is not None:
+                out[key] += sum(t.numel() * t.element_size() for t in method.tensors(kept))
     return out

@@ -18,7 +18,8 @@ everywhere) or raises.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -30,7 +31,7 @@ from .fusion.controller import TensorFusionController
 from .fusion.profiler import FusionProfiler
 from .grad_sync import GradientSync
 from .inversion import DecompositionStage
-from .layers import KFACLayer
+from .layers import FACTOR_KINDS, KFACLayer
 from .linalg import all_finite
 from .nonfinite import NonFiniteError, NonFiniteGuard, non_finite
 from .perfmodels import PerfModel
@@ -38,10 +39,28 @@ from .preconditioning import Preconditioner
 from .timeline import IterationRecord
 from .work_plan import WorkPlan, overlaps_preconditioning
 
-__all__ = ["Hyper", "KFACStep"]
+__all__ = ["KFACStep", "StepHyper"]
 
-#: This step's hyperparameters: damping, kl_clip, lr, factor_decay (from ``param_groups[0]``).
-Hyper = dict[str, Optional[float]]
+
+@dataclass(frozen=True)
+class StepHyper:
+    """The hyperparameters in force for one step (from ``param_groups[0]``, validated when the step was fixed)."""
+
+    lr: float
+    damping: float
+    factor_decay: float
+    kl_clip: float | None = None
+
+    @classmethod
+    def from_group(cls, group: dict[str, Any]) -> StepHyper:
+        """The values of an optimizer param group."""
+        kl_clip = group["kl_clip"]
+        return cls(
+            lr=float(group["lr"]),
+            damping=float(group["damping"]),
+            factor_decay=float(group["factor_decay"]),
+            kl_clip=None if kl_clip is None else float(kl_clip),
+        )
 
 
 class KFACStep:
@@ -79,7 +98,7 @@ class KFACStep:
             layers, self.controller, self.profiler, config.pipelining, config.accumulation_steps, collecting, loss_scale
         )
         self.grads = GradientSync(backend, param_groups, param_names, config.accumulation_steps, grad_scaler)
-        self.decompositions = DecompositionStage(layers, work_plan.inversion, backend, config.compute_method)
+        self.decompositions = DecompositionStage(layers, work_plan.inversion, backend)
         self.preconditioner = Preconditioner(layers, backend, work_plan, self.grads.wait)
         self.record: IterationRecord | None = None
         self.overlapped_steps = 0  # steps that preconditioned while gradients were still being averaged
@@ -98,7 +117,7 @@ class KFACStep:
         """Whether a backward pass ran since the step began (its gradients or factors exist)."""
         return self.grads.backward_seen or self.factors.backward_seen
 
-    def run(self, factor_step: bool, inverse_step: bool, hyper: Hyper, step: int) -> None:
+    def run(self, factor_step: bool, inverse_step: bool, hyper: StepHyper, step: int) -> None:
         """Average, fold in, decompose and precondition as this step needs; check the result is finite.
 
         Raises :class:`~spdkfac.nonfinite.SkipStep` for a skipped step.
@@ -128,26 +147,19 @@ class KFACStep:
             return False
         return not self.grads.synchronized and all(layer.decomposed for layer in self.layers)  # else: the plain path
 
-    def update_factors(self, hyper: Hyper, step: int) -> None:
+    def update_factors(self, hyper: StepHyper, step: int) -> None:
         """Fold this step's averaged factors into the running averages."""
         factors = self.factors.take(self.nonfinite, step)
-        decay = hyper["factor_decay"]
-        assert decay is not None
         for (kind, name), mat in factors.items():
-            self._by_name[name].update_factor(kind, mat, decay)
+            self._by_name[name].update_factor(kind, mat, hyper.factor_decay)
         self.profiler.factor_step_done(self.factors.arrived)
 
-    def update_decompositions(self, hyper: Hyper, step: int) -> None:
+    def update_decompositions(self, hyper: StepHyper, step: int) -> None:
         """Recompute the inverses (or eigendecompositions) where the work plan says; every rank gets all."""
-        damping = hyper["damping"]
-        assert damping is not None
-        self.decompositions.run(damping, step, self.record)
+        self.decompositions.run(hyper.damping, step, self.record)
 
-    def _precondition(self, hyper: Hyper, wait_for_grads: bool = False) -> None:
-        damping, lr = hyper["damping"], hyper["lr"]
-        assert damping is not None
-        assert lr is not None
-        self.preconditioner.run(damping, lr, hyper["kl_clip"], wait_for_grads, self.record)
+    def _precondition(self, hyper: StepHyper, wait_for_grads: bool = False) -> None:
+        self.preconditioner.run(hyper.damping, hyper.lr, hyper.kl_clip, wait_for_grads, self.record)
 
     def _check_finite(self, step: int) -> None:
         """Skip (or refuse) a step whose averaged or preconditioned gradients hold NaN/Inf: never NaN parameters."""
@@ -155,13 +167,14 @@ class KFACStep:
         bad = non_finite((self.param_names.get(p, "?"), p.grad) for p in params)
         if not bad:
             return
-        inverses = [
-            f"{kind} of {layer.name!r}"
+        bad_decompositions = [
+            f"{kind}{layer.method.suffix} of {layer.name!r}"
             for layer in self.layers
-            for kind in ("A_inv", "G_inv")
-            if getattr(layer, kind) is not None and not all_finite(getattr(layer, kind))
+            for kind in FACTOR_KINDS
+            if layer.decomposition(kind) is not None and not all(all_finite(t) for t in layer.method.tensors(layer.decomposition(kind)))
         ]
-        cause = f"; the inverses {inverses} are non-finite (a damaged checkpoint?)" if inverses else ""
+        label = self.layers[0].method.label if self.layers else ""
+        cause = f"; the {label} {bad_decompositions} are non-finite (a damaged checkpoint?)" if bad_decompositions else ""
         self.nonfinite.bad_step(
             NonFiniteError(
                 f"non-finite gradient(s) at step {step} for {bad[:8]}{' ...' if len(bad) > 8 else ''}{cause}. "

@@ -17,11 +17,13 @@ import torch.nn as nn
 
 from .comm import CommBackend, get_backend
 from .config import SCHEDULE_CHECKS, ComputeMethod, FusionPolicy, KFACConfig, Placement, check_hyperparameters
+from .coverage import kfac_summary
 from .fusion import DEFAULT_THRESHOLD_BYTES
 from .grad_sync import collective_names
 from .kfac_state import check_kfac_state, load_kfac_state, memory_usage, save_kfac_state
-from .kfac_step import KFACStep
+from .kfac_step import KFACStep, StepHyper
 from .layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, preconditioned_layers
+from .methods import get_method
 from .nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
 from .perfmodels import PerfModel, load_perf_model
 from .schedules import Scheduled, StepSchedule
@@ -42,9 +44,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     N workers produce the parameters one worker would with the global batch.
 
     Args:
-        model: every ``nn.Linear`` and ``nn.Conv2d`` (groups=1, zero padding)
-            with a trainable weight is preconditioned; every other parameter
-            gets the plain momentum-SGD update.
+        model: every ``nn.Linear``, ``nn.Conv1d``, ``nn.Conv2d`` (any groups
+            and padding mode) and dense ``nn.Embedding`` with a trainable
+            weight is preconditioned (:mod:`spdkfac.layer_types`); every other
+            parameter gets the plain momentum-SGD update
+            (:meth:`kfac_summary` lists which, and why).
         lr, momentum, weight_decay: as ``torch.optim.SGD`` (read from
             ``param_groups`` each step, so LR schedulers work).
         damping: Tikhonov damping γ: ``(F + γI)^-1`` (``'eigen'``: added to
@@ -117,11 +121,12 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.factor_update_freq: int = initial["factor_update_freq"]  # in force (see _step_kind)
         self.inv_update_freq: int = initial["inv_update_freq"]
         self.compute_method, self.precondition = compute_method, precondition
-        self.layers: list[KFACLayer] = preconditioned_layers(model, compute_method, self.config.skip_layers) if precondition else []
+        self.method = get_method(compute_method)  # chosen once: the decomposition, payload, state and costs
+        self.layers: list[KFACLayer] = preconditioned_layers(model, self.method, self.config.skip_layers) if precondition else []
         self.backend = get_backend(backend)
         self.perf_model = load_perf_model(perf_model).for_world_size(self.backend.size)  # as the simulator plans
-        shapes = [LayerShape(la.name, la.a_dim, la.g_dim) for la in self.layers]
-        self.work_plan = WorkPlan.make(shapes, self.backend.size, self.perf_model, placement, compute_method, distribute_preconditioning)
+        shapes = [LayerShape.of(la) for la in self.layers]
+        self.work_plan = WorkPlan.make(shapes, self.backend.size, self.perf_model, placement, self.method, distribute_preconditioning)
         self.timeline: Timeline | None = Timeline() if timeline else None
         self.param_names = collective_names(model, self.param_groups)
         self.kfac_step = KFACStep(
@@ -180,7 +185,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.kfac_step.grads.check_accumulated("step()")
         try:
             factor_step, inverse_step = self._step_kind()
-            hyper = {k: self.param_groups[0][k] for k in ("damping", "kl_clip", "lr", "factor_decay")}
+            hyper = StepHyper.from_group(self.param_groups[0])
             self.kfac_step.run(factor_step, inverse_step, hyper, self.steps)
             momentum_sgd_update(self.param_groups, self.state)
             self.steps += 1
@@ -240,13 +245,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """
         sd = super().state_dict()
         sd["kfac"] = save_kfac_state(
-            self.layers, self.steps, (self.factor_update_freq, self.inv_update_freq), self.compute_method, self.config.as_dict()
+            self.layers, self.steps, (self.factor_update_freq, self.inv_update_freq), self.method, self.config.as_dict()
         )
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a checkpoint made by :meth:`state_dict` for the same model and compute method."""
-        kfac = check_kfac_state(state_dict, self.layers, self.compute_method)
+        kfac = check_kfac_state(state_dict, self.layers, self.method)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kfac"})
         load_kfac_state(kfac, self.layers)
         self.steps = int(kfac["steps"])
@@ -257,7 +262,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ reporting
     def memory_usage(self) -> dict[str, int]:
         """Bytes held by factors (packed running averages) and inverses (or eigendecompositions), per kind."""
-        return memory_usage(self.layers, self.compute_method)
+        return memory_usage(self.layers, self.method)
+
+    def kfac_summary(self) -> str:
+        """Which modules K-FAC preconditions (by type, with how many parameters), which get plain SGD and why."""
+        return kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition)
 
     def fusion_plan(self) -> dict[str, list[list[FactorKey]] | None]:
         """Current fusion groups per pass (None while profiling, or for ``'layerwise'``)."""

@@ -24,7 +24,7 @@ optional distributed preconditioning (not in the paper; KAISA's MEM-OPT).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,6 +45,20 @@ ALL = -1  # owner value of a factor every rank inverts
 PLACEMENTS = ("lbp", "seq", "local")
 
 CostFn = Callable[[int], float]
+#: Modelled (decomposition, broadcast) seconds per factor key, where the costs depend on more than the dimension.
+Costs = Mapping[Hashable, tuple[float, float]]
+CostOf = Callable[[Hashable, int], tuple[float, float]]
+
+
+def _cost_of(t_comp: CostFn | None, t_comm: CostFn | None, costs: Costs | None) -> CostOf:
+    """``(key, dim) -> (t_comp, t_comm)``: from ``costs`` by key if given, else the cost functions of the dimension."""
+    if costs is not None:
+        table = costs
+        return lambda key, dim: table[key]
+    if t_comp is None or t_comm is None:
+        raise TypeError("pass the cost functions t_comp and t_comm, or costs by factor key")
+    comp, comm = t_comp, t_comm
+    return lambda key, dim: (comp(dim), comm(dim))
 
 
 @dataclass(frozen=True)
@@ -135,27 +149,36 @@ def _validate(factors: Sequence[tuple[Hashable, int]], world_size: int) -> None:
             raise ValueError(f"factor {k!r} has invalid dimension {d}")
 
 
-def place_local(factors: Sequence[tuple[Hashable, int]], world_size: int, t_comp: CostFn, t_comm: CostFn) -> PlacementPlan:
+Factors = Sequence[tuple[Hashable, int]]
+
+
+def place_local(
+    factors: Factors, world_size: int, t_comp: CostFn | None = None, t_comm: CostFn | None = None, costs: Costs | None = None
+) -> PlacementPlan:
     """D-KFAC: every rank inverts every factor."""
     _validate(factors, world_size)
-    return PlacementPlan("local", world_size, [Assignment(k, d, ALL, t_comp(d), t_comm(d)) for k, d in factors])
+    cost = _cost_of(t_comp, t_comm, costs)
+    return PlacementPlan("local", world_size, [Assignment(k, d, ALL, *cost(k, d)) for k, d in factors])
 
 
-def place_seq(factors: Sequence[tuple[Hashable, int]], world_size: int, t_comp: CostFn, t_comm: CostFn) -> PlacementPlan:
+def place_seq(
+    factors: Factors, world_size: int, t_comp: CostFn | None = None, t_comm: CostFn | None = None, costs: Costs | None = None
+) -> PlacementPlan:
     """MPD-KFAC (Eq. 22): factor ``i`` (model order) goes to rank ``i % P``; all are broadcast."""
     _validate(factors, world_size)
     if world_size == 1:
-        return place_local(factors, world_size, t_comp, t_comm)
-    return PlacementPlan("seq", world_size, [Assignment(k, d, i % world_size, t_comp(d), t_comm(d)) for i, (k, d) in enumerate(factors)])
+        return place_local(factors, world_size, t_comp, t_comm, costs)
+    cost = _cost_of(t_comp, t_comm, costs)
+    return PlacementPlan("seq", world_size, [Assignment(k, d, i % world_size, *cost(k, d)) for i, (k, d) in enumerate(factors)])
 
 
-def _algorithm1(factors: Sequence[tuple[Hashable, int]], world_size: int, t_comp: CostFn, t_comm: CostFn) -> PlacementPlan:
+def _algorithm1(factors: Factors, world_size: int, cost: CostOf) -> PlacementPlan:
     load = [0.0] * world_size
     order = sorted(range(len(factors)), key=lambda i: (-factors[i][1], i))  # stable: ties keep model order
     out: list[Assignment] = []
     for i in order:
         key, dim = factors[i]
-        comp, comm = t_comp(dim), t_comm(dim)
+        comp, comm = cost(key, dim)
         if comp < comm:
             out.append(Assignment(key, dim, ALL, comp, comm))
             for r in range(world_size):
@@ -167,15 +190,17 @@ def _algorithm1(factors: Sequence[tuple[Hashable, int]], world_size: int, t_comp
     return PlacementPlan("lbp", world_size, out)
 
 
-def place_lbp(factors: Sequence[tuple[Hashable, int]], world_size: int, t_comp: CostFn, t_comm: CostFn) -> PlacementPlan:
+def place_lbp(
+    factors: Factors, world_size: int, t_comp: CostFn | None = None, t_comm: CostFn | None = None, costs: Costs | None = None
+) -> PlacementPlan:
     """SPD-KFAC's load-balancing placement (Algorithm 1), never predicted worse than ``seq``."""
     _validate(factors, world_size)
     if world_size == 1:
-        plan = place_local(factors, world_size, t_comp, t_comm)
+        plan = place_local(factors, world_size, t_comp, t_comm, costs)
         plan.strategy = "lbp"
         return plan
-    plan = _algorithm1(factors, world_size, t_comp, t_comm)
-    seq = place_seq(factors, world_size, t_comp, t_comm)
+    plan = _algorithm1(factors, world_size, _cost_of(t_comp, t_comm, costs))
+    seq = place_seq(factors, world_size, t_comp, t_comm, costs)
     if seq.makespan < plan.makespan:
         return PlacementPlan("lbp", world_size, sorted(seq.assignments, key=lambda a: -a.dim))
     return plan
@@ -183,16 +208,22 @@ def place_lbp(factors: Sequence[tuple[Hashable, int]], world_size: int, t_comp: 
 
 def place(
     strategy: str,
-    factors: Sequence[tuple[Hashable, int]],
+    factors: Factors,
     world_size: int,
-    t_comp: CostFn,
-    t_comm: CostFn,
+    t_comp: CostFn | None = None,
+    t_comm: CostFn | None = None,
+    costs: Costs | None = None,
 ) -> PlacementPlan:
-    """Dispatch to ``place_<strategy>`` (one of :data:`PLACEMENTS`)."""
+    """Dispatch to ``place_<strategy>`` (one of :data:`PLACEMENTS`).
+
+    Costs come from ``t_comp(dim)`` / ``t_comm(dim)``, or from ``costs`` by
+    factor key (a block-diagonal or diagonal factor costs more, or less,
+    than its block dimension says).
+    """
     solvers: dict[str, Callable[..., PlacementPlan]] = {"lbp": place_lbp, "seq": place_seq, "local": place_local}
     if strategy not in solvers:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {strategy!r}")
-    return solvers[strategy](factors, world_size, t_comp, t_comm)
+    return solvers[strategy](factors, world_size, t_comp, t_comm, costs)
 
 
 def preconditioning_cost(a_dim: int, g_dim: int) -> float:

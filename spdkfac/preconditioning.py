@@ -55,7 +55,7 @@ class Preconditioner:
         """
         t0 = Timeline.now() if record is not None else 0.0
         waited0 = record.grad_wait if record is not None else 0.0
-        layers = [layer for layer in self.layers if layer.module.weight.grad is not None]
+        layers = [layer for layer in self.layers if layer.helper.weight.grad is not None]
         if self.plan.preconditioners:
             grads, updates = self._distributed(layers, damping, wait_for_grads, record)
         else:
@@ -74,8 +74,7 @@ class Preconditioner:
     def _grad(self, layer: KFACLayer, wait: bool) -> torch.Tensor:
         """The layer's averaged gradient matrix, first waiting for its all-reduces if ``wait``."""
         if wait:
-            bias = layer.module.bias
-            self.wait_grads([layer.module.weight] if bias is None else [layer.module.weight, bias])
+            self.wait_grads(layer.params())
         grad = layer.grad_matrix()
         assert grad is not None  # callers pass layers whose weight has a gradient
         return grad
@@ -91,8 +90,7 @@ class Preconditioner:
         """
         missing = [layer.name for layer in layers if not layer.decomposed]
         if missing:  # checked on every rank before any broadcast, so no rank is left waiting
-            method = layers[0].compute_method
-            raise RuntimeError(f"layers {missing} have no {method} decompositions yet; factors were never updated")
+            raise RuntimeError(f"layers {missing} have no {layers[0].method.label} yet; factors were never updated")
         grads: dict[int, torch.Tensor] = {}
         pending: list[tuple[Handle, torch.Tensor, list[int]]] = []
         for rank, indices in enumerate(self.plan.preconditioned_by_rank([layer.name for layer in layers])):
@@ -108,8 +106,8 @@ class Preconditioner:
                     results[i] = layers[i].precondition(grad, damping).reshape(-1).to(dtype)
                 buffer = torch.cat([results[i] for i in indices])
             else:
-                numel = sum(layers[i].g_dim * layers[i].a_dim for i in indices)
-                buffer = torch.empty(numel, dtype=dtype, device=layers[indices[0]].module.weight.device)
+                numel = sum(math.prod(layers[i].grad_shape) for i in indices)
+                buffer = torch.empty(numel, dtype=dtype, device=layers[indices[0]].helper.weight.device)
             pending.append((self.backend.broadcast_async(buffer, rank, f"spdkfac.precondition.{rank}"), buffer, indices))
         t0 = Timeline.now()
         updates: dict[int, torch.Tensor] = {}
@@ -117,9 +115,9 @@ class Preconditioner:
             handle.wait()
             offset = 0
             for i in indices:
-                shape = (layers[i].g_dim, layers[i].a_dim)
-                updates[i] = buffer[offset : offset + shape[0] * shape[1]].view(shape)
-                offset += shape[0] * shape[1]
+                shape = layers[i].grad_shape
+                updates[i] = buffer[offset : offset + math.prod(shape)].view(shape)
+                offset += math.prod(shape)
         if record is not None:
             record.precondition_wait += Timeline.now() - t0
         for i, layer in enumerate(layers):

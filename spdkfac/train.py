@@ -257,6 +257,7 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
                 f"kl_clip {args.kl_clip:g}, factor/inverse update every {optimizer.factor_update_freq}/"
                 f"{optimizer.inv_update_freq} steps; placement: {optimizer.work_plan.inversion!r}"
             )
+            print("\n".join(f"  {line}" for line in optimizer.kfac_summary().splitlines()))
         if resume is not None:
             print(
                 f"  resumed from {resume[0]}: step {position.step}, epoch {position.epoch}, {position.samples} samples of it done",

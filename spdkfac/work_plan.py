@@ -18,11 +18,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .decomposition import stage_costs
+from .factor_shape import FactorShape
 from .fusion.planner import Plan, plan_groups
+from .methods import DecompositionMethod, get_method
 from .perfmodels import PerfModel
 from .placement import ALL, PlacementPlan, balance_by_cost, place, preconditioning_cost
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .layers import KFACLayer
 
 __all__ = ["ALL", "LayerShape", "WorkPlan", "fusion_groups", "group_launch_times", "overlaps_preconditioning"]
 
@@ -75,14 +80,30 @@ def overlaps_preconditioning(enabled: bool, precondition: bool, workers: int, in
 
 @dataclass(frozen=True)
 class LayerShape:
-    """What the plan needs of a preconditioned layer: its name and factor dimensions."""
+    """What the plan needs of a preconditioned layer: its name and factor shapes.
+
+    ``a_dim`` / ``g_dim`` are the dimensions of one block; a grouped
+    convolution has ``blocks`` of each, an embedding a diagonal ``A``.
+    """
 
     name: str
     a_dim: int
     g_dim: int
+    blocks: int = 1
+    a_diagonal: bool = False
+
+    @classmethod
+    def of(cls, layer: KFACLayer) -> LayerShape:
+        a, g = layer.shape("A"), layer.shape("G")
+        return cls(layer.name, a.dim, g.dim, max(a.blocks, g.blocks), a.diagonal)
 
     def dim(self, kind: str) -> int:
         return self.a_dim if kind == "A" else self.g_dim
+
+    def factor_shape(self, kind: str) -> FactorShape:
+        if kind == "A" and self.a_diagonal:
+            return FactorShape(self.a_dim, diagonal=True)
+        return FactorShape(self.dim(kind), blocks=self.blocks)
 
 
 @dataclass(frozen=True)
@@ -109,19 +130,29 @@ class WorkPlan:
         workers: int,
         perf: PerfModel,
         placement: str,
-        compute_method: str,
+        compute_method: str | DecompositionMethod,
         distribute_preconditioning: bool = False,
     ) -> WorkPlan:
         """The plan for ``layers`` (in model order) on ``workers`` workers.
 
         ``perf`` must already describe this worker count
-        (:meth:`~spdkfac.perfmodels.PerfModel.scaled_to`).
+        (:meth:`~spdkfac.perfmodels.PerfModel.scaled_to`). Each factor is one
+        task (a grouped layer's blocks are decomposed in one batched call and
+        sent as one buffer), costed by the compute method
+        (:meth:`~spdkfac.methods.DecompositionMethod.cost`).
         """
-        factors: list[tuple[Hashable, int]] = [((kind, s.name), s.dim(kind)) for s in layers for kind in ("A", "G")]
-        inversion = place(placement, factors, workers, *stage_costs(perf, compute_method))
+        method = get_method(compute_method)
+        factors: list[tuple[Hashable, int]] = []
+        costs: dict[Hashable, tuple[float, float]] = {}
+        for s in layers:
+            for kind in ("A", "G"):
+                shape = s.factor_shape(kind)
+                factors.append(((kind, s.name), shape.dim))
+                costs[(kind, s.name)] = (method.cost(perf, shape), method.broadcast_cost(perf, shape))
+        inversion = place(placement, factors, workers, costs=costs)
         preconditioners: dict[str, int] = {}
         if distribute_preconditioning and workers > 1:
-            owners = balance_by_cost([preconditioning_cost(s.a_dim, s.g_dim) for s in layers], workers)
+            owners = balance_by_cost([s.blocks * preconditioning_cost(s.a_dim, s.g_dim) for s in layers], workers)
             preconditioners = {s.name: rank for s, rank in zip(layers, owners)}
         return cls(inversion, tuple(layers), preconditioners)
 

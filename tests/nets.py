@@ -39,6 +39,41 @@ def small_transformer(seed: int = 0) -> nn.Module:
     return SmallTransformer()
 
 
+class MixedNet(nn.Module):
+    """Every supported layer type on the 2x6x6 test input (5 classes).
+
+    Embedding (tokens derived from the input), Conv2d with reflect padding,
+    grouped Conv2d (no bias), depthwise Conv2d with channel multiplier 2,
+    Conv1d with circular padding, and a Linear head; a GroupNorm and a
+    LayerNorm stay on plain SGD (per-sample normalisations, so N workers equal one).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 3, padding_idx=0)
+        self.conv = nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect")
+        self.norm = nn.GroupNorm(2, 4)
+        self.grouped = nn.Conv2d(4, 6, 3, padding=1, groups=2, bias=False)
+        self.depthwise = nn.Conv2d(6, 12, 3, stride=2, padding=1, groups=6)
+        self.conv1d = nn.Conv1d(12, 4, 3, padding=1, padding_mode="circular")
+        self.ln = nn.LayerNorm(4 * 9)
+        self.head = nn.Linear(4 * 9 + 3, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = (x[:, 0, 0, :].detach().abs() * 3).long().clamp(max=9)  # (n, 6) indices, some 0 (padding)
+        e = self.embed(tokens).mean(dim=1)
+        h = torch.tanh(self.norm(self.conv(x)))
+        h = torch.tanh(self.grouped(h))
+        h = torch.tanh(self.depthwise(h))  # (n, 12, 3, 3)
+        h = torch.tanh(self.conv1d(h.flatten(2)))  # (n, 4, 9)
+        return self.head(torch.cat([self.ln(h.flatten(1)), e], dim=1))
+
+
+def mixed_net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return MixedNet()
+
+
 def batch(n: int, seed: int = 1):
     """A fixed global batch of ``n`` samples (2x6x6 inputs, 5 classes)."""
     g = torch.Generator().manual_seed(seed)

@@ -58,6 +58,7 @@ def test_local_rank_and_size_from_each_launcher(monkeypatch):
         local_rank_and_size()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("engine", ["torch", "horovod"])
 def test_two_workers_bind_every_thread_to_their_own_cores(engine):
     out = run_workers(engine, 2, [str(ROOT / "tests" / "workers" / "affinity_check.py")])

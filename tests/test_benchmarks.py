@@ -14,6 +14,7 @@ from launch import run_workers
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("interleave", [False, True])
 def test_iteration_time_measures_every_variant(tmp_path, interleave):
     out = tmp_path / "it.json"
@@ -120,6 +121,7 @@ def test_hook_overhead_times_non_factor_steps(tmp_path):
     assert result["ratio"] == pytest.approx(result["hooked"]["median"] / result["plain"]["median"])
 
 
+@pytest.mark.multiprocess
 def test_soak_keeps_replicas_identical_with_a_delayed_worker(tmp_path):
     """benchmarks/soak.py for real (2 workers, a short run): bitwise replicas, nothing left pending after step()."""
     out = tmp_path / "soak.json"

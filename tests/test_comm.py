@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from launch import ROOT, run_workers
+
+pytestmark = pytest.mark.multiprocess  # every test here starts worker processes
 
 WORKER = str(ROOT / "tests" / "workers" / "exit_check.py")
 

@@ -104,6 +104,7 @@ def test_convergence_single_process(tmp_path):
     assert proc.stdout.count("epoch   3/3") == 3  # progress: every run's epochs (2 SGD LRs, 1 K-FAC)
 
 
+@pytest.mark.multiprocess
 def test_convergence_two_workers(tmp_path):
     out = tmp_path / "conv"
     output = run_workers("torch", 2, [*_args(out, epochs=2), "--interleave"])

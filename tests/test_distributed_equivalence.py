@@ -16,6 +16,8 @@ import pytest
 import torch
 from launch import ROOT, run_workers
 
+pytestmark = pytest.mark.multiprocess  # every test here starts worker processes
+
 WORKER = str(ROOT / "tests" / "workers" / "train_configs.py")
 STEPS = 6
 BASE = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.01, factor_decay=0.9, kl_clip=0.01, profile_steps=2)

@@ -28,6 +28,8 @@ from launch import ROOT, free_port, launcher_command, require_horovod, run_worke
 
 from spdkfac.checkpoint import LATEST, PREVIOUS
 
+pytestmark = pytest.mark.multiprocess  # every test here starts worker processes
+
 LOST = str(ROOT / "tests" / "workers" / "lost_worker.py")
 DETECT_LIMIT_S = 60.0
 #: How each launcher names the worker that was lost (rank 1, SIGKILL).

@@ -132,14 +132,14 @@ def _patches_general(x, kernel, stride, padding, dilation):
 )
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_conv_input_rows_match_explicit_im2col(kernel, stride, padding, dilation, channels_last):
-    from spdkfac.layers import make_extractor
+    from spdkfac.layers import make_helper
 
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 4, kernel, stride=stride, padding=padding, dilation=dilation)
     x = torch.randn(2, 3, 9, 10)
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
-    rows = make_extractor(conv).input_rows(x)
+    rows = make_helper(conv).input_rows(x)
     expected = _patches_general(x, kernel, stride, padding, dilation)
     assert torch.equal(rows, expected)
     # The rows reproduce the convolution: output = rows @ W^T + b.
@@ -163,22 +163,23 @@ def test_conv_input_rows_match_explicit_im2col(kernel, stride, padding, dilation
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_stride1_conv_factor_from_shared_shifts_equals_explicit_im2col_gram(kernel, padding, dilation, size, bias, channels_last):
     """The A factor of a stride-1 conv (built from shifted sums, never from im2col rows) is the rows' mean Gram."""
-    from spdkfac.layers import KFACLayer, make_extractor
+    from spdkfac.layers import KFACLayer, make_helper
 
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 4, kernel, padding=padding, dilation=dilation, bias=bias).double()
     x = torch.randn(2, 3, *size, dtype=torch.float64)
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
-    layer = KFACLayer("conv", conv, make_extractor(conv))
-    assert layer.rows.input_gram(x, bias) is not None  # the shared-shift path is the one under test
+    layer = KFACLayer("conv", make_helper(conv))
+    assert layer.helper.shared_gram(x) is not None  # the shared-shift path is the one under test
     rows = _patches_general(x, kernel, (1, 1), padding, dilation)
     if bias:
         rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], dim=1)
-    a = layer.compute_a(x)
+    gram, _ = layer.helper.input_gram(x, torch.float64)
+    assert torch.equal(gram, gram.T)
+    a = layer.shape("A").unpack(layer.compute_a(x))
     s = rows.shape[0] // x.shape[0]  # output positions per sample
     torch.testing.assert_close(a, (rows / s).T @ (rows / s) / x.shape[0], rtol=1e-12, atol=1e-12)
-    assert torch.equal(a, a.T)
 
 
 @pytest.mark.parametrize(("stride", "size"), [((1, 1), (12, 12)), ((2, 2), (24, 23)), ((1, 2), (5, 6))])
@@ -186,27 +187,27 @@ def test_stride1_conv_factor_from_shared_shifts_equals_explicit_im2col_gram(kern
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_conv_factors_from_channel_grams_equal_explicit_rows(stride, size, bias, channels_last):
     """1x1 conv A factors and conv G factors come from the NCHW tensors directly; they equal the rows' Gram."""
-    from spdkfac.layers import KFACLayer, make_extractor
+    from spdkfac.layers import KFACLayer, make_helper
 
     torch.manual_seed(0)
     conv = nn.Conv2d(6, 5, 1, stride=stride, bias=bias).double()
     x = torch.randn(3, 6, *size, dtype=torch.float64)
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
-    layer = KFACLayer("conv", conv, make_extractor(conv))
-    assert layer.rows.input_gram(x, bias) is not None  # not the im2col route
+    layer = KFACLayer("conv", make_helper(conv))
+    assert layer.helper.shared_gram(x) is not None  # not the im2col route
     rows = _patches_general(x, (1, 1), stride, (0, 0), (1, 1))
     if bias:
         rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], dim=1)
-    a = layer.compute_a(x)
+    gram, _ = layer.helper.input_gram(x, torch.float64)
+    assert torch.equal(gram, gram.T)
+    a = layer.shape("A").unpack(layer.compute_a(x))
     s = rows.shape[0] // x.shape[0]  # output positions per sample
     torch.testing.assert_close(a, (rows / s).T @ (rows / s) / x.shape[0], rtol=1e-12, atol=1e-12)
-    assert torch.equal(a, a.T)
     g_out = torch.randn_like(conv(x))
     g_rows = g_out.permute(0, 2, 3, 1).reshape(-1, 5) * 3 * s  # n*S times the rows of a mean over 3 samples
-    g = layer.compute_g(g_out, loss_scale=4.0)
+    g = layer.shape("G").unpack(layer.compute_g(g_out, loss_scale=4.0))
     torch.testing.assert_close(g, (g_rows / 4.0).T @ (g_rows / 4.0) / (3 * s), rtol=1e-12, atol=1e-12)
-    assert torch.equal(g, g.T)
 
 
 def test_unsupported_layers_get_plain_sgd():
@@ -246,7 +247,7 @@ def test_half_precision_forward_keeps_factors_in_float32():
     bf16, bf16_opt = _one_step_update(copy.deepcopy(base).to(torch.bfloat16), x.to(torch.bfloat16), y, autocast=False)
     for opt in (amp_opt, bf16_opt):
         for layer in opt.layers:
-            assert {t.dtype for t in (layer.A, layer.G, layer.A_inv, layer.G_inv)} == {torch.float32}, layer
+            assert {t.dtype for t in (layer.A, layer.G, layer.decomposition("A"), layer.decomposition("G"))} == {torch.float32}, layer
     # The first layer sees the same float32 input under autocast: its A factor is exact.
     torch.testing.assert_close(amp_opt.layers[0].A, ref_opt.layers[0].A)
     for update in (amp, bf16):

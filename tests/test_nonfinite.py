@@ -89,8 +89,18 @@ def test_a_nan_inverse_from_a_damaged_checkpoint_is_named():
     opt = SPDKFACOptimizer(model, **KW)
     x, y = batch(8)
     _step(model, opt, x, y)
-    opt.layers[2].A_inv[0, 0] = float("nan")
+    opt.layers[2].decomposition("A")[0, 0] = float("nan")
     with pytest.raises(NonFiniteError, match=r"inverses \[\"A_inv of '4'\"\] are non-finite"):
+        _step(model, opt, x, y)
+
+
+def test_a_nan_eigendecomposition_from_a_damaged_checkpoint_is_named():
+    model = small_net()
+    opt = SPDKFACOptimizer(model, compute_method="eigen", **KW)
+    x, y = batch(8)
+    _step(model, opt, x, y)
+    opt.layers[2].decomposition("G").Q[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"eigendecompositions \[\"G_eigen of '4'\"\] are non-finite"):
         _step(model, opt, x, y)
 
 

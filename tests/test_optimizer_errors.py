@@ -47,7 +47,7 @@ def test_lr_type_error():
 
 def test_model_without_supported_layers():
     with pytest.raises(ValueError, match="no layer SPDKFACOptimizer can precondition"):
-        SPDKFACOptimizer(nn.Sequential(nn.LayerNorm(4), nn.Conv2d(4, 4, 3, groups=2)), lr=0.1, backend="single")
+        SPDKFACOptimizer(nn.Sequential(nn.LayerNorm(4), nn.Embedding(4, 4, sparse=True)), lr=0.1, backend="single")
 
 
 def test_not_a_module():

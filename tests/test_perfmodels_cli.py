@@ -131,6 +131,7 @@ def test_benchmark_rejects_too_few_points_before_measuring(tmp_path, flag, value
     assert not out.exists()
 
 
+@pytest.mark.multiprocess
 def test_benchmark_under_horovodrun(tmp_path):
     out = tmp_path / "hvd.json"
     run_workers("horovod", 2, ["-m", "spdkfac.perfmodels", "benchmark", *TINY, "--bind-cores", "--out", str(out)], timeout=TIMEOUT_S)
@@ -142,6 +143,7 @@ def test_benchmark_under_horovodrun(tmp_path):
     assert bound[0] == available[0], bound
 
 
+@pytest.mark.multiprocess
 def test_benchmark_under_torchrun(tmp_path):
     out = tmp_path / "torch.json"
     run_workers("torch", 2, ["-m", "spdkfac.perfmodels", "benchmark", "--engine", "torch", *TINY, "--out", str(out)], timeout=TIMEOUT_S)
@@ -159,6 +161,7 @@ def _mpirun() -> str:
     return mpirun
 
 
+@pytest.mark.multiprocess
 def test_benchmark_under_mpirun_mpi4py(tmp_path):
     mpirun = _mpirun()
     version = subprocess.run([mpirun, "--version"], check=False, capture_output=True, text=True).stdout

@@ -34,9 +34,9 @@ def _layers(method: str, decomposed: bool = True):
             if not decomposed:
                 continue
             if method == "eigen":
-                layer.set_eigen(kind, unpack_eigen(eigen_payload(layer.factor(kind)), d))
+                layer.set_decomposition(kind, unpack_eigen(eigen_payload(layer.factor(kind)), d))
             else:
-                layer.set_inverse(kind, invert_spd(layer.factor(kind), DAMPING))
+                layer.set_decomposition(kind, invert_spd(layer.factor(kind), DAMPING))
         layer.module.weight.grad = torch.randn(layer.module.weight.shape, generator=gen)
         if layer.has_bias:
             layer.module.bias.grad = torch.randn(layer.module.bias.shape, generator=gen)
@@ -103,5 +103,5 @@ def test_missing_decompositions_raise_on_every_rank_before_any_broadcast():
         layers = _layers("inverse", decomposed=False)
         Preconditioner(layers, backend, _plan(layers, backend.size, True), lambda ps: None).run(DAMPING, 0.1, None)
 
-    with pytest.raises(RankError, match="no inverse decompositions yet"):
+    with pytest.raises(RankError, match="no inverses yet"):
         run_ranks(2, rank, timeout=10)

@@ -131,6 +131,7 @@ def test_contention_slows_compute_by_the_profiled_sgd_ratio():
     assert predict(single, perf, 2, "spdkfac", contention=True)["FF&BP"] == pytest.approx(0.19)
 
 
+@pytest.mark.multiprocess
 def test_profile_under_a_launcher_records_layers_and_sgd_with_real_allreduces(tmp_path):
     """`simulate profile` on 2 real workers (torchrun): per-layer times, and the SGD passes ran with communication."""
     import json

@@ -157,6 +157,7 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
         train.main(["--data", "digits", "--backend", "single", "--resume", "--out-dir", str(tmp_path / "none")])
 
 
+@pytest.mark.multiprocess
 def test_two_worker_torchrun_training(tmp_path):
     # Two epochs: K-FAC's running averages start from the identity, so its first epoch is SGD-like (45% here).
     out = run_workers(
@@ -170,6 +171,7 @@ def test_two_worker_torchrun_training(tmp_path):
     assert float(rows[-1]["test_acc"]) > 0.5
 
 
+@pytest.mark.multiprocess
 def test_horovod_launch_script_trains_with_the_chosen_cycle_time(tmp_path):
     """scripts/launch_horovod.sh end to end: 2 Horovod workers, CYCLE_MS reaching Horovod, a bad value refused."""
     require_horovod()

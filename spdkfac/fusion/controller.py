@@ -1,8 +1,9 @@
 """TensorFusionController: packs ready factors into fused buffers and all-reduces them.
 
 Hooks hand each freshly computed batch factor to :meth:`submit` (by
-reference). The controller copies its upper triangle into the buffer of the
-factor's fusion group; when the group's last member arrives it starts an
+reference). The controller copies its flat form (a full matrix's upper
+triangle; the layers hand over packed triangles or a diagonal) into the buffer
+of the factor's fusion group; when the group's last member arrives it starts an
 asynchronous all-reduce and returns at once, so the communication of early
 layers runs while later layers compute. :meth:`wait_all` (called from
 ``step()``) blocks on the handles and returns the averaged factors as packed
@@ -39,7 +40,7 @@ class _Group:
 class _InFlight:
     handle: Handle
     buffer: torch.Tensor
-    layout: list[tuple[FactorKey, int, int]]  # (key, dim, offset)
+    layout: list[tuple[FactorKey, int, int]]  # (key, elements, offset)
     gid: int
     kind: str
 
@@ -124,15 +125,18 @@ class TensorFusionController:
 
     def _launch(self, group: _Group) -> None:
         first = group.arrived[group.members[0]]
-        total = sum(triangle_size(group.arrived[k].shape[0]) for k in group.members)
+        total = sum(_flat_size(group.arrived[k]) for k in group.members)
         buffer = torch.empty(total, dtype=first.dtype, device=first.device)
         layout = []
         offset = 0
         for key in group.members:
-            mat = group.arrived[key]
-            n = triangle_size(mat.shape[0])
-            pack_upper(mat, out=buffer[offset : offset + n])
-            layout.append((key, mat.shape[0], offset))
+            factor = group.arrived[key]
+            n = _flat_size(factor)
+            if factor.dim() == 2:  # a full symmetric matrix: its upper triangle travels
+                pack_upper(factor, out=buffer[offset : offset + n])
+            else:  # already in flat form (packed triangles, a diagonal)
+                buffer[offset : offset + n].copy_(factor)
+            layout.append((key, n, offset))
             offset += n
         group.arrived.clear()
         kind = group.members[0][0]
@@ -180,9 +184,9 @@ class TensorFusionController:
     def wait_all(self) -> dict[FactorKey, torch.Tensor]:
         """Block until every launched all-reduce is done; return the averaged factors.
 
-        Communicated factors come back as packed upper triangles (views into
-        their fused buffer), factors that needed no averaging (one worker) as
-        the full matrices the hooks submitted.
+        Communicated factors come back in flat form (views into their fused
+        buffer), factors that needed no averaging (one worker) as the hooks
+        submitted them.
         """
         missing = [k for g in self._groups for k in g.members if g.arrived and k not in g.arrived]
         if missing:
@@ -205,7 +209,12 @@ class TensorFusionController:
                         ev.comm_end = rec.rel(t)
             else:
                 job.handle.wait()
-            for key, dim, offset in job.layout:
-                results[key] = job.buffer[offset : offset + triangle_size(dim)]
+            for key, numel, offset in job.layout:
+                results[key] = job.buffer[offset : offset + numel]
         self._forget()
         return results
+
+
+def _flat_size(factor: torch.Tensor) -> int:
+    """Elements a factor occupies in a fused buffer: a full matrix's upper triangle, a flat factor whole."""
+    return triangle_size(factor.shape[0]) if factor.dim() == 2 else factor.numel()

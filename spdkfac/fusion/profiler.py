@@ -19,7 +19,6 @@ import torch
 from ..comm import CommBackend
 from ..config import KFACConfig
 from ..layers import FACTOR_KINDS, FactorKey, KFACLayer
-from ..linalg import triangle_size
 from ..perfmodels import PerfModel
 from ..work_plan import fusion_groups
 from .controller import TensorFusionController
@@ -92,7 +91,7 @@ class FusionProfiler:
             samples = [s for s in self._samples[kind] if len(s) == len(order)]
             ready = [statistics.median(col) for col in zip(*samples)] if samples else [0.0] * len(order)
             ready = self._agree_on_profile(kind, order, ready)
-            sizes = [triangle_size(dims[name].dim(k)) for k, name in order]
+            sizes = [dims[name].shape(k).packed_size for k, name in order]
             groups = fusion_groups(
                 self.config.fusion,
                 self.config.pipelining,
@@ -118,7 +117,7 @@ class FusionProfiler:
             return ready
         index = {layer.name: i for i, layer in enumerate(self.layers)}
         payload = torch.tensor(
-            [float(index[name]) for _, name in order] + ready, dtype=torch.float64, device=self.layers[0].module.weight.device
+            [float(index[name]) for _, name in order] + ready, dtype=torch.float64, device=self.layers[0].helper.weight.device
         )  # NCCL broadcasts device tensors only
         self.backend.broadcast_async(payload, 0, f"spdkfac.profile.{kind}").wait()
         n = len(order)

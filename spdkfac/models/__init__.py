@@ -11,6 +11,7 @@ from typing import Callable
 import torch.nn as nn
 
 from .imagenet import densenet201, inception_v4, resnet50, resnet152
+from .mobile import efficientnet_b0, mobilenet_v2, resnext50_32x4d
 from .small import DigitsCNN, MnistCNN, cifar_resnet20
 
 __all__ = ["MODELS", "DigitsCNN", "MnistCNN", "cifar_resnet20", "get_model"]
@@ -23,6 +24,13 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "resnet152": resnet152,
     "densenet201": densenet201,
     "inception_v4": inception_v4,
+    "mobilenet_v2": mobilenet_v2,
+    "resnext50_32x4d": resnext50_32x4d,
+    "efficientnet_b0": efficientnet_b0,
+    # The same networks for 32x32 images (stride-1 stem; see spdkfac.models.mobile).
+    "mobilenet_v2_32": lambda num_classes=10: mobilenet_v2(num_classes, small_input=True),
+    "resnext50_32x4d_32": lambda num_classes=10: resnext50_32x4d(num_classes, small_input=True),
+    "efficientnet_b0_32": lambda num_classes=10: efficientnet_b0(num_classes, small_input=True),
 }
 
 

@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     b.add_argument("--dims", type=int, nargs="*", help="inversion/eigendecomposition/broadcast dimensions to measure")
     b.add_argument("--no-eigen", action="store_true", help="skip the eigendecompositions (only compute_method='inverse' is planned)")
+    b.add_argument(
+        "--no-batched", action="store_true", help="skip the batched decompositions (grouped convolutions are then costed by a rule)"
+    )
     b.add_argument("--model", default=None, help="also measure every factor dimension of this spdkfac.models network")
     b.add_argument("--sizes", type=int, nargs="*", help="all-reduce message sizes (elements)")
     b.add_argument("--threads", type=int, default=None, help="torch intra-op threads per worker")
@@ -78,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             model_dims=model_dims,
             model_name=args.model,
             eigen=not args.no_eigen,
+            batched=not args.no_batched,
         )
         if engine.rank == 0:
             print(
@@ -142,6 +146,12 @@ def _summary(model: PerfModel) -> str:
                 f"  {name} fit: chosen {q.get('chosen')}, exp mean rel err {q.get('exp', {}).get('mean_rel_error', float('nan')):.1%}"
                 + (f", cubic {q['cubic']['mean_rel_error']:.1%}" if "cubic" in q else "")
             )
+    for name, batched in model.batched.items():
+        q = model.fit_quality.get(f"batched_{name}", {})
+        lines.append(
+            f"  {name} batched: {batched.call:.3e} + b ({batched.c0:.3e} + {batched.c3:.3e} d^3), {len(batched.measured)} points"
+            + (f", max rel err {q['max_rel_error']:.1%} (rule without the fit: {q['rule_max_rel_error']:.1%})" if q else "")
+        )
     return "\n".join(lines)
 
 

@@ -28,9 +28,11 @@ import torch
 from ..comm import CommBackend, get_backend
 from ..comm.mpi4py_backend import Mpi4pyEngine
 from ..decomposition import eigen_payload
+from ..factor_shape import FactorShape
 from ..linalg import invert_spd, triangle_size
-from .fitting import fit_inverse_model, fit_linear, r_squared
-from .models import AllReduceModel, BroadcastModel, InverseModel, PerfModel
+from ..methods import get_method
+from .fitting import fit_batched, fit_inverse_model, fit_linear, r_squared
+from .models import AllReduceModel, BatchedModel, BroadcastModel, InverseModel, PerfModel
 
 __all__ = ["BenchmarkConfig", "Mpi4pyEngine", "run_benchmark"]
 
@@ -38,6 +40,9 @@ QUICK_DIMS = [64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
 FULL_DIMS = [64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 5120, 6144, 8192]
 QUICK_SIZES = [2**k for k in range(10, 23, 2)]  # 1K .. 4M elements
 FULL_SIZES = [2**k for k in range(18, 28)]  # 256K .. 128M elements (1 MB .. 512 MB of float32)
+# (blocks, d) of batched decompositions: depthwise 3x3 and 5x5 (MobileNetV2, EfficientNet-B0) and ResNeXt's 32 groups.
+QUICK_BATCHED = [(32, 9), (384, 9), (144, 25), (32, 36), (32, 144)]
+FULL_BATCHED = [(32, 9), (96, 9), (384, 9), (960, 9), (144, 25), (672, 25), (32, 36), (32, 72), (32, 144), (32, 288)]
 
 
 @dataclass
@@ -53,6 +58,7 @@ class BenchmarkConfig:
     message_sizes: list[int] | None = None
     damping: float = 1e-3
     eigen: bool = True  # also time torch.linalg.eigh at the same dimensions (compute_method='eigen')
+    batched: bool = True  # also time batched decompositions (grouped convolutions' block-diagonal factors)
 
     def dims(self) -> list[int]:
         base = self.inverse_dims or (QUICK_DIMS if self.quick else FULL_DIMS)
@@ -60,6 +66,9 @@ class BenchmarkConfig:
 
     def sizes(self) -> list[int]:
         return self.message_sizes or (QUICK_SIZES if self.quick else FULL_SIZES)
+
+    def batched_points(self) -> list[tuple[int, int]]:
+        return (QUICK_BATCHED if self.quick else FULL_BATCHED) if self.batched else []
 
 
 class _Progress:
@@ -126,7 +135,8 @@ def run_benchmark(cfg: BenchmarkConfig, engine: CommBackend | None = None) -> Pe
     sizes, dims = cfg.sizes(), cfg.dims()
     root = engine.rank == 0
     comm_points = len(sizes) + len(dims) if engine.size > 1 else 0
-    progress = _Progress(comm_points + len(dims) * (2 if cfg.eigen else 1), root)
+    n_methods = 2 if cfg.eigen else 1
+    progress = _Progress(comm_points + (len(dims) + len(cfg.batched_points())) * n_methods, root)
 
     ar_times: list[float] = []
     bc_times: list[float] = []
@@ -217,6 +227,19 @@ def run_benchmark(cfg: BenchmarkConfig, engine: CommBackend | None = None) -> Pe
         "quick": cfg.quick,
         "model_dims_from": cfg.model_name,
     }
+    batched: dict[str, BatchedModel] = {}
+    for name, curve in (("inverse", inv_model), ("eigen", eig_model)):
+        if curve is None or not cfg.batched_points():
+            continue
+        points = cfg.batched_points()
+        seconds = _time_batched(name, points, cfg, device, dtype, engine, progress)
+        (call, c0, c3), worst = fit_batched(points, seconds)
+        batched[name] = BatchedModel(call, c0, c3, dict(zip(points, seconds)))
+        quality[f"batched_{name}"] = {
+            "max_rel_error": worst,
+            "rule_max_rel_error": _max_rel(seconds, [BatchedModel.rule(curve, b, d) for b, d in points]),
+        }
+
     measurements = {
         "allreduce": {"elements": sizes, "seconds": ar_times, "mean_seconds": means["allreduce"]} if ar_times else {},
         "broadcast": {"dims": dims, "seconds": bc_times, "mean_seconds": means["broadcast"]} if bc_times else {},
@@ -225,8 +248,44 @@ def run_benchmark(cfg: BenchmarkConfig, engine: CommBackend | None = None) -> Pe
     if cfg.eigen:
         measurements["eigen"] = {"dims": dims, "seconds": times["eigen"], "mean_seconds": means["eigen"]}
     return PerfModel(
-        ar_model, bc_model, inv_model, meta=meta, measurements=measurements, fit_quality=quality, source="benchmark", eigen=eig_model
+        ar_model,
+        bc_model,
+        inv_model,
+        meta=meta,
+        measurements=measurements,
+        fit_quality=quality,
+        source="benchmark",
+        eigen=eig_model,
+        batched=batched,
     )
+
+
+def _time_batched(
+    method: str,
+    points: Sequence[tuple[int, int]],
+    cfg: BenchmarkConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    engine: CommBackend,
+    progress: _Progress,
+) -> list[float]:
+    """Median seconds of one batched decomposition (as the decomposition stage runs it) at each ``(blocks, d)``."""
+    decomposer = get_method(method)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    seconds = []
+    for blocks, d in points:
+        x = torch.randn(blocks, d, d + 3, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+        spd = x @ x.transpose(1, 2) / (d + 3)
+        shape = FactorShape(d, blocks)
+        reps = _repeats_for(cfg, blocks * d**3 // 64)
+
+        def run(shape: FactorShape = shape, spd: torch.Tensor = spd) -> None:
+            decomposer.owned(shape, spd, cfg.damping)
+
+        med, _ = _time(run, reps, min(cfg.warmup, reps), device)
+        seconds.append(med)
+        progress.step(f"{method} batched {blocks}x{d}")
+    return _mean_over_ranks(engine, seconds) if engine.size > 1 else seconds
 
 
 def _max_rel(measured: Sequence[float], predicted: Sequence[float]) -> float:

@@ -7,6 +7,7 @@ range), with the fit quality reported alongside the coefficients.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -98,3 +99,31 @@ def fit_inverse_model(d: npt.ArrayLike, t: npt.ArrayLike) -> tuple[InverseModel,
             best = cubic
     quality["chosen"] = best.kind
     return best, quality
+
+
+def fit_batched(points: Sequence[tuple[int, int]], seconds: Sequence[float]) -> tuple[tuple[float, float, float], float]:
+    """``((call, c0, c3), max relative error)`` of ``t(b, d) = call + b (c0 + c3 d^3)``.
+
+    Non-negative least squares on the relative errors (the points span orders
+    of magnitude): every subset of the three terms is fitted and the best
+    one with no negative coefficient kept.
+    """
+    design = np.array([[1.0, b, b * float(d) ** 3] for b, d in points], dtype=float)
+    measured = np.asarray(seconds, dtype=float)
+    weights = 1.0 / measured
+    best: tuple[float, np.ndarray] | None = None
+    for mask in range(1, 8):
+        columns = [i for i in range(3) if mask >> i & 1]
+        coeffs, *_ = np.linalg.lstsq(design[:, columns] * weights[:, None], np.ones_like(measured), rcond=None)
+        if (coeffs < 0).any():
+            continue
+        full = np.zeros(3)
+        full[columns] = coeffs
+        residual = float(np.sum(((design @ full) * weights - 1.0) ** 2))
+        if best is None or residual < best[0]:
+            best = (residual, full)
+    if best is None:  # pragma: no cover - the one-column fits are never negative for positive times
+        raise PerfModelError("no non-negative fit of the batched decompositions")
+    call, c0, c3 = (float(c) for c in best[1])
+    worst = float(np.max(np.abs(design @ best[1] - measured) / measured))
+    return (call, c0, c3), worst

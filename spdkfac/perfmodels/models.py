@@ -5,7 +5,11 @@
 * inversion of a ``d x d`` SPD matrix: ``t_inv(d) = alpha_inv * exp(beta_inv * d)``
   or, where that fits the measurements badly, a cubic ``c0 + c1 d + c2 d^2 + c3 d^3``;
 * eigendecomposition of a ``d x d`` symmetric matrix (``compute_method='eigen'``,
-  optional: files from before it lack it), the same form as the inversion.
+  optional: files from before it lack it), the same form as the inversion;
+* one batched decomposition of ``b`` blocks of ``d x d`` (a grouped
+  convolution's factors), per method, optional: ``call + b (c0 + c3 d^3)``
+  (:class:`BatchedModel`; files without one use :meth:`BatchedModel.rule`
+  on the single-matrix curve).
 
 Every rank loads the same file, so every rank makes the same fusion and
 placement decisions.
@@ -25,6 +29,7 @@ from ..file_version import FormatVersionError, check_format_version
 
 __all__ = [
     "AllReduceModel",
+    "BatchedModel",
     "BroadcastModel",
     "InverseModel",
     "PerfModel",
@@ -149,6 +154,66 @@ class InverseModel:
         return float(max(value, self.params["floor"]))
 
 
+@dataclass(frozen=True)
+class BatchedModel:
+    """One batched decomposition of ``blocks`` matrices of ``d x d`` (a grouped convolution's factor).
+
+    ``call + blocks * (c0 + c3 d^3)``: the call's fixed overhead, and each
+    block's overhead and arithmetic, fitted to batched measurements
+    (``benchmark`` measures them at depthwise and grouped shapes; the
+    single-matrix curves, fitted at d >= 64 and floored, say little about
+    ``d = 9``). ``measured`` maps ``(blocks, d)`` to measured seconds,
+    returned as they are.
+    """
+
+    call: float
+    c0: float
+    c3: float
+    measured: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, value in (("batched.call", self.call), ("batched.c0", self.c0), ("batched.c3", self.c3)):
+            if not math.isfinite(value) or value < 0:
+                raise PerfModelError(f"{name} must be a non-negative finite number, got {value!r}")
+        for key, seconds in self.measured.items():
+            _positive_finite(f"batched.measured[{key}]", seconds)
+
+    def fitted(self, blocks: int, dim: int) -> float:
+        return self.call + blocks * (self.c0 + self.c3 * dim**3)
+
+    @staticmethod
+    def rule(curve: Callable[[float], float], blocks: int, dim: int) -> float:
+        """The estimate without batched measurements: ``t(d) + (blocks - 1) * max(t(d) - t(1), 0)``.
+
+        One call's fixed overhead (about ``t(1)``) paid once, every block's
+        work above it. Where the curve is floored at small ``d`` this counts
+        the further blocks as free: measure instead.
+        """
+        one = curve(dim)
+        return one + (blocks - 1) * max(one - curve(1), 0.0)
+
+    def __call__(self, blocks: int, dim: int) -> float:
+        hit = self.measured.get((blocks, dim))
+        return hit if hit is not None else self.fitted(blocks, dim)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "call": self.call,
+            "c0": self.c0,
+            "c3": self.c3,
+            "unit": "seconds: call + blocks * (c0 + c3 d^3)",
+            "measured": {f"{b}x{d}": t for (b, d), t in sorted(self.measured.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, entry: dict[str, Any]) -> BatchedModel:
+        measured = {}
+        for key, seconds in dict(entry.get("measured", {})).items():
+            blocks, dim = (int(v) for v in str(key).split("x"))
+            measured[(blocks, dim)] = float(seconds)
+        return cls(float(entry["call"]), float(entry["c0"]), float(entry["c3"]), measured)
+
+
 # Eigendecomposition (eigen_payload: torch.linalg.eigh and the [Q, d] buffer) over Cholesky inversion (invert_spd)
 # time, float32, one thread, torch 2.13 CPU on the reference VM, median thread CPU time beside each other
 # (scripts/add_eigen_curve.py, 2026-11-24): 2.1x at d=64, 2.7x at 256, 3.6x at 512, 5.3x at 1024, 6.2x at 2048,
@@ -169,19 +234,20 @@ class PerfModel:
     fit_quality: dict[str, Any] = field(default_factory=dict)
     source: str = "object"
     eigen: InverseModel | None = None
+    #: Batched-decomposition models by compute method (files from before them: none, ``scale = 1``).
+    batched: dict[str, BatchedModel] = field(default_factory=dict)
     _eigen_estimate_warned: bool = field(default=False, init=False, repr=False, compare=False)
 
-    def decomposition(self, method: str) -> Callable[[float], float]:
-        """Seconds to turn a ``d x d`` factor into what ``method`` preconditions with.
+    def decomposition(self, method: Any) -> Callable[[float], float]:
+        """Seconds to turn a ``d x d`` factor into what ``method`` (a name or a method object) preconditions with."""
+        from ..methods import get_method
 
-        ``'eigen'`` with a file that has no eigen model (measured before it
-        existed): :data:`EIGEN_OVER_INVERSE` times the inversion model, with a
-        warning the first time, since placement decisions rest on it.
-        """
-        if method == "inverse":
-            return self.inverse
-        if method != "eigen":
-            raise ValueError(f"unknown compute method {method!r}")
+        return get_method(method).curve(self)
+
+    def eigen_curve(self) -> Callable[[float], float]:
+        """The eigendecomposition model; in a file without one (measured before it existed),
+        :data:`EIGEN_OVER_INVERSE` times the inversion model, with a warning the first time, since
+        placement decisions rest on it."""
         if self.eigen is not None:
             return self.eigen
         if not self._eigen_estimate_warned:
@@ -190,7 +256,7 @@ class PerfModel:
                 f"performance model {self.source} has no eigendecomposition model: estimating it as "
                 f"{EIGEN_OVER_INVERSE:g}x the inversion model. Re-run `python -m spdkfac.perfmodels benchmark` "
                 "to measure it.",
-                stacklevel=3,
+                stacklevel=4,
             )
         inverse = self.inverse
         return lambda dim: EIGEN_OVER_INVERSE * inverse(dim)
@@ -254,6 +320,7 @@ class PerfModel:
             },
             "inverse": _curve_dict(self.inverse),
             **({"eigen": _curve_dict(self.eigen)} if self.eigen is not None else {}),
+            **({"batched": {name: b.to_dict() for name, b in self.batched.items()}} if self.batched else {}),
             "meta": self.meta,
             "fit_quality": self.fit_quality,
             "measurements": self.measurements,
@@ -275,6 +342,7 @@ class PerfModel:
             bc = BroadcastModel(data["broadcast"]["alpha"], data["broadcast"]["beta"], data["broadcast"].get("measured"))
             inv = _curve_from_dict(data["inverse"], "inverse")
             eig = _curve_from_dict(data["eigen"], "eigen") if "eigen" in data else None
+            batched = {str(name): BatchedModel.from_dict(entry) for name, entry in dict(data.get("batched", {})).items()}
         except PerfModelError as exc:
             raise PerfModelError(f"{source}: {exc}") from None
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
@@ -284,6 +352,7 @@ class PerfModel:
             broadcast=bc,
             inverse=inv,
             eigen=eig,
+            batched=batched,
             meta=dict(data.get("meta", {})),
             measurements=dict(data.get("measurements", {})),
             fit_quality=dict(data.get("fit_quality", {})),

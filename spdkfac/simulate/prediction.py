@@ -16,7 +16,6 @@ from typing import Any
 
 from ..fusion import DEFAULT_THRESHOLD_BYTES
 from ..fusion.planner import serve_in_order
-from ..linalg import triangle_size
 from ..perfmodels import PerfModel
 from ..placement import ALL, PlacementPlan
 from ..variants import variant_config
@@ -112,12 +111,15 @@ def _layer_shapes(profile: Profile) -> list[LayerShape]:
     profiles without them give the order the A factors became ready (the
     same for the models profiled so far).
     """
-    dims = {f.key: f.dim for f in profile.factors}
+    shapes = {f.key: f.shape for f in profile.factors}
     names = [f.layer for f in profile.factors if f.kind == "A"]
     recorded = [p.layer for p in profile.precondition]
     if sorted(recorded) == sorted(names):
         names = recorded
-    return [LayerShape(name, dims[("A", name)], dims[("G", name)]) for name in names]
+    return [
+        LayerShape(name, shapes[("A", name)].dim, shapes[("G", name)].dim, shapes[("G", name)].blocks, shapes[("A", name)].diagonal)
+        for name in names
+    ]
 
 
 def _blocked_communication(profile: Profile, cfg: Mapping[str, Any], m: ScaledModels, contention: bool) -> tuple[float, float]:
@@ -137,7 +139,7 @@ def _blocked_communication(profile: Profile, cfg: Mapping[str, Any], m: ScaledMo
         for kind, offset in (("A", 0.0), ("G", fwd)):
             fs = [f for f in profile.factors if f.kind == kind]
             ready = [offset + f.ready for f in fs]
-            sizes = [triangle_size(f.dim) for f in fs]
+            sizes = [f.shape.packed_size for f in fs]
             groups = fusion_groups(cfg["fusion"], cfg["pipelining"], ready, sizes, m.ar_alpha, m.ar_beta, threshold)
             times = group_launch_times(groups, ready, cfg["pipelining"], fwd + bwd)
             launches += [(t, sum(sizes[i] for i in g), "factor") for t, g in zip(times, groups)]
@@ -189,7 +191,7 @@ def _inverse_scale(facs: Sequence[FactorProfile], m: ScaledModels) -> float:
     measured = [f.invert for f in facs]
     if any(t is None for t in measured):
         return 1.0
-    fitted = sum(m.inverse(f.dim) for f in facs)
+    fitted = sum(m.decomposition_cost("inverse", f.shape) for f in facs)
     return sum(t for t in measured if t is not None) / fitted if fitted > 0 else 1.0
 
 
@@ -238,7 +240,10 @@ def _rank_shares(layers: Sequence[LayerPreconditionProfile], plan: WorkPlan) -> 
         raise ValueError(f"the profile's preconditioning times name layers without factors: {unknown}")
     owners = [plan.preconditioner(p.layer) for p in layers]
     return [
-        (sum(p.seconds for p, o in zip(layers, owners) if o == r), sum(p.g_dim * p.a_dim for p, o in zip(layers, owners) if o == r))
+        (
+            sum(p.seconds for p, o in zip(layers, owners) if o == r),
+            sum(p.blocks * p.g_dim * p.a_dim for p, o in zip(layers, owners) if o == r),
+        )
         for r in range(plan.workers)
     ]
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..factor_shape import FactorShape
 from ..file_version import check_format_version
 from .profile_check import check_profile
 
@@ -55,11 +56,18 @@ class FactorProfile:
     unpack: float = 0.0
     pack: float = 0.0
     invert: float | None = None
+    blocks: int = 1  # a grouped convolution's factors: one dim x dim block per group
+    diagonal: bool = False  # an embedding's A factor: a vector
 
     @property
     def key(self) -> tuple[str, str]:
         """The placement key of this factor, as the optimizer names it."""
         return (self.kind, self.layer)
+
+    @property
+    def shape(self) -> FactorShape:
+        """The factor's shape (dense, block-diagonal or diagonal), as the optimizer's layer has it."""
+        return FactorShape(self.dim, self.blocks, self.diagonal)
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,7 @@ class LayerPreconditionProfile:
     seconds: float
     a_dim: int
     g_dim: int
+    blocks: int = 1  # a grouped convolution's gradient is blocks x g_dim x a_dim
 
 
 @dataclass(frozen=True)
@@ -134,7 +143,7 @@ def _check_times(raw: Mapping[str, Any], source: str) -> None:
 
 
 def _precondition(entries: Sequence[Mapping[str, Any]]) -> tuple[LayerPreconditionProfile, ...]:
-    return tuple(LayerPreconditionProfile(p["layer"], p["seconds"], p["a_dim"], p["g_dim"]) for p in entries)
+    return tuple(LayerPreconditionProfile(p["layer"], p["seconds"], p["a_dim"], p["g_dim"], p.get("blocks", 1)) for p in entries)
 
 
 def _optional_tuple(values: Sequence[int] | None) -> tuple[int, ...] | None:

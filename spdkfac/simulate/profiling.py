@@ -9,7 +9,6 @@ import torch
 import torch.nn as nn
 
 from ..comm import CommBackend
-from ..linalg import invert_spd, pack_upper
 from ..timeline import Timeline
 from .profile_file import FactorProfile, LayerPreconditionProfile, Profile
 
@@ -78,9 +77,9 @@ def measure_profile(
             t1 = time.perf_counter()
             if full is None:
                 raise RuntimeError(f"the {kind} factor of {layer.name!r} was never computed while profiling")
-            pack_upper(full)
+            layer.shape(kind).pack(full)
             t2 = time.perf_counter()
-            invert_spd(full, damping)
+            layer.method.local(layer.shape(kind), full, damping)
             per_factor[f"{kind}:{layer.name}"] = (t1 - t0, t2 - t1, time.perf_counter() - t2)
     # Per-layer preconditioning time, for variants that split it across workers.
     precondition = []
@@ -88,11 +87,13 @@ def measure_profile(
         grad = layer.grad_matrix()
         if grad is None:
             raise RuntimeError(f"layer {layer.name!r} has no gradient to precondition while profiling")
-        layer.precondition(grad)
+        layer.precondition(grad, damping)
         t0 = time.perf_counter()
         for _ in range(3):
-            layer.precondition(grad)
-        precondition.append(LayerPreconditionProfile(layer.name, (time.perf_counter() - t0) / 3, layer.a_dim, layer.g_dim))
+            layer.precondition(grad, damping)
+        precondition.append(
+            LayerPreconditionProfile(layer.name, (time.perf_counter() - t0) / 3, layer.a_dim, layer.g_dim, layer.shape("G").blocks)
+        )
     opt.remove_hooks()
     n = len(runs)
     by_name = {layer.name: layer for layer in opt.layers}
@@ -107,13 +108,15 @@ def measure_profile(
                 dim=layer.dim(kind),
                 ready=sum(e[key][0] for e in events) / n,
                 compute=sum(e[key][1] for e in events) / n,
-                grad_numel=sum(p.numel() for p in layer.module.parameters() if p.requires_grad) if kind == "G" else 0,
+                grad_numel=sum(p.numel() for p in layer.params() if p.requires_grad) if kind == "G" else 0,
                 unpack=per_factor[key][0],
                 pack=per_factor[key][1],
                 invert=per_factor[key][2],
+                blocks=layer.shape(kind).blocks,
+                diagonal=layer.shape(kind).diagonal,
             )
         )
-    covered = {id(p) for layer in opt.layers for p in layer.module.parameters()}
+    covered = {id(p) for layer in opt.layers for p in layer.params()}
     return Profile(
         model=model_name,
         resolution=resolution,

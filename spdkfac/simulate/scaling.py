@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..decomposition import payload_size
+from ..factor_shape import FactorShape
+from ..methods import get_method
 from ..perfmodels import PerfModel
 
 __all__ = ["ScaledModels"]
@@ -47,6 +49,10 @@ class ScaledModels:
 
     def inverse(self, dim: int) -> float:
         return self.perf.inverse(dim)
+
+    def decomposition_cost(self, method: str, shape: FactorShape) -> float:
+        """Modelled seconds of one factor's decomposition (batched for a block-diagonal factor)."""
+        return get_method(method).cost(self.perf, shape)
 
     def stage_costs(self, method: str) -> tuple[Callable[[int], float], Callable[[int], float]]:
         """(decomposition, broadcast) seconds of a ``d x d`` factor for ``compute_method`` at ``workers``."""

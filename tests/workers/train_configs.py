@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nets import batch, small_net, small_transformer, train
+from nets import batch, mixed_net, small_net, small_transformer, train
 
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm import get_backend
@@ -114,7 +114,7 @@ def main() -> None:
         accumulate = cfg.get("accumulation_steps", 1)
         if local % accumulate:
             raise SystemExit(f"local batch {local} not divisible into {accumulate} micro-batches")
-        model = small_transformer() if cfg.pop("model", None) == "transformer" else small_net()
+        model = {"transformer": small_transformer, "mixed": mixed_net}.get(cfg.pop("model", None), small_net)()
         opt = SPDKFACOptimizer(model, backend=backend, perf_model=pm, **cfg)
         train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned, clip=clip, accumulate=accumulate, skip_bad_loss=skip_bad_loss)
         results[name] = {

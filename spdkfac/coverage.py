@@ -1,0 +1,63 @@
+"""What K-FAC covers in a model: the start-up summary of :meth:`SPDKFACOptimizer.kfac_summary`."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import torch.nn as nn
+
+from .layer_types import helper_class, unsupported_reason
+from .layers import KFACLayer, LayerFilter, functional_submodules, skipped
+
+__all__ = ["kfac_summary"]
+
+
+def _kind(layer: KFACLayer) -> str:
+    """The layer's type, with how its factors are shaped where that is not plain."""
+    name = type(layer.module).__name__
+    a = layer.shape("A")
+    if a.diagonal:
+        return f"{name} (diagonal A)"
+    if a.blocks > 1:
+        depthwise = isinstance(layer.module, (nn.Conv1d, nn.Conv2d)) and layer.module.groups == layer.module.in_channels
+        return f"{name} ({'depthwise' if depthwise else 'grouped'}, block-diagonal)"
+    return name
+
+
+def kfac_summary(model: nn.Module, layers: Sequence[KFACLayer], skip: Sequence[LayerFilter], precondition: bool) -> str:
+    """Lines saying which modules K-FAC preconditions, how many parameters that is, and which get plain SGD and why."""
+    covered = {id(p) for layer in layers for p in layer.params()}
+    trainable = {id(p): p.numel() for p in model.parameters() if p.requires_grad}
+    n_covered = sum(n for pid, n in trainable.items() if pid in covered)
+    total = sum(trainable.values())
+    share = 100.0 * n_covered / total if total else 0.0
+    lines = [f"K-FAC preconditions {len(layers)} layers: {n_covered:,} of {total:,} trainable parameters ({share:.1f}%)"]
+    for kind, count in sorted(Counter(_kind(layer) for layer in layers).items()):
+        lines.append(f"  {count:>4} x {kind}")
+    functional = functional_submodules(model)
+    reasons: dict[str, Counter[str]] = {}
+    params_by_reason: Counter[str] = Counter()
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in covered]
+        if not own:
+            continue
+        cls = type(module).__name__
+        if not precondition:
+            why = "precondition=False"
+        elif name in functional:
+            why = "weight used without the module's forward()"
+        elif skipped(name, module, skip):
+            why = "listed in skip_layers"
+        elif helper_class(module) is None:
+            why = "no K-FAC factors for this type (normalisation layers, ...)"
+        else:
+            why = f"not supported: {unsupported_reason(module) or 'weight frozen'}"
+        reasons.setdefault(why, Counter())[cls] += 1
+        params_by_reason[why] += sum(p.numel() for p in own)
+    if reasons:
+        lines.append(f"plain momentum SGD for {total - n_covered:,} parameters:")
+        for why, classes in reasons.items():
+            listed = ", ".join(f"{count} x {cls}" for cls, count in sorted(classes.items()))
+            lines.append(f"  {listed}: {why} ({params_by_reason[why]:,} parameters)")
+    return "\n".join(lines)

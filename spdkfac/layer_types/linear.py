@@ -1,0 +1,42 @@
+"""``nn.Linear``: the rows are the inputs and output gradients, one per sample (and sequence position)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..factor_shape import FactorShape
+from ..linalg import symmetric_gram
+from .base import LayerHelper, split_bias_column, with_bias_column
+
+__all__ = ["LinearHelper"]
+
+
+class LinearHelper(LayerHelper):
+    module: nn.Linear
+
+    @property
+    def a_shape(self) -> FactorShape:
+        return FactorShape(self.module.in_features + (1 if self.has_bias else 0))
+
+    @property
+    def g_shape(self) -> FactorShape:
+        return FactorShape(self.module.out_features)
+
+    def input_gram(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        rows = x.to(dtype).reshape(-1, x.shape[-1])
+        if self.has_bias:
+            rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+        return symmetric_gram(rows), rows.shape[0]
+
+    def output_gram(self, g: torch.Tensor) -> tuple[torch.Tensor, int]:
+        rows = g.reshape(-1, g.shape[-1])
+        return symmetric_gram(rows), rows.shape[0]
+
+    def grad(self) -> torch.Tensor | None:
+        if self.weight.grad is None:
+            return None
+        return with_bias_column(self.weight.grad, self.bias)
+
+    def write_grad(self, update: torch.Tensor) -> None:
+        split_bias_column(update, self.weight, self.bias)

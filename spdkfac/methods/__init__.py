@@ -1,0 +1,29 @@
+"""The compute methods, one class each, registered here: ``compute_method`` name -> class.
+
+Adding a method is one file (a :class:`DecompositionMethod` subclass) and one
+line in :data:`METHODS`.
+"""
+
+from __future__ import annotations
+
+from .base import DecompositionMethod, LinAlgError
+from .eigen import EigenMethod
+from .inverse import InverseMethod
+
+__all__ = ["COMPUTE_METHODS", "METHODS", "DecompositionMethod", "EigenMethod", "InverseMethod", "LinAlgError", "get_method"]
+
+METHODS: dict[str, type[DecompositionMethod]] = {
+    InverseMethod.name: InverseMethod,
+    EigenMethod.name: EigenMethod,
+}
+COMPUTE_METHODS = tuple(METHODS)
+
+
+def get_method(method: str | DecompositionMethod) -> DecompositionMethod:
+    """The method object for a ``compute_method`` value (an object is returned as it is)."""
+    if isinstance(method, DecompositionMethod):
+        return method
+    cls = METHODS.get(method) if isinstance(method, str) else None
+    if cls is None:
+        raise ValueError(f"compute_method must be one of {tuple(METHODS)}, got {method!r}")
+    return cls()

@@ -1,0 +1,116 @@
+"""What a compute method owns: how a factor is decomposed, sent, kept, saved, costed and preconditioned with.
+
+A method is chosen once, from ``KFACConfig.compute_method``
+(:func:`spdkfac.methods.get_method`); nothing else in the optimizer asks
+which one it is. Every operation takes the factor's
+:class:`~spdkfac.factor_shape.FactorShape`, so a block-diagonal factor (a
+grouped convolution) is decomposed in one batched call and sent as one
+buffer, and a diagonal one (an embedding's ``A``) elementwise.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+import torch
+
+from ..factor_shape import FactorShape
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..perfmodels import PerfModel
+
+__all__ = ["DecompositionMethod", "LinAlgError"]
+
+#: torch's error for a failed factorization (torch's stubs do not re-export it from torch.linalg).
+LinAlgError: type[RuntimeError] = torch.linalg.LinAlgError  # type: ignore[attr-defined]
+
+
+class DecompositionMethod(abc.ABC):
+    """One way of turning the running factors into what the gradient is preconditioned with.
+
+    ``kept`` values (what a layer holds per factor) are method-specific; the
+    flat ``payload`` is what an owner broadcasts.
+    """
+
+    #: The ``compute_method`` option value.
+    name: ClassVar[str]
+    #: What the kept values are called in messages ("inverses").
+    label: ClassVar[str]
+    #: Suffix of the checkpoint and memory-report keys (``A_inv``).
+    suffix: ClassVar[str]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    # -- the decomposition stage ------------------------------------------------------
+    @abc.abstractmethod
+    def payload_size(self, shape: FactorShape) -> int:
+        """Elements broadcast for one factor of this shape."""
+
+    @abc.abstractmethod
+    def owned(self, shape: FactorShape, factor: torch.Tensor, damping: float) -> tuple[Any, torch.Tensor]:
+        """(kept value, flat payload) of a full factor, on the rank that decomposes and broadcasts it.
+
+        The kept value must equal bitwise what :meth:`received` rebuilds from the payload.
+        """
+
+    def local(self, shape: FactorShape, factor: torch.Tensor, damping: float) -> Any:
+        """The kept value of a factor every rank decomposes itself (nothing sent)."""
+        return self.owned(shape, factor, damping)[0]
+
+    @abc.abstractmethod
+    def received(self, payload: torch.Tensor, shape: FactorShape) -> Any:
+        """The kept value rebuilt from a received payload."""
+
+    @abc.abstractmethod
+    def failure(self, what: str, shape: FactorShape, factor: torch.Tensor, damping: float, step: int, exc: Exception) -> str:
+        """The message of a failed decomposition of ``what`` ("factor A of layer 'x'")."""
+
+    # -- preconditioning ---------------------------------------------------------------
+    @abc.abstractmethod
+    def precondition(self, grad: torch.Tensor, a: Any, g: Any, damping: float) -> torch.Tensor:
+        """The update of a ``g x a`` gradient (``blocks x g x a`` for block-diagonal factors)."""
+
+    @abc.abstractmethod
+    def tensors(self, kept: Any) -> list[torch.Tensor]:
+        """The tensors of a kept value (memory, finiteness, dtype)."""
+
+    # -- checkpoints --------------------------------------------------------------------
+    @abc.abstractmethod
+    def save(self, kept: Any) -> Any:
+        """Plain tensors / dicts of a kept value (``torch.load(weights_only=True)`` reads them)."""
+
+    @abc.abstractmethod
+    def load(self, saved: Any, shape: FactorShape, device: torch.device) -> Any:
+        """A kept value from what :meth:`save` wrote (also older checkpoints' form)."""
+
+    # -- cost model ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def curve(self, perf: PerfModel) -> Callable[[float], float]:
+        """The fitted seconds of decomposing one dense ``d x d`` factor."""
+
+    def cost(self, perf: PerfModel, shape: FactorShape) -> float:
+        """Modelled seconds to decompose a factor of ``shape``.
+
+        Dense: the fitted curve at ``d``. ``b`` blocks in one batched call:
+        the curve at ``d`` once (one call's fixed cost and one block's work),
+        plus ``b - 1`` times the work above the fixed cost, ``t(d) - t(1)``
+        (the batched LAPACK/cuSOLVER call pays its start-up once, every
+        block's arithmetic); where the performance model has batched
+        measurements, their fit instead (:class:`~spdkfac.perfmodels.models.BatchedModel`).
+        Diagonal: elementwise, the fixed cost ``t(1)``.
+        """
+        from ..perfmodels.models import BatchedModel
+
+        t = self.curve(perf)
+        if shape.diagonal:
+            return t(1)
+        if shape.blocks == 1:
+            return t(shape.dim)
+        batched = perf.batched.get(self.name)
+        return BatchedModel.rule(t, shape.blocks, shape.dim) if batched is None else batched(shape.blocks, shape.dim)
+
+    def broadcast_cost(self, perf: PerfModel, shape: FactorShape) -> float:
+        """Modelled seconds to broadcast one factor's payload."""
+        return perf.broadcast.payload(self.payload_size(shape))
