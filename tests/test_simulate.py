@@ -180,6 +180,11 @@ def test_profile_under_a_launcher_records_layers_and_sgd_with_real_allreduces(tm
     assert prof["sgd_grad_wait"] >= 0
     assert prof["sgd_step"] > 0
     assert prof["unpack"] > 0
+    # Every rank's own totals, for the wait on the slowest; the times are the mean over the ranks.
+    assert len(prof["rank_passes"]) == len(prof["rank_inversions"]) == len(prof["rank_sgd"]) == 2
+    assert all(t > 0 for key in ("rank_passes", "rank_inversions", "rank_sgd") for t in prof[key])
+    assert sum(prof["rank_inversions"]) / 2 == pytest.approx(sum(f["invert"] for f in prof["factors"]))
+    assert sum(prof["rank_passes"]) / 2 == pytest.approx(prof["forward"] + prof["backward"] + prof["step_other"])
     predicted = predict(prof, PerfModel.default(), 4, "spdkfac-dp", contention=True)
     assert predicted["iteration"] >= predicted["FF&BP"] > 0
 
