@@ -3,9 +3,11 @@
 import dataclasses
 import json
 import math
+import threading
 import warnings
 
 import pytest
+import torch
 from test_simulate import _perf, _profile, _with_preconditioning
 
 from spdkfac.comm.inprocess import InProcessGroup, run_ranks
@@ -251,3 +253,60 @@ def test_the_simulator_plans_what_the_optimizer_plans(small_profile, variant, wo
 
 def test_plain_sgd_has_no_work_plan(small_profile):
     assert simulated_work_plan(small_profile, _perf(), 4, "sgd") is None
+
+
+@pytest.mark.parametrize("variant", ["spdkfac", "dkfac", "mpdkfac:fusion_threshold_bytes=4096"])
+def test_the_simulator_fuses_with_the_optimizers_inputs(small_profile, variant, monkeypatch, tmp_path):
+    """Two in-process ranks train until the optimizer has planned its fusion; the simulator plans each pass with the
+    same policy, pipelining, factor order and sizes, all-reduce model and threshold (the plan is then the same for
+    the same ready times: the optimal rule is unchanged by shifting them all, and the passes start at another
+    instant in the profile than in the optimizer's clock)."""
+    import torch.nn.functional as F
+
+    from spdkfac.fusion import profiler
+    from spdkfac.simulate import prediction
+
+    perf = _perf(world=2)
+    path = tmp_path / "perf.json"
+    perf.save(str(path))
+    calls: dict[str, list[tuple]] = {"optimizer": [], "simulator": []}
+
+    def spy(who, real):
+        def planned(*args, **kwargs):
+            groups = real(*args, **kwargs)
+            calls[who].append((args, kwargs.get("element_size", 4), groups, threading.get_ident()))
+            return groups
+
+        return planned
+
+    monkeypatch.setattr(profiler, "fusion_groups", spy("optimizer", profiler.fusion_groups))
+    monkeypatch.setattr(prediction, "fusion_groups", spy("simulator", prediction.fusion_groups))
+
+    def train(backend):
+        torch.manual_seed(0)
+        model = get_model("cifar_resnet20")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = make_optimizer(variant, model, lr=0.01, backend=backend, perf_model=str(path), profile_steps=1)
+        x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))
+        for _ in range(3):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        return opt.fusion_plan()
+
+    plans = run_ranks(2, train)
+    assert plans[0] == plans[1]
+    predict(small_profile, perf, 2, variant)
+    first = calls["optimizer"][0][3]
+    optimizer_calls = [c for c in calls["optimizer"] if c[3] == first]  # one rank's A and G passes (all plan alike)
+    assert len(optimizer_calls) == len(calls["simulator"]) == 2
+    for kind, (o_args, o_size, o_groups, _), (s_args, s_size, _, _) in zip(("A", "G"), optimizer_calls, calls["simulator"]):
+        policy, pipelining, o_ready, sizes, alpha, beta, threshold = o_args
+        assert (policy, pipelining, sizes, threshold, o_size) == (s_args[0], s_args[1], s_args[3], s_args[6], s_size), kind
+        assert (alpha, beta) == pytest.approx((s_args[4], s_args[5])), kind
+        order = [key for group in plans[0][kind] for key in group]
+        assert order == [f.key for f in small_profile.factors if f.kind == kind]  # the profile's arrival order
+        shifted = [t + 0.5 for t in o_ready]
+        assert prediction.fusion_groups(policy, pipelining, shifted, s_args[3], s_args[4], s_args[5], s_args[6]) == o_groups
+        assert [[order[i] for i in g] for g in o_groups] == plans[0][kind]
