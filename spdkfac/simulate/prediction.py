@@ -75,12 +75,15 @@ def predict(
     if kfac:
         # Unpacking that older profiles timed only in total: every factor once, on every rank (0 otherwise).
         parts["InverseComp"] += profile.untimed_unpack * i_share
-    if kfac and workers > 1 and cfg["pipelining"]:
-        # The hooks' own cost: with pipelining each factor is packed into its fused buffer inside its hook, during
-        # the passes; the single-process profile packs it in step() (folding it into the running average).
-        moved = min(parts["Other"], sum(f.pack for f in facs) * f_share)
-        parts["FF&BP"] += moved
-        parts["Other"] -= moved
+    if kfac:
+        # Packing each batch factor: the profile (one process, factors every step) packs them in step(), folding
+        # them into the running averages; only factor steps pack, and with pipelining on several workers each
+        # hook packs its factor into the fused buffer during the passes (the hooks' own cost).
+        packing = min(parts["Other"], sum(f.pack for f in facs))
+        parts["Other"] -= packing * (1.0 - f_share)
+        if workers > 1 and cfg["pipelining"]:
+            parts["Other"] -= packing * f_share
+            parts["FF&BP"] += packing * f_share
     if plan is not None and workers > 1 and plan.preconditioners:
         parts["Other"] += _distributed_precondition_change(profile, plan, m, contention)
     grad_share, factor_share = _overlap_shares(bool(cfg.get("overlap_preconditioning", True)), kfac, workers, f_share, i_share)
