@@ -56,7 +56,8 @@ def print_phase_table(rows: list[dict[str, object]]) -> None:
         cells = []
         for r in rows:
             e = r["phase_errors"][i]
-            cells.append(f"{e['measured_s'] * 1e3:9.1f} / {e['predicted_s'] * 1e3:9.1f} ({e['share_of_iteration']:+6.1%})")
+            share = e["share_of_iteration"] if abs(e["share_of_iteration"]) >= 5e-4 else 0.0  # no "-0.0%"
+            cells.append(f"{e['measured_s'] * 1e3:9.1f} / {e['predicted_s'] * 1e3:9.1f} ({share:+6.1%})")
         print(f"{phase:<12} " + " ".join(f"{c:>30}" for c in cells))
 
 

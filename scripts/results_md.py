@@ -444,7 +444,8 @@ def simulator_phases(path: Path, rows: Sequence[dict[str, Any]]) -> list[str]:
         cells = [str(e["phase"])]
         for r in shown:
             p = r["phase_errors"][i]
-            cells.append(f"{ms(p['measured_s'])} / {ms(p['predicted_s'])} ({p['share_of_iteration']:+.1%})")
+            share = p["share_of_iteration"] if abs(p["share_of_iteration"]) >= 5e-4 else 0.0  # no "-0.0%"
+            cells.append(f"{ms(p['measured_s'])} / {ms(p['predicted_s'])} ({share:+.1%})")
         body.append(cells)
     return [
         "Per phase of the measured breakdown (milliseconds, measured / predicted; in brackets the difference as a "
