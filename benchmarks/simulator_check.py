@@ -6,7 +6,12 @@
 For every variant in each measured ``iteration_time`` result, predicts the
 iteration time at that result's worker count with
 :func:`spdkfac.simulate.predict` (``--contention`` for CPU workers without a
-spare core, the default here) and prints the relative error.
+spare core, the default here) and prints the relative error, then the error
+per phase of the breakdown the benchmark records (FF&BP, GradComm,
+FactorComp, FactorComm, InverseComp, InverseComm, Other): measured and
+predicted milliseconds and the difference as a share of the measured
+iteration, so that the shares add up to the iteration's error and a drift
+shows the phase it comes from.
 """
 
 from __future__ import annotations
@@ -18,9 +23,42 @@ from pathlib import Path
 
 from spdkfac.output_path import unwritable_reason
 from spdkfac.perfmodels import PerfModel
-from spdkfac.simulate import load_profiles, predict
+from spdkfac.simulate import PARTS, load_profiles, predict
 
 from .common import RESULTS, machine, save_json
+
+
+def phase_errors(measured: dict[str, float], predicted: dict[str, float]) -> list[dict[str, float | str]]:
+    """Per phase of :data:`~spdkfac.simulate.PARTS`: measured and predicted seconds, their difference, and that
+    difference over the measured iteration (the phases' shares add up to the iteration's relative error
+    when the measured phases add up to the iteration, as ``iteration_time`` records them)."""
+    iteration = measured["mean_s"]
+    out: list[dict[str, float | str]] = []
+    for phase in PARTS:
+        got, want = float(measured.get(phase, 0.0)) + 0.0, float(predicted[phase]) + 0.0  # no "-0.0"
+        out.append(
+            {
+                "phase": phase,
+                "measured_s": got,
+                "predicted_s": want,
+                "diff_s": want - got,
+                "share_of_iteration": (want - got) / iteration if iteration else 0.0,
+            }
+        )
+    return out
+
+
+def print_phase_table(rows: list[dict[str, object]]) -> None:
+    """Measured / predicted milliseconds per phase and variant, with the difference's share of the iteration."""
+    print("\nper phase: measured / predicted ms (difference as a share of the measured iteration)")
+    print(f"{'phase':<12} " + " ".join(f"{str(r['workers']) + ':' + str(r['variant']):>30}" for r in rows))
+    for i, phase in enumerate(PARTS):
+        cells = []
+        for r in rows:
+            e = r["phase_errors"][i]
+            share = e["share_of_iteration"] if abs(e["share_of_iteration"]) >= 5e-4 else 0.0  # no "-0.0%"
+            cells.append(f"{e['measured_s'] * 1e3:9.1f} / {e['predicted_s'] * 1e3:9.1f} ({share:+6.1%})")
+        print(f"{phase:<12} " + " ".join(f"{c:>30}" for c in cells))
 
 
 def main() -> None:
@@ -69,11 +107,14 @@ def main() -> None:
                     "predicted_s": pred["iteration"],
                     "rel_error": err,
                     "predicted_parts": pred,
+                    "measured_parts": {k: row.get(k, 0.0) for k in PARTS},
+                    "phase_errors": phase_errors(row, pred),
                 }
             )
             print(
                 f"{workers:>7} {row['variant']:<10} {freq[0]:>3}/{freq[1]:<4} {row['mean_s'] * 1e3:9.1f}m {pred['iteration'] * 1e3:9.1f}m {err:+7.1%}"
             )
+    print_phase_table(rows)
     worst = max(abs(r["rel_error"]) for r in rows)
     print(f"largest error {worst:.1%}")
     result = {

@@ -415,6 +415,7 @@ def simulator_check(path: Path, d: dict[str, Any]) -> list[str]:
     lines += table(["workers", "variant", "factor/inverse every", "measured", "predicted", "error"], rows)
     if "largest_abs_error" in d:
         lines += [f"Largest error: {d['largest_abs_error']:.1%}.", ""]
+    lines += simulator_phases(path, d["rows"])
     return (
         lines
         + command_block(d, "benchmarks.simulator_check", "python -m benchmarks.simulator_check benchmarks/results/iteration_time.json")
@@ -424,6 +425,35 @@ def simulator_check(path: Path, d: dict[str, Any]) -> list[str]:
             "",
         ]
     )
+
+
+def simulator_phases(path: Path, rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Per phase of the breakdown: measured / predicted milliseconds and the difference's share of the iteration.
+
+    Rows from checks made before the phases were recorded (no ``phase_errors``) are left out; none: no table.
+    """
+    shown = [r for r in rows if r.get("phase_errors")]
+    if not shown:
+        return []
+    for r in shown:
+        for e in r["phase_errors"]:
+            need(e, path, "phase", "measured_s", "predicted_s", "share_of_iteration")
+    head = ["phase"] + [f"{LABELS.get(r['variant'], r['variant'])} ({r.get('workers', '?')} workers)" for r in shown]
+    body = []
+    for i, e in enumerate(shown[0]["phase_errors"]):
+        cells = [str(e["phase"])]
+        for r in shown:
+            p = r["phase_errors"][i]
+            share = p["share_of_iteration"] if abs(p["share_of_iteration"]) >= 5e-4 else 0.0  # no "-0.0%"
+            cells.append(f"{ms(p['measured_s'])} / {ms(p['predicted_s'])} ({share:+.1%})")
+        body.append(cells)
+    return [
+        "Per phase of the measured breakdown (milliseconds, measured / predicted; in brackets the difference as a "
+        "share of the measured iteration: the shares add up to the error above, so a drift shows the phase it "
+        "comes from). Measured phases are the mean over the ranks, as `iteration_time` records them.",
+        "",
+        *table(head, body),
+    ]
 
 
 def soak(path: Path, d: dict[str, Any]) -> list[str]:

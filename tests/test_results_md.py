@@ -401,3 +401,48 @@ def test_dho2_cost_section_lists_each_worker_count(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "DHO2" not in build(empty, tmp_path / "R2.md")  # absent: no section, no note
+
+
+def test_simulator_check_shows_the_error_per_phase(tmp_path: Path, monkeypatch, capsys):
+    """The check on the stored measurement and profiles: per-phase shares add up to each variant's error, and
+    RESULTS.md shows them; a check from before the phases were recorded renders without that table."""
+    from benchmarks import simulator_check
+
+    stored = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "simulator_check"
+    res = tmp_path / "results"
+    res.mkdir()
+    argv = [
+        "simulator_check",
+        str(stored / "iteration_time.json"),
+        "--profile",
+        str(stored / "profile_before.json"),
+        str(stored / "profile_after.json"),
+        "--perf-model",
+        str(stored / "perfmodel.json"),
+        "--out",
+        str(res / "simulator_check.json"),
+    ]
+    monkeypatch.setattr("sys.argv", argv)
+    simulator_check.main()
+    printed = capsys.readouterr().out
+    assert "per phase: measured / predicted ms" in printed
+    data = json.loads((res / "simulator_check.json").read_text())
+    measured = {r["variant"]: r for r in json.loads((stored / "iteration_time.json").read_text())["table"]}
+    for row in data["rows"]:
+        shares = [e["share_of_iteration"] for e in row["phase_errors"]]
+        assert [e["phase"] for e in row["phase_errors"]] == list(PARTS)
+        if measured[row["variant"]]["Other"] > 0:  # the rest of the iteration: the measured phases add up to it
+            assert sum(shares) == pytest.approx(row["rel_error"], abs=1e-9)
+        for e in row["phase_errors"]:
+            assert e["measured_s"] == pytest.approx(measured[row["variant"]][e["phase"]])
+            assert e["predicted_s"] == pytest.approx(row["predicted_parts"][e["phase"]])
+    text = results_md.build(res, tmp_path / "RESULTS.md")
+    section = _section(text, "Scale simulator against measurements")
+    assert "Per phase of the measured breakdown" in section
+    first = data["rows"][0]["phase_errors"][0]
+    cell = f"{first['measured_s'] * 1e3:.0f} / {first['predicted_s'] * 1e3:.0f} ({first['share_of_iteration']:+.1%})"
+    assert f"| FF&BP | {cell} |" in section
+    for row in data["rows"]:
+        row.pop("phase_errors")
+    (res / "simulator_check.json").write_text(json.dumps(data))
+    assert "Per phase" not in _section(results_md.build(res, tmp_path / "RESULTS.md"), "Scale simulator against measurements")

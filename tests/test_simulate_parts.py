@@ -71,8 +71,11 @@ def test_predict_has_no_placement_of_its_own(monkeypatch):
 
     monkeypatch.setattr(prediction.WorkPlan, "make", classmethod(all_on_rank0))
     lopsided = predict(prof, perf, 4, "mpdkfac")
-    assert lopsided["InverseComp"] == pytest.approx(sum(perf.inverse(f.dim) for f in prof.factors))
-    assert balanced["InverseComp"] < lopsided["InverseComp"] / 2
+    inversions = sum(perf.inverse(f.dim) for f in prof.factors)
+    assert lopsided["InverseComp"] == pytest.approx(inversions / 4)  # the mean rank's, as the timeline records it
+    stage = lopsided["InverseComp"] + lopsided["InverseComm"]  # every rank waits for rank 0
+    assert stage >= inversions
+    assert balanced["InverseComp"] + balanced["InverseComm"] < stage / 2
 
 
 def test_predict_takes_fusion_groups_and_the_overlap_rule_from_the_work_plan(monkeypatch):

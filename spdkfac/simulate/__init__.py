@@ -23,6 +23,14 @@ preconditioning time of the gradient wait, and on such steps that update the
 factors what remains of it hides the factor wait too. Variants may carry changes
 (``'spdkfac:overlap_preconditioning=false'``, see :func:`spdkfac.variants.variant_config`).
 
+Under a launcher every rank profiles at once; the profile holds the mean
+rank's times and each rank's totals, and every synchronized step waits for
+the slowest rank: its measured excess over the mean, scaled to P workers by
+the expected maximum of P normal draws (:func:`~.prediction.rank_lag`), is
+charged as GradComm (and as InverseComm for the stage's broadcasts). The
+breakdown is the mean rank's, as the optimizer's timeline and the
+``iteration_time`` benchmark record it.
+
 Scaling to P workers: the fitted file holds costs at its own world size W.
 All-reduce costs are scaled by the ring factor ``(P-1)/P`` relative to W's
 (alpha by ``(P-1)/(W-1)``), broadcasts by ``ceil(log2 P)/ceil(log2 W)`` (a
@@ -40,7 +48,7 @@ upgrade of unversioned files), ``profiling`` (measuring one), ``scaling``
 """
 
 from .cli import DEFAULT_VARIANTS, main
-from .prediction import PARTS, predict
+from .prediction import PARTS, predict, simulated_work_plan
 from .profile_file import (
     FORMAT_VERSION,
     PROFILE_FIELDS,
@@ -70,5 +78,6 @@ __all__ = [
     "measure_profile",
     "predict",
     "profile_from_dict",
+    "simulated_work_plan",
     "upgrade_unversioned",
 ]

@@ -10,6 +10,8 @@ costs: the profile's measured times and the fitted models at P workers.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -23,7 +25,7 @@ from ..work_plan import LayerShape, WorkPlan, fusion_groups, group_launch_times,
 from .profile_file import FactorProfile, LayerPreconditionProfile, Profile
 from .scaling import ScaledModels
 
-__all__ = ["PARTS", "predict"]
+__all__ = ["PARTS", "expected_max_normal", "predict", "rank_lag", "simulated_work_plan"]
 
 PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"]
 
@@ -50,21 +52,11 @@ def predict(
             raise ValueError("this profile has no plain-SGD pass time to model contention with; re-run `spdkfac.simulate profile`")
         inflation = max(1.0, profile.sgd_forward_backward / compute)
     grad_blocked, factor_blocked = _blocked_communication(profile, cfg, m, contention)
-    plan = (
-        WorkPlan.make(
-            _layer_shapes(profile),
-            workers,
-            m.scaled,
-            cfg["placement"],
-            cfg.get("compute_method", "inverse"),
-            bool(cfg.get("distribute_preconditioning", False)),
-        )
-        if kfac
-        else None
-    )
-    inverse_comp = inverse_comm = 0.0
+    plan = _work_plan(profile, cfg, m) if kfac else None
+    inverse_comp = inverse_comm = critical_inversions = 0.0
     if plan is not None:
-        inverse_comp, inverse_comm = _inversion_stage(plan, facs, m)
+        method = cfg.get("compute_method", "inverse")
+        inverse_comp, inverse_comm, critical_inversions = _inversion_stage(plan, facs, m, contention, method)
     parts = {
         # The profile computes factors in every pass; they are charged once, as FactorComp, at their share.
         "FF&BP": compute * inflation,
@@ -82,6 +74,15 @@ def predict(
     if kfac:
         # Unpacking that older profiles timed only in total: every factor once, on every rank (0 otherwise).
         parts["InverseComp"] += profile.untimed_unpack * i_share
+    if kfac:
+        # Packing each batch factor: the profile (one process, factors every step) packs them in step(), folding
+        # them into the running averages; only factor steps pack, and with pipelining on several workers each
+        # hook packs its factor into the fused buffer during the passes (the hooks' own cost).
+        packing = min(parts["Other"], sum(f.pack for f in facs))
+        parts["Other"] -= packing * (1.0 - f_share)
+        if workers > 1 and cfg["pipelining"]:
+            parts["Other"] -= packing * f_share
+            parts["FF&BP"] += packing * f_share
     if plan is not None and workers > 1 and plan.preconditioners:
         parts["Other"] += _distributed_precondition_change(profile, plan, m, contention)
     grad_share, factor_share = _overlap_shares(bool(cfg.get("overlap_preconditioning", True)), kfac, workers, f_share, i_share)
@@ -94,7 +95,83 @@ def predict(
         # Factor steps that keep the inverses precondition before waiting for the factor all-reduces, so what
         # is left of the preconditioning hides factor communication too (inverse steps are factor steps).
         parts["FactorComm"] -= min(factor_blocked, busy - hidden) * factor_share
+    _add_rank_lag(parts, profile, plan, workers, kfac, critical_inversions * i_share)
     return {"iteration": sum(parts.values()), **parts}
+
+
+def simulated_work_plan(profile: Profile, perf: PerfModel, workers: int, variant: str) -> WorkPlan | None:
+    """The work plan :func:`predict` charges for ``variant`` on ``workers`` workers (None for plain SGD).
+
+    The optimizer makes its own with :meth:`WorkPlan.make` from its layers
+    and ``perf.for_world_size(workers)``; a test holds the two equal.
+    """
+    cfg = variant_config(variant)
+    return _work_plan(profile, cfg, ScaledModels(perf, workers)) if cfg.get("precondition", True) else None
+
+
+def _work_plan(profile: Profile, cfg: Mapping[str, Any], m: ScaledModels) -> WorkPlan:
+    return WorkPlan.make(
+        _layer_shapes(profile),
+        m.workers,
+        m.scaled,
+        cfg["placement"],
+        cfg.get("compute_method", "inverse"),
+        bool(cfg.get("distribute_preconditioning", False)),
+    )
+
+
+@functools.cache
+def expected_max_normal(n: int) -> float:
+    """E[max of ``n`` independent standard normal values] (0 for one; 0.564 for two, 2.34 for 64)."""
+    if n < 2:
+        return 0.0
+    step, total = 1e-3, 0.0
+    for i in range(-10_000, 10_001):
+        x = i * step
+        cdf = 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+        total += x * n * math.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi) * cdf ** (n - 1) * step
+    return total
+
+
+def rank_lag(totals: Sequence[float], workers: int) -> float:
+    """How much longer than the mean rank the slowest of ``workers`` ranks takes, as a share of the mean.
+
+    ``totals`` are the profiled ranks' own times of the same work, measured
+    at once (:attr:`Profile.rank_passes`, ...): their slowest lags their
+    mean by ``(max - mean) / mean``. Taking the ranks' times as independent
+    normal draws, the expected lag of the slowest of P ranks grows as
+    :func:`expected_max_normal` (P), so the measured lag is scaled by
+    ``E[max of P] / E[max of W]`` for W profiled ranks. 0 with fewer than two
+    profiled ranks (nothing measured) or for one worker (nobody waits).
+    """
+    if len(totals) < 2 or workers < 2:
+        return 0.0
+    mean = sum(totals) / len(totals)
+    if mean <= 0:
+        return 0.0
+    return (max(totals) - mean) / mean * expected_max_normal(workers) / expected_max_normal(len(totals))
+
+
+def _add_rank_lag(parts: dict[str, float], profile: Profile, plan: WorkPlan | None, workers: int, kfac: bool, inversions: float) -> None:
+    """The wait for the slowest rank at each synchronization: the profile's times are the mean rank's.
+
+    Every rank waits at the gradient all-reduces for the slowest one's
+    passes, and in the inversion stage (at its broadcasts; at the next
+    gradient all-reduce when nothing is broadcast) for the slowest one's
+    inversions. Plain SGD at the profiled worker count needs nothing: its
+    measured wait already holds the lag.
+    """
+    if workers < 2:
+        return
+    work = parts["FF&BP"] + parts["FactorComp"] + parts["Other"]  # what every rank computes on every step
+    if not kfac:
+        if workers != profile.comm_workers:
+            parts["GradComm"] += rank_lag(profile.rank_sgd, workers) * work
+        return
+    parts["GradComm"] += rank_lag(profile.rank_passes, workers) * work
+    stage_lag = rank_lag(profile.rank_inversions, workers) * inversions
+    broadcasts = plan is not None and any(a.owner != ALL for a in plan.inversion.assignments)
+    parts["InverseComm" if broadcasts else "GradComm"] += stage_lag
 
 
 def _sgd_step(profile: Profile) -> float:
@@ -162,23 +239,37 @@ def _blocked_communication(profile: Profile, cfg: Mapping[str, Any], m: ScaledMo
     return grad_blocked, blocked - grad_blocked
 
 
-def _inversion_stage(plan: WorkPlan, facs: Sequence[FactorProfile], m: ScaledModels) -> tuple[float, float]:
-    """(computation, wait) seconds of the inversion stage on its critical rank.
+def _inversion_stage(
+    plan: WorkPlan, facs: Sequence[FactorProfile], m: ScaledModels, contention: bool = False, method: str = "inverse"
+) -> tuple[float, float, float]:
+    """(computation, wait, critical rank's inversions) seconds of the inversion stage.
 
     The placement is the optimizer's (planned with the fitted model); an
     'eigen' variant is planned and costed with the eigen curve and payload.
     The profile's measured inversions (over fitted) set the charge ratio, and
-    its packing times stand for the eigen buffers'.
+    its packing times stand for the eigen buffers'. Every rank leaves the
+    stage when its critical rank does (the last broadcast arrived); as the
+    optimizer's timeline records it, the computation is the mean rank's own
+    (its decompositions and packing), the wait the rest of the stage. Under
+    ``contention`` receiving a broadcast takes the receiver's cores as long
+    as sending takes the sender's, so each rank also pays the broadcasts it
+    receives.
     """
     workers = plan.workers
     charged = _charged(plan.inversion, _inverse_scale(facs, m))
     spans = charged.makespans()
-    comp_extra, recv_extra = _conversions(charged, facs, workers)
-    critical = max(range(workers), key=lambda r: spans[r] + comp_extra[r] + recv_extra[r])
-    own = [a for a in charged.assignments if a.owner in (critical, ALL)]
-    inverse_comp = sum(a.t_comp for a in own)
-    inverse_comm = spans[critical] - inverse_comp + recv_extra[critical]  # the wait includes unpacking what arrived
-    return inverse_comp + comp_extra[critical], inverse_comm
+    comp_extra, recv_extra = _conversions(charged, facs, workers, method)
+    if contention and workers > 1:
+        for a in charged.assignments:
+            if a.owner != ALL:
+                for r in range(workers):
+                    recv_extra[r] += a.t_comm if r != a.owner else 0.0
+    stage = [spans[r] + comp_extra[r] + recv_extra[r] for r in range(workers)]
+    critical = max(range(workers), key=lambda r: stage[r])
+    own = [sum(a.t_comp for a in charged.assignments if a.owner in (r, ALL)) + comp_extra[r] for r in range(workers)]
+    inverse_comp = sum(own) / workers
+    critical_inversions = sum(a.t_comp for a in charged.assignments if a.owner in (critical, ALL))
+    return inverse_comp, stage[critical] - inverse_comp, critical_inversions
 
 
 def _inverse_scale(facs: Sequence[FactorProfile], m: ScaledModels) -> float:
@@ -202,19 +293,28 @@ def _charged(plan: PlacementPlan, scale: float) -> PlacementPlan:
     return PlacementPlan(plan.strategy, plan.world_size, [replace(a, t_comp=a.t_comp * scale) for a in plan.assignments])
 
 
-def _conversions(plan: PlacementPlan, facs: Sequence[FactorProfile], workers: int) -> tuple[list[float], list[float]]:
+def _conversions(
+    plan: PlacementPlan, facs: Sequence[FactorProfile], workers: int, method: str = "inverse"
+) -> tuple[list[float], list[float]]:
     """Per rank, the packing work of the inversion stage: (before its wait, in its wait), in seconds.
 
-    Before: unpacking the factors it inverts and packing the inverses it
-    broadcasts; in the wait: unpacking the inverses it receives.
+    Before: unpacking the factors it inverts, and for each inverse it
+    broadcasts packing it and unpacking the packed copy, which the owner
+    keeps so that every rank holds the same values
+    (:func:`~spdkfac.inversion.compute_inverses`); in the wait: unpacking
+    the inverses it receives. An inverse is the size of its factor, so the
+    profile's per-factor unpack and pack times stand for all of them. An
+    eigendecomposition's owner keeps views into the buffer it sends (no
+    second unpacking).
     """
+    kept_copy = method == "inverse"
     comp, recv = [0.0] * workers, [0.0] * workers
     times: dict[Hashable, FactorProfile] = {f.key: f for f in facs}
     for a in plan.assignments:
         unpack, pack = times[a.key].unpack, times[a.key].pack
         for r in range(workers):
             if a.owner in (r, ALL):
-                comp[r] += unpack + (pack if a.owner == r and workers > 1 else 0.0)
+                comp[r] += unpack + (pack + unpack * kept_copy if a.owner == r and workers > 1 else 0.0)
             else:
                 recv[r] += unpack
     return comp, recv

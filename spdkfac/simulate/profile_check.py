@@ -57,6 +57,11 @@ def _cores(name: str, value: Any) -> str | None:
     return None if ok else "must be a list of core numbers (non-negative integers)"
 
 
+def _times(name: str, value: Any) -> str | None:
+    ok = isinstance(value, tuple) and all(_time(name, v) is None for v in value)
+    return None if ok else "must be a list of finite non-negative numbers of seconds (one per rank)"
+
+
 Rule = Callable[[str, Any], Optional[str]]
 #: The rule of each annotation used in the profile dataclasses (``None`` is allowed where the annotation says so).
 RULES: dict[str, Rule] = {
@@ -65,6 +70,7 @@ RULES: dict[str, Rule] = {
     "str": _text,
     "bool": _flag,
     "tuple[int, ...]": _cores,
+    "tuple[float, ...]": _times,
 }
 #: Fields holding tuples of nested dataclasses, checked element by element.
 NESTED = ("tuple[FactorProfile, ...]", "tuple[LayerPreconditionProfile, ...]")

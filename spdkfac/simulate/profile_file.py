@@ -30,8 +30,9 @@ __all__ = [
     "upgrade_unversioned",
 ]
 
-#: The version ``measure_profile`` writes; 1 is the first versioned format.
-FORMAT_VERSION = 1
+#: The version ``measure_profile`` writes; 1 is the first versioned format, 2 adds the per-rank totals
+#: (``rank_passes``, ``rank_inversions``, ``rank_sgd``; a version-1 file reads with none).
+FORMAT_VERSION = 2
 
 #: What predict needs of every profile file, whatever its version (``measure_profile`` writes them).
 PROFILE_FIELDS = ("forward", "backward", "step_other", "factors")
@@ -91,6 +92,14 @@ class Profile:
     all-reduced across. ``untimed_unpack`` is unpacking that older profiles
     measured only in total: every rank pays it on an inverse step (0 when
     the factors carry their own conversion times).
+
+    Under a launcher every rank profiles at once; the times are the mean
+    over the ranks, and ``rank_passes`` / ``rank_inversions`` / ``rank_sgd``
+    hold each rank's own total (in rank order) of the K-FAC pass work
+    (forward + backward + ``step_other``), of inverting every factor, and of
+    the plain-SGD pass work (forward + backward + update): how far the
+    slowest rank lags the mean, which every synchronized step waits for
+    (empty in single-process profiles and in version-1 files).
     """
 
     forward: float
@@ -114,6 +123,9 @@ class Profile:
     retained_freed_memory: bool | None = None
     bound_cores: tuple[int, ...] | None = None
     averaged_from: int | None = None
+    rank_passes: tuple[float, ...] = ()
+    rank_inversions: tuple[float, ...] = ()
+    rank_sgd: tuple[float, ...] = ()
     format_version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -150,21 +162,29 @@ def _optional_tuple(values: Sequence[int] | None) -> tuple[int, ...] | None:
     return None if values is None else tuple(values)
 
 
-def _parse_v1(raw: Mapping[str, Any], source: str) -> Profile:
-    """A version-1 file: every field by name, nothing guessed."""
+#: Fields each versioned format added (a file of an older version must not hold them).
+ADDED_IN = {"rank_passes": 2, "rank_inversions": 2, "rank_sgd": 2}
+_RANK_TOTALS = ("rank_passes", "rank_inversions", "rank_sgd")
+
+
+def _parse_versioned(raw: Mapping[str, Any], source: str, version: int) -> Profile:
+    """A versioned file (1 or 2): every field by name, nothing guessed; version 1 has no per-rank totals."""
     _check_times(raw, source)
     known = {f.name for f in dataclasses.fields(Profile)}
-    unknown = sorted(set(raw) - known)
+    unknown = sorted(k for k in set(raw) if k not in known or ADDED_IN.get(k, 1) > version)
     if unknown:
-        raise ValueError(f"profile {source} (format_version 1) has unknown field(s) {unknown}")
+        raise ValueError(f"profile {source} (format_version {version}) has unknown field(s) {unknown}")
     try:
         fields = dict(raw)
         fields["factors"] = tuple(FactorProfile(**f) for f in raw["factors"])
         fields["precondition"] = _precondition(raw.get("precondition", ()))
         fields["bound_cores"] = _optional_tuple(raw.get("bound_cores"))
+        for key in _RANK_TOTALS:
+            fields[key] = tuple(raw.get(key) or ())
+        fields["format_version"] = FORMAT_VERSION  # read into the current shape
         return Profile(**fields)
     except (TypeError, KeyError) as exc:
-        raise ValueError(f"profile {source} (format_version 1) is malformed: {exc}") from None
+        raise ValueError(f"profile {source} (format_version {version}) is malformed: {exc}") from None
 
 
 def upgrade_unversioned(raw: Mapping[str, Any], source: str = "<profile>") -> Profile:
@@ -239,10 +259,10 @@ def profile_from_dict(raw: Any, source: str = "<profile>") -> Profile:
     if "format_version" not in raw:
         profile = upgrade_unversioned(raw, source)
     else:
-        check_format_version(
+        version = check_format_version(
             raw["format_version"], FORMAT_VERSION, "profile", source, "re-profile with `python -m spdkfac.simulate profile`"
         )
-        profile = _parse_v1(raw, source)  # version 1, the only versioned format so far
+        profile = _parse_versioned(raw, source, version)
     check_profile(profile, source)  # finite times, positive dimensions: a bad value fails here, not in predict
     return profile
 
@@ -326,4 +346,14 @@ def average_profiles(profiles: Sequence[Profile]) -> Profile:
         precondition=precondition,
         averaged_from=n,
         format_version=FORMAT_VERSION,
+        rank_passes=_mean_totals([p.rank_passes for p in profiles]),
+        rank_inversions=_mean_totals([p.rank_inversions for p in profiles]),
+        rank_sgd=_mean_totals([p.rank_sgd for p in profiles]),
     )
+
+
+def _mean_totals(columns: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
+    """Per-rank totals averaged rank by rank (none unless every profile has them for the same ranks)."""
+    if not columns or any(len(c) != len(columns[0]) or not c for c in columns):
+        return ()
+    return tuple(sum(values) / len(columns) for values in zip(*columns))

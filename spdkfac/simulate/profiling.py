@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +33,11 @@ def measure_profile(
     next to (Horovod's 1 ms background cycle: ~10% of a bound CPU worker's
     core on the reference machine). That includes the inversion of every
     factor, which :func:`~spdkfac.simulate.predict` compares with the fitted inversion model.
+
+    With ``comm`` every rank measures each part at the same time as the
+    others (a barrier before each), and the profile holds the mean over the
+    ranks with each rank's own totals (:func:`_across_ranks`): how far the
+    slowest rank lags is a cost of every synchronized step.
     """
     from .. import SPDKFACOptimizer
     from ..models import get_model
@@ -42,6 +48,7 @@ def measure_profile(
     x = torch.randn(batch_size, 3, resolution, resolution)
     y = torch.randint(0, 10, (batch_size,))
     sgd = _measure_sgd_passes(model, x, y, iters, comm)
+    _barrier(comm)
     opt = SPDKFACOptimizer(model, lr=1e-4, backend="single", inv_update_freq=10**6, kl_clip=None, timeline=True, fusion="layerwise")
     runs: list[dict[str, float]] = []
     events: list[dict[str, tuple[float, float]]] = []  # per run: factor key -> (ready, compute) seconds
@@ -69,6 +76,7 @@ def measure_profile(
     # broadcasts and unpacks each inverse it receives. Timed per factor (as a factor; an inverse is the same size),
     # with its inversion.
     damping = opt.param_groups[0]["damping"]
+    _barrier(comm)  # every rank inverts at once, as in the inversion stage
     per_factor: dict[str, tuple[float, float, float]] = {}  # factor -> (unpack, pack, invert) seconds
     for layer in opt.layers:
         for kind in ("A", "G"):
@@ -83,6 +91,7 @@ def measure_profile(
             per_factor[f"{kind}:{layer.name}"] = (t1 - t0, t2 - t1, time.perf_counter() - t2)
     # Per-layer preconditioning time, for variants that split it across workers.
     precondition = []
+    _barrier(comm)
     for layer in opt.layers:
         grad = layer.grad_matrix()
         if grad is None:
@@ -117,7 +126,7 @@ def measure_profile(
             )
         )
     covered = {id(p) for layer in opt.layers for p in layer.params()}
-    return Profile(
+    profile = Profile(
         model=model_name,
         resolution=resolution,
         batch_size=batch_size,
@@ -134,6 +143,59 @@ def measure_profile(
         precondition=tuple(precondition),
         other_grad_numel=sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in covered),
         factors=tuple(factors),
+    )
+    return profile if comm is None or comm.size == 1 else _across_ranks(profile, comm)
+
+
+def _barrier(comm: CommBackend | None) -> None:
+    if comm is not None and comm.size > 1:
+        comm.barrier()
+
+
+def _across_ranks(profile: Profile, comm: CommBackend) -> Profile:
+    """``profile`` with every time the mean over the ranks, and each rank's totals (one all-reduce).
+
+    The totals are this rank's K-FAC pass work (forward + backward + the
+    rest of ``step()``), its inversions of every factor, and its plain-SGD
+    pass work (forward + backward + update), placed at its rank's slot.
+    """
+    n, rank = comm.size, comm.rank
+    scalars = ("forward", "backward", "step_other", "sgd_step", "sgd_grad_wait", "sgd_forward_backward", "unpack")
+    per_factor = ("ready", "compute", "unpack", "pack", "invert")
+    values = [float(getattr(profile, k) or 0.0) for k in scalars]
+    values += [float(getattr(f, k) or 0.0) for f in profile.factors for k in per_factor]
+    values += [p.seconds for p in profile.precondition]
+    own = (
+        profile.forward + profile.backward + profile.step_other,
+        sum(f.invert or 0.0 for f in profile.factors),
+        (profile.sgd_forward_backward or 0.0) + (profile.sgd_step or 0.0),
+    )
+    totals = [0.0] * (3 * n)
+    for i, total in enumerate(own):
+        totals[i * n + rank] = total * n  # the mean over the ranks leaves each rank's own value in its slot
+    buf = torch.tensor(values + totals, dtype=torch.float64)
+    comm.allreduce_async(buf, "spdkfac.simulate.profile").wait()
+    mean = buf.tolist()
+    head = dict(zip(scalars, mean[: len(scalars)]))
+    pos = len(scalars)
+    factors = []
+    for f in profile.factors:
+        fields = dict(zip(per_factor, mean[pos : pos + len(per_factor)]))
+        pos += len(per_factor)
+        factors.append(replace(f, **fields))
+    precondition = []
+    for p in profile.precondition:
+        precondition.append(replace(p, seconds=mean[pos]))
+        pos += 1
+    rank_totals = [tuple(mean[pos + i * n : pos + (i + 1) * n]) for i in range(3)]
+    return replace(
+        profile,
+        **head,
+        factors=tuple(factors),
+        precondition=tuple(precondition),
+        rank_passes=rank_totals[0],
+        rank_inversions=rank_totals[1],
+        rank_sgd=rank_totals[2],
     )
 
 
