@@ -27,7 +27,7 @@ def test_parameter_counts_and_kfac_layers(name):
         assert {layer.shape("A").blocks for layer in layers} == {1, 32}
 
 
-@pytest.mark.parametrize("name", sorted(PARAMS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n != "mobilenet_v2" else n for n in sorted(PARAMS)])
 def test_32x32_variants_train_one_step(name):
     torch.manual_seed(0)
     model = get_model(f"{name}_32", num_classes=10)
