@@ -33,6 +33,7 @@ import torch.nn as nn
 from spdkfac import make_optimizer
 from spdkfac.comm import DEVICE_CHOICES, worker_device
 from spdkfac.host_memory import release_freed_memory
+from spdkfac.kfac_step import StepHyper
 from spdkfac.models import get_model
 from spdkfac.output_path import output_file
 from spdkfac.variants import variant_argv, variant_config
@@ -117,7 +118,7 @@ class VariantRun:
             # factors and charge 1/inv_freq of it to every iteration.
             backend.barrier()
             t0 = time.perf_counter()
-            opt.kfac_step.update_decompositions({"damping": opt.param_groups[0]["damping"]}, opt.steps)
+            opt.kfac_step.update_decompositions(StepHyper.from_group(opt.param_groups[0]), opt.steps)
             amortised_inverse = (time.perf_counter() - t0) / inv_freq
         recs = [r for r in (opt.timeline.iterations if opt.timeline else []) if r.step >= args.warmup]
         n = len(total)

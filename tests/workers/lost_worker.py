@@ -63,14 +63,15 @@ def main() -> None:
 
             first.compute_g = killing_compute_g
         else:
-            invert = opt.kfac_step.decompositions.invert
+            method = opt.kfac_step.decompositions.method  # this rank decomposes the factors it owns with it
+            owned = method.owned
 
-            def killing_invert(*a, **k):
+            def killing_owned(*a, **k):
                 if opt.steps == KILL_STEP:
                     die()
-                return invert(*a, **k)
+                return owned(*a, **k)
 
-            opt.kfac_step.decompositions.invert = killing_invert
+            method.owned = killing_owned
     for step in range(50):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
