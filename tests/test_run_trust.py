@@ -94,6 +94,14 @@ def test_flipped_bytes_are_caught_and_never_replace_the_last_good_checkpoint(tmp
     assert resumed["train_loss"] == full["train_loss"]  # resumed from the good one: the uninterrupted run's result
 
 
+def test_random_bytes_are_an_unreadable_checkpoint(tmp_path):
+    for seed in range(20):  # random bytes fail the unpickler in many ways: each is a CheckpointError naming the file
+        path = tmp_path / f"r{seed}.pt"
+        path.write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8).numpy().tobytes())
+        with pytest.raises(CheckpointError, match=rf"r{seed}\.pt: (not a readable checkpoint|refused)"):
+            load_checkpoint(path)
+
+
 def test_a_nan_in_a_saved_factor_names_the_file_and_the_tensor(tmp_path):
     out = tmp_path / "run"
     _run(out, "--stop-after", "1")
