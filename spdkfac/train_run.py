@@ -161,7 +161,7 @@ def restore(
     # The checkpoint holds the partial sums averaged over its workers; every worker of this run carries its share
     # so that averaging over this run's workers at the end of the epoch gives the sums an uninterrupted run would.
     partial = ckpt.get("partial_metrics") or (0.0, 0.0, 0.0)
-    share = 1.0 if written_by == size else written_by / size
+    share = written_by / size  # exactly 1.0 on the same worker count
     metrics = (float(partial[0]) * share, float(partial[1]) * share, float(partial[2]) * share)
     position = Position(int(saved["epoch"]), int(saved["samples"]), int(saved["step"]), metrics)
     if written_by != size and is_root:
@@ -179,8 +179,9 @@ def _apply_arguments(args: argparse.Namespace, optimizer: torch.optim.Optimizer,
     reads from ``args`` apply by themselves; these are the values that
     ``load_state_dict`` brought back from the checkpoint.
     """
-    values = dict(momentum=args.momentum, weight_decay=args.weight_decay, damping=args.damping, kl_clip=args.kl_clip)
-    values.update(factor_decay=args.factor_decay)
+    values = dict(
+        momentum=args.momentum, weight_decay=args.weight_decay, damping=args.damping, kl_clip=args.kl_clip, factor_decay=args.factor_decay
+    )
     for group in optimizer.param_groups:  # the keys an optimizer keeps there (DHO2 keeps its options in its config)
         group.update({key: value for key, value in values.items() if key in group})
     if kfac_scheduler is None:
