@@ -168,3 +168,22 @@ def test_batched_model_is_fitted_saved_and_used_by_the_methods():
     assert eigen.cost(perf, FactorShape(10, blocks=6)) == pytest.approx(call + 6 * (c0 + c3 * 1000))
     rule = BatchedModel.rule(inverse.curve(perf), 6, 10)  # no batched inverse measurements: the rule
     assert inverse.cost(perf, FactorShape(10, blocks=6)) == rule
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_depthwise_gram_is_the_same_one_channel_at_a_time_and_exactly_symmetric(bias, monkeypatch):
+    from spdkfac.layer_types import conv as conv_module
+    from spdkfac.layer_types import make_helper
+
+    module = nn.Conv2d(5, 10, 3, stride=2, padding=1, groups=5, bias=bias)
+    helper = make_helper(module)
+    x = torch.randn(4, 5, 9, 9, dtype=torch.float64)
+    whole, count = helper.input_gram(x, torch.float64)
+    monkeypatch.setattr(conv_module, "DEPTHWISE_ROWS_BYTES", 1)  # one channel per batched product
+    per_channel, _ = helper.input_gram(x, torch.float64)
+    rows = conv_rows(module, x)  # the reference's per-group im2col rows, then a ones column with a bias
+    rows = [torch.cat([r, torch.ones(r.shape[0], 1, dtype=r.dtype)], 1) if bias else r for r in rows]
+    assert count == 4 * 5 * 5
+    torch.testing.assert_close(whole, per_channel, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(whole, torch.stack([r.T @ r for r in rows]), rtol=1e-10, atol=1e-10)
+    assert torch.equal(whole, whole.transpose(1, 2))
