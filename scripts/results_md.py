@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -275,7 +276,7 @@ def iteration_time(path: Path, d: dict[str, Any]) -> list[str]:
                     else (ratio(r.get("SP1"), r.get("SP1_lo"), r.get("SP1_hi")), ratio(r.get("SP2"), r.get("SP2_lo"), r.get("SP2_hi")))
                 ),
                 ratio(r.get("vs_sgd"), r.get("vs_sgd_lo"), r.get("vs_sgd_hi")),
-                f"{r['rss_mb']:.0f} MB" if r.get("rss_mb") else "",
+                f"{r['rss_mb']:.0f} MB" if r.get("rss_mb") and math.isfinite(r["rss_mb"]) else "",  # NaN: interleaved
                 f"{r['kfac_state_mb']:.1f} MB" if r.get("kfac_state_mb") is not None else "",
             ]
         )
