@@ -298,6 +298,42 @@ def iteration_time(path: Path, d: dict[str, Any]) -> list[str]:
     return lines
 
 
+def update_fusion(path: Path, d: dict[str, Any]) -> list[str]:
+    """Update fusion: iteration time with the update in step(), in the next forward pass, or in backward."""
+    need(d, path, "table")
+    a = d.get("args", {})
+    lines = [
+        f"{a.get('model', '?')} at {a.get('resolution', '?')}×{a.get('resolution', '?')}, batch {a.get('batch_size', '?')} "
+        f"per worker, factors/inverses every {'/'.join(map(str, a.get('update_freq', ['?'])))} iteration(s); "
+        f"{a.get('warmup', '?')} warm-up and {a.get('iters', '?')} measured iterations per variant and round, "
+        f"{a.get('rounds', 1)} round(s){', interleaved' if a.get('interleave') else ''}. Milliseconds per iteration; "
+        "speed-up = the unfused time over the row's (throughput gain). With fusion the update runs inside "
+        "FF&BP (forward: the next forward pass; backward: the backward pass), so FF&BP grows and Other shrinks.",
+        "",
+    ]
+    rows, base = [], {}
+    for r in d["table"]:
+        need(r, path, "variant", "mean_s")
+        name, _, change = r["variant"].partition(":")
+        fusion = change.partition("update_fusion=")[2] or "none"
+        if fusion == "none":
+            base[name] = r["mean_s"]
+        speedup = base[name] / r["mean_s"] if name in base and fusion != "none" else None
+        rows.append(
+            [
+                LABELS.get(name, name),
+                fusion,
+                f"{ms(r['mean_s'])} ± {ms(r.get('stdev_s'))}",
+                ms(r.get("FF&BP")),
+                ms(r.get("Other")),
+                ratio(speedup),
+            ]
+        )
+    lines += table(["optimizer", "update fusion", "iteration", "FF&BP", "Other", "speed-up"], rows)
+    lines += command_block(d, "benchmarks.iteration_time", "python -m benchmarks.iteration_time --model mobilenet_v2_32 --batch-size 32")
+    return lines
+
+
 def fusion_policies(path: Path, d: dict[str, Any]) -> list[str]:
     """Fig. 10: factor computation and unhidden factor communication per fusion policy."""
     need(d, path, "results")
@@ -599,6 +635,8 @@ def build(results: Path, out: Path, label: str | None = None) -> str:
     ]
     w.section("model_stats.json", "Model statistics (Table II) and the arithmetic floor", model_stats, "factor_sizes.png")
     w.section("iteration_time.json", "Iteration time and breakdown per variant (Table III)", iteration_time, "iteration_time.png")
+    if (results / "update_fusion.json").is_file():  # optional, and new: no note when absent
+        w.section("update_fusion.json", "Update fusion: the update in the next forward pass or in backward", update_fusion)
     w.section("fusion_policies.json", "Pipelined factor communication per fusion policy (Fig. 10)", fusion_policies, "fusion_policies.png")
     w.section("inverse_placement.json", "Placement of the inversions (Fig. 12)", inverse_placement, "inverse_placement.png")
     w.section("hook_overhead.json", "Cost of the hooks on steps without a factor update", hook_overhead)

@@ -314,6 +314,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.flush()
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kfac"})
         load_kfac_state(kfac, self.layers)
+        for fusion in (self._forward_fusion, self._backward_fusion):
+            if fusion is not None:
+                fusion.bind(self.param_groups, self.state)  # (replaced by the load)
         self.steps = int(kfac["steps"])
         if "update_freqs" in kfac:  # (absent from checkpoints made before schedules existed)
             self.factor_update_freq, self.inv_update_freq = (int(f) for f in kfac["update_freqs"])

@@ -80,8 +80,7 @@ class ForwardFusion:
     """
 
     def __init__(self, model: nn.Module, param_groups: list[dict[str, Any]], state: dict[torch.Tensor, dict[str, Any]]) -> None:
-        self.param_groups = param_groups
-        self.state = state
+        self.bind(param_groups, state)
         self.pending: dict[torch.Tensor, _Pending] = {}
         self.applied_in_forward = 0  # updates applied by pre-hooks (the rest at flush)
         params = [p for group in param_groups for p in group["params"]]
@@ -91,6 +90,10 @@ class ForwardFusion:
             # (torch leaves these two unannotated)
             self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.flush()))  # type: ignore[no-untyped-call]
             self._handles.append(module.register_load_state_dict_pre_hook(lambda *_: self.flush()))  # type: ignore[no-untyped-call]
+
+    def bind(self, param_groups: list[dict[str, Any]], state: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Use the optimizer's ``param_groups`` and ``state`` (``load_state_dict`` replaces both)."""
+        self.param_groups, self.state = param_groups, state
 
     def _pre_hook(self, owned: list[torch.Tensor]) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, inputs: Any) -> None:
@@ -176,11 +179,10 @@ class BackwardFusion:
         names: dict[torch.Tensor, str],
         fused_step: Callable[[], bool],
     ) -> None:
-        self.state = state
         self.grads = grads
         self.names = names
         self.fused_step = fused_step
-        self._group = {p: group for group in param_groups for p in group["params"]}
+        self.bind(param_groups, state)
         self.units: list[_Unit] = []
         self._unit_of: dict[torch.Tensor, _Unit] = {}
         for layer in layers:
@@ -191,6 +193,11 @@ class BackwardFusion:
         self.fused_steps = 0  # steps whose update was applied in backward
         self._backups: list[_Backup] = []  # what this step's updates overwrote, until commit()
         self.begin()
+
+    def bind(self, param_groups: list[dict[str, Any]], state: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Use the optimizer's ``param_groups`` and ``state`` (``load_state_dict`` replaces both)."""
+        self.state = state
+        self._group = {p: group for group in param_groups for p in group["params"]}
 
     def _add(self, unit: _Unit) -> None:
         self.units.append(unit)

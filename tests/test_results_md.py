@@ -446,3 +446,21 @@ def test_simulator_check_shows_the_error_per_phase(tmp_path: Path, monkeypatch, 
         row.pop("phase_errors")
     (res / "simulator_check.json").write_text(json.dumps(data))
     assert "Per phase" not in _section(results_md.build(res, tmp_path / "RESULTS.md"), "Scale simulator against measurements")
+
+
+def test_update_fusion_section_shows_the_speed_up_over_the_unfused_run(tmp_path: Path):
+    res = tmp_path / "results"
+    args = {"model": "mobilenet_v2_32", "resolution": 32, "batch_size": 32, "iters": 4, "warmup": 2, "update_freq": [10, 100]}
+    rows = [
+        _row("sgd", 0.200),
+        _row("sgd:update_fusion=forward", 0.160),
+        _row("spdkfac", 0.400),
+        _row("spdkfac:update_fusion=backward", 0.500),
+    ]
+    _write(res, "update_fusion.json", {"args": args, "machine": MACHINE, "world_size": 1, "engine": "single", "table": rows})
+    text = results_md.build(res, tmp_path / "RESULTS.md")
+    section = text.split("## Update fusion")[1]
+    assert "| SGD | forward | 160 ± 12 | 1 | 7 | 1.25x |" in section
+    assert "| **SPD-KFAC** | backward | 500 ± 12 | 1 | 7 | 0.80x |" in section
+    assert "benchmarks.iteration_time" in section
+    assert "update_fusion.json" not in results_md.build(tmp_path, tmp_path / "R.md")  # optional: no note when absent
