@@ -86,6 +86,7 @@ def test_fused_parameters_equal_unfused_bitwise(float64, kind, fusion, flush_eac
         assert opt._backward_fusion.fused_steps == (STEPS if kind == "sgd" else STEPS - 2)  # inverse steps 0 and 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fusion", ["forward", "backward"])
 @pytest.mark.parametrize("extra", [dict(accumulation_steps=2), dict(factor_update_freq=1, inv_update_freq=3, pipelining=False)])
 def test_fused_equals_unfused_with_accumulation_and_frequencies(float64, fusion, extra):
@@ -96,6 +97,7 @@ def test_fused_equals_unfused_with_accumulation_and_frequencies(float64, fusion,
     _assert_bitwise(ref, got)
 
 
+@pytest.mark.slow
 def test_forward_fusion_with_kl_clip_schedules_and_clipping(float64):
     """Forward fusion keeps everything global: KL clip, scheduled damping, clipping after synchronize()."""
     x, y = batch(8)
@@ -114,6 +116,7 @@ def test_forward_fusion_with_kl_clip_schedules_and_clipping(float64):
     _assert_bitwise([loop("none")], [loop("forward")])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sgd", "inverse"])
 @pytest.mark.parametrize("fusion", ["forward", "backward"])
 def test_in_process_ranks_equal_unfused_and_each_other(float64, kind, fusion):
@@ -177,6 +180,7 @@ def test_every_read_of_the_state_applies_the_held_updates(float64, read):
     _assert_bitwise([_params(ref)], [dict(model.named_parameters())])
 
 
+@pytest.mark.slow
 def test_checkpoint_taken_mid_flight_resumes_bitwise(float64):
     x, y = batch(8)
     ref = _train(*_run("inverse", "none", x, y), x, y, steps=6)
@@ -224,6 +228,7 @@ def test_forward_fusion_on_a_transformer_equals_unfused(float64):
 
 
 # -- non-finite steps under backward fusion ----------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sgd", "inverse"])
 def test_backward_fusion_rolls_back_a_non_finite_step(float64, kind):
     """A NaN in an early layer's gradient is found after later layers were updated: they are restored bitwise."""
@@ -318,4 +323,4 @@ def test_training_job_passes_the_fusion_and_kl_clip_zero_as_none():
     args = parse_args(["--optimizer", "spdkfac", "--update-fusion", "backward", "--kl-clip", "0"])
     assert args.update_fusion == "backward"
     assert kl_clip_option(args) is None
-    assert kl_clip_option(parse_args(["--optimizer", "spdkfac"])) == 0.001
+    assert kl_clip_option(parse_args(["--optimizer", "spdkfac", "--kl-clip", "0.002"])) == 0.002
