@@ -298,6 +298,17 @@ def iteration_time(path: Path, d: dict[str, Any]) -> list[str]:
     return lines
 
 
+def paired_ratios(samples: dict[str, list[float]], base: str, variant: str) -> str:
+    """Median (min–max) of the unfused over the fused time, iteration by iteration (interleaved runs only)."""
+    a, b = samples.get(base), samples.get(variant)
+    if not a or not b or len(a) != len(b):
+        return ""
+    ratios = sorted(x / y for x, y in zip(a, b))
+    n = len(ratios)
+    median = ratios[n // 2] if n % 2 else (ratios[n // 2 - 1] + ratios[n // 2]) / 2
+    return f"{median:.2f}x ({ratios[0]:.2f}–{ratios[-1]:.2f})"
+
+
 def update_fusion(path: Path, d: dict[str, Any]) -> list[str]:
     """Update fusion: iteration time with the update in step(), in the next forward pass, or in backward."""
     need(d, path, "table")
@@ -307,7 +318,8 @@ def update_fusion(path: Path, d: dict[str, Any]) -> list[str]:
         f"per worker, factors/inverses every {'/'.join(map(str, a.get('update_freq', ['?'])))} iteration(s); "
         f"{a.get('warmup', '?')} warm-up and {a.get('iters', '?')} measured iterations per variant and round, "
         f"{a.get('rounds', 1)} round(s){', interleaved' if a.get('interleave') else ''}. Milliseconds per iteration; "
-        "speed-up = the unfused time over the row's (throughput gain). With fusion the update runs inside "
+        "speed-up = the unfused time over the row's (throughput gain); per-iteration: median (range) of the "
+        "paired ratios of interleaved iterations. With fusion the update runs inside "
         "FF&BP (forward: the next forward pass; backward: the backward pass), so FF&BP grows and Other shrinks.",
         "",
     ]
@@ -327,9 +339,10 @@ def update_fusion(path: Path, d: dict[str, Any]) -> list[str]:
                 ms(r.get("FF&BP")),
                 ms(r.get("Other")),
                 ratio(speedup),
+                paired_ratios(d.get("samples", {}), name, r["variant"]) if fusion != "none" else "",
             ]
         )
-    lines += table(["optimizer", "update fusion", "iteration", "FF&BP", "Other", "speed-up"], rows)
+    lines += table(["optimizer", "update fusion", "iteration", "FF&BP", "Other", "speed-up", "per-iteration speed-ups"], rows)
     lines += command_block(d, "benchmarks.iteration_time", "python -m benchmarks.iteration_time --model mobilenet_v2_32 --batch-size 32")
     return lines
 

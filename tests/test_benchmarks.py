@@ -133,3 +133,21 @@ def test_soak_keeps_replicas_identical_with_a_delayed_worker(tmp_path):
     assert result["max_pending_grad_handles"] == 0
     assert result["max_pending_factor_allreduces"] == 0
     assert len(result["samples"]) == 4
+
+
+@pytest.mark.slow
+def test_iteration_time_runs_every_variant_with_each_update_fusion(tmp_path):
+    out = tmp_path / "fusion.json"
+    args = ["--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2", "--iters", "2", "--warmup", "1"]
+    args += ["--update-freq", "2", "4", "--variants", "sgd", "spdkfac", "--update-fusions", "none", "forward", "backward"]
+    subprocess.run([sys.executable, "-m", "benchmarks.iteration_time", *args, "--out", str(out)], cwd=ROOT, check=True, capture_output=True)
+    data = json.loads(out.read_text())
+    assert [row["variant"] for row in data["table"]] == [
+        "sgd",
+        "sgd:update_fusion=forward",
+        "sgd:update_fusion=backward",
+        "spdkfac",
+        "spdkfac:update_fusion=forward",
+        "spdkfac:update_fusion=backward",
+    ]
+    assert data["args"]["variants"] == ["sgd", "spdkfac"]  # as given: the recorded command reruns the same

@@ -457,10 +457,12 @@ def test_update_fusion_section_shows_the_speed_up_over_the_unfused_run(tmp_path:
         _row("spdkfac", 0.400),
         _row("spdkfac:update_fusion=backward", 0.500),
     ]
-    _write(res, "update_fusion.json", {"args": args, "machine": MACHINE, "world_size": 1, "engine": "single", "table": rows})
+    samples = {"sgd": [0.2, 0.2, 0.3], "sgd:update_fusion=forward": [0.2, 0.16, 0.2]}  # paired ratios 1.0, 1.25, 1.5
+    d = {"args": args, "machine": MACHINE, "world_size": 1, "engine": "single", "table": rows, "samples": samples}
+    _write(res, "update_fusion.json", d)
     text = results_md.build(res, tmp_path / "RESULTS.md")
     section = text.split("## Update fusion")[1]
-    assert "| SGD | forward | 160 ± 12 | 1 | 7 | 1.25x |" in section
-    assert "| **SPD-KFAC** | backward | 500 ± 12 | 1 | 7 | 0.80x |" in section
+    assert "| SGD | forward | 160 ± 12 | 1 | 7 | 1.25x | 1.25x (1.00–1.50) |" in section
+    assert "| **SPD-KFAC** | backward | 500 ± 12 | 1 | 7 | 0.80x |  |" in section
     assert "benchmarks.iteration_time" in section
     assert "update_fusion.json" not in results_md.build(tmp_path, tmp_path / "R.md")  # optional: no note when absent
