@@ -347,6 +347,24 @@ def update_fusion(path: Path, d: dict[str, Any]) -> list[str]:
     return lines
 
 
+def update_cost(path: Path, d: dict[str, Any]) -> list[str]:
+    """The separate update pass against forward + backward: the most update fusion can save."""
+    need(d, path, "model", "fwd_bwd_s", "update_s", "update_share", "parameters", "tensors", "update_gb_per_s")
+    a = d.get("args", {})
+    lines = [
+        f"{d['model']} ({d['parameters'] / 1e6:.2f} M parameters in {d['tensors']} tensors), batch {a.get('batch_size', '?')}; "
+        f"medians of {a.get('iters', '?')} interleaved repetitions. The unfused momentum-SGD update (weight decay on) is "
+        "the pass that fusion folds into forward or backward: its time bounds the saving.",
+        "",
+    ]
+    lines += table(
+        ["forward + backward", "update pass", "update share", "update bandwidth"],
+        [[f"{ms(d['fwd_bwd_s'])} ms", f"{d['update_s'] * 1e3:.1f} ms", f"{d['update_share']:.1%}", f"{d['update_gb_per_s']:.1f} GB/s"]],
+    )
+    lines += command_block(d, "benchmarks.update_cost", "python -m benchmarks.update_cost --model mobilenet_v2_32 --batch-size 32")
+    return lines
+
+
 def fusion_policies(path: Path, d: dict[str, Any]) -> list[str]:
     """Fig. 10: factor computation and unhidden factor communication per fusion policy."""
     need(d, path, "results")
@@ -650,6 +668,8 @@ def build(results: Path, out: Path, label: str | None = None) -> str:
     w.section("iteration_time.json", "Iteration time and breakdown per variant (Table III)", iteration_time, "iteration_time.png")
     if (results / "update_fusion.json").is_file():  # optional, and new: no note when absent
         w.section("update_fusion.json", "Update fusion: the update in the next forward pass or in backward", update_fusion)
+    if (results / "update_cost.json").is_file():
+        w.section("update_cost.json", "Update fusion: what the separate update pass costs", update_cost)
     w.section("fusion_policies.json", "Pipelined factor communication per fusion policy (Fig. 10)", fusion_policies, "fusion_policies.png")
     w.section("inverse_placement.json", "Placement of the inversions (Fig. 12)", inverse_placement, "inverse_placement.png")
     w.section("hook_overhead.json", "Cost of the hooks on steps without a factor update", hook_overhead)

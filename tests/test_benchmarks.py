@@ -151,3 +151,15 @@ def test_iteration_time_runs_every_variant_with_each_update_fusion(tmp_path):
         "spdkfac:update_fusion=backward",
     ]
     assert data["args"]["variants"] == ["sgd", "spdkfac"]  # as given: the recorded command reruns the same
+
+
+def test_update_cost_times_the_update_pass(tmp_path):
+    out = tmp_path / "cost.json"
+    args = ["--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2", "--iters", "2", "--out", str(out)]
+    subprocess.run([sys.executable, "-m", "benchmarks.update_cost", *args], cwd=ROOT, check=True, capture_output=True)
+    data = json.loads(out.read_text())
+    assert data["tensors"] > 0
+    assert data["update_s"] > 0
+    assert data["fwd_bwd_s"] > 0
+    assert data["update_share"] == data["update_s"] / (data["fwd_bwd_s"] + data["update_s"])
+    assert len(data["samples"]["update"]) == 2

@@ -466,3 +466,13 @@ def test_update_fusion_section_shows_the_speed_up_over_the_unfused_run(tmp_path:
     assert "| **SPD-KFAC** | backward | 500 ± 12 | 1 | 7 | 0.80x |  |" in section
     assert "benchmarks.iteration_time" in section
     assert "update_fusion.json" not in results_md.build(tmp_path, tmp_path / "R.md")  # optional: no note when absent
+
+
+def test_update_cost_section_shows_the_share_of_the_update(tmp_path: Path):
+    res = tmp_path / "results"
+    d = {"args": {"batch_size": 32, "iters": 20}, "machine": MACHINE, "model": "mobilenet_v2_32", "parameters": 2236682}
+    d.update(tensors=158, fwd_bwd_s=4.0, update_s=0.032, update_share=0.032 / 4.032, update_gb_per_s=2.5, update_bytes=80520552)
+    _write(res, "update_cost.json", d)
+    section = results_md.build(res, tmp_path / "RESULTS.md").split("## Update fusion: what the separate update pass costs")[1]
+    assert "| 4000 ms | 32.0 ms | 0.8% | 2.5 GB/s |" in section
+    assert "benchmarks.update_cost" in section
