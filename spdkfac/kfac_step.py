@@ -11,6 +11,11 @@ Two orders, because the preconditioning only needs the decompositions in use:
   gradient and factor all-reduces are still in flight, then fold in the
   factors.
 
+Under ``update_fusion='backward'`` the steps that keep the decompositions are
+preconditioned and updated layer by layer inside ``backward()``
+(:mod:`spdkfac.update_fusion`) and ``step()`` only folds in the factors
+(:meth:`KFACStep.run_after_fused`).
+
 Either way the update is checked for NaN/Inf before any parameter changes;
 a bad step is skipped on every worker alike (the values checked are the same
 everywhere) or raises.

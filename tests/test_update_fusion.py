@@ -180,6 +180,20 @@ def test_every_read_of_the_state_applies_the_held_updates(float64, read):
     _assert_bitwise([_params(ref)], [dict(model.named_parameters())])
 
 
+def test_updates_the_next_forward_does_not_reach_are_applied_by_the_next_step(float64):
+    x, y = batch(8)
+    ref, ref_opt = _run("sgd", "none", x, y)
+    model, opt = _run("sgd", "forward", x, y)
+    for m, o in ((ref, ref_opt), (model, opt)):
+        _train_steps(m, o, x, y, range(2))
+        o.zero_grad()
+        m[0](x)  # a forward that reaches the first layer only
+    assert len(opt._forward_fusion.pending) == len(list(model.parameters())) - 2
+    opt.step()  # no gradient: this step only applies what was held
+    assert not opt._forward_fusion.pending
+    _assert_bitwise([_params(ref)], [dict(model.named_parameters())])
+
+
 @pytest.mark.slow
 def test_checkpoint_taken_mid_flight_resumes_bitwise(float64):
     x, y = batch(8)
