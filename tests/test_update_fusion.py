@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from nets import batch, mixed_net, small_net, small_transformer
+from nets import batch, mixed_net, small_net, small_transformer, train
 
 from spdkfac import NonFiniteError, SPDKFACOptimizer
 from spdkfac.comm import run_ranks
@@ -114,6 +114,24 @@ def test_forward_fusion_with_kl_clip_schedules_and_clipping(float64):
         return _params(model) if fusion == "none" else (opt.flush(), _params(model))[1]
 
     _assert_bitwise([loop("none")], [loop("forward")])
+
+
+def test_forward_fusion_under_a_grad_scaler_that_skips_a_step(float64):
+    """GradScaler loop (kl_clip on), a NaN at step 2 that the scaler skips: forward fusion equals the unfused run."""
+    x, y = batch(8)
+    poisoned = {2: torch.arange(8) == 7}
+
+    def loop(fusion):
+        model = small_net()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        opt = SPDKFACOptimizer(model, backend="single", update_fusion=fusion, grad_scaler=scaler, **{**KW, "kl_clip": 0.01})
+        train(model, opt, x, y, STEPS, scaler=scaler, poisoned=poisoned)
+        opt.flush()
+        return _params(model), opt.steps
+
+    (ref, ref_steps), (got, steps) = loop("none"), loop("forward")
+    _assert_bitwise([ref], [got])
+    assert steps == ref_steps == STEPS - 1
 
 
 @pytest.mark.slow
