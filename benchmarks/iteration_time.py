@@ -2,6 +2,7 @@
 
     horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m benchmarks.iteration_time --model resnet50
     ... --update-freq 10 100     # amortised setting: factors every 10, inverses every 100 iterations
+    ... --update-fusions none forward backward   # each variant with the update in step(), the next forward, backward
 
 All variants run in one launch on the same model, data and workers, in
 interleaved rounds; warm-up iterations (profiling included) are excluded.
@@ -42,6 +43,13 @@ from .common import RESULTS, bar_chart, log, machine, ratio_interval, save_json,
 
 VARIANTS = ["sgd", "dkfac", "mpdkfac", "spdkfac", "-pipe-lbp", "+pipe-lbp", "-pipe+lbp", "+pipe+lbp", "spdkfac-dp"]
 PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"]
+
+
+def with_update_fusion(variant: str, fusion: str) -> str:
+    """The variant spec with ``update_fusion`` set (unchanged for ``'none'``)."""
+    if fusion == "none":
+        return variant
+    return f"{variant}{',' if ':' in variant else ':'}update_fusion={fusion}"
 
 
 def _rss_mb() -> float:
@@ -210,6 +218,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--update-freq", type=int, nargs=2, default=[1, 1], metavar=("FACTOR", "INVERSE"))
     ap.add_argument(
+        "--update-fusions",
+        nargs="+",
+        default=None,
+        choices=("none", "forward", "backward"),
+        help="run every variant with each of these update fusions, side by side (none: the variant as given)",
+    )
+    ap.add_argument(
         "--out",
         default=None,
         type=output_file(make_parents=True),
@@ -217,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(variant_argv(sys.argv[1:] if argv is None else argv))
     args.variants = args.variants or list(VARIANTS)
-    for v in args.variants:
+    variants = [with_update_fusion(v, f) for v in args.variants for f in args.update_fusions or ["none"]]
+    for v in variants:
         try:
             fixed = sorted(set(variant_config(v)) & {"lr", "momentum", "backend", *optimizer_kwargs(v, args)})
         except ValueError as exc:
@@ -240,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     x, y = x.to(device), y.to(device)
     results: dict[str, dict[str, object]] = {}
     for rnd in range(args.rounds):
-        for v, r in run_round(args.variants, args, backend, x, y, args.interleave, f"round {rnd + 1}/{args.rounds}").items():
+        for v, r in run_round(variants, args, backend, x, y, args.interleave, f"round {rnd + 1}/{args.rounds}").items():
             if v in results:
                 results[v]["iteration"] += r["iteration"]
                 for k in PARTS:

@@ -300,6 +300,73 @@ def iteration_time(path: Path, d: dict[str, Any]) -> list[str]:
     return lines
 
 
+def paired_ratios(samples: dict[str, list[float]], base: str, variant: str) -> str:
+    """Median (min–max) of the unfused over the fused time, iteration by iteration (interleaved runs only)."""
+    a, b = samples.get(base), samples.get(variant)
+    if not a or not b or len(a) != len(b):
+        return ""
+    ratios = sorted(x / y for x, y in zip(a, b))
+    n = len(ratios)
+    median = ratios[n // 2] if n % 2 else (ratios[n // 2 - 1] + ratios[n // 2]) / 2
+    return f"{median:.2f}x ({ratios[0]:.2f}–{ratios[-1]:.2f})"
+
+
+def update_fusion(path: Path, d: dict[str, Any]) -> list[str]:
+    """Update fusion: iteration time with the update in step(), in the next forward pass, or in backward."""
+    need(d, path, "table")
+    a = d.get("args", {})
+    lines = [
+        f"{a.get('model', '?')} at {a.get('resolution', '?')}×{a.get('resolution', '?')}, batch {a.get('batch_size', '?')} "
+        f"per worker, factors/inverses every {'/'.join(map(str, a.get('update_freq', ['?'])))} iteration(s); "
+        f"{a.get('warmup', '?')} warm-up and {a.get('iters', '?')} measured iterations per variant and round, "
+        f"{a.get('rounds', 1)} round(s){', interleaved' if a.get('interleave') else ''}. Milliseconds per iteration; "
+        "speed-up = the unfused time over the row's (throughput gain); per-iteration: median (range) of the "
+        "paired ratios of interleaved iterations. With fusion the update runs inside "
+        "FF&BP (forward: the next forward pass; backward: the backward pass), so FF&BP grows and Other shrinks.",
+        "",
+    ]
+    rows, base = [], {}
+    for r in d["table"]:
+        need(r, path, "variant", "mean_s")
+        name, _, change = r["variant"].partition(":")
+        fusion = change.partition("update_fusion=")[2] or "none"
+        if fusion == "none":
+            base[name] = r["mean_s"]
+        speedup = base[name] / r["mean_s"] if name in base and fusion != "none" else None
+        rows.append(
+            [
+                LABELS.get(name, name),
+                fusion,
+                f"{ms(r['mean_s'])} ± {ms(r.get('stdev_s'))}",
+                ms(r.get("FF&BP")),
+                ms(r.get("Other")),
+                ratio(speedup),
+                paired_ratios(d.get("samples", {}), name, r["variant"]) if fusion != "none" else "",
+            ]
+        )
+    lines += table(["optimizer", "update fusion", "iteration", "FF&BP", "Other", "speed-up", "per-iteration speed-ups"], rows)
+    lines += command_block(d, "benchmarks.iteration_time", "python -m benchmarks.iteration_time --model mobilenet_v2_32 --batch-size 32")
+    return lines
+
+
+def update_cost(path: Path, d: dict[str, Any]) -> list[str]:
+    """The separate update pass against forward + backward: the most update fusion can save."""
+    need(d, path, "model", "fwd_bwd_s", "update_s", "update_share", "parameters", "tensors", "update_gb_per_s")
+    a = d.get("args", {})
+    lines = [
+        f"{d['model']} ({d['parameters'] / 1e6:.2f} M parameters in {d['tensors']} tensors), batch {a.get('batch_size', '?')}; "
+        f"medians of {a.get('iters', '?')} interleaved repetitions. The unfused momentum-SGD update (weight decay on) is "
+        "the pass that fusion folds into forward or backward: its time bounds the saving.",
+        "",
+    ]
+    lines += table(
+        ["forward + backward", "update pass", "update share", "update bandwidth"],
+        [[f"{ms(d['fwd_bwd_s'])} ms", f"{d['update_s'] * 1e3:.1f} ms", f"{d['update_share']:.1%}", f"{d['update_gb_per_s']:.1f} GB/s"]],
+    )
+    lines += command_block(d, "benchmarks.update_cost", "python -m benchmarks.update_cost --model mobilenet_v2_32 --batch-size 32")
+    return lines
+
+
 def fusion_policies(path: Path, d: dict[str, Any]) -> list[str]:
     """Fig. 10: factor computation and unhidden factor communication per fusion policy."""
     need(d, path, "results")
@@ -665,6 +732,10 @@ def build(results: Path, out: Path, label: str | None = None) -> str:
         model = extra.stem.removeprefix("iteration_time_")
         png = extra.with_suffix(".png").name
         w.section(extra.name, f"Iteration time and memory per variant: {model}", iteration_time, png if (results / png).is_file() else None)
+    if (results / "update_fusion.json").is_file():  # optional, and new: no note when absent
+        w.section("update_fusion.json", "Update fusion: the update in the next forward pass or in backward", update_fusion)
+    if (results / "update_cost.json").is_file():
+        w.section("update_cost.json", "Update fusion: what the separate update pass costs", update_cost)
     w.section("fusion_policies.json", "Pipelined factor communication per fusion policy (Fig. 10)", fusion_policies, "fusion_policies.png")
     w.section("inverse_placement.json", "Placement of the inversions (Fig. 12)", inverse_placement, "inverse_placement.png")
     w.section("hook_overhead.json", "Cost of the hooks on steps without a factor update", hook_overhead)

@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from numbers import Integral, Real
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from .fusion.planner import DEFAULT_THRESHOLD_BYTES, FUSION_POLICIES
 from .layers import LayerFilter
@@ -27,14 +27,18 @@ from .placement import PLACEMENTS
 FusionPolicy = Literal["optimal", "threshold", "layerwise", "naive"]
 Placement = Literal["lbp", "seq", "local"]
 ComputeMethod = Literal["inverse", "eigen"]
+UpdateFusion = Literal["none", "forward", "backward"]
+UPDATE_FUSIONS: tuple[str, ...] = get_args(UpdateFusion)
 
 __all__ = [
     "HYPERPARAMETER_CHECKS",
     "SCHEDULE_CHECKS",
+    "UPDATE_FUSIONS",
     "ComputeMethod",
     "FusionPolicy",
     "KFACConfig",
     "Placement",
+    "UpdateFusion",
     "check_hyperparameters",
     "check_non_negative_int",
     "check_number",
@@ -193,6 +197,16 @@ class KFACConfig:
             without their ``forward()`` (``nn.MultiheadAttention.out_proj``)
             are left out automatically, with a notice; a weight shared by
             several modules (tied weights) must be left out here.
+        update_fusion: where the parameter update runs
+            (:mod:`spdkfac.update_fusion`): ``'none'`` (in ``step()``),
+            ``'forward'`` (each module's parameters just before its next
+            forward pass; the rest at the next ``step()``, ``flush()`` or any
+            ``state_dict()``), ``'backward'`` (each layer as soon as its
+            averaged gradient exists, during ``backward()``; on steps that
+            recompute the decompositions, at ``step()``). The parameters after
+            every step are bitwise the same. ``'backward'`` refuses what needs
+            all gradients before any update (a KL clip, a GradScaler,
+            distributed preconditioning, clipping after ``synchronize()``).
     """
 
     fusion: FusionPolicy = "optimal"
@@ -209,11 +223,13 @@ class KFACConfig:
     accumulation_steps: int = 1
     skip_nonfinite: int = 0
     skip_layers: tuple[LayerFilter, ...] = ()
+    update_fusion: UpdateFusion = "none"
 
     def __post_init__(self) -> None:
         _check_choice("fusion", self.fusion, FUSION_POLICIES)
         _check_choice("placement", self.placement, PLACEMENTS)
         _check_choice("compute_method", self.compute_method, tuple(METHODS))  # the registry as it is now
+        _check_choice("update_fusion", self.update_fusion, UPDATE_FUSIONS)
         for name in ("pipelining", "distribute_preconditioning", "overlap_preconditioning"):
             _check_bool(name, getattr(self, name))
         # Integers stored as plain ints (numpy integers are taken): the options are saved in state_dict.

@@ -12,7 +12,7 @@ gradients before ``step()``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -45,6 +45,8 @@ class GradientSync:
             matched by name).
         accumulation_steps: backward passes per step.
         grad_scaler: the mixed-precision ``GradScaler``, if any.
+        on_final: called with each parameter whose gradient is final (its
+            all-reduce started), from its hook: backward update fusion.
     """
 
     def __init__(
@@ -54,12 +56,14 @@ class GradientSync:
         names: dict[torch.Tensor, str],
         accumulation_steps: int,
         grad_scaler: Any | None,
+        on_final: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.backend = backend
         self.param_groups = param_groups
         self.names = names
         self.accumulation_steps = accumulation_steps
         self.grad_scaler = grad_scaler
+        self.on_final = on_final
         self.record: IterationRecord | None = None
         self._handles: dict[torch.Tensor, Handle] = {}
         self._counts: dict[torch.Tensor, int] = {}  # backward passes that reached each parameter this step
@@ -67,7 +71,7 @@ class GradientSync:
         self.backward_seen = False  # a gradient hook fired since reset()
         self._sync_queued = False
         self._hook_handles: list[Any] = []
-        if backend.size > 1 or accumulation_steps > 1:  # all-reduce, or count the backward passes
+        if backend.size > 1 or accumulation_steps > 1 or on_final is not None:  # all-reduce, count the passes, or fuse
             self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_hook) for group in param_groups for p in group["params"]]
 
     def reset(self, record: IterationRecord | None) -> None:
@@ -102,6 +106,8 @@ class GradientSync:
             # GradScaler reads the gradients between backward() and step(): average them before it does.
             torch.autograd.Variable._execution_engine.queue_callback(self.synchronize)
             self._sync_queued = True
+        if self.on_final is not None:
+            self.on_final(p)
 
     def _start(self, p: torch.Tensor) -> None:
         assert p.grad is not None  # called for parameters whose gradient is set
@@ -122,6 +128,10 @@ class GradientSync:
                 handle.wait()
         if self.record is not None:
             self.record.grad_wait += Timeline.now() - t0
+
+    def done(self, params: Iterable[torch.Tensor]) -> bool:
+        """Whether these parameters' gradients are averaged already (non-blocking)."""
+        return all(handle.done() for handle in (self._handles.get(p) for p in params) if handle is not None)
 
     def check_accumulated(self, caller: str) -> None:
         """Raise unless accumulation_steps backward passes ran (checked before any collective: the same on every worker)."""

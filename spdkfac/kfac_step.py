@@ -11,6 +11,11 @@ Two orders, because the preconditioning only needs the decompositions in use:
   gradient and factor all-reduces are still in flight, then fold in the
   factors.
 
+Under ``update_fusion='backward'`` the steps that keep the decompositions are
+preconditioned and updated layer by layer inside ``backward()``
+(:mod:`spdkfac.update_fusion`) and ``step()`` only folds in the factors
+(:meth:`KFACStep.run_after_fused`).
+
 Either way the update is checked for NaN/Inf before any parameter changes;
 a bad step is skipped on every worker alike (the values checked are the same
 everywhere) or raises.
@@ -84,6 +89,7 @@ class KFACStep:
         grad_scaler: Any | None,
         collecting: Callable[[nn.Module], bool],
         loss_scale: Callable[[], float],
+        on_final_grad: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.config = config
         self.layers = layers
@@ -97,7 +103,7 @@ class KFACStep:
         self.factors = FactorCollector(
             layers, self.controller, self.profiler, config.pipelining, config.accumulation_steps, collecting, loss_scale
         )
-        self.grads = GradientSync(backend, param_groups, param_names, config.accumulation_steps, grad_scaler)
+        self.grads = GradientSync(backend, param_groups, param_names, config.accumulation_steps, grad_scaler, on_final_grad)
         self.decompositions = DecompositionStage(layers, work_plan.inversion, backend)
         self.preconditioner = Preconditioner(layers, backend, work_plan, self.grads.wait)
         self.record: IterationRecord | None = None
@@ -141,6 +147,20 @@ class KFACStep:
             if self.config.precondition:
                 self._precondition(hyper)
         self._check_finite(step)
+
+    def run_after_fused(self, factor_step: bool, hyper: StepHyper, step: int, bad: list[str]) -> None:
+        """The rest of a step whose layers were preconditioned and updated in backward (update fusion).
+
+        Folds in the factors on a factor step; ``bad`` (non-empty: backward met
+        NaN/Inf and wrote nothing) makes the step skipped or refused as usual.
+        Raises :class:`~spdkfac.nonfinite.SkipStep` for a skipped step.
+        """
+        self.grads.synchronize()  # (done at the end of backward; idempotent)
+        if factor_step:
+            self.factors.send_stashed()
+            self.update_factors(hyper, step)
+        if bad:
+            self._check_finite(step)
 
     def _overlapping(self, inverse_step: bool) -> bool:
         if not overlaps_preconditioning(self.config.overlap_preconditioning, self.config.precondition, self.workers, inverse_step):

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .comm import CommBackend, get_backend
-from .config import SCHEDULE_CHECKS, ComputeMethod, FusionPolicy, KFACConfig, Placement, check_hyperparameters
+from .config import SCHEDULE_CHECKS, ComputeMethod, FusionPolicy, KFACConfig, Placement, UpdateFusion, check_hyperparameters
 from .coverage import kfac_summary
 from .fusion import DEFAULT_THRESHOLD_BYTES
 from .grad_sync import collective_names
@@ -29,6 +29,7 @@ from .perfmodels import PerfModel, load_perf_model
 from .schedules import Scheduled, StepSchedule
 from .sgd import momentum_sgd_update
 from .timeline import Timeline
+from .update_fusion import BackwardFusion, ForwardFusion
 from .work_plan import LayerShape, WorkPlan
 
 __all__ = ["NonFiniteError", "NonFiniteFactorError", "SPDKFACOptimizer"]
@@ -73,6 +74,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         fusion, pipelining, placement, compute_method, distribute_preconditioning, overlap_preconditioning,
         fusion_threshold_bytes, profile_steps, replan_interval, timeline, precondition, accumulation_steps,
         skip_nonfinite, skip_layers: how the step is computed: :class:`~spdkfac.config.KFACConfig`.
+        update_fusion: ``'none'``, ``'forward'`` or ``'backward'``: where the
+            parameter update runs (:mod:`spdkfac.update_fusion`; same results).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         accumulation_steps: int = 1,
         skip_nonfinite: int = 0,
         skip_layers: Sequence[LayerFilter] = (),
+        update_fusion: UpdateFusion = "none",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -113,6 +117,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.config = KFACConfig.from_options(locals())  # the options named like its fields
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "unscale_")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+        if update_fusion == "backward":
+            _check_backward_fusion(precondition, initial["kl_clip"], grad_scaler, distribute_preconditioning)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
@@ -140,6 +146,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             grad_scaler,
             self._collecting,
             self._loss_scale,
+            self._final_grad if update_fusion == "backward" else None,
+        )
+        self._forward_fusion = ForwardFusion(model, self.param_groups, self.state) if update_fusion == "forward" else None
+        self._backward_fusion = (
+            BackwardFusion(self.param_groups, self.state, self.layers, self.kfac_step.grads, self.param_names, self._fusable_step)
+            if update_fusion == "backward"
+            else None
         )
         self._begin_iteration()
 
@@ -151,6 +164,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._kind: tuple[bool, bool] | None = None  # (updates factors, updates inverses), fixed when first needed
         self._scale: float | None = None
         self.kfac_step.begin(record, abandon)
+        if self._backward_fusion is not None:
+            self._backward_fusion.begin()  # rolls back what an unfinished step wrote in backward
 
     def _step_kind(self) -> tuple[bool, bool]:
         """(updates factors, updates inverses): fixed with the step's hyperparameters when the step first needs them
@@ -158,12 +173,22 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if self._kind is None:
             freqs = self.schedule.fix_step(self.steps, self.param_groups, (self.factor_update_freq, self.inv_update_freq))
             self.factor_update_freq, self.inv_update_freq = freqs
+            if self._backward_fusion is not None and self.precondition and self.param_groups[0]["kl_clip"] is not None:
+                raise ValueError(_NO_KL_CLIP)
             first = any(not layer.decomposed for layer in self.layers)
             self._kind = (
                 self.precondition and (first or self.steps % freqs[0] == 0),
                 self.precondition and (first or self.steps % freqs[1] == 0),
             )
         return self._kind
+
+    def _fusable_step(self) -> bool:
+        """Whether backward fusion may update this step in ``backward()``: it keeps the decompositions."""
+        return not self._step_kind()[1] and all(layer.decomposed for layer in self.layers)
+
+    def _final_grad(self, p: torch.Tensor) -> None:
+        if self._backward_fusion is not None:
+            self._backward_fusion.grad_ready(p)
 
     def _collecting(self, module: nn.Module) -> bool:
         return module.training and torch.is_grad_enabled() and self._step_kind()[0]
@@ -182,12 +207,22 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.flush()  # the previous step's updates the forward pass did not reach, before this step's
         self.kfac_step.grads.check_accumulated("step()")
         try:
             factor_step, inverse_step = self._step_kind()
             hyper = StepHyper.from_group(self.param_groups[0])
-            self.kfac_step.run(factor_step, inverse_step, hyper, self.steps)
-            momentum_sgd_update(self.param_groups, self.state)
+            backward = self._backward_fusion
+            if backward is not None and backward.active:  # updated in backward: the factors and the checks are left
+                backward.finish()
+                self.kfac_step.run_after_fused(factor_step, hyper, self.steps, backward.bad)
+                backward.commit()
+            else:
+                self.kfac_step.run(factor_step, inverse_step, hyper, self.steps)
+                if self._forward_fusion is not None:
+                    self._forward_fusion.defer()
+                else:
+                    momentum_sgd_update(self.param_groups, self.state)
             self.steps += 1
             self.kfac_step.nonfinite.good_step()
             if self.timeline is not None and self._record is not None:
@@ -211,6 +246,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """
         if self.kfac_step.grads.pending and not self.kfac_step.grads.synchronized:
             raise RuntimeError("zero_grad() called while gradient all-reduces are pending; call step() (or synchronize()) first")
+        if not set_to_none:  # zeroing in place would change the gradients the held updates use
+            self.flush()
         if self.kfac_step.backward_seen:  # that backward's step() was skipped
             self.kfac_step.controller.discard()
             self._begin_iteration()
@@ -218,7 +255,22 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait until every gradient holds its average (call before reading them, e.g. to clip; ``step()`` does it)."""
+        if self._backward_fusion is not None:
+            raise RuntimeError(
+                "synchronize() under update_fusion='backward': the parameters are updated during backward(), so the "
+                "gradients cannot be read or clipped before the update; use update_fusion='forward' (or 'none') to clip"
+            )
         self.kfac_step.grads.synchronize()
+
+    def flush(self) -> None:
+        """Apply every parameter update still held by ``update_fusion='forward'`` (no-op otherwise).
+
+        Call before reading the parameters outside a forward pass (the
+        model's ``state_dict()``/``load_state_dict()`` and this optimizer's
+        ``step()``, ``state_dict()`` and ``load_state_dict()`` do it).
+        """
+        if self._forward_fusion is not None:
+            self._forward_fusion.flush()
 
     def finite_everywhere(self, value: torch.Tensor) -> bool:
         """True when ``value`` (e.g. the loss) is finite on every worker: one tiny all-reduce.
@@ -241,8 +293,15 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """Optimizer state plus K-FAC state (step counter, factors, decompositions, update frequencies).
 
         Callable schedules are not saved: pass the same ones to the optimizer
-        that loads this. Save between steps (not mid-accumulation).
+        that loads this. Save between steps (not mid-accumulation, nor
+        between ``backward()`` and ``step()`` under backward fusion).
         """
+        if self._backward_fusion is not None and self._backward_fusion.applied:
+            raise RuntimeError(
+                "state_dict() between backward() and step() under update_fusion='backward': the parameters hold an "
+                "update that step() has not accepted yet; save after step()"
+            )
+        self.flush()
         sd = super().state_dict()
         sd["kfac"] = save_kfac_state(
             self.layers, self.steps, (self.factor_update_freq, self.inv_update_freq), self.method, self.config.as_dict()
@@ -252,8 +311,12 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a checkpoint made by :meth:`state_dict` for the same model and compute method."""
         kfac = check_kfac_state(state_dict, self.layers, self.method)
+        self.flush()
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kfac"})
         load_kfac_state(kfac, self.layers)
+        for fusion in (self._forward_fusion, self._backward_fusion):
+            if fusion is not None:
+                fusion.bind(self.param_groups, self.state)  # (replaced by the load)
         self.steps = int(kfac["steps"])
         if "update_freqs" in kfac:  # (absent from checkpoints made before schedules existed)
             self.factor_update_freq, self.inv_update_freq = (int(f) for f in kfac["update_freqs"])
@@ -273,7 +336,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         return {kind: self.kfac_step.controller.plan(kind) for kind in FACTOR_KINDS}
 
     def remove_hooks(self) -> None:
-        """Detach every hook from the model (the optimizer is unusable afterwards)."""
+        """Detach every hook from the model (held updates applied first; the optimizer is unusable afterwards)."""
+        if self._forward_fusion is not None:
+            self._forward_fusion.remove_hooks()
         self.kfac_step.remove_hooks()
 
     def __repr__(self) -> str:
@@ -284,4 +349,26 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             f"SPDKFACOptimizer(layers={len(self.layers)}, {hyper}, factor_update_freq={self.factor_update_freq}, "
             f"inv_update_freq={self.inv_update_freq}, backend={self.backend.name}(rank {self.backend.rank}/"
             f"{self.backend.size}), {options}, perf_model={self.perf_model.source!r})"
+        )
+
+
+_NO_KL_CLIP = (
+    "update_fusion='backward' needs kl_clip=None: the KL clip scales every layer's update by one number computed "
+    "from all of them, so no layer can be updated before the last gradient; use update_fusion='forward'"
+)
+
+
+def _check_backward_fusion(precondition: bool, kl_clip: float | None, grad_scaler: Any | None, distributed: bool) -> None:
+    """Refuse the options that need every gradient before any update (ValueError naming the option and the way out)."""
+    if precondition and kl_clip is not None:
+        raise ValueError(_NO_KL_CLIP)
+    if grad_scaler is not None:
+        raise ValueError(
+            "update_fusion='backward' cannot be used with a grad_scaler: the scaler unscales and checks all gradients "
+            "for Inf before any update; use update_fusion='forward'"
+        )
+    if precondition and distributed:
+        raise ValueError(
+            "update_fusion='backward' cannot be used with distribute_preconditioning: each worker's preconditioned "
+            "layers arrive in one broadcast after the backward pass; use update_fusion='forward'"
         )

@@ -8,7 +8,12 @@ import torch
 
 from .updates import momentum_direction
 
-__all__ = ["momentum_sgd_update"]
+__all__ = ["momentum_sgd_update", "sgd_param_update"]
+
+
+def sgd_param_update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], lr: float, momentum: float, weight_decay: float) -> None:
+    """One parameter's step, in place: the same operations wherever and whenever it runs (update fusion relies on it)."""
+    p.add_(momentum_direction(grad, p, state, momentum, weight_decay), alpha=-lr)
 
 
 def momentum_sgd_update(param_groups: list[dict[str, Any]], state: dict[torch.Tensor, dict[str, Any]]) -> None:
@@ -18,4 +23,4 @@ def momentum_sgd_update(param_groups: list[dict[str, Any]], state: dict[torch.Te
         for p in group["params"]:
             if p.grad is None:
                 continue
-            p.add_(momentum_direction(p.grad, p, state[p], momentum, wd), alpha=-lr)
+            sgd_param_update(p, p.grad, state[p], lr, momentum, wd)

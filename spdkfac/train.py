@@ -38,7 +38,7 @@ from .host_memory import retain_freed_memory
 from .models import get_model
 from .run_dir import append_text
 from .schedules import KFACParamScheduler
-from .train_args import AMP_DTYPES, DHO2_OPTIMIZERS, KFAC_OPTIMIZERS, dho2_options, parse_args
+from .train_args import AMP_DTYPES, DHO2_OPTIMIZERS, KFAC_OPTIMIZERS, dho2_options, kl_clip_option, parse_args
 from .train_run import Position, prepare_run_dir, restore, start_log
 from .variants import make_optimizer
 
@@ -195,11 +195,13 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
     model = get_model(model_name, num_classes=num_classes).to(device)
     base_lr = args.lr * size
     optimizer_kwargs: dict[str, Any] = dict(momentum=args.momentum)
+    if args.optimizer not in DHO2_OPTIMIZERS:
+        optimizer_kwargs["update_fusion"] = args.update_fusion
     if args.optimizer in KFAC_OPTIMIZERS:
         optimizer_kwargs.update(
             damping=args.damping,
             factor_decay=args.factor_decay,
-            kl_clip=args.kl_clip,
+            kl_clip=kl_clip_option(args),
             factor_update_freq=args.factor_update_freq,
             inv_update_freq=args.inv_update_freq,
             perf_model=args.perf_model,

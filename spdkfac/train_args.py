@@ -56,8 +56,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kl-clip",
         type=float,
         default=None,
-        help="KL-clip bound (default: the paper's 0.001; 1e-4 for --data digits, whose tiny CNN "
+        help="KL-clip bound, 0 for none (default: the paper's 0.001; 1e-4 for --data digits, whose tiny CNN "
         "overfits with the ImageNet value: final test loss 0.14 against 0.055)",
+    )
+    p.add_argument(
+        "--update-fusion",
+        default="none",
+        choices=("none", "forward", "backward"),
+        help="where the parameter update runs (SGD and K-FAC optimizers): in step(), in the next forward pass, or in "
+        "backward as each gradient is ready (K-FAC: needs --kl-clip 0; not with --amp fp16); same results",
     )
     p.add_argument("--factor-update-freq", type=int, default=1)
     p.add_argument("--inv-update-freq", type=int, default=1)
@@ -198,6 +205,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         given = [flag for flag, set_ in kfac_only.items() if set_]
         if given:
             p.error(f"{', '.join(given)} only apply to the K-FAC optimizers, not --optimizer {args.optimizer}")
+    if args.update_fusion != "none" and args.optimizer in DHO2_OPTIMIZERS:
+        p.error(f"--update-fusion applies to --optimizer sgd and the K-FAC optimizers, not {args.optimizer}")
+    if args.update_fusion == "backward":
+        if args.amp == "fp16":
+            p.error("--update-fusion backward cannot be used with --amp fp16 (the loss scaler checks every gradient before any update)")
+        if args.optimizer in KFAC_OPTIMIZERS and args.kl_clip != 0:
+            p.error("--update-fusion backward needs --kl-clip 0 with a K-FAC optimizer (the KL clip needs every gradient first)")
     if args.optimizer in DHO2_OPTIMIZERS:
         if args.momentum != 0.9:
             p.error(f"--momentum does not apply to --optimizer {args.optimizer} (its AdamW base uses betas)")
@@ -220,6 +234,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.kl_clip is None:
         args.kl_clip = 1e-4 if args.data == "digits" else 0.001
     return args
+
+
+def kl_clip_option(args: argparse.Namespace) -> float | None:
+    """The optimizer's ``kl_clip`` from ``--kl-clip`` (0: none)."""
+    return None if args.kl_clip == 0 else float(args.kl_clip)
 
 
 def dho2_options(args: argparse.Namespace, steps_per_epoch: int) -> dict[str, int | float]:

@@ -151,3 +151,33 @@ def test_batched_decomposition_compares_one_batched_call_with_a_loop(tmp_path):
     by_shape = {(r["blocks"], r["dim"]): r for r in result["rows"]}
     assert total["factors"] == 32
     assert total["batched_s"] == pytest.approx(sum(n * by_shape[s]["batched_s"] for s, n in counts.items()))
+
+
+@pytest.mark.slow
+def test_iteration_time_runs_every_variant_with_each_update_fusion(tmp_path):
+    out = tmp_path / "fusion.json"
+    args = ["--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2", "--iters", "2", "--warmup", "1"]
+    args += ["--update-freq", "2", "4", "--variants", "sgd", "spdkfac", "--update-fusions", "none", "forward", "backward"]
+    subprocess.run([sys.executable, "-m", "benchmarks.iteration_time", *args, "--out", str(out)], cwd=ROOT, check=True, capture_output=True)
+    data = json.loads(out.read_text())
+    assert [row["variant"] for row in data["table"]] == [
+        "sgd",
+        "sgd:update_fusion=forward",
+        "sgd:update_fusion=backward",
+        "spdkfac",
+        "spdkfac:update_fusion=forward",
+        "spdkfac:update_fusion=backward",
+    ]
+    assert data["args"]["variants"] == ["sgd", "spdkfac"]  # as given: the recorded command reruns the same
+
+
+def test_update_cost_times_the_update_pass(tmp_path):
+    out = tmp_path / "cost.json"
+    args = ["--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2", "--iters", "2", "--out", str(out)]
+    subprocess.run([sys.executable, "-m", "benchmarks.update_cost", *args], cwd=ROOT, check=True, capture_output=True)
+    data = json.loads(out.read_text())
+    assert data["tensors"] > 0
+    assert data["update_s"] > 0
+    assert data["fwd_bwd_s"] > 0
+    assert data["update_share"] == data["update_s"] / (data["fwd_bwd_s"] + data["update_s"])
+    assert len(data["samples"]["update"]) == 2

@@ -456,3 +456,33 @@ def test_simulator_check_shows_the_error_per_phase(tmp_path: Path, monkeypatch, 
         row.pop("phase_errors")
     (res / "simulator_check.json").write_text(json.dumps(data))
     assert "Per phase" not in _section(results_md.build(res, tmp_path / "RESULTS.md"), "Scale simulator against measurements")
+
+
+def test_update_fusion_section_shows_the_speed_up_over_the_unfused_run(tmp_path: Path):
+    res = tmp_path / "results"
+    args = {"model": "mobilenet_v2_32", "resolution": 32, "batch_size": 32, "iters": 4, "warmup": 2, "update_freq": [10, 100]}
+    rows = [
+        _row("sgd", 0.200),
+        _row("sgd:update_fusion=forward", 0.160),
+        _row("spdkfac", 0.400),
+        _row("spdkfac:update_fusion=backward", 0.500),
+    ]
+    samples = {"sgd": [0.2, 0.2, 0.3], "sgd:update_fusion=forward": [0.2, 0.16, 0.2]}  # paired ratios 1.0, 1.25, 1.5
+    d = {"args": args, "machine": MACHINE, "world_size": 1, "engine": "single", "table": rows, "samples": samples}
+    _write(res, "update_fusion.json", d)
+    text = results_md.build(res, tmp_path / "RESULTS.md")
+    section = text.split("## Update fusion")[1]
+    assert "| SGD | forward | 160 ± 12 | 1 | 7 | 1.25x | 1.25x (1.00–1.50) |" in section
+    assert "| **SPD-KFAC** | backward | 500 ± 12 | 1 | 7 | 0.80x |  |" in section
+    assert "benchmarks.iteration_time" in section
+    assert "update_fusion.json" not in results_md.build(tmp_path, tmp_path / "R.md")  # optional: no note when absent
+
+
+def test_update_cost_section_shows_the_share_of_the_update(tmp_path: Path):
+    res = tmp_path / "results"
+    d = {"args": {"batch_size": 32, "iters": 20}, "machine": MACHINE, "model": "mobilenet_v2_32", "parameters": 2236682}
+    d.update(tensors=158, fwd_bwd_s=4.0, update_s=0.032, update_share=0.032 / 4.032, update_gb_per_s=2.5, update_bytes=80520552)
+    _write(res, "update_cost.json", d)
+    section = results_md.build(res, tmp_path / "RESULTS.md").split("## Update fusion: what the separate update pass costs")[1]
+    assert "| 4000 ms | 32.0 ms | 0.8% | 2.5 GB/s |" in section
+    assert "benchmarks.update_cost" in section
