@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 from launch import ROOT, run_workers
-from test_distributed_equivalence import BASE, STEPS, _assert_bitwise_equal, _assert_same, _reference
+from test_distributed_equivalence import BASE, STEPS, _assert_bitwise_equal, _assert_same, _held_by_both, _reference
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -36,12 +36,6 @@ CONFIGS = {
 }
 
 
-def _held_only(state: dict) -> dict:
-    """The K-FAC state without the decompositions this rank does not hold (None)."""
-    layers = {name: {k: v for k, v in entry.items() if v is not None} for name, entry in state["kfac"]["layers"].items()}
-    return {**state, "kfac": {**state["kfac"], "layers": layers}}
-
-
 @pytest.mark.parametrize("engine", ["torch", "horovod"])
 def test_gradient_worker_groups_match_one_process_and_replicas_agree(engine, tmp_path):
     out = tmp_path / f"{engine}.pt"
@@ -52,15 +46,13 @@ def test_gradient_worker_groups_match_one_process_and_replicas_agree(engine, tmp
     for name in CONFIGS:
         for other in range(1, NPROC):
             _assert_bitwise_equal(ranks[0][name]["params"], ranks[other][name]["params"], f"{name}/params")
-            mine, theirs = (ranks[r][name]["optimizer_state"] for r in (0, other))
-            _assert_bitwise_equal(mine["state"], theirs["state"], f"{name}/momentum")
-            for layer, entry in _held_only(mine)["kfac"]["layers"].items():
-                for key, value in entry.items():
-                    if theirs["kfac"]["layers"][layer].get(key) is not None:
-                        _assert_bitwise_equal(value, theirs["kfac"]["layers"][layer][key], f"{name}/{layer}/{key}")
+            mine, theirs = _held_by_both(ranks[0][name]["optimizer_state"], ranks[other][name]["optimizer_state"])
+            _assert_bitwise_equal(mine, theirs, f"{name}/optimizer_state")
         # Each rank holds the decompositions of only some layers, and every layer is held somewhere.
         suffix = "_eigen" if "eigen" in name else "_inv"
-        held = [{n for n, e in ranks[r][name]["optimizer_state"]["kfac"]["layers"].items() if e[f"A{suffix}"] is not None} for r in range(NPROC)]
+        held = [
+            {n for n, e in ranks[r][name]["optimizer_state"]["kfac"]["layers"].items() if e[f"A{suffix}"] is not None} for r in range(NPROC)
+        ]
         assert all(0 < len(h) < 4 for h in held), held
         assert set().union(*held) == set(ranks[0][name]["optimizer_state"]["kfac"]["layers"])
         record = ranks[0][name]["optimizer_state"]["kfac"]["grad_workers"]
