@@ -620,9 +620,10 @@ def kaisa_fraction_simulated(path: Path, d: dict[str, Any]) -> list[str]:
     f, i = d["update_freq"]
     lines = [
         f"Predicted from `{d.get('profile', '?')}` (`compute_method='{d.get('compute_method', '?')}'`, factors every {f}, "
-        f"decompositions every {i} iterations): iteration time and the fullest worker's K-FAC memory. `gpu-cluster` is an "
-        "assumed 100 Gb/s InfiniBand cluster for communication and decompositions (constants in the JSON); the profile's "
-        f"computation stays the reference machine's. KAISA reports: {d.get('kaisa_reported', '')}.",
+        f"decompositions every {i} iterations): iteration time and K-FAC memory per worker. `gpu-cluster` is an "
+        "assumed 100 Gb/s InfiniBand cluster for communication and decompositions (constants in the JSON), its "
+        "preconditioning matmuls scaled to the same arithmetic rate; the profile's forward and backward stay the reference "
+        f"machine's. Memory is the fullest worker's and the mean. KAISA reports: {d.get('kaisa_reported', '')}.",
         "",
     ]
     for key, rows in d["predicted"].items():
