@@ -18,8 +18,8 @@ size without processes.
 * ``seq``   (MPD-KFAC, Eq. 22): round-robin in model order, all broadcast.
 * ``local`` (D-KFAC): every rank inverts everything, nothing is broadcast.
 
-:func:`balance_by_cost` places whole layers instead of factors, for the
-optional distributed preconditioning (not in the paper; KAISA's MEM-OPT).
+:func:`balance_by_cost` places whole layers instead of factors: each layer to a
+group of gradient workers (KAISA, :mod:`spdkfac.grad_workers`).
 """
 
 from __future__ import annotations
