@@ -712,6 +712,62 @@ def dho2_cost(w: Writer, paths: Sequence[Path]) -> list[str]:
     return lines + commands
 
 
+def kaisa_fraction(path: Path, d: dict[str, Any]) -> list[str]:
+    """KAISA's grad_worker_fraction, measured: step time, decomposition stage and K-FAC memory per worker."""
+    need(d, path, "measured", "modelled", "workers", "inv_update_freq")
+    modelled = {r["fraction"]: r for r in d["modelled"]}
+    lines = [
+        f"{d.get('model', '?')} at {d.get('resolution', '?')}×{d.get('resolution', '?')}, batch {d.get('batch_size', '?')} per worker, "
+        f"{d['workers']} workers, `compute_method='{d.get('compute_method', '?')}'`, one run, one fraction after another. "
+        "*Step*: a step that keeps the decompositions (preconditioning and the broadcasts of its results); *stage*: one "
+        "decomposition stage (decompositions and their broadcasts to each layer's gradient workers); *amortised*: step + "
+        f"stage / {d['inv_update_freq']}. Memory: running factors and decompositions, fullest and emptiest worker. "
+        f"*Modelled*: what the `'auto'` decision charged ({'sub-group broadcasts' if d.get('native_subgroups') else 'broadcasts to all'}).",
+        "",
+    ]
+    rows = []
+    for r in d["measured"]:
+        m = modelled.get(r["fraction"])
+        rows.append(
+            [
+                f"{r['fraction']} ({r['grad_workers']} per layer)" if r["fraction"] == "auto" else r["fraction"],
+                ms(r["step_s"]),
+                ms(r["decomposition_stage_s"]),
+                ms(r["amortised_s"]),
+                f"{r['kfac_mib_max']:.0f}",
+                f"{r['kfac_mib_min']:.0f}",
+                ms(m["seconds"]) if m else ms(r.get("auto_predicted_s")),
+            ]
+        )
+    lines += table(["fraction", "step (ms)", "stage (ms)", "amortised (ms)", "MiB max", "MiB min", "modelled (ms)"], rows)
+    return lines + command_block(d, "benchmarks.kaisa_fraction", "torchrun --nproc_per_node 4 -m benchmarks.kaisa_fraction measure")
+
+
+def kaisa_fraction_simulated(path: Path, d: dict[str, Any]) -> list[str]:
+    """KAISA's grad_worker_fraction at scale, predicted by the simulator."""
+    need(d, path, "predicted", "update_freq")
+    f, i = d["update_freq"]
+    lines = [
+        f"Predicted from `{d.get('profile', '?')}` (`compute_method='{d.get('compute_method', '?')}'`, factors every {f}, "
+        f"decompositions every {i} iterations): iteration time and K-FAC memory per worker. `gpu-cluster` is an "
+        "assumed 100 Gb/s InfiniBand cluster for communication and decompositions (constants in the JSON), its "
+        "preconditioning matmuls scaled to the same arithmetic rate; the profile's forward and backward stay the reference "
+        f"machine's. Memory is the fullest worker's and the mean. KAISA reports: {d.get('kaisa_reported', '')}.",
+        "",
+    ]
+    for key, rows in d["predicted"].items():
+        chose = next((r.get("chose") for r in rows if r["fraction"] == "auto"), None)
+        lines += [f"**{key.replace('/', ', ')} workers** ('auto' chose {chose})", ""]
+        lines += table(
+            ["fraction", "iteration (ms)", "MiB max", "MiB mean"],
+            [
+                [r["fraction"], ms(r["iteration_s"]), f"{r['kfac_mib_max']:.0f}", f"{r.get('kfac_mib_mean', float('nan')):.0f}"]
+                for r in rows
+            ],
+        )
+    return lines + command_block(d, "benchmarks.kaisa_fraction", ".venv/bin/python -m benchmarks.kaisa_fraction simulate")
+
+
 def build(results: Path, out: Path, label: str | None = None) -> str:
     """The Markdown text of RESULTS.md for the result files under ``results``."""
     if not results.is_dir():
@@ -746,6 +802,12 @@ def build(results: Path, out: Path, label: str | None = None) -> str:
     w.section("simulator_check.json", "Scale simulator against measurements", simulator_check)
     w.section("soak.json", "Soak run: replicas, memory and pending work over many steps", soak)
     w.section("fault_matrix.json", "Fault matrix: kills, damaged files, full disk, two jobs, frozen worker", fault_matrix)
+    for rel, title, render in (  # optional, and new: no note when absent
+        ("kaisa_fraction.json", "KAISA's grad_worker_fraction: step time and K-FAC memory per worker", kaisa_fraction),
+        ("kaisa_fraction_simulated.json", "KAISA's grad_worker_fraction at scale (simulator)", kaisa_fraction_simulated),
+    ):
+        if (results / rel).is_file():
+            w.section(rel, title, render)
     costs = sorted((results / "dho2_cost").glob("w*.json"))
     if costs:  # optional, and new: no note when absent
         w.lines += ["## DHO2: time per iteration and curvature memory per worker", "", *dho2_cost(w, costs)]

@@ -138,14 +138,23 @@ class KFACConfig:
             approximation of the damped Fisher, a slower decomposition and a
             broadcast of ``d*d + d`` instead of ``d(d+1)/2`` elements; the
             placement is costed with the performance model's ``eigen`` curve).
-        distribute_preconditioning: each layer's gradient is preconditioned
-            by one worker (layers balanced by their matmul cost) and the
-            results are broadcast, one fused buffer per worker, instead of
-            every worker preconditioning every layer (not in the paper; as
-            KAISA's MEM-OPT). Trades a broadcast of all preconditioned
-            gradients per step for ``1/P`` of the preconditioning compute:
-            worth it where the preconditioning matmuls are slow next to the
-            network (CPU workers, or factors updated rarely). Same result.
+        distribute_preconditioning: ``grad_worker_fraction=1/P`` (KAISA's
+            MEM-OPT) under its older name: each layer's decompositions are
+            held and its gradient preconditioned by one worker, which
+            broadcasts the result. Cannot be combined with
+            ``grad_worker_fraction``.
+        grad_worker_fraction: KAISA's share of the workers that hold each
+            layer's decompositions and precondition its gradient
+            (:mod:`spdkfac.grad_workers`): ``1/P`` is MEM-OPT, 1 is COMM-OPT
+            (the default, None), anything with ``fraction * P`` a divisor of
+            ``P`` in between; ``'auto'`` chooses it from the performance
+            model (:mod:`spdkfac.grad_worker_choice`). Memory of the
+            decompositions per worker falls with the fraction; the
+            preconditioned gradients are broadcast to the other workers.
+            Same result.
+        memory_budget: with ``grad_worker_fraction='auto'``, the bytes of
+            K-FAC state (running factors and decompositions) a worker may
+            hold; the fastest modelled fraction within it is chosen.
         overlap_preconditioning: on steps that keep the current inverses
             (all but one in ``inv_update_freq``), precondition each layer as
             soon as its averaged gradient arrives, last layer first, so that
@@ -214,6 +223,8 @@ class KFACConfig:
     placement: Placement = "lbp"
     compute_method: ComputeMethod = "inverse"
     distribute_preconditioning: bool = False
+    grad_worker_fraction: float | Literal["auto"] | None = None
+    memory_budget: int | None = None
     overlap_preconditioning: bool = True
     fusion_threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
     profile_steps: int = 3
@@ -238,7 +249,24 @@ class KFACConfig:
         if self.replan_interval is not None:
             object.__setattr__(self, "replan_interval", check_positive_int("replan_interval", self.replan_interval))
         object.__setattr__(self, "skip_nonfinite", check_non_negative_int("skip_nonfinite", self.skip_nonfinite))
+        self._check_grad_workers()
         object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+
+    def _check_grad_workers(self) -> None:
+        fraction: Any = self.grad_worker_fraction  # from a command line or JSON: anything
+        if fraction is not None and fraction != "auto":
+            if isinstance(fraction, str):
+                raise ValueError(f"grad_worker_fraction must be a number in (0, 1] or 'auto', got {fraction!r}")
+            object.__setattr__(self, "grad_worker_fraction", check_number("grad_worker_fraction", fraction, 0.0, 1.0, True, False))
+        if fraction is not None and self.distribute_preconditioning:
+            raise ValueError(
+                "distribute_preconditioning=True is grad_worker_fraction=1/P (MEM-OPT) under its older name; "
+                f"pass only one of them (got grad_worker_fraction={fraction!r} too)"
+            )
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", check_positive_int("memory_budget", self.memory_budget))
+            if fraction != "auto":
+                raise ValueError("memory_budget is what grad_worker_fraction='auto' chooses within; set grad_worker_fraction='auto'")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> KFACConfig:

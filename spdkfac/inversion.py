@@ -6,7 +6,9 @@ right after computing it, so the broadcast overlaps its next decomposition;
 the others post the matching receive at once. Factors placed on ``ALL`` are
 then decomposed locally while the broadcasts are in flight. Broadcasts are
 issued in :meth:`PlacementPlan.broadcast_order` on every rank, which
-torch.distributed requires.
+torch.distributed requires. A factor placed among a layer's gradient workers
+(KAISA, :mod:`spdkfac.grad_workers`) is broadcast to them only and kept by
+them only.
 
 What travels is the compute method's payload (:mod:`spdkfac.methods`): an
 inverse's upper triangle(s), or an eigendecomposition's ``Q`` and ``d`` in
@@ -129,22 +131,27 @@ def _stage(
     rank = backend.rank
     t0 = Timeline.now() if record is not None else 0.0
     out: dict[Hashable, Any] = {}
-    pending: list[tuple[Handle, torch.Tensor, Hashable, int, int]] = []
+    pending: list[tuple[Handle, torch.Tensor, Hashable, bool, int]] = []
     for a in plan.broadcast_order():
         ref = factors[a.key]
+        name = f"spdkfac.{method}.{_collective_name(a.key)}"
         if a.owner == rank:
             out[a.key], payload = owned(a.key, full(a.key, ref, a.dim))
+        else:  # a non-holder posts an empty buffer, or without sub-group broadcasts receives one to drop
+            size = payload_size(a.key, a.dim) if a.holds(rank) or not backend.native_subgroups else 0
+            payload = torch.empty(size, dtype=ref.dtype, device=ref.device)
+        if a.members is None:
+            handle = backend.broadcast_async(payload, a.owner, name)
         else:
-            payload = torch.empty(payload_size(a.key, a.dim), dtype=ref.dtype, device=ref.device)
-        handle = backend.broadcast_async(payload, a.owner, f"spdkfac.{method}.{_collective_name(a.key)}")
-        pending.append((handle, payload, a.key, a.owner, a.dim))
+            handle = backend.broadcast_within_async(payload, a.owner, a.members, name)
+        pending.append((handle, payload, a.key, a.owner != rank and a.holds(rank), a.dim))
     for a in plan.assignments:
-        if a.owner == ALL:
+        if a.owner == ALL and a.holds(rank):
             out[a.key] = local(a.key, full(a.key, factors[a.key], a.dim))
     t_wait = Timeline.now() if record is not None else 0.0
-    for handle, payload, key, owner, dim in pending:
+    for handle, payload, key, keep, dim in pending:
         handle.wait()
-        if owner != rank:
+        if keep:
             out[key] = received(key, payload, dim)
     if record is not None:
         t1 = Timeline.now()

@@ -95,6 +95,8 @@ class KFACStep:
         self.layers = layers
         self._by_name = {layer.name: layer for layer in layers}
         self.workers = backend.size
+        self.rank = backend.rank
+        self.work_plan = work_plan
         self.param_groups = param_groups
         self.param_names = param_names
         self.nonfinite = NonFiniteGuard(config.skip_nonfinite)
@@ -165,7 +167,8 @@ class KFACStep:
     def _overlapping(self, inverse_step: bool) -> bool:
         if not overlaps_preconditioning(self.config.overlap_preconditioning, self.config.precondition, self.workers, inverse_step):
             return False
-        return not self.grads.synchronized and all(layer.decomposed for layer in self.layers)  # else: the plain path
+        held = (layer for layer in self.layers if self.work_plan.holds(self.rank, layer.name))
+        return not self.grads.synchronized and all(layer.decomposed for layer in held)  # else: the plain path
 
     def update_factors(self, hyper: StepHyper, step: int) -> None:
         """Fold this step's averaged factors into the running averages."""

@@ -216,10 +216,17 @@ class KFACLayer:
 
     @property
     def update_dtype(self) -> torch.dtype:
-        """The dtype :meth:`precondition` returns (that of the G decomposition)."""
+        """The dtype :meth:`precondition` returns (that of the G decomposition, made from the G factor).
+
+        A worker that is not one of the layer's gradient workers holds no
+        decomposition and reads the factor's dtype, which it was made in.
+        """
         held = self._decomposed["G"]
         if held is None:
-            raise RuntimeError(f"layer {self.name!r} has no {self.method.label} yet; factors were never updated")
+            factor = self.packed_factor("G")
+            if factor is None:
+                raise RuntimeError(f"layer {self.name!r} has no {self.method.label} yet; factors were never updated")
+            return factor.dtype
         return self.method.tensors(held)[0].dtype
 
     # -- gradients -----------------------------------------------------------------

@@ -20,6 +20,8 @@ from .config import SCHEDULE_CHECKS, ComputeMethod, FusionPolicy, KFACConfig, Pl
 from .coverage import kfac_summary
 from .fusion import DEFAULT_THRESHOLD_BYTES
 from .grad_sync import collective_names
+from .grad_worker_choice import resolve_grad_workers
+from .grad_workers import GradWorkerFraction
 from .kfac_state import check_kfac_state, load_kfac_state, memory_usage, save_kfac_state
 from .kfac_step import KFACStep, StepHyper
 from .layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, preconditioned_layers
@@ -71,7 +73,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             scale is removed from the G factors and the gradients are averaged
             at the end of ``backward()``, before the scaler reads them; a step
             the scaler skips is discarded by the next :meth:`zero_grad`.
-        fusion, pipelining, placement, compute_method, distribute_preconditioning, overlap_preconditioning,
+        fusion, pipelining, placement, compute_method, distribute_preconditioning, grad_worker_fraction, memory_budget,
+        overlap_preconditioning,
         fusion_threshold_bytes, profile_steps, replan_interval, timeline, precondition, accumulation_steps,
         skip_nonfinite, skip_layers: how the step is computed: :class:`~spdkfac.config.KFACConfig`.
         update_fusion: ``'none'``, ``'forward'`` or ``'backward'``: where the
@@ -95,6 +98,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         placement: Placement = "lbp",
         compute_method: ComputeMethod = "inverse",
         distribute_preconditioning: bool = False,
+        grad_worker_fraction: GradWorkerFraction | None = None,
+        memory_budget: int | None = None,
         overlap_preconditioning: bool = True,
         perf_model: str | PerfModel | None = None,
         fusion_threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
@@ -118,7 +123,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "unscale_")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         if update_fusion == "backward":
-            _check_backward_fusion(precondition, initial["kl_clip"], grad_scaler, distribute_preconditioning)
+            split = grad_worker_fraction is not None and grad_worker_fraction != 1
+            _check_backward_fusion(precondition, initial["kl_clip"], grad_scaler, distribute_preconditioning or split)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
@@ -132,7 +138,29 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.backend = get_backend(backend)
         self.perf_model = load_perf_model(perf_model).for_world_size(self.backend.size)  # as the simulator plans
         shapes = [LayerShape.of(la) for la in self.layers]
-        self.work_plan = WorkPlan.make(shapes, self.backend.size, self.perf_model, placement, self.method, distribute_preconditioning)
+        grad_workers, self.grad_worker_choice = resolve_grad_workers(
+            self.config.grad_worker_fraction,
+            distribute_preconditioning,
+            shapes,
+            self.backend.size,
+            self.perf_model,
+            placement,
+            self.method,
+            self.backend.native_subgroups,
+            self.config.memory_budget,
+            self.layers[0].helper.weight.element_size() if self.layers else 4,
+            self.inv_update_freq,
+        )
+        self.work_plan: WorkPlan = (
+            self.grad_worker_choice.plan
+            if self.grad_worker_choice is not None
+            else WorkPlan.make(
+                shapes, self.backend.size, self.perf_model, placement, self.method,
+                grad_workers=grad_workers, native_subgroups=self.backend.native_subgroups,
+            )
+        )  # fmt: skip
+        if self.grad_worker_choice is not None and self.backend.rank == 0:
+            print(f"spdkfac: grad_worker_fraction='auto' chose {self.grad_worker_choice.describe()}", flush=True)
         self.timeline: Timeline | None = Timeline() if timeline else None
         self.param_names = collective_names(model, self.param_groups)
         self.kfac_step = KFACStep(
@@ -175,7 +203,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.factor_update_freq, self.inv_update_freq = freqs
             if self._backward_fusion is not None and self.precondition and self.param_groups[0]["kl_clip"] is not None:
                 raise ValueError(_NO_KL_CLIP)
-            first = any(not layer.decomposed for layer in self.layers)
+            first = any(not layer.decomposed for layer in self._held_layers())
             self._kind = (
                 self.precondition and (first or self.steps % freqs[0] == 0),
                 self.precondition and (first or self.steps % freqs[1] == 0),
@@ -189,6 +217,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     def _final_grad(self, p: torch.Tensor) -> None:
         if self._backward_fusion is not None:
             self._backward_fusion.grad_ready(p)
+
+    def _held_layers(self) -> list[KFACLayer]:
+        """The layers whose decompositions this worker holds (all but with ``grad_worker_fraction`` < 1)."""
+        return [layer for layer in self.layers if self.work_plan.holds(self.backend.rank, layer.name)]
 
     def _collecting(self, module: nn.Module) -> bool:
         return module.training and torch.is_grad_enabled() and self._step_kind()[0]
@@ -306,7 +338,20 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         sd["kfac"] = save_kfac_state(
             self.layers, self.steps, (self.factor_update_freq, self.inv_update_freq), self.method, self.config.as_dict()
         )
+        sd["kfac"]["grad_workers"] = self._grad_worker_record()
         return sd
+
+    def _grad_worker_record(self) -> dict[str, Any]:
+        """The gradient workers in use (and for ``'auto'`` the modelled time and memory), as saved in ``state_dict``."""
+        choice = self.grad_worker_choice
+        return {
+            "workers": self.work_plan.workers,
+            "grad_workers": self.work_plan.grad_workers,
+            "fraction": self.work_plan.grad_worker_fraction,
+            "auto": choice is not None,
+            "predicted_seconds": None if choice is None else choice.seconds,
+            "predicted_memory_bytes": None if choice is None else choice.memory,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a checkpoint made by :meth:`state_dict` for the same model and compute method."""
@@ -314,6 +359,18 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.flush()
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kfac"})
         load_kfac_state(kfac, self.layers)
+        self._keep_held_decompositions(kfac)
+        saved = kfac.get("grad_workers")
+        here = (self.work_plan.workers, self.work_plan.grad_workers)
+        rechosen = self.grad_worker_choice is not None and saved is not None and (saved["workers"], saved["grad_workers"]) != here
+        if rechosen and self.backend.rank == 0:
+            assert saved is not None
+            assert self.grad_worker_choice is not None
+            print(
+                f"spdkfac: grad_worker_fraction='auto': the checkpoint ran {saved['grad_workers']}/{saved['workers']} "
+                f"gradient workers; re-chosen for {self.work_plan.workers} workers: {self.grad_worker_choice.describe()}",
+                flush=True,
+            )
         for fusion in (self._forward_fusion, self._backward_fusion):
             if fusion is not None:
                 fusion.bind(self.param_groups, self.state)  # (replaced by the load)
@@ -322,9 +379,29 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.factor_update_freq, self.inv_update_freq = (int(f) for f in kfac["update_freqs"])
         self._begin_iteration()
 
+    def _keep_held_decompositions(self, kfac: dict[str, Any]) -> None:
+        """Drop the loaded decompositions this worker does not hold; all of them if the checkpoint lacks any.
+
+        A checkpoint saved with ``grad_worker_fraction`` < 1 holds only the
+        saving worker's decompositions. Every worker reads the same file, so
+        all decide alike to recompute every decomposition at the next step
+        (from the saved running factors): bit for bit the uninterrupted run
+        when decompositions are updated every step, one early refresh
+        otherwise.
+        """
+        complete = all(entry.get(f"{kind}{self.method.suffix}") is not None for entry in kfac["layers"].values() for kind in FACTOR_KINDS)
+        held = {layer.name for layer in self._held_layers()}
+        for layer in self.layers:
+            if not complete or layer.name not in held:
+                for kind in FACTOR_KINDS:
+                    layer.set_decomposition(kind, None)
+
     # ------------------------------------------------------------ reporting
     def memory_usage(self) -> dict[str, int]:
-        """Bytes held by factors (packed running averages) and inverses (or eigendecompositions), per kind."""
+        """Bytes this worker holds in factors (packed running averages) and inverses (or eigendecompositions), per kind.
+
+        With ``grad_worker_fraction`` < 1 only the decompositions of the layers this worker is a gradient worker of.
+        """
         return memory_usage(self.layers, self.method)
 
     def kfac_summary(self) -> str:
@@ -369,6 +446,7 @@ def _check_backward_fusion(precondition: bool, kl_clip: float | None, grad_scale
         )
     if precondition and distributed:
         raise ValueError(
-            "update_fusion='backward' cannot be used with distribute_preconditioning: each worker's preconditioned "
-            "layers arrive in one broadcast after the backward pass; use update_fusion='forward'"
+            "update_fusion='backward' cannot be used with distribute_preconditioning or grad_worker_fraction < 1: "
+            "the preconditioned gradients of another worker's layers arrive in broadcasts after the backward pass; "
+            "use update_fusion='forward'"
         )

@@ -18,8 +18,8 @@ size without processes.
 * ``seq``   (MPD-KFAC, Eq. 22): round-robin in model order, all broadcast.
 * ``local`` (D-KFAC): every rank inverts everything, nothing is broadcast.
 
-:func:`balance_by_cost` places whole layers instead of factors, for the
-optional distributed preconditioning (not in the paper; KAISA's MEM-OPT).
+:func:`balance_by_cost` places whole layers instead of factors: each layer to a
+group of gradient workers (KAISA, :mod:`spdkfac.grad_workers`).
 """
 
 from __future__ import annotations
@@ -70,10 +70,20 @@ class Assignment:
     owner: int  # rank, or ALL
     t_comp: float
     t_comm: float
+    #: The ranks that hold the result (the layer's gradient workers); None: every rank.
+    members: tuple[int, ...] | None = None
 
     @property
     def is_local(self) -> bool:
         return self.owner == ALL
+
+    def holds(self, rank: int) -> bool:
+        """Whether ``rank`` keeps this factor's decomposition."""
+        return self.members is None or rank in self.members
+
+    def computes(self, rank: int) -> bool:
+        """Whether ``rank`` decomposes this factor (its owner, or every holder of a local one)."""
+        return self.owner == rank or (self.owner == ALL and self.holds(rank))
 
 
 class PlacementPlan:
@@ -110,7 +120,7 @@ class PlacementPlan:
         for a in self.assignments:
             if a.owner == ALL:
                 for r in range(self.world_size):
-                    spans[r] += a.t_comp
+                    spans[r] += a.t_comp if a.holds(r) else 0.0
             else:
                 spans[a.owner] += a.t_comp + (a.t_comm if self.world_size > 1 else 0.0)
         return spans

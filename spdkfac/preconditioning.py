@@ -1,9 +1,9 @@
 """The preconditioning stage: every layer's gradient replaced by its K-FAC update, KL-clipped.
 
 Each layer's averaged gradient becomes ``G_inv @ grad @ A_inv`` (or the eigen
-form, :mod:`spdkfac.decomposition`), computed by every rank, or, with
-distributed preconditioning, by the one rank the :class:`~spdkfac.work_plan.WorkPlan`
-names, which broadcasts its layers' results in one fused buffer. All updates
+form, :mod:`spdkfac.decomposition`), computed by every rank (COMM-OPT), or
+by the layer's gradient workers (:mod:`spdkfac.grad_workers`), each of which
+broadcasts its group's results in one fused buffer to its receivers. All updates
 are then scaled by the reference's KL clip
 ``ν = min(1, sqrt(kl_clip / |Σ lr² v·grad|))``.
 """
@@ -56,7 +56,7 @@ class Preconditioner:
         t0 = Timeline.now() if record is not None else 0.0
         waited0 = record.grad_wait if record is not None else 0.0
         layers = [layer for layer in self.layers if layer.helper.weight.grad is not None]
-        if self.plan.preconditioners:
+        if self.plan.groups is not None:
             grads, updates = self._distributed(layers, damping, wait_for_grads, record)
         else:
             found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -82,33 +82,45 @@ class Preconditioner:
     def _distributed(
         self, layers: list[KFACLayer], damping: float, wait_for_grads: bool, record: IterationRecord | None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Precondition this rank's layers, broadcast them fused, receive every other rank's.
+        """Precondition this rank's layers, broadcast them fused to their receivers, receive the others'.
 
-        The broadcasts are issued in rank order on every rank (a receive
-        before this rank's own work, so it completes while this rank
-        computes). Returns every layer's averaged gradient and update.
+        The broadcasts are issued in the plan's order on every rank; this
+        rank computes its layers when it reaches its own broadcast, so the
+        receives posted before complete while it computes. Returns every
+        layer's averaged gradient and update.
         """
-        missing = [layer.name for layer in layers if not layer.decomposed]
-        if missing:  # checked on every rank before any broadcast, so no rank is left waiting
+        rank = self.backend.rank
+        missing = [layer.name for layer in layers if self.plan.holds(rank, layer.name) and not layer.decomposed]
+        if missing:  # checked before any broadcast
             raise RuntimeError(f"layers {missing} have no {layers[0].method.label} yet; factors were never updated")
+        names = [layer.name for layer in layers]
+        index = {name: i for i, name in enumerate(names)}
+        here = [index[n] for n in self.plan.preconditioned_here(rank, names)]
         grads: dict[int, torch.Tensor] = {}
+        results: dict[int, torch.Tensor] = {}
+
+        def precondition_mine() -> None:
+            for i in reversed(here) if wait_for_grads else here:
+                grads[i] = grad = self._grad(layers[i], wait_for_grads)
+                results[i] = layers[i].precondition(grad, damping)
+
         pending: list[tuple[Handle, torch.Tensor, list[int]]] = []
-        for rank, indices in enumerate(self.plan.preconditioned_by_rank([layer.name for layer in layers])):
-            if not indices:
-                continue
+        for b in self.plan.result_broadcasts(names):
+            indices = [index[n] for n in b.layers]
             dtype = layers[indices[0]].update_dtype
             for i in indices[1:]:
                 dtype = torch.promote_types(dtype, layers[i].update_dtype)
-            if rank == self.backend.rank:
-                results: dict[int, torch.Tensor] = {}
-                for i in reversed(indices) if wait_for_grads else indices:
-                    grads[i] = grad = self._grad(layers[i], wait_for_grads)
-                    results[i] = layers[i].precondition(grad, damping).reshape(-1).to(dtype)
-                buffer = torch.cat([results[i] for i in indices])
+            device = layers[indices[0]].helper.weight.device
+            if b.root == rank:
+                if not results:
+                    precondition_mine()
+                buffer = torch.cat([results[i].reshape(-1).to(dtype) for i in indices])
             else:
-                numel = sum(math.prod(layers[i].grad_shape) for i in indices)
-                buffer = torch.empty(numel, dtype=dtype, device=layers[indices[0]].helper.weight.device)
-            pending.append((self.backend.broadcast_async(buffer, rank, f"spdkfac.precondition.{rank}"), buffer, indices))
+                member = rank in b.members
+                numel = sum(math.prod(layers[i].grad_shape) for i in indices) if member else 0
+                buffer = torch.empty(numel, dtype=dtype, device=device)
+            handle = self.backend.broadcast_within_async(buffer, b.root, b.members, f"spdkfac.precondition.{b.root}")
+            pending.append((handle, buffer, indices if rank in b.members else []))
         t0 = Timeline.now()
         updates: dict[int, torch.Tensor] = {}
         for handle, buffer, indices in pending:

@@ -2,8 +2,9 @@
 
 * :func:`fusion_groups`: which factors of a pass are all-reduced together
   (Eq. 15 for ``'optimal'``), from their ready times and sizes;
-* :class:`WorkPlan`: who decomposes each factor (and broadcasts it), who
-  preconditions each layer, and the order of the broadcasts;
+* :class:`WorkPlan`: who decomposes each factor (and broadcasts it to whom),
+  who preconditions each layer (KAISA's gradient workers), and the order of
+  the broadcasts;
 * :func:`overlaps_preconditioning`: whether a step preconditions layers while
   the gradient all-reduces are still running.
 
@@ -17,19 +18,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from .factor_shape import FactorShape
 from .fusion.planner import Plan, plan_groups
+from .grad_workers import GradWorkerGroups
 from .methods import DecompositionMethod, get_method
 from .perfmodels import PerfModel
-from .placement import ALL, PlacementPlan, balance_by_cost, place, preconditioning_cost
+from .placement import ALL, Assignment, PlacementPlan, balance_by_cost, place, preconditioning_cost
 
 if TYPE_CHECKING:  # pragma: no cover
     from .layers import KFACLayer
 
-__all__ = ["ALL", "LayerShape", "WorkPlan", "fusion_groups", "group_launch_times", "overlaps_preconditioning"]
+__all__ = ["ALL", "LayerShape", "ResultBroadcast", "WorkPlan", "fusion_groups", "group_launch_times", "overlaps_preconditioning"]
 
 
 def fusion_groups(
@@ -107,21 +109,38 @@ class LayerShape:
 
 
 @dataclass(frozen=True)
+class ResultBroadcast:
+    """One fused broadcast of preconditioned gradients: ``root`` sends its group's ``layers`` to ``members``."""
+
+    root: int
+    members: tuple[int, ...]  # the ranks taking part, root included
+    layers: tuple[str, ...]  # in model order
+
+
+@dataclass(frozen=True)
 class WorkPlan:
     """Who decomposes each factor, who preconditions each layer; identical on every rank.
 
     ``inversion`` places every factor (Algorithm 1 for ``'lbp'``, Eq. 22 for
-    ``'seq'``, everywhere for ``'local'``), costed with the performance model
-    at this worker count: ``inversion.owner(key)`` is the rank that decomposes
-    a factor and broadcasts it (or ``ALL``), ``inversion.broadcast_order()``
-    the order every rank issues the broadcasts in. ``preconditioners`` maps a
-    layer to the one rank that preconditions it and broadcasts the result
-    (empty: every rank preconditions every layer).
+    ``'seq'``, everywhere for ``'local'``), costed with the performance model:
+    ``inversion.owner(key)`` is the rank that decomposes a factor and
+    broadcasts it (or ``ALL``: every rank that holds it decomposes it),
+    ``inversion.broadcast_order()`` the order every rank issues the
+    broadcasts in. ``groups`` are KAISA's gradient-worker groups
+    (:mod:`spdkfac.grad_workers`; None: COMM-OPT, every rank holds every
+    decomposition and preconditions every layer); ``layer_groups`` maps a
+    layer to its group, whose ranks alone hold its decompositions (each
+    factor placed among them). ``native_subgroups``: the engine broadcasts
+    to a subset of ranks; without it a group's decompositions are broadcast
+    to every rank (the others drop them) and each group's results are sent
+    to all from its first rank.
     """
 
     inversion: PlacementPlan
     layers: tuple[LayerShape, ...]
-    preconditioners: dict[str, int] = field(default_factory=dict)
+    layer_groups: dict[str, int] = field(default_factory=dict)
+    groups: GradWorkerGroups | None = None
+    native_subgroups: bool = False
 
     @classmethod
     def make(
@@ -132,41 +151,129 @@ class WorkPlan:
         placement: str,
         compute_method: str | DecompositionMethod,
         distribute_preconditioning: bool = False,
+        *,
+        grad_workers: int | None = None,
+        native_subgroups: bool = False,
     ) -> WorkPlan:
-        """The plan for ``layers`` (in model order) on ``workers`` workers.
+        """The plan for ``layers`` (in model order) on ``workers`` workers with ``grad_workers`` per layer.
 
         ``perf`` must already describe this worker count
         (:meth:`~spdkfac.perfmodels.PerfModel.scaled_to`). Each factor is one
         task (a grouped layer's blocks are decomposed in one batched call and
         sent as one buffer), costed by the compute method
-        (:meth:`~spdkfac.methods.DecompositionMethod.cost`).
+        (:meth:`~spdkfac.methods.DecompositionMethod.cost`). ``grad_workers``
+        None means all (COMM-OPT), or one with ``distribute_preconditioning``
+        (MEM-OPT, its old name). Layers go to groups balanced by their
+        preconditioning matmuls; inside a group the factors are placed by
+        ``placement`` among its ranks, costed with broadcasts to the group.
         """
         method = get_method(compute_method)
-        factors: list[tuple[Hashable, int]] = []
-        costs: dict[Hashable, tuple[float, float]] = {}
-        for s in layers:
-            for kind in ("A", "G"):
-                shape = s.factor_shape(kind)
-                factors.append(((kind, s.name), shape.dim))
-                costs[(kind, s.name)] = (method.cost(perf, shape), method.broadcast_cost(perf, shape))
-        inversion = place(placement, factors, workers, costs=costs)
-        preconditioners: dict[str, int] = {}
-        if distribute_preconditioning and workers > 1:
-            owners = balance_by_cost([s.blocks * preconditioning_cost(s.a_dim, s.g_dim) for s in layers], workers)
-            preconditioners = {s.name: rank for s, rank in zip(layers, owners)}
-        return cls(inversion, tuple(layers), preconditioners)
+        if grad_workers is None:
+            grad_workers = 1 if distribute_preconditioning else workers
+        groups = GradWorkerGroups(workers, grad_workers)
+        if groups.everyone_holds_everything:
+            return cls(_place_factors(layers, workers, perf, placement, method, None), tuple(layers))
+        group_of = balance_by_cost([s.blocks * preconditioning_cost(s.a_dim, s.g_dim) for s in layers], groups.count)
+        in_group = perf.scaled_to(grad_workers) if native_subgroups else perf
+        assignments: list[Assignment] = []
+        for k in range(groups.count):
+            members = groups.members(k)
+            mine = [s for s, g in zip(layers, group_of) if g == k]
+            local = _place_factors(mine, grad_workers, in_group, placement, method, members)
+            assignments += local.assignments
+        inversion = PlacementPlan(placement, workers, assignments)
+        layer_groups = {s.name: g for s, g in zip(layers, group_of)}
+        return cls(inversion, tuple(layers), layer_groups, groups, native_subgroups)
 
     @property
     def workers(self) -> int:
         return self.inversion.world_size
 
+    @property
+    def grad_workers(self) -> int:
+        """Gradient workers per layer (``P`` for COMM-OPT)."""
+        return self.groups.grad_workers if self.groups is not None else self.workers
+
+    @property
+    def grad_worker_fraction(self) -> float:
+        return self.grad_workers / self.workers
+
+    def gradient_workers(self, layer: str) -> tuple[int, ...]:
+        """The ranks that hold ``layer``'s decompositions."""
+        if self.groups is None:
+            return tuple(range(self.workers))
+        return self.groups.members(self.layer_groups[layer])
+
+    def holds(self, rank: int, layer: str) -> bool:
+        """Whether ``rank`` keeps ``layer``'s decompositions (and may precondition it)."""
+        return rank in self.gradient_workers(layer)
+
+    @property
+    def preconditioners(self) -> dict[str, int]:
+        """MEM-OPT's one preconditioning rank per layer (empty for any other fraction)."""
+        if self.groups is None or self.groups.grad_workers != 1:
+            return {}
+        return {name: self.groups.members(k)[0] for name, k in self.layer_groups.items()}
+
     def preconditioner(self, layer: str) -> int | None:
-        """The rank that preconditions ``layer`` (None: every rank does)."""
+        """The one rank that preconditions ``layer`` in MEM-OPT (None otherwise)."""
         return self.preconditioners.get(layer)
 
-    def preconditioned_by_rank(self, names: Sequence[str]) -> list[list[int]]:
-        """Indices into ``names`` of the layers each rank preconditions (distributed preconditioning)."""
-        owned: list[list[int]] = [[] for _ in range(self.workers)]
-        for i, name in enumerate(names):
-            owned[self.preconditioners[name]].append(i)
-        return owned
+    def result_broadcasts(self, names: Sequence[str]) -> list[ResultBroadcast]:
+        """The fused broadcasts of preconditioned gradients for the layers ``names``, in the order every rank issues them.
+
+        With sub-group broadcasts: for each group and each position ``j`` in
+        it, the member at ``j`` sends the group's layers to the receiver
+        group ``j`` (none for COMM-OPT). Without: each group's first rank
+        sends them to every rank.
+        """
+        if self.groups is None:
+            return []
+        out: list[ResultBroadcast] = []
+        everyone = tuple(range(self.workers))
+        for k in range(self.groups.count):
+            layers = tuple(n for n in names if self.layer_groups[n] == k)
+            if not layers:
+                continue
+            members = self.groups.members(k)
+            if not self.native_subgroups:
+                out.append(ResultBroadcast(members[0], everyone, layers))
+                continue
+            for j, root in enumerate(members):
+                receivers = self.groups.receivers(j)
+                if len(receivers) > 1:
+                    out.append(ResultBroadcast(root, receivers, layers))
+        return out
+
+    def preconditioned_here(self, rank: int, names: Sequence[str]) -> list[str]:
+        """The layers of ``names`` that ``rank`` preconditions itself (the rest it receives)."""
+        broadcasts = self.result_broadcasts(names)
+        if not broadcasts:
+            return list(names)
+        return [n for b in broadcasts if b.root == rank for n in b.layers]
+
+
+def _place_factors(
+    layers: Sequence[LayerShape],
+    workers: int,
+    perf: PerfModel,
+    placement: str,
+    method: DecompositionMethod,
+    members: tuple[int, ...] | None,
+) -> PlacementPlan:
+    """``placement`` of the layers' factors over ``workers`` ranks; with ``members``, those ranks (local index -> rank)."""
+    factors: list[tuple[Hashable, int]] = []
+    costs: dict[Hashable, tuple[float, float]] = {}
+    for s in layers:
+        for kind in ("A", "G"):
+            shape = s.factor_shape(kind)
+            factors.append(((kind, s.name), shape.dim))
+            costs[(kind, s.name)] = (method.cost(perf, shape), method.broadcast_cost(perf, shape))
+    plan = place(placement, factors, workers, costs=costs)
+    if members is None:
+        return plan
+    return PlacementPlan(
+        plan.strategy,
+        workers,
+        [replace(a, owner=a.owner if a.owner == ALL else members[a.owner], members=members) for a in plan.assignments],
+    )

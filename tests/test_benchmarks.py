@@ -135,6 +135,39 @@ def test_soak_keeps_replicas_identical_with_a_delayed_worker(tmp_path):
     assert len(result["samples"]) == 4
 
 
+@pytest.mark.multiprocess
+def test_kaisa_fraction_measures_every_fraction_and_auto(tmp_path):
+    out = tmp_path / "kaisa.json"
+    args = ["-m", "benchmarks.kaisa_fraction", "measure", "--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2"]
+    run_workers("torch", 2, [*args, "--iters", "2", "--warmup", "1", "--inv-update-freq", "5", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert [r["fraction"] for r in data["measured"]] == ["2/2", "1/2", "auto"]
+    assert [r["fraction"] for r in data["modelled"]] == ["1/2", "2/2"]
+    full, half = data["measured"][0], data["measured"][1]
+    assert half["kfac_mib_max"] < full["kfac_mib_max"] == full["kfac_mib_min"]  # one gradient worker holds less
+    for r in data["measured"]:
+        assert r["amortised_s"] == pytest.approx(r["step_s"] + r["decomposition_stage_s"] / 5)
+    assert data["measured"][2]["auto_predicted_s"] is not None
+
+
+def test_kaisa_fraction_simulate_and_its_results_section(tmp_path):
+    out = tmp_path / "kaisa_fraction_simulated.json"
+    cmd = [sys.executable, "-m", "benchmarks.kaisa_fraction", "simulate", "--workers", "4", "--out", str(out)]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    data = json.loads(out.read_text())
+    for model in ("reference", "gpu-cluster"):
+        rows = data["predicted"][f"{model}/4"]
+        assert [r["fraction"] for r in rows] == ["1/4", "2/4", "4/4", "auto"]
+        assert rows[0]["kfac_mib_mean"] < rows[1]["kfac_mib_mean"] < rows[2]["kfac_mib_mean"]  # memory grows with the fraction
+        assert rows[-1]["chose"] in ("1/4", "2/4", "4/4")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import results_md
+
+    text = results_md.build(tmp_path, tmp_path / "RESULTS.md")
+    assert "KAISA's grad_worker_fraction at scale (simulator)" in text
+    assert "**reference, 4 workers** ('auto' chose" in text
+
+
 def test_batched_decomposition_compares_one_batched_call_with_a_loop(tmp_path):
     """benchmarks/batched_decomposition.py for real: both timings per shape and the model totals add up."""
     args = ["--models", "resnext50_32x4d", "--methods", "inverse", "--repeats", "1", "--out", str(tmp_path)]

@@ -228,7 +228,10 @@ def small_profile() -> Profile:
 
 
 @pytest.mark.parametrize("workers", [2, 3, 8])
-@pytest.mark.parametrize("variant", ["spdkfac", "mpdkfac", "dkfac", "spdkfac-dp", "spdkfac:compute_method=eigen"])
+@pytest.mark.parametrize(
+    "variant",
+    ["spdkfac", "mpdkfac", "dkfac", "spdkfac-dp", "spdkfac:compute_method=eigen", "spdkfac:grad_worker_fraction=auto"],
+)
 def test_the_simulator_plans_what_the_optimizer_plans(small_profile, variant, workers, tmp_path):
     """Placement, broadcast order and preconditioning owners of an optimizer on ``workers`` ranks, from the same
     performance-model file, equal the plan predict charges for that model's profile."""
@@ -247,6 +250,7 @@ def test_the_simulator_plans_what_the_optimizer_plans(small_profile, variant, wo
             [(a.key, a.owner) for a in plan.inversion.assignments],
             [a.key for a in plan.inversion.broadcast_order()],
             plan.preconditioners,
+            (plan.grad_workers, plan.layer_groups),
             [(s.name, s.a_dim, s.g_dim) for s in plan.layers],
         )
 

@@ -64,10 +64,10 @@ def test_predict_has_no_placement_of_its_own(monkeypatch):
     balanced = predict(prof, perf, 4, "mpdkfac")
     make = WorkPlan.make
 
-    def all_on_rank0(cls, layers, workers, perf, placement, compute_method, distribute_preconditioning=False):
-        plan = make(layers, workers, perf, placement, compute_method, distribute_preconditioning)
+    def all_on_rank0(cls, layers, workers, perf, placement, compute_method, distribute_preconditioning=False, **kwargs):
+        plan = make(layers, workers, perf, placement, compute_method, distribute_preconditioning, **kwargs)
         moved = [replace(a, owner=0) for a in plan.inversion.assignments]
-        return WorkPlan(PlacementPlan(placement, workers, moved), plan.layers, plan.preconditioners)
+        return replace(plan, inversion=PlacementPlan(placement, workers, moved))
 
     monkeypatch.setattr(prediction.WorkPlan, "make", classmethod(all_on_rank0))
     lopsided = predict(prof, perf, 4, "mpdkfac")

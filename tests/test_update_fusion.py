@@ -306,6 +306,7 @@ def test_zero_grad_without_step_rolls_back_a_backward_update(float64):
         (dict(kl_clip=0.001), "needs kl_clip=None"),
         (dict(grad_scaler=torch.amp.GradScaler("cpu")), "grad_scaler"),
         (dict(distribute_preconditioning=True), "distribute_preconditioning"),
+        (dict(grad_worker_fraction="auto"), "grad_worker_fraction < 1"),
     ],
 )
 def test_backward_fusion_refuses_what_needs_every_gradient(kw, match):

@@ -95,6 +95,22 @@ class CommBackend(abc.ABC):
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> Handle:
         """Start overwriting ``tensor`` in place with ``root``'s copy."""
 
+    #: Whether :meth:`broadcast_within_async` sends only to its members (else to every rank).
+    native_subgroups: bool = False
+
+    def broadcast_within_async(self, tensor: torch.Tensor, root: int, members: Sequence[int], name: str) -> Handle:
+        """Start overwriting ``tensor`` with ``root``'s copy on the ranks ``members`` (root among them).
+
+        Every rank calls it, in the same order. With :attr:`native_subgroups`
+        only the members communicate and a non-member's ``tensor`` (pass an
+        empty one) is left alone; this default, for engines without
+        sub-group collectives, broadcasts to every rank, so a non-member must
+        pass a buffer of the members' size, which it then discards.
+        """
+        if root not in members:
+            raise ValueError(f"broadcast {name!r}: root {root} is not among its members {list(members)}")
+        return self.broadcast_async(tensor, root, name)
+
     def allgather_async(self, tensor: torch.Tensor, counts: Sequence[int], name: str) -> Handle:
         """Start filling the 1-D ``tensor`` with every worker's segment, in rank order.
 

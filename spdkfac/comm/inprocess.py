@@ -95,12 +95,14 @@ class _Slot:
     shape: tuple[int, ...]
     dtype: torch.dtype
     first_rank: int
+    members: tuple[int, ...] | None = None  # a sub-group broadcast's ranks (the others post it too, and get nothing)
     posts: dict[int, _Post] = field(default_factory=dict)
     done: bool = False
 
     def describe(self) -> str:
         root = f" root={self.root}" if self.root is not None else ""
-        return f"#{self.index} {self.op} {self.name!r}{root} shape={self.shape} dtype={self.dtype}"
+        within = f" members={list(self.members)}" if self.members is not None else ""
+        return f"#{self.index} {self.op} {self.name!r}{root}{within} shape={self.shape} dtype={self.dtype}"
 
 
 class _Handle:
@@ -156,6 +158,14 @@ class InProcessBackend(CommBackend):
             raise ValueError(f"broadcast {name!r}: root {root} does not exist in a group of {self._group.size}")
         return self._group._post(self._rank, "broadcast", name, root, tensor)
 
+    native_subgroups = True
+
+    def broadcast_within_async(self, tensor: torch.Tensor, root: int, members: Sequence[int], name: str) -> Handle:
+        members = tuple(members)
+        if root not in members or not all(0 <= r < self._group.size for r in members):
+            raise ValueError(f"broadcast {name!r}: root {root} and members {list(members)} must be ranks of the group, root a member")
+        return self._group._post(self._rank, "broadcast", name, root, tensor, members)
+
     def barrier(self) -> None:
         self._group._post(self._rank, "barrier", "spdkfac.barrier", None, torch.zeros(0)).wait()
 
@@ -191,14 +201,21 @@ class InProcessGroup:
             return list(self._history)
 
     # -- posting and waiting ---------------------------------------------------------
-    def _post(self, rank: int, op: str, name: str, root: int | None, tensor: torch.Tensor) -> _Handle:
+    def _post(
+        self, rank: int, op: str, name: str, root: int | None, tensor: torch.Tensor, members: tuple[int, ...] | None = None
+    ) -> _Handle:
         with self._cond:
             self._check_alive(rank)
             index = self._posted[rank]
             self._posted[rank] += 1
             slot = self._slots.get(index)
+            # A sub-group broadcast's non-members post an empty tensor: its shape is compared among members only.
+            outside = members is not None and rank not in members
+            shape = (-1,) if outside else tuple(tensor.shape)
+            if slot is not None and slot.shape == (-1,) and not outside:
+                slot.shape = shape
             if slot is None:
-                slot = _Slot(index, op, name, root, tuple(tensor.shape), tensor.dtype, rank)
+                slot = _Slot(index, op, name, root, shape, tensor.dtype, rank, members)
                 self._slots[index] = slot
                 gone = [r for r in range(self.size) if self._finished[r] and self._posted[r] <= index]
                 if gone:
@@ -210,8 +227,9 @@ class InProcessGroup:
                         ),
                     )
             else:
-                mine = _Slot(index, op, name, root, tuple(tensor.shape), tensor.dtype, rank)
-                if (op, name, root, mine.shape, tensor.dtype) != (slot.op, slot.name, slot.root, slot.shape, slot.dtype):
+                mine = _Slot(index, op, name, root, shape, tensor.dtype, rank, members)
+                same_shape = outside or mine.shape == slot.shape
+                if not same_shape or (op, name, root, members, tensor.dtype) != (slot.op, slot.name, slot.root, slot.members, slot.dtype):
                     raise self._fail(
                         rank,
                         CollectiveMismatchError(
@@ -240,8 +258,9 @@ class InProcessGroup:
             else:
                 result = tensors[0]
             if slot.op != "barrier":
-                for t in tensors:
-                    t.copy_(result)
+                for r, t in enumerate(tensors):
+                    if slot.members is None or r in slot.members:
+                        t.copy_(result)
         slot.done = True
         slot.posts.clear()  # drop the references to the ranks' tensors
         del self._slots[slot.index]

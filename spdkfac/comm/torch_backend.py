@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from .base import CommBackend, Handle, check_gather_counts
+from .base import CommBackend, CompletedHandle, Handle, check_gather_counts
 from .device import worker_device
 from .errors import DEFAULT_COLLECTIVE_TIMEOUT_S, CollectiveTimeoutError, check_collective_timeout, timeout_message
 from .liveness import Liveness
@@ -167,6 +167,7 @@ class TorchDistributedBackend(CommBackend):
         # The timeout and heartbeats of the group an engine created earlier in this process; unknown for the caller's.
         self._timeout_s: float | None = _OWN_GROUP.get("timeout_s")
         self._liveness: Liveness | None = _OWN_GROUP.get("liveness")
+        self._subgroups: dict[tuple[int, ...], Any] = {}  # process groups of sub-group broadcasts, by members
         if not dist.is_initialized():
             from torch.distributed.distributed_c10d import PrefixStore
             from torch.distributed.rendezvous import rendezvous
@@ -208,6 +209,23 @@ class TorchDistributedBackend(CommBackend):
 
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> Handle:
         work = dist.broadcast(tensor, src=root, async_op=True)
+        return _TorchHandle(work, tensor, 1, name, self._timed_out)
+
+    native_subgroups = True
+
+    def broadcast_within_async(self, tensor: torch.Tensor, root: int, members: Sequence[int], name: str) -> Handle:
+        """A broadcast on a process group of ``members`` (made on first use, by every rank, in the same order)."""
+        key = tuple(members)
+        if root not in key:
+            raise ValueError(f"broadcast {name!r}: root {root} is not among its members {list(key)}")
+        if len(key) == self.size:
+            return self.broadcast_async(tensor, root, name)
+        group = self._subgroups.get(key)
+        if group is None:  # every rank calls this, so every rank creates the groups in the same order
+            group = self._subgroups[key] = dist.new_group(list(key))
+        if self.rank not in key:
+            return CompletedHandle()
+        work = dist.broadcast(tensor, src=root, group=group, async_op=True)
         return _TorchHandle(work, tensor, 1, name, self._timed_out)
 
     def allgather_async(self, tensor: torch.Tensor, counts: Sequence[int], name: str) -> Handle:

@@ -48,6 +48,10 @@ class DecompositionMethod(abc.ABC):
     def payload_size(self, shape: FactorShape) -> int:
         """Elements broadcast for one factor of this shape."""
 
+    def kept_size(self, shape: FactorShape) -> int:
+        """Elements a holder keeps of one factor's decomposition (what :meth:`tensors` of it add up to)."""
+        return self.payload_size(shape)
+
     @abc.abstractmethod
     def owned(self, shape: FactorShape, factor: torch.Tensor, damping: float) -> tuple[Any, torch.Tensor]:
         """(kept value, flat payload) of a full factor, on the rank that decomposes and broadcasts it.

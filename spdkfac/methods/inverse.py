@@ -6,6 +6,7 @@ factor are inverted in one batched Cholesky; a diagonal factor elementwise.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -35,6 +36,9 @@ class InverseMethod(DecompositionMethod):
 
     def payload_size(self, shape: FactorShape) -> int:
         return shape.packed_size  # the inverse is symmetric (diagonal): the factor's own flat form
+
+    def kept_size(self, shape: FactorShape) -> int:
+        return math.prod(shape.full_shape)  # kept unpacked: full blocks
 
     def _invert(self, shape: FactorShape, factor: torch.Tensor, damping: float) -> torch.Tensor:
         if shape.diagonal:

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..fusion import DEFAULT_THRESHOLD_BYTES
 from ..fusion.planner import serve_in_order
+from ..grad_worker_choice import plan_memory, resolve_grad_workers
 from ..perfmodels import PerfModel
 from ..placement import ALL, PlacementPlan
 from ..variants import variant_config
@@ -25,7 +26,10 @@ from ..work_plan import LayerShape, WorkPlan, fusion_groups, group_launch_times,
 from .profile_file import FactorProfile, LayerPreconditionProfile, Profile
 from .scaling import ScaledModels
 
-__all__ = ["PARTS", "expected_max_normal", "predict", "rank_lag", "simulated_work_plan"]
+__all__ = ["PARTS", "SIMULATED_SUBGROUPS", "expected_max_normal", "predict", "predict_memory", "rank_lag", "simulated_work_plan"]
+
+#: The simulated engine broadcasts to sub-groups of ranks (torch.distributed, NCCL), as KAISA assumes.
+SIMULATED_SUBGROUPS = True
 
 PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"]
 
@@ -52,7 +56,7 @@ def predict(
             raise ValueError("this profile has no plain-SGD pass time to model contention with; re-run `spdkfac.simulate profile`")
         inflation = max(1.0, profile.sgd_forward_backward / compute)
     grad_blocked, factor_blocked = _blocked_communication(profile, cfg, m, contention)
-    plan = _work_plan(profile, cfg, m) if kfac else None
+    plan = _work_plan(profile, cfg, m, i_freq) if kfac else None
     inverse_comp = inverse_comm = critical_inversions = 0.0
     if plan is not None:
         method = cfg.get("compute_method", "inverse")
@@ -83,7 +87,7 @@ def predict(
         if workers > 1 and cfg["pipelining"]:
             parts["Other"] -= packing * f_share
             parts["FF&BP"] += packing * f_share
-    if plan is not None and workers > 1 and plan.preconditioners:
+    if plan is not None and workers > 1 and plan.groups is not None:
         parts["Other"] += _distributed_precondition_change(profile, plan, m, contention)
     grad_share, factor_share = _overlap_shares(bool(cfg.get("overlap_preconditioning", True)), kfac, workers, f_share, i_share)
     if not contention and (grad_share or factor_share):
@@ -99,25 +103,48 @@ def predict(
     return {"iteration": sum(parts.values()), **parts}
 
 
-def simulated_work_plan(profile: Profile, perf: PerfModel, workers: int, variant: str) -> WorkPlan | None:
+def simulated_work_plan(
+    profile: Profile, perf: PerfModel, workers: int, variant: str, update_freq: tuple[int, int] = (1, 1)
+) -> WorkPlan | None:
     """The work plan :func:`predict` charges for ``variant`` on ``workers`` workers (None for plain SGD).
 
     The optimizer makes its own with :meth:`WorkPlan.make` from its layers
     and ``perf.for_world_size(workers)``; a test holds the two equal.
     """
     cfg = variant_config(variant)
-    return _work_plan(profile, cfg, ScaledModels(perf, workers)) if cfg.get("precondition", True) else None
+    return _work_plan(profile, cfg, ScaledModels(perf, workers), update_freq[1]) if cfg.get("precondition", True) else None
 
 
-def _work_plan(profile: Profile, cfg: Mapping[str, Any], m: ScaledModels) -> WorkPlan:
-    return WorkPlan.make(
-        _layer_shapes(profile),
+def _work_plan(profile: Profile, cfg: Mapping[str, Any], m: ScaledModels, inv_update_freq: int = 1) -> WorkPlan:
+    """The optimizer's plan: its gradient workers resolved by its own function (``'auto'`` included)."""
+    shapes = _layer_shapes(profile)
+    method = cfg.get("compute_method", "inverse")
+    grad_workers, choice = resolve_grad_workers(
+        cfg.get("grad_worker_fraction"),
+        bool(cfg.get("distribute_preconditioning", False)),
+        shapes,
         m.workers,
         m.scaled,
         cfg["placement"],
-        cfg.get("compute_method", "inverse"),
-        bool(cfg.get("distribute_preconditioning", False)),
+        method,
+        SIMULATED_SUBGROUPS,
+        cfg.get("memory_budget"),
+        inv_update_freq=inv_update_freq,
     )
+    if choice is not None:
+        return choice.plan
+    return WorkPlan.make(
+        shapes, m.workers, m.scaled, cfg["placement"], method, grad_workers=grad_workers, native_subgroups=SIMULATED_SUBGROUPS
+    )
+
+
+def predict_memory(profile: Profile, perf: PerfModel, workers: int, variant: str, update_freq: tuple[int, int] = (1, 1)) -> list[int]:
+    """Bytes of K-FAC state (float32 running factors and decompositions) on each of ``workers`` workers for ``variant``."""
+    cfg = variant_config(variant)
+    if not cfg.get("precondition", True):
+        return [0] * workers
+    plan = _work_plan(profile, cfg, ScaledModels(perf, workers), update_freq[1])
+    return plan_memory(plan, cfg.get("compute_method", "inverse"))
 
 
 @functools.cache
@@ -263,12 +290,13 @@ def _inversion_stage(
         for a in charged.assignments:
             if a.owner != ALL:
                 for r in range(workers):
-                    recv_extra[r] += a.t_comm if r != a.owner else 0.0
+                    takes_part = a.holds(r) or not plan.native_subgroups
+                    recv_extra[r] += a.t_comm if r != a.owner and takes_part else 0.0
     stage = [spans[r] + comp_extra[r] + recv_extra[r] for r in range(workers)]
     critical = max(range(workers), key=lambda r: stage[r])
-    own = [sum(a.t_comp for a in charged.assignments if a.owner in (r, ALL)) + comp_extra[r] for r in range(workers)]
+    own = [sum(a.t_comp for a in charged.assignments if a.computes(r)) + comp_extra[r] for r in range(workers)]
     inverse_comp = sum(own) / workers
-    critical_inversions = sum(a.t_comp for a in charged.assignments if a.owner in (critical, ALL))
+    critical_inversions = sum(a.t_comp for a in charged.assignments if a.computes(critical))
     return inverse_comp, stage[critical] - inverse_comp, critical_inversions
 
 
@@ -313,9 +341,9 @@ def _conversions(
     for a in plan.assignments:
         unpack, pack = times[a.key].unpack, times[a.key].pack
         for r in range(workers):
-            if a.owner in (r, ALL):
+            if a.computes(r):
                 comp[r] += unpack + (pack + unpack * kept_copy if a.owner == r and workers > 1 else 0.0)
-            else:
+            elif a.holds(r):
                 recv[r] += unpack
     return comp, recv
 
@@ -333,40 +361,41 @@ def _overlap_shares(enabled: bool, kfac: bool, workers: int, f_share: float, i_s
     return float(grad), factor
 
 
-def _rank_shares(layers: Sequence[LayerPreconditionProfile], plan: WorkPlan) -> list[tuple[float, int]]:
-    """(preconditioning seconds, result elements) of each rank, with the plan's preconditioning owners."""
-    unknown = [p.layer for p in layers if plan.preconditioner(p.layer) is None]
+def _rank_shares(layers: Sequence[LayerPreconditionProfile], plan: WorkPlan) -> list[float]:
+    """Preconditioning seconds of each rank: the layers it preconditions itself (the plan's gradient workers)."""
+    unknown = [p.layer for p in layers if p.layer not in plan.layer_groups]
     if unknown:
         raise ValueError(f"the profile's preconditioning times name layers without factors: {unknown}")
-    owners = [plan.preconditioner(p.layer) for p in layers]
-    return [
-        (
-            sum(p.seconds for p, o in zip(layers, owners) if o == r),
-            sum(p.blocks * p.g_dim * p.a_dim for p, o in zip(layers, owners) if o == r),
-        )
-        for r in range(plan.workers)
-    ]
+    names = [p.layer for p in layers]
+    seconds = {p.layer: p.seconds for p in layers}
+    return [sum(seconds[n] for n in plan.preconditioned_here(r, names)) for r in range(plan.workers)]
 
 
 def _preconditioning_busy(profile: Profile, plan: WorkPlan | None) -> float:
     """Seconds of preconditioning matmuls on the busiest rank (0 for profiles without per-layer times)."""
     layers = profile.precondition
-    if plan is None or not plan.preconditioners:
+    if plan is None or plan.groups is None:
         return sum(p.seconds for p in layers)
-    return max((seconds for seconds, _ in _rank_shares(layers, plan)), default=0.0)
+    return max(_rank_shares(layers, plan), default=0.0)
 
 
 def _distributed_precondition_change(profile: Profile, plan: WorkPlan, m: ScaledModels, contention: bool) -> float:
     """Seconds the split preconditioning adds to (negative: saves from) the single-worker ``step()``.
 
-    The busiest rank's share replaces the whole preconditioning; the fused
-    broadcasts of the results follow (one per rank; serialized under
-    ``contention``, else the last one is what is waited for).
+    The busiest rank's share replaces the whole preconditioning; then the
+    fused broadcasts of the results, each at its group's size. A rank takes
+    part in some of them (as root or receiver): serialized under
+    ``contention``, else overlapped (its longest one is what it waits for).
     """
     layers = profile.precondition
     if not layers:
         raise ValueError("this profile has no per-layer preconditioning times; re-run `spdkfac.simulate profile`")
     shares = _rank_shares(layers, plan)
-    broadcasts = [m.broadcast_elements(elements) for _, elements in shares]
-    comm = sum(broadcasts) if contention else max(broadcasts)
-    return max(seconds for seconds, _ in shares) + comm - sum(p.seconds for p in layers)
+    elements = {p.layer: p.blocks * p.g_dim * p.a_dim for p in layers}
+    taken: list[list[float]] = [[] for _ in range(plan.workers)]
+    for b in plan.result_broadcasts([p.layer for p in layers]):
+        cost = ScaledModels(m.perf, len(b.members)).broadcast_elements(sum(elements[n] for n in b.layers))
+        for r in b.members:
+            taken[r].append(cost)
+    comm = max((sum(t) if contention else max(t, default=0.0)) for t in taken)
+    return max(shares) + comm - sum(p.seconds for p in layers)

@@ -1,0 +1,180 @@
+"""Choosing KAISA's ``grad_worker_fraction`` from the fitted performance models, under a memory budget.
+
+One implementation, called by the optimizer (``grad_worker_fraction='auto'``)
+and by the simulator. For each whole number ``g`` of gradient workers per
+layer (every divisor of ``P``) it makes the optimizer's own
+:class:`~spdkfac.work_plan.WorkPlan` and charges it with the fitted models:
+
+* the decomposition stage: the busiest rank's decompositions and the
+  broadcasts of their results to the layer's gradient workers (the plan's
+  makespan), once per ``inv_update_freq`` steps;
+* the preconditioning matmuls of the busiest rank, every step, at the
+  arithmetic rate of the fitted inversion curve (an inversion and a
+  ``G grad A`` product are both about ``d^3`` multiply-adds);
+* the broadcasts of the preconditioned gradients each rank receives, every
+  step.
+
+The memory is exact, not modelled: every rank holds every running factor
+(they are all-reduced) and the decompositions of the layers it is a
+gradient worker of, as :func:`~spdkfac.kfac_state.memory_usage` counts them.
+The parts that do not depend on ``g`` (forward, backward, the factor and
+gradient all-reduces) are left out: they change no choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .grad_workers import grad_worker_count
+from .methods import DecompositionMethod, get_method
+from .perfmodels import PerfModel
+from .placement import preconditioning_cost
+from .work_plan import LayerShape, WorkPlan
+
+__all__ = [
+    "GradWorkerOption",
+    "choose_grad_workers",
+    "grad_worker_options",
+    "plan_memory",
+    "plan_seconds",
+    "resolve_grad_workers",
+]
+
+#: The dimension at which the inversion curve's per-``d^3`` rate is read.
+RATE_DIM = 1024
+
+
+@dataclass(frozen=True)
+class GradWorkerOption:
+    """One number of gradient workers per layer, its plan, modelled seconds per step and largest per-worker memory."""
+
+    grad_workers: int
+    workers: int
+    seconds: float
+    memory: int  # bytes of K-FAC state on the fullest worker
+    plan: WorkPlan
+
+    @property
+    def fraction(self) -> float:
+        return self.grad_workers / self.workers
+
+    def describe(self) -> str:
+        return (
+            f"grad_worker_fraction={self.grad_workers}/{self.workers} ({self.fraction:g}): "
+            f"predicted {self.seconds * 1e3:.2f} ms/step of decompositions, preconditioning and their broadcasts, "
+            f"{self.memory / 2**20:.2f} MiB of K-FAC state per worker"
+        )
+
+
+def _matmul_seconds(perf: PerfModel, flops: float) -> float:
+    """Seconds of ``flops`` multiply-adds at the fitted inversion curve's rate per ``d^3``."""
+    curve = perf.inverse
+    rate = max(curve.fitted(RATE_DIM) - curve.fitted(1), 0.0) / RATE_DIM**3
+    return flops * rate
+
+
+def plan_seconds(plan: WorkPlan, perf: PerfModel, inv_update_freq: int = 1) -> float:
+    """Modelled seconds per step of the parts ``plan``'s gradient workers change (see the module docstring).
+
+    ``perf`` describes the plan's worker count (:meth:`PerfModel.scaled_to`).
+    """
+    names = [s.name for s in plan.layers]
+    shapes = {s.name: s for s in plan.layers}
+    work = {n: _matmul_seconds(perf, s.blocks * preconditioning_cost(s.a_dim, s.g_dim)) for n, s in shapes.items()}
+    busiest = max((sum(work[n] for n in plan.preconditioned_here(r, names)) for r in range(plan.workers)), default=0.0)
+    received = [0.0] * plan.workers
+    for b in plan.result_broadcasts(names):
+        elements = sum(shapes[n].blocks * shapes[n].a_dim * shapes[n].g_dim for n in b.layers)
+        model = perf.scaled_to(len(b.members)).broadcast
+        for r in b.members:
+            if r != b.root:
+                received[r] += model.alpha + model.beta * elements
+    return plan.inversion.makespan / inv_update_freq + busiest + max(received, default=0.0)
+
+
+def plan_memory(plan: WorkPlan, method: str | DecompositionMethod, element_size: int = 4) -> list[int]:
+    """Bytes of K-FAC state on each rank: every running factor, and the decompositions of the layers it holds."""
+    m = get_method(method)
+    factors = sum(s.factor_shape(kind).packed_size for s in plan.layers for kind in ("A", "G"))
+    out = []
+    for r in range(plan.workers):
+        kept = sum(m.kept_size(s.factor_shape(kind)) for s in plan.layers if plan.holds(r, s.name) for kind in ("A", "G"))
+        out.append((factors + kept) * element_size)
+    return out
+
+
+def grad_worker_options(
+    layers: Sequence[LayerShape],
+    workers: int,
+    perf: PerfModel,
+    placement: str,
+    method: str | DecompositionMethod,
+    native_subgroups: bool,
+    element_size: int = 4,
+    inv_update_freq: int = 1,
+) -> list[GradWorkerOption]:
+    """Every whole number of gradient workers per layer at ``workers``, fewest first, with its plan, time and memory."""
+    out = []
+    for g in (d for d in range(1, workers + 1) if workers % d == 0):
+        plan = WorkPlan.make(layers, workers, perf, placement, method, grad_workers=g, native_subgroups=native_subgroups)
+        seconds = plan_seconds(plan, perf, inv_update_freq)
+        out.append(GradWorkerOption(g, workers, seconds, max(plan_memory(plan, method, element_size)), plan))
+    return out
+
+
+def choose_grad_workers(
+    layers: Sequence[LayerShape],
+    workers: int,
+    perf: PerfModel,
+    placement: str,
+    method: str | DecompositionMethod,
+    native_subgroups: bool,
+    memory_budget: int | None = None,
+    element_size: int = 4,
+    inv_update_freq: int = 1,
+) -> GradWorkerOption:
+    """The fastest modelled option whose per-worker K-FAC state fits ``memory_budget`` bytes (None: any).
+
+    Ties go to fewer gradient workers (less memory). A budget nothing fits
+    raises a ValueError naming the smallest possible.
+    """
+    options = grad_worker_options(layers, workers, perf, placement, method, native_subgroups, element_size, inv_update_freq)
+    fits = [o for o in options if memory_budget is None or o.memory <= memory_budget]
+    if not fits:
+        least = min(options, key=lambda o: o.memory)
+        raise ValueError(
+            f"memory_budget={memory_budget} bytes fits no grad_worker_fraction on {workers} workers: the least K-FAC "
+            f"state per worker is {least.memory} bytes ({least.memory / 2**20:.2f} MiB, with "
+            f"grad_worker_fraction={least.grad_workers}/{workers}); every worker holds all running factors"
+        )
+    return min(fits, key=lambda o: (o.seconds, o.grad_workers))
+
+
+def resolve_grad_workers(
+    fraction: float | str | None,
+    distribute_preconditioning: bool,
+    layers: Sequence[LayerShape],
+    workers: int,
+    perf: PerfModel,
+    placement: str,
+    method: str | DecompositionMethod,
+    native_subgroups: bool,
+    memory_budget: int | None = None,
+    element_size: int = 4,
+    inv_update_freq: int = 1,
+) -> tuple[int, GradWorkerOption | None]:
+    """Gradient workers per layer for the options as given (and the chosen option, for ``'auto'``).
+
+    None: all (COMM-OPT), or one with ``distribute_preconditioning``; a
+    number: :func:`~spdkfac.grad_workers.grad_worker_count`; ``'auto'``:
+    :func:`choose_grad_workers`.
+    """
+    if fraction == "auto":
+        option = choose_grad_workers(
+            layers, workers, perf, placement, method, native_subgroups, memory_budget, element_size, inv_update_freq
+        )
+        return option.grad_workers, option
+    if fraction is not None:
+        return grad_worker_count(float(fraction), workers), None
+    return (1 if distribute_preconditioning else workers), None

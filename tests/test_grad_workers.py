@@ -1,0 +1,281 @@
+"""KAISA's gradient workers (``grad_worker_fraction``) and its ``'auto'`` choice, on 4 in-process ranks.
+
+N workers must give the parameters one worker gives on the global batch, and
+every rank bitwise the same parameters, for every fraction; each rank holds
+only its layers' decompositions.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from nets import batch, small_net, train
+
+from spdkfac import SPDKFACOptimizer
+from spdkfac.comm import CommBackend
+from spdkfac.comm.inprocess import InProcessBackend, RankError, run_ranks
+from spdkfac.grad_worker_choice import choose_grad_workers, grad_worker_options, plan_memory
+from spdkfac.grad_workers import GradWorkerGroups, grad_worker_count, valid_fractions
+from spdkfac.perfmodels import PerfModel
+from spdkfac.placement import ALL
+from spdkfac.work_plan import LayerShape, WorkPlan
+
+P = 4
+STEPS = 4
+BASE: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.01, factor_decay=0.9, kl_clip=0.01, profile_steps=1)
+SHAPES = [LayerShape(f"fc{i}", 10 + i, 6 + i % 3) for i in range(8)]  # similar sizes: groups hold alike
+
+
+def _perf(inverse_cubic: float = 1e-3, broadcast_alpha: float = 1e-1) -> PerfModel:
+    """Decompositions dear next to broadcasts for d >= 6 (so factors are owned and broadcast), or as given."""
+    d = PerfModel.default().to_dict()
+    d["inverse"] = {"kind": "cubic", "coeffs": [1e-6, 0.0, 0.0, inverse_cubic], "floor": 1e-6}
+    d["eigen"] = {"kind": "cubic", "coeffs": [1e-6, 0.0, 0.0, inverse_cubic], "floor": 1e-6}
+    d["broadcast"] = {"alpha": broadcast_alpha, "beta": 1e-6}
+    return PerfModel.from_dict(d, "crafted")
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="performance model")
+        yield
+    torch.set_default_dtype(old)
+
+
+# -- the groups ----------------------------------------------------------------------------------
+def test_groups_and_receivers_partition_the_ranks():
+    groups = GradWorkerGroups(8, 2)
+    assert groups.count == 4
+    assert [groups.members(k) for k in range(4)] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert [groups.receivers(j) for j in range(2)] == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    for k in range(groups.count):  # each receiver group holds exactly one member of every gradient-worker group
+        for j in range(2):
+            assert len(set(groups.members(k)) & set(groups.receivers(j))) == 1
+
+
+def test_fraction_to_count():
+    assert [grad_worker_count(f, 4) for f in (0.25, 0.5, 1.0)] == [1, 2, 4]
+    assert grad_worker_count(0.25, 2) == 1  # max(1, frac * P): an elastic restart at fewer workers
+    assert valid_fractions(6) == [1 / 6, 2 / 6, 3 / 6, 1.0]
+    with pytest.raises(ValueError, match=r"0\.25 gives 1\.5 gradient workers .* one of 0\.166667, 0\.333333, 0\.5, 1"):
+        grad_worker_count(0.25, 6)
+    with pytest.raises(ValueError, match="whole divisor"):
+        grad_worker_count(0.75, 4)
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        grad_worker_count(0.0, 4)
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="pass only one of them"):
+        SPDKFACOptimizer(small_net(), lr=0.1, backend="single", distribute_preconditioning=True, grad_worker_fraction=0.5)
+    with pytest.raises(ValueError, match="grad_worker_fraction must be a number"):
+        SPDKFACOptimizer(small_net(), lr=0.1, backend="single", grad_worker_fraction="half")
+    with pytest.raises(ValueError, match="set grad_worker_fraction='auto'"):
+        SPDKFACOptimizer(small_net(), lr=0.1, backend="single", grad_worker_fraction=0.5, memory_budget=10**6)
+    with pytest.raises(RankError, match="whole divisor"):
+        run_ranks(P, lambda b: SPDKFACOptimizer(small_net(), lr=0.1, backend=b, perf_model=_perf(), grad_worker_fraction=0.75))
+
+
+# -- the plan ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("native", [True, False])
+def test_plan_owners_are_gradient_workers(native):
+    plan = WorkPlan.make(SHAPES, 8, _perf(), "lbp", "inverse", grad_workers=2, native_subgroups=native)
+    assert plan.grad_worker_fraction == 0.25
+    owned = [a for a in plan.inversion.assignments if a.owner != ALL]
+    assert owned  # some factors are placed and broadcast inside their group
+    for a in plan.inversion.assignments:
+        _kind, layer = a.key
+        assert a.members == plan.gradient_workers(layer)
+        assert a.owner == ALL or a.owner in a.members
+    names = [s.name for s in SHAPES]
+    for b in plan.result_broadcasts(names):
+        assert b.root in plan.gradient_workers(b.layers[0])
+        assert b.root in b.members
+        if native:
+            assert b.members == tuple(range(b.root % 2, 8, 2))
+        else:
+            assert b.members == tuple(range(8))
+            assert b.root == plan.gradient_workers(b.layers[0])[0]
+    # Every rank gets every layer's update: it preconditions it, or is a member of a broadcast carrying it.
+    for r in range(8):
+        here = set(plan.preconditioned_here(r, names))
+        got = {n for b in plan.result_broadcasts(names) if r in b.members for n in b.layers}
+        assert here | got == set(names)
+
+
+def test_all_gradient_workers_is_the_plain_plan():
+    perf = _perf()
+    plain = WorkPlan.make(SHAPES, 4, perf, "lbp", "inverse")
+    full = WorkPlan.make(SHAPES, 4, perf, "lbp", "inverse", grad_workers=4, native_subgroups=True)
+    assert full.groups is None
+    assert full.result_broadcasts([s.name for s in SHAPES]) == []
+    assert [(a.key, a.owner) for a in full.inversion.assignments] == [(a.key, a.owner) for a in plain.inversion.assignments]
+    memopt = WorkPlan.make(SHAPES, 4, perf, "lbp", "inverse", distribute_preconditioning=True)
+    assert memopt.grad_workers == 1
+    assert set(memopt.preconditioners.values()) == set(range(4))
+
+
+# -- N workers equal one worker ------------------------------------------------------------------
+def _reference(cfg: dict[str, Any], steps: int = STEPS) -> dict[str, torch.Tensor]:
+    x, y = batch(4 * P)
+    model = small_net().double()
+    opt = SPDKFACOptimizer(model, backend="single", perf_model=_perf(), **cfg)
+    train(model, opt, x.double(), y, steps)
+    return model.state_dict()
+
+
+def _shard(rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch(4 * P)
+    local = 4 * P // size
+    return x.double()[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+
+
+def _distributed(cfg: dict[str, Any], steps: int = STEPS, size: int = P) -> list[tuple[dict[str, torch.Tensor], SPDKFACOptimizer]]:
+    models = [small_net().double() for _ in range(size)]  # built here: small_net seeds the global generator
+
+    def body(backend: CommBackend) -> tuple[dict[str, torch.Tensor], SPDKFACOptimizer]:
+        model = models[backend.rank]
+        opt = SPDKFACOptimizer(model, backend=backend, perf_model=_perf(), **cfg)
+        train(model, opt, *_shard(backend.rank, size), steps, accumulate=cfg.get("accumulation_steps", 1))
+        return model.state_dict(), opt
+
+    return run_ranks(size, body, timeout=120)
+
+
+def _assert_matches(results: list[tuple[dict[str, torch.Tensor], SPDKFACOptimizer]], ref: dict[str, torch.Tensor]) -> None:
+    for name, value in ref.items():
+        torch.testing.assert_close(results[0][0][name], value, rtol=1e-9, atol=1e-11)
+        for params, _ in results[1:]:
+            assert torch.equal(params[name], results[0][0][name]), f"{name} differs between ranks"
+    assert any(not torch.allclose(ref[k], v.double()) for k, v in small_net().state_dict().items())  # training moved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["inverse", "eigen"])
+def test_every_fraction_matches_one_worker(method):
+    usage = {}
+    for fraction in (0.25, 0.5, 1.0):
+        cfg = dict(BASE, compute_method=method, grad_worker_fraction=fraction)
+        results = _distributed(cfg)
+        _assert_matches(results, _reference(cfg))
+        opts = [opt for _, opt in results]
+        assert opts[0].work_plan.grad_workers == round(fraction * P)
+        # A rank holds exactly its layers' decompositions, as the plan's memory count says.
+        for rank, opt in enumerate(opts):
+            for layer in opt.layers:
+                assert layer.decomposed == opt.work_plan.holds(rank, layer.name), (fraction, rank, layer.name)
+            assert sum(opt.memory_usage().values()) == plan_memory(opt.work_plan, method, 8)[rank]
+        usage[fraction] = [sum(opt.memory_usage().values()) for opt in opts]
+    # The total falls with the fraction; the fullest worker's never grows (here the largest layer alone fills it).
+    assert sum(usage[0.25]) < sum(usage[0.5]) < sum(usage[1.0])
+    assert max(usage[0.25]) <= max(usage[0.5]) < max(usage[1.0])
+
+
+@pytest.mark.slow
+def test_amortised_accumulated_and_without_pipelining_match_one_worker():
+    cfg = dict(BASE, grad_worker_fraction=0.5, factor_update_freq=2, inv_update_freq=4, accumulation_steps=2, kl_clip=None)
+    results = _distributed(cfg, steps=6)
+    _assert_matches(results, _reference({**cfg, "accumulation_steps": 1}, steps=6))
+    assert results[0][1].kfac_step.overlapped_steps == 4  # preconditioned while gradients were still averaged
+    cfg = dict(BASE, grad_worker_fraction=0.5, pipelining=False, fusion="threshold", compute_method="eigen")
+    _assert_matches(_distributed(cfg), _reference(cfg))
+
+
+@pytest.mark.slow
+def test_engines_without_subgroup_broadcasts_match_one_worker(monkeypatch):
+    """The fallback: broadcasts to every rank (non-holders drop the decompositions), one sender per group."""
+    monkeypatch.setattr(InProcessBackend, "native_subgroups", False)
+    monkeypatch.setattr(InProcessBackend, "broadcast_within_async", CommBackend.broadcast_within_async)
+    cfg = dict(BASE, grad_worker_fraction=0.5)
+    results = _distributed(cfg)
+    _assert_matches(results, _reference(cfg))
+    plan = results[0][1].work_plan
+    assert not plan.native_subgroups
+    assert all(len(b.members) == P for b in plan.result_broadcasts(list(plan.layer_groups)))
+
+
+# -- 'auto' --------------------------------------------------------------------------------------
+def test_auto_picks_the_fastest_fraction_that_fits():
+    """Broadcasts cost 1 s, decompositions nothing: COMM-OPT sends no result; 2 gradient workers receive one
+    broadcast per step (from the other group), 1 receives three; memory grows with the fraction."""
+    perf = _perf(inverse_cubic=1e-12, broadcast_alpha=1.0)
+    options = grad_worker_options(SHAPES, 4, perf, "lbp", "inverse", native_subgroups=True)
+    memory = {o.grad_workers: o.memory for o in options}
+    assert memory[1] < memory[2] < memory[4]
+    seconds = {o.grad_workers: o.seconds for o in options}
+    assert seconds[4] < seconds[2] < seconds[1]
+    assert choose_grad_workers(SHAPES, 4, perf, "lbp", "inverse", True).grad_workers == 4
+    assert choose_grad_workers(SHAPES, 4, perf, "lbp", "inverse", True, memory_budget=memory[4] - 1).grad_workers == 2
+    assert choose_grad_workers(SHAPES, 4, perf, "lbp", "inverse", True, memory_budget=memory[2] - 1).grad_workers == 1
+    with pytest.raises(
+        ValueError, match=rf"memory_budget={memory[1] - 1} bytes fits no .* least K-FAC state per worker is {memory[1]} bytes"
+    ):
+        choose_grad_workers(SHAPES, 4, perf, "lbp", "inverse", True, memory_budget=memory[1] - 1)
+
+
+def test_auto_prefers_fewer_gradient_workers_when_decompositions_dominate():
+    """Decompositions dear, broadcasts cheap: spreading each layer's decompositions over fewer ranks is no slower,
+    and MEM-OPT balances the largest factors over all ranks without sending them."""
+    perf = _perf(inverse_cubic=1.0, broadcast_alpha=1e-9)
+    options = {o.grad_workers: o for o in grad_worker_options(SHAPES, 4, perf, "lbp", "inverse", native_subgroups=True)}
+    best = choose_grad_workers(SHAPES, 4, perf, "lbp", "inverse", True)
+    assert best.seconds == min(o.seconds for o in options.values())
+    assert best.grad_workers < 4
+
+
+@pytest.mark.slow
+def test_auto_state_dict_and_restart_at_another_worker_count(capsys):
+    """'auto' prints its choice, keeps it in state_dict; a checkpoint of 4 workers resumed on 2 re-chooses there,
+    and the run still equals one worker on the global batch."""
+    cfg = dict(BASE, grad_worker_fraction="auto")
+    first = _distributed(cfg, steps=3)
+    assert "grad_worker_fraction='auto' chose" in capsys.readouterr().out
+    state = first[0][1].state_dict()
+    record = state["kfac"]["grad_workers"]
+    assert record["auto"]
+    assert record["workers"] == P
+    assert record["predicted_memory_bytes"] > 0
+    params = first[0][0]
+    models = [small_net().double() for _ in range(2)]
+
+    def resume(backend: CommBackend) -> tuple[dict[str, torch.Tensor], SPDKFACOptimizer]:
+        model = models[backend.rank]
+        model.load_state_dict(params)
+        opt = SPDKFACOptimizer(model, backend=backend, perf_model=_perf(), **cfg)
+        opt.load_state_dict(copy.deepcopy(state))  # as a file read by each process: momentum buffers not shared
+        x, y = _shard(backend.rank, 2)
+        train(model, opt, x + 0.3, y, 3)  # the data of steps 3..5
+        return model.state_dict(), opt
+
+    resumed = run_ranks(2, resume, timeout=120)
+    assert resumed[0][1].state_dict()["kfac"]["grad_workers"]["workers"] == 2
+    _assert_matches(resumed, _reference(cfg, steps=6))
+
+
+@pytest.mark.slow
+def test_state_dict_round_trip_resumes_bit_for_bit():
+    cfg = dict(BASE, grad_worker_fraction=0.5)
+    straight = _distributed(cfg, steps=3)
+    first = _distributed(cfg, steps=2)
+    state, params = first[0][1].state_dict(), first[0][0]  # rank 0's: only its layers' decompositions
+    models = [small_net().double() for _ in range(P)]
+
+    def resume(backend: CommBackend) -> dict[str, torch.Tensor]:
+        model = models[backend.rank]
+        model.load_state_dict(params)
+        opt = SPDKFACOptimizer(model, backend=backend, perf_model=_perf(), **cfg)
+        opt.load_state_dict(copy.deepcopy(state))
+        x, y = _shard(backend.rank, P)
+        train(model, opt, x + 0.2, y, 1)  # step 2's data, bitwise (x + 0.1 * s of a later step would round otherwise)
+        return model.state_dict()
+
+    for params_r in run_ranks(P, resume, timeout=120):
+        for name, value in straight[0][0].items():
+            assert torch.equal(params_r[name], value), name
