@@ -194,7 +194,7 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
     model_name = args.model or default_model
     model = get_model(model_name, num_classes=num_classes).to(device)
     base_lr = args.lr * size
-    optimizer_kwargs: dict[str, Any] = dict(momentum=args.momentum)
+    optimizer_kwargs: dict[str, Any] = dict(momentum=args.momentum) if args.base == "sgd" else dict(base=args.base)
     if args.optimizer in KFAC_OPTIMIZERS:
         optimizer_kwargs.update(
             damping=args.damping,
