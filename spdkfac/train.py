@@ -253,7 +253,8 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
         )
         if args.optimizer in KFAC_OPTIMIZERS:
             print(
-                f"  {len(optimizer.layers)} preconditioned layers, damping {optimizer.param_groups[0]['damping']:g}, "
+                f"  {len(optimizer.layers)} preconditioned layers, base {optimizer.config.base}, "
+                f"damping {optimizer.param_groups[0]['damping']:g}, "
                 f"kl_clip {args.kl_clip:g}, factor/inverse update every {optimizer.factor_update_freq}/"
                 f"{optimizer.inv_update_freq} steps; placement: {optimizer.work_plan.inversion!r}"
             )

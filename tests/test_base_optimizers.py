@@ -225,3 +225,39 @@ def test_a_checkpoint_of_another_base_is_refused():
     _full, ckpt, kw, _x, _y = _checkpointed("adamw")
     with pytest.raises(ValueError, match="saved with base='adamw' but this optimizer uses base='sgd'"):
         SPDKFACOptimizer(small_net(), **{**kw, "base": "sgd"}).load_state_dict(ckpt["opt"])
+
+
+def test_training_job_takes_the_base_and_refuses_to_change_it_on_resume(tmp_path, capsys):
+    from spdkfac import train
+
+    common = ["--data", "digits", "--backend", "single", "--quiet", "--batch-size", "128", "--epochs", "2", "--out-dir", str(tmp_path)]
+    train.main([*common, "--base", "adamw", "--stop-after", "1"])
+    assert "preconditioned layers, base adamw," in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"--base cannot change when a run is resumed, even with --allow-changed-args"):
+        train.main([*common, "--base", "sgd", "--resume", "--allow-changed-args"])
+    row = train.main([*common, "--base", "adamw", "--resume"])
+    assert row["test_acc"] > 0.5
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--optimizer", "sgd", "--base", "adamw"], "--base only apply to the K-FAC optimizers"),
+        (["--base", "lamb", "--momentum", "0.5"], "--momentum does not apply to --base lamb"),
+    ],
+)
+def test_training_job_refuses_a_base_where_it_does_not_apply(argv, message, capsys):
+    from spdkfac.train_args import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_training_job_defaults_follow_the_base():
+    from spdkfac.train_args import parse_args
+
+    args = parse_args(["--base", "adamw"])
+    assert (args.lr, args.weight_decay) == (1e-3, 0.05)
+    args = parse_args([])
+    assert (args.lr, args.weight_decay) == (0.05, 5e-4)
