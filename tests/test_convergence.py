@@ -260,7 +260,6 @@ def test_external_optimizers_say_how_to_install_heavyball(monkeypatch):
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     heavyball = pytest.importorskip("heavyball")
     from benchmarks.external_optimizers import make_external
-
     from spdkfac.comm import get_backend
     from spdkfac.models import get_model
 
