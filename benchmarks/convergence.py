@@ -489,7 +489,14 @@ def save_partial(st: dict[str, Any], mine: list[tuple], last: list[dict[str, Any
     summarise(st, args.optimizers)
     epochs = min(len(run.get("epochs", [])) for run in last)
     save_json(
-        {"partial": True, "epochs_done": epochs, "world_size": size, "args": dict(vars(args).items()), "settings": [st]},
+        {
+            "partial": True,
+            "epochs_done": epochs,
+            "world_size": size,
+            "machine": machine(),
+            "args": dict(vars(args).items()),
+            "settings": [st],
+        },
         "convergence.partial.json",
         out,
     )

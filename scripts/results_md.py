@@ -508,6 +508,9 @@ def convergence(w: Writer, run: str) -> Callable[[Path, dict[str, Any]], list[st
     def render(path: Path, d: dict[str, Any]) -> list[str]:
         need(d, path, "settings")
         lines: list[str] = []
+        if d.get("partial"):  # a stopped interleaved run's convergence.partial.json, kept as the result
+            epochs = (d.get("args") or {}).get("epochs", "?")
+            lines += [f"_Partial: the run was stopped after {d.get('epochs_done', '?')} of its {epochs} epochs (every run alike)._", ""]
         pngs = []
         for st in d["settings"]:
             need(st, path, "data", "batch_size", "optimizers")
