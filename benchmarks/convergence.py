@@ -373,12 +373,21 @@ def train_epochs(
         yield run
     if dho2:
         run["memory"] = opt.memory_usage()  # this worker's curvature memory (rank 0's is saved)
+    run["replicas_identical"] = replicas_identical(model, backend, device)
     if hasattr(opt, "remove_hooks"):
         opt.remove_hooks()
     run["diverged"] = diverged
     if diverged:
         log(rank, f"    {label}diverged: {diverged}")
     yield run
+
+
+def replicas_identical(model: nn.Module, backend, device) -> bool:
+    """Whether every worker holds the same parameters (two position-weighted sums, compared with their average)."""
+    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
+    local = [float(flat.sum()), float(flat @ weights)]
+    return average_over_workers(backend, local, "convergence.replicas", device) == local
 
 
 def mean_curve(runs: list[dict[str, Any]], epochs: int) -> list[dict[str, Any]]:

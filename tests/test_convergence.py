@@ -245,6 +245,8 @@ def test_convergence_runs_soap_muon_and_kfac_with_an_adamw_base(tmp_path):
     assert kfac["weight_decay"] == 0.05
     assert "momentum" not in kfac
     assert not (out / "convergence.partial.json").exists()
+    runs = [run for res in st["optimizers"].values() for point in res["lr_grid"].values() for run in point["runs"]]
+    assert all(run["replicas_identical"] for run in runs)
 
 
 def test_external_optimizers_say_how_to_install_heavyball(monkeypatch):
@@ -276,3 +278,22 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert all(p.ndim >= 2 for p in model.parameters() if id(p) in muon_params)
     assert all(p.ndim < 2 or p is head.weight for p in model.parameters() if id(p) in adamw_params)
     assert [g["lr"] for g in opt.param_groups] == [0.02, 0.002]  # AdamW's base LR scaled by the workers
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("engine", ["torch", "horovod"])
+def test_external_optimizers_step_identically_on_every_worker(engine, tmp_path):
+    """SOAP and Muon (HeavyBall) on the averaged gradients: both workers end with the same parameters."""
+    pytest.importorskip("heavyball")
+    out = tmp_path / "conv"
+    args = _args(out, epochs=1)
+    i = args.index("--optimizers")
+    args[i + 1 : i + 3] = ["sgd", "soap", "muon"]
+    j = args.index("--lr-grid")
+    args[j + 1 : j + 3] = ["0.003", "sgd=0.05"]
+    run_workers(engine, 2, args)
+    (st,) = json.loads((out / "convergence.json").read_text())["settings"]
+    for spec in ("soap", "muon"):
+        (point,) = st["optimizers"][spec]["lr_grid"].values()
+        assert point["runs"][0]["replicas_identical"] is True, spec
+        assert point["best_test_acc"] > 0.2, spec  # it trained
