@@ -139,7 +139,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
-        super().__init__(params, {**hyper, **base_options, "damping": initial["damping"], "kl_clip": initial["kl_clip"]})
+        super().__init__(
+            params, {**base_options, **hyper, "damping": initial["damping"], "kl_clip": initial["kl_clip"]}
+        )  # checked floats win
         self.model, self.grad_scaler, self.steps = model, grad_scaler, 0
         self.factor_update_freq: int = initial["factor_update_freq"]  # in force (see _step_kind)
         self.inv_update_freq: int = initial["inv_update_freq"]
