@@ -1,4 +1,4 @@
-"""Time-to-accuracy of SPD-KFAC (and DHO2, AdamW) against SGD on real data (digits, MNIST 5k).
+"""Time-to-accuracy of SPD-KFAC (and DHO2, AdamW, SOAP, Muon) against SGD on real data (digits, MNIST 5k).
 
     horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m benchmarks.convergence \\
         --data mnist5k digits --batch-sizes 256 32 --optimizers sgd spdkfac --epochs 20
@@ -24,6 +24,17 @@ DHO2 (``dho2``, ``dho2-wa``, e.g. ``dho2:refresh_every=20``) gets its loss
 closure, and each epoch records the seconds of its eigenpair refreshes (HVPs
 and Lanczos, part of the step) and its curvature memory per worker;
 ``adamw`` and DHO2 use ``--adamw-weight-decay`` and no momentum.
+
+``adamw`` is this package's :class:`~spdkfac.adamw.DistributedAdamW`
+(``torch.optim.AdamW``'s rule on the averaged gradients). ``soap`` and
+``muon`` are HeavyBall's (an optional dependency: ``pip install --no-deps
+heavyball``), stepping on every worker on the same averaged gradients
+(:mod:`benchmarks.external_optimizers`; ``muon``: Muon on the hidden 2-D+
+weights, AdamW on the rest); they and K-FAC with an Adam-type base
+(``spdkfac:base=adamw``) use ``--adamw-weight-decay`` (decoupled). A second
+target is the first ``adamw`` entry's best test accuracy: epochs and seconds
+to reach it are reported too. Per-seed best accuracies, final test losses
+and epochs to the targets give the median and spread over ``--seeds``.
 
 Writes <out>/convergence.json and one PNG per (data, batch size) with test
 accuracy and test loss against epochs and against seconds.
@@ -53,6 +64,7 @@ from spdkfac.train import average_over_workers, evaluate, lr_at, make_loaders
 from spdkfac.variants import OTHER_OPTIMIZERS, make_optimizer, optimizer_config, variant_argv
 
 from .common import RESULTS, log, machine, save_json, start
+from .external_optimizers import EXTERNAL_OPTIMIZERS, external_options, make_external, require_heavyball
 
 DATA = ("digits", "mnist5k")
 DEFAULT_LR_GRID = (0.025, 0.05, 0.1)
@@ -60,6 +72,8 @@ DEFAULT_LR_GRID = (0.025, 0.05, 0.1)
 KFAC_KEYS = ("damping", "kl_clip", "factor_decay", "factor_update_freq", "inv_update_freq")
 #: Optimizer options this benchmark passes itself, so a variant spec cannot set them (and where they come from).
 SET_BY_BENCHMARK = {"lr": "--lr-grid", "momentum": "--momentum", "weight_decay": "--weight-decay", "backend": "the launcher"}
+#: The optimizer a second target (its best test accuracy) comes from, when listed.
+SECOND_REFERENCE = "adamw"
 CURVE_KEYS = ("train_loss", "test_loss", "test_acc", "epoch_s", "seconds", "fwdbwd_s", "step_s", "refresh_s", "lr")
 
 
@@ -72,8 +86,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         nargs="*",
         action="extend",
         default=None,
-        help="variant names of spdkfac.variants, or dho2, dho2-wa, adamw (default: sgd spdkfac), or name:key=value,... "
-        "(e.g. spdkfac:factor_update_freq=10,inv_update_freq=10, dho2:refresh_every=20)",
+        help="variant names of spdkfac.variants, or dho2, dho2-wa, adamw, soap, muon (default: sgd spdkfac), or "
+        "name:key=value,... (e.g. spdkfac:factor_update_freq=10,inv_update_freq=10, spdkfac:base=adamw, "
+        "spdkfac:compute_method=eigen, dho2:refresh_every=20, muon:adamw_lr=0.003)",
     )
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument(
@@ -102,7 +117,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--weight-decay", type=float, default=5e-4, help="SGD and K-FAC")
     ap.add_argument(
-        "--adamw-weight-decay", type=float, default=0.05, help="AdamW's decoupled decay: adamw, dho2, dho2-wa (the DHO2 paper's)"
+        "--adamw-weight-decay",
+        type=float,
+        default=0.05,
+        help="decoupled weight decay of adamw, dho2, dho2-wa (the DHO2 paper's), soap, muon and K-FAC with base adamw/lamb",
     )
     ap.add_argument("--warmup-epochs", type=float, default=1.0)
     ap.add_argument("--damping", type=float, default=0.003, help="Tikhonov damping (the paper's and spdkfac.train's default)")
@@ -135,6 +153,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             check_spec(spec, args)
         except ValueError as exc:
             ap.error(f"--optimizers: {exc}")
+    if any(spec.partition(":")[0] in EXTERNAL_OPTIMIZERS for spec in args.optimizers):
+        require_heavyball()  # before any training: a clear message saying how to install it
     try:
         args.grids = lr_grids(args.lr_grid, args.optimizers)
     except ValueError as exc:
@@ -164,7 +184,7 @@ def check_spec(spec: str, args: argparse.Namespace) -> None:
     values (:func:`~spdkfac.variants.optimizer_config`), options this benchmark sets itself, and
     update frequencies that do not divide once merged with ``--factor-update-freq``/``--inv-update-freq``.
     """
-    config = optimizer_config(spec)
+    config = spec_config(spec)
     fixed = sorted(set(config) & set(SET_BY_BENCHMARK))
     if fixed:
         raise ValueError(f"{spec!r} sets {fixed}, which this benchmark sets itself ({', '.join(SET_BY_BENCHMARK[k] for k in fixed)})")
@@ -174,6 +194,29 @@ def check_spec(spec: str, args: argparse.Namespace) -> None:
         raise ValueError(
             f"{spec!r}: inv_update_freq {inverse} is not a multiple of factor_update_freq {factor} (the spec's or the option's)"
         )
+
+
+def spec_config(spec: str) -> dict[str, Any]:
+    """:func:`~spdkfac.variants.optimizer_config` of ``spec``, or the options of an external optimizer (``soap``, ``muon``)."""
+    name, _, changes = spec.partition(":")
+    if name not in EXTERNAL_OPTIMIZERS:
+        return optimizer_config(spec)
+    given: dict[str, Any] = {}
+    for item in filter(None, (c.strip() for c in changes.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"bad change {item!r} in {spec!r}; write key=value")
+        try:
+            given[key.strip()] = float(value) if "." in value or "e" in value.lower() else int(value)
+        except ValueError:
+            raise ValueError(f"bad value in {spec!r}: {value!r} is not a number") from None
+    return external_options(name, given)
+
+
+def adam_type(spec: str, config: dict[str, Any]) -> bool:
+    """Whether ``spec`` is an Adam-type optimizer: decoupled weight decay, no momentum option."""
+    name = spec.partition(":")[0]
+    return name in OTHER_OPTIMIZERS or name in EXTERNAL_OPTIMIZERS or config.get("base", "sgd") != "sgd"
 
 
 def lr_grids(entries: Sequence[str], optimizers: Sequence[str]) -> dict[str, list[float]]:
@@ -209,10 +252,14 @@ def lr_grids(entries: Sequence[str], optimizers: Sequence[str]) -> dict[str, lis
 
 def optimizer_kwargs(spec: str, args: argparse.Namespace, data: str) -> dict[str, Any]:
     """Keyword arguments for make_optimizer beyond the variant's own (which a spec's changes override)."""
-    config = optimizer_config(spec)
-    if spec.partition(":")[0] in OTHER_OPTIMIZERS:  # AdamW-based: its decay, no momentum
+    config = spec_config(spec)
+    name = spec.partition(":")[0]
+    if name in OTHER_OPTIMIZERS or name in EXTERNAL_OPTIMIZERS:  # AdamW-based: its decay, no momentum
         return {"weight_decay": args.adamw_weight_decay}
-    kw0: dict[str, Any] = {"momentum": args.momentum, "weight_decay": args.weight_decay}
+    if adam_type(spec, config):  # K-FAC with an AdamW or LAMB base
+        kw0: dict[str, Any] = {"weight_decay": args.adamw_weight_decay}
+    else:
+        kw0 = {"momentum": args.momentum, "weight_decay": args.weight_decay}
     if not config.get("precondition", True):
         return kw0
     kw = {k: getattr(args, k) for k in KFAC_KEYS}
@@ -253,7 +300,14 @@ def train_epochs(
     model = get_model(model_name, num_classes=num_classes).to(device)
     peak = base_lr * size
     lr = peak
-    opt = make_optimizer(spec, model, lr=peak, backend=backend, **optimizer_kwargs(spec, args, data))
+    name = spec.partition(":")[0]
+    opt: Any
+    if name in EXTERNAL_OPTIMIZERS:
+        options = {**spec_config(spec), **optimizer_kwargs(spec, args, data)}
+        opt = make_external(name, model, lr=peak, backend=backend, workers=size, **options)
+    else:
+        opt = make_optimizer(spec, model, lr=peak, backend=backend, **optimizer_kwargs(spec, args, data))
+    peaks = [group["lr"] for group in opt.param_groups]  # a group with another base LR (Muon's AdamW part) follows the schedule
     dho2 = isinstance(opt, DHO2Optimizer)
     sched = schedule(args)
     steps = len(train_loader)
@@ -270,8 +324,8 @@ def train_epochs(
         t_epoch = time.perf_counter()
         for it, (x, y) in enumerate(train_loader):
             lr = lr_at(sched, peak, epoch + it / steps, size)
-            for group in opt.param_groups:
-                group["lr"] = lr
+            for group, group_peak in zip(opt.param_groups, peaks):
+                group["lr"] = lr if group_peak == peak else group_peak * (lr / peak)
             t0 = time.perf_counter()
             x, y = x.to(device), y.to(device)
             opt.zero_grad()
@@ -326,12 +380,21 @@ def train_epochs(
         yield run
     if dho2:
         run["memory"] = opt.memory_usage()  # this worker's curvature memory (rank 0's is saved)
+    run["replicas_identical"] = replicas_identical(model, backend, device)
     if hasattr(opt, "remove_hooks"):
         opt.remove_hooks()
     run["diverged"] = diverged
     if diverged:
         log(rank, f"    {label}diverged: {diverged}")
     yield run
+
+
+def replicas_identical(model: nn.Module, backend, device) -> bool:
+    """Whether every worker holds the same parameters (two position-weighted sums, compared with their average)."""
+    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
+    local = [float(flat.sum()), float(flat @ weights)]
+    return average_over_workers(backend, local, "convergence.replicas", device) == local
 
 
 def mean_curve(runs: list[dict[str, Any]], epochs: int) -> list[dict[str, Any]]:
@@ -380,7 +443,7 @@ def summarise(setting: dict[str, Any], optimizers: list[str]) -> None:
             mean_refresh_s=statistics.fmean(r["refresh_s"] for r in curve) if curve else None,
             memory=next((run["memory"] for run in res["lr_grid"][best]["runs"] if "memory" in run), None),
         )
-    ref = next((o for o in optimizers if optimizer_config(o).get("precondition", True) is False), optimizers[0])
+    ref = next((o for o in optimizers if spec_config(o).get("precondition", True) is False), optimizers[0])
     target = setting["optimizers"][ref]["best_test_acc"]
     setting["reference"], setting["target_test_acc"] = ref, target
     ref_res = setting["optimizers"][ref]
@@ -399,6 +462,61 @@ def summarise(setting: dict[str, Any], optimizers: list[str]) -> None:
                 else None
             ),
         )
+    second = next((o for o in optimizers if o.partition(":")[0] == SECOND_REFERENCE), None)
+    second_target = setting["optimizers"][second]["best_test_acc"] if second is not None else None
+    setting["second_reference"], setting["second_target_test_acc"] = second, second_target
+    for spec in optimizers:
+        res = setting["optimizers"][spec]
+        e2, s2 = reach(res["curve"], second_target) if second_target is not None else (None, None)
+        res.update(
+            epochs_to_second=e2,
+            seconds_to_second=s2,
+            per_seed=per_seed(res["lr_grid"][repr(res["chosen_lr"])]["runs"], target, second_target),
+        )
+
+
+def per_seed(runs: list[dict[str, Any]], target: float | None, second: float | None) -> dict[str, Any]:
+    """Each seed's best test accuracy, final test loss and epochs/seconds to the targets (None: not reached), with medians."""
+    out: dict[str, Any] = {"seeds": [r["seed"] for r in runs]}
+    for key, values in (
+        ("best_test_acc", [max((e["test_acc"] for e in r["epochs"]), default=None) for r in runs]),
+        ("final_test_loss", [r["epochs"][-1]["test_loss"] if r["epochs"] else None for r in runs]),
+        ("epochs_to_target", [reach(r["epochs"], target)[0] if target is not None else None for r in runs]),
+        ("seconds_to_target", [reach(r["epochs"], target)[1] if target is not None else None for r in runs]),
+        ("epochs_to_second", [reach(r["epochs"], second)[0] if second is not None else None for r in runs]),
+        ("seconds_to_second", [reach(r["epochs"], second)[1] if second is not None else None for r in runs]),
+    ):
+        out[key] = values
+        known = [v for v in values if v is not None]
+        out[f"{key}_median"] = statistics.median(known) if len(known) == len(values) and known else None
+        out[f"{key}_range"] = [min(known), max(known)] if known else None
+    return out
+
+
+def save_partial(st: dict[str, Any], mine: list[tuple], last: list[dict[str, Any]], record, args, out: Path, size: int) -> None:
+    """``convergence.partial.json``: this setting summarised over the epochs every interleaved run has finished so far."""
+    import copy
+
+    st["optimizers"] = {}
+    for (spec, lr, _), run in zip(mine, last):
+        record(st, spec, lr, copy.deepcopy(run))
+    if any("curve" not in p for res in st["optimizers"].values() for p in res["lr_grid"].values()):
+        return
+    summarise(st, args.optimizers)
+    epochs = min(len(run.get("epochs", [])) for run in last)
+    save_json(
+        {
+            "partial": True,
+            "epochs_done": epochs,
+            "world_size": size,
+            "machine": machine(),
+            "args": dict(vars(args).items()),
+            "settings": [st],
+        },
+        "convergence.partial.json",
+        out,
+    )
+    st["optimizers"] = {}
 
 
 def plot(setting: dict[str, Any], path: Path, world_size: int) -> Path:
@@ -452,7 +570,7 @@ def table(result: dict[str, Any]) -> str:
     w = max([len("optimizer")] + [len(spec) for st in result["settings"] for spec in st["optimizers"]])
     head = (
         f"{'data':<8} {'batch':>5} {'optimizer':<{w}} {'lr':>6} {'best acc':>8} {'final loss':>10} {'epochs':>6} "
-        f"{'secs':>7} {'x ref ep':>8} {'x ref s':>7} {'s/epoch':>7} {'fwd+bwd':>7} {'step':>6} {'refresh':>7}"
+        f"{'secs':>7} {'x ref ep':>8} {'x ref s':>7} {'ep 2nd':>6} {'s 2nd':>7} {'s/epoch':>7} {'fwd+bwd':>7} {'step':>6} {'refresh':>7}"
     )
     lines = [head]
     for st in result["settings"]:
@@ -462,12 +580,18 @@ def table(result: dict[str, Any]) -> str:
                 f"{_fmt(r['best_test_acc'], '8.4f')} {_fmt(r['final_test_loss'], '10.4f')} "
                 f"{_fmt(r['epochs_to_target'], '6d')} {_fmt(r['seconds_to_target'], '7.1f')} "
                 f"{_fmt(r['epochs_ratio'], '8.2f')} {_fmt(r['seconds_ratio'], '7.2f')} "
+                f"{_fmt(r.get('epochs_to_second'), '6d')} {_fmt(r.get('seconds_to_second'), '7.1f')} "
                 f"{_fmt(r['mean_epoch_s'], '7.2f')} {_fmt(r['mean_fwdbwd_s'], '7.2f')} {_fmt(r['mean_step_s'], '6.2f')} {_fmt(r['mean_refresh_s'], '7.2f')}"
                 + (f"  diverged ({r['diverged'][:40]})" if r["diverged"] else "")
             )
         lines.append(
             f"  target: {st['reference']}'s best test accuracy {_fmt(st['target_test_acc'], '.4f')} "
-            "(epochs, secs: to reach it; x ref: ratio to the reference's; s/epoch, fwd+bwd, step: mean training seconds per epoch; "
+            + (
+                f"; second target: {st['second_reference']}'s {_fmt(st['second_target_test_acc'], '.4f')} (ep 2nd, s 2nd)"
+                if st.get("second_reference")
+                else ""
+            )
+            + " (epochs, secs: to reach it; x ref: ratio to the reference's; s/epoch, fwd+bwd, step: mean training seconds per epoch; "
             "refresh: DHO2's eigenpair refreshes, part of step)"
         )
     return "\n".join(lines)
@@ -520,7 +644,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     def record(st: dict[str, Any], spec: str, lr: float, run: dict[str, Any]) -> None:
         res = st["optimizers"].setdefault(spec, {"lr_grid": {}})
-        res["config"] = {**optimizer_config(spec), **optimizer_kwargs(spec, args, st["data"])}  # what the runs used
+        res["config"] = {**spec_config(spec), **optimizer_kwargs(spec, args, st["data"])}  # what the runs used
         point = res["lr_grid"].setdefault(repr(lr), {"lr": lr, "runs": []})
         point["runs"].append(run)
         if len(point["runs"]) == len(args.seeds):
@@ -556,6 +680,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         last[i] = next(gens[i])
                     except StopIteration:
                         live.remove(i)
+                if rank == 0 and live:  # what the epochs so far show, in case the run is stopped before the end
+                    save_partial(st, mine, last, record, args, out, size)
+            st["optimizers"] = {}
             for (spec, lr, _), run in zip(mine, last):
                 record(st, spec, lr, run)
     for st in settings:
@@ -573,6 +700,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     if rank == 0:
         path = save_json(result, "convergence.json", out)
+        (out / "convergence.partial.json").unlink(missing_ok=True)
         pngs = [plot(st, out / f"convergence_{st['data']}_b{st['batch_size']}.png", size) for st in settings]
         print("\n" + table(result))
         for st in settings:

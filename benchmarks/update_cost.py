@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from spdkfac.base_update import apply_base_update
 from spdkfac.models import get_model
-from spdkfac.sgd import momentum_sgd_update
 
 from .common import log, machine, save_json, start, workload_parser
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         nn.functional.cross_entropy(model(x), y).backward()
         t1 = time.perf_counter()
         with torch.no_grad():
-            momentum_sgd_update(groups, state)
+            apply_base_update("sgd", groups, state)
         t2 = time.perf_counter()
         if i >= 2:
             fwd_bwd.append(t1 - t0)

@@ -618,6 +618,9 @@ def convergence(w: Writer, run: str) -> Callable[[Path, dict[str, Any]], list[st
     def render(path: Path, d: dict[str, Any]) -> list[str]:
         need(d, path, "settings")
         lines: list[str] = []
+        if d.get("partial"):  # a stopped interleaved run's convergence.partial.json, kept as the result
+            epochs = (d.get("args") or {}).get("epochs", "?")
+            lines += [f"_Partial: the run was stopped after {d.get('epochs_done', '?')} of its {epochs} epochs (every run alike)._", ""]
         pngs = []
         for st in d["settings"]:
             need(st, path, "data", "batch_size", "optimizers")
@@ -629,22 +632,28 @@ def convergence(w: Writer, run: str) -> Callable[[Path, dict[str, Any]], list[st
                 + ".",
                 "",
             ]
+            second = st.get("second_reference")
+            second_target = st.get("second_target_test_acc")
+            if second is not None and second_target is not None:
+                lines += [f"Second target: `{second}`'s best test accuracy, {second_target:.1%}.", ""]
             rows = []
             for spec, r in st["optimizers"].items():
                 e, s = r.get("epochs_to_target"), r.get("seconds_to_target")
-                rows.append(
-                    [
-                        f"`{spec}`",
-                        f"{r['chosen_lr']:g}" if r.get("chosen_lr") is not None else "",
-                        f"{r['best_test_acc']:.1%}" if r.get("best_test_acc") is not None else "",
-                        f"{r['final_test_loss']:.3f}" if r.get("final_test_loss") is not None else "",
-                        "not reached" if e is None else f"{e} ({ratio(r.get('epochs_ratio'))})",
-                        "not reached" if s is None else f"{s:.1f} ({ratio(r.get('seconds_ratio'))})",
-                    ]
-                )
-            lines += table(
-                ["optimizer", "best LR of the grid", "best test acc", "final test loss", "epochs to target", "seconds to target"], rows
-            )
+                row = [
+                    f"`{spec}`",
+                    f"{r['chosen_lr']:g}" if r.get("chosen_lr") is not None else "",
+                    f"{r['best_test_acc']:.1%}" if r.get("best_test_acc") is not None else "",
+                    f"{r['final_test_loss']:.3f}" if r.get("final_test_loss") is not None else "",
+                    "not reached" if e is None else f"{e} ({ratio(r.get('epochs_ratio'))})",
+                    "not reached" if s is None else f"{s:.1f} ({ratio(r.get('seconds_ratio'))})",
+                ]
+                if second is not None:
+                    e2, s2 = r.get("epochs_to_second"), r.get("seconds_to_second")
+                    row += ["not reached" if e2 is None else str(e2), "not reached" if s2 is None else f"{s2:.1f}"]
+                rows.append(row)
+            head = ["optimizer", "best LR of the grid", "best test acc", "final test loss", "epochs to target", "seconds to target"]
+            lines += table(head + ([f"epochs to {second}'s", f"seconds to {second}'s"] if second is not None else []), rows)
+            lines += per_seed_table(st) + issue_targets(st)
             pngs.append(f"convergence/{run}/convergence_{st['data']}_b{st['batch_size']}.png")
         lines += command_block(
             d,
@@ -657,6 +666,85 @@ def convergence(w: Writer, run: str) -> Callable[[Path, dict[str, Any]], list[st
         return lines
 
     return render
+
+
+def _spread(seeds: dict[str, Any], key: str, fmt: str) -> str:
+    """``median (min–max)`` of a per-seed value; '–' when a seed did not reach it (no median)."""
+    lo_hi = seeds.get(f"{key}_range")
+    median = seeds.get(f"{key}_median")
+    values = seeds.get(key) or []
+    missed = sum(v is None for v in values)
+    text = "–" if median is None else format(median, fmt)
+    if lo_hi is not None:
+        text += f" ({format(lo_hi[0], fmt)}–{format(lo_hi[1], fmt)})"
+    return text + (f", {missed} of {len(values)} not reached" if missed else "")
+
+
+def per_seed_table(st: dict[str, Any]) -> list[str]:
+    """Each optimizer's chosen LR over the seeds (median and range) and its LR grid with each point's best test accuracy."""
+    rows = []
+    for spec, r in st["optimizers"].items():
+        seeds = r.get("per_seed")
+        if not seeds:
+            continue
+        grid = ", ".join(
+            f"{p['lr']:g}: {p['best_test_acc']:.1%}" if p.get("best_test_acc") is not None else f"{p['lr']:g}: –"
+            for p in sorted(r["lr_grid"].values(), key=lambda p: p["lr"])
+        )
+        rows.append(
+            [
+                f"`{spec}`",
+                grid,
+                _spread(seeds, "best_test_acc", ".3f"),
+                _spread(seeds, "final_test_loss", ".3f"),
+                _spread(seeds, "epochs_to_target", "g"),
+                _spread(seeds, "seconds_to_target", ".1f"),
+                _spread(seeds, "epochs_to_second", "g"),
+            ]
+        )
+    if not rows:
+        return []
+    head = ["optimizer", "LR grid (best test acc, mean over seeds)", "best test acc", "final test loss", "epochs to target"]
+    head += ["seconds to target", "epochs to 2nd target"]
+    return ["Per seed at the chosen LR: median (range) over the seeds.", "", *table(head, rows)]
+
+
+def issue_targets(st: dict[str, Any]) -> list[str]:
+    """Issue 27's targets for each K-FAC configuration: epochs to SGD's best no more than SOAP's, seconds no more than
+    AdamW's, best test accuracy at least SOAP's, final test loss at most AdamW's (from the mean curves)."""
+    opts = st["optimizers"]
+    soap = next((r for spec, r in opts.items() if spec.partition(":")[0] == "soap"), None)
+    adamw = next((r for spec, r in opts.items() if spec.partition(":")[0] == "adamw"), None)
+    kfac = {spec: r for spec, r in opts.items() if spec.partition(":")[0] == "spdkfac"}
+    if soap is None or adamw is None or not kfac:
+        return []
+
+    def at_most(mine: float | None, theirs: float | None) -> str:
+        if mine is None:
+            return "no (not reached)"
+        if theirs is None:
+            return "yes (theirs not reached)"
+        return f"{'yes' if mine <= theirs else 'no'} ({mine:g} vs {theirs:g})"
+
+    rows = []
+    for spec, r in kfac.items():
+        acc, soap_acc = r.get("best_test_acc"), soap.get("best_test_acc")
+        loss, adamw_loss = r.get("final_test_loss"), adamw.get("final_test_loss")
+        rows.append(
+            [
+                f"`{spec}`",
+                at_most(r.get("epochs_to_target"), soap.get("epochs_to_target")),
+                at_most(
+                    None if r.get("seconds_to_target") is None else round(r["seconds_to_target"], 1),
+                    None if adamw.get("seconds_to_target") is None else round(adamw["seconds_to_target"], 1),
+                ),
+                "–" if acc is None or soap_acc is None else f"{'yes' if acc >= soap_acc else 'no'} ({acc:.1%} vs {soap_acc:.1%})",
+                "–" if loss is None or adamw_loss is None else f"{'yes' if loss <= adamw_loss else 'no'} ({loss:.3f} vs {adamw_loss:.3f})",
+            ]
+        )
+    head = ["K-FAC configuration", "epochs to target ≤ SOAP's", "seconds to target ≤ AdamW's", "best acc ≥ SOAP's"]
+    head += ["final test loss ≤ AdamW's"]
+    return ["Issue 27's targets, per K-FAC configuration (mean curves over the seeds):", "", *table(head, rows)]
 
 
 def dho2_cost(w: Writer, paths: Sequence[Path]) -> list[str]:

@@ -32,6 +32,7 @@ BUILD_LOG="$VENV/horovod-build.log"
 TORCH_VERSION="2.13.0"
 HOROVOD_VERSION="0.28.1"
 # Horovod's runner (horovodrun) needs cloudpickle, psutil, pyyaml, packaging.
+HEAVYBALL="heavyball==3.2.1"
 PY_DEPS=(numpy scikit-learn matplotlib pillow pytest ruff mypy packaging cloudpickle psutil pyyaml mlxtend)
 # Bump when the patch/build recipe below changes, to invalidate cached wheels.
 RECIPE_REV="1"
@@ -108,6 +109,10 @@ log "installing torch==$TORCH_VERSION"
 vpip install "torch==$TORCH_VERSION"
 log "installing Python dependencies: ${PY_DEPS[*]}"
 vpip install "${PY_DEPS[@]}"
+# HeavyBall: SOAP and Muon for the convergence benchmark (optional there; its tests use it). Pure Python, 80 kB;
+# --no-deps because its only run-time needs are torch and numpy (opt-einsum is imported only by a helper not used here).
+log "installing $HEAVYBALL (benchmark comparison optimizers, --no-deps)"
+vpip install --no-deps "$HEAVYBALL"
 
 TORCH_FULL_VERSION="$("$VPY" -c 'import torch; print(torch.__version__)')"
 log "torch $TORCH_FULL_VERSION installed"

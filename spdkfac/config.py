@@ -6,8 +6,8 @@ that may change during training (``lr``, ``momentum``, ``weight_decay``,
 frequencies as attributes (both may be scheduled, :mod:`spdkfac.schedules`).
 Everything else decides *how* the step is computed and is fixed for the
 optimizer's life: that is :class:`KFACConfig`. None of it changes the
-result, except ``precondition`` (K-FAC on or off), ``compute_method`` and
-``skip_layers``, which are what a checkpoint must agree on.
+result, except ``precondition`` (K-FAC on or off), ``compute_method``,
+``skip_layers`` and ``base``, which are what a checkpoint must agree on.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, fields
 from numbers import Integral, Real
 from typing import Any, Literal, get_args
 
+from .base_update import BASE_OPTIMIZERS, BaseOptimizer
 from .fusion.planner import DEFAULT_THRESHOLD_BYTES, FUSION_POLICIES
 from .layers import LayerFilter
 from .methods import METHODS
@@ -215,7 +216,11 @@ class KFACConfig:
             recompute the decompositions, at ``step()``). The parameters after
             every step are bitwise the same. ``'backward'`` refuses what needs
             all gradients before any update (a KL clip, a GradScaler,
-            distributed preconditioning, clipping after ``synchronize()``).
+            distributed preconditioning, clipping after ``synchronize()``);
+            both need ``base='sgd'``.
+        base: the update after preconditioning: ``'sgd'`` (momentum SGD),
+            ``'adamw'`` or ``'lamb'`` (:mod:`spdkfac.base_update`); a
+            checkpoint resumes only with the same base (its state differs).
     """
 
     fusion: FusionPolicy = "optimal"
@@ -235,10 +240,12 @@ class KFACConfig:
     skip_nonfinite: int = 0
     skip_layers: tuple[LayerFilter, ...] = ()
     update_fusion: UpdateFusion = "none"
+    base: BaseOptimizer = "sgd"
 
     def __post_init__(self) -> None:
         _check_choice("fusion", self.fusion, FUSION_POLICIES)
         _check_choice("placement", self.placement, PLACEMENTS)
+        _check_choice("base", self.base, BASE_OPTIMIZERS)
         _check_choice("compute_method", self.compute_method, tuple(METHODS))  # the registry as it is now
         _check_choice("update_fusion", self.update_fusion, UPDATE_FUSIONS)
         for name in ("pipelining", "distribute_preconditioning", "overlap_preconditioning"):

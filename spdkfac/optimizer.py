@@ -4,7 +4,7 @@ The optimizer is wiring: it validates the options (:class:`~spdkfac.config.KFACC
 builds the parts (factor hooks, gradient averaging, fusion controller and profiler,
 work plan, decomposition stage, preconditioner), fixes each step's hyperparameters
 and leaves the order of the K-FAC work to :class:`~spdkfac.kfac_step.KFACStep`;
-then it takes the momentum-SGD step. See ``docs/design.md``.
+then it takes the base optimizer's step (momentum SGD, AdamW or LAMB). See ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from .base_update import BaseOptimizer, apply_base_update, base_defaults
 from .comm import CommBackend, get_backend
 from .config import SCHEDULE_CHECKS, ComputeMethod, FusionPolicy, KFACConfig, Placement, UpdateFusion, check_hyperparameters
 from .coverage import kfac_summary
@@ -29,7 +30,6 @@ from .methods import get_method
 from .nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
 from .perfmodels import PerfModel, load_perf_model
 from .schedules import Scheduled, StepSchedule
-from .sgd import momentum_sgd_update
 from .timeline import Timeline
 from .update_fusion import BackwardFusion, ForwardFusion
 from .work_plan import LayerShape, WorkPlan
@@ -50,10 +50,26 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         model: every ``nn.Linear``, ``nn.Conv1d``, ``nn.Conv2d`` (any groups
             and padding mode) and dense ``nn.Embedding`` with a trainable
             weight is preconditioned (:mod:`spdkfac.layer_types`); every other
-            parameter gets the plain momentum-SGD update
+            parameter gets the plain base update
             (:meth:`kfac_summary` lists which, and why).
         lr, momentum, weight_decay: as ``torch.optim.SGD`` (read from
-            ``param_groups`` each step, so LR schedulers work).
+            ``param_groups`` each step, so LR schedulers work); ``momentum``
+            (default 0.9) only with ``base='sgd'``.
+        base: the update applied after preconditioning, to the preconditioned
+            gradients and every other parameter's averaged gradient:
+            ``'sgd'`` (momentum SGD, ``torch.optim.SGD``'s rule; weight decay
+            coupled: ``wd * param`` added to the preconditioned gradient),
+            ``'adamw'`` (``torch.optim.AdamW``'s rule; decoupled decay
+            ``-lr * wd * param``) or ``'lamb'`` (LAMB: Adam's ratio plus
+            ``wd * param``, scaled per tensor by the trust ratio
+            ``‖param‖/‖ratio‖``), :mod:`spdkfac.base_update`. The KL clip
+            always scales the preconditioned gradients before the base
+            update, by ``min(1, sqrt(kl_clip / (lr² |Σ v·grad|)))`` with the
+            base's ``lr``; an adaptive base (AdamW, LAMB) then normalises the
+            scaled gradient, so only the clip's changes from step to step
+            reach its update (``kl_clip=None`` turns it off).
+        betas, eps: Adam's moment decays and denominator term (``'adamw'``,
+            ``'lamb'``; defaults (0.9, 0.999) and 1e-8, LAMB 1e-6).
         damping: Tikhonov damping γ: ``(F + γI)^-1`` (``'eigen'``: added to
             the eigenvalues of ``A ⊗ G`` when preconditioning).
         factor_decay: running-average weight of the old factor.
@@ -85,7 +101,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self,
         model: nn.Module,
         lr: float,
-        momentum: float = 0.9,
+        momentum: float | None = None,
         weight_decay: float = 0.0,
         damping: Scheduled[float] = 0.003,
         factor_decay: float = 0.95,
@@ -112,23 +128,37 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         skip_nonfinite: int = 0,
         skip_layers: Sequence[LayerFilter] = (),
         update_fusion: UpdateFusion = "none",
+        base: BaseOptimizer = "sgd",
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        hyper = check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay, factor_decay=factor_decay)  # plain floats
+        base_options = base_defaults(base, momentum, betas, eps)  # momentum, or betas and eps
+        momentum_now = base_options.get("momentum", 0.0)
+        hyper = check_hyperparameters(lr=lr, momentum=momentum_now, weight_decay=weight_decay, factor_decay=factor_decay)  # plain floats
+        if base != "sgd":
+            del hyper["momentum"]
         scheduled = dict(damping=damping, kl_clip=kl_clip, factor_update_freq=factor_update_freq, inv_update_freq=inv_update_freq)
         self.schedule = StepSchedule(scheduled, SCHEDULE_CHECKS)
         initial = self.schedule.resolve(0, scheduled)  # validates numbers, and callables' values at the first step
         self.config = KFACConfig.from_options(locals())  # the options named like its fields
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "unscale_")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+        if update_fusion != "none" and base != "sgd":
+            raise ValueError(
+                f"update_fusion={update_fusion!r} holds and rolls back momentum-SGD updates only; with base={base!r} "
+                "use update_fusion='none'"
+            )
         if update_fusion == "backward":
             split = grad_worker_fraction is not None and grad_worker_fraction != 1
             _check_backward_fusion(precondition, initial["kl_clip"], grad_scaler, distribute_preconditioning or split)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
-        super().__init__(params, {**hyper, "damping": initial["damping"], "kl_clip": initial["kl_clip"]})
+        super().__init__(
+            params, {**base_options, **hyper, "damping": initial["damping"], "kl_clip": initial["kl_clip"]}
+        )  # checked floats win
         self.model, self.grad_scaler, self.steps = model, grad_scaler, 0
         self.factor_update_freq: int = initial["factor_update_freq"]  # in force (see _step_kind)
         self.inv_update_freq: int = initial["inv_update_freq"]
@@ -234,7 +264,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Precondition the gradients and take one momentum-SGD step."""
+        """Precondition the gradients and take one step of the base optimizer (momentum SGD, AdamW or LAMB)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -254,7 +284,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 if self._forward_fusion is not None:
                     self._forward_fusion.defer()
                 else:
-                    momentum_sgd_update(self.param_groups, self.state)
+                    apply_base_update(self.config.base, self.param_groups, self.state)
             self.steps += 1
             self.kfac_step.nonfinite.good_step()
             if self.timeline is not None and self._record is not None:
@@ -357,6 +387,12 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """Restore a checkpoint made by :meth:`state_dict` for the same model and compute method."""
         kfac = check_kfac_state(state_dict, self.layers, self.method)
         self.flush()
+        saved_base = kfac.get("config", {}).get("base", "sgd")  # checkpoints from before the option: momentum SGD
+        if saved_base != self.config.base:
+            raise ValueError(
+                f"checkpoint was saved with base={saved_base!r} but this optimizer uses base={self.config.base!r}: "
+                f"its optimizer state cannot continue here; construct the optimizer with base={saved_base!r} to resume it"
+            )
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kfac"})
         load_kfac_state(kfac, self.layers)
         self._keep_held_decompositions(kfac)
@@ -420,7 +456,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         g = self.param_groups[0]
-        hyper = ", ".join(f"{k}={g[k]}" for k in ("lr", "momentum", "weight_decay", "damping", "factor_decay", "kl_clip"))
+        keys = ("lr", "momentum", "betas", "eps", "weight_decay", "damping", "factor_decay", "kl_clip")
+        hyper = ", ".join(f"{k}={g[k]}" for k in keys if k in g)
         options = ", ".join(f"{k}={v!r}" for k, v in self.config.as_dict().items())
         return (
             f"SPDKFACOptimizer(layers={len(self.layers)}, {hyper}, factor_update_freq={self.factor_update_freq}, "

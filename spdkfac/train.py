@@ -194,7 +194,7 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
     model_name = args.model or default_model
     model = get_model(model_name, num_classes=num_classes).to(device)
     base_lr = args.lr * size
-    optimizer_kwargs: dict[str, Any] = dict(momentum=args.momentum)
+    optimizer_kwargs: dict[str, Any] = dict(momentum=args.momentum) if args.base == "sgd" else dict(base=args.base)
     if args.optimizer not in DHO2_OPTIMIZERS:
         optimizer_kwargs["update_fusion"] = args.update_fusion
     if args.optimizer in KFAC_OPTIMIZERS:
@@ -255,7 +255,8 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
         )
         if args.optimizer in KFAC_OPTIMIZERS:
             print(
-                f"  {len(optimizer.layers)} preconditioned layers, damping {optimizer.param_groups[0]['damping']:g}, "
+                f"  {len(optimizer.layers)} preconditioned layers, base {optimizer.config.base}, "
+                f"damping {optimizer.param_groups[0]['damping']:g}, "
                 f"kl_clip {args.kl_clip:g}, factor/inverse update every {optimizer.factor_update_freq}/"
                 f"{optimizer.inv_update_freq} steps; placement: {optimizer.work_plan.inversion!r}"
             )

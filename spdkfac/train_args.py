@@ -44,7 +44,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--lr", type=float, default=None, help="base learning rate, scaled by the number of workers (default 0.05; DHO2's AdamW: 1e-3)"
     )
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (SGD and K-FAC optimizers)")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (SGD, and K-FAC optimizers with --base sgd)")
+    p.add_argument(
+        "--base",
+        default="sgd",
+        choices=("sgd", "adamw", "lamb"),
+        help="K-FAC optimizers: the update after preconditioning: momentum SGD, AdamW or LAMB (betas 0.9, 0.999; "
+        "decoupled weight decay, default 0.05, and lr default 1e-3 for adamw/lamb)",
+    )
     p.add_argument("--weight-decay", type=float, default=None, help="default 5e-4; DHO2's AdamW: 0.05 (decoupled)")
     p.add_argument("--warmup-epochs", type=float, default=1.0)
     p.add_argument("--schedule", default="cosine", choices=("cosine", "step"))
@@ -134,7 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--allow-changed-args",
         action="store_true",
         help="resume even though training arguments differ from the checkpoint's: the new values are applied and listed "
-        "(--optimizer, --model, --data, --compute-method and --seed cannot change)",
+        "(--optimizer, --model, --data, --compute-method, --base and --seed cannot change)",
     )
     p.add_argument(
         "--checkpoint-every",
@@ -197,6 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--inv-update-freq": args.inv_update_freq != 1,
             "--distribute-preconditioning": args.distribute_preconditioning,
             "--compute-method": args.compute_method != "inverse",
+            "--base": args.base != "sgd",
             "--damping-decay": args.damping_decay != 1.0,
             "--damping-decay-epochs": bool(args.damping_decay_epochs),
             "--freq-scale": args.freq_scale != 1.0,
@@ -212,6 +220,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--update-fusion backward cannot be used with --amp fp16 (the loss scaler checks every gradient before any update)")
         if args.optimizer in KFAC_OPTIMIZERS and args.kl_clip != 0:
             p.error("--update-fusion backward needs --kl-clip 0 with a K-FAC optimizer (the KL clip needs every gradient first)")
+    if args.base != "sgd" and args.momentum != 0.9:
+        p.error(f"--momentum does not apply to --base {args.base} (it uses Adam's betas)")
+    if args.update_fusion != "none" and args.base != "sgd":
+        p.error(f"--update-fusion {args.update_fusion} needs --base sgd (it holds momentum-SGD updates), not --base {args.base}")
     if args.optimizer in DHO2_OPTIMIZERS:
         if args.momentum != 0.9:
             p.error(f"--momentum does not apply to --optimizer {args.optimizer} (its AdamW base uses betas)")
@@ -225,10 +237,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         given = [flag for (flag, default), value in zip(dho2_defaults.items(), values) if value != default]
         if given:
             p.error(f"{', '.join(given)} only apply to --optimizer dho2 / dho2-wa, not --optimizer {args.optimizer}")
+    adam_type = args.optimizer in DHO2_OPTIMIZERS or args.base != "sgd"
     if args.lr is None:
-        args.lr = 1e-3 if args.optimizer in DHO2_OPTIMIZERS else 0.05
+        args.lr = 1e-3 if adam_type else 0.05
     if args.weight_decay is None:
-        args.weight_decay = 0.05 if args.optimizer in DHO2_OPTIMIZERS else 5e-4
+        args.weight_decay = 0.05 if adam_type else 5e-4
     if args.damping is None:
         args.damping = 0.003
     if args.kl_clip is None:

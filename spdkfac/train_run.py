@@ -62,7 +62,10 @@ RUNTIME_ARGS = (
 #: Arguments that fix what is trained or the order of its samples: a resumed run refuses to change them,
 #: even with --allow-changed-args (a checkpoint of another model, data set or optimizer cannot continue;
 #: another seed would draw the rest of the epoch from another permutation, repeating and skipping samples).
-FIXED_ARGS = ("optimizer", "model", "data", "compute_method", "seed", "synthetic_size", "synthetic_shape")
+#: The value an argument added later had, in effect, in the checkpoints made before it existed.
+ARGS_BEFORE_THEY_EXISTED = {"base": "sgd"}
+
+FIXED_ARGS = ("optimizer", "model", "data", "compute_method", "base", "seed", "synthetic_size", "synthetic_shape")
 
 
 def prepare_run_dir(
@@ -127,7 +130,8 @@ def restore(
     factor decay, update frequencies and their per-epoch schedules) are
     replaced by this run's, and the message lists what was applied.
     """
-    changed = changed_arguments(ckpt["args"], vars(args), RUNTIME_ARGS)
+    saved_args = {**ARGS_BEFORE_THEY_EXISTED, **ckpt["args"]}
+    changed = changed_arguments(saved_args, vars(args), RUNTIME_ARGS)
     listing = "; ".join(f"--{k.replace('_', '-')}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in changed.items())
     fixed = [name for name in changed if name in FIXED_ARGS]
     if fixed:

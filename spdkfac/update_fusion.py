@@ -18,7 +18,7 @@ touches them anyway (the seed paper, ``optimizer-fusion``) saves that trip:
   update at ``step()`` as without fusion.
 
 Each parameter gets the same operations as without fusion
-(:func:`~spdkfac.sgd.sgd_param_update`), so the parameters after every step
+(:func:`~spdkfac.base_update.sgd_param_update`), so the parameters after every step
 are bitwise those of the unfused optimizer.
 """
 
@@ -32,10 +32,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from .base_update import sgd_param_update
 from .grad_sync import GradientSync
 from .layers import KFACLayer, functional_submodules
 from .nonfinite import non_finite
-from .sgd import sgd_param_update
 
 __all__ = ["BackwardFusion", "ForwardFusion", "update_owners"]
 

@@ -214,3 +214,86 @@ def test_convergence_runs_dho2_and_adamw(tmp_path):
     assert res["memory"]["lanczos_basis"] > 0
     assert all(0 < r["refresh_s"] <= r["step_s"] for r in res["curve"])  # 2 refreshes per epoch (22 steps)
     assert all(r["refresh_s"] == 0 for r in st["optimizers"]["adamw"]["curve"])
+
+
+def test_convergence_runs_soap_muon_and_kfac_with_an_adamw_base(tmp_path):
+    pytest.importorskip("heavyball")  # installed by scripts/setup.sh (an optional dependency of the benchmark)
+    out = tmp_path / "conv"
+    kfac_adamw = "spdkfac:base=adamw,factor_update_freq=5,inv_update_freq=5"
+    args = _args(out, epochs=2)
+    i = args.index("--optimizers")
+    args[i + 1 : i + 3] = ["sgd", "adamw", "soap", "muon:adamw_lr=0.002", kfac_adamw]
+    j = args.index("--lr-grid")
+    args[j + 1 : j + 3] = ["0.002", "sgd=0.05"]
+    _single([*args, "--seeds", "0", "1"])
+    (st,) = json.loads((out / "convergence.json").read_text())["settings"]
+    assert st["reference"] == "sgd"
+    assert st["second_reference"] == "adamw"
+    assert st["second_target_test_acc"] == st["optimizers"]["adamw"]["best_test_acc"]
+    for spec, res in st["optimizers"].items():
+        assert len(res["curve"]) == 2, spec
+        seeds = res["per_seed"]
+        assert seeds["seeds"] == [0, 1]
+        assert res["best_test_acc"] <= max(seeds["best_test_acc"]) + 1e-12  # the mean curve's best is at most a seed's
+        hit = next((r for r in res["curve"] if r["test_acc"] >= st["second_target_test_acc"]), None)
+        assert res["epochs_to_second"] == (hit["epoch"] if hit else None)
+    assert st["optimizers"]["adamw"]["epochs_to_second"] is not None
+    assert st["optimizers"]["muon:adamw_lr=0.002"]["config"] == {"adamw_lr": 0.002, "weight_decay": 0.05}
+    assert st["optimizers"]["soap"]["config"]["precondition_frequency"] == 2
+    kfac = st["optimizers"][kfac_adamw]["config"]
+    assert kfac["base"] == "adamw"
+    assert kfac["weight_decay"] == 0.05
+    assert "momentum" not in kfac
+    assert not (out / "convergence.partial.json").exists()
+    runs = [run for res in st["optimizers"].values() for point in res["lr_grid"].values() for run in point["runs"]]
+    assert all(run["replicas_identical"] for run in runs)
+
+
+def test_external_optimizers_say_how_to_install_heavyball(monkeypatch):
+    from benchmarks.external_optimizers import external_options, require_heavyball
+
+    monkeypatch.setitem(sys.modules, "heavyball", None)  # as if not installed
+    with pytest.raises(SystemExit, match=r"pip install --no-deps heavyball"):
+        require_heavyball()
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['momentum'\] for muon"):
+        external_options("muon", {"momentum": 0.9})
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    heavyball = pytest.importorskip("heavyball")
+    from benchmarks.external_optimizers import make_external
+    from spdkfac.comm import get_backend
+    from spdkfac.models import get_model
+
+    model = get_model("mnist_cnn", num_classes=10)
+    opt = make_external("muon", model, lr=0.02, weight_decay=0.0, backend=get_backend("single"), workers=2, adamw_lr=0.001)
+    muon, adamw = opt.inner.optimizers
+    assert isinstance(muon, heavyball.Muon)
+    assert isinstance(adamw, heavyball.AdamW)
+    head = model.classifier[-1]
+    muon_params = {id(p) for g in muon.param_groups for p in g["params"]}
+    adamw_params = {id(p) for g in adamw.param_groups for p in g["params"]}
+    assert id(head.weight) in adamw_params
+    assert id(model.features[0].weight) in muon_params  # conv filters: 4-D, flattened by Muon
+    assert all(p.ndim >= 2 for p in model.parameters() if id(p) in muon_params)
+    assert all(p.ndim < 2 or p is head.weight for p in model.parameters() if id(p) in adamw_params)
+    assert [g["lr"] for g in opt.param_groups] == [0.02, 0.002]  # AdamW's base LR scaled by the workers
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("engine", ["torch", "horovod"])
+def test_external_optimizers_step_identically_on_every_worker(engine, tmp_path):
+    """SOAP and Muon (HeavyBall) on the averaged gradients: both workers end with the same parameters."""
+    pytest.importorskip("heavyball")
+    out = tmp_path / "conv"
+    args = _args(out, epochs=1)
+    i = args.index("--optimizers")
+    args[i + 1 : i + 3] = ["sgd", "soap", "muon"]
+    j = args.index("--lr-grid")
+    args[j + 1 : j + 3] = ["0.003", "sgd=0.05"]
+    run_workers(engine, 2, args)
+    (st,) = json.loads((out / "convergence.json").read_text())["settings"]
+    for spec in ("soap", "muon"):
+        (point,) = st["optimizers"][spec]["lr_grid"].values()
+        assert point["runs"][0]["replicas_identical"] is True, spec
+        assert point["best_test_acc"] > 0.2, spec  # it trained

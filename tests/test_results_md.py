@@ -486,3 +486,51 @@ def test_update_cost_section_shows_the_share_of_the_update(tmp_path: Path):
     section = results_md.build(res, tmp_path / "RESULTS.md").split("## Update fusion: what the separate update pass costs")[1]
     assert "| 4000 ms | 32.0 ms | 0.8% | 2.5 GB/s |" in section
     assert "benchmarks.update_cost" in section
+
+
+def test_convergence_race_shows_the_second_target_the_seeds_and_the_issue_targets(tmp_path: Path):
+    """A run against AdamW and SOAP: epochs to AdamW's best, per-seed medians and ranges, each K-FAC configuration's targets."""
+
+    def opt(lr, acc, loss, e, s, e2, s2, seeds_acc, seeds_e):
+        return {
+            "chosen_lr": lr,
+            "best_test_acc": acc,
+            "final_test_loss": loss,
+            "epochs_to_target": e,
+            "seconds_to_target": s,
+            "epochs_ratio": None if e is None else e / 10,
+            "seconds_ratio": None if s is None else s / 20.0,
+            "epochs_to_second": e2,
+            "seconds_to_second": s2,
+            "curve": [],
+            "lr_grid": {repr(lr): {"lr": lr, "best_test_acc": acc}, "0.5": {"lr": 0.5, "best_test_acc": 0.1}},
+            "per_seed": {
+                "seeds": [0, 1, 2],
+                "best_test_acc": seeds_acc,
+                "best_test_acc_median": sorted(seeds_acc)[1],
+                "best_test_acc_range": [min(seeds_acc), max(seeds_acc)],
+                "epochs_to_target": seeds_e,
+                "epochs_to_target_median": None if None in seeds_e else sorted(seeds_e)[1],
+                "epochs_to_target_range": [min(x for x in seeds_e if x is not None), max(x for x in seeds_e if x is not None)],
+            },
+        }
+
+    optimizers = {
+        "sgd": opt(0.05, 0.95, 0.2, 10, 20.0, None, None, [0.94, 0.95, 0.96], [10, 9, 11]),
+        "adamw": opt(0.005, 0.97, 0.1, 4, 9.0, 8, 18.0, [0.96, 0.97, 0.975], [4, 4, 5]),
+        "soap": opt(0.005, 0.98, 0.08, 2, 12.0, 3, 18.0, [0.98, 0.98, 0.98], [2, 2, 3]),
+        "spdkfac": opt(0.05, 0.985, 0.15, 2, 30.0, 3, 45.0, [0.98, 0.985, 0.99], [2, 3, None]),
+    }
+    run = tmp_path / "results" / "convergence" / "race"
+    setting = {"data": "mnist5k", "batch_size": 256, "global_batch": 512, "steps_per_epoch": 7, "reference": "sgd"}
+    setting.update(target_test_acc=0.95, second_reference="adamw", second_target_test_acc=0.97, optimizers=optimizers)
+    _write(run, "convergence.json", {"args": {"epochs": 12}, "world_size": 2, "settings": [setting], "partial": True, "epochs_done": 9})
+    section = _section(results_md.build(tmp_path / "results", tmp_path / "RESULTS.md"), "Time to accuracy: race")
+    assert "Partial: the run was stopped after 9 of its 12 epochs" in section
+    assert "Second target: `adamw`'s best test accuracy, 97.0%." in section
+    assert "| `soap` | 0.005 | 98.0% | 0.080 | 2 (0.20x) | 12.0 (0.60x) | 3 | 18.0 |" in section
+    assert "| `sgd` | 0.05 | 95.0% | 0.200 | 10 (1.00x) | 20.0 (1.00x) | not reached | not reached |" in section
+    assert "| `spdkfac` | 0.005: 98.5%, 0.5: 10.0% | 0.985 (0.980–0.990) |" not in section  # the grid is sorted by LR
+    assert "| `spdkfac` | 0.05: 98.5%, 0.5: 10.0% | 0.985 (0.980–0.990) |" in section
+    assert "– (2–3), 1 of 3 not reached" in section
+    assert "| `spdkfac` | yes (2 vs 2) | no (30 vs 9) | yes (98.5% vs 98.0%) | no (0.150 vs 0.100) |" in section
