@@ -26,12 +26,14 @@ from .placement import PLACEMENTS
 #: The choices of the enumerated options (checked at run time too: the values often come from a command line).
 FusionPolicy = Literal["optimal", "threshold", "layerwise", "naive"]
 Placement = Literal["lbp", "seq", "local"]
-ComputeMethod = Literal["inverse", "eigen"]
+ComputeMethod = Literal["inverse", "eigen", "ekfac"]
+EigenRefresh = Literal["exact", "warm"]
 
 __all__ = [
     "HYPERPARAMETER_CHECKS",
     "SCHEDULE_CHECKS",
     "ComputeMethod",
+    "EigenRefresh",
     "FusionPolicy",
     "KFACConfig",
     "Placement",
@@ -134,6 +136,17 @@ class KFACConfig:
             approximation of the damped Fisher, a slower decomposition and a
             broadcast of ``d*d + d`` instead of ``d(d+1)/2`` elements; the
             placement is costed with the performance model's ``eigen`` curve).
+            ``'ekfac'`` (George et al.'s eigenvalue-corrected K-FAC: the eigen
+            method's bases, the scaling re-estimated every step from the
+            averaged gradient, :mod:`spdkfac.methods.ekfac`).
+        eigen_refresh: how ``'eigen'`` and ``'ekfac'`` refresh a basis:
+            ``'exact'`` (a full ``eigh`` every time) or ``'warm'`` (one
+            subspace-iteration step from the previous basis, with a full
+            ``eigh`` every ``eigen_full_every`` refreshes or when the previous
+            basis drifted, :mod:`spdkfac.methods.warm`).
+        eigen_full_every: with ``eigen_refresh='warm'``, every this many
+            refreshes is a full ``eigh``.
+        ekfac_decay: β of EKFAC's running average of the scaling.
         distribute_preconditioning: each layer's gradient is preconditioned
             by one worker (layers balanced by their matmul cost) and the
             results are broadcast, one fused buffer per worker, instead of
@@ -196,6 +209,9 @@ class KFACConfig:
     pipelining: bool = True
     placement: Placement = "lbp"
     compute_method: ComputeMethod = "inverse"
+    eigen_refresh: EigenRefresh = "exact"
+    eigen_full_every: int = 10
+    ekfac_decay: float = 0.95
     distribute_preconditioning: bool = False
     overlap_preconditioning: bool = True
     fusion_threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
@@ -211,8 +227,18 @@ class KFACConfig:
         _check_choice("fusion", self.fusion, FUSION_POLICIES)
         _check_choice("placement", self.placement, PLACEMENTS)
         _check_choice("compute_method", self.compute_method, tuple(METHODS))  # the registry as it is now
+        _check_choice("eigen_refresh", self.eigen_refresh, ("exact", "warm"))
         for name in ("pipelining", "distribute_preconditioning", "overlap_preconditioning"):
             _check_bool(name, getattr(self, name))
+        object.__setattr__(self, "eigen_full_every", check_positive_int("eigen_full_every", self.eigen_full_every))
+        object.__setattr__(self, "ekfac_decay", check_number("ekfac_decay", self.ekfac_decay, 0.0, 1.0))
+        if self.eigen_refresh == "warm" and self.compute_method == "inverse":
+            raise ValueError("eigen_refresh='warm' refreshes an eigenbasis: it needs compute_method='eigen' or 'ekfac'")
+        if self.compute_method == "ekfac" and self.distribute_preconditioning:
+            raise ValueError(
+                "compute_method='ekfac' updates each layer's scaling whenever the layer is preconditioned, so every "
+                "worker must precondition every layer: distribute_preconditioning=True is not supported with it"
+            )
         # Integers stored as plain ints (numpy integers are taken): the options are saved in state_dict.
         for name in ("accumulation_steps", "profile_steps", "fusion_threshold_bytes"):
             object.__setattr__(self, name, check_positive_int(name, getattr(self, name)))

@@ -141,6 +141,8 @@ class KFACStep:
             if self.config.precondition:
                 self._precondition(hyper)
         self._check_finite(step)
+        for layer in self.layers:  # the step stands: what the method learned from it becomes its state
+            layer.method.commit(layer.method_state)
 
     def _overlapping(self, inverse_step: bool) -> bool:
         if not overlaps_preconditioning(self.config.overlap_preconditioning, self.config.precondition, self.workers, inverse_step):
@@ -152,6 +154,8 @@ class KFACStep:
         factors = self.factors.take(self.nonfinite, step)
         for (kind, name), mat in factors.items():
             self._by_name[name].update_factor(kind, mat, hyper.factor_decay)
+        for layer in self.layers:  # the global batch these factors describe (EKFAC scales its statistic by it)
+            layer.method_state["samples"] = layer.local_samples * self.workers * self.config.accumulation_steps
         self.profiler.factor_step_done(self.factors.arrived)
 
     def update_decompositions(self, hyper: StepHyper, step: int) -> None:
