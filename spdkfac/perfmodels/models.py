@@ -410,6 +410,9 @@ class PerfModel:
             broadcast=BroadcastModel(2.0e-4, 2.0e-9),
             inverse=InverseModel("cubic", {"coeffs": [5.0e-5, 0.0, 0.0, 1.5e-11], "floor": 5.0e-5}),
             eigen=InverseModel("cubic", {"coeffs": [5.0e-5, 0.0, 0.0, EIGEN_OVER_INVERSE * 1.5e-11], "floor": 5.0e-5}, name="eigen"),
+            eigen_warm=InverseModel(
+                "cubic", {"coeffs": [5.0e-5, 0.0, 0.0, WARM_OVER_INVERSE * 1.5e-11], "floor": 5.0e-5}, name="eigen_warm"
+            ),
             meta={"label": "built-in default (uncalibrated)"},
             source="built-in default (uncalibrated)",
         )
