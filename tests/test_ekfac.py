@@ -13,10 +13,14 @@ diag(d_G) Q_G^T`` by ``torch.linalg.eigh`` (eigenvalues below 1e-10 set to
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn as nn
+from launch import ROOT, require_horovod, run_workers
 from nets import batch, mixed_net, small_net, train
 from test_reference_kfac import ConvLinearNet, ReferenceKFAC
 
@@ -208,3 +212,57 @@ def test_eigenbasis_options_n_workers_equal_one_in_process(workers, float64):
         if "-lbp" in name:
             assert any(o >= 0 for o in ranks[0]["owners"].values()), (name, ranks[0]["owners"])
         assert any(not torch.equal(ref["params"][k], init[k]) for k in init), name
+
+
+WORKER = str(ROOT / "tests" / "workers" / "train_configs.py")
+MP_CONFIGS = {
+    name: dict(CONFIGS[name], model="mixed", perf_model="expensive-eigen")
+    for name in ("eigen-warm-lbp", "ekfac-lbp", "ekfac-warm-seq-freq", "eigen-warm-seq-dp-freq")
+}
+
+
+def _bitwise(a, b, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _bitwise(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _bitwise(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["torch", "horovod"])
+def test_eigenbasis_options_multiprocess_equal_one_and_replicas_are_bitwise(engine, tmp_path):
+    """Real processes: float64 parameters equal one process's; float32 parameters, bases, ages, scalings bitwise on every rank."""
+    if engine == "horovod":
+        require_horovod()
+    common = ["--configs", json.dumps(MP_CONFIGS), "--global-batch", str(GLOBAL_BATCH), "--steps", str(STEPS)]
+    ref_out, dist_out, f32_out = tmp_path / "ref.pt", tmp_path / "dist.pt", tmp_path / "f32.pt"
+    subprocess.run(
+        [sys.executable, WORKER, "--backend", "single", *common, "--out", str(ref_out), "--no-accumulation"],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+    )
+    run_workers(engine, 2, [WORKER, "--backend", engine, *common, "--out", str(dist_out)])
+    ref, dist = torch.load(ref_out, weights_only=False), torch.load(dist_out, weights_only=False)
+    for name in MP_CONFIGS:
+        for key, value in ref[name]["params"].items():
+            torch.testing.assert_close(
+                dist[name]["params"][key], value, rtol=1e-9, atol=1e-11, msg=lambda m, k=key, n=name: f"{n}/{k}: {m}"
+            )
+    run_workers(engine, 2, [WORKER, "--backend", engine, *common, "--dtype", "float32", "--every-rank", "--out", str(f32_out)])
+    ranks = [torch.load(f"{f32_out}.rank{r}", weights_only=False) for r in range(2)]
+    for name in MP_CONFIGS:
+        for part in ("params", "optimizer_state"):
+            _bitwise(ranks[0][name][part], ranks[1][name][part], f"{name}/{part}")
+        layers = ranks[0][name]["optimizer_state"]["kfac"]["layers"]
+        if name.startswith("ekfac"):
+            assert all(entry["method_state"]["scale"] is not None for entry in layers.values()), name
+        assert any(o >= 0 for o in ranks[0][name]["owners"].values()), name

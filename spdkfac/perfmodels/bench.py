@@ -35,7 +35,7 @@ from ..methods.warm import WarmRefresh, descending_eigh
 from .fitting import fit_batched, fit_inverse_model, fit_linear, r_squared
 from .models import AllReduceModel, BatchedModel, BroadcastModel, InverseModel, PerfModel
 
-__all__ = ["BenchmarkConfig", "Mpi4pyEngine", "run_benchmark"]
+__all__ = ["BenchmarkConfig", "Mpi4pyEngine", "run_benchmark", "warm_refresh_call"]
 
 QUICK_DIMS = [64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
 FULL_DIMS = [64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 5120, 6144, 8192]
@@ -168,7 +168,7 @@ def run_benchmark(cfg: BenchmarkConfig, engine: CommBackend | None = None) -> Pe
     curves: dict[str, Callable[[torch.Tensor], Callable[[], Any]]] = {"inverse": lambda spd: lambda: invert_spd(spd, cfg.damping)}
     if cfg.eigen:
         curves["eigen"] = lambda spd: lambda: eigen_payload(spd)  # eigh and the [Q, d] buffer, as the stage runs it
-        curves["eigen_warm"] = _warm_refresh_call  # eigen_refresh='warm': one subspace step from a nearby basis
+        curves["eigen_warm"] = warm_refresh_call  # eigen_refresh='warm': one subspace step from a nearby basis
     times: dict[str, list[float]] = {name: [] for name in curves}
     for name, prepare in curves.items():
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -296,7 +296,7 @@ def _time_batched(
     return _mean_over_ranks(engine, seconds) if engine.size > 1 else seconds
 
 
-def _warm_refresh_call(spd: torch.Tensor) -> Callable[[], Any]:
+def warm_refresh_call(spd: torch.Tensor) -> Callable[[], Any]:
     """The warm refresh of ``spd`` from the basis of a nearby factor (as after one running-average step)."""
     nearby = 0.95 * spd + 0.05 * torch.diag(spd.diagonal())
     basis = descending_eigh(nearby)[1]
