@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from .layers import FACTOR_KINDS, KFACLayer
 from .methods import DecompositionMethod, get_method
 
@@ -106,7 +108,8 @@ def load_kfac_state(kfac: dict[str, Any], layers: Sequence[KFACLayer]) -> None:
 
 
 def memory_usage(layers: Sequence[KFACLayer], method: DecompositionMethod) -> dict[str, int]:
-    """Bytes held by factors (flat running averages) and the method's decompositions, per kind."""
+    """Bytes held by factors (flat running averages) and the method's decompositions, per kind (and, for a
+    method with per-layer state, ``method_state``)."""
     held = tuple(f"{kind}{method.suffix}" for kind in FACTOR_KINDS)
     out = dict.fromkeys(FACTOR_KINDS + held, 0)
     for layer in layers:
@@ -117,4 +120,8 @@ def memory_usage(layers: Sequence[KFACLayer], method: DecompositionMethod) -> di
             kept = layer.decomposition(kind)
             if kept is not None:
                 out[key] += sum(t.numel() * t.element_size() for t in method.tensors(kept))
+    if method.stateful:  # EKFAC's per-layer scaling
+        out["method_state"] = sum(
+            t.numel() * t.element_size() for layer in layers for t in layer.method_state.values() if isinstance(t, torch.Tensor)
+        )
     return out

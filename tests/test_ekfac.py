@@ -121,6 +121,7 @@ def test_ekfac_differs_from_the_eigen_method_and_a_skipped_step_keeps_its_scalin
     assert any(not torch.allclose(a, b) for a, b in zip(eigen.parameters(), ekfac.parameters()))
     scales = {layer.name: layer.method_state["scale"].clone() for layer in opt.layers}
     assert {layer.method_state["samples"] for layer in opt.layers} == {8}
+    assert opt.memory_usage()["method_state"] == 8 * sum(p.numel() for p in ekfac.parameters())  # a float64 scale per weight and bias
     train(ekfac, opt, x, y, 1, poisoned={0: torch.ones(8, dtype=torch.bool)})  # NaN everywhere: skipped
     for layer in opt.layers:
         assert torch.equal(layer.method_state["scale"], scales[layer.name]), layer.name
