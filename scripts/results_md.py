@@ -308,7 +308,8 @@ def eigenbasis_iteration(path: Path, d: dict[str, Any]) -> list[str]:
         f"{a.get('model', '?')} at {a.get('resolution', '?')}×{a.get('resolution', '?')}, batch {a.get('batch_size', '?')} per "
         f"worker, factors and decompositions every iteration; {a.get('warmup', '?')} warm-up and {a.get('iters', '?')} measured "
         f"iterations per variant{', interleaved' if a.get('interleave') else ''}. `eigen_refresh='warm'` makes a full `eigh` "
-        "every 10 refreshes (`eigen_full_every`), so a window of 10 holds one. Exact eigen / row: the speed-up over the exact "
+        "every `eigen_full_every` refreshes (10 unless the variant says), so a measured window that long holds one. "
+        "Exact eigen / row: the speed-up over the exact "
         "eigen method measured in the same run.",
         "",
     ]

@@ -446,3 +446,18 @@ def test_simulator_check_shows_the_error_per_phase(tmp_path: Path, monkeypatch, 
         row.pop("phase_errors")
     (res / "simulator_check.json").write_text(json.dumps(data))
     assert "Per phase" not in _section(results_md.build(res, tmp_path / "RESULTS.md"), "Scale simulator against measurements")
+
+
+def test_eigenbasis_section_gives_each_variant_its_speed_up_over_the_exact_eigen_method(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [
+        {"variant": "spdkfac", "mean_s": 7.0, "stdev_s": 0.1, "InverseComp": 1.0, "InverseComm": 0.5},
+        {"variant": "spdkfac:compute_method=eigen", "mean_s": 21.0, "stdev_s": 0.2, "InverseComp": 12.0, "InverseComm": 1.0},
+        {"variant": "spdkfac:compute_method=eigen,eigen_refresh=warm", "mean_s": 14.0, "stdev_s": 0.3, "InverseComp": 6.0},
+    ]
+    record = {"args": {"model": "resnet50", "resolution": 32, "batch_size": 4, "warmup": 2, "iters": 5}, "table": rows}
+    (results / "iteration_time_eigenbasis.json").write_text(json.dumps(record))
+    section = _section(results_md.build(results, tmp_path / "RESULTS.md"), "Eigen method: exact and warm-started eigenbasis refresh")
+    assert "| `spdkfac` | 7000 ± 100 | 1000 | 500 | 3.00x |" in section
+    assert "| `spdkfac:compute_method=eigen,eigen_refresh=warm` | 14000 ± 300 | 6000 | – | 1.50x |" in section
