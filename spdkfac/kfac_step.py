@@ -122,6 +122,9 @@ class KFACStep:
 
         Raises :class:`~spdkfac.nonfinite.SkipStep` for a skipped step.
         """
+        if factor_step:  # the global batch the hooks just saw, before either order preconditions (EKFAC scales by it)
+            for layer in self.layers:
+                layer.method_state["samples"] = layer.local_samples * self.workers * self.config.accumulation_steps
         if self._overlapping(inverse_step):
             self.grads.start_missing()  # every all-reduce in flight before waiting on any
             if factor_step:
@@ -154,8 +157,6 @@ class KFACStep:
         factors = self.factors.take(self.nonfinite, step)
         for (kind, name), mat in factors.items():
             self._by_name[name].update_factor(kind, mat, hyper.factor_decay)
-        for layer in self.layers:  # the global batch these factors describe (EKFAC scales its statistic by it)
-            layer.method_state["samples"] = layer.local_samples * self.workers * self.config.accumulation_steps
         self.profiler.factor_step_done(self.factors.arrived)
 
     def update_decompositions(self, hyper: StepHyper, step: int) -> None:
