@@ -188,3 +188,19 @@ def test_the_warm_cost_enters_the_performance_model_and_old_files_load():
     t_warm, t_eig = measured.eigen_warm(1024), measured.eigen_curve()(1024)
     assert warm.cost(measured, FactorShape(1024)) == pytest.approx((9 * t_warm + t_eig) / 10)
     assert PerfModel.from_dict(measured.to_dict(), "round trip").eigen_warm(1024) == pytest.approx(t_warm)
+
+
+def test_the_simulator_costs_the_warm_refresh_with_its_curve():
+    """The stored ResNet-50 profile: the warm variant's decomposition stage is predicted cheaper than the exact one's."""
+    import json
+    from pathlib import Path
+
+    from spdkfac.simulate import predict, profile_from_dict
+
+    root = Path(__file__).resolve().parents[1]
+    profile = profile_from_dict(json.loads((root / "benchmarks/results/profile_resnet50.json").read_text()))
+    perf = PerfModel.load(root / "perfmodels/reference-cpu-gloo-2.json")
+    exact = predict(profile, perf, 2, "spdkfac:compute_method=eigen")
+    warm = predict(profile, perf, 2, "spdkfac:compute_method=eigen,eigen_refresh=warm")
+    assert warm["InverseComp"] < 0.6 * exact["InverseComp"]
+    assert warm["FF&BP"] == exact["FF&BP"]

@@ -16,8 +16,10 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from ..config import KFACConfig
 from ..fusion import DEFAULT_THRESHOLD_BYTES
 from ..fusion.planner import serve_in_order
+from ..methods import get_method
 from ..perfmodels import PerfModel
 from ..placement import ALL, PlacementPlan
 from ..variants import variant_config
@@ -110,12 +112,14 @@ def simulated_work_plan(profile: Profile, perf: PerfModel, workers: int, variant
 
 
 def _work_plan(profile: Profile, cfg: Mapping[str, Any], m: ScaledModels) -> WorkPlan:
+    # The method as the optimizer configures it (a warm eigenbasis refresh is costed with its own curve).
+    method = get_method(cfg.get("compute_method", "inverse"), KFACConfig.from_options(cfg))
     return WorkPlan.make(
         _layer_shapes(profile),
         m.workers,
         m.scaled,
         cfg["placement"],
-        cfg.get("compute_method", "inverse"),
+        method,
         bool(cfg.get("distribute_preconditioning", False)),
     )
 
