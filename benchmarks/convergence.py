@@ -47,7 +47,7 @@ import torch.nn as nn
 from spdkfac.affinity import add_bind_cores_option
 from spdkfac.comm import DEVICE_CHOICES, worker_device
 from spdkfac.dho2 import DHO2Optimizer
-from spdkfac.models import get_model
+from spdkfac.models import MODELS, get_model
 from spdkfac.optimizer import NonFiniteError
 from spdkfac.train import average_over_workers, evaluate, lr_at, make_loaders
 from spdkfac.variants import OTHER_OPTIMIZERS, make_optimizer, optimizer_config, variant_argv
@@ -76,6 +76,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(e.g. spdkfac:factor_update_freq=10,inv_update_freq=10, dho2:refresh_every=20)",
     )
     ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument(
+        "--model",
+        default=None,
+        choices=sorted(n for n in MODELS if "_32" not in n),
+        help="model for every data set (default: digits_cnn on digits, mnist_cnn on mnist5k; "
+        "mnist_mobilenet: depthwise convolutions, 28x28 only)",
+    )
     ap.add_argument(
         "--lr-grid",
         nargs="+",
@@ -478,8 +485,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for data in args.data:
         for bs in args.batch_sizes:
             try:
-                loaders[data, bs] = make_loaders(argparse.Namespace(data=data, seed=args.split_seed, batch_size=bs), rank, size)
-                train_loader, test_loader, _, model_name = loaders[data, bs]
+                train_loader, test_loader, classes, model_name = make_loaders(
+                    argparse.Namespace(data=data, seed=args.split_seed, batch_size=bs), rank, size
+                )
+                model_name = args.model or model_name
+                loaders[data, bs] = train_loader, test_loader, classes, model_name
             except ImportError as exc:
                 raise SystemExit(f"error: {exc}") from None
             except ValueError:

@@ -20,12 +20,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from spdkfac.dho2 import DHO2Optimizer
+from spdkfac.dho2.lanczos import lanczos_memory
 from spdkfac.models import get_model
 from spdkfac.train import average_over_workers
 
@@ -93,7 +95,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "update_s": update,
         "per_iteration_s": grad + update + refresh / args.refresh_every,
         "memory": memory,
+        "predicted_memory": predicted_memory(opt.n, opt.lanczos_steps, memory, PREDICTED_WORKERS),
     }
+    measured_basis = memory["lanczos_basis"]
+    own = lanczos_memory(opt.n, opt.lanczos_steps, size, 4)
+    if rank == 0 and own != measured_basis:
+        print(f"warning: the analytic Lanczos basis at {size} worker(s), {own} bytes, differs from the measured {measured_basis}")
     if rank == 0:
         print(
             f"{args.model} (n={opt.n}, m={opt.lanczos_steps}), {size} worker(s) via {backend.name}, batch {args.batch_size}/worker: "
@@ -102,6 +109,26 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         )
         print(f"wrote {save_json(result, f'w{size}.json', Path(args.out))}")
     return result
+
+
+#: Worker counts of the analytic memory prediction.
+PREDICTED_WORKERS = (1, 2, 8, 16, 32, 64)
+
+
+def predicted_memory(n: int, steps: int, measured: dict[str, int], workers: Sequence[int]) -> list[dict[str, int]]:
+    """Curvature memory per worker at other worker counts, from the same formula the optimizer allocates by.
+
+    Only the Lanczos basis ``D`` is split across workers (``ceil(n/P)·m``
+    float32 values, :func:`spdkfac.dho2.lanczos.lanczos_memory`); the
+    eigenvectors, the ADMM variables and the base optimizer's state are
+    replicated, so they are taken as measured.
+    """
+    replicated = sum(v for k, v in measured.items() if k != "lanczos_basis")
+    rows = []
+    for p in workers:
+        basis = lanczos_memory(n, steps, p, 4)
+        rows.append({"workers": p, "lanczos_basis": basis, "replicated": replicated, "total": basis + replicated})
+    return rows
 
 
 if __name__ == "__main__":

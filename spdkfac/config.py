@@ -198,8 +198,11 @@ class KFACConfig:
             worker at once: ``if not optimizer.finite_everywhere(loss):
             continue`` (one tiny all-reduce).
         skip_layers: modules to leave out of K-FAC (plain momentum-SGD
-            update): module names (``'encoder.layers.0.linear1'``), class
-            names (``'Linear'``) or classes. Layers whose weight is used
+            update): module names (``'encoder.layers.0.linear1'``; shell
+            wildcards match several: ``'blocks.*.dw'``), class names
+            (``'Linear'``), classes, or layer kinds: ``'kind:depthwise'``
+            (convolutions with ``groups == in_channels > 1``) and
+            ``'kind:grouped'`` (any ``groups > 1``). Layers whose weight is used
             without their ``forward()`` (``nn.MultiheadAttention.out_proj``)
             are left out automatically, with a notice; a weight shared by
             several modules (tied weights) must be left out here.

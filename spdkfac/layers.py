@@ -33,8 +33,9 @@ space by ``1/damping``.
 
 from __future__ import annotations
 
+import fnmatch
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import torch
@@ -268,9 +269,29 @@ def functional_submodules(model: nn.Module) -> dict[str, str]:
     return found
 
 
+#: ``skip_layers`` entries ``'kind:NAME'``: layers of a shape rather than of a name or class.
+LAYER_KINDS: dict[str, Callable[[nn.Module], bool]] = {
+    # groups == in_channels > 1: one filter per input channel (MobileNet, EfficientNet)
+    "depthwise": lambda m: isinstance(m, nn.modules.conv._ConvNd) and m.groups > 1 and m.groups == m.in_channels,
+    # any groups > 1, depthwise included (ResNeXt, RegNet)
+    "grouped": lambda m: isinstance(m, nn.modules.conv._ConvNd) and m.groups > 1,
+}
+
+
+def _kind_matches(entry: str, module: nn.Module) -> bool:
+    kind = entry.removeprefix("kind:")
+    if kind not in LAYER_KINDS:
+        raise ValueError(f"skip_layers entry {entry!r}: unknown layer kind; known: {['kind:' + k for k in LAYER_KINDS]}")
+    return LAYER_KINDS[kind](module)
+
+
 def skipped(name: str, module: nn.Module, skip: Sequence[LayerFilter]) -> bool:
+    """Whether ``skip`` names the module: by name (shell-style wildcards allowed), class name, class or ``'kind:...'``."""
     for entry in skip:
-        if isinstance(entry, str) and (entry == name or entry == type(module).__name__):
+        if isinstance(entry, str) and entry.startswith("kind:"):
+            if _kind_matches(entry, module):
+                return True
+        elif isinstance(entry, str) and (fnmatch.fnmatchcase(name, entry) or entry == type(module).__name__):
             return True
         if isinstance(entry, type) and isinstance(module, entry):
             return True

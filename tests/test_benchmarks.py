@@ -133,3 +133,21 @@ def test_soak_keeps_replicas_identical_with_a_delayed_worker(tmp_path):
     assert result["max_pending_grad_handles"] == 0
     assert result["max_pending_factor_allreduces"] == 0
     assert len(result["samples"]) == 4
+
+
+def test_batched_decomposition_compares_one_batched_call_with_a_loop(tmp_path):
+    """benchmarks/batched_decomposition.py for real: both timings per shape and the model totals add up."""
+    args = ["--models", "resnext50_32x4d", "--methods", "inverse", "--repeats", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.batched_decomposition", *args], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "batched_decomposition.json").read_text())
+    shapes = {(r["blocks"], r["dim"]) for r in result["rows"]}
+    assert shapes == {(32, d) for d in (4, 8, 16, 32, 36, 72, 144, 288)}  # ResNeXt-50's grouped 3x3 factors
+    assert all(r["batched_s"] > 0 and r["per_block_s"] > 0 and "prediction_error" in r for r in result["rows"])
+    (total,) = result["totals"]
+    counts = {(32, 36): 3, (32, 4): 3, (32, 72): 4, (32, 8): 4, (32, 144): 6, (32, 16): 6, (32, 288): 3, (32, 32): 3}
+    by_shape = {(r["blocks"], r["dim"]): r for r in result["rows"]}
+    assert total["factors"] == 32
+    assert total["batched_s"] == pytest.approx(sum(n * by_shape[s]["batched_s"] for s, n in counts.items()))

@@ -59,3 +59,31 @@ def test_tied_weights_are_refused_clearly_or_skipped():
     x = torch.randn(5, 6)
     nn.functional.cross_entropy(model(x), torch.zeros(5, dtype=torch.long)).backward()
     opt.step()
+
+
+def _mixed_convs() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(2, 8, 1),  # 0: plain
+        nn.Conv2d(8, 8, 3, padding=1, groups=8),  # 1: depthwise
+        nn.Conv2d(8, 8, 3, padding=1, groups=2),  # 2: grouped
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 3),  # 4
+    )
+
+
+@pytest.mark.parametrize(
+    ("skip", "left"),
+    [(["kind:depthwise"], ["0", "2", "4"]), (["kind:grouped"], ["0", "4"]), (["[12]"], ["0", "4"]), (["*"], None)],
+)
+def test_skip_layers_by_kind_or_wildcard(skip, left):
+    if left is None:  # everything skipped: nothing left to precondition
+        with pytest.raises(ValueError, match="no layer SPDKFACOptimizer can precondition"):
+            SPDKFACOptimizer(_mixed_convs(), lr=0.05, backend="single", skip_layers=skip)
+        return
+    opt = SPDKFACOptimizer(_mixed_convs(), lr=0.05, backend="single", skip_layers=skip)
+    assert [layer.name for layer in opt.layers] == left
+
+
+def test_skip_layers_unknown_kind_is_refused():
+    with pytest.raises(ValueError, match=r"unknown layer kind.*kind:depthwise"):
+        SPDKFACOptimizer(_mixed_convs(), lr=0.05, backend="single", skip_layers=["kind:pointwise"])

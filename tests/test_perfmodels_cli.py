@@ -203,3 +203,21 @@ def test_benchmark_refuses_an_unwritable_out_before_measuring(tmp_path, where):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"cannot write {out}" in proc.stderr, proc.stderr
     assert "benchmarking" not in proc.stderr, proc.stderr
+
+
+def test_add_batched_measures_only_the_batched_decompositions_of_an_old_file(tmp_path):
+    old = PerfModel.load(ROOT / "perfmodels" / "reference-cpu-gloo-2.json")
+    assert not old.batched  # fitted before batched measurements existed
+    src = tmp_path / "old.json"
+    old.save(src)
+    out = tmp_path / "new.json"
+    proc = _cli("add-batched", str(src), "--quick", "--repeats", "1", "--warmup", "0", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    new = PerfModel.load(out)
+    assert set(new.batched) == {"inverse", "eigen"}
+    assert sorted(new.batched["eigen"].measured) == sorted([(32, 9), (384, 9), (144, 25), (32, 36), (32, 144)])
+    assert new.inverse == old.inverse
+    assert new.allreduce == old.allreduce
+    assert "batched_measured" in new.meta
+    assert "batched_eigen" in new.fit_quality
+    assert PerfModel.load(src).batched == {}  # --out: the source untouched

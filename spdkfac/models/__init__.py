@@ -12,13 +12,14 @@ import torch.nn as nn
 
 from .imagenet import densenet201, inception_v4, resnet50, resnet152
 from .mobile import efficientnet_b0, mobilenet_v2, resnext50_32x4d
-from .small import DigitsCNN, MnistCNN, cifar_resnet20
+from .small import DigitsCNN, MnistCNN, MnistMobileNet, cifar_resnet20
 
-__all__ = ["MODELS", "DigitsCNN", "MnistCNN", "cifar_resnet20", "get_model"]
+__all__ = ["MODELS", "DigitsCNN", "MnistCNN", "MnistMobileNet", "cifar_resnet20", "get_model"]
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "digits_cnn": DigitsCNN,
     "mnist_cnn": MnistCNN,
+    "mnist_mobilenet": MnistMobileNet,
     "cifar_resnet20": cifar_resnet20,
     "resnet50": resnet50,
     "resnet152": resnet152,

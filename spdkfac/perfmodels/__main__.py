@@ -3,6 +3,7 @@
 horovodrun -np 2 -H localhost:2 --gloo python -m spdkfac.perfmodels benchmark --quick --out perfmodels/x.json
 python -m spdkfac.perfmodels plot perfmodels/x.json --out perfmodels/x.png
 python -m spdkfac.perfmodels show perfmodels/x.json
+python -m spdkfac.perfmodels add-batched perfmodels/x.json   # a file fitted before batched measurements
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, type=output_file(), help="PNG path (default: next to the JSON)")
     s = sub.add_parser("show", help="validate a model file and print its parameters")
     s.add_argument("file")
+    ab = sub.add_parser(
+        "add-batched",
+        help="measure only the batched decompositions (grouped convolutions) here and add them to a model file",
+    )
+    ab.add_argument("file")
+    ab.add_argument("--out", default=None, type=output_file(), help="JSON file to write (default: overwrite FILE)")
+    ab.add_argument("--quick", action="store_true", help="fewer points")
+    ab.add_argument("--repeats", type=int, default=30)
+    ab.add_argument("--warmup", type=int, default=5)
+    ab.add_argument("--threads", type=int, default=None, help="torch intra-op threads (use the training job's)")
     args = ap.parse_args(argv)
 
     if args.cmd == "benchmark":
@@ -105,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     except PerfModelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.cmd == "add-batched":
+        return _add_batched(ap, args, model)
     if args.cmd == "plot" and args.out is None:  # the default, next to the JSON (a given --out is checked by argparse)
         args.out = str(args.file).rsplit(".", 1)[0] + ".png"
         problem = unwritable_reason(args.out)
@@ -116,6 +129,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {plot_perf_model(model, args.out)}")
         return 0
     print(_summary(model))
+    return 0
+
+
+def _add_batched(ap: argparse.ArgumentParser, args: argparse.Namespace, model: PerfModel) -> int:
+    """The ``add-batched`` command: one process, the file's other curves kept as they are."""
+    import torch
+
+    from ..comm import get_backend
+    from .bench import BenchmarkConfig, add_batched
+
+    if args.repeats < 1 or args.warmup < 0:
+        ap.error("--repeats must be >= 1 and --warmup >= 0")
+    out = args.out or args.file
+    problem = unwritable_reason(out)
+    if problem:
+        ap.error(f"cannot write {out}: {problem}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    retain_freed_memory()
+    device = str(model.meta.get("device", "cpu"))
+    cfg = BenchmarkConfig(quick=args.quick, repeats=args.repeats, warmup=args.warmup, device="cpu" if device.startswith("cpu") else "auto")
+    updated = add_batched(model, cfg, get_backend("single"))
+    updated.save(out)
+    print(_summary(updated))
+    print(f"wrote {out}")
     return 0
 
 
@@ -149,7 +187,8 @@ def _summary(model: PerfModel) -> str:
     for name, batched in model.batched.items():
         q = model.fit_quality.get(f"batched_{name}", {})
         lines.append(
-            f"  {name} batched: {batched.call:.3e} + b ({batched.c0:.3e} + {batched.c3:.3e} d^3), {len(batched.measured)} points"
+            f"  {name} batched: {batched.call:.3e} + b ({batched.c0:.3e} + {batched.c1:.3e} d + {batched.c2:.3e} d^2 + {batched.c3:.3e} d^3), "
+            f"{len(batched.measured)} points"
             + (f", max rel err {q['max_rel_error']:.1%} (rule without the fit: {q['rule_max_rel_error']:.1%})" if q else "")
         )
     return "\n".join(lines)

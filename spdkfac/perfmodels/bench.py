@@ -13,6 +13,7 @@ averaged over the ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import platform
 import socket
@@ -233,18 +234,7 @@ def run_benchmark(cfg: BenchmarkConfig, engine: CommBackend | None = None) -> Pe
         "quick": cfg.quick,
         "model_dims_from": cfg.model_name,
     }
-    batched: dict[str, BatchedModel] = {}
-    for name, curve in (("inverse", inv_model), ("eigen", eig_model)):
-        if curve is None or not cfg.batched_points():
-            continue
-        points = cfg.batched_points()
-        seconds = _time_batched(name, points, cfg, device, dtype, engine, progress)
-        (call, c0, c3), worst = fit_batched(points, seconds)
-        batched[name] = BatchedModel(call, c0, c3, dict(zip(points, seconds)))
-        quality[f"batched_{name}"] = {
-            "max_rel_error": worst,
-            "rule_max_rel_error": _max_rel(seconds, [BatchedModel.rule(curve, b, d) for b, d in points]),
-        }
+    batched = _measure_batched({"inverse": inv_model, "eigen": eig_model}, cfg, device, dtype, engine, progress, quality)
 
     measurements = {
         "allreduce": {"elements": sizes, "seconds": ar_times, "mean_seconds": means["allreduce"]} if ar_times else {},
@@ -266,6 +256,57 @@ def run_benchmark(cfg: BenchmarkConfig, engine: CommBackend | None = None) -> Pe
         eigen_warm=warm_model,
         batched=batched,
     )
+
+
+def _measure_batched(
+    curves: dict[str, InverseModel | None],
+    cfg: BenchmarkConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    engine: CommBackend,
+    progress: _Progress,
+    quality: dict[str, Any],
+) -> dict[str, BatchedModel]:
+    """Time and fit the batched decompositions of every method with a curve; their fit quality goes into ``quality``."""
+    batched: dict[str, BatchedModel] = {}
+    for name, curve in curves.items():
+        if curve is None or not cfg.batched_points():
+            continue
+        points = cfg.batched_points()
+        seconds = _time_batched(name, points, cfg, device, dtype, engine, progress)
+        (call, c0, c1, c2, c3), worst = fit_batched(points, seconds)
+        batched[name] = BatchedModel(call, c0, c3, dict(zip(points, seconds)), c1=c1, c2=c2)
+        quality[f"batched_{name}"] = {
+            "max_rel_error": worst,
+            "rule_max_rel_error": _max_rel(seconds, [BatchedModel.rule(curve, b, d) for b, d in points]),
+        }
+    return batched
+
+
+def add_batched(model: PerfModel, cfg: BenchmarkConfig, engine: CommBackend | None = None) -> PerfModel:
+    """``model`` with its batched decompositions (re)measured here, everything else kept.
+
+    For model files fitted before batched measurements existed: without
+    them a grouped convolution's factor is costed by
+    :meth:`BatchedModel.rule`, which the single-matrix curves (fitted at
+    ``d >= 64`` and floored) make far too cheap at depthwise sizes.
+    """
+    engine = engine or get_backend("auto")
+    device = torch.device(
+        "cuda" if (cfg.device == "auto" and torch.cuda.is_available()) else ("cpu" if cfg.device == "auto" else cfg.device)
+    )
+    curves = {"inverse": model.inverse, "eigen": model.eigen}
+    progress = _Progress(len(cfg.batched_points()) * sum(c is not None for c in curves.values()), engine.rank == 0)
+    quality = dict(model.fit_quality)
+    batched = _measure_batched(curves, cfg, device, getattr(torch, cfg.dtype), engine, progress, quality)
+    meta = dict(model.meta)
+    meta["batched_measured"] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "torch_threads": torch.get_num_threads(),
+        "world_size": engine.size,
+    }
+    return dataclasses.replace(model, meta=meta, fit_quality=quality, batched=batched)
 
 
 def _time_batched(

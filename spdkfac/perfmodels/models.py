@@ -7,7 +7,7 @@
 * eigendecomposition of a ``d x d`` symmetric matrix (``compute_method='eigen'``,
   optional: files from before it lack it), the same form as the inversion;
 * one batched decomposition of ``b`` blocks of ``d x d`` (a grouped
-  convolution's factors), per method, optional: ``call + b (c0 + c3 d^3)``
+  convolution's factors), per method, optional: ``call + b (c0 + c1 d + c2 d^2 + c3 d^3)``
   (:class:`BatchedModel`; files without one use :meth:`BatchedModel.rule`
   on the single-matrix curve).
 
@@ -158,7 +158,7 @@ class InverseModel:
 class BatchedModel:
     """One batched decomposition of ``blocks`` matrices of ``d x d`` (a grouped convolution's factor).
 
-    ``call + blocks * (c0 + c3 d^3)``: the call's fixed overhead, and each
+    ``call + blocks * (c0 + c1 d + c2 d^2 + c3 d^3)``: the call's fixed overhead, and each
     block's overhead and arithmetic, fitted to batched measurements
     (``benchmark`` measures them at depthwise and grouped shapes; the
     single-matrix curves, fitted at d >= 64 and floored, say little about
@@ -170,16 +170,19 @@ class BatchedModel:
     c0: float
     c3: float
     measured: dict[tuple[int, int], float] = field(default_factory=dict)
+    c1: float = 0.0  # files written before these terms have neither
+    c2: float = 0.0
 
     def __post_init__(self) -> None:
-        for name, value in (("batched.call", self.call), ("batched.c0", self.c0), ("batched.c3", self.c3)):
+        terms = (("call", self.call), ("c0", self.c0), ("c1", self.c1), ("c2", self.c2), ("c3", self.c3))
+        for name, value in ((f"batched.{n}", v) for n, v in terms):
             if not math.isfinite(value) or value < 0:
                 raise PerfModelError(f"{name} must be a non-negative finite number, got {value!r}")
         for key, seconds in self.measured.items():
             _positive_finite(f"batched.measured[{key}]", seconds)
 
     def fitted(self, blocks: int, dim: int) -> float:
-        return self.call + blocks * (self.c0 + self.c3 * dim**3)
+        return self.call + blocks * (self.c0 + self.c1 * dim + self.c2 * dim**2 + self.c3 * dim**3)
 
     @staticmethod
     def rule(curve: Callable[[float], float], blocks: int, dim: int) -> float:
@@ -200,8 +203,10 @@ class BatchedModel:
         return {
             "call": self.call,
             "c0": self.c0,
+            "c1": self.c1,
+            "c2": self.c2,
             "c3": self.c3,
-            "unit": "seconds: call + blocks * (c0 + c3 d^3)",
+            "unit": "seconds: call + blocks * (c0 + c1 d + c2 d^2 + c3 d^3)",
             "measured": {f"{b}x{d}": t for (b, d), t in sorted(self.measured.items())},
         }
 
@@ -211,7 +216,8 @@ class BatchedModel:
         for key, seconds in dict(entry.get("measured", {})).items():
             blocks, dim = (int(v) for v in str(key).split("x"))
             measured[(blocks, dim)] = float(seconds)
-        return cls(float(entry["call"]), float(entry["c0"]), float(entry["c3"]), measured)
+        lower = {k: float(entry.get(k, 0.0)) for k in ("c1", "c2")}
+        return cls(float(entry["call"]), float(entry["c0"]), float(entry["c3"]), measured, **lower)
 
 
 # Eigendecomposition (eigen_payload: torch.linalg.eigh and the [Q, d] buffer) over Cholesky inversion (invert_spd)

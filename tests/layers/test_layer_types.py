@@ -156,9 +156,16 @@ def test_batched_model_is_fitted_saved_and_used_by_the_methods():
 
     points = [(32, 9), (384, 9), (144, 25), (32, 36), (32, 144)]
     truth = BatchedModel(5e-5, 2e-6, 4e-10)
-    (call, c0, c3), worst = fit_batched(points, [truth.fitted(b, d) for b, d in points])
-    assert (call, c0, c3) == pytest.approx((5e-5, 2e-6, 4e-10), rel=1e-6)
+    (call, c0, c1, c2, c3), worst = fit_batched(points, [truth.fitted(b, d) for b, d in points])
+    assert (call, c0, c1, c2, c3) == pytest.approx((5e-5, 2e-6, 0, 0, 4e-10), rel=1e-6, abs=1e-15)
     assert worst < 1e-9
+    # A block time far from cubic at small d (per-matrix overhead, O(d^2) copies) is fitted by the lower powers.
+    quadratic = BatchedModel(1e-4, 1e-6, 0.0, c2=2e-7)
+    more = [*points, (96, 9), (672, 25)]
+    coeffs, worst = fit_batched(more, [quadratic.fitted(b, d) for b, d in more])
+    assert coeffs == pytest.approx((1e-4, 1e-6, 0, 2e-7, 0), rel=1e-6, abs=1e-15)
+    old_file = {"call": 1e-4, "c0": 1e-6, "c3": 1e-9, "measured": {}}  # written before c1 and c2 existed
+    assert BatchedModel.from_dict(old_file).fitted(2, 10) == pytest.approx(1e-4 + 2 * (1e-6 + 1e-6))
     data = PerfModel.default().to_dict()
     data["batched"] = {"eigen": BatchedModel(call, c0, c3, {(32, 9): 1e-3}).to_dict()}
     perf = PerfModel.from_dict(data)
@@ -168,3 +175,22 @@ def test_batched_model_is_fitted_saved_and_used_by_the_methods():
     assert eigen.cost(perf, FactorShape(10, blocks=6)) == pytest.approx(call + 6 * (c0 + c3 * 1000))
     rule = BatchedModel.rule(inverse.curve(perf), 6, 10)  # no batched inverse measurements: the rule
     assert inverse.cost(perf, FactorShape(10, blocks=6)) == rule
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_depthwise_gram_is_the_same_one_channel_at_a_time_and_exactly_symmetric(bias, monkeypatch):
+    from spdkfac.layer_types import conv as conv_module
+    from spdkfac.layer_types import make_helper
+
+    module = nn.Conv2d(5, 10, 3, stride=2, padding=1, groups=5, bias=bias)
+    helper = make_helper(module)
+    x = torch.randn(4, 5, 9, 9, dtype=torch.float64)
+    whole, count = helper.input_gram(x, torch.float64)
+    monkeypatch.setattr(conv_module, "DEPTHWISE_ROWS_BYTES", 1)  # one channel per batched product
+    per_channel, _ = helper.input_gram(x, torch.float64)
+    rows = conv_rows(module, x)  # the reference's per-group im2col rows, then a ones column with a bias
+    rows = [torch.cat([r, torch.ones(r.shape[0], 1, dtype=r.dtype)], 1) if bias else r for r in rows]
+    assert count == 4 * 5 * 5
+    torch.testing.assert_close(whole, per_channel, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(whole, torch.stack([r.T @ r for r in rows]), rtol=1e-10, atol=1e-10)
+    assert torch.equal(whole, whole.transpose(1, 2))
