@@ -27,7 +27,8 @@ from .placement import PLACEMENTS
 #: The choices of the enumerated options (checked at run time too: the values often come from a command line).
 FusionPolicy = Literal["optimal", "threshold", "layerwise", "naive"]
 Placement = Literal["lbp", "seq", "local"]
-ComputeMethod = Literal["inverse", "eigen"]
+ComputeMethod = Literal["inverse", "eigen", "ekfac"]
+EigenRefresh = Literal["exact", "warm"]
 UpdateFusion = Literal["none", "forward", "backward"]
 UPDATE_FUSIONS: tuple[str, ...] = get_args(UpdateFusion)
 
@@ -36,6 +37,7 @@ __all__ = [
     "SCHEDULE_CHECKS",
     "UPDATE_FUSIONS",
     "ComputeMethod",
+    "EigenRefresh",
     "FusionPolicy",
     "KFACConfig",
     "Placement",
@@ -139,6 +141,17 @@ class KFACConfig:
             approximation of the damped Fisher, a slower decomposition and a
             broadcast of ``d*d + d`` instead of ``d(d+1)/2`` elements; the
             placement is costed with the performance model's ``eigen`` curve).
+            ``'ekfac'`` (George et al.'s eigenvalue-corrected K-FAC: the eigen
+            method's bases, the scaling re-estimated every step from the
+            averaged gradient, :mod:`spdkfac.methods.ekfac`).
+        eigen_refresh: how ``'eigen'`` and ``'ekfac'`` refresh a basis:
+            ``'exact'`` (a full ``eigh`` every time) or ``'warm'`` (one
+            subspace-iteration step from the previous basis, with a full
+            ``eigh`` every ``eigen_full_every`` refreshes or when the previous
+            basis drifted, :mod:`spdkfac.methods.warm`).
+        eigen_full_every: with ``eigen_refresh='warm'``, every this many
+            refreshes is a full ``eigh``.
+        ekfac_decay: β of EKFAC's running average of the scaling.
         distribute_preconditioning: ``grad_worker_fraction=1/P`` (KAISA's
             MEM-OPT) under its older name: each layer's decompositions are
             held and its gradient preconditioned by one worker, which
@@ -227,6 +240,9 @@ class KFACConfig:
     pipelining: bool = True
     placement: Placement = "lbp"
     compute_method: ComputeMethod = "inverse"
+    eigen_refresh: EigenRefresh = "exact"
+    eigen_full_every: int = 10
+    ekfac_decay: float = 0.95
     distribute_preconditioning: bool = False
     grad_worker_fraction: float | Literal["auto"] | None = None
     memory_budget: int | None = None
@@ -248,8 +264,18 @@ class KFACConfig:
         _check_choice("base", self.base, BASE_OPTIMIZERS)
         _check_choice("compute_method", self.compute_method, tuple(METHODS))  # the registry as it is now
         _check_choice("update_fusion", self.update_fusion, UPDATE_FUSIONS)
+        _check_choice("eigen_refresh", self.eigen_refresh, ("exact", "warm"))
         for name in ("pipelining", "distribute_preconditioning", "overlap_preconditioning"):
             _check_bool(name, getattr(self, name))
+        object.__setattr__(self, "eigen_full_every", check_positive_int("eigen_full_every", self.eigen_full_every))
+        object.__setattr__(self, "ekfac_decay", check_number("ekfac_decay", self.ekfac_decay, 0.0, 1.0))
+        if self.eigen_refresh == "warm" and self.compute_method == "inverse":
+            raise ValueError("eigen_refresh='warm' refreshes an eigenbasis: it needs compute_method='eigen' or 'ekfac'")
+        if self.compute_method == "ekfac" and self.distribute_preconditioning:
+            raise ValueError(
+                "compute_method='ekfac' updates each layer's scaling whenever the layer is preconditioned, so every "
+                "worker must precondition every layer: distribute_preconditioning=True is not supported with it"
+            )
         # Integers stored as plain ints (numpy integers are taken): the options are saved in state_dict.
         for name in ("accumulation_steps", "profile_steps", "fusion_threshold_bytes"):
             object.__setattr__(self, name, check_positive_int(name, getattr(self, name)))
@@ -257,6 +283,21 @@ class KFACConfig:
             object.__setattr__(self, "replan_interval", check_positive_int("replan_interval", self.replan_interval))
         object.__setattr__(self, "skip_nonfinite", check_non_negative_int("skip_nonfinite", self.skip_nonfinite))
         self._check_grad_workers()
+        fraction = self.grad_worker_fraction
+        split = self.distribute_preconditioning or (fraction is not None and fraction != 1)
+        if split and self.eigen_refresh == "warm":
+            given = "distribute_preconditioning=True" if self.distribute_preconditioning else f"grad_worker_fraction={fraction!r}"
+            raise ValueError(
+                "eigen_refresh='warm' starts each refresh from the previous basis, which every worker must hold (a "
+                f"replan may move a factor to another worker); {given} keeps decompositions on a layer's gradient "
+                "workers only: use grad_worker_fraction=None (1) with it"
+            )
+        if fraction is not None and fraction != 1 and self.compute_method == "ekfac":
+            raise ValueError(
+                "compute_method='ekfac' updates each layer's scaling on every worker; "
+                f"grad_worker_fraction={fraction!r} preconditions a layer on its gradient workers only: "
+                "use grad_worker_fraction=None (1) with it"
+            )
         object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
 
     def _check_grad_workers(self) -> None:

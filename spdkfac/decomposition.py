@@ -33,8 +33,11 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "EIGEN_CLAMP",
     "Eigen",
+    "eigen_outer",
     "eigen_payload",
     "eigen_precondition",
+    "eigen_project",
+    "eigen_unproject",
     "payload_size",
     "stage_costs",
     "unpack_eigen",
@@ -65,6 +68,9 @@ class Eigen:
 
     Q: torch.Tensor | None  # None for a diagonal factor: Q = I
     d: torch.Tensor
+    #: Warm-started refreshes since the last full ``eigh`` (a one-element view into the same buffer), or None
+    #: where the basis is always exact (``eigen_refresh='exact'``, :mod:`spdkfac.methods.warm`).
+    age: torch.Tensor | None = None
 
 
 def eigen_payload(matrix: torch.Tensor) -> torch.Tensor:
@@ -89,18 +95,35 @@ def eigen_precondition(grad: torch.Tensor, a: Eigen, g: Eigen, damping: float) -
 
     A diagonal ``A`` (``Q_A = I``) only scales: its rotations are left out.
     """
+    v = eigen_project(grad, a, g)
+    v.div_(eigen_outer(a, g).add_(damping))
+    return eigen_unproject(v, a, g)
+
+
+def eigen_project(grad: torch.Tensor, a: Eigen, g: Eigen) -> torch.Tensor:
+    """``Q_G^T grad Q_A``: the gradient in the Kronecker eigenbasis (a new tensor; per block for stacks)."""
     if g.Q is None:
         raise ValueError("a G factor is never diagonal")
     if a.Q is not None and a.Q.dim() == 2 and g.Q.dim() == 2:
-        v = g.Q.T @ grad.to(g.Q.dtype) @ a.Q
-        v.div_(torch.outer(g.d, a.d).add_(damping))
-        return g.Q @ v @ a.Q.T
+        return g.Q.T @ grad.to(g.Q.dtype) @ a.Q
     v = g.Q.transpose(-1, -2) @ grad.to(g.Q.dtype)
-    if a.Q is not None:
-        v = v @ a.Q
-    v.div_((g.d.unsqueeze(-1) * a.d.unsqueeze(-2)).add_(damping))
+    return v if a.Q is None else v @ a.Q
+
+
+def eigen_unproject(v: torch.Tensor, a: Eigen, g: Eigen) -> torch.Tensor:
+    """``Q_G v Q_A^T``: back from the Kronecker eigenbasis (the inverse of :func:`eigen_project`)."""
+    assert g.Q is not None
+    if a.Q is not None and a.Q.dim() == 2 and g.Q.dim() == 2:
+        return g.Q @ v @ a.Q.T
     out = g.Q @ v
     return out if a.Q is None else out @ a.Q.transpose(-1, -2)
+
+
+def eigen_outer(a: Eigen, g: Eigen) -> torch.Tensor:
+    """``d_G d_A^T`` (per block): K-FAC's eigenvalues of ``A ⊗ G``, shaped like the projected gradient."""
+    if g.d.dim() == 1 and a.d.dim() == 1:
+        return torch.outer(g.d, a.d)
+    return g.d.unsqueeze(-1) * a.d.unsqueeze(-2)
 
 
 def stage_costs(perf: PerfModel, method: str) -> tuple[CostFn, CostFn]:

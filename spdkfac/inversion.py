@@ -205,11 +205,13 @@ class DecompositionStage:
                 factors[(kind, name)] = packed
 
         def owned(key: Hashable, factor: torch.Tensor) -> tuple[Any, torch.Tensor]:
-            result: tuple[Any, torch.Tensor] = self._guarded(key, factor, damping, lambda: method.owned(self._shape(key), factor, damping))
+            result: tuple[Any, torch.Tensor] = self._guarded(
+                key, factor, damping, lambda: method.owned(self._shape(key), factor, damping, self._previous(key))
+            )
             return result
 
         def local(key: Hashable, factor: torch.Tensor) -> Any:
-            return self._guarded(key, factor, damping, lambda: method.local(self._shape(key), factor, damping))
+            return self._guarded(key, factor, damping, lambda: method.local(self._shape(key), factor, damping, self._previous(key)))
 
         results = _stage(
             self.plan,
@@ -226,6 +228,11 @@ class DecompositionStage:
         for key, value in results.items():
             kind, name = cast(FactorKey, key)
             self.layers[name].set_decomposition(kind, value)
+
+    def _previous(self, key: Hashable) -> Any:
+        """The factor's current decomposition (every rank holds it bitwise alike): a warm start's origin."""
+        kind, name = cast(FactorKey, key)
+        return self.layers[name].decomposition(kind)
 
     def _guarded(self, key: Hashable, factor: torch.Tensor, damping: float, compute: Callable[[], Any]) -> Any:
         """``compute()``; a failed factorization re-raised with the method's explanation, naming the factor."""

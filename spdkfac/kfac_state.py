@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from .layers import FACTOR_KINDS, KFACLayer
 from .methods import DecompositionMethod, get_method
 
@@ -26,7 +28,9 @@ def save_kfac_state(
     averages ``A`` and ``G`` in full form (``(d, d)``, ``(blocks, d, d)``, or
     a diagonal's vector), and the method's decompositions under
     ``A<suffix>`` / ``G<suffix>`` (``A_inv``: a tensor; ``A_eigen``:
-    ``{'Q', 'd'}``). Plain tensors, numbers, strings, lists and dicts only.
+    ``{'Q', 'd'}``, with ``'age'`` for a warm-started refresh), and the
+    method's per-layer state under ``method_state`` where it has one (EKFAC:
+    ``{'scale', 'samples'}``). Plain tensors, numbers, strings, lists and dicts only.
     """
     return {
         "steps": steps,
@@ -42,10 +46,17 @@ def save_kfac_state(
                     f"{kind}{method.suffix}": None if layer.decomposition(kind) is None else method.save(layer.decomposition(kind))
                     for kind in FACTOR_KINDS
                 },
+                **_method_state(layer, method),
             }
             for layer in layers
         },
     }
+
+
+def _method_state(layer: KFACLayer, method: DecompositionMethod) -> dict[str, Any]:
+    """``{'method_state': ...}`` of a method with per-layer state, else nothing."""
+    saved = method.save_state(layer.method_state)
+    return {} if saved is None else {"method_state": saved}
 
 
 def check_kfac_state(state_dict: Any, layers: Sequence[KFACLayer], method: DecompositionMethod) -> dict[str, Any]:
@@ -93,10 +104,12 @@ def load_kfac_state(kfac: dict[str, Any], layers: Sequence[KFACLayer]) -> None:
                 layer.set_decomposition(kind, None if saved is None else method.load(saved, layer.shape(kind), device))
             except ValueError as exc:
                 raise ValueError(f"checkpoint was saved for a different model: layer {layer.name!r}: {exc}") from None
+        layer.method_state = method.load_state(entry.get("method_state"), device)
 
 
 def memory_usage(layers: Sequence[KFACLayer], method: DecompositionMethod) -> dict[str, int]:
-    """Bytes held by factors (flat running averages) and the method's decompositions, per kind."""
+    """Bytes held by factors (flat running averages) and the method's decompositions, per kind (and, for a
+    method with per-layer state, ``method_state``)."""
     held = tuple(f"{kind}{method.suffix}" for kind in FACTOR_KINDS)
     out = dict.fromkeys(FACTOR_KINDS + held, 0)
     for layer in layers:
@@ -107,4 +120,8 @@ def memory_usage(layers: Sequence[KFACLayer], method: DecompositionMethod) -> di
             kept = layer.decomposition(kind)
             if kept is not None:
                 out[key] += sum(t.numel() * t.element_size() for t in method.tensors(kept))
+    if method.stateful:  # EKFAC's per-layer scaling
+        out["method_state"] = sum(
+            t.numel() * t.element_size() for layer in layers for t in layer.method_state.values() if isinstance(t, torch.Tensor)
+        )
     return out

@@ -130,6 +130,9 @@ class KFACStep:
 
         Raises :class:`~spdkfac.nonfinite.SkipStep` for a skipped step.
         """
+        if factor_step:  # the global batch the hooks just saw, before either order preconditions (EKFAC scales by it)
+            for layer in self.layers:
+                layer.method_state["samples"] = layer.local_samples * self.workers * self.config.accumulation_steps
         if self._overlapping(inverse_step):
             self.grads.start_missing()  # every all-reduce in flight before waiting on any
             if factor_step:
@@ -149,6 +152,8 @@ class KFACStep:
             if self.config.precondition:
                 self._precondition(hyper)
         self._check_finite(step)
+        for layer in self.layers:  # the step stands: what the method learned from it becomes its state
+            layer.method.commit(layer.method_state)
 
     def run_after_fused(self, factor_step: bool, hyper: StepHyper, step: int, bad: list[str]) -> None:
         """The rest of a step whose layers were preconditioned and updated in backward (update fusion).

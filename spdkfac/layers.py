@@ -94,6 +94,10 @@ class KFACLayer:
         self.g_dim = self.shapes["G"].dim
         self._packed: dict[str, torch.Tensor | None] = {"A": None, "G": None}
         self._decomposed: dict[str, Any] = {"A": None, "G": None}
+        #: The method's own per-layer state (EKFAC's scaling; empty for the others), :meth:`DecompositionMethod.commit`.
+        self.method_state: dict[str, Any] = {}
+        #: Samples per worker in the last batch the factor hooks saw (EKFAC scales its statistic by the global batch).
+        self.local_samples = 1
 
     def __repr__(self) -> str:
         a, g = self.shapes["A"].describe(), self.shapes["G"].describe()
@@ -137,6 +141,7 @@ class KFACLayer:
         divided out so that ``G`` describes the true gradients.
         """
         batch = grad_output.shape[0]
+        self.local_samples = batch
         with torch.autocast(grad_output.device.type, enabled=False):
             g = grad_output.detach().to(self.factor_dtype)
             if loss_scale != 1.0:
@@ -247,7 +252,7 @@ class KFACLayer:
         """
         if not self.decomposed:
             raise RuntimeError(f"layer {self.name!r} has no {self.method.label} yet; factors were never updated")
-        return self.method.precondition(grad, self._decomposed["A"], self._decomposed["G"], damping)
+        return self.method.precondition(grad, self._decomposed["A"], self._decomposed["G"], damping, self.method_state)
 
     def write_grad(self, grad: torch.Tensor) -> None:
         """Copy an update shaped as :meth:`grad_matrix` back into the weight (and bias) gradients."""

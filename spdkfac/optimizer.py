@@ -17,7 +17,16 @@ import torch.nn as nn
 
 from .base_update import BaseOptimizer, apply_base_update, base_defaults
 from .comm import CommBackend, get_backend
-from .config import SCHEDULE_CHECKS, ComputeMethod, FusionPolicy, KFACConfig, Placement, UpdateFusion, check_hyperparameters
+from .config import (
+    SCHEDULE_CHECKS,
+    ComputeMethod,
+    EigenRefresh,
+    FusionPolicy,
+    KFACConfig,
+    Placement,
+    UpdateFusion,
+    check_hyperparameters,
+)
 from .coverage import kfac_summary
 from .fusion import DEFAULT_THRESHOLD_BYTES
 from .grad_sync import collective_names
@@ -89,8 +98,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             scale is removed from the G factors and the gradients are averaged
             at the end of ``backward()``, before the scaler reads them; a step
             the scaler skips is discarded by the next :meth:`zero_grad`.
-        fusion, pipelining, placement, compute_method, distribute_preconditioning, grad_worker_fraction, memory_budget,
-        overlap_preconditioning,
+        fusion, pipelining, placement, compute_method, eigen_refresh, eigen_full_every, ekfac_decay,
+        distribute_preconditioning, grad_worker_fraction, memory_budget, overlap_preconditioning,
         fusion_threshold_bytes, profile_steps, replan_interval, timeline, precondition, accumulation_steps,
         skip_nonfinite, skip_layers: how the step is computed: :class:`~spdkfac.config.KFACConfig`.
         update_fusion: ``'none'``, ``'forward'`` or ``'backward'``: where the
@@ -113,6 +122,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         pipelining: bool = True,
         placement: Placement = "lbp",
         compute_method: ComputeMethod = "inverse",
+        eigen_refresh: EigenRefresh = "exact",
+        eigen_full_every: int = 10,
+        ekfac_decay: float = 0.95,
         distribute_preconditioning: bool = False,
         grad_worker_fraction: GradWorkerFraction | None = None,
         memory_budget: int | None = None,
@@ -163,7 +175,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.factor_update_freq: int = initial["factor_update_freq"]  # in force (see _step_kind)
         self.inv_update_freq: int = initial["inv_update_freq"]
         self.compute_method, self.precondition = compute_method, precondition
-        self.method = get_method(compute_method)  # chosen once: the decomposition, payload, state and costs
+        self.method = get_method(compute_method, self.config)  # chosen once: the decomposition, payload, state and costs
         self.layers: list[KFACLayer] = preconditioned_layers(model, self.method, self.config.skip_layers) if precondition else []
         self.backend = get_backend(backend)
         self.perf_model = load_perf_model(perf_model).for_world_size(self.backend.size)  # as the simulator plans

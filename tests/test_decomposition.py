@@ -171,7 +171,7 @@ def test_eigen_checkpoint_resumes_bitwise_and_the_other_method_is_refused():
 
 
 def test_compute_method_validated_and_shown():
-    with pytest.raises(ValueError, match=r"compute_method must be one of \('inverse', 'eigen'\), got 'eigh'"):
+    with pytest.raises(ValueError, match=r"compute_method must be one of \('inverse', 'eigen', 'ekfac'\), got 'eigh'"):
         SPDKFACOptimizer(small_net(), lr=0.1, compute_method="eigh", backend="single")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -279,3 +279,15 @@ def test_state_dict_round_trip_resumes_bit_for_bit():
     for params_r in run_ranks(P, resume, timeout=120):
         for name, value in straight[0][0].items():
             assert torch.equal(params_r[name], value), name
+
+
+@pytest.mark.parametrize("options", [dict(compute_method="ekfac"), dict(compute_method="eigen", eigen_refresh="warm")])
+def test_a_fraction_below_one_is_refused_with_per_layer_eigenbasis_state(options):
+    from spdkfac.config import KFACConfig
+
+    with pytest.raises(ValueError, match=r"use grad_worker_fraction=None \(1\) with it"):
+        KFACConfig(grad_worker_fraction=0.5, **options)
+    KFACConfig(grad_worker_fraction=1.0, **options)  # COMM-OPT: every worker holds every basis
+    if options.get("eigen_refresh") == "warm":  # MEM-OPT under its older name, too
+        with pytest.raises(ValueError, match="distribute_preconditioning=True keeps decompositions"):
+            KFACConfig(distribute_preconditioning=True, **options)

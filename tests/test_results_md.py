@@ -534,3 +534,18 @@ def test_convergence_race_shows_the_second_target_the_seeds_and_the_issue_target
     assert "| `spdkfac` | 0.05: 98.5%, 0.5: 10.0% | 0.985 (0.980–0.990) |" in section
     assert "– (2–3), 1 of 3 not reached" in section
     assert "| `spdkfac` | yes (2 vs 2) | no (30 vs 9) | yes (98.5% vs 98.0%) | no (0.150 vs 0.100) |" in section
+
+
+def test_eigenbasis_section_gives_each_variant_its_speed_up_over_the_exact_eigen_method(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [
+        {"variant": "spdkfac", "mean_s": 7.0, "stdev_s": 0.1, "InverseComp": 1.0, "InverseComm": 0.5},
+        {"variant": "spdkfac:compute_method=eigen", "mean_s": 21.0, "stdev_s": 0.2, "InverseComp": 12.0, "InverseComm": 1.0},
+        {"variant": "spdkfac:compute_method=eigen,eigen_refresh=warm", "mean_s": 14.0, "stdev_s": 0.3, "InverseComp": 6.0},
+    ]
+    record = {"args": {"model": "resnet50", "resolution": 32, "batch_size": 4, "warmup": 2, "iters": 5}, "table": rows}
+    (results / "iteration_time_eigenbasis.json").write_text(json.dumps(record))
+    section = _section(results_md.build(results, tmp_path / "RESULTS.md"), "Eigen method: exact and warm-started eigenbasis refresh")
+    assert "| `spdkfac` | 7000 ± 100 | 1000 | 500 | 3.00x |" in section
+    assert "| `spdkfac:compute_method=eigen,eigen_refresh=warm` | 14000 ± 300 | 6000 | – | 1.50x |" in section

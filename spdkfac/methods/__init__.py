@@ -6,24 +6,32 @@ line in :data:`METHODS`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .base import DecompositionMethod, LinAlgError
 from .eigen import EigenMethod
+from .ekfac import EKFACMethod
 from .inverse import InverseMethod
 
-__all__ = ["COMPUTE_METHODS", "METHODS", "DecompositionMethod", "EigenMethod", "InverseMethod", "LinAlgError", "get_method"]
+__all__ = ["COMPUTE_METHODS", "METHODS", "DecompositionMethod", "EKFACMethod", "EigenMethod", "InverseMethod", "LinAlgError", "get_method"]
 
 METHODS: dict[str, type[DecompositionMethod]] = {
     InverseMethod.name: InverseMethod,
     EigenMethod.name: EigenMethod,
+    EKFACMethod.name: EKFACMethod,
 }
 COMPUTE_METHODS = tuple(METHODS)
 
 
-def get_method(method: str | DecompositionMethod) -> DecompositionMethod:
-    """The method object for a ``compute_method`` value (an object is returned as it is)."""
+def get_method(method: str | DecompositionMethod, options: Any = None) -> DecompositionMethod:
+    """The method object for a ``compute_method`` value (an object is returned as it is).
+
+    ``options`` (a :class:`~spdkfac.config.KFACConfig`) configures it
+    (``eigen_refresh``, ``eigen_full_every``, ``ekfac_decay``); None: defaults.
+    """
     if isinstance(method, DecompositionMethod):
         return method
     cls = METHODS.get(method) if isinstance(method, str) else None
     if cls is None:
         raise ValueError(f"compute_method must be one of {tuple(METHODS)}, got {method!r}")
-    return cls()
+    return cls.from_options(options)

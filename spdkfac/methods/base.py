@@ -52,16 +52,24 @@ class DecompositionMethod(abc.ABC):
         """Elements a holder keeps of one factor's decomposition (what :meth:`tensors` of it add up to)."""
         return self.payload_size(shape)
 
+    @classmethod
+    def from_options(cls, options: Any = None) -> DecompositionMethod:
+        """The method configured by the optimizer's options (a :class:`~spdkfac.config.KFACConfig`; None: defaults)."""
+        return cls()
+
     @abc.abstractmethod
-    def owned(self, shape: FactorShape, factor: torch.Tensor, damping: float) -> tuple[Any, torch.Tensor]:
+    def owned(self, shape: FactorShape, factor: torch.Tensor, damping: float, previous: Any = None) -> tuple[Any, torch.Tensor]:
         """(kept value, flat payload) of a full factor, on the rank that decomposes and broadcasts it.
 
-        The kept value must equal bitwise what :meth:`received` rebuilds from the payload.
+        ``previous`` is the kept value of the last decomposition of this
+        factor (None before the first); every rank holds it bitwise alike, so
+        a method may start from it (a warm-started eigenbasis). The kept value
+        must equal bitwise what :meth:`received` rebuilds from the payload.
         """
 
-    def local(self, shape: FactorShape, factor: torch.Tensor, damping: float) -> Any:
+    def local(self, shape: FactorShape, factor: torch.Tensor, damping: float, previous: Any = None) -> Any:
         """The kept value of a factor every rank decomposes itself (nothing sent)."""
-        return self.owned(shape, factor, damping)[0]
+        return self.owned(shape, factor, damping, previous)[0]
 
     @abc.abstractmethod
     def received(self, payload: torch.Tensor, shape: FactorShape) -> Any:
@@ -73,8 +81,30 @@ class DecompositionMethod(abc.ABC):
 
     # -- preconditioning ---------------------------------------------------------------
     @abc.abstractmethod
-    def precondition(self, grad: torch.Tensor, a: Any, g: Any, damping: float) -> torch.Tensor:
-        """The update of a ``g x a`` gradient (``blocks x g x a`` for block-diagonal factors)."""
+    def precondition(self, grad: torch.Tensor, a: Any, g: Any, damping: float, state: dict[str, Any] | None = None) -> torch.Tensor:
+        """The update of a ``g x a`` gradient (``blocks x g x a`` for block-diagonal factors).
+
+        ``state`` is the layer's own method state (:meth:`commit`), which a
+        method that learns from every gradient (EKFAC's scaling) reads and
+        stages its next value in; the others ignore it.
+        """
+
+    # -- per-layer state (empty but for methods that learn from every gradient) -------
+    #: Whether a layer's state changes on every preconditioning (then only every rank preconditioning every layer
+    #: keeps it identical everywhere: distributed preconditioning is refused).
+    stateful: ClassVar[bool] = False
+
+    def commit(self, state: dict[str, Any]) -> None:
+        """Make the state staged by this step's :meth:`precondition` current (a skipped step never commits)."""
+        state.pop("pending", None)  # stateless methods stage nothing
+
+    def save_state(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        """Plain tensors / values of a layer's state for a checkpoint (None: nothing to save)."""
+        return None
+
+    def load_state(self, saved: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
+        """A layer's state from what :meth:`save_state` wrote (None: a fresh state)."""
+        return {}
 
     @abc.abstractmethod
     def tensors(self, kept: Any) -> list[torch.Tensor]:

@@ -47,12 +47,12 @@ class InverseMethod(DecompositionMethod):
             return invert_spd(factor, damping)
         return invert_blocks(factor, damping)
 
-    def owned(self, shape: FactorShape, factor: torch.Tensor, damping: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def owned(self, shape: FactorShape, factor: torch.Tensor, damping: float, previous: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         payload = shape.pack(self._invert(shape, factor, damping))
         # Keep what the receivers rebuild: bitwise the same on every rank, in the same layout.
         return shape.unpack(payload), payload
 
-    def local(self, shape: FactorShape, factor: torch.Tensor, damping: float) -> torch.Tensor:
+    def local(self, shape: FactorShape, factor: torch.Tensor, damping: float, previous: Any = None) -> torch.Tensor:
         return self._invert(shape, factor, damping)
 
     def received(self, payload: torch.Tensor, shape: FactorShape) -> torch.Tensor:
@@ -74,7 +74,7 @@ class InverseMethod(DecompositionMethod):
             f"instead. ({exc})"
         )
 
-    def precondition(self, grad: torch.Tensor, a: Any, g: Any, damping: float) -> torch.Tensor:
+    def precondition(self, grad: torch.Tensor, a: Any, g: Any, damping: float, state: dict[str, Any] | None = None) -> torch.Tensor:
         """``G_inv @ grad @ A_inv`` (per block; a diagonal ``A_inv`` scales the columns); the damping is in the inverses."""
         g_inv: torch.Tensor = g
         a_inv: torch.Tensor = a

@@ -226,6 +226,10 @@ class BatchedModel:
 # 9.5x at 2304 and 3072, 10.1x at 4608. The large factors dominate the stage, so a file without an eigen model
 # is estimated at this multiple of its inversion model (with a warning); measure instead where it matters.
 EIGEN_OVER_INVERSE = 8.0
+# A warm-started eigenbasis refresh (methods/warm.py: one product F Q and a QR) over Cholesky inversion, same
+# conditions (2026-11-25, torch 2.13 CPU, one thread): 2.3x at d=1024, 1.5x at 2304. A file without a measured
+# warm curve is estimated at this multiple (with a warning).
+WARM_OVER_INVERSE = 2.0
 
 
 @dataclass
@@ -240,9 +244,12 @@ class PerfModel:
     fit_quality: dict[str, Any] = field(default_factory=dict)
     source: str = "object"
     eigen: InverseModel | None = None
+    #: The warm-started eigenbasis refresh (``eigen_refresh='warm'``); None in files from before it.
+    eigen_warm: InverseModel | None = None
     #: Batched-decomposition models by compute method (files from before them: none, ``scale = 1``).
     batched: dict[str, BatchedModel] = field(default_factory=dict)
     _eigen_estimate_warned: bool = field(default=False, init=False, repr=False, compare=False)
+    _warm_estimate_warned: bool = field(default=False, init=False, repr=False, compare=False)
 
     def decomposition(self, method: Any) -> Callable[[float], float]:
         """Seconds to turn a ``d x d`` factor into what ``method`` (a name or a method object) preconditions with."""
@@ -266,6 +273,28 @@ class PerfModel:
             )
         inverse = self.inverse
         return lambda dim: EIGEN_OVER_INVERSE * inverse(dim)
+
+    def warm_eigen_curve(self, full_every: int) -> Callable[[float], float]:
+        """Seconds per refresh of ``eigen_refresh='warm'``, amortised: ``full_every - 1`` warm refreshes and one
+        full eigendecomposition in every ``full_every`` (a refresh the residual check turns into a full one costs
+        more). In a file without a measured warm curve: :data:`WARM_OVER_INVERSE` times the inversion model,
+        with a warning the first time."""
+        eigen = self.eigen_curve()
+        warm: Callable[[float], float]
+        if self.eigen_warm is not None:
+            warm = self.eigen_warm
+        else:
+            if not self._warm_estimate_warned:
+                self._warm_estimate_warned = True
+                warnings.warn(
+                    f"performance model {self.source} has no warm eigenbasis-refresh model: estimating it as "
+                    f"{WARM_OVER_INVERSE:g}x the inversion model. Re-run `python -m spdkfac.perfmodels benchmark` "
+                    "to measure it.",
+                    stacklevel=4,
+                )
+            inverse = self.inverse
+            warm = lambda dim: WARM_OVER_INVERSE * inverse(dim)  # noqa: E731 (the estimated curve)
+        return lambda dim: ((full_every - 1) * warm(dim) + eigen(dim)) / full_every
 
     @property
     def world_size(self) -> int | None:
@@ -326,6 +355,7 @@ class PerfModel:
             },
             "inverse": _curve_dict(self.inverse),
             **({"eigen": _curve_dict(self.eigen)} if self.eigen is not None else {}),
+            **({"eigen_warm": _curve_dict(self.eigen_warm)} if self.eigen_warm is not None else {}),
             **({"batched": {name: b.to_dict() for name, b in self.batched.items()}} if self.batched else {}),
             "meta": self.meta,
             "fit_quality": self.fit_quality,
@@ -348,6 +378,7 @@ class PerfModel:
             bc = BroadcastModel(data["broadcast"]["alpha"], data["broadcast"]["beta"], data["broadcast"].get("measured"))
             inv = _curve_from_dict(data["inverse"], "inverse")
             eig = _curve_from_dict(data["eigen"], "eigen") if "eigen" in data else None
+            warm = _curve_from_dict(data["eigen_warm"], "eigen_warm") if "eigen_warm" in data else None
             batched = {str(name): BatchedModel.from_dict(entry) for name, entry in dict(data.get("batched", {})).items()}
         except PerfModelError as exc:
             raise PerfModelError(f"{source}: {exc}") from None
@@ -358,6 +389,7 @@ class PerfModel:
             broadcast=bc,
             inverse=inv,
             eigen=eig,
+            eigen_warm=warm,
             batched=batched,
             meta=dict(data.get("meta", {})),
             measurements=dict(data.get("measurements", {})),
@@ -384,6 +416,9 @@ class PerfModel:
             broadcast=BroadcastModel(2.0e-4, 2.0e-9),
             inverse=InverseModel("cubic", {"coeffs": [5.0e-5, 0.0, 0.0, 1.5e-11], "floor": 5.0e-5}),
             eigen=InverseModel("cubic", {"coeffs": [5.0e-5, 0.0, 0.0, EIGEN_OVER_INVERSE * 1.5e-11], "floor": 5.0e-5}, name="eigen"),
+            eigen_warm=InverseModel(
+                "cubic", {"coeffs": [5.0e-5, 0.0, 0.0, WARM_OVER_INVERSE * 1.5e-11], "floor": 5.0e-5}, name="eigen_warm"
+            ),
             meta={"label": "built-in default (uncalibrated)"},
             source="built-in default (uncalibrated)",
         )

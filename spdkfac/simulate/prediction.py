@@ -16,9 +16,11 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from ..config import KFACConfig
 from ..fusion import DEFAULT_THRESHOLD_BYTES
 from ..fusion.planner import serve_in_order
 from ..grad_worker_choice import plan_memory, resolve_grad_workers
+from ..methods import get_method
 from ..perfmodels import PerfModel
 from ..placement import ALL, PlacementPlan
 from ..variants import variant_config
@@ -118,7 +120,8 @@ def simulated_work_plan(
 def _work_plan(profile: Profile, cfg: Mapping[str, Any], m: ScaledModels, inv_update_freq: int = 1) -> WorkPlan:
     """The optimizer's plan: its gradient workers resolved by its own function (``'auto'`` included)."""
     shapes = _layer_shapes(profile)
-    method = cfg.get("compute_method", "inverse")
+    # The method as the optimizer configures it (a warm eigenbasis refresh is costed with its own curve).
+    method = get_method(cfg.get("compute_method", "inverse"), KFACConfig.from_options(cfg))
     grad_workers, choice = resolve_grad_workers(
         cfg.get("grad_worker_fraction"),
         bool(cfg.get("distribute_preconditioning", False)),
