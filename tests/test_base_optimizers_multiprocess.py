@@ -45,13 +45,13 @@ def test_adam_bases_match_one_process_and_replicas_are_bitwise_identical(engine,
     ref = torch.load(tmp_path / "ref.pt", weights_only=False)
     ranks = [torch.load(f"{tmp_path / 'dist.pt'}.rank{r}", weights_only=False) for r in range(nproc)]
     init = __import__("nets").small_net().state_dict()
-    for name in CONFIGS:
+    for name, config in CONFIGS.items():
         for pname, value in ref[name]["params"].items():
             torch.testing.assert_close(
                 ranks[0][name]["params"][pname], value, rtol=1e-9, atol=1e-11, msg=lambda m, n=name, p=pname: f"{n}/{p}: {m}"
             )
         assert any(not torch.allclose(ref[name]["params"][k], init[k].to(torch.float64)) for k in init), name
-        split = CONFIGS[name].get("distribute_preconditioning", False)
+        split = config.get("distribute_preconditioning", False)
         for part in ("params", "optimizer_state"):
             a, b = ranks[0][name][part], ranks[1][name][part]
             if split and part == "optimizer_state":  # MEM-OPT: a layer's decompositions live on its gradient worker only
