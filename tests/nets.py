@@ -141,3 +141,21 @@ def dho2_batch(n: int = 24, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """A fixed float64 global batch for :func:`dho2_net` (4 features, 3 classes)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+
+
+def assert_bitwise_equal(a, b, where: str) -> None:
+    """Tensors (nested in dicts and lists) bitwise equal, with the path of the first difference."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{where} differs between ranks"
+        assert a.dtype == b.dtype, f"{where} differs between ranks"
+        assert torch.equal(a, b), f"{where} differs between ranks"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"

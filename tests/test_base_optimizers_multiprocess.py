@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 from launch import ROOT, run_workers
+from nets import assert_bitwise_equal
 
 pytestmark = pytest.mark.multiprocess
 
@@ -56,7 +57,7 @@ def test_adam_bases_match_one_process_and_replicas_are_bitwise_identical(engine,
             a, b = ranks[0][name][part], ranks[1][name][part]
             if split and part == "optimizer_state":  # MEM-OPT: a layer's decompositions live on its gradient worker only
                 a, b = _without_decompositions(a), _without_decompositions(b)
-            _bitwise(a, b, f"{name}/{part}")
+            assert_bitwise_equal(a, b, f"{name}/{part}")
         moments = ranks[0][name]["optimizer_state"]["state"]
         assert moments, name
         assert all({"exp_avg", "exp_avg_sq", "step"} <= set(s) for s in moments.values()), name
@@ -69,21 +70,3 @@ def _without_decompositions(state: dict) -> dict:
         name: {k: v for k, v in layer.items() if not k.endswith(("_inv", "_eigen"))} for name, layer in kfac["layers"].items()
     }
     return {**state, "kfac": kfac}
-
-
-def _bitwise(a, b, where: str) -> None:
-    """Tensors (nested in dicts and lists) bitwise equal, naming the first difference."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), f"{where} differs between ranks"
-        assert a.dtype == b.dtype, f"{where} differs between ranks"
-        assert torch.equal(a, b), f"{where} differs between ranks"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _bitwise(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _bitwise(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 from launch import ROOT, run_workers
+from nets import assert_bitwise_equal as _assert_bitwise_equal
 
 pytestmark = pytest.mark.multiprocess  # every test here starts worker processes
 
@@ -279,24 +280,6 @@ def _held_by_both(a: dict, b: dict) -> tuple[dict, dict]:
     out_a = {**a, "kfac": {**a["kfac"], "layers": {n: keep(e, layers_b[n]) for n, e in layers_a.items()}}}
     out_b = {**b, "kfac": {**b["kfac"], "layers": {n: keep(e, layers_a[n]) for n, e in layers_b.items()}}}
     return out_a, out_b
-
-
-def _assert_bitwise_equal(a, b, where: str) -> None:
-    """Tensors (nested in dicts and lists) bitwise equal, with the path of the first difference."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), f"{where} differs between ranks"
-        assert a.dtype == b.dtype, f"{where} differs between ranks"
-        assert torch.equal(a, b), f"{where} differs between ranks"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_bitwise_equal(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 @pytest.mark.parametrize("engine", ["torch", "horovod"])

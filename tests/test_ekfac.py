@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 from launch import ROOT, require_horovod, run_workers
-from nets import batch, mixed_net, small_net, train
+from nets import assert_bitwise_equal, batch, mixed_net, small_net, train
 from test_reference_kfac import ConvLinearNet, ReferenceKFAC
 
 from spdkfac import SPDKFACOptimizer
@@ -221,20 +221,6 @@ MP_CONFIGS = {
 }
 
 
-def _bitwise(a, b, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _bitwise(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        for i, (x, y) in enumerate(zip(a, b)):
-            _bitwise(x, y, f"{where}/{i}")
-    else:
-        assert a == b, where
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["torch", "horovod"])
@@ -261,7 +247,7 @@ def test_eigenbasis_options_multiprocess_equal_one_and_replicas_are_bitwise(engi
     ranks = [torch.load(f"{f32_out}.rank{r}", weights_only=False) for r in range(2)]
     for name in MP_CONFIGS:
         for part in ("params", "optimizer_state"):
-            _bitwise(ranks[0][name][part], ranks[1][name][part], f"{name}/{part}")
+            assert_bitwise_equal(ranks[0][name][part], ranks[1][name][part], f"{name}/{part}")
         layers = ranks[0][name]["optimizer_state"]["kfac"]["layers"]
         if name.startswith("ekfac"):
             assert all(entry["method_state"]["scale"] is not None for entry in layers.values()), name
