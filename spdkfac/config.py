@@ -284,8 +284,7 @@ class KFACConfig:
         object.__setattr__(self, "skip_nonfinite", check_non_negative_int("skip_nonfinite", self.skip_nonfinite))
         self._check_grad_workers()
         fraction = self.grad_worker_fraction
-        split = self.distribute_preconditioning or (fraction is not None and fraction != 1)
-        if split and self.eigen_refresh == "warm":
+        if self.splits_preconditioning and self.eigen_refresh == "warm":
             given = "distribute_preconditioning=True" if self.distribute_preconditioning else f"grad_worker_fraction={fraction!r}"
             raise ValueError(
                 "eigen_refresh='warm' starts each refresh from the previous basis, which every worker must hold (a "
@@ -299,6 +298,12 @@ class KFACConfig:
                 "use grad_worker_fraction=None (1) with it"
             )
         object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+
+    @property
+    def splits_preconditioning(self) -> bool:
+        """Whether some layer is preconditioned (and its decompositions kept) on only some of the workers."""
+        fraction = self.grad_worker_fraction
+        return self.distribute_preconditioning or (fraction is not None and fraction != 1)
 
     def _check_grad_workers(self) -> None:
         fraction: Any = self.grad_worker_fraction  # from a command line or JSON: anything

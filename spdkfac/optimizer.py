@@ -163,8 +163,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 "use update_fusion='none'"
             )
         if update_fusion == "backward":
-            split = grad_worker_fraction is not None and grad_worker_fraction != 1
-            _check_backward_fusion(precondition, initial["kl_clip"], grad_scaler, distribute_preconditioning or split)
+            _check_backward_fusion(precondition, initial["kl_clip"], grad_scaler, self.config.splits_preconditioning)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
