@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm import CommBackend
-from spdkfac.grad_worker_choice import grad_worker_options
+from spdkfac.grad_worker_choice import GradWorkerProblem
 from spdkfac.grad_workers import valid_fractions
 from spdkfac.host_memory import release_freed_memory
 from spdkfac.kfac_step import StepHyper
@@ -157,7 +157,7 @@ def measure(argv: list[str]) -> None:
     perf = load_perf_model(args.perf_model).scaled_to(P)
     modelled = [
         {"fraction": _fraction_label(o.fraction, P), "seconds": o.seconds, "kfac_mib": o.memory / MIB}
-        for o in grad_worker_options(shapes, P, perf, "lbp", args.compute_method, backend.native_subgroups, 4, args.inv_update_freq)
+        for o in GradWorkerProblem(shapes, P, perf, "lbp", args.compute_method, backend.native_subgroups, 4, args.inv_update_freq).options()
     ]
     if backend.rank == 0:
         out = {

@@ -7,5 +7,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
 export PATH="$ROOT/.venv/bin:$PATH"
 export SPDKFAC_REQUIRE_HOROVOD=1   # a missing Horovod fails the suite instead of skipping
+export SPDKFAC_RUN_SLOW=1          # the whole suite: tests marked slow too (tests/conftest.py)
 cd "$ROOT"
 exec "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider tests "$@"

@@ -34,11 +34,9 @@ from .work_plan import LayerShape, WorkPlan
 
 __all__ = [
     "GradWorkerOption",
-    "choose_grad_workers",
-    "grad_worker_options",
+    "GradWorkerProblem",
     "plan_memory",
     "plan_seconds",
-    "resolve_grad_workers",
 ]
 
 #: The dimension at which the inversion curve's per-``d^3`` rate is read.
@@ -104,77 +102,66 @@ def plan_memory(plan: WorkPlan, method: str | DecompositionMethod, element_size:
     return out
 
 
-def grad_worker_options(
-    layers: Sequence[LayerShape],
-    workers: int,
-    perf: PerfModel,
-    placement: str,
-    method: str | DecompositionMethod,
-    native_subgroups: bool,
-    element_size: int = 4,
-    inv_update_freq: int = 1,
-) -> list[GradWorkerOption]:
-    """Every whole number of gradient workers per layer at ``workers``, fewest first, with its plan, time and memory."""
-    out = []
-    for g in (d for d in range(1, workers + 1) if workers % d == 0):
-        plan = WorkPlan.make(layers, workers, perf, placement, method, grad_workers=g, native_subgroups=native_subgroups)
-        seconds = plan_seconds(plan, perf, inv_update_freq)
-        out.append(GradWorkerOption(g, workers, seconds, max(plan_memory(plan, method, element_size)), plan))
-    return out
+@dataclass(frozen=True)
+class GradWorkerProblem:
+    """What the choice of gradient workers depends on: the layers, the workers and the models that charge a plan."""
 
+    layers: Sequence[LayerShape]
+    workers: int
+    perf: PerfModel
+    placement: str
+    method: str | DecompositionMethod
+    native_subgroups: bool
+    element_size: int = 4
+    inv_update_freq: int = 1
 
-def choose_grad_workers(
-    layers: Sequence[LayerShape],
-    workers: int,
-    perf: PerfModel,
-    placement: str,
-    method: str | DecompositionMethod,
-    native_subgroups: bool,
-    memory_budget: int | None = None,
-    element_size: int = 4,
-    inv_update_freq: int = 1,
-) -> GradWorkerOption:
-    """The fastest modelled option whose per-worker K-FAC state fits ``memory_budget`` bytes (None: any).
+    def options(self) -> list[GradWorkerOption]:
+        """Every whole number of gradient workers per layer (each divisor of ``workers``), fewest first."""
+        out = []
+        for g in (d for d in range(1, self.workers + 1) if self.workers % d == 0):
+            plan = WorkPlan.make(
+                self.layers,
+                self.workers,
+                self.perf,
+                self.placement,
+                self.method,
+                grad_workers=g,
+                native_subgroups=self.native_subgroups,
+            )
+            seconds = plan_seconds(plan, self.perf, self.inv_update_freq)
+            memory = max(plan_memory(plan, self.method, self.element_size))
+            out.append(GradWorkerOption(g, self.workers, seconds, memory, plan))
+        return out
 
-    Ties go to fewer gradient workers (less memory). A budget nothing fits
-    raises a ValueError naming the smallest possible.
-    """
-    options = grad_worker_options(layers, workers, perf, placement, method, native_subgroups, element_size, inv_update_freq)
-    fits = [o for o in options if memory_budget is None or o.memory <= memory_budget]
-    if not fits:
-        least = min(options, key=lambda o: o.memory)
-        raise ValueError(
-            f"memory_budget={memory_budget} bytes fits no grad_worker_fraction on {workers} workers: the least K-FAC "
-            f"state per worker is {least.memory} bytes ({least.memory / 2**20:.2f} MiB, with "
-            f"grad_worker_fraction={least.grad_workers}/{workers}); every worker holds all running factors"
-        )
-    return min(fits, key=lambda o: (o.seconds, o.grad_workers))
+    def choose(self, memory_budget: int | None = None) -> GradWorkerOption:
+        """The fastest modelled option whose per-worker K-FAC state fits ``memory_budget`` bytes (None: any).
 
+        Ties go to fewer gradient workers (less memory). A budget nothing fits
+        raises a ValueError naming the smallest possible.
+        """
+        options = self.options()
+        fits = [o for o in options if memory_budget is None or o.memory <= memory_budget]
+        if not fits:
+            least = min(options, key=lambda o: o.memory)
+            raise ValueError(
+                f"memory_budget={memory_budget} bytes fits no grad_worker_fraction on {self.workers} workers: the "
+                f"least K-FAC state per worker is {least.memory} bytes ({least.memory / 2**20:.2f} MiB, with "
+                f"grad_worker_fraction={least.grad_workers}/{self.workers}); every worker holds all running factors"
+            )
+        return min(fits, key=lambda o: (o.seconds, o.grad_workers))
 
-def resolve_grad_workers(
-    fraction: float | str | None,
-    distribute_preconditioning: bool,
-    layers: Sequence[LayerShape],
-    workers: int,
-    perf: PerfModel,
-    placement: str,
-    method: str | DecompositionMethod,
-    native_subgroups: bool,
-    memory_budget: int | None = None,
-    element_size: int = 4,
-    inv_update_freq: int = 1,
-) -> tuple[int, GradWorkerOption | None]:
-    """Gradient workers per layer for the options as given (and the chosen option, for ``'auto'``).
+    def resolve(
+        self, fraction: float | str | None, distribute_preconditioning: bool, memory_budget: int | None = None
+    ) -> tuple[int, GradWorkerOption | None]:
+        """Gradient workers per layer for the options as given (and the chosen option, for ``'auto'``).
 
-    None: all (COMM-OPT), or one with ``distribute_preconditioning``; a
-    number: :func:`~spdkfac.grad_workers.grad_worker_count`; ``'auto'``:
-    :func:`choose_grad_workers`.
-    """
-    if fraction == "auto":
-        option = choose_grad_workers(
-            layers, workers, perf, placement, method, native_subgroups, memory_budget, element_size, inv_update_freq
-        )
-        return option.grad_workers, option
-    if fraction is not None:
-        return grad_worker_count(float(fraction), workers), None
-    return (1 if distribute_preconditioning else workers), None
+        None: all (COMM-OPT), or one with ``distribute_preconditioning``; a
+        number: :func:`~spdkfac.grad_workers.grad_worker_count`; ``'auto'``:
+        :meth:`choose`.
+        """
+        if fraction == "auto":
+            option = self.choose(memory_budget)
+            return option.grad_workers, option
+        if fraction is not None:
+            return grad_worker_count(float(fraction), self.workers), None
+        return (1 if distribute_preconditioning else self.workers), None

@@ -30,7 +30,7 @@ from .config import (
 from .coverage import kfac_summary
 from .fusion import DEFAULT_THRESHOLD_BYTES
 from .grad_sync import collective_names
-from .grad_worker_choice import resolve_grad_workers
+from .grad_worker_choice import GradWorkerProblem
 from .grad_workers import GradWorkerFraction
 from .kfac_state import check_kfac_state, load_kfac_state, memory_usage, save_kfac_state
 from .kfac_step import KFACStep, StepHyper
@@ -179,19 +179,16 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.backend = get_backend(backend)
         self.perf_model = load_perf_model(perf_model).for_world_size(self.backend.size)  # as the simulator plans
         shapes = [LayerShape.of(la) for la in self.layers]
-        grad_workers, self.grad_worker_choice = resolve_grad_workers(
-            self.config.grad_worker_fraction,
-            distribute_preconditioning,
+        grad_workers, self.grad_worker_choice = GradWorkerProblem(
             shapes,
             self.backend.size,
             self.perf_model,
             placement,
             self.method,
             self.backend.native_subgroups,
-            self.config.memory_budget,
             self.layers[0].helper.weight.element_size() if self.layers else 4,
             self.inv_update_freq,
-        )
+        ).resolve(self.config.grad_worker_fraction, distribute_preconditioning, self.config.memory_budget)
         self.work_plan: WorkPlan = (
             self.grad_worker_choice.plan
             if self.grad_worker_choice is not None

@@ -19,3 +19,32 @@ def float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
+
+
+# The fast loop is `pytest -m "not multiprocess"`: tests marked `slow` (one process,
+# but seconds each: large models, subprocess CLIs, the type checker) run only when
+# asked for, as scripts/test.sh (CI) does. A skipped slow test shows as `s`, never
+# silently.
+RUN_SLOW_ENV = "SPDKFAC_RUN_SLOW"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        default=False,
+        help=f"also run tests marked slow (scripts/test.sh sets {RUN_SLOW_ENV}=1, which does the same)",
+    )
+
+
+def _run_slow(config: pytest.Config) -> bool:
+    return bool(config.getoption("--run-slow")) or os.environ.get(RUN_SLOW_ENV) == "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _run_slow(config):
+        return
+    skip_slow = pytest.mark.skip(reason=f"slow: run with --run-slow or {RUN_SLOW_ENV}=1 (scripts/test.sh does)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip_slow)

@@ -18,7 +18,7 @@ from nets import batch, small_net, train
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm import CommBackend
 from spdkfac.comm.inprocess import InProcessBackend, RankError, run_ranks
-from spdkfac.grad_worker_choice import choose_grad_workers, grad_worker_options, plan_memory
+from spdkfac.grad_worker_choice import GradWorkerProblem, plan_memory
 from spdkfac.grad_workers import GradWorkerGroups, grad_worker_count, valid_fractions
 from spdkfac.perfmodels import PerfModel
 from spdkfac.placement import ALL
@@ -206,26 +206,28 @@ def test_auto_picks_the_fastest_fraction_that_fits():
     """Broadcasts cost 1 s, decompositions nothing: COMM-OPT sends no result; 2 gradient workers receive one
     broadcast per step (from the other group), 1 receives three; memory grows with the fraction."""
     perf = _perf(inverse_cubic=1e-12, broadcast_alpha=1.0)
-    options = grad_worker_options(SHAPES, 4, perf, "lbp", "inverse", native_subgroups=True)
+    problem = GradWorkerProblem(SHAPES, 4, perf, "lbp", "inverse", native_subgroups=True)
+    options = problem.options()
     memory = {o.grad_workers: o.memory for o in options}
     assert memory[1] < memory[2] < memory[4]
     seconds = {o.grad_workers: o.seconds for o in options}
     assert seconds[4] < seconds[2] < seconds[1]
-    assert choose_grad_workers(SHAPES, 4, perf, "lbp", "inverse", True).grad_workers == 4
-    assert choose_grad_workers(SHAPES, 4, perf, "lbp", "inverse", True, memory_budget=memory[4] - 1).grad_workers == 2
-    assert choose_grad_workers(SHAPES, 4, perf, "lbp", "inverse", True, memory_budget=memory[2] - 1).grad_workers == 1
+    assert problem.choose().grad_workers == 4
+    assert problem.choose(memory[4] - 1).grad_workers == 2
+    assert problem.choose(memory[2] - 1).grad_workers == 1
     with pytest.raises(
         ValueError, match=rf"memory_budget={memory[1] - 1} bytes fits no .* least K-FAC state per worker is {memory[1]} bytes"
     ):
-        choose_grad_workers(SHAPES, 4, perf, "lbp", "inverse", True, memory_budget=memory[1] - 1)
+        problem.choose(memory[1] - 1)
 
 
 def test_auto_prefers_fewer_gradient_workers_when_decompositions_dominate():
     """Decompositions dear, broadcasts cheap: spreading each layer's decompositions over fewer ranks is no slower,
     and MEM-OPT balances the largest factors over all ranks without sending them."""
     perf = _perf(inverse_cubic=1.0, broadcast_alpha=1e-9)
-    options = {o.grad_workers: o for o in grad_worker_options(SHAPES, 4, perf, "lbp", "inverse", native_subgroups=True)}
-    best = choose_grad_workers(SHAPES, 4, perf, "lbp", "inverse", True)
+    problem = GradWorkerProblem(SHAPES, 4, perf, "lbp", "inverse", native_subgroups=True)
+    options = {o.grad_workers: o for o in problem.options()}
+    best = problem.choose()
     assert best.seconds == min(o.seconds for o in options.values())
     assert best.grad_workers < 4
 

@@ -19,7 +19,7 @@ from typing import Any
 from ..config import KFACConfig
 from ..fusion import DEFAULT_THRESHOLD_BYTES
 from ..fusion.planner import serve_in_order
-from ..grad_worker_choice import plan_memory, resolve_grad_workers
+from ..grad_worker_choice import GradWorkerProblem, plan_memory
 from ..methods import get_method
 from ..perfmodels import PerfModel
 from ..placement import ALL, PlacementPlan
@@ -122,17 +122,9 @@ def _work_plan(profile: Profile, cfg: Mapping[str, Any], m: ScaledModels, inv_up
     shapes = _layer_shapes(profile)
     # The method as the optimizer configures it (a warm eigenbasis refresh is costed with its own curve).
     method = get_method(cfg.get("compute_method", "inverse"), KFACConfig.from_options(cfg))
-    grad_workers, choice = resolve_grad_workers(
-        cfg.get("grad_worker_fraction"),
-        bool(cfg.get("distribute_preconditioning", False)),
-        shapes,
-        m.workers,
-        m.scaled,
-        cfg["placement"],
-        method,
-        SIMULATED_SUBGROUPS,
-        cfg.get("memory_budget"),
-        inv_update_freq=inv_update_freq,
+    problem = GradWorkerProblem(shapes, m.workers, m.scaled, cfg["placement"], method, SIMULATED_SUBGROUPS, inv_update_freq=inv_update_freq)
+    grad_workers, choice = problem.resolve(
+        cfg.get("grad_worker_fraction"), bool(cfg.get("distribute_preconditioning", False)), cfg.get("memory_budget")
     )
     if choice is not None:
         return choice.plan
