@@ -91,3 +91,18 @@ def run_workers(engine: str, nproc: int, script: Sequence[str], timeout: int = T
             continue
         pytest.fail(f"{engine} run with {nproc} workers failed (exit {proc.returncode}): {' '.join(cmd)}\n{output[-6000:]}")
     raise AssertionError("unreachable")
+
+
+def run_single(script: str, args: Sequence[str]) -> None:
+    """Run a worker script as one process (``--backend single``): the reference the workers are compared with."""
+    proc = subprocess.run([sys.executable, script, "--backend", "single", *args], cwd=ROOT, check=False, capture_output=True, text=True)
+    assert proc.returncode == 0, f"single-process reference failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
+
+
+def assert_params_match(ref: dict, dist: dict, names: Sequence[str], rtol: float = 1e-9, atol: float = 1e-11) -> None:
+    """Per config name, the workers' parameters equal the one-process reference's (float64 tolerance)."""
+    import torch
+
+    for name in names:
+        for key, value in ref[name]["params"].items():
+            torch.testing.assert_close(dist[name]["params"][key], value, rtol=rtol, atol=atol, msg=lambda m, k=key, n=name: f"{n}/{k}: {m}")

@@ -6,12 +6,10 @@ state (Adam moments, factors, inverses), as for the momentum-SGD base (tests/tes
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from launch import ROOT, run_workers
+from launch import ROOT, assert_params_match, run_single, run_workers
 from nets import assert_bitwise_equal
 
 pytestmark = pytest.mark.multiprocess
@@ -32,7 +30,7 @@ CONFIGS = {
 
 def _run(args: list[str], engine: str | None, nproc: int) -> None:
     if engine is None:
-        subprocess.run([sys.executable, WORKER, "--backend", "single", *args], check=True, cwd=ROOT, capture_output=True)
+        run_single(WORKER, args)
     else:
         run_workers(engine, nproc, [WORKER, "--backend", engine, *args])
 
@@ -46,11 +44,8 @@ def test_adam_bases_match_one_process_and_replicas_are_bitwise_identical(engine,
     ref = torch.load(tmp_path / "ref.pt", weights_only=False)
     ranks = [torch.load(f"{tmp_path / 'dist.pt'}.rank{r}", weights_only=False) for r in range(nproc)]
     init = __import__("nets").small_net().state_dict()
+    assert_params_match(ref, ranks[0], list(CONFIGS))
     for name, config in CONFIGS.items():
-        for pname, value in ref[name]["params"].items():
-            torch.testing.assert_close(
-                ranks[0][name]["params"][pname], value, rtol=1e-9, atol=1e-11, msg=lambda m, n=name, p=pname: f"{n}/{p}: {m}"
-            )
         assert any(not torch.allclose(ref[name]["params"][k], init[k].to(torch.float64)) for k in init), name
         split = config.get("distribute_preconditioning", False)
         for part in ("params", "optimizer_state"):

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn as nn
-from launch import ROOT, require_horovod, run_workers
+from launch import ROOT, assert_params_match, require_horovod, run_single, run_workers
 from nets import assert_bitwise_equal, batch, mixed_net, small_net, train
 from test_reference_kfac import ConvLinearNet, ReferenceKFAC
 
@@ -230,19 +228,10 @@ def test_eigenbasis_options_multiprocess_equal_one_and_replicas_are_bitwise(engi
         require_horovod()
     common = ["--configs", json.dumps(MP_CONFIGS), "--global-batch", str(GLOBAL_BATCH), "--steps", str(STEPS)]
     ref_out, dist_out, f32_out = tmp_path / "ref.pt", tmp_path / "dist.pt", tmp_path / "f32.pt"
-    subprocess.run(
-        [sys.executable, WORKER, "--backend", "single", *common, "--out", str(ref_out), "--no-accumulation"],
-        check=True,
-        cwd=ROOT,
-        capture_output=True,
-    )
+    run_single(WORKER, [*common, "--out", str(ref_out), "--no-accumulation"])
     run_workers(engine, 2, [WORKER, "--backend", engine, *common, "--out", str(dist_out)])
     ref, dist = torch.load(ref_out, weights_only=False), torch.load(dist_out, weights_only=False)
-    for name in MP_CONFIGS:
-        for key, value in ref[name]["params"].items():
-            torch.testing.assert_close(
-                dist[name]["params"][key], value, rtol=1e-9, atol=1e-11, msg=lambda m, k=key, n=name: f"{n}/{k}: {m}"
-            )
+    assert_params_match(ref, dist, list(MP_CONFIGS))
     run_workers(engine, 2, [WORKER, "--backend", engine, *common, "--dtype", "float32", "--every-rank", "--out", str(f32_out)])
     ranks = [torch.load(f"{f32_out}.rank{r}", weights_only=False) for r in range(2)]
     for name in MP_CONFIGS:

@@ -10,12 +10,10 @@ equivalence tests.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from launch import ROOT, require_horovod, run_workers
+from launch import ROOT, assert_params_match, require_horovod, run_single, run_workers
 from nets import batch, mixed_net, train
 
 from spdkfac import SPDKFACOptimizer
@@ -96,18 +94,10 @@ def test_mixed_layer_types_multiprocess_equal_one(engine, tmp_path):
         require_horovod()
     common = ["--configs", json.dumps(MP_CONFIGS), "--global-batch", "8", "--steps", str(STEPS)]
     ref_out, dist_out = tmp_path / "ref.pt", tmp_path / "dist.pt"
-    subprocess.run(
-        [sys.executable, WORKER, "--backend", "single", *common, "--out", str(ref_out), "--no-accumulation"],
-        check=True,
-        cwd=ROOT,
-        capture_output=True,
-    )
+    run_single(WORKER, [*common, "--out", str(ref_out), "--no-accumulation"])
     run_workers(engine, 2, [WORKER, "--backend", engine, *common, "--out", str(dist_out)])
     ref, dist = torch.load(ref_out), torch.load(dist_out)
+    assert_params_match(ref, dist, list(MP_CONFIGS))
     init = mixed_net().state_dict()
     for name in MP_CONFIGS:
-        for key, value in ref[name]["params"].items():
-            torch.testing.assert_close(
-                dist[name]["params"][key], value, rtol=1e-9, atol=1e-11, msg=lambda m, k=key, n=name: f"{n}/{k}: {m}"
-            )
         assert any(not torch.allclose(ref[name]["params"][k], init[k].to(torch.float64)) for k in init), name
