@@ -227,6 +227,7 @@ def test_a_checkpoint_of_another_base_is_refused():
         SPDKFACOptimizer(small_net(), **{**kw, "base": "sgd"}).load_state_dict(ckpt["opt"])
 
 
+@pytest.mark.slow
 def test_training_job_takes_the_base_and_refuses_to_change_it_on_resume(tmp_path, capsys):
     from spdkfac import train
 

@@ -109,6 +109,7 @@ def test_ratio_interval():
         ratio_interval([1.0], [1.0, 2.0], paired=False)
 
 
+@pytest.mark.slow
 def test_hook_overhead_times_non_factor_steps(tmp_path):
     """benchmarks/hook_overhead.py for real on a small model: it measures passes on which the hooks compute nothing."""
     out = tmp_path / "hooks.json"
@@ -150,6 +151,7 @@ def test_kaisa_fraction_measures_every_fraction_and_auto(tmp_path):
     assert data["measured"][2]["auto_predicted_s"] is not None
 
 
+@pytest.mark.slow
 def test_kaisa_fraction_simulate_and_its_results_section(tmp_path):
     out = tmp_path / "kaisa_fraction_simulated.json"
     cmd = [sys.executable, "-m", "benchmarks.kaisa_fraction", "simulate", "--workers", "4", "--out", str(out)]
@@ -168,6 +170,7 @@ def test_kaisa_fraction_simulate_and_its_results_section(tmp_path):
     assert "**reference, 4 workers** ('auto' chose" in text
 
 
+@pytest.mark.slow
 def test_batched_decomposition_compares_one_batched_call_with_a_loop(tmp_path):
     """benchmarks/batched_decomposition.py for real: both timings per shape and the model totals add up."""
     args = ["--models", "resnext50_32x4d", "--methods", "inverse", "--repeats", "1", "--out", str(tmp_path)]
@@ -204,6 +207,7 @@ def test_iteration_time_runs_every_variant_with_each_update_fusion(tmp_path):
     assert data["args"]["variants"] == ["sgd", "spdkfac"]  # as given: the recorded command reruns the same
 
 
+@pytest.mark.slow
 def test_update_cost_times_the_update_pass(tmp_path):
     out = tmp_path / "cost.json"
     args = ["--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2", "--iters", "2", "--out", str(out)]

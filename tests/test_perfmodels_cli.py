@@ -51,6 +51,7 @@ def _check_two_workers(path, engine: str) -> PerfModel:
     return model
 
 
+@pytest.mark.slow
 def test_single_process_benchmark_show_plot(tmp_path):
     out = tmp_path / "m.json"
     proc = _cli(
@@ -107,6 +108,7 @@ def test_single_process_benchmark_show_plot(tmp_path):
         (None, "not valid JSON"),
     ],
 )
+@pytest.mark.slow
 def test_show_rejects_malformed_file(tmp_path, content, message):
     bad = tmp_path / "bad.json"
     if content is None:
@@ -123,6 +125,7 @@ def test_show_rejects_malformed_file(tmp_path, content, message):
 
 
 @pytest.mark.parametrize(("flag", "values"), [("--dims", ["64"]), ("--dims", ["64", "64"]), ("--sizes", ["1024"]), ("--dims", ["0", "64"])])
+@pytest.mark.slow
 def test_benchmark_rejects_too_few_points_before_measuring(tmp_path, flag, values):
     out = tmp_path / "m.json"
     proc = _cli("benchmark", "--engine", "single", "--repeats", "1", "--warmup", "0", flag, *values, "--out", str(out))
@@ -197,6 +200,7 @@ def test_benchmark_under_mpirun_mpi4py(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["missing-dir", "is-a-dir"])
+@pytest.mark.slow
 def test_benchmark_refuses_an_unwritable_out_before_measuring(tmp_path, where):
     out = tmp_path / "nope" / "m.json" if where == "missing-dir" else tmp_path
     proc = _cli("benchmark", "--engine", "single", "--out", str(out))
@@ -205,6 +209,7 @@ def test_benchmark_refuses_an_unwritable_out_before_measuring(tmp_path, where):
     assert "benchmarking" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_add_batched_measures_only_the_batched_decompositions_of_an_old_file(tmp_path):
     old = PerfModel.load(ROOT / "perfmodels" / "reference-cpu-gloo-2.json")
     assert not old.batched  # fitted before batched measurements existed

@@ -21,6 +21,7 @@ def _run(out, *extra):
     return train.main([*COMMON, "--out-dir", str(out), *extra])
 
 
+@pytest.mark.slow
 def test_an_existing_run_is_never_overwritten_without_being_told(tmp_path):
     out = tmp_path / "run"
     _run(out, "--checkpoint-every", "4")
@@ -45,6 +46,7 @@ def test_an_unwritable_out_dir_is_refused_before_training(tmp_path, capsys):
     assert "epoch" not in capsys.readouterr().out  # refused up front, not after an epoch
 
 
+@pytest.mark.slow
 def test_resuming_with_changed_arguments_names_them_and_refuses(tmp_path, capsys):
     out = tmp_path / "run"
     train.main([*COMMON, "--out-dir", str(out), "--stop-after", "1"])
@@ -62,6 +64,7 @@ def test_a_checkpoint_of_another_optimizer_is_refused_with_the_reason(tmp_path):
         _run(out, "--resume")
 
 
+@pytest.mark.slow
 def test_damaged_checkpoints_name_the_file_and_auto_resume_falls_back(tmp_path):
     full = _run(tmp_path / "full")
     out = tmp_path / "run"
@@ -93,6 +96,7 @@ def test_damaged_checkpoints_name_the_file_and_auto_resume_falls_back(tmp_path):
         _run(out, "--resume", "auto")
 
 
+@pytest.mark.slow
 def test_resume_auto_without_a_checkpoint_starts_afresh_and_plain_resume_refuses(tmp_path):
     with pytest.raises(SystemExit, match="holds no checkpoint"):
         _run(tmp_path / "none", "--resume")

@@ -43,6 +43,7 @@ def _plant(path: Path, marker: Path) -> None:
     torch.save({"model": {}, "optimizer": {}, "epoch": 0, "args": {}, "payload": _Planted(marker)}, path)
 
 
+@pytest.mark.slow
 def test_a_planted_pickle_never_runs(tmp_path):
     marker = tmp_path / "pwned"
     evil = tmp_path / "evil.pt"
@@ -74,6 +75,7 @@ def _flip_bytes_inside_a_weight(path: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
+@pytest.mark.slow
 def test_flipped_bytes_are_caught_and_never_replace_the_last_good_checkpoint(tmp_path):
     full = _run(tmp_path / "full")
     out = tmp_path / "run"
@@ -129,6 +131,7 @@ def test_checkpoints_hold_only_data_and_the_digest_sees_every_value():
         assert content_digest(other) != digest
 
 
+@pytest.mark.slow
 def test_changed_arguments_are_applied_and_recorded(tmp_path, capsys):
     out = tmp_path / "run"
     _run(out, "--stop-after", "1")
@@ -157,6 +160,7 @@ def test_changed_arguments_are_applied_and_recorded(tmp_path, capsys):
     assert any(not theirs[k].equal(v) for k, v in after["model"].items())
 
 
+@pytest.mark.slow
 def test_fixed_arguments_cannot_change_even_when_allowed(tmp_path):
     out = tmp_path / "run"
     _run(out, "--stop-after", "1")
@@ -164,6 +168,7 @@ def test_fixed_arguments_cannot_change_even_when_allowed(tmp_path):
         _run(out, "--resume", "--allow-changed-args", "--seed", "7")
 
 
+@pytest.mark.slow
 def test_a_second_job_on_the_directory_is_refused_naming_the_holder(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
@@ -182,6 +187,7 @@ def test_a_second_job_on_the_directory_is_refused_naming_the_holder(tmp_path, ca
     RunLock(out).acquire().release()
 
 
+@pytest.mark.slow
 def test_writes_never_follow_a_symlink_out_of_the_run_directory(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
@@ -214,6 +220,7 @@ def test_a_full_disk_leaves_the_checkpoints_intact_with_a_clear_message(tmp_path
     assert not list(out.glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_damaged_log_row_is_dropped_with_a_warning(tmp_path):
     out = tmp_path / "run"
     _run(out, "--stop-after", "1")
@@ -231,6 +238,7 @@ def test_an_empty_out_dir_is_refused(capsys):
     assert "--out-dir must name a directory" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_checkpoints_of_older_versions_load_with_a_warning(tmp_path):
     out = tmp_path / "run"
     _run(out, "--stop-after", "1")

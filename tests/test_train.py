@@ -56,6 +56,7 @@ def test_malformed_directory_exits_with_message(tmp_path, capsys):
         train.main(["--data", str(tmp_path / "nope"), "--backend", "single"])
 
 
+@pytest.mark.slow
 def test_image_folder_training_runs(tmp_path):
     root = _image_folder(tmp_path / "data")
     out = tmp_path / "run"
@@ -91,6 +92,7 @@ def test_image_folder_training_runs(tmp_path):
     assert (out / "checkpoint.pt").is_file()
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
     common = ["--data", "digits", "--backend", "single", "--quiet", "--batch-size", "64"]
     full = train.main([*common, "--epochs", "2", "--out-dir", str(tmp_path / "full")])
@@ -110,6 +112,7 @@ def test_resume_continues_exactly(tmp_path):
     assert len(list(csv.DictReader((tmp_path / "ep0" / "log.csv").read_text().splitlines()))) == 2
 
 
+@pytest.mark.slow
 def test_kfac_schedule_and_accumulation_resume_exactly(tmp_path):
     """--damping-decay / --freq-scale (KFACParamScheduler, checkpointed) and --accumulation-steps: --resume is exact."""
     common = [
@@ -197,6 +200,7 @@ def test_horovod_launch_script_trains_with_the_chosen_cycle_time(tmp_path):
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
+@pytest.mark.slow
 def test_mixed_precision_training(tmp_path, capsys, amp):
     row = train.main(
         [

@@ -21,7 +21,7 @@ def _round_trip(state: dict) -> dict:
     return torch.load(buffer, weights_only=True)
 
 
-@pytest.mark.parametrize("method", ["inverse", "eigen"])
+@pytest.mark.parametrize("method", [pytest.param("inverse", marks=pytest.mark.slow), "eigen"])
 def test_mixed_net_resumes_exactly_from_a_weights_only_checkpoint(method, float64):
     x, y = batch(8)
     model = mixed_net()

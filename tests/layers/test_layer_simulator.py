@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from spdkfac.perfmodels import PerfModel
 from spdkfac.simulate import predict
 from spdkfac.simulate.prediction import _layer_shapes
@@ -12,6 +14,7 @@ from spdkfac.simulate.profiling import measure_profile
 from spdkfac.work_plan import WorkPlan
 
 
+@pytest.mark.slow
 def test_profile_records_blocks_and_prediction_plans_like_the_optimizer():
     profile = measure_profile("mobilenet_v2_32", resolution=32, batch_size=2, iters=1)
     blocks = {f.key: f.blocks for f in profile.factors}

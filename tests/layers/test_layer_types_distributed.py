@@ -54,7 +54,7 @@ def _train(backend, config: dict, global_batch: int, model: torch.nn.Module) -> 
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "owners": owners}
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_mixed_layer_types_n_workers_equal_one_in_process(workers, float64):
     init = mixed_net().state_dict()
     for name, config in CONFIGS.items():
