@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 s = runs[name][str(seed)]["summary"]
                 print(f"  final test loss {s['final_test_loss']:.4f}, best test acc {s['best_test_acc']:.4f}", flush=True)
     result = {
-        "command": "python -m benchmarks.main_job_seeds " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python -m benchmarks.main_job_seeds", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]),
         "job": "horovodrun -np N -H localhost:N --gloo python -m spdkfac.train --data digits --epochs E "
         "--perf-model PERF_MODEL --seed SEED [configuration's arguments]",
         "machine": machine(),

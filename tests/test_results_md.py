@@ -562,7 +562,12 @@ def test_main_job_seeds_section_gives_each_seed_and_the_target_against_sgd(tmp_p
         "spdkfac": {"42": curve([0.1, 0.0233], [0.97, 0.989]), "1": curve([0.1, 0.1100], [0.97, 0.983])},
     }
     runs = {n: {s: {"curve": c, "summary": summary(c)} for s, c in per.items()} for n, per in curves.items()}
-    assert runs["spdkfac"]["1"]["summary"] == {"final_test_loss": 0.11, "final_test_acc": 0.983, "best_test_acc": 0.983, "min_test_loss": 0.1}
+    assert runs["spdkfac"]["1"]["summary"] == {
+        "final_test_loss": 0.11,
+        "final_test_acc": 0.983,
+        "best_test_acc": 0.983,
+        "min_test_loss": 0.1,
+    }
     found = targets(runs)
     assert found["spdkfac"]["per_seed"]["42"] == {"final_loss_at_most_sgd": True, "best_acc_at_least_sgd": True}
     assert found["spdkfac"]["per_seed"]["1"] == {"final_loss_at_most_sgd": False, "best_acc_at_least_sgd": True}
