@@ -71,6 +71,11 @@ def read_log(path: Path) -> list[dict[str, float]]:
         ]
 
 
+def finished(stdout: str, curve: list[dict[str, float]], epochs: int) -> bool:
+    """Whether a run trained every epoch and said so (``done:``): a failure after that is in its teardown, not its numbers."""
+    return len(curve) == epochs and "done: log" in stdout
+
+
 def summary(curve: list[dict[str, float]]) -> dict[str, float]:
     """Final test loss and accuracy, best test accuracy."""
     return {
@@ -111,10 +116,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 cmd = job_command(args, CONFIGS[name], seed, out_dir)
                 print(f"[main_job_seeds] {name}, seed {seed}", flush=True)
                 done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True)
-                if done.returncode != 0:
+                curve = read_log(out_dir / "log.csv") if (out_dir / "log.csv").is_file() else []
+                if done.returncode != 0 and not finished(done.stdout, curve, args.epochs):
                     raise SystemExit(f"error: {shlex.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-                curve = read_log(out_dir / "log.csv")
-                runs[name][str(seed)] = {"curve": curve, "summary": summary(curve)}
+                if done.returncode != 0:  # recorded and shown: the run's numbers are complete, its teardown failed
+                    print(f"  exit status {done.returncode} after the run finished:\n{done.stdout[-600:]}{done.stderr[-600:]}", flush=True)
+                runs[name][str(seed)] = {"curve": curve, "summary": summary(curve), "exit_status": done.returncode}
                 s = runs[name][str(seed)]["summary"]
                 print(f"  final test loss {s['final_test_loss']:.4f}, best test acc {s['best_test_acc']:.4f}", flush=True)
     result = {

@@ -807,6 +807,9 @@ def main_job_seeds(path: Path, d: dict[str, Any]) -> list[str]:
         verdicts = ", ".join(f"seed {s}: {'yes' if v['final_loss_at_most_sgd'] else '**no**'}" for s, v in per_seed.items())
         every = "yes" if t["final_loss_at_most_sgd_every_seed"] else "**no**"
         lines += [f"`{name}`: final test loss ≤ SGD's for every seed: {every} ({verdicts}).", ""]
+    aborted = [f"`{n}` seed {seed} ({r['exit_status']})" for n, per in d["runs"].items() for seed, r in per.items() if r.get("exit_status")]
+    if aborted:
+        lines += ["Runs that trained every epoch but exited with a non-zero status: " + ", ".join(aborted) + ".", ""]
     epochs = max((len(r["curve"]) for per in d["runs"].values() for r in per.values()), default=0)
     curve_rows = [
         [f"`{n}`", seed, *(f"{row['test_loss']:.3f}" for row in d["runs"][n][seed]["curve"])]
