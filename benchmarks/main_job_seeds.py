@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "command": " ".join(["python -m benchmarks.main_job_seeds", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]),
         "job": "horovodrun -np N -H localhost:N --gloo python -m spdkfac.train --data digits --epochs E "
         "--perf-model PERF_MODEL --seed SEED [configuration's arguments]",
-        "machine": machine(),
+        "machine": {**machine(), "torch_threads": 1},  # each worker's (spdkfac.train's --threads default), not this driver's
         "engine": "horovod",
         "world_size": args.np,
         "epochs": args.epochs,
