@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=None,
         help="Tikhonov damping (default: the paper's 0.003; 0.1 for --data digits: once its tiny CNN fits the training "
-        "set, the classifier's Fisher factors fall below 0.003 and the KL-clipped steps doubled the weights' norm, "
+        "set, the classifier's G factors fall below 0.003 and the KL-clipped steps doubled the weights' norm, "
         "test loss climbing to 0.11 against SGD's 0.057; see README, 'The main job')",
     )
     p.add_argument("--factor-decay", type=float, default=0.95)
