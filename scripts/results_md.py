@@ -782,6 +782,45 @@ def issue_targets(st: dict[str, Any]) -> list[str]:
     return ["Issue 27's targets, per K-FAC configuration (mean curves over the seeds):", "", *table(head, rows)]
 
 
+def main_job_seeds(path: Path, d: dict[str, Any]) -> list[str]:
+    """The main job per seed: each configuration's final test loss and best test accuracy, the target against SGD, the curves."""
+    need(d, path, "configs", "seeds", "runs")
+    names = list(d["configs"])
+    seeds = [str(s) for s in d["seeds"]]
+    args = {name: " ".join(extra) or "(defaults)" for name, extra in d["configs"].items()}
+    lines = [
+        f"`spdkfac.train --data digits --epochs {d.get('epochs', '?')}` on {d.get('world_size', '?')} workers, one run per "
+        "configuration and seed (the seed also draws the train/test split). Final test loss (best test accuracy):",
+        "",
+    ]
+    head = ["seed", *(f"`{n}` {args[n]}" for n in names)]
+    rows = []
+    for seed in seeds:
+        cells = []
+        for n in names:
+            s = d["runs"].get(n, {}).get(seed, {}).get("summary")
+            cells.append("–" if s is None else f"{s['final_test_loss']:.4f} ({s['best_test_acc']:.1%})")
+        rows.append([seed, *cells])
+    lines += table(head, rows)
+    for name, t in d.get("targets", {}).items():
+        per_seed = t["per_seed"]
+        verdicts = ", ".join(f"seed {s}: {'yes' if v['final_loss_at_most_sgd'] else '**no**'}" for s, v in per_seed.items())
+        every = "yes" if t["final_loss_at_most_sgd_every_seed"] else "**no**"
+        lines += [f"`{name}`: final test loss ≤ SGD's for every seed: {every} ({verdicts}).", ""]
+    aborted = [f"`{n}` seed {seed} ({r['exit_status']})" for n, per in d["runs"].items() for seed, r in per.items() if r.get("exit_status")]
+    if aborted:
+        lines += ["Runs that trained every epoch but exited with a non-zero status: " + ", ".join(aborted) + ".", ""]
+    epochs = max((len(r["curve"]) for per in d["runs"].values() for r in per.values()), default=0)
+    curve_rows = [
+        [f"`{n}`", seed, *(f"{row['test_loss']:.3f}" for row in d["runs"][n][seed]["curve"])]
+        for n in names
+        for seed in seeds
+        if seed in d["runs"].get(n, {})
+    ]
+    lines += ["Test loss per epoch:", "", *table(["configuration", "seed", *map(str, range(epochs))], curve_rows)]
+    return lines + command_block(d, "benchmarks.main_job_seeds", "python -m benchmarks.main_job_seeds")
+
+
 def dho2_cost(w: Writer, paths: Sequence[Path]) -> list[str]:
     """DHO2's iteration time split and curvature memory per worker, one row per worker count (``dho2_cost/w<P>.json``)."""
     rows, commands = [], []
@@ -939,6 +978,8 @@ def build(results: Path, out: Path, label: str | None = None) -> str:
     ):
         if (results / rel).is_file():
             w.section(rel, title, render)
+    if (results / "main_job_seeds.json").is_file():  # optional, and new: no note when absent
+        w.section("main_job_seeds.json", "The main job over seeds: SPD-KFAC's final test loss against SGD's", main_job_seeds)
     costs = sorted((results / "dho2_cost").glob("w*.json"))
     if costs:  # optional, and new: no note when absent
         w.lines += ["## DHO2: time per iteration and curvature memory per worker", "", *dho2_cost(w, costs)]

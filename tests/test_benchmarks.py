@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch import run_workers
+from launch import require_horovod, run_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -218,3 +218,22 @@ def test_update_cost_times_the_update_pass(tmp_path):
     assert data["fwd_bwd_s"] > 0
     assert data["update_share"] == data["update_s"] / (data["fwd_bwd_s"] + data["update_s"])
     assert len(data["samples"]["update"]) == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_main_job_seeds_runs_the_main_job_per_configuration_and_seed(tmp_path):
+    """benchmarks/main_job_seeds.py for real (one epoch, one seed): the main job's log per run and the target against SGD."""
+    require_horovod()
+    out = tmp_path / "seeds.json"
+    args = ["--epochs", "1", "--seeds", "3", "--configs", "sgd", "spdkfac", "--out", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.main_job_seeds", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["configs"] == {"sgd": ["--optimizer", "sgd"], "spdkfac": []}
+    for name in ("sgd", "spdkfac"):
+        run = result["runs"][name]["3"]
+        assert [row["epoch"] for row in run["curve"]] == [0]
+        assert run["summary"]["final_test_loss"] == run["curve"][0]["test_loss"] > 0
+    kfac, sgd = (result["runs"][n]["3"]["summary"]["final_test_loss"] for n in ("spdkfac", "sgd"))
+    assert result["targets"]["spdkfac"]["per_seed"]["3"]["final_loss_at_most_sgd"] == (kfac <= sgd)

@@ -549,3 +549,47 @@ def test_eigenbasis_section_gives_each_variant_its_speed_up_over_the_exact_eigen
     section = _section(results_md.build(results, tmp_path / "RESULTS.md"), "Eigen method: exact and warm-started eigenbasis refresh")
     assert "| `spdkfac` | 7000 ± 100 | 1000 | 500 | 3.00x |" in section
     assert "| `spdkfac:compute_method=eigen,eigen_refresh=warm` | 14000 ± 300 | 6000 | – | 1.50x |" in section
+
+
+def test_main_job_seeds_section_gives_each_seed_and_the_target_against_sgd(tmp_path: Path):
+    from benchmarks.main_job_seeds import summary, targets
+
+    def curve(losses, accs):
+        return [dict(epoch=i, train_loss=0.1, test_loss=lo, test_acc=a, lr=0.1) for i, (lo, a) in enumerate(zip(losses, accs))]
+
+    curves = {
+        "sgd": {"42": curve([0.3, 0.0565], [0.9, 0.983]), "1": curve([0.3, 0.1032], [0.9, 0.969])},
+        "spdkfac": {"42": curve([0.1, 0.0233], [0.97, 0.989]), "1": curve([0.1, 0.1100], [0.97, 0.983])},
+    }
+    runs = {n: {s: {"curve": c, "summary": summary(c), "exit_status": 0} for s, c in per.items()} for n, per in curves.items()}
+    runs["sgd"]["1"]["exit_status"] = 1  # trained every epoch, failed in its teardown
+    assert runs["spdkfac"]["1"]["summary"] == {
+        "final_test_loss": 0.11,
+        "final_test_acc": 0.983,
+        "best_test_acc": 0.983,
+        "min_test_loss": 0.1,
+    }
+    found = targets(runs)
+    assert found["spdkfac"]["per_seed"]["42"] == {"final_loss_at_most_sgd": True, "best_acc_at_least_sgd": True}
+    assert found["spdkfac"]["per_seed"]["1"] == {"final_loss_at_most_sgd": False, "best_acc_at_least_sgd": True}
+    assert not found["spdkfac"]["final_loss_at_most_sgd_every_seed"]
+    d = {"command": "python -m benchmarks.main_job_seeds --seeds 42 1", "machine": MACHINE, "engine": "horovod", "world_size": 2}
+    d.update(epochs=2, seeds=[42, 1], configs={"sgd": ["--optimizer", "sgd"], "spdkfac": []}, runs=runs, targets=found)
+    _write(tmp_path / "results", "main_job_seeds.json", d)
+    section = results_md.build(tmp_path / "results", tmp_path / "RESULTS.md").split("## The main job over seeds")[1]
+    assert "| seed | `sgd` --optimizer sgd | `spdkfac` (defaults) |" in section
+    assert "| 42 | 0.0565 (98.3%) | 0.0233 (98.9%) |" in section
+    assert "`spdkfac`: final test loss ≤ SGD's for every seed: **no** (seed 42: yes, seed 1: **no**)." in section
+    assert "| `spdkfac` | 1 | 0.100 | 0.110 |" in section  # the curve
+    assert "Runs that trained every epoch but exited with a non-zero status: `sgd` seed 1 (1)." in section
+    assert "python -m benchmarks.main_job_seeds --seeds 42 1" in section
+    assert "main_job_seeds.json" not in results_md.build(tmp_path, tmp_path / "R.md")  # optional: no note when absent
+
+
+def test_main_job_seeds_accepts_a_failed_teardown_only_after_every_epoch():
+    from benchmarks.main_job_seeds import finished
+
+    rows = [dict(epoch=i, train_loss=0.1, test_loss=0.1, test_acc=0.9, lr=0.1) for i in range(2)]
+    assert finished("...\ndone: log /tmp/x/log.csv, checkpoint /tmp/x/checkpoint.pt\n", rows, 2)
+    assert not finished("...\ndone: log /tmp/x/log.csv\n", rows[:1], 2)  # an epoch missing
+    assert not finished("epoch 1 ...", rows, 2)  # never said it was done

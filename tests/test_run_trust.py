@@ -143,7 +143,7 @@ def test_changed_arguments_are_applied_and_recorded(tmp_path, capsys):
         _run(out, "--resume", *changed)
     _run(out, "--resume", "--allow-changed-args", *changed)
     printed = capsys.readouterr().out
-    assert "resuming with changed arguments, applied: --damping: 0.003 in the checkpoint, 0.01 now" in printed
+    assert "resuming with changed arguments, applied: --damping: 0.1 in the checkpoint, 0.01 now" in printed
     assert "damping 0.005" in printed or "damping 0.01" in printed
     after = load_checkpoint(out / LATEST)
     group = after["optimizer"]["param_groups"][0]

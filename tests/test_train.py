@@ -243,3 +243,15 @@ def test_kfac_flags_with_sgd_are_an_error(flags, capsys):
     assert exc.value.code == 2
     assert f"{flags[0]} only apply to the K-FAC optimizers" in capsys.readouterr().err
     assert train.parse_args(["--optimizer", "spdkfac", *flags]).optimizer == "spdkfac"
+
+
+def test_damping_and_kl_clip_defaults_per_data_set():
+    """The main job (digits) runs with its measured damping and KL clip; other data with the paper's; a given value wins."""
+    from spdkfac.train_args import DIGITS_DAMPING, PAPER_DAMPING
+
+    digits = train.parse_args(["--data", "digits"])
+    assert (digits.damping, digits.kl_clip) == (DIGITS_DAMPING, 1e-4) == (0.1, 1e-4)
+    other = train.parse_args(["--data", "synthetic"])
+    assert (other.damping, other.kl_clip) == (PAPER_DAMPING, 0.001) == (0.003, 0.001)
+    assert train.parse_args(["--data", "digits", "--damping", "0.003"]).damping == 0.003
+    assert train.parse_args(["--data", "digits", "--optimizer", "sgd"]).optimizer == "sgd"  # the default is no --damping given
