@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -14,6 +18,8 @@ from spdkfac.comm.liveness import Liveness
 from spdkfac.comm.watchdog import WaitWatchdog
 from spdkfac.train_args import parse_args
 from spdkfac.train_run import RUNTIME_ARGS
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("seconds", [0.5, 10, 300.0])
@@ -100,3 +106,33 @@ def test_the_watchdog_sees_a_wait_only_while_it_lasts_longer_than_the_timeout():
         time.sleep(0.1)
         assert watchdog.overdue() == "spdkfac.grad.fc.weight"
     assert watchdog.overdue() is None  # the wait ended
+
+
+_BEATING_AT_EXIT = """
+import datetime, time
+from torch._C._distributed_c10d import TCPStore
+from spdkfac.comm.liveness import Liveness
+server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=5))
+for rank in range(4):
+    Liveness(client, rank, 4, interval_s=0.0).start()   # beat without pause: always inside the store's C++ call
+time.sleep(0.05)
+print("done")
+"""
+
+
+def test_heartbeats_stop_before_the_interpreter_finalises():
+    """A heartbeat thread left inside a store call at finalisation aborted the finished process (exit 134,
+    "terminate called without an active exception"): the beats stop at exit, and the process exits 0."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _BEATING_AT_EXIT],
+        check=False,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "terminate called" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "done"

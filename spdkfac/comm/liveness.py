@@ -9,6 +9,7 @@ alive but stuck elsewhere keeps counting, so it is not blamed.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 
@@ -44,7 +45,15 @@ class Liveness:
             return
 
     def start(self) -> None:
+        """Start beating; the beats stop at interpreter exit, before finalisation.
+
+        A daemon thread still running at finalisation is ended where it next
+        takes the GIL: inside the store's C++ call, that unwinds through
+        frames that cannot be unwound and the process aborts ("terminate
+        called without an active exception") after all its work is done.
+        """
         self._thread.start()
+        atexit.register(self.stop)
 
     def stop(self) -> None:
         self._stop.set()
