@@ -647,12 +647,30 @@ def fault_matrix(path: Path, d: dict[str, Any]) -> list[str]:
     return lines + command_block(d, "benchmarks.fault_matrix", "python -m benchmarks.fault_matrix")
 
 
+#: How a convergence run's grids and schedule were chosen, where the JSON cannot say it (shown under its title).
+RUN_NOTES = {
+    "mnist5k_b256_dho2": "LR grids: one point where mnist5k_b256_race's 3-point grid already chose the LR (adamw, "
+    "spdkfac, spdkfac:base=adamw..., soap, muon; soap's, muon's and spdkfac's choices were at an end of that grid); "
+    "2 points for sgd (its choice was the race grid's lowest) and for DHO2, new here. DHO2 refreshes its eigenpairs "
+    "every 2 epochs (14 steps; FOSI's default of 100 would refresh once in the run) and its ADMM period is the "
+    "paper's 4 epochs. Not interleaved: seconds come from a 2-core machine shared with other jobs (load average "
+    "9-19 during the run) and are noisy; epochs are not.",
+    "digits_b32_race": "LR grids: one point where digits_b32 / digits_b32_dho2 (1 seed, 15 epochs) chose the LR "
+    "(sgd, spdkfac, adamw, dho2, dho2-wa), 2 points for the optimizers new on digits. DHO2 refreshes every epoch "
+    "(22 steps), ADMM period 4 epochs. Seconds are noisy (shared, loaded machine); epochs are not.",
+    "mnist5k_b32_race": "Cut to 3 epochs to fit the time available on a loaded machine; LRs from digits_b32_race "
+    "(the same 32 per worker) for the Adam-type optimizers and from mnist5k_b32_interleaved for sgd and spdkfac, "
+    "one point each (no grid). DHO2 refreshes every epoch (62 steps), ADMM period 2 epochs (4 would never end "
+    "within the run). Seconds are noisy (shared, loaded machine); epochs are not.",
+}
+
+
 def convergence(w: Writer, run: str) -> Callable[[Path, dict[str, Any]], list[str]]:
     """The renderer of one convergence run's folder (its tables, command and curves)."""
 
     def render(path: Path, d: dict[str, Any]) -> list[str]:
         need(d, path, "settings")
-        lines: list[str] = []
+        lines: list[str] = [f"_{RUN_NOTES[run]}_", ""] if run in RUN_NOTES else []
         if d.get("partial"):  # a stopped interleaved run's convergence.partial.json, kept as the result
             epochs = (d.get("args") or {}).get("epochs", "?")
             lines += [f"_Partial: the run was stopped after {d.get('epochs_done', '?')} of its {epochs} epochs (every run alike)._", ""]
@@ -688,7 +706,7 @@ def convergence(w: Writer, run: str) -> Callable[[Path, dict[str, Any]], list[st
                 rows.append(row)
             head = ["optimizer", "best LR of the grid", "best test acc", "final test loss", "epochs to target", "seconds to target"]
             lines += table(head + ([f"epochs to {second}'s", f"seconds to {second}'s"] if second is not None else []), rows)
-            lines += per_seed_table(st) + issue_targets(st) + dho2_against_kfac(st)
+            lines += diverged_runs(st) + per_seed_table(st) + issue_targets(st) + dho2_against_kfac(st)
             pngs.append(f"convergence/{run}/convergence_{st['data']}_b{st['batch_size']}.png")
         lines += command_block(
             d,
@@ -701,6 +719,21 @@ def convergence(w: Writer, run: str) -> Callable[[Path, dict[str, Any]], list[st
         return lines
 
     return render
+
+
+def diverged_runs(st: dict[str, Any]) -> list[str]:
+    """The chosen LR's runs that stopped on non-finite values (their mean curve ends where the first one stopped)."""
+    notes = []
+    for spec, r in st["optimizers"].items():
+        point = next((p for p in (r.get("lr_grid") or {}).values() if p.get("lr") == r.get("chosen_lr")), None)
+        runs = (point or {}).get("runs") or []
+        stopped = [run for run in runs if run.get("diverged")]
+        if stopped:
+            seeds = ", ".join(f"seed {run.get('seed', '?')}: {run['diverged']}" for run in stopped)
+            notes.append(f"- `{spec}` stopped on non-finite values in {len(stopped)} of {len(runs)} runs ({seeds}).")
+    if not notes:
+        return []
+    return ["Diverged at the chosen LR (the mean curve ends at the first such epoch):", "", *notes, ""]
 
 
 def _spread(seeds: dict[str, Any], key: str, fmt: str) -> str:

@@ -579,3 +579,18 @@ def test_convergence_with_dho2_gives_kfac_over_dho2_to_the_target(tmp_path: Path
     assert "The DHO2 paper's claim" in section
     assert "| `dho2-wa:refresh_every=14` | `spdkfac` | 1.50x (6 / 4) | 2.50x (30.0 / 12.0) | 3.0 (1.2) |" in section
     assert "| K-FAC did not reach it (DHO2: 4) | K-FAC did not reach it (DHO2: 12.0) |" in section
+
+
+def test_convergence_lists_the_runs_that_diverged_at_the_chosen_lr(tmp_path: Path):
+    runs = [{"seed": 0, "diverged": None}, {"seed": 1, "diverged": "epoch 7: non-finite averaged gradient at step 138"}]
+    dho2 = {
+        "chosen_lr": 0.002,
+        "best_test_acc": 0.96,
+        "lr_grid": {"0.002": {"lr": 0.002, "runs": runs}, "0.004": {"lr": 0.004, "runs": []}},
+    }
+    sgd = {"chosen_lr": 0.05, "best_test_acc": 0.98, "lr_grid": {"0.05": {"lr": 0.05, "runs": [{"seed": 0, "diverged": None}]}}}
+    setting = {"data": "digits", "batch_size": 32, "reference": "sgd", "optimizers": {"sgd": sgd, "dho2": dho2}}
+    _write(tmp_path / "results" / "convergence" / "d", "convergence.json", {"args": {}, "settings": [setting]})
+    section = _section(results_md.build(tmp_path / "results", tmp_path / "RESULTS.md"), "Time to accuracy: d")
+    assert "- `dho2` stopped on non-finite values in 1 of 2 runs (seed 1: epoch 7: non-finite averaged gradient at step 138)." in section
+    assert "`sgd` stopped" not in section
