@@ -827,7 +827,7 @@ def dho2_against_kfac(st: dict[str, Any]) -> list[str]:
 
     def over(theirs: float | None, mine: float | None, fmt: str) -> str:
         if mine is None:
-            return "DHO2 did not reach it" + ("" if theirs is None else f" (K-FAC: {theirs:{fmt}})")
+            return "neither reached it" if theirs is None else f"DHO2 did not reach it (K-FAC: {theirs:{fmt}})"
         if theirs is None:
             return f"K-FAC did not reach it (DHO2: {mine:{fmt}})"
         return f"{theirs / mine:.2f}x ({theirs:{fmt}} / {mine:{fmt}})"
