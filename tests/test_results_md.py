@@ -593,3 +593,50 @@ def test_main_job_seeds_accepts_a_failed_teardown_only_after_every_epoch():
     assert finished("...\ndone: log /tmp/x/log.csv, checkpoint /tmp/x/checkpoint.pt\n", rows, 2)
     assert not finished("...\ndone: log /tmp/x/log.csv\n", rows[:1], 2)  # an epoch missing
     assert not finished("epoch 1 ...", rows, 2)  # never said it was done
+
+
+def test_convergence_with_dho2_gives_kfac_over_dho2_to_the_target(tmp_path: Path):
+    """The DHO2 paper's claim as ratios K-FAC / DHO2 (above 1: DHO2 faster), and a target one of them missed."""
+
+    def opt(acc, e, s, epoch_s=None, refresh_s=None):
+        return {
+            "chosen_lr": 0.01,
+            "best_test_acc": acc,
+            "final_test_loss": 0.1,
+            "epochs_to_target": e,
+            "seconds_to_target": s,
+            "mean_epoch_s": epoch_s,
+            "mean_refresh_s": refresh_s,
+            "lr_grid": {"0.01": {"lr": 0.01, "best_test_acc": acc}},
+        }
+
+    optimizers = {
+        "sgd": opt(0.95, 10, 20.0),
+        "spdkfac": opt(0.97, 6, 30.0),
+        "spdkfac:factor_update_freq=10,inv_update_freq=10": opt(0.94, None, None),
+        "dho2-wa:refresh_every=14": opt(0.96, 4, 12.0, 3.0, 1.25),
+        "dho2": opt(0.93, None, None),
+    }
+    run = tmp_path / "results" / "convergence" / "dho2run"
+    setting = {"data": "digits", "batch_size": 32, "reference": "sgd", "target_test_acc": 0.95, "optimizers": optimizers}
+    _write(run, "convergence.json", {"args": {"epochs": 10}, "world_size": 2, "settings": [setting]})
+    section = _section(results_md.build(tmp_path / "results", tmp_path / "RESULTS.md"), "Time to accuracy: dho2run")
+    assert "The DHO2 paper's claim" in section
+    assert "| `dho2-wa:refresh_every=14` | `spdkfac` | 1.50x (6 / 4) | 2.50x (30.0 / 12.0) | 3.0 (1.2) |" in section
+    assert "| K-FAC did not reach it (DHO2: 4) | K-FAC did not reach it (DHO2: 12.0) |" in section
+    assert "| `dho2` | `spdkfac:factor_update_freq=10,inv_update_freq=10` | neither reached it | neither reached it | – |" in section
+
+
+def test_convergence_lists_the_runs_that_diverged_at_the_chosen_lr(tmp_path: Path):
+    runs = [{"seed": 0, "diverged": None}, {"seed": 1, "diverged": "epoch 7: non-finite averaged gradient at step 138"}]
+    dho2 = {
+        "chosen_lr": 0.002,
+        "best_test_acc": 0.96,
+        "lr_grid": {"0.002": {"lr": 0.002, "runs": runs}, "0.004": {"lr": 0.004, "runs": []}},
+    }
+    sgd = {"chosen_lr": 0.05, "best_test_acc": 0.98, "lr_grid": {"0.05": {"lr": 0.05, "runs": [{"seed": 0, "diverged": None}]}}}
+    setting = {"data": "digits", "batch_size": 32, "reference": "sgd", "optimizers": {"sgd": sgd, "dho2": dho2}}
+    _write(tmp_path / "results" / "convergence" / "d", "convergence.json", {"args": {}, "settings": [setting]})
+    section = _section(results_md.build(tmp_path / "results", tmp_path / "RESULTS.md"), "Time to accuracy: d")
+    assert "- `dho2` stopped on non-finite values in 1 of 2 runs (seed 1: epoch 7: non-finite averaged gradient at step 138)." in section
+    assert "`sgd` stopped" not in section
