@@ -21,7 +21,7 @@ from spdkfac.simulate.profiling import _across_ranks
 from spdkfac.simulate.scaling import ScaledModels
 from spdkfac.variants import make_optimizer
 
-VERSION_3_FIELDS = ("hooks", "precondition_step", "update", "sgd_update")
+VERSION_3_FIELDS = ("hooks", "precondition_step", "update", "sgd_update", "sgd_forward_backward_local")
 
 
 def _typed(raw=None, **changes):

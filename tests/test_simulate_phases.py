@@ -78,6 +78,23 @@ def test_the_hooks_own_work_is_charged_on_factor_steps_at_the_contention_ratio()
     assert predict_phases(prof, perf, 2, "sgd")["Hooks"] == 0.0  # plain SGD has no factor hooks
 
 
+def test_the_passes_are_plain_sgds_on_other_steps_and_slowed_by_communication_over_plain_sgds():
+    """With plain SGD's passes without communication profiled (v3), the contention ratio is SGD's passes with over
+    without communication, and the K-FAC passes' extra own work (what the factors cost the passes around them) is
+    charged on factor steps only."""
+    prof, perf = _v3(hooks=0.01, sgd_forward_backward=0.25, sgd_forward_backward_local=0.125), _perf()
+    passes = prof.forward + prof.backward - sum(f.compute for f in prof.factors) - 0.01
+    assert passes > 0.125  # the crafted K-FAC passes carry extra work
+    busy = predict_phases(prof, perf, 2, "dkfac", contention=True)
+    assert busy["FF&BP"] == pytest.approx(2.0 * passes)  # every step a factor step
+    assert busy["Hooks"] == pytest.approx(2.0 * 0.01)
+    amortised = predict_phases(prof, perf, 2, "dkfac", contention=True, update_freq=(4, 8))
+    assert amortised["FF&BP"] == pytest.approx(2.0 * (0.125 * 0.75 + passes * 0.25))
+    assert predict_phases(prof, perf, 2, "sgd", contention=True)["FF&BP"] == pytest.approx(0.25)
+    assert predict_phases(prof, perf, 2, "sgd")["FF&BP"] == pytest.approx(0.125)  # no contention: no slowdown
+    assert predict_phases(prof, perf, 1, "dkfac", contention=True)["FF&BP"] == pytest.approx(passes)
+
+
 def test_pipelined_hooks_also_pack_their_factors_on_several_workers():
     raw = _with_preconditioning(_profile())
     for f in raw["factors"]:

@@ -77,10 +77,17 @@ def predict_phases(
 ) -> dict[str, float]:
     """Predicted seconds per iteration and its finer breakdown (:data:`PHASES`) for ``variant`` on ``workers`` workers.
 
+    FF&BP is plain SGD's passes on steps that compute no factors, and the
+    K-FAC passes' own work (less the factors and the hooks) on factor steps:
+    computing factors slows the passes around them (the caches they evict),
+    which version-3 profiles measure as the difference. Under ``contention``
+    both are slowed by :func:`contention_inflation`.
+
     Profiles from before version 3 did not time the hooks, the preconditioning
-    in ``step()`` and the update apart: their hooks are charged inside FF&BP
-    (on every step, and taken out of the contention ratio's base, as before),
-    the preconditioning at the per-layer times and the update inside Other.
+    in ``step()``, the update and plain SGD's passes without communication
+    apart: their hooks are charged inside FF&BP (on every step, and the
+    contention ratio's base is the K-FAC passes, as before), the
+    preconditioning at the per-layer times and the update inside Other.
     """
     if not isinstance(profile, Profile):  # callers from before typed profiles passed the file's dict
         raise TypeError(f"predict takes a Profile (load_profiles or profile_from_dict), got {type(profile).__name__}")
@@ -94,8 +101,11 @@ def predict_phases(
     i_share = 1.0 / i_freq if kfac else 0.0
     factor_compute = sum(f.compute for f in facs)
     hooks = profile.hooks or 0.0  # the hooks' own work in a factor pass (one worker: no packing, no launches)
-    compute = fwd + bwd - factor_compute - hooks  # the passes' own work, as plain SGD's
-    inflation = contention_inflation(profile, compute, workers, contention)
+    passes = fwd + bwd - factor_compute - hooks  # the passes' own work on a factor step (caches the factors evicted)
+    plain = profile.sgd_forward_backward_local  # ... and on any other step: plain SGD's (older profiles: as above)
+    if plain is None:
+        plain = passes
+    inflation = contention_inflation(profile, plain, workers, contention)
     grad_blocked, factor_blocked = _blocked_communication(profile, cfg, m, contention)
     plan = _work_plan(profile, cfg, m, i_freq) if kfac else None
     inverse_comp = inverse_comm = critical_inversions = 0.0
@@ -105,7 +115,7 @@ def predict_phases(
     step_parts = _step_parts(profile, kfac)
     phases = {
         # The profile computes factors in every pass; they are charged once, as FactorComp, at their share.
-        "FF&BP": compute * inflation,
+        "FF&BP": (plain * (1.0 - f_share) + passes * f_share) * inflation,
         "Hooks": hooks * f_share * inflation,
         "GradComm": grad_blocked if workers > 1 else 0.0,
         "FactorComp": factor_compute * f_share * inflation,
@@ -149,8 +159,11 @@ def contention_inflation(profile: Profile, compute: float, workers: int, content
     """How much concurrent communication slows the passes' work (CPU workers with no spare core; 1 otherwise).
 
     The ratio of the profile's plain-SGD passes with their real gradient
-    all-reduces to ``compute``, the same passes' own work measured without
-    communication (the K-FAC passes less the factors and the hooks' own work).
+    all-reduces to ``compute``, the same passes without communication
+    (:attr:`Profile.sgd_forward_backward_local`; older profiles: the K-FAC
+    passes less the factors and the hooks' own work). Taking the K-FAC passes
+    as the base would cancel what computing factors costs the passes around
+    them (``passes`` less ``plain`` in :func:`predict_phases`).
     """
     if not (contention and workers > 1 and profile.comm_workers > 1):
         return 1.0

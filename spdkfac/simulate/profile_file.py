@@ -32,7 +32,8 @@ __all__ = [
 
 #: The version ``measure_profile`` writes; 1 is the first versioned format, 2 adds the per-rank totals
 #: (``rank_passes``, ``rank_inversions``, ``rank_sgd``; a version-1 file reads with none), 3 the parts of a pass and
-#: of ``step()`` charged apart (``hooks``, ``precondition_step``, ``update``, ``sgd_update``; older files read with none).
+#: of ``step()`` charged apart (``hooks``, ``precondition_step``, ``update``, ``sgd_update``) and the plain-SGD passes without
+#: communication (``sgd_forward_backward_local``); older files read with none.
 FORMAT_VERSION = 3
 
 #: What predict needs of every profile file, whatever its version (``measure_profile`` writes them).
@@ -106,7 +107,10 @@ class Profile:
     the factor hooks' own work in a factor pass beyond computing the factors
     (inside ``forward`` + ``backward``); ``precondition_step`` and ``update``,
     the preconditioning and the base update inside ``step_other``;
-    ``sgd_update``, the update inside ``sgd_step``.
+    ``sgd_update``, the update inside ``sgd_step``; ``sgd_forward_backward_local``,
+    the plain-SGD passes without communication (every rank at once), the base
+    of the slowdown communication causes (= ``sgd_forward_backward`` in a
+    single-process profile).
     """
 
     forward: float
@@ -137,6 +141,7 @@ class Profile:
     precondition_step: float | None = None
     update: float | None = None
     sgd_update: float | None = None
+    sgd_forward_backward_local: float | None = None
     format_version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -174,7 +179,16 @@ def _optional_tuple(values: Sequence[int] | None) -> tuple[int, ...] | None:
 
 
 #: Fields each versioned format added (a file of an older version must not hold them).
-ADDED_IN = {"rank_passes": 2, "rank_inversions": 2, "rank_sgd": 2, "hooks": 3, "precondition_step": 3, "update": 3, "sgd_update": 3}
+ADDED_IN = {
+    "rank_passes": 2,
+    "rank_inversions": 2,
+    "rank_sgd": 2,
+    "hooks": 3,
+    "precondition_step": 3,
+    "update": 3,
+    "sgd_update": 3,
+    "sgd_forward_backward_local": 3,
+}
 _RANK_TOTALS = ("rank_passes", "rank_inversions", "rank_sgd")
 
 
@@ -356,6 +370,7 @@ def average_profiles(profiles: Sequence[Profile]) -> Profile:
         precondition_step=mean("precondition_step"),
         update=mean("update"),
         sgd_update=mean("sgd_update"),
+        sgd_forward_backward_local=mean("sgd_forward_backward_local"),
         unpack=mean("unpack"),
         untimed_unpack=mean("untimed_unpack"),
         factors=tuple(factors),

@@ -49,6 +49,9 @@ def measure_profile(
     y = torch.randint(0, 10, (batch_size,))
     sgd = _measure_sgd_passes(model, x, y, iters, comm)
     _barrier(comm)
+    # The same passes without communication (every rank at once): the base of the slowdown communication causes.
+    local = _measure_sgd_passes(model, x, y, iters, None) if comm is not None and comm.size > 1 else sgd
+    _barrier(comm)
     opt = SPDKFACOptimizer(model, lr=1e-4, backend="single", inv_update_freq=10**6, kl_clip=None, timeline=True, fusion="layerwise")
     runs: list[dict[str, float]] = []
     events: list[dict[str, tuple[float, float]]] = []  # per run: factor key -> (ready, compute) seconds
@@ -147,6 +150,7 @@ def measure_profile(
         sgd_grad_wait=float(sgd["sgd_grad_wait"]),
         sgd_forward_backward=float(sgd["sgd_forward_backward"]),
         sgd_update=float(sgd["sgd_update"]),
+        sgd_forward_backward_local=float(local["sgd_forward_backward"]),
         hooks=sum(r["hooks"] for r in runs) / n,
         precondition_step=sum(r["precondition"] for r in runs) / n,
         update=sum(r["update"] for r in runs) / n,
@@ -185,6 +189,7 @@ def _across_ranks(profile: Profile, comm: CommBackend) -> Profile:
         "precondition_step",
         "update",
         "sgd_update",
+        "sgd_forward_backward_local",
     )
     per_factor = ("ready", "compute", "unpack", "pack", "invert")
     values = [float(getattr(profile, k) or 0.0) for k in scalars]
