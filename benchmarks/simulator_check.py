@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -86,6 +87,8 @@ def main() -> None:
     ap.add_argument("--perf-model", default="perfmodels/reference-cpu-gloo-2.json")
     ap.add_argument("--no-contention", action="store_true", help="assume communication overlaps computation (GPU clusters)")
     ap.add_argument("--out", default="simulator_check.json", help="file name under benchmarks/results/")
+    ap.add_argument("--script", default=None, help="the whole check's command (simulator_check.sh passes its own), recorded")
+    ap.add_argument("--script-seconds", type=float, default=None, help="how long the whole check took so far, recorded")
     args = ap.parse_args()
     problem = unwritable_reason(RESULTS / args.out, make_parents=True)  # as save_json writes it
     if problem:
@@ -139,7 +142,12 @@ def main() -> None:
         "contention": not args.no_contention,
         "command": " ".join(["python -m benchmarks.simulator_check", *sys.argv[1:]]),
         "machine": machine(),
+        # How busy the machine was over the measurement (1, 5 and 15 minutes): a loaded machine's check is indicative.
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+    if args.script:
+        result["script"] = args.script
+        result["script_seconds"] = args.script_seconds
     print(f"wrote {save_json(result, args.out)}")
 
 

@@ -61,5 +61,6 @@ launch -m benchmarks.iteration_time --model "$MODEL" --threads 1 "$@" --out "$DI
 profile 4/5 profile_after.json
 echo "[simulator_check] 5/5 predictions vs measurements ($(date -u +%H:%M:%S))"
 "$PY" -m benchmarks.simulator_check "$DIR/iteration_time.json" --profile "$DIR/profile_before.json" "$DIR/profile_after.json" \
-    --perf-model "$DIR/perfmodel.json" --out simulator_check.json
+    --perf-model "$DIR/perfmodel.json" --out simulator_check.json \
+    --script "${PERF_MODEL:+PERF_MODEL=$PERF_MODEL }bash benchmarks/simulator_check.sh $*" --script-seconds "$(( $(date +%s) - START ))"
 echo "[simulator_check] done in $(( $(date +%s) - START )) s"
