@@ -188,3 +188,21 @@ def test_measured_phases_take_the_recorded_phases_out_of_their_parts():
     errors = {e["phase"]: e for e in phase_errors(row, predicted)}
     assert errors["FF&BP"]["share_of_iteration"] == pytest.approx(0.05 / 0.55)
     assert errors["Update"]["diff_s"] == pytest.approx(0.0)
+
+
+def test_the_command_line_predicts_the_phases(tmp_path, capsys):
+    import json
+
+    from spdkfac.simulate import main
+
+    profile, perf, out = tmp_path / "profile.json", tmp_path / "perf.json", tmp_path / "pred.json"
+    profile.write_text(json.dumps(_v3().to_dict()))
+    _perf().save(str(perf))
+    argv = ["predict", "--profile", str(profile), "--perf-model", str(perf), "--workers", "2", "--variants", "spdkfac"]
+    assert main([*argv, "--phases", "--json", str(out)]) == 0
+    head = capsys.readouterr().out.splitlines()[0].split()
+    assert head[4:] == PHASES
+    assert json.loads(out.read_text())["predictions"]["2:spdkfac"] == pytest.approx(predict_phases(_v3(), _perf(), 2, "spdkfac"))
+    assert main([*argv, "--json", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].split()[4:] == PARTS
+    assert json.loads(out.read_text())["predictions"]["2:spdkfac"] == pytest.approx(predict(_v3(), _perf(), 2, "spdkfac"))

@@ -152,7 +152,7 @@ def predict_phases(
         # is left of the preconditioning hides factor communication too (inverse steps are factor steps).
         phases["FactorComm"] -= min(factor_blocked, busy - hidden) * factor_share
     _add_rank_lag(phases, profile, plan, workers, kfac, critical_inversions * i_share)
-    return {"iteration": sum(phases[k] for k in PHASES), **phases}
+    return {"iteration": sum(phases[k] for k in PHASES) + 0.0, **{k: phases[k] + 0.0 for k in PHASES}}  # no "-0.0"
 
 
 def contention_inflation(profile: Profile, compute: float, workers: int, contention: bool) -> float:
