@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -140,7 +141,7 @@ def main() -> None:
         "rows": rows,
         "largest_abs_error": worst,
         "contention": not args.no_contention,
-        "command": " ".join(["python -m benchmarks.simulator_check", *sys.argv[1:]]),
+        "command": f"python -m benchmarks.simulator_check {shlex.join(sys.argv[1:])}",
         "machine": machine(),
         # How busy the machine was over the measurement (1, 5 and 15 minutes): a loaded machine's check is indicative.
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
