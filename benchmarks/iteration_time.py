@@ -15,6 +15,9 @@ Breakdown per iteration, from the optimizer's timeline:
   stage minus its blocked broadcast time
 * Other: the rest of ``step()`` (unpacking, running averages, preconditioning, SGD)
 
+and, within those, Hooks (the factor hooks' work beyond computing the
+factors, inside FF&BP), Precondition and Update (inside Other).
+
 When the measured window holds no inversion (``--update-freq F I`` with
 ``I`` larger than the window), one inversion stage is timed separately and
 ``1/I`` of it is added to every iteration (reported under InverseComp).
@@ -43,6 +46,9 @@ from .common import RESULTS, bar_chart, log, machine, ratio_interval, save_json,
 
 VARIANTS = ["sgd", "dkfac", "mpdkfac", "spdkfac", "-pipe-lbp", "+pipe-lbp", "-pipe+lbp", "+pipe+lbp", "spdkfac-dp"]
 PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"]
+#: Parts of the above recorded apart for the simulator's per-phase check: the hooks' own work (inside FF&BP),
+#: the preconditioning and the base update (inside Other).
+DETAIL = ["Hooks", "Precondition", "Update"]
 
 
 def with_update_fusion(variant: str, fusion: str) -> str:
@@ -140,6 +146,9 @@ class VariantRun:
         it_mean += amortised_inverse
         total = [t + amortised_inverse for t in total]
         parts["Other"] = max(0.0, it_mean - sum(v for k, v in parts.items() if k != "Other"))
+        parts["Hooks"] = sum(r.hooks for r in recs) / n
+        parts["Precondition"] = sum(r.precondition for r in recs) / n
+        parts["Update"] = sum(r.update for r in recs) / n
         # The process's resident memory is one variant's only when variants run one after another.
         mem = {
             "rss_mb": _rss_mb() if per_variant_memory else float("nan"),
@@ -259,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         for v, r in run_round(variants, args, backend, x, y, args.interleave, f"round {rnd + 1}/{args.rounds}").items():
             if v in results:
                 results[v]["iteration"] += r["iteration"]
-                for k in PARTS:
+                for k in PARTS + DETAIL:
                     results[v]["parts"][k] = (results[v]["parts"][k] * rnd + r["parts"][k]) / (rnd + 1)
                 results[v]["memory"] = r["memory"]
             else:
@@ -269,7 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     table: list[dict[str, object]] = []
     for v, r in results.items():
         vec = torch.tensor(
-            [stats(r["iteration"])["mean"], stats(r["iteration"])["stdev"]] + [r["parts"][k] for k in PARTS], dtype=torch.float64
+            [stats(r["iteration"])["mean"], stats(r["iteration"])["stdev"]] + [r["parts"][k] for k in PARTS + DETAIL],
+            dtype=torch.float64,
         )
         backend.allreduce_async(vec, f"bench.iter.{v}").wait()
         mem = torch.tensor([r["memory"]["rss_mb"]], dtype=torch.float64)
@@ -280,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
                 "variant": v,
                 "mean_s": vals[0],
                 "stdev_s": vals[1],
-                **{k: vals[2 + i] for i, k in enumerate(PARTS)},
+                **{k: vals[2 + i] for i, k in enumerate(PARTS + DETAIL)},
                 "rss_mb": mem.item(),
                 "kfac_state_mb": r["memory"]["kfac_state_mb"],
             }

@@ -7,35 +7,50 @@ For every variant in each measured ``iteration_time`` result, predicts the
 iteration time at that result's worker count with
 :func:`spdkfac.simulate.predict` (``--contention`` for CPU workers without a
 spare core, the default here) and prints the relative error, then the error
-per phase of the breakdown the benchmark records (FF&BP, GradComm,
-FactorComp, FactorComm, InverseComp, InverseComm, Other): measured and
-predicted milliseconds and the difference as a share of the measured
-iteration, so that the shares add up to the iteration's error and a drift
-shows the phase it comes from.
+per phase of the breakdown the benchmark records (:data:`~spdkfac.simulate.PHASES`:
+forward+backward, the hooks' own work, the gradient all-reduces, the factor
+computation and all-reduces, the decompositions and their broadcasts, the
+preconditioning, the update, the rest of ``step()``): measured and predicted
+milliseconds and the difference as a share of the measured iteration, so that
+the shares add up to the iteration's error and a drift shows the phase it
+comes from. Measurements from before ``iteration_time`` recorded the hooks,
+preconditioning and update apart show those inside FF&BP and Other.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
 from pathlib import Path
 
 from spdkfac.output_path import unwritable_reason
 from spdkfac.perfmodels import PerfModel
-from spdkfac.simulate import PARTS, load_profiles, predict
+from spdkfac.simulate import PART_OF_PHASE, PARTS, PHASES, load_profiles, parts_of_phases, predict_phases
 
 from .common import RESULTS, machine, save_json
 
 
+def measured_phases(row: dict[str, float]) -> dict[str, float]:
+    """An ``iteration_time`` row's breakdown as :data:`~spdkfac.simulate.PHASES`: the phases it records inside a part
+    (Hooks in FF&BP; Precondition and Update in Other) taken out of that part (0 where the row predates them)."""
+    phases = {phase: float(row.get(phase, 0.0)) for phase in PHASES}
+    for phase, part in PART_OF_PHASE.items():
+        phases[part] -= phases[phase]
+    return phases
+
+
 def phase_errors(measured: dict[str, float], predicted: dict[str, float]) -> list[dict[str, float | str]]:
-    """Per phase of :data:`~spdkfac.simulate.PARTS`: measured and predicted seconds, their difference, and that
+    """Per phase of :data:`~spdkfac.simulate.PHASES`: measured and predicted seconds, their difference, and that
     difference over the measured iteration (the phases' shares add up to the iteration's relative error
     when the measured phases add up to the iteration, as ``iteration_time`` records them)."""
     iteration = measured["mean_s"]
+    got_phases = measured_phases(measured)
     out: list[dict[str, float | str]] = []
-    for phase in PARTS:
-        got, want = float(measured.get(phase, 0.0)) + 0.0, float(predicted[phase]) + 0.0  # no "-0.0"
+    for phase in PHASES:
+        got, want = got_phases[phase] + 0.0, float(predicted[phase]) + 0.0  # no "-0.0"
         out.append(
             {
                 "phase": phase,
@@ -52,7 +67,7 @@ def print_phase_table(rows: list[dict[str, object]]) -> None:
     """Measured / predicted milliseconds per phase and variant, with the difference's share of the iteration."""
     print("\nper phase: measured / predicted ms (difference as a share of the measured iteration)")
     print(f"{'phase':<12} " + " ".join(f"{str(r['workers']) + ':' + str(r['variant']):>30}" for r in rows))
-    for i, phase in enumerate(PARTS):
+    for i, phase in enumerate(PHASES):
         cells = []
         for r in rows:
             e = r["phase_errors"][i]
@@ -73,6 +88,8 @@ def main() -> None:
     ap.add_argument("--perf-model", default="perfmodels/reference-cpu-gloo-2.json")
     ap.add_argument("--no-contention", action="store_true", help="assume communication overlaps computation (GPU clusters)")
     ap.add_argument("--out", default="simulator_check.json", help="file name under benchmarks/results/")
+    ap.add_argument("--script", default=None, help="the whole check's command (simulator_check.sh passes its own), recorded")
+    ap.add_argument("--script-seconds", type=float, default=None, help="how long the whole check took so far, recorded")
     args = ap.parse_args()
     problem = unwritable_reason(RESULTS / args.out, make_parents=True)  # as save_json writes it
     if problem:
@@ -96,7 +113,8 @@ def main() -> None:
         workers = data["world_size"]
         freq = tuple(data["args"]["update_freq"])
         for row in data["table"]:
-            pred = predict(profile, perf, workers, row["variant"], contention=not args.no_contention, update_freq=freq)
+            phases = predict_phases(profile, perf, workers, row["variant"], contention=not args.no_contention, update_freq=freq)
+            pred = parts_of_phases(phases)
             err = (pred["iteration"] - row["mean_s"]) / row["mean_s"]
             rows.append(
                 {
@@ -108,7 +126,9 @@ def main() -> None:
                     "rel_error": err,
                     "predicted_parts": pred,
                     "measured_parts": {k: row.get(k, 0.0) for k in PARTS},
-                    "phase_errors": phase_errors(row, pred),
+                    "predicted_phases": phases,
+                    "measured_phases": measured_phases(row),
+                    "phase_errors": phase_errors(row, phases),
                 }
             )
             print(
@@ -121,9 +141,14 @@ def main() -> None:
         "rows": rows,
         "largest_abs_error": worst,
         "contention": not args.no_contention,
-        "command": " ".join(["python -m benchmarks.simulator_check", *sys.argv[1:]]),
+        "command": f"python -m benchmarks.simulator_check {shlex.join(sys.argv[1:])}",
         "machine": machine(),
+        # How busy the machine was over the measurement (1, 5 and 15 minutes): a loaded machine's check is indicative.
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+    if args.script:
+        result["script"] = args.script
+        result["script_seconds"] = args.script_seconds
     print(f"wrote {save_json(result, args.out)}")
 
 

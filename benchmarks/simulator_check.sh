@@ -12,6 +12,8 @@
 # benchmarks/results/simulator_check.json, replacing the previous run's (one current run; the JSON records
 # the arguments). NP (default 2) workers, Horovod over gloo. With --bind-cores
 # among the arguments, the performance models and the profiles are measured with bound workers too.
+# PERF_MODEL=file skips step 1 and predicts with that fitted file instead (a quicker look at the compute phases;
+# the communication and inversion phases then carry the drift between that fit and this run).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ $# -ge 1 && "$1" != -* ]]; then
@@ -44,12 +46,21 @@ profile() {
     echo "[simulator_check] $1 per-layer profile -> $DIR/$2 ($(date -u +%H:%M:%S))"
     launch -m spdkfac.simulate profile --model "$MODEL" --resolution "$RES" --batch-size "$BATCH" "${BIND[@]}" --out "$DIR/$2"
 }
-echo "[simulator_check] 1/5 performance models -> $DIR/perfmodel.json ($(date -u +%H:%M:%S))"
-launch -m spdkfac.perfmodels benchmark --quick --threads 1 --model "$MODEL" "${BIND[@]}" --out "$DIR/perfmodel.json"
+START=$(date +%s)
+if [[ -n "${PERF_MODEL:-}" ]]; then
+    [[ -f "$PERF_MODEL" ]] || { echo "error: PERF_MODEL=$PERF_MODEL is not a file" >&2; exit 2; }
+    echo "[simulator_check] 1/5 performance models: $PERF_MODEL (PERF_MODEL, not fitted here)"
+    [[ "$(realpath "$PERF_MODEL")" == "$(realpath -m "$DIR/perfmodel.json")" ]] || cp "$PERF_MODEL" "$DIR/perfmodel.json"
+else
+    echo "[simulator_check] 1/5 performance models -> $DIR/perfmodel.json ($(date -u +%H:%M:%S))"
+    launch -m spdkfac.perfmodels benchmark --quick --threads 1 --model "$MODEL" "${BIND[@]}" --out "$DIR/perfmodel.json"
+fi
 profile 2/5 profile_before.json
 echo "[simulator_check] 3/5 measured iteration times -> $DIR/iteration_time.json ($(date -u +%H:%M:%S))"
 launch -m benchmarks.iteration_time --model "$MODEL" --threads 1 "$@" --out "$DIR/iteration_time.json"
 profile 4/5 profile_after.json
 echo "[simulator_check] 5/5 predictions vs measurements ($(date -u +%H:%M:%S))"
 "$PY" -m benchmarks.simulator_check "$DIR/iteration_time.json" --profile "$DIR/profile_before.json" "$DIR/profile_after.json" \
-    --perf-model "$DIR/perfmodel.json" --out simulator_check.json
+    --perf-model "$DIR/perfmodel.json" --out simulator_check.json \
+    --script "${PERF_MODEL:+PERF_MODEL=$PERF_MODEL }bash benchmarks/simulator_check.sh $*" --script-seconds "$(( $(date +%s) - START ))"
+echo "[simulator_check] done in $(( $(date +%s) - START )) s"

@@ -560,6 +560,7 @@ def simulator_check(path: Path, d: dict[str, Any]) -> list[str]:
     lines += table(["workers", "variant", "factor/inverse every", "measured", "predicted", "error"], rows)
     if "largest_abs_error" in d:
         lines += [f"Largest error: {d['largest_abs_error']:.1%}.", ""]
+    lines += simulator_conditions(d)
     lines += simulator_phases(path, d["rows"])
     return (
         lines
@@ -570,6 +571,23 @@ def simulator_check(path: Path, d: dict[str, Any]) -> list[str]:
             "",
         ]
     )
+
+
+def simulator_conditions(d: dict[str, Any]) -> list[str]:
+    """The whole check's command and duration, and how loaded the machine was (when recorded)."""
+    lines = []
+    if isinstance(d.get("script"), str):
+        took = d.get("script_seconds")
+        lines += [
+            f"Made by `{d['script']}`" + (f" in {took / 60:.0f} min" if isinstance(took, (int, float)) else "") + ".",
+            "",
+        ]
+    load = d.get("load_average")
+    if isinstance(load, list) and len(load) == 3:
+        cores = d.get("machine", {}).get("cores", "?")
+        busy = "a loaded machine: indicative only" if load[2] > 1.5 * (cores if isinstance(cores, int) else 2) else "a quiet machine"
+        lines += [f"Machine load (1/5/15 min) when predicted: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {cores} cores ({busy}).", ""]
+    return lines
 
 
 def simulator_phases(path: Path, rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -595,7 +613,10 @@ def simulator_phases(path: Path, rows: Sequence[dict[str, Any]]) -> list[str]:
     return [
         "Per phase of the measured breakdown (milliseconds, measured / predicted; in brackets the difference as a "
         "share of the measured iteration: the shares add up to the error above, so a drift shows the phase it "
-        "comes from). Measured phases are the mean over the ranks, as `iteration_time` records them.",
+        "comes from). Measured phases are the mean over the ranks, as `iteration_time` records them. Hooks is the "
+        "factor hooks' work beyond computing the factors (taken out of FF&BP), Precondition and Update the "
+        "preconditioning and the base update (taken out of the rest of `step()`, Other); InverseComp is the "
+        "decompositions, InverseComm their broadcasts.",
         "",
         *table(head, body),
     ]

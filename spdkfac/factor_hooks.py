@@ -6,7 +6,9 @@ it. Each goes straight to the :class:`~spdkfac.fusion.TensorFusionController`
 (pipelining), or is kept until ``step()`` (D-KFAC's all-at-once). With
 gradient accumulation the early micro-batches' factors are summed locally and
 only the k-th is sent, as their mean. While a fusion plan is being made, or a
-timeline recorded, each factor's computation is timed.
+timeline recorded, each factor's computation is timed, and the hook's own
+work beyond it (bookkeeping, packing into a fusion buffer, launching the
+all-reduce).
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class FactorCollector:
         return hook
 
     def _submit(self, layer: KFACLayer, kind: str, compute: Callable[[], torch.Tensor]) -> None:
+        t_enter = Timeline.now() if self.record is not None else 0.0
         key = (kind, layer.name)
         self.backward_seen |= kind == "G"
         if kind == "A":
@@ -127,7 +130,7 @@ class FactorCollector:
         # The last micro-batch (the only one with k=1): timed and pipelined with the communication as usual.
         profiling = self.profiler.active
         timed = self.record is not None or profiling
-        t_start = 0.0
+        t_start = t_end = 0.0
         if timed:
             if profiling and torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -148,6 +151,8 @@ class FactorCollector:
             self.controller.submit(key, factor)
         else:
             self._stash.append((key, factor))
+        if self.record is not None:  # the hook's own cost: all but the factor's computation (a cost model charges it apart)
+            self.record.hooks += Timeline.now() - t_enter - (t_end - t_start)
 
     def send_stashed(self) -> None:
         """Without pipelining, send the factors the hooks kept back (D-KFAC: all at once after backward)."""

@@ -292,7 +292,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 if self._forward_fusion is not None:
                     self._forward_fusion.defer()
                 else:
+                    t_update = Timeline.now() if self._record is not None else 0.0
                     apply_base_update(self.config.base, self.param_groups, self.state)
+                    if self._record is not None:
+                        self._record.update += Timeline.now() - t_update
             self.steps += 1
             self.kfac_step.nonfinite.good_step()
             if self.timeline is not None and self._record is not None:

@@ -4,7 +4,9 @@ Disabled by default (the optimizer then holds ``None`` and never reads a
 clock). When enabled, each factor-update iteration records, per factor, when
 its computation started and ended, when its fused all-reduce was launched and
 when it was seen complete, plus the time the optimizer spent blocked waiting
-for factor and inverse communication (the *non-overlapped* communication).
+for factor and inverse communication (the *non-overlapped* communication),
+and the seconds of the parts of a step that a cost model charges apart: the
+preconditioning, the hooks' own work beyond the factors, the update.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class IterationRecord:
     inverse_wait: float = 0.0  # non-overlapped inverse broadcast time
     precondition: float = 0.0
     precondition_wait: float = 0.0  # blocked on broadcasts of preconditioned gradients (distribute_preconditioning)
+    hooks: float = 0.0  # in the factor hooks beyond computing the factors (Python, packing, launching all-reduces)
+    update: float = 0.0  # the base optimizer's update of the parameters (in step())
 
     def rel(self, t: float) -> float:
         return t - self.t0
@@ -101,4 +105,6 @@ class Timeline:
             "inverse_comm_nonoverlap": sum(i.inverse_wait for i in its) / n,
             "precondition": sum(i.precondition for i in its) / n,
             "precondition_comm_nonoverlap": sum(i.precondition_wait for i in its) / n,
+            "hooks": sum(i.hooks for i in its) / n,
+            "update": sum(i.update for i in its) / n,
         }

@@ -53,6 +53,12 @@ def test_iteration_time_measures_every_variant(tmp_path, interleave):
         # factors every 2 iterations, inverses every 8: no inversion in the window, so 1/8 of one is charged
         assert (row["FactorComp"] > 0) == kfac
         assert (row["InverseComp"] > 0) == kfac
+        # recorded inside their parts, for the simulator's per-phase check: hooks in FF&BP, the rest in Other
+        assert (row["Hooks"] > 0) == kfac
+        assert (row["Precondition"] > 0) == kfac
+        assert row["Update"] > 0
+        assert row["Hooks"] < row["FF&BP"]
+        assert row["Precondition"] + row["Update"] <= row["Other"] + 1e-9
         # steps 1-4 of each round, factors on steps 2 and 4: samples 1, 3, 5, 7 are factor-update iterations
         its = data["samples"][row["variant"]]
         assert row["factor_steps_n"] == row["other_steps_n"] == 4

@@ -417,6 +417,7 @@ def test_simulator_check_shows_the_error_per_phase(tmp_path: Path, monkeypatch, 
     """The check on the stored measurement and profiles: per-phase shares add up to each variant's error, and
     RESULTS.md shows them; a check from before the phases were recorded renders without that table."""
     from benchmarks import simulator_check
+    from spdkfac.simulate import PHASES
 
     stored = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "simulator_check"
     res = tmp_path / "results"
@@ -440,12 +441,14 @@ def test_simulator_check_shows_the_error_per_phase(tmp_path: Path, monkeypatch, 
     measured = {r["variant"]: r for r in json.loads((stored / "iteration_time.json").read_text())["table"]}
     for row in data["rows"]:
         shares = [e["share_of_iteration"] for e in row["phase_errors"]]
-        assert [e["phase"] for e in row["phase_errors"]] == list(PARTS)
+        assert [e["phase"] for e in row["phase_errors"]] == list(PHASES)
         if measured[row["variant"]]["Other"] > 0:  # the rest of the iteration: the measured phases add up to it
             assert sum(shares) == pytest.approx(row["rel_error"], abs=1e-9)
+        got = simulator_check.measured_phases(measured[row["variant"]])
         for e in row["phase_errors"]:
-            assert e["measured_s"] == pytest.approx(measured[row["variant"]][e["phase"]])
-            assert e["predicted_s"] == pytest.approx(row["predicted_parts"][e["phase"]])
+            assert e["measured_s"] == pytest.approx(got[e["phase"]])
+            assert e["predicted_s"] == pytest.approx(row["predicted_phases"][e["phase"]])
+        assert sum(row["predicted_phases"][p] for p in PHASES) == pytest.approx(row["predicted_s"])
     text = results_md.build(res, tmp_path / "RESULTS.md")
     section = _section(text, "Scale simulator against measurements")
     assert "Per phase of the measured breakdown" in section
@@ -456,6 +459,22 @@ def test_simulator_check_shows_the_error_per_phase(tmp_path: Path, monkeypatch, 
         row.pop("phase_errors")
     (res / "simulator_check.json").write_text(json.dumps(data))
     assert "Per phase" not in _section(results_md.build(res, tmp_path / "RESULTS.md"), "Scale simulator against measurements")
+
+
+def test_simulator_check_shows_the_whole_checks_command_and_the_machines_load(tmp_path: Path):
+    res = tmp_path / "results"
+    res.mkdir()
+    row = {"workers": 2, "variant": "sgd", "update_freq": [1, 1], "measured_s": 0.3, "predicted_s": 0.27, "rel_error": -0.1}
+    data = {"rows": [row], "largest_abs_error": 0.1, "contention": True, "machine": {"cores": 2}}
+    loaded = dict(data, load_average=[9.0, 8.0, 7.5], script="bash benchmarks/simulator_check.sh --iters 3", script_seconds=1500)
+    (res / "simulator_check.json").write_text(json.dumps(loaded))
+    section = _section(results_md.build(res, tmp_path / "RESULTS.md"), "Scale simulator against measurements")
+    assert "Made by `bash benchmarks/simulator_check.sh --iters 3` in 25 min." in section
+    assert "9.0 / 8.0 / 7.5 on 2 cores (a loaded machine: indicative only)" in section
+    (res / "simulator_check.json").write_text(json.dumps(dict(data, load_average=[2.1, 2.0, 2.2])))
+    section = _section(results_md.build(res, tmp_path / "RESULTS.md"), "Scale simulator against measurements")
+    assert "(a quiet machine)" in section
+    assert "Made by" not in section
 
 
 def test_update_fusion_section_shows_the_speed_up_over_the_unfused_run(tmp_path: Path):

@@ -186,6 +186,14 @@ def test_profile_under_a_launcher_records_layers_and_sgd_with_real_allreduces(tm
     assert all(t > 0 for key in ("rank_passes", "rank_inversions", "rank_sgd") for t in prof[key])
     assert sum(prof["rank_inversions"]) / 2 == pytest.approx(sum(f["invert"] for f in prof["factors"]))
     assert sum(prof["rank_passes"]) / 2 == pytest.approx(prof["forward"] + prof["backward"] + prof["step_other"])
+    # Format 3: the hooks' own work, the preconditioning and the update inside step(), plain SGD's passes without
+    # communication (measured apart from the ones with it).
+    assert prof["format_version"] == 3
+    assert 0 < prof["hooks"] < prof["forward"] + prof["backward"]
+    assert 0 < prof["precondition_step"] + prof["update"] <= prof["step_other"]
+    assert 0 < prof["sgd_update"] <= prof["sgd_step"]
+    assert prof["sgd_forward_backward_local"] > 0
+    assert prof["sgd_forward_backward_local"] != prof["sgd_forward_backward"]
     predicted = predict(prof, PerfModel.default(), 4, "spdkfac-dp", contention=True)
     assert predicted["iteration"] >= predicted["FF&BP"] > 0
 

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import re
 import threading
 import warnings
 
@@ -19,6 +20,8 @@ from spdkfac.simulate.profile_check import ProfileValueError
 from spdkfac.simulate.profiling import _across_ranks
 from spdkfac.simulate.scaling import ScaledModels
 from spdkfac.variants import make_optimizer
+
+VERSION_3_FIELDS = ("hooks", "precondition_step", "update", "sgd_update", "sgd_forward_backward_local")
 
 
 def _typed(raw=None, **changes):
@@ -172,9 +175,9 @@ def test_profile_files_keep_the_per_rank_totals_and_read_version_1(tmp_path):
     path = tmp_path / "v2.json"
     prof.save(str(path))
     raw = json.loads(path.read_text())
-    assert raw["format_version"] == FORMAT_VERSION == 2
+    assert raw["format_version"] == FORMAT_VERSION == 3
     assert load_profiles([str(path)]) == prof
-    old = {k: v for k, v in raw.items() if k not in ("rank_passes", "rank_inversions", "rank_sgd")}
+    old = {k: v for k, v in raw.items() if k not in ("rank_passes", "rank_inversions", "rank_sgd", *VERSION_3_FIELDS)}
     old["format_version"] = 1
     path.write_text(json.dumps(old))
     read = load_profiles([str(path)])
@@ -230,19 +233,38 @@ def small_profile() -> Profile:
 @pytest.mark.parametrize("workers", [2, 3, 8])
 @pytest.mark.parametrize(
     "variant",
-    ["spdkfac", "mpdkfac", "dkfac", "spdkfac-dp", "spdkfac:compute_method=eigen", "spdkfac:grad_worker_fraction=auto"],
+    [
+        "spdkfac",
+        "mpdkfac",
+        "dkfac",
+        "spdkfac-dp",
+        "spdkfac:compute_method=eigen",
+        "spdkfac:grad_worker_fraction=auto",
+        "spdkfac:grad_worker_fraction=0.5",
+    ],
 )
 def test_the_simulator_plans_what_the_optimizer_plans(small_profile, variant, workers, tmp_path):
     """Placement, broadcast order and preconditioning owners of an optimizer on ``workers`` ranks, from the same
-    performance-model file, equal the plan predict charges for that model's profile."""
+    performance-model file, equal the plan predict charges for that model's profile (and a configuration the
+    optimizer refuses at this worker count, the simulator refuses with the same message)."""
     perf = _perf(world=2)
     path = tmp_path / "perf.json"
     perf.save(str(path))
     group = InProcessGroup(workers)
+    model = get_model("cifar_resnet20")
+    try:
+        simulated = simulated_work_plan(small_profile, perf, workers, variant)
+    except ValueError as exc:
+        refused = exc
+    else:
+        refused = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        opt = make_optimizer(variant, get_model("cifar_resnet20"), lr=0.1, backend=group.backends[0], perf_model=str(path))
-    simulated = simulated_work_plan(small_profile, perf, workers, variant)
+        if refused is not None:
+            with pytest.raises(ValueError, match=f"^{re.escape(str(refused))}$"):
+                make_optimizer(variant, model, lr=0.1, backend=group.backends[0], perf_model=str(path))
+            return
+        opt = make_optimizer(variant, model, lr=0.1, backend=group.backends[0], perf_model=str(path))
     assert simulated is not None
 
     def decisions(plan):
@@ -319,3 +341,35 @@ def test_the_simulator_fuses_with_the_optimizers_inputs(small_profile, variant, 
         shifted = [t + 0.5 for t in o_ready]
         assert prediction.fusion_groups(policy, pipelining, shifted, s_args[3], s_args[4], s_args[5], s_args[6]) == o_groups
         assert [[order[i] for i in g] for g in o_groups] == plans[0][kind]
+
+
+@pytest.mark.parametrize("variant", ["spdkfac", "dkfac", "mpdkfac", "spdkfac:overlap_preconditioning=false", "spdkfac-dp"])
+def test_the_simulator_overlaps_the_steps_the_optimizer_overlaps(variant):
+    """Two in-process ranks, factors every 2 and inverses every 4 steps: the share of steps the optimizer preconditioned
+    while gradients were still averaged (and of factor steps before waiting for the factors) is the share the
+    simulator hides waits on."""
+    import torch.nn.functional as F
+
+    from spdkfac.simulate.prediction import _overlap_shares
+    from spdkfac.variants import variant_config
+
+    steps, freq = 8, (2, 4)
+
+    def train(backend):
+        torch.manual_seed(0)
+        model = get_model("cifar_resnet20")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = make_optimizer(variant, model, lr=0.01, backend=backend, factor_update_freq=freq[0], inv_update_freq=freq[1])
+        x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))
+        for _ in range(steps):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        return opt.kfac_step.overlapped_steps, opt.kfac_step.overlapped_factor_steps
+
+    counts = run_ranks(2, train)
+    assert counts[0] == counts[1]
+    enabled = bool(variant_config(variant).get("overlap_preconditioning", True))
+    shares = _overlap_shares(enabled, True, 2, 1 / freq[0], 1 / freq[1])
+    assert (counts[0][0] / steps, counts[0][1] / steps) == pytest.approx(shares)

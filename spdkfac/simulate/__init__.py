@@ -48,7 +48,7 @@ upgrade of unversioned files), ``profiling`` (measuring one), ``scaling``
 """
 
 from .cli import DEFAULT_VARIANTS, main
-from .prediction import PARTS, predict, simulated_work_plan
+from .prediction import PART_OF_PHASE, PARTS, PHASES, parts_of_phases, predict, predict_phases, simulated_work_plan
 from .profile_file import (
     FORMAT_VERSION,
     PROFILE_FIELDS,
@@ -67,6 +67,8 @@ __all__ = [
     "DEFAULT_VARIANTS",
     "FORMAT_VERSION",
     "PARTS",
+    "PART_OF_PHASE",
+    "PHASES",
     "PROFILE_FIELDS",
     "FactorProfile",
     "LayerPreconditionProfile",
@@ -76,7 +78,9 @@ __all__ = [
     "load_profiles",
     "main",
     "measure_profile",
+    "parts_of_phases",
     "predict",
+    "predict_phases",
     "profile_from_dict",
     "simulated_work_plan",
     "upgrade_unversioned",

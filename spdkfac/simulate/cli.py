@@ -14,7 +14,7 @@ from ..host_memory import retain_freed_memory
 from ..output_path import output_file
 from ..perfmodels import PerfModel, PerfModelError
 from ..variants import variant_argv, variant_config
-from .prediction import PARTS, predict
+from .prediction import PARTS, PHASES, parts_of_phases, predict_phases
 from .profile_file import load_profiles
 from .profiling import measure_profile
 
@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--contention", action="store_true", help="communication cannot overlap computation (CPU workers, no spare core)")
     q.add_argument("--update-freq", type=int, nargs=2, default=[1, 1])
     q.add_argument("--json", default=None, type=output_file(), help="also write the predictions here")
+    q.add_argument(
+        "--phases", action="store_true", help="the finer breakdown: the hooks, preconditioning and update apart (predict_phases)"
+    )
     return ap
 
 
@@ -109,12 +112,14 @@ def _predict(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     out: dict[str, dict[str, float]] = {}
-    print(f"{'workers':>7} {'variant':<10} {'iter (ms)':>10} " + " ".join(f"{k:>11}" for k in PARTS))
+    columns = PHASES if args.phases else PARTS
+    print(f"{'workers':>7} {'variant':<10} {'iter (ms)':>10} " + " ".join(f"{k:>12}" for k in columns))
     for w in args.workers:
         for v in variants:
-            r = predict(prof, perf, w, v, args.contention, (factor_freq, inv_freq))
+            phases = predict_phases(prof, perf, w, v, args.contention, (factor_freq, inv_freq))
+            r = phases if args.phases else parts_of_phases(phases)
             out[f"{w}:{v}"] = r
-            print(f"{w:>7} {v:<10} {r['iteration'] * 1e3:10.1f} " + " ".join(f"{r[k] * 1e3:11.1f}" for k in PARTS))
+            print(f"{w:>7} {v:<10} {r['iteration'] * 1e3:10.1f} " + " ".join(f"{r[k] * 1e3:12.1f}" for k in columns))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(

@@ -28,18 +28,67 @@ from ..work_plan import LayerShape, WorkPlan, fusion_groups, group_launch_times,
 from .profile_file import FactorProfile, LayerPreconditionProfile, Profile
 from .scaling import ScaledModels
 
-__all__ = ["PARTS", "SIMULATED_SUBGROUPS", "expected_max_normal", "predict", "predict_memory", "rank_lag", "simulated_work_plan"]
+__all__ = [
+    "PARTS",
+    "PART_OF_PHASE",
+    "PHASES",
+    "SIMULATED_SUBGROUPS",
+    "contention_inflation",
+    "expected_max_normal",
+    "parts_of_phases",
+    "predict",
+    "predict_memory",
+    "predict_phases",
+    "rank_lag",
+    "simulated_work_plan",
+]
 
 #: The simulated engine broadcasts to sub-groups of ranks (torch.distributed, NCCL), as KAISA assumes.
 SIMULATED_SUBGROUPS = True
 
 PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"]
 
+#: The finer breakdown :func:`predict_phases` gives: :data:`PARTS` with the hooks' own work (beyond computing the
+#: factors) taken out of FF&BP, and the preconditioning and the base update out of Other, as the optimizer's timeline
+#: records them (``IterationRecord.hooks``, ``precondition``, ``update``).
+PHASES = ["FF&BP", "Hooks", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Precondition", "Update", "Other"]
+
+#: The part of :data:`PARTS` each phase of :data:`PHASES` belongs to (a phase not named here is its own part).
+PART_OF_PHASE = {"Hooks": "FF&BP", "Precondition": "Other", "Update": "Other"}
+
 
 def predict(
     profile: Profile, perf: PerfModel, workers: int, variant: str, contention: bool = False, update_freq: tuple[int, int] = (1, 1)
 ) -> dict[str, float]:
     """Predicted seconds per iteration and its breakdown (:data:`PARTS`) for ``variant`` on ``workers`` workers."""
+    return parts_of_phases(predict_phases(profile, perf, workers, variant, contention, update_freq))
+
+
+def parts_of_phases(phases: Mapping[str, float]) -> dict[str, float]:
+    """The :data:`PARTS` breakdown (and ``iteration``) of a :data:`PHASES` breakdown: each phase added to its part."""
+    parts = dict.fromkeys(PARTS, 0.0)
+    for phase in PHASES:
+        parts[PART_OF_PHASE.get(phase, phase)] += phases[phase]
+    return {"iteration": phases["iteration"], **parts}
+
+
+def predict_phases(
+    profile: Profile, perf: PerfModel, workers: int, variant: str, contention: bool = False, update_freq: tuple[int, int] = (1, 1)
+) -> dict[str, float]:
+    """Predicted seconds per iteration and its finer breakdown (:data:`PHASES`) for ``variant`` on ``workers`` workers.
+
+    FF&BP is plain SGD's passes on steps that compute no factors, and the
+    K-FAC passes' own work (less the factors and the hooks) on factor steps:
+    computing factors slows the passes around them (the caches they evict),
+    which version-3 profiles measure as the difference. Under ``contention``
+    both are slowed by :func:`contention_inflation`.
+
+    Profiles from before version 3 did not time the hooks, the preconditioning
+    in ``step()``, the update and plain SGD's passes without communication
+    apart: their hooks are charged inside FF&BP (on every step, and the
+    contention ratio's base is the K-FAC passes, as before), the
+    preconditioning at the per-layer times and the update inside Other.
+    """
     if not isinstance(profile, Profile):  # callers from before typed profiles passed the file's dict
         raise TypeError(f"predict takes a Profile (load_profiles or profile_from_dict), got {type(profile).__name__}")
     m = ScaledModels(perf, workers)
@@ -51,58 +100,96 @@ def predict(
     f_share = 1.0 / f_freq if kfac else 0.0
     i_share = 1.0 / i_freq if kfac else 0.0
     factor_compute = sum(f.compute for f in facs)
-    compute = fwd + bwd - factor_compute
-    inflation = 1.0  # how much concurrent communication slows forward+backward (CPU workers)
-    if contention and workers > 1 and profile.comm_workers > 1:
-        if profile.sgd_forward_backward is None:
-            raise ValueError("this profile has no plain-SGD pass time to model contention with; re-run `spdkfac.simulate profile`")
-        inflation = max(1.0, profile.sgd_forward_backward / compute)
+    hooks = profile.hooks or 0.0  # the hooks' own work in a factor pass (one worker: no packing, no launches)
+    passes = fwd + bwd - factor_compute - hooks  # the passes' own work on a factor step (caches the factors evicted)
+    plain = profile.sgd_forward_backward_local  # ... and on any other step: plain SGD's (older profiles: as above)
+    if plain is None:
+        plain = passes
+    inflation = contention_inflation(profile, plain, workers, contention)
     grad_blocked, factor_blocked = _blocked_communication(profile, cfg, m, contention)
     plan = _work_plan(profile, cfg, m, i_freq) if kfac else None
     inverse_comp = inverse_comm = critical_inversions = 0.0
     if plan is not None:
         method = cfg.get("compute_method", "inverse")
         inverse_comp, inverse_comm, critical_inversions = _inversion_stage(plan, facs, m, contention, method)
-    parts = {
+    step_parts = _step_parts(profile, kfac)
+    phases = {
         # The profile computes factors in every pass; they are charged once, as FactorComp, at their share.
-        "FF&BP": compute * inflation,
+        "FF&BP": (plain * (1.0 - f_share) + passes * f_share) * inflation,
+        "Hooks": hooks * f_share * inflation,
         "GradComm": grad_blocked if workers > 1 else 0.0,
         "FactorComp": factor_compute * f_share * inflation,
         "FactorComm": factor_blocked * f_share,
         "InverseComp": inverse_comp * i_share,
         "InverseComm": inverse_comm * i_share,
-        "Other": profile.step_other if kfac else _sgd_step(profile),
+        **step_parts,
     }
     if not kfac and workers > 1 and profile.comm_workers == workers:
         # At the profiled worker count, plain SGD's gradient wait was measured with the real all-reduces;
         # profiles from before it was recorded apart hold it inside sgd_step (their sgd_grad_wait is 0).
-        parts["GradComm"] = profile.sgd_grad_wait
+        phases["GradComm"] = profile.sgd_grad_wait
     if kfac:
         # Unpacking that older profiles timed only in total: every factor once, on every rank (0 otherwise).
-        parts["InverseComp"] += profile.untimed_unpack * i_share
-    if kfac:
+        phases["InverseComp"] += profile.untimed_unpack * i_share
         # Packing each batch factor: the profile (one process, factors every step) packs them in step(), folding
         # them into the running averages; only factor steps pack, and with pipelining on several workers each
         # hook packs its factor into the fused buffer during the passes (the hooks' own cost).
-        packing = min(parts["Other"], sum(f.pack for f in facs))
-        parts["Other"] -= packing * (1.0 - f_share)
+        packing = min(phases["Other"], sum(f.pack for f in facs))
+        phases["Other"] -= packing * (1.0 - f_share)
         if workers > 1 and cfg["pipelining"]:
-            parts["Other"] -= packing * f_share
-            parts["FF&BP"] += packing * f_share
+            phases["Other"] -= packing * f_share
+            phases["Hooks"] += packing * f_share
     if plan is not None and workers > 1 and plan.groups is not None:
-        parts["Other"] += _distributed_precondition_change(profile, plan, m, contention)
+        phases["Precondition"] += _distributed_precondition_change(profile, plan, m, contention)
     grad_share, factor_share = _overlap_shares(bool(cfg.get("overlap_preconditioning", True)), kfac, workers, f_share, i_share)
     if not contention and (grad_share or factor_share):
         # On steps that keep the inverses, the preconditioning of the layers whose gradients have arrived
         # runs while the rest are still averaged: the blocked wait shrinks by up to this rank's preconditioning.
         busy = _preconditioning_busy(profile, plan)
-        hidden = min(parts["GradComm"], busy)
-        parts["GradComm"] -= hidden * grad_share
+        hidden = min(phases["GradComm"], busy)
+        phases["GradComm"] -= hidden * grad_share
         # Factor steps that keep the inverses precondition before waiting for the factor all-reduces, so what
         # is left of the preconditioning hides factor communication too (inverse steps are factor steps).
-        parts["FactorComm"] -= min(factor_blocked, busy - hidden) * factor_share
-    _add_rank_lag(parts, profile, plan, workers, kfac, critical_inversions * i_share)
-    return {"iteration": sum(parts.values()), **parts}
+        phases["FactorComm"] -= min(factor_blocked, busy - hidden) * factor_share
+    _add_rank_lag(phases, profile, plan, workers, kfac, critical_inversions * i_share)
+    return {"iteration": sum(phases[k] for k in PHASES) + 0.0, **{k: phases[k] + 0.0 for k in PHASES}}  # no "-0.0"
+
+
+def contention_inflation(profile: Profile, compute: float, workers: int, contention: bool) -> float:
+    """How much concurrent communication slows the passes' work (CPU workers with no spare core; 1 otherwise).
+
+    The ratio of the profile's plain-SGD passes with their real gradient
+    all-reduces to ``compute``, the same passes without communication
+    (:attr:`Profile.sgd_forward_backward_local`; older profiles: the K-FAC
+    passes less the factors and the hooks' own work). Taking the K-FAC passes
+    as the base would cancel what computing factors costs the passes around
+    them (``passes`` less ``plain`` in :func:`predict_phases`).
+    """
+    if not (contention and workers > 1 and profile.comm_workers > 1):
+        return 1.0
+    if profile.sgd_forward_backward is None:
+        raise ValueError("this profile has no plain-SGD pass time to model contention with; re-run `spdkfac.simulate profile`")
+    return max(1.0, profile.sgd_forward_backward / compute)
+
+
+def _step_parts(profile: Profile, kfac: bool) -> dict[str, float]:
+    """``step()`` on one worker, split as the timeline records it: (Precondition, Update, Other) seconds.
+
+    K-FAC: the profile's ``step_other`` (running averages, packing,
+    preconditioning, update) less its timed preconditioning and update.
+    Plain SGD: ``sgd_step`` less its update. Profiles without those times
+    (before version 3) charge the per-layer preconditioning times and keep
+    the update inside Other.
+    """
+    if not kfac:
+        total = _sgd_step(profile)
+        update = min(total, profile.sgd_update or 0.0)
+        return {"Precondition": 0.0, "Update": update, "Other": total - update}
+    total = profile.step_other
+    timed = profile.precondition_step
+    precondition = min(total, timed if timed is not None else sum(p.seconds for p in profile.precondition))
+    update = min(total - precondition, profile.update or 0.0)
+    return {"Precondition": precondition, "Update": update, "Other": total - precondition - update}
 
 
 def simulated_work_plan(
@@ -185,7 +272,8 @@ def _add_rank_lag(parts: dict[str, float], profile: Profile, plan: WorkPlan | No
     """
     if workers < 2:
         return
-    work = parts["FF&BP"] + parts["FactorComp"] + parts["Other"]  # what every rank computes on every step
+    computing = ("FF&BP", "Hooks", "FactorComp", "Precondition", "Update", "Other")
+    work = sum(parts.get(k, 0.0) for k in computing)  # what every rank computes on every step
     if not kfac:
         if workers != profile.comm_workers:
             parts["GradComm"] += rank_lag(profile.rank_sgd, workers) * work

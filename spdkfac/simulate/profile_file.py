@@ -31,8 +31,10 @@ __all__ = [
 ]
 
 #: The version ``measure_profile`` writes; 1 is the first versioned format, 2 adds the per-rank totals
-#: (``rank_passes``, ``rank_inversions``, ``rank_sgd``; a version-1 file reads with none).
-FORMAT_VERSION = 2
+#: (``rank_passes``, ``rank_inversions``, ``rank_sgd``; a version-1 file reads with none), 3 the parts of a pass and
+#: of ``step()`` charged apart (``hooks``, ``precondition_step``, ``update``, ``sgd_update``) and the plain-SGD passes without
+#: communication (``sgd_forward_backward_local``); older files read with none.
+FORMAT_VERSION = 3
 
 #: What predict needs of every profile file, whatever its version (``measure_profile`` writes them).
 PROFILE_FIELDS = ("forward", "backward", "step_other", "factors")
@@ -100,6 +102,15 @@ class Profile:
     the plain-SGD pass work (forward + backward + update): how far the
     slowest rank lags the mean, which every synchronized step waits for
     (empty in single-process profiles and in version-1 files).
+
+    Parts timed inside those (None in files before version 3): ``hooks``,
+    the factor hooks' own work in a factor pass beyond computing the factors
+    (inside ``forward`` + ``backward``); ``precondition_step`` and ``update``,
+    the preconditioning and the base update inside ``step_other``;
+    ``sgd_update``, the update inside ``sgd_step``; ``sgd_forward_backward_local``,
+    the plain-SGD passes without communication (every rank at once), the base
+    of the slowdown communication causes (= ``sgd_forward_backward`` in a
+    single-process profile).
     """
 
     forward: float
@@ -126,6 +137,11 @@ class Profile:
     rank_passes: tuple[float, ...] = ()
     rank_inversions: tuple[float, ...] = ()
     rank_sgd: tuple[float, ...] = ()
+    hooks: float | None = None
+    precondition_step: float | None = None
+    update: float | None = None
+    sgd_update: float | None = None
+    sgd_forward_backward_local: float | None = None
     format_version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -163,12 +179,22 @@ def _optional_tuple(values: Sequence[int] | None) -> tuple[int, ...] | None:
 
 
 #: Fields each versioned format added (a file of an older version must not hold them).
-ADDED_IN = {"rank_passes": 2, "rank_inversions": 2, "rank_sgd": 2}
+ADDED_IN = {
+    "rank_passes": 2,
+    "rank_inversions": 2,
+    "rank_sgd": 2,
+    "hooks": 3,
+    "precondition_step": 3,
+    "update": 3,
+    "sgd_update": 3,
+    "sgd_forward_backward_local": 3,
+}
 _RANK_TOTALS = ("rank_passes", "rank_inversions", "rank_sgd")
 
 
 def _parse_versioned(raw: Mapping[str, Any], source: str, version: int) -> Profile:
-    """A versioned file (1 or 2): every field by name, nothing guessed; version 1 has no per-rank totals."""
+    """A versioned file (1 to 3): every field by name, nothing guessed; version 1 has no per-rank totals, versions
+    before 3 no times of the hooks, preconditioning and update."""
     _check_times(raw, source)
     known = {f.name for f in dataclasses.fields(Profile)}
     unknown = sorted(k for k in set(raw) if k not in known or ADDED_IN.get(k, 1) > version)
@@ -340,6 +366,11 @@ def average_profiles(profiles: Sequence[Profile]) -> Profile:
         sgd_step=mean("sgd_step"),
         sgd_grad_wait=mean("sgd_grad_wait"),
         sgd_forward_backward=mean("sgd_forward_backward"),
+        hooks=mean("hooks"),
+        precondition_step=mean("precondition_step"),
+        update=mean("update"),
+        sgd_update=mean("sgd_update"),
+        sgd_forward_backward_local=mean("sgd_forward_backward_local"),
         unpack=mean("unpack"),
         untimed_unpack=mean("untimed_unpack"),
         factors=tuple(factors),

@@ -49,6 +49,9 @@ def measure_profile(
     y = torch.randint(0, 10, (batch_size,))
     sgd = _measure_sgd_passes(model, x, y, iters, comm)
     _barrier(comm)
+    # The same passes without communication (every rank at once): the base of the slowdown communication causes.
+    local = _measure_sgd_passes(model, x, y, iters, None) if comm is not None and comm.size > 1 else sgd
+    _barrier(comm)
     opt = SPDKFACOptimizer(model, lr=1e-4, backend="single", inv_update_freq=10**6, kl_clip=None, timeline=True, fusion="layerwise")
     runs: list[dict[str, float]] = []
     events: list[dict[str, tuple[float, float]]] = []  # per run: factor key -> (ready, compute) seconds
@@ -71,7 +74,16 @@ def measure_profile(
             base = t0 if ev.kind == "A" else t1
             run_events[key] = (end - base, end - start)
         events.append(run_events)
-        runs.append({"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2 - rec.inverse_stage})
+        runs.append(
+            {
+                "forward": t1 - t0,
+                "backward": t2 - t1,
+                "step": t3 - t2 - rec.inverse_stage,
+                "hooks": rec.hooks,
+                "precondition": rec.precondition,
+                "update": rec.update,
+            }
+        )
     # The running averages are kept packed: a rank unpacks each factor it inverts, packs each inverse it
     # broadcasts and unpacks each inverse it receives. Timed per factor (as a factor; an inverse is the same size),
     # with its inversion.
@@ -137,6 +149,11 @@ def measure_profile(
         sgd_step=float(sgd["sgd_step"]),
         sgd_grad_wait=float(sgd["sgd_grad_wait"]),
         sgd_forward_backward=float(sgd["sgd_forward_backward"]),
+        sgd_update=float(sgd["sgd_update"]),
+        sgd_forward_backward_local=float(local["sgd_forward_backward"]),
+        hooks=sum(r["hooks"] for r in runs) / n,
+        precondition_step=sum(r["precondition"] for r in runs) / n,
+        update=sum(r["update"] for r in runs) / n,
         comm_workers=int(sgd["comm_workers"]),
         engine_warmed=comm is not None,  # later parts timed with the engine as it is in training
         unpack=sum(u for u, _, _ in per_factor.values()),
@@ -160,7 +177,20 @@ def _across_ranks(profile: Profile, comm: CommBackend) -> Profile:
     pass work (forward + backward + update), placed at its rank's slot.
     """
     n, rank = comm.size, comm.rank
-    scalars = ("forward", "backward", "step_other", "sgd_step", "sgd_grad_wait", "sgd_forward_backward", "unpack")
+    scalars = (
+        "forward",
+        "backward",
+        "step_other",
+        "sgd_step",
+        "sgd_grad_wait",
+        "sgd_forward_backward",
+        "unpack",
+        "hooks",
+        "precondition_step",
+        "update",
+        "sgd_update",
+        "sgd_forward_backward_local",
+    )
     per_factor = ("ready", "compute", "unpack", "pack", "invert")
     values = [float(getattr(profile, k) or 0.0) for k in scalars]
     values += [float(getattr(f, k) or 0.0) for f in profile.factors for k in per_factor]
@@ -216,7 +246,7 @@ def _measure_sgd_passes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, iter
     from .. import SPDKFACOptimizer
 
     sgd = SPDKFACOptimizer(model, lr=1e-4, backend=comm if comm is not None else "single", precondition=False, timeline=True)
-    steps, waits, passes = [], [], []
+    steps, waits, passes, updates = [], [], [], []
     for it in range(3 * iters + 1):
         sgd.zero_grad()
         t0 = time.perf_counter()
@@ -224,9 +254,11 @@ def _measure_sgd_passes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, iter
         t1 = time.perf_counter()
         sgd.step()
         if it:
-            wait = _timeline(sgd).iterations[-1].grad_wait  # blocked on the gradient all-reduces
+            record = _timeline(sgd).iterations[-1]
+            wait = record.grad_wait  # blocked on the gradient all-reduces
             steps.append(time.perf_counter() - t1 - wait)
             waits.append(wait)
+            updates.append(record.update)
             passes.append(t1 - t0)
     sgd.remove_hooks()
     sgd.zero_grad()
@@ -234,5 +266,6 @@ def _measure_sgd_passes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, iter
         "sgd_step": sum(steps) / len(steps),  # the update alone
         "sgd_grad_wait": sum(waits) / len(waits),  # measured blocked wait, real all-reduces
         "sgd_forward_backward": sum(passes) / len(passes),  # with gradient all-reduces when comm_workers > 1
+        "sgd_update": sum(updates) / len(updates),  # the base update inside sgd_step
         "comm_workers": sgd.backend.size,
     }
