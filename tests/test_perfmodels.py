@@ -147,6 +147,7 @@ def test_file_without_eigen_curve_loads_and_eigen_estimates_from_inverse_with_on
         model.decomposition("eigen")
 
 
+@pytest.mark.slow
 def test_benchmark_fits_the_eigen_curve(tmp_path):
     from spdkfac.comm import get_backend
     from spdkfac.perfmodels.bench import BenchmarkConfig, run_benchmark

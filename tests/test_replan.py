@@ -21,8 +21,8 @@ def _alpha_model(alpha: float) -> PerfModel:
 
 #: The fitted start-up cost of a message, and the stall that exceeds it: both far above the scheduling
 #: hiccups of a loaded machine (tens of ms), so which factors share a group does not depend on the load.
-ALPHA_S = 0.25
-STALL_S = 1.0
+ALPHA_S = 0.15
+STALL_S = 0.6
 
 
 class Stall(nn.Module):
@@ -51,8 +51,8 @@ def test_plans_are_remade_every_replan_interval():
 
 
 def test_drifted_times_change_the_plan():
-    """With alpha = 250 ms every A factor is ready within alpha of the first (one group) until a
-    1 s stall appears in the middle of the forward pass; the next profile splits the group there."""
+    """With alpha = 150 ms every A factor is ready within alpha of the first (one group) until a
+    600 ms stall appears in the middle of the forward pass; the next profile splits the group there."""
     torch.manual_seed(0)
     stall = Stall()
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), stall, nn.Tanh(), nn.Linear(6, 3))
