@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from spdkfac import make_optimizer
+from spdkfac.host_memory import release_freed_memory
 from spdkfac.models import get_model
 from spdkfac.output_path import output_file
 
@@ -141,18 +142,15 @@ def round_order(systems: list[str], rnd: int) -> list[str]:
     return systems[k:] + systems[:k]
 
 
-def run_round(systems: list[str], args: Any, backend: Any, x: torch.Tensor, y: torch.Tensor, rnd: int) -> dict[str, list[float]]:
-    """Each system built, warmed up, measured and freed in turn; its measured iterations' seconds."""
-    out: dict[str, list[float]] = {}
-    for name in round_order(systems, rnd):
-        system = System(name, args, backend)
-        secs = [system.iteration(x, y) for _ in range(args.warmup + args.iters)][args.warmup :]
-        out[name] = secs
-        log(backend.rank, f"  round {rnd + 1}/{args.rounds} {name:<20} " + " ".join(f"{s:.2f}" for s in secs) + " s")
-        system.cleanup()
-        del system
-        gc.collect()
-    return out
+def measure(name: str, args: Any, backend: Any, x: torch.Tensor, y: torch.Tensor) -> list[float]:
+    """One system built, warmed up, measured and freed; its measured iterations' seconds."""
+    system = System(name, args, backend)
+    secs = [system.iteration(x, y) for _ in range(args.warmup + args.iters)][args.warmup :]
+    system.cleanup()
+    del system
+    gc.collect()
+    release_freed_memory()  # the next system starts from the same footprint
+    return secs
 
 
 def summarise(samples: dict[str, list[float]]) -> list[dict[str, Any]]:
@@ -202,35 +200,46 @@ def main(argv: list[str] | None = None) -> None:
     x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=g)
     y = torch.randint(0, 10, (args.batch_size,), generator=g)
     samples: dict[str, list[float]] = {s: [] for s in args.systems}
-    rounds: list[dict[str, list[float]]] = []
+    rounds: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
-        got = run_round(args.systems, args, backend, x, y, rnd)
-        rounds.append(got)
-        for name, secs in got.items():
+        rounds.append({"order": round_order(args.systems, rnd), "seconds": {}})
+        for name in rounds[-1]["order"]:
+            secs = measure(name, args, backend, x, y)
+            log(rank, f"  round {rnd + 1}/{args.rounds} {name:<20} " + " ".join(f"{s:.2f}" for s in secs) + " s")
             samples[name] += secs
-    specs = {name: describe(name, args) for name in args.systems}
-    table = summarise(samples)
+            rounds[-1]["seconds"][name] = secs
+            if rank == 0:  # what is measured so far, in case the run is stopped before the end
+                save(args, backend, samples, rounds, partial=True)
     if rank == 0:
+        table = save(args, backend, samples, rounds, partial=False)
         print(f"\n{'system':<20} {'median (s)':>11} {'mean (s)':>9}  {'KAISA eigen / row (median, mean)':>34}")
         for row in table:
             vs = f"{row[f'vs_{BASELINE}_median']:.2f}x, {row[f'vs_{BASELINE}_mean']:.2f}x" if f"vs_{BASELINE}_median" in row else "-"
             print(f"{row['system']:<20} {row['median']:11.2f} {row['mean']:9.2f}  {vs:>34}")
-        path = save_json(
-            {
-                "args": vars(args),
-                "machine": machine(),
-                "world_size": backend.size,
-                "engine": backend.name,
-                "kaisa": kaisa_source() if any(s in KAISA_SYSTEMS for s in args.systems) else None,
-                "specs": specs,
-                "table": table,
-                "samples": samples,
-                "rounds": [{"order": round_order(args.systems, i), "seconds": r} for i, r in enumerate(rounds)],
-            },
-            Path(args.out).name,
-            Path(args.out).parent,
-        )
-        print(f"wrote {path}")
+        print(f"wrote {args.out}")
+
+
+def save(args: Any, backend: Any, samples: dict[str, list[float]], rounds: list[dict[str, Any]], partial: bool) -> list[dict[str, Any]]:
+    """Write the JSON (``partial``: some systems or rounds still to come); the table it holds."""
+    done = {name: xs for name, xs in samples.items() if len(xs) >= 2}
+    table = summarise(done)
+    save_json(
+        {
+            "args": vars(args),
+            "machine": machine(),
+            "world_size": backend.size,
+            "engine": backend.name,
+            "partial": partial,
+            "kaisa": kaisa_source() if any(s in KAISA_SYSTEMS for s in args.systems) else None,
+            "specs": {name: describe(name, args) for name in args.systems},
+            "table": table,
+            "samples": samples,
+            "rounds": rounds,
+        },
+        Path(args.out).name,
+        Path(args.out).parent,
+    )
+    return table
 
 
 def describe(name: str, args: Any) -> str:

@@ -433,6 +433,8 @@ def vs_kaisa(path: Path, d: dict[str, Any]) -> list[str]:
         "interval); the machine was shared with other jobs, so compare the ratios, not the seconds.",
         "",
     ]
+    if d.get("partial"):
+        lines += ["_The run was stopped before its end: the systems and rounds measured until then._", ""]
     lines += table(
         ["system", "median (s)", "mean (s)", "KAISA eigen / row (median)", "KAISA eigen / row (mean)", "KAISA inverse / row (mean)"],
         rows,
