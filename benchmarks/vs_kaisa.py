@@ -55,7 +55,7 @@ SPDKFAC_SYSTEMS = {
     "spdkfac-inverse": "spdkfac",
 }
 KAISA_SYSTEMS = {"kaisa-eigen": "eigen", "kaisa-inverse": "inverse"}
-SYSTEMS = ["kaisa-eigen", "kaisa-inverse", "spdkfac-eigen", "spdkfac-eigen-warm", "spdkfac-inverse"]
+SYSTEMS = ["kaisa-eigen", "spdkfac-eigen-warm", "spdkfac-eigen", "kaisa-inverse", "spdkfac-inverse"]  # neighbours in time are compared
 BASELINE = "kaisa-eigen"  # the ratios' numerator: the issue's target is measured against KAISA's eigen method
 
 
