@@ -402,6 +402,50 @@ def eigenbasis_iteration(path: Path, d: dict[str, Any]) -> list[str]:
     return lines
 
 
+def vs_kaisa(path: Path, d: dict[str, Any]) -> list[str]:
+    """This project's eigen (exact, warm) and inverse methods beside KAISA's, measured in one run: seconds and ratios."""
+    need(d, path, "table", "args")
+    a = d["args"]
+    kaisa = d.get("kaisa") or {}
+    specs = d.get("specs", {})
+    rows = []
+    for r in d["table"]:
+        rows.append(
+            [
+                f"`{r['system']}`",
+                f"{r['median']:.2f}",
+                f"{r['mean']:.2f}",
+                ratio(r.get("vs_kaisa-eigen_median"), *(r.get("vs_kaisa-eigen_median_interval") or (None, None))),
+                ratio(r.get("vs_kaisa-eigen_mean"), *(r.get("vs_kaisa-eigen_mean_interval") or (None, None))),
+                ratio(r.get("vs_kaisa-inverse_mean"), *(r.get("vs_kaisa-inverse_mean_interval") or (None, None))),
+            ]
+        )
+    lines = [
+        f"{a.get('model', '?')} at {a.get('resolution', '?')}×{a.get('resolution', '?')}, batch {a.get('batch_size', '?')} per "
+        f"worker, factors every {a['update_freq'][0]} and decompositions every {a['update_freq'][1]} iteration(s), damping "
+        f"{a.get('damping')}, factor decay {a.get('factor_decay')}, KL-clip {a.get('kl_clip')} for every system. "
+        f"{a.get('rounds', '?')} round(s); in each, every system in turn (the order rotates) is built, warmed up "
+        f"({a.get('warmup', '?')} iterations) and measured ({a.get('iters', '?')} iterations). KAISA: `kfac` "
+        f"{kaisa.get('version', 'not run')}, `KFACPreconditioner` with `grad_worker_fraction=1` (COMM-OPT), the model in "
+        "`DistributedDataParallel`, its other options at their defaults. `spdkfac-eigen-warm`: a full `eigh` every "
+        f"{a.get('eigen_full_every', '?')} refreshes, so the mean over a window that long is the amortised cost and the "
+        "median is a warm iteration's. Ratios: the row's speed-up over KAISA's eigen / inverse method (95% bootstrap "
+        "interval); the machine was shared with other jobs, so compare the ratios, not the seconds.",
+        "",
+    ]
+    if d.get("partial"):
+        lines += ["_The run was stopped before its end: the systems and rounds measured until then._", ""]
+    lines += table(
+        ["system", "median (s)", "mean (s)", "KAISA eigen / row (median)", "KAISA eigen / row (mean)", "KAISA inverse / row (mean)"],
+        rows,
+    )
+    measured = {r["system"] for r in d["table"]}
+    if specs:
+        lines += ["Systems: " + "; ".join(f"`{k}` = `{v}`" for k, v in specs.items() if k in measured) + ".", ""]
+    out = None if path.name == "vs_kaisa.json" else f"benchmarks/results/{path.name}"  # the default needs no --out
+    return lines + command_block(d, "benchmarks.vs_kaisa", "torchrun --nproc_per_node 2 -m benchmarks.vs_kaisa", out)
+
+
 def fusion_policies(path: Path, d: dict[str, Any]) -> list[str]:
     """Fig. 10: factor computation and unhidden factor communication per fusion policy."""
     need(d, path, "results")
@@ -1056,6 +1100,9 @@ def build(results: Path, out: Path, label: str | None = None) -> str:
             "Eigen method: exact and warm-started eigenbasis refresh beside the inverse method",
             eigenbasis_iteration,
         )
+    for run in sorted(results.glob("vs_kaisa*.json")):  # optional, and new: no note when absent
+        suffix = run.stem.removeprefix("vs_kaisa").strip("_")
+        w.section(run.name, "Eigen and inverse methods beside KAISA's, in one run" + (f": {suffix}" if suffix else ""), vs_kaisa)
     w.section("fusion_policies.json", "Pipelined factor communication per fusion policy (Fig. 10)", fusion_policies, "fusion_policies.png")
     w.section("inverse_placement.json", "Placement of the inversions (Fig. 12)", inverse_placement, "inverse_placement.png")
     w.section("hook_overhead.json", "Cost of the hooks on steps without a factor update", hook_overhead)

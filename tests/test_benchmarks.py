@@ -243,3 +243,67 @@ def test_main_job_seeds_runs_the_main_job_per_configuration_and_seed(tmp_path):
         assert run["summary"]["final_test_loss"] == run["curve"][0]["test_loss"] > 0
     kfac, sgd = (result["runs"][n]["3"]["summary"]["final_test_loss"] for n in ("spdkfac", "sgd"))
     assert result["targets"]["spdkfac"]["per_seed"]["3"]["final_loss_at_most_sgd"] == (kfac <= sgd)
+
+
+def _kaisa_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("kfac") is not None
+
+
+def _vs_kaisa(tmp_path, systems, rounds=2):
+    """A tiny benchmarks.vs_kaisa run on 2 torchrun workers; its JSON."""
+    out = tmp_path / "vs_kaisa.json"
+    args = ["-m", "benchmarks.vs_kaisa", "--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2"]
+    args += ["--iters", "2", "--warmup", "1", "--rounds", str(rounds), "--eigen-full-every", "2", "--systems", *systems]
+    run_workers("torch", 2, [*args, "--out", str(out)])
+    return json.loads(out.read_text())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_vs_kaisa_alternates_this_projects_systems_and_renders(tmp_path):
+    systems = ["spdkfac-eigen", "spdkfac-eigen-warm", "spdkfac-inverse"]
+    data = _vs_kaisa(tmp_path, systems)
+    assert [r["system"] for r in data["table"]] == systems
+    assert [r["order"] for r in data["rounds"]] == [systems, systems[1:] + systems[:1]]  # the order rotates
+    for r in data["table"]:
+        its = data["samples"][r["system"]]
+        assert len(its) == 2 * 2  # measured iterations x rounds, warm-up left out
+        assert r["median"] == pytest.approx(sorted(its)[1] / 2 + sorted(its)[2] / 2)
+        assert "vs_kaisa-eigen_mean" not in r  # no KAISA in this run: no ratio against it
+    assert data["kaisa"] is None
+    assert data["specs"]["spdkfac-eigen-warm"] == "spdkfac:compute_method=eigen,eigen_refresh=warm,eigen_full_every=2"
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import results_md
+
+    text = results_md.build(tmp_path, tmp_path / "RESULTS.md")
+    assert "## Eigen and inverse methods beside KAISA's, in one run" in text
+    assert "| `spdkfac-eigen-warm` |" in text
+    assert "torchrun --nproc_per_node 2 -m benchmarks.vs_kaisa" in text
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.skipif(not _kaisa_installed(), reason="KAISA (kfac-pytorch) not installed: pip install --no-deps kfac-pytorch")
+def test_vs_kaisa_measures_kaisa_beside_spdkfac(tmp_path):
+    from benchmarks.common import stats
+
+    data = _vs_kaisa(tmp_path, ["kaisa-eigen", "kaisa-inverse", "spdkfac-eigen-warm"], rounds=1)
+    by = {r["system"]: r for r in data["table"]}
+    base = stats(data["samples"]["kaisa-eigen"])
+    for name in ("kaisa-inverse", "spdkfac-eigen-warm"):
+        row = by[name]
+        assert row["vs_kaisa-eigen_mean"] == pytest.approx(base["mean"] / row["mean"])
+        assert row["vs_kaisa-eigen_median"] == pytest.approx(base["median"] / row["median"])
+        lo, hi = row["vs_kaisa-eigen_mean_interval"]
+        assert lo <= hi
+    assert data["kaisa"]["version"]
+
+
+@pytest.mark.skipif(_kaisa_installed(), reason="KAISA is installed: the missing-dependency message cannot be shown")
+def test_vs_kaisa_says_how_to_install_kaisa_when_missing():
+    cmd = [sys.executable, "-m", "benchmarks.vs_kaisa", "--systems", "kaisa-eigen"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "pip install --no-deps kfac-pytorch" in proc.stderr

@@ -1,0 +1,259 @@
+"""Iteration time beside KAISA itself: its eigen and inverse methods against this project's, in one run.
+
+    pip install --no-deps kfac-pytorch      # KAISA (module ``kfac``); torch is its only run-time need
+    torchrun --nproc_per_node 2 -m benchmarks.vs_kaisa --model resnet50 --resolution 32 --batch-size 4
+
+Systems, all on the same model (same initialisation), data, damping,
+factor decay, KL-clip and update frequencies:
+
+* ``kaisa-eigen``, ``kaisa-inverse``: ``kfac.preconditioner.KFACPreconditioner``
+  with ``compute_method`` 'eigen' / 'inverse' and ``grad_worker_fraction=1``
+  (COMM-OPT: every worker holds every decomposition, as KAISA's docs give
+  for a small world), its other options at their defaults (bucketed factor
+  all-reduce, decompositions placed greedily by n³, the eigenvalue outer
+  product precomputed); the model in ``DistributedDataParallel`` and
+  ``preconditioner.step()`` before ``torch.optim.SGD.step()``, as its
+  README shows;
+* ``spdkfac-eigen``, ``spdkfac-eigen-warm``, ``spdkfac-inverse``: this
+  project's optimizer (``compute_method='eigen'``, the same with
+  ``eigen_refresh='warm'``, and the inverse method).
+
+Rounds alternate the systems (the order rotates every round) and each
+system is built, warmed up, measured and freed in turn, so only one
+system's K-FAC state is in memory at a time. Warm refresh makes a full
+``eigh`` every ``--eigen-full-every`` refreshes: ``--iters`` should be a
+multiple of it, so every measured window holds its share of full ones (the
+mean is then the amortised cost; the median of such a window is a warm
+iteration's).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from spdkfac import make_optimizer
+from spdkfac.host_memory import release_freed_memory
+from spdkfac.models import get_model
+from spdkfac.output_path import output_file
+
+from .common import RESULTS, log, machine, ratio_interval, save_json, start, stats, workload_parser
+
+INSTALL = "pip install --no-deps kfac-pytorch   (KAISA, module kfac; torch is its only run-time need)"
+
+#: system name -> this project's variant spec (KAISA's are built by System._kaisa)
+SPDKFAC_SYSTEMS = {
+    "spdkfac-eigen": "spdkfac:compute_method=eigen",
+    "spdkfac-eigen-warm": "spdkfac:compute_method=eigen,eigen_refresh=warm,eigen_full_every={full_every}",
+    "spdkfac-inverse": "spdkfac",
+}
+KAISA_SYSTEMS = {"kaisa-eigen": "eigen", "kaisa-inverse": "inverse"}
+SYSTEMS = ["kaisa-eigen", "spdkfac-eigen-warm", "spdkfac-eigen", "kaisa-inverse", "spdkfac-inverse"]  # neighbours in time are compared
+BASELINE = "kaisa-eigen"  # the ratios' numerator: the issue's target is measured against KAISA's eigen method
+
+
+def require_kaisa() -> Any:
+    """The ``kfac`` module (KAISA); a SystemExit saying how to install it when it is missing."""
+    try:
+        import kfac.preconditioner
+    except ImportError:
+        raise SystemExit(
+            f"error: the kaisa-* systems need KAISA (kfac-pytorch), an optional benchmark dependency:\n    {INSTALL}"
+        ) from None
+    return kfac
+
+
+class System:
+    """One system's model and optimizer, stepped one iteration at a time (see the module docstring)."""
+
+    def __init__(self, name: str, args: Any, backend: Any) -> None:
+        torch.manual_seed(0)
+        self.name = name
+        self.model: nn.Module = get_model(args.model)
+        self.step: Callable[[], None]
+        self.zero_grad: Callable[[], None]
+        if name in KAISA_SYSTEMS:
+            self._kaisa(KAISA_SYSTEMS[name], args)
+        else:
+            self._spdkfac(SPDKFAC_SYSTEMS[name].format(full_every=args.eigen_full_every), args, backend)
+
+    def _spdkfac(self, spec: str, args: Any, backend: Any) -> None:
+        self.opt = make_optimizer(
+            spec,
+            self.model,
+            lr=args.lr,
+            momentum=0.9,
+            backend=backend,
+            perf_model=args.perf_model,
+            damping=args.damping,
+            factor_decay=args.factor_decay,
+            kl_clip=args.kl_clip,
+            factor_update_freq=args.update_freq[0],
+            inv_update_freq=args.update_freq[1],
+            profile_steps=1,
+        )
+        self.forward = self.model
+        self.zero_grad, self.step = self.opt.zero_grad, self.opt.step
+        self.cleanup = self.opt.remove_hooks
+
+    def _kaisa(self, method: str, args: Any) -> None:
+        kfac = require_kaisa()
+        # KAISA's recipe: gradients averaged by DistributedDataParallel, then preconditioner.step(), then the SGD step.
+        self.forward = nn.parallel.DistributedDataParallel(self.model)
+        sgd = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
+        pre = kfac.preconditioner.KFACPreconditioner(
+            self.forward,
+            factor_update_steps=args.update_freq[0],
+            inv_update_steps=args.update_freq[1],
+            damping=args.damping,
+            factor_decay=args.factor_decay,
+            kl_clip=args.kl_clip,
+            lr=args.lr,
+            compute_method=method,
+            grad_worker_fraction=1.0,  # COMM-OPT
+        )
+
+        def step() -> None:
+            pre.step()
+            sgd.step()
+
+        self.zero_grad, self.step = sgd.zero_grad, step
+        self.cleanup = lambda: None
+
+    def iteration(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One training iteration; its seconds."""
+        t0 = time.perf_counter()
+        self.zero_grad()
+        nn.functional.cross_entropy(self.forward(x), y).backward()
+        self.step()
+        return time.perf_counter() - t0
+
+
+def round_order(systems: list[str], rnd: int) -> list[str]:
+    """The systems of round ``rnd`` (0-based): the list rotated by ``rnd``, so none always runs first."""
+    k = rnd % len(systems)
+    return systems[k:] + systems[:k]
+
+
+def measure(name: str, args: Any, backend: Any, x: torch.Tensor, y: torch.Tensor) -> list[float]:
+    """One system built, warmed up, measured and freed; its measured iterations' seconds."""
+    system = System(name, args, backend)
+    secs = [system.iteration(x, y) for _ in range(args.warmup + args.iters)][args.warmup :]
+    system.cleanup()
+    del system
+    gc.collect()
+    release_freed_memory()  # the next system starts from the same footprint
+    return secs
+
+
+def summarise(samples: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """Median and mean per system, and the speed-up of each over KAISA's eigen (and inverse) method with 95% intervals."""
+    rows = []
+    for name, xs in samples.items():
+        row: dict[str, Any] = {"system": name, **stats(xs)}
+        for base in (BASELINE, "kaisa-inverse"):
+            if base in samples and base != name:
+                for statistic in ("median", "mean"):
+                    ratio = stats(samples[base])[statistic] / row[statistic]
+                    lo, hi = ratio_interval(samples[base], xs, paired=False, statistic=statistic)
+                    row[f"vs_{base}_{statistic}"] = ratio
+                    row[f"vs_{base}_{statistic}_interval"] = [lo, hi]
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = workload_parser(__doc__, iters=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--eigen-full-every", type=int, default=5, help="eigen_full_every of spdkfac-eigen-warm")
+    ap.add_argument("--update-freq", type=int, nargs=2, default=[1, 1], metavar=("FACTOR", "DECOMPOSITION"))
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--damping", type=float, default=0.003)
+    ap.add_argument("--factor-decay", type=float, default=0.95)
+    ap.add_argument("--kl-clip", type=float, default=0.001, help="KAISA cannot switch KL-clip off, so both systems use it")
+    ap.add_argument("--out", default=str(RESULTS / "vs_kaisa.json"), type=output_file(make_parents=True))
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.warmup < 1 or args.iters < 2:
+        ap.error("--warmup must be >= 1 and --iters >= 2 (a ratio interval needs two samples)")
+    if any(s in KAISA_SYSTEMS for s in args.systems):
+        require_kaisa()  # before any worker starts measuring
+    backend = start(args)
+    if backend.name != "torch":
+        raise SystemExit("error: run under torchrun: KAISA's systems use torch.distributed (DistributedDataParallel)")
+    rank = backend.rank
+    log(
+        rank,
+        f"vs KAISA: {args.model} @ {args.resolution}px, batch {args.batch_size}/worker, {backend.size} workers, "
+        f"factors every {args.update_freq[0]}, decompositions every {args.update_freq[1]} iterations; "
+        f"{args.rounds} round(s) of {args.warmup} warm-up + {args.iters} measured iterations per system",
+    )
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=g)
+    y = torch.randint(0, 10, (args.batch_size,), generator=g)
+    samples: dict[str, list[float]] = {s: [] for s in args.systems}
+    rounds: list[dict[str, Any]] = []
+    for rnd in range(args.rounds):
+        rounds.append({"order": round_order(args.systems, rnd), "seconds": {}})
+        for name in rounds[-1]["order"]:
+            secs = measure(name, args, backend, x, y)
+            log(rank, f"  round {rnd + 1}/{args.rounds} {name:<20} " + " ".join(f"{s:.2f}" for s in secs) + " s")
+            samples[name] += secs
+            rounds[-1]["seconds"][name] = secs
+            if rank == 0:  # what is measured so far, in case the run is stopped before the end
+                save(args, backend, samples, rounds, partial=True)
+    if rank == 0:
+        table = save(args, backend, samples, rounds, partial=False)
+        print(f"\n{'system':<20} {'median (s)':>11} {'mean (s)':>9}  {'KAISA eigen / row (median, mean)':>34}")
+        for row in table:
+            vs = f"{row[f'vs_{BASELINE}_median']:.2f}x, {row[f'vs_{BASELINE}_mean']:.2f}x" if f"vs_{BASELINE}_median" in row else "-"
+            print(f"{row['system']:<20} {row['median']:11.2f} {row['mean']:9.2f}  {vs:>34}")
+        print(f"wrote {args.out}")
+
+
+def save(args: Any, backend: Any, samples: dict[str, list[float]], rounds: list[dict[str, Any]], partial: bool) -> list[dict[str, Any]]:
+    """Write the JSON (``partial``: some systems or rounds still to come); the table it holds."""
+    done = {name: xs for name, xs in samples.items() if len(xs) >= 2}
+    table = summarise(done)
+    save_json(
+        {
+            "args": vars(args),
+            "machine": machine(),
+            "world_size": backend.size,
+            "engine": backend.name,
+            "partial": partial,
+            "kaisa": kaisa_source() if any(s in KAISA_SYSTEMS for s in args.systems) else None,
+            "specs": {name: describe(name, args) for name in args.systems},
+            "table": table,
+            "samples": samples,
+            "rounds": rounds,
+        },
+        Path(args.out).name,
+        Path(args.out).parent,
+    )
+    return table
+
+
+def describe(name: str, args: Any) -> str:
+    """What the system runs: this project's variant spec, or KAISA's constructor."""
+    if name in KAISA_SYSTEMS:
+        return f"kfac.preconditioner.KFACPreconditioner(compute_method='{KAISA_SYSTEMS[name]}', grad_worker_fraction=1.0) + DDP + SGD"
+    return SPDKFAC_SYSTEMS[name].format(full_every=args.eigen_full_every)
+
+
+def kaisa_source() -> dict[str, Any]:
+    """Which KAISA ran: the module's version and where it was imported from."""
+    kfac = require_kaisa()
+    return {"version": getattr(kfac, "__version__", "unknown"), "file": str(Path(kfac.__file__).parent)}
+
+
+if __name__ == "__main__":
+    main()
