@@ -317,7 +317,7 @@ def update_fusion(path: Path, d: dict[str, Any]) -> list[str]:
     a = d.get("args", {})
     lines = [
         f"{a.get('model', '?')} at {a.get('resolution', '?')}×{a.get('resolution', '?')}, batch {a.get('batch_size', '?')} "
-        f"per worker, factors/inverses every {'/'.join(map(str, a.get('update_freq', ['?'])))} iteration(s); "
+        f"per worker, {d.get('world_size', 1)} worker(s), factors/inverses every {'/'.join(map(str, a.get('update_freq', ['?'])))} iteration(s); "
         f"{a.get('warmup', '?')} warm-up and {a.get('iters', '?')} measured iterations per variant and round, "
         f"{a.get('rounds', 1)} round(s){', interleaved' if a.get('interleave') else ''}. Milliseconds per iteration; "
         "speed-up = the unfused time over the row's (throughput gain); per-iteration: median (range) of the "
@@ -1090,8 +1090,11 @@ def build(results: Path, out: Path, label: str | None = None) -> str:
         model = extra.stem.removeprefix("iteration_time_")
         png = extra.with_suffix(".png").name
         w.section(extra.name, f"Iteration time and memory per variant: {model}", iteration_time, png if (results / png).is_file() else None)
-    if (results / "update_fusion.json").is_file():  # optional, and new: no note when absent
-        w.section("update_fusion.json", "Update fusion: the update in the next forward pass or in backward", update_fusion)
+    for fused in sorted(results.glob("update_fusion*.json")):  # optional: one section per model and worker count
+        title = "Update fusion: the update in the next forward pass or in backward"
+        w.section(
+            fused.name, title + (f" ({fused.stem.removeprefix('update_fusion_')})" if fused.stem != "update_fusion" else ""), update_fusion
+        )
     if (results / "update_cost.json").is_file():
         w.section("update_cost.json", "Update fusion: what the separate update pass costs", update_cost)
     if (results / "iteration_time_eigenbasis.json").is_file():  # optional, and new: no note when absent

@@ -495,6 +495,11 @@ def test_update_fusion_section_shows_the_speed_up_over_the_unfused_run(tmp_path:
     assert "| **SPD-KFAC** | backward | 500 ± 12 | 1 | 7 | 0.80x |  |" in section
     assert "benchmarks.iteration_time" in section
     assert "update_fusion.json" not in results_md.build(tmp_path, tmp_path / "R.md")  # optional: no note when absent
+    _write(res, "update_fusion_resnet50_w2.json", {**d, "args": {**args, "model": "resnet50"}, "world_size": 2})
+    second = results_md.build(res, tmp_path / "RESULTS.md").split(
+        "## Update fusion: the update in the next forward pass or in backward (resnet50_w2)"
+    )[1]
+    assert "resnet50 at 32×32, batch 32 per worker, 2 worker(s)" in second
 
 
 def test_update_cost_section_shows_the_share_of_the_update(tmp_path: Path):
