@@ -38,7 +38,7 @@ from spdkfac.host_memory import release_freed_memory
 from spdkfac.kfac_step import StepHyper
 from spdkfac.models import get_model
 from spdkfac.perfmodels import PerfModel, load_perf_model
-from spdkfac.simulate import load_profiles, predict, simulated_work_plan
+from spdkfac.simulate import Profile, load_profiles, predict, simulated_work_plan
 from spdkfac.simulate.prediction import predict_memory
 from spdkfac.work_plan import LayerShape
 
@@ -53,6 +53,10 @@ GPU_CLUSTER = {
     "inverse": {"kind": "cubic", "coeffs": [2e-4, 0.0, 0.0, 7e-13], "floor": 2e-4},
     "eigen": {"kind": "cubic", "coeffs": [1e-3, 0.0, 0.0, 3.5e-12], "floor": 1e-3},
 }
+#: Plain-SGD forward + backward of ResNet-50 at 224x224, batch 32, on one V100 in fp32 (about 360 images/s, the
+#: order of NVIDIA's published fp32 training throughput): the GPU cluster's pass time, which KAISA's Figure 6 runs
+#: at. The profile's passes (a CPU at 32x32) are scaled to it, the factors' computation with them.
+GPU_SGD_PASSES_S = 32 / 360
 
 
 def _fraction_label(value: float | str, workers: int) -> str:
@@ -94,14 +98,18 @@ def _measure_one(fraction: float | str, args: argparse.Namespace, backend: CommB
 
     for _ in range(args.warmup):  # the first decomposes
         iteration()
-    steps = [iteration() for _ in range(args.iters)]  # keep the decompositions: preconditioning and its broadcasts
-    backend.barrier()
-    t0 = time.perf_counter()
-    opt.kfac_step.update_decompositions(StepHyper.from_group(opt.param_groups[0]), opt.steps)
-    stage = time.perf_counter() - t0
-    backend.barrier()
+    # Amortised: the measured steps keep the decompositions (preconditioning and its broadcasts); every step: they
+    # compute and all-reduce the factors and decompose them too, so each is a whole iteration.
+    steps = [iteration() for _ in range(args.iters)]
     step_s = sum(_per_rank(backend, sum(steps) / len(steps))) / backend.size
-    stage_s = max(_per_rank(backend, stage))
+    stage_s = None
+    if freq > 1:
+        backend.barrier()
+        t0 = time.perf_counter()
+        opt.kfac_step.update_decompositions(StepHyper.from_group(opt.param_groups[0]), opt.steps)
+        stage = time.perf_counter() - t0
+        backend.barrier()
+        stage_s = max(_per_rank(backend, stage))
     memory = _per_rank(backend, float(sum(opt.memory_usage().values())))
     choice = opt.grad_worker_choice
     row = {
@@ -109,7 +117,7 @@ def _measure_one(fraction: float | str, args: argparse.Namespace, backend: CommB
         "grad_workers": opt.work_plan.grad_workers,
         "step_s": step_s,
         "decomposition_stage_s": stage_s,
-        "amortised_s": step_s + stage_s / freq,
+        "amortised_s": step_s + stage_s / freq if stage_s is not None else step_s,
         "kfac_mib_max": max(memory) / MIB,
         "kfac_mib_mean": sum(memory) / len(memory) / MIB,
         "kfac_mib_min": min(memory) / MIB,
@@ -122,11 +130,13 @@ def _measure_one(fraction: float | str, args: argparse.Namespace, backend: CommB
 def measure(argv: list[str]) -> None:
     ap = workload_parser(__doc__, iters=4, out_name="kaisa_fraction.json")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--inv-update-freq", type=int, default=50, help="factors and decompositions updated every this many steps")
+    ap.add_argument(
+        "--inv-update-freq", type=int, default=50, help="factors and decompositions updated every this many steps (1: every step)"
+    )
     ap.add_argument("--compute-method", default="inverse", choices=["inverse", "eigen"])
     args = ap.parse_args(argv)
-    if args.warmup + args.iters >= args.inv_update_freq:
-        ap.error("--inv-update-freq must exceed --warmup + --iters: the measured steps keep the decompositions")
+    if 1 < args.inv_update_freq <= args.warmup + args.iters:
+        ap.error("--inv-update-freq must be 1 or exceed --warmup + --iters: amortised, the measured steps keep the decompositions")
     backend = start(args)
     P = backend.size
     g = torch.Generator().manual_seed(backend.rank)
@@ -143,10 +153,11 @@ def measure(argv: list[str]) -> None:
         rows.append(_measure_one(fraction, args, backend, x, y))
         gc.collect()
         r = rows[-1]
+        stage = "" if r["decomposition_stage_s"] is None else f", decomposition stage {r['decomposition_stage_s'] * 1e3:8.1f} ms"
         log(
             backend.rank,
-            f"  {r['fraction']:>5} ({r['grad_workers']} gradient workers): step {r['step_s'] * 1e3:8.1f} ms, decomposition stage "
-            f"{r['decomposition_stage_s'] * 1e3:8.1f} ms, K-FAC state {r['kfac_mib_min']:.0f}-{r['kfac_mib_max']:.0f} MiB/worker",
+            f"  {r['fraction']:>5} ({r['grad_workers']} gradient workers): step {r['step_s'] * 1e3:8.1f} ms{stage}, "
+            f"K-FAC state {r['kfac_mib_min']:.0f}-{r['kfac_mib_max']:.0f} MiB/worker",
         )
     # What the decision function modelled for every fraction (the 'auto' row shows which it took).
     model = get_model(args.model)
@@ -192,6 +203,44 @@ def _gpu_cluster(reference: PerfModel) -> PerfModel:
     return PerfModel.from_dict(data, "gpu-cluster (assumed)")
 
 
+def _gpu_profile(profile: Profile, passes_scale: float, linalg_scale: float) -> Profile:
+    """``profile`` as the assumed GPU cluster would run it: the passes' work (forward, backward, computing the
+    factors) times ``passes_scale``, the per-layer linear algebra in ``step()`` (preconditioning, packing, the
+    update) times ``linalg_scale``; decompositions are charged at the GPU curves (the measured ones dropped)."""
+    factors = tuple(
+        replace(
+            f,
+            ready=f.ready * passes_scale,
+            compute=f.compute * passes_scale,
+            pack=f.pack * linalg_scale,
+            unpack=f.unpack * linalg_scale,
+            invert=None,
+        )
+        for f in profile.factors
+    )
+    scaled = {
+        name: getattr(profile, name) * scale
+        for name, scale in (
+            ("forward", passes_scale),
+            ("backward", passes_scale),
+            ("hooks", passes_scale),
+            ("sgd_forward_backward", passes_scale),
+            ("sgd_forward_backward_local", passes_scale),
+            ("sgd_grad_wait", passes_scale),
+            ("step_other", linalg_scale),
+            ("sgd_step", linalg_scale),
+            ("precondition_step", linalg_scale),
+            ("update", linalg_scale),
+            ("sgd_update", linalg_scale),
+            ("unpack", linalg_scale),
+            ("untimed_unpack", linalg_scale),
+        )
+        if getattr(profile, name) is not None
+    }
+    precondition = tuple(replace(p, seconds=p.seconds * linalg_scale) for p in profile.precondition)
+    return replace(profile, factors=factors, precondition=precondition, **scaled)
+
+
 def simulate(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="benchmarks/results/profile_resnet50.json")
@@ -199,16 +248,20 @@ def simulate(argv: list[str]) -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--update-freq", type=int, nargs=2, default=[10, 100], metavar=("FACTOR", "INVERSE"))
     ap.add_argument("--compute-method", default="eigen", choices=["inverse", "eigen"], help="KAISA's is eigen")
+    ap.add_argument("--gpu-passes", type=float, default=GPU_SGD_PASSES_S, help="plain-SGD forward + backward seconds on one GPU")
     ap.add_argument("--out", default=str(RESULTS / "kaisa_fraction_simulated.json"))
     args = ap.parse_args(argv)
     reference_profile = load_profiles([args.profile])
     reference = load_perf_model(args.perf_model)
     gpu = _gpu_cluster(reference)
-    # On the GPU cluster the preconditioning matmuls run at its decompositions' arithmetic rate, not the profile's CPU's.
-    speedup = _matmul_rate(gpu) / _matmul_rate(reference)
-    scaled = tuple(replace(p, seconds=p.seconds * speedup) for p in reference_profile.precondition)
-    saved = sum(p.seconds for p in reference_profile.precondition) - sum(p.seconds for p in scaled)
-    gpu_profile = replace(reference_profile, precondition=scaled, step_other=reference_profile.step_other - saved)
+    # On the GPU cluster the step's linear algebra runs at its decompositions' arithmetic rate, not the profile's CPU's,
+    # and the passes take what a GPU takes for KAISA's workload.
+    linalg_scale = _matmul_rate(gpu) / _matmul_rate(reference)
+    sgd_passes = reference_profile.sgd_forward_backward_local or reference_profile.sgd_forward_backward
+    if sgd_passes is None:
+        raise SystemExit(f"{args.profile} has no plain-SGD pass time; re-run `spdkfac.simulate profile`")
+    passes_scale = args.gpu_passes / sgd_passes
+    gpu_profile = _gpu_profile(reference_profile, passes_scale, linalg_scale)
     models = {"reference": (reference, reference_profile), "gpu-cluster": (gpu, gpu_profile)}
     freq = tuple(args.update_freq)
     results: dict[str, Any] = {}
@@ -242,7 +295,9 @@ def simulate(argv: list[str]) -> None:
         "compute_method": args.compute_method,
         "update_freq": list(freq),
         "gpu_cluster_model": GPU_CLUSTER,
-        "gpu_cluster_precondition_scale": speedup,
+        "gpu_cluster_linalg_scale": linalg_scale,
+        "gpu_cluster_passes_scale": passes_scale,
+        "gpu_sgd_passes_s": args.gpu_passes,
         "kaisa_reported": "K-FAC memory linear in grad_worker_frac; ResNet-50 iteration time 24% lower from 1 to 64 gradient "
         "workers at 64 GPUs (KAISA, Section 5.5, Figure 6)",
         "predicted": results,

@@ -10,9 +10,12 @@ layer (every divisor of ``P``) it makes the optimizer's own
   makespan), once per ``inv_update_freq`` steps;
 * the preconditioning matmuls of the busiest rank, every step, at the
   arithmetic rate of the fitted inversion curve (an inversion and a
-  ``G grad A`` product are both about ``d^3`` multiply-adds);
-* the broadcasts of the preconditioned gradients each rank receives, every
-  step.
+  ``G grad A`` product are both about ``d^3`` multiply-adds); with
+  ``overlap_preconditioning`` (on several workers) only what exceeds the
+  modelled all-reduce of the preconditioned layers' gradients, during
+  which each layer is preconditioned as its averaged gradient arrives;
+* the broadcasts of the preconditioned gradients, every step: a rank's link
+  carries every broadcast it takes part in (:func:`result_broadcast_seconds`).
 
 The memory is exact, not modelled: every rank holds every running factor
 (they are all-reduced) and the decompositions of the layers it is a
@@ -23,20 +26,21 @@ gradient all-reduces) are left out: they change no choice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .grad_workers import grad_worker_count
 from .methods import DecompositionMethod, get_method
 from .perfmodels import PerfModel
 from .placement import preconditioning_cost
-from .work_plan import LayerShape, WorkPlan
+from .work_plan import LayerShape, WorkPlan, overlaps_preconditioning
 
 __all__ = [
     "GradWorkerOption",
     "GradWorkerProblem",
     "plan_memory",
     "plan_seconds",
+    "result_broadcast_seconds",
 ]
 
 #: The dimension at which the inversion curve's per-``d^3`` rate is read.
@@ -72,7 +76,27 @@ def _matmul_seconds(perf: PerfModel, flops: float) -> float:
     return flops * rate
 
 
-def plan_seconds(plan: WorkPlan, perf: PerfModel, inv_update_freq: int = 1) -> float:
+def result_broadcast_seconds(plan: WorkPlan, perf: PerfModel, elements: Mapping[str, int]) -> list[float]:
+    """Seconds each rank's link is busy with the broadcasts of preconditioned gradients in one step.
+
+    ``elements`` maps each layer to its gradient's size. A rank takes part in
+    several broadcasts at once (the root of its own layers', a receiver of
+    the others'); they share its link, so it is busy for the sum of their
+    costs, each at its group's size, not for the longest one. That sum is
+    what grows as the gradient workers get fewer: at ``1/P`` every rank
+    moves the whole preconditioned gradient every step (KAISA §5.5).
+    ``perf`` describes the plan's worker count (:meth:`PerfModel.scaled_to`).
+    """
+    busy = [0.0] * plan.workers
+    for b in plan.result_broadcasts(list(elements)):
+        model = perf.scaled_to(len(b.members)).broadcast
+        cost = model.alpha + model.beta * sum(elements[n] for n in b.layers)
+        for r in b.members:
+            busy[r] += cost
+    return busy
+
+
+def plan_seconds(plan: WorkPlan, perf: PerfModel, inv_update_freq: int = 1, overlap_preconditioning: bool = False) -> float:
     """Modelled seconds per step of the parts ``plan``'s gradient workers change (see the module docstring).
 
     ``perf`` describes the plan's worker count (:meth:`PerfModel.scaled_to`).
@@ -81,14 +105,11 @@ def plan_seconds(plan: WorkPlan, perf: PerfModel, inv_update_freq: int = 1) -> f
     shapes = {s.name: s for s in plan.layers}
     work = {n: _matmul_seconds(perf, s.blocks * preconditioning_cost(s.a_dim, s.g_dim)) for n, s in shapes.items()}
     busiest = max((sum(work[n] for n in plan.preconditioned_here(r, names)) for r in range(plan.workers)), default=0.0)
-    received = [0.0] * plan.workers
-    for b in plan.result_broadcasts(names):
-        elements = sum(shapes[n].blocks * shapes[n].a_dim * shapes[n].g_dim for n in b.layers)
-        model = perf.scaled_to(len(b.members)).broadcast
-        for r in b.members:
-            if r != b.root:
-                received[r] += model.alpha + model.beta * elements
-    return plan.inversion.makespan / inv_update_freq + busiest + max(received, default=0.0)
+    elements = {n: s.blocks * s.a_dim * s.g_dim for n, s in shapes.items()}
+    if overlaps_preconditioning(overlap_preconditioning, True, plan.workers, inverse_step=False):
+        busiest = max(0.0, busiest - perf.allreduce(sum(elements.values())))
+    links = result_broadcast_seconds(plan, perf, elements)
+    return plan.inversion.makespan / inv_update_freq + busiest + max(links, default=0.0)
 
 
 def plan_memory(plan: WorkPlan, method: str | DecompositionMethod, element_size: int = 4) -> list[int]:
@@ -114,6 +135,7 @@ class GradWorkerProblem:
     native_subgroups: bool
     element_size: int = 4
     inv_update_freq: int = 1
+    overlap_preconditioning: bool = True
 
     def options(self) -> list[GradWorkerOption]:
         """Every whole number of gradient workers per layer (each divisor of ``workers``), fewest first."""
@@ -128,7 +150,7 @@ class GradWorkerProblem:
                 grad_workers=g,
                 native_subgroups=self.native_subgroups,
             )
-            seconds = plan_seconds(plan, self.perf, self.inv_update_freq)
+            seconds = plan_seconds(plan, self.perf, self.inv_update_freq, self.overlap_preconditioning)
             memory = max(plan_memory(plan, self.method, self.element_size))
             out.append(GradWorkerOption(g, self.workers, seconds, memory, plan))
         return out

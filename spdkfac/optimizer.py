@@ -188,6 +188,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.backend.native_subgroups,
             self.layers[0].helper.weight.element_size() if self.layers else 4,
             self.inv_update_freq,
+            self.config.overlap_preconditioning,
         ).resolve(self.config.grad_worker_fraction, distribute_preconditioning, self.config.memory_budget)
         self.work_plan: WorkPlan = (
             self.grad_worker_choice.plan

@@ -18,7 +18,7 @@ from nets import batch, small_net, train
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm import CommBackend
 from spdkfac.comm.inprocess import InProcessBackend, RankError, run_ranks
-from spdkfac.grad_worker_choice import GradWorkerProblem, plan_memory
+from spdkfac.grad_worker_choice import GradWorkerProblem, plan_memory, result_broadcast_seconds
 from spdkfac.grad_workers import GradWorkerGroups, grad_worker_count, valid_fractions
 from spdkfac.perfmodels import PerfModel
 from spdkfac.placement import ALL
@@ -30,9 +30,11 @@ BASE: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.
 SHAPES = [LayerShape(f"fc{i}", 10 + i, 6 + i % 3) for i in range(8)]  # similar sizes: groups hold alike
 
 
-def _perf(inverse_cubic: float = 1e-3, broadcast_alpha: float = 1e-1) -> PerfModel:
+def _perf(inverse_cubic: float = 1e-3, broadcast_alpha: float = 1e-1, allreduce_alpha: float | None = None) -> PerfModel:
     """Decompositions dear next to broadcasts for d >= 6 (so factors are owned and broadcast), or as given."""
     d = PerfModel.default().to_dict()
+    if allreduce_alpha is not None:
+        d["allreduce"] = {"alpha": allreduce_alpha, "beta": 1e-9}
     d["inverse"] = {"kind": "cubic", "coeffs": [1e-6, 0.0, 0.0, inverse_cubic], "floor": 1e-6}
     d["eigen"] = {"kind": "cubic", "coeffs": [1e-6, 0.0, 0.0, inverse_cubic], "floor": 1e-6}
     d["broadcast"] = {"alpha": broadcast_alpha, "beta": 1e-6}
@@ -201,6 +203,29 @@ def test_engines_without_subgroup_broadcasts_match_one_worker(monkeypatch):
     assert all(len(b.members) == P for b in plan.result_broadcasts(list(plan.layer_groups)))
 
 
+def test_each_ranks_link_carries_every_result_broadcast_it_takes_part_in():
+    """Concurrent broadcasts share a rank's link: its busy time is the sum of theirs (each at its group's size),
+    so at 1/P every rank moves every other group's preconditioned gradients, and fewer with more gradient workers."""
+    perf = _perf(broadcast_alpha=0.5).scaled_to(8)
+    elements = {s.name: s.a_dim * s.g_dim for s in SHAPES}
+    busy = {}
+    for g in (1, 2, 4, 8):
+        plan = WorkPlan.make(SHAPES, 8, perf, "lbp", "inverse", grad_workers=g, native_subgroups=True)
+        busy[g] = result_broadcast_seconds(plan, perf, elements)
+        expected = [0.0] * 8
+        for b in plan.result_broadcasts(list(elements)):
+            fit = perf.scaled_to(len(b.members)).broadcast
+            for r in b.members:
+                expected[r] += fit.alpha + fit.beta * sum(elements[n] for n in b.layers)
+        assert busy[g] == pytest.approx(expected)
+    assert busy[8] == [0.0] * 8  # COMM-OPT sends nothing
+    assert max(busy[1]) > max(busy[2]) > max(busy[4]) > 0
+    # MEM-OPT: every rank takes part in all 8 broadcasts (one per group), each to all 8 ranks.
+    plan = WorkPlan.make(SHAPES, 8, perf, "lbp", "inverse", grad_workers=1, native_subgroups=True)
+    assert all(len(b.members) == 8 for b in plan.result_broadcasts(list(elements)))
+    assert min(busy[1]) >= 8 * perf.broadcast.alpha
+
+
 # -- 'auto' --------------------------------------------------------------------------------------
 def test_auto_picks_the_fastest_fraction_that_fits():
     """Broadcasts cost 1 s, decompositions nothing: COMM-OPT sends no result; 2 gradient workers receive one
@@ -230,6 +255,24 @@ def test_auto_prefers_fewer_gradient_workers_when_decompositions_dominate():
     best = problem.choose()
     assert best.seconds == min(o.seconds for o in options.values())
     assert best.grad_workers < 4
+
+
+def test_auto_hides_the_preconditioning_under_the_gradient_allreduce_when_the_optimizer_overlaps_them():
+    """Preconditioning dear, decompositions amortised away, broadcasts cheap: without the overlap splitting the
+    matmuls (MEM-OPT) is fastest; when every layer is preconditioned while a long gradient all-reduce runs, the
+    matmuls are free and COMM-OPT, which sends nothing, wins."""
+    perf = _perf(inverse_cubic=1e-3, broadcast_alpha=1e-2, allreduce_alpha=1e3)
+    common = dict(native_subgroups=True, inv_update_freq=10**9)
+    serial = GradWorkerProblem(SHAPES, 4, perf, "lbp", "inverse", overlap_preconditioning=False, **common)
+    overlapped = GradWorkerProblem(SHAPES, 4, perf, "lbp", "inverse", overlap_preconditioning=True, **common)
+    assert serial.choose().grad_workers == 1
+    assert overlapped.choose().grad_workers == 4
+    assert overlapped.choose().seconds < serial.choose().seconds
+    # One worker has no all-reduce to hide anything under: the option changes nothing there.
+    one = [
+        GradWorkerProblem(SHAPES, 1, perf, "lbp", "inverse", overlap_preconditioning=o, **common).choose().seconds for o in (False, True)
+    ]
+    assert one[0] == one[1] > 0
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 import pytest
 
 from spdkfac.perfmodels import PerfModel
-from spdkfac.simulate import Profile, ScaledModels, profile_from_dict
+from spdkfac.simulate import Profile, ScaledModels, profile_from_dict, simulated_work_plan
 from spdkfac.simulate import predict as simulate_predict
 
 
@@ -104,6 +104,27 @@ def test_distributed_preconditioning_replaces_the_total_by_the_busiest_rank_plus
     bcast = sum(m.broadcast_elements(sum(p["a_dim"] * p["g_dim"] for p, o in zip(layers, owners) if o == r)) for r in range(2))
     assert dp["Other"] == pytest.approx(spd["Other"] - 1.1 + busiest + bcast)
     assert dp["iteration"] < spd["iteration"]
+
+
+def test_concurrent_result_broadcasts_share_each_ranks_link_without_contention_too():
+    """MEM-OPT on 4 workers: every rank roots one broadcast of its layers' results to all and receives the other
+    three at once; they share its link, so it waits for their sum (not the longest), as 'auto' charges them."""
+    prof, perf = _with_preconditioning(_profile()), _perf()
+    spd = predict(prof, perf, 4, "spdkfac")
+    dp = predict(prof, perf, 4, "spdkfac-dp")
+    plan = simulated_work_plan(profile_from_dict(prof), perf, 4, "spdkfac-dp")
+    assert plan is not None
+    layers = {p["layer"]: p for p in prof["precondition"]}
+    names = list(layers)
+    busiest = max(sum(layers[n]["seconds"] for n in plan.preconditioned_here(r, names)) for r in range(4))
+    broadcasts = plan.result_broadcasts(names)
+    assert len(broadcasts) > 1
+    assert all(b.members == (0, 1, 2, 3) for b in broadcasts)
+    m = ScaledModels(perf, 4)
+    link = sum(m.broadcast_elements(sum(layers[n]["a_dim"] * layers[n]["g_dim"] for n in b.layers)) for b in broadcasts)
+    longest = max(m.broadcast_elements(sum(layers[n]["a_dim"] * layers[n]["g_dim"] for n in b.layers)) for b in broadcasts)
+    assert link > longest
+    assert dp["Other"] == pytest.approx(spd["Other"] - 1.1 + busiest + link)
 
 
 def test_distributed_preconditioning_needs_a_profile_with_per_layer_times():

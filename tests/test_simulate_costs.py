@@ -240,6 +240,7 @@ def small_profile() -> Profile:
         "spdkfac-dp",
         "spdkfac:compute_method=eigen",
         "spdkfac:grad_worker_fraction=auto",
+        "spdkfac:grad_worker_fraction=auto,overlap_preconditioning=false",
         "spdkfac:grad_worker_fraction=0.5",
     ],
 )

@@ -19,7 +19,7 @@ from typing import Any
 from ..config import KFACConfig
 from ..fusion import DEFAULT_THRESHOLD_BYTES
 from ..fusion.planner import serve_in_order
-from ..grad_worker_choice import GradWorkerProblem, plan_memory
+from ..grad_worker_choice import GradWorkerProblem, plan_memory, result_broadcast_seconds
 from ..methods import get_method
 from ..perfmodels import PerfModel
 from ..placement import ALL, PlacementPlan
@@ -140,7 +140,7 @@ def predict_phases(
             phases["Other"] -= packing * f_share
             phases["Hooks"] += packing * f_share
     if plan is not None and workers > 1 and plan.groups is not None:
-        phases["Precondition"] += _distributed_precondition_change(profile, plan, m, contention)
+        phases["Precondition"] += _distributed_precondition_change(profile, plan, m)
     grad_share, factor_share = _overlap_shares(bool(cfg.get("overlap_preconditioning", True)), kfac, workers, f_share, i_share)
     if not contention and (grad_share or factor_share):
         # On steps that keep the inverses, the preconditioning of the layers whose gradients have arrived
@@ -209,7 +209,10 @@ def _work_plan(profile: Profile, cfg: Mapping[str, Any], m: ScaledModels, inv_up
     shapes = _layer_shapes(profile)
     # The method as the optimizer configures it (a warm eigenbasis refresh is costed with its own curve).
     method = get_method(cfg.get("compute_method", "inverse"), KFACConfig.from_options(cfg))
-    problem = GradWorkerProblem(shapes, m.workers, m.scaled, cfg["placement"], method, SIMULATED_SUBGROUPS, inv_update_freq=inv_update_freq)
+    problem = GradWorkerProblem(
+        shapes, m.workers, m.scaled, cfg["placement"], method, SIMULATED_SUBGROUPS,
+        inv_update_freq=inv_update_freq, overlap_preconditioning=bool(cfg.get("overlap_preconditioning", True)),
+    )  # fmt: skip
     grad_workers, choice = problem.resolve(
         cfg.get("grad_worker_fraction"), bool(cfg.get("distribute_preconditioning", False)), cfg.get("memory_budget")
     )
@@ -462,23 +465,19 @@ def _preconditioning_busy(profile: Profile, plan: WorkPlan | None) -> float:
     return max(_rank_shares(layers, plan), default=0.0)
 
 
-def _distributed_precondition_change(profile: Profile, plan: WorkPlan, m: ScaledModels, contention: bool) -> float:
+def _distributed_precondition_change(profile: Profile, plan: WorkPlan, m: ScaledModels) -> float:
     """Seconds the split preconditioning adds to (negative: saves from) the single-worker ``step()``.
 
     The busiest rank's share replaces the whole preconditioning; then the
-    fused broadcasts of the results, each at its group's size. A rank takes
-    part in some of them (as root or receiver): serialized under
-    ``contention``, else overlapped (its longest one is what it waits for).
+    fused broadcasts of the results, each at its group's size, as the
+    optimizer's ``'auto'`` choice charges them
+    (:func:`~spdkfac.grad_worker_choice.result_broadcast_seconds`: a rank's
+    link carries every broadcast it takes part in).
     """
     layers = profile.precondition
     if not layers:
         raise ValueError("this profile has no per-layer preconditioning times; re-run `spdkfac.simulate profile`")
     shares = _rank_shares(layers, plan)
     elements = {p.layer: p.blocks * p.g_dim * p.a_dim for p in layers}
-    taken: list[list[float]] = [[] for _ in range(plan.workers)]
-    for b in plan.result_broadcasts([p.layer for p in layers]):
-        cost = ScaledModels(m.perf, len(b.members)).broadcast_elements(sum(elements[n] for n in b.layers))
-        for r in b.members:
-            taken[r].append(cost)
-    comm = max((sum(t) if contention else max(t, default=0.0)) for t in taken)
+    comm = max(result_broadcast_seconds(plan, m.scaled, elements), default=0.0)
     return max(shares) + comm - sum(p.seconds for p in layers)
