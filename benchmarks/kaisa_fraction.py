@@ -5,7 +5,7 @@
     # predicted: the simulator (the optimizer's own plans and 'auto' decision) at 16, 64, 256 workers
     .venv/bin/python -m benchmarks.kaisa_fraction simulate --workers 16 64 256
 
-``measure`` times, per fraction: the steps that keep the decompositions
+``measure`` times, per fraction (``--rounds`` alternate them; each row is the median round): the steps that keep the decompositions
 (preconditioning, and broadcasting the results to the other workers), one
 decomposition stage (decompositions and their broadcasts to each layer's
 gradient workers), and their amortised sum at ``--inv-update-freq``; the
@@ -127,6 +127,12 @@ def _measure_one(fraction: float | str, args: argparse.Namespace, backend: CommB
     return row
 
 
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One fraction's rounds: the round of median amortised time, with every round's times beside it."""
+    ordered = sorted(runs, key=lambda r: r["amortised_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "rounds_amortised_s": [r["amortised_s"] for r in runs]}
+
+
 def measure(argv: list[str]) -> None:
     ap = workload_parser(__doc__, iters=4, out_name="kaisa_fraction.json")
     ap.add_argument("--warmup", type=int, default=2)
@@ -134,6 +140,7 @@ def measure(argv: list[str]) -> None:
         "--inv-update-freq", type=int, default=50, help="factors and decompositions updated every this many steps (1: every step)"
     )
     ap.add_argument("--compute-method", default="inverse", choices=["inverse", "eigen"])
+    ap.add_argument("--rounds", type=int, default=1, help="rounds over the fractions (each row: the median round)")
     args = ap.parse_args(argv)
     if 1 < args.inv_update_freq <= args.warmup + args.iters:
         ap.error("--inv-update-freq must be 1 or exceed --warmup + --iters: amortised, the measured steps keep the decompositions")
@@ -147,12 +154,16 @@ def measure(argv: list[str]) -> None:
         f"grad_worker_fraction: {args.model} @ {args.resolution}px, batch {args.batch_size}/worker, {P} workers ({backend.name})",
     )
     fractions: list[float | str] = [*sorted(valid_fractions(P), reverse=True), "auto"]
-    rows = []
-    for fraction in fractions:
-        release_freed_memory()  # the previous fraction's freed (retained) memory goes back first
-        rows.append(_measure_one(fraction, args, backend, x, y))
-        gc.collect()
-        r = rows[-1]
+    rounds: dict[str, list[dict[str, Any]]] = {}
+    for k in range(args.rounds):  # the fractions alternate, so a change in the machine's load hits them all alike
+        for fraction in fractions:
+            release_freed_memory()  # the previous fraction's freed (retained) memory goes back first
+            r = _measure_one(fraction, args, backend, x, y)
+            rounds.setdefault(r["fraction"], []).append(r)
+            gc.collect()
+            log(backend.rank, f"  round {k + 1}/{args.rounds}, {r['fraction']}: step {r['step_s'] * 1e3:8.1f} ms")
+    rows = [_median_row(runs) for runs in rounds.values()]
+    for r in rows:
         stage = "" if r["decomposition_stage_s"] is None else f", decomposition stage {r['decomposition_stage_s'] * 1e3:8.1f} ms"
         log(
             backend.rank,
