@@ -3,8 +3,8 @@
     python -m benchmarks.update_fusion_model          # ~1 min on the CPU; writes update_fusion_model.json
 
 1. Measures this CPU's constants for :class:`spdkfac.simulate.update_fusion_cost.Device`:
-   the bandwidth and per-kernel time of the momentum-SGD update (a tensor of
-   2^20 elements, a large layer's; many one-element tensors), the arithmetic rate of a 3x3
+   the bandwidth and per-kernel time of the momentum-SGD update (48 tensors
+   of 2^18 elements, more than the caches hold; many one-element tensors), the arithmetic rate of a 3x3
    convolution, and the L2 cache size.
 2. CPU check, per model at 32x32 and batch 32 (``--cpu-models``): forward +
    backward and the unfused update pass measured (``update_cost.measure_passes``)
@@ -64,12 +64,12 @@ def _l2_bytes() -> float:
 
 def measure_cpu() -> tuple[Device, dict[str, float]]:
     """This CPU as a :class:`Device`, from the update's own kernels and a 3x3 convolution."""
-    n_big, n_small = 2**20, 2000  # 4 MiB per tensor: a large layer's (the update's temporaries stay in L3, as in the model's update)
-    big = [torch.zeros(n_big), torch.zeros(n_big), {"momentum_buffer": torch.zeros(n_big)}]
+    n_big, count, n_small = 2**18, 48, 2000  # 48 tensors of 1 MiB (3 x 48 MiB in all, beyond the L3): cold, as in the pass
+    big = [(torch.zeros(n_big), torch.zeros(n_big), {"momentum_buffer": torch.zeros(n_big)}) for _ in range(count)]
     small = [(torch.zeros(1), torch.zeros(1), {"momentum_buffer": torch.zeros(1)}) for _ in range(n_small)]
-    update_bytes = sum(k.bytes for k in trace_kernels(lambda: sgd_param_update(*_meta_like(n_big), 0.1, 0.9, 5e-4)))
+    update_bytes = count * sum(k.bytes for k in trace_kernels(lambda: sgd_param_update(*_meta_like(n_big), 0.1, 0.9, 5e-4)))
     kernels = len(trace_kernels(lambda: sgd_param_update(*_meta_like(1), 0.1, 0.9, 5e-4)))
-    t_big = _median_seconds(lambda: sgd_param_update(big[0], big[1], big[2], 0.1, 0.9, 5e-4), 31)  # type: ignore[arg-type]
+    t_big = _median_seconds(lambda: [sgd_param_update(p, g, s, 0.1, 0.9, 5e-4) for p, g, s in big], 9)
     t_small = _median_seconds(lambda: [sgd_param_update(p, g, s, 0.1, 0.9, 5e-4) for p, g, s in small], 5)
     launch_s = t_small / (n_small * kernels)
     conv = nn.Conv2d(64, 64, 3, padding=1, bias=False)
@@ -78,7 +78,7 @@ def measure_cpu() -> tuple[Device, dict[str, float]]:
     conv_flops = sum(k.flops for k in trace_kernels(lambda: meta_conv(x.to("meta"))))
     with torch.no_grad():
         t_conv = _median_seconds(lambda: conv(x), 10)
-    bandwidth = update_bytes / max(t_big - kernels * launch_s, 1e-9)
+    bandwidth = update_bytes / max(t_big - count * kernels * launch_s, 1e-9)
     device = Device("this CPU", bandwidth, conv_flops / t_conv, launch_s, asynchronous=False, cache_bytes=_l2_bytes())
     return device, {"update_big_s": t_big, "update_small_s": t_small, "conv_s": t_conv, "kernels_per_update": float(kernels)}
 
