@@ -28,19 +28,15 @@ from .common import log, machine, save_json, start, workload_parser
 PASSES = 9  # tensors read or written per parameter element by momentum SGD with weight decay
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = workload_parser(__doc__, iters=20, out_name="update_cost.json", model="mobilenet_v2_32")
-    args = ap.parse_args(argv)
-    start(args, distributed=False)
-    torch.manual_seed(0)
-    model = get_model(args.model)
+def measure_passes(model: nn.Module, batch_size: int, resolution: int, iters: int) -> tuple[list[float], list[float]]:
+    """Seconds of forward + backward and of the unfused momentum-SGD update, ``iters`` interleaved repetitions each."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": params, "lr": 1e-4, "momentum": 0.9, "weight_decay": 5e-4}]
     state: dict[torch.Tensor, dict] = {p: {} for p in params}
-    x = torch.randn(args.batch_size, 3, args.resolution, args.resolution)
-    y = torch.randint(0, 10, (args.batch_size,))
+    x = torch.randn(batch_size, 3, resolution, resolution)
+    y = torch.randint(0, 10, (batch_size,))
     fwd_bwd, update = [], []
-    for i in range(args.iters + 2):  # two warm-up repetitions (the momentum buffers are made in the first)
+    for i in range(iters + 2):  # two warm-up repetitions (the momentum buffers are made in the first)
         t0 = time.perf_counter()
         for p in params:
             p.grad = None
@@ -52,6 +48,17 @@ def main(argv: list[str] | None = None) -> None:
         if i >= 2:
             fwd_bwd.append(t1 - t0)
             update.append(t2 - t1)
+    return fwd_bwd, update
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = workload_parser(__doc__, iters=20, out_name="update_cost.json", model="mobilenet_v2_32")
+    args = ap.parse_args(argv)
+    start(args, distributed=False)
+    torch.manual_seed(0)
+    model = get_model(args.model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    fwd_bwd, update = measure_passes(model, args.batch_size, args.resolution, args.iters)
     numel = sum(p.numel() for p in params)
     fb, up = statistics.median(fwd_bwd), statistics.median(update)
     result = {

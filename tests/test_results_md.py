@@ -664,3 +664,40 @@ def test_convergence_lists_the_runs_that_diverged_at_the_chosen_lr(tmp_path: Pat
     section = _section(results_md.build(tmp_path / "results", tmp_path / "RESULTS.md"), "Time to accuracy: d")
     assert "- `dho2` stopped on non-finite values in 1 of 2 runs (seed 1: epoch 7: non-finite averaged gradient at step 138)." in section
     assert "`sgd` stopped" not in section
+
+
+def test_update_fusion_model_section_puts_the_prediction_beside_the_measurement(tmp_path: Path):
+    res = tmp_path / "results"
+    gains = {"none_s": 0.0276, "forward_s": 0.0246, "backward_s": 0.0246, "forward": 1.12, "backward": 1.122}
+    d = {
+        "args": {"iters": 5},
+        "machine": MACHINE,
+        "cpu_device": {"bandwidth": 40e9, "flop_rate": 120e9, "launch_s": 1.4e-6, "cache_bytes": 2**20},
+        "cpu": [
+            {
+                "model": "resnet50",
+                "tensors": 161,
+                "parameters": 25557032,
+                "measured": {"fwd_bwd_s": 0.19, "update_s": 0.021},
+                "predicted": {"fwd_bwd_s": 0.146, "update_s": 0.0162, "forward": 1.0, "backward": 0.904},
+                "measured_fusion": {"forward": 0.998, "backward": 0.899},
+            }
+        ],
+        "gpu_device": {"bandwidth": 720e9, "flop_rate": 7.85e12, "cache_bytes": 6 * 2**20, "launch_s": [5e-6]},
+        "gpu": [
+            {
+                "model": "mobilenet_v2",
+                "tensors": 158,
+                "parameters": 3504872,
+                "rows": [{"launch_s": 5e-6, "seed": gains, "spdkfac": {**gains, "backward": 0.88}, "seed_sync_after_step": gains}],
+            }
+        ],
+        "seed_reported": {"forward": 1.12, "backward": 1.16},
+    }
+    _write(res, "update_fusion_model.json", d)
+    title = "## Update fusion: the cost model on this CPU and on a V100-class GPU"
+    section = results_md.build(res, tmp_path / "RESULTS.md").split(title)[1]
+    assert "| resnet50 | 161 / 25.6 M | 190 / 146 | 21.0 / 16.2 | 1.00x / 1.00x | 0.90x / 0.90x |" in section
+    assert "| mobilenet_v2 | 158 / 3.5 M | 5 | 27.6 | 1.12x / 1.12x | 1.12x / 0.88x | 1.12x / 1.12x |" in section
+    assert "1.12x (forward) and 1.16x (backward)" in section
+    assert "benchmarks.update_fusion_model" in section

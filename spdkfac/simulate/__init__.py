@@ -45,6 +45,9 @@ Layout: ``profile_file`` (the typed, versioned :class:`Profile`; the one
 upgrade of unversioned files), ``profiling`` (measuring one), ``scaling``
 (:class:`ScaledModels`), ``prediction`` (:func:`predict`: costs on top of
 :mod:`spdkfac.work_plan`'s decisions) and ``cli`` (this command line).
+Apart from them, for update fusion on one device: ``kernel_trace`` (a step's
+kernels, FLOPs and bytes, counted on meta tensors) and ``update_fusion_cost``
+(iteration time with the update unfused, forward- or backward-fused).
 """
 
 from .cli import DEFAULT_VARIANTS, main
