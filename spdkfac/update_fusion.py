@@ -154,11 +154,13 @@ class BackwardFusion:
 
     A layer is preconditioned and updated when all its parameters' gradients
     are final and averaged (the all-reduces are polled from the gradient
-    hooks, and waited for at the end of ``backward()``). Each unit's
-    gradients are checked for NaN/Inf before anything is written; the values
-    each update overwrites are kept until ``step()`` commits them, so a step
-    that meets NaN/Inf (in a later layer, or in the factors at ``step()``) is
-    rolled back bitwise: no parameter or momentum buffer changes, as without
+    hooks, and waited for at the end of ``backward()``). The values each
+    update overwrites are kept until ``step()`` commits them, and the
+    gradients the updates used are checked for NaN/Inf once, at the end of
+    ``backward()`` (one host synchronisation per step, not one per layer,
+    which on a GPU would stall the backward pass at every layer): a step that
+    meets NaN/Inf (in any layer, or in the factors at ``step()``) is rolled
+    back bitwise, so no parameter or momentum buffer changes, as without
     fusion.
 
     Args:
@@ -254,27 +256,25 @@ class BackwardFusion:
         for unit in self.units:
             if not unit.done:
                 self._update(unit)
+        used = (b.param for b in self._backups)
+        self.bad = non_finite((self.names.get(p, "?"), p.grad) for p in used if p.grad is not None)
+        if self.bad:
+            self.rollback()
         self.finished = True
 
     @torch.no_grad()
     def _update(self, unit: _Unit) -> None:
+        """Precondition and update ``unit``, keeping what it overwrites (checked for NaN/Inf in :meth:`finish`)."""
         unit.done = True
-        if self.bad:  # the step is lost: write nothing more
-            return
         if unit.layer is not None:
             grad = unit.layer.grad_matrix()
             if grad is None:
                 return
             group = self._group[unit.params[0]]
             unit.layer.write_grad(unit.layer.precondition(grad, float(group["damping"])))
-        with_grad = [p for p in unit.params if p.grad is not None]
-        bad = non_finite((self.names.get(p, "?"), p.grad) for p in with_grad if p.grad is not None)
-        if bad:
-            self.bad = bad
-            self.rollback()
-            return
-        for p in with_grad:
-            assert p.grad is not None
+        for p in unit.params:
+            if p.grad is None:
+                continue
             group, state = self._group[p], self.state[p]
             buf = state.get("momentum_buffer")
             self._backups.append(_Backup(p, p.detach().clone(), None if buf is None else buf.clone(), state))

@@ -28,7 +28,8 @@ terms and no others:
   ``'forward'``: each parameter's update just before the first kernel of the
   module that holds it, in the next forward pass. ``'backward'``: each
   parameter's update as soon as its gradient is final (for ``spdkfac``:
-  with that parameter's non-finite check and the copies kept for a rollback).
+  with the copies kept for a rollback, and one non-finite check of every
+  gradient at the end of backward).
 * **What fusion can save.** The device runs one kernel at a time (one
   stream), so a fused update still takes its device time; what fusion hides
   is the host's launches, behind forward or backward kernels already
@@ -187,8 +188,9 @@ def iteration_kernels(trace: StepTrace, mode: Mode, recipe: Recipe, device: Devi
         for j, k in enumerate(trace.backward):
             backward.append(k)
             for i in trace.backward_slots.get(j, []):
-                first, *rest = recipe.check([params[i]]) + recipe.backup(params[i]) + updates[i]
+                first, *rest = recipe.backup(params[i]) + updates[i]
                 backward += [_less_traffic(first, _cached(params[i], device)), *rest]  # reads the gradient just written
+        backward += recipe.check(params)  # once, at the end of backward(): the updates are rolled back if it fails
         step: list[Kernel] = []
     else:
         backward = list(trace.backward)
