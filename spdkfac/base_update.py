@@ -56,14 +56,32 @@ def sgd_param_update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
     p.add_(momentum_direction(grad, p, state, momentum, weight_decay), alpha=-lr)
 
 
-def apply_base_update(base: BaseOptimizer, param_groups: list[dict[str, Any]], state: dict[torch.Tensor, dict[str, Any]]) -> None:
-    """One step of the base optimizer on every parameter with a gradient, in place (state kept per parameter)."""
+def apply_base_update(
+    base: BaseOptimizer,
+    param_groups: list[dict[str, Any]],
+    state: dict[torch.Tensor, dict[str, Any]],
+    direct: frozenset[torch.Tensor] = frozenset(),
+) -> None:
+    """One step of the base optimizer on every parameter with a gradient, in place (state kept per parameter).
+
+    ``direct``: parameters whose ``grad`` is already the step's direction
+    (EKFAC's ``ekfac_update='adam'``): with the AdamW base they move by
+    ``-lr * grad - lr * wd * param`` (AdamW's decoupled decay, no second
+    normalisation) and keep no base state.
+    """
     for group in param_groups:
         lr, wd = group["lr"], group["weight_decay"]
         for p in group["params"]:
             if p.grad is None:
                 continue
-            if base == "sgd":
+            if p in direct:
+                if base != "adamw":
+                    raise ValueError(f"a preconditioned direction steps with base='adamw' only, not {base!r}")
+                delta = p.grad.mul(-lr)
+                if wd != 0:
+                    delta.add_(p.detach(), alpha=-lr * wd)
+                p.add_(delta)
+            elif base == "sgd":
                 sgd_param_update(p, p.grad, state[p], lr, group["momentum"], wd)
             else:
                 rule = adamw_delta if base == "adamw" else lamb_delta

@@ -29,6 +29,7 @@ FusionPolicy = Literal["optimal", "threshold", "layerwise", "naive"]
 Placement = Literal["lbp", "seq", "local"]
 ComputeMethod = Literal["inverse", "eigen", "ekfac"]
 EigenRefresh = Literal["exact", "warm"]
+EKFACUpdate = Literal["natural", "adam"]
 UpdateFusion = Literal["none", "forward", "backward"]
 UPDATE_FUSIONS: tuple[str, ...] = get_args(UpdateFusion)
 
@@ -37,6 +38,7 @@ __all__ = [
     "SCHEDULE_CHECKS",
     "UPDATE_FUSIONS",
     "ComputeMethod",
+    "EKFACUpdate",
     "EigenRefresh",
     "FusionPolicy",
     "KFACConfig",
@@ -152,6 +154,13 @@ class KFACConfig:
         eigen_full_every: with ``eigen_refresh='warm'``, every this many
             refreshes is a full ``eigh``.
         ekfac_decay: β of EKFAC's running average of the scaling.
+        ekfac_update: what ``'ekfac'`` does in its eigenbasis: ``'natural'``
+            (George et al.: divide by the damped running scaling) or
+            ``'adam'`` (SOAP's update with K-FAC's basis: Adam's moments,
+            the second one in the eigenbasis with ``β2 = ekfac_decay``,
+            ``β1`` and ``eps`` the AdamW base's; needs ``base='adamw'``,
+            which then steps along it with its decoupled decay,
+            :mod:`spdkfac.methods.ekfac`).
         distribute_preconditioning: ``grad_worker_fraction=1/P`` (KAISA's
             MEM-OPT) under its older name: each layer's decompositions are
             held and its gradient preconditioned by one worker, which
@@ -243,6 +252,7 @@ class KFACConfig:
     eigen_refresh: EigenRefresh = "exact"
     eigen_full_every: int = 10
     ekfac_decay: float = 0.95
+    ekfac_update: EKFACUpdate = "natural"
     distribute_preconditioning: bool = False
     grad_worker_fraction: float | Literal["auto"] | None = None
     memory_budget: int | None = None
@@ -265,6 +275,12 @@ class KFACConfig:
         _check_choice("compute_method", self.compute_method, tuple(METHODS))  # the registry as it is now
         _check_choice("update_fusion", self.update_fusion, UPDATE_FUSIONS)
         _check_choice("eigen_refresh", self.eigen_refresh, ("exact", "warm"))
+        _check_choice("ekfac_update", self.ekfac_update, ("natural", "adam"))
+        if self.ekfac_update == "adam" and (self.compute_method != "ekfac" or self.base != "adamw"):
+            raise ValueError(
+                "ekfac_update='adam' is Adam in EKFAC's eigenbasis: it needs compute_method='ekfac' and base='adamw' "
+                f"(got compute_method={self.compute_method!r}, base={self.base!r})"
+            )
         for name in ("pipelining", "distribute_preconditioning", "overlap_preconditioning"):
             _check_bool(name, getattr(self, name))
         object.__setattr__(self, "eigen_full_every", check_positive_int("eigen_full_every", self.eigen_full_every))

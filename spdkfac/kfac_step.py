@@ -133,6 +133,10 @@ class KFACStep:
         if factor_step:  # the global batch the hooks just saw, before either order preconditions (EKFAC scales by it)
             for layer in self.layers:
                 layer.method_state["samples"] = layer.local_samples * self.workers * self.config.accumulation_steps
+        group = self.param_groups[0]
+        if "betas" in group:  # Adam's hyperparameters in force, for a method running Adam in its basis (EKFAC's 'adam')
+            for layer in self.layers:
+                layer.method_state["betas"], layer.method_state["eps"] = group["betas"], group["eps"]
         if self._overlapping(inverse_step):
             self.grads.start_missing()  # every all-reduce in flight before waiting on any
             if factor_step:

@@ -21,6 +21,7 @@ from .config import (
     SCHEDULE_CHECKS,
     ComputeMethod,
     EigenRefresh,
+    EKFACUpdate,
     FusionPolicy,
     KFACConfig,
     Placement,
@@ -98,7 +99,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             scale is removed from the G factors and the gradients are averaged
             at the end of ``backward()``, before the scaler reads them; a step
             the scaler skips is discarded by the next :meth:`zero_grad`.
-        fusion, pipelining, placement, compute_method, eigen_refresh, eigen_full_every, ekfac_decay,
+        fusion, pipelining, placement, compute_method, eigen_refresh, eigen_full_every, ekfac_decay, ekfac_update,
         distribute_preconditioning, grad_worker_fraction, memory_budget, overlap_preconditioning,
         fusion_threshold_bytes, profile_steps, replan_interval, timeline, precondition, accumulation_steps,
         skip_nonfinite, skip_layers: how the step is computed: :class:`~spdkfac.config.KFACConfig`.
@@ -125,6 +126,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         eigen_refresh: EigenRefresh = "exact",
         eigen_full_every: int = 10,
         ekfac_decay: float = 0.95,
+        ekfac_update: EKFACUpdate = "natural",
         distribute_preconditioning: bool = False,
         grad_worker_fraction: GradWorkerFraction | None = None,
         memory_budget: int | None = None,
@@ -176,6 +178,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.compute_method, self.precondition = compute_method, precondition
         self.method = get_method(compute_method, self.config)  # chosen once: the decomposition, payload, state and costs
         self.layers: list[KFACLayer] = preconditioned_layers(model, self.method, self.config.skip_layers) if precondition else []
+        #: Parameters whose preconditioned gradient is the step's direction (EKFAC's Adam update): the base steps along it.
+        self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         self.backend = get_backend(backend)
         self.perf_model = load_perf_model(perf_model).for_world_size(self.backend.size)  # as the simulator plans
         shapes = [LayerShape.of(la) for la in self.layers]
@@ -294,7 +298,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                     self._forward_fusion.defer()
                 else:
                     t_update = Timeline.now() if self._record is not None else 0.0
-                    apply_base_update(self.config.base, self.param_groups, self.state)
+                    apply_base_update(self.config.base, self.param_groups, self.state, self._direct)
                     if self._record is not None:
                         self._record.update += Timeline.now() - t_update
             self.steps += 1

@@ -94,6 +94,16 @@ class DecompositionMethod(abc.ABC):
     #: keeps it identical everywhere: distributed preconditioning is refused).
     stateful: ClassVar[bool] = False
 
+    @property
+    def gives_direction(self) -> bool:
+        """Whether :meth:`precondition` returns the step's whole direction (already normalised, with its own moments).
+
+        The AdamW base then steps along it as it is, ``w <- w - lr * update
+        - lr * wd * w``, instead of running Adam on it again
+        (EKFAC's ``ekfac_update='adam'``).
+        """
+        return False
+
     def commit(self, state: dict[str, Any]) -> None:
         """Make the state staged by this step's :meth:`precondition` current (a skipped step never commits)."""
         state.pop("pending", None)  # stateless methods stage nothing
