@@ -22,6 +22,7 @@ from .base_update import BASE_OPTIMIZERS, BaseOptimizer
 from .fusion.planner import DEFAULT_THRESHOLD_BYTES, FUSION_POLICIES
 from .layers import LayerFilter
 from .methods import METHODS
+from .methods.ekfac import EKFAC_UPDATES, EKFACUpdate
 from .placement import PLACEMENTS
 
 #: The choices of the enumerated options (checked at run time too: the values often come from a command line).
@@ -29,7 +30,6 @@ FusionPolicy = Literal["optimal", "threshold", "layerwise", "naive"]
 Placement = Literal["lbp", "seq", "local"]
 ComputeMethod = Literal["inverse", "eigen", "ekfac"]
 EigenRefresh = Literal["exact", "warm"]
-EKFACUpdate = Literal["natural", "adam"]
 UpdateFusion = Literal["none", "forward", "backward"]
 UPDATE_FUSIONS: tuple[str, ...] = get_args(UpdateFusion)
 
@@ -275,7 +275,7 @@ class KFACConfig:
         _check_choice("compute_method", self.compute_method, tuple(METHODS))  # the registry as it is now
         _check_choice("update_fusion", self.update_fusion, UPDATE_FUSIONS)
         _check_choice("eigen_refresh", self.eigen_refresh, ("exact", "warm"))
-        _check_choice("ekfac_update", self.ekfac_update, ("natural", "adam"))
+        _check_choice("ekfac_update", self.ekfac_update, EKFAC_UPDATES)
         if self.ekfac_update == "adam" and (self.compute_method != "ekfac" or self.base != "adamw"):
             raise ValueError(
                 "ekfac_update='adam' is Adam in EKFAC's eigenbasis: it needs compute_method='ekfac' and base='adamw' "

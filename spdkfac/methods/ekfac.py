@@ -52,7 +52,7 @@ layer's coordinates, needs no change.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -63,7 +63,7 @@ from .eigen import EigenMethod, EigenRefresh
 __all__ = ["EKFAC_UPDATES", "EKFACMethod", "EKFACUpdate"]
 
 EKFACUpdate = Literal["natural", "adam"]
-EKFAC_UPDATES: tuple[str, ...] = ("natural", "adam")
+EKFAC_UPDATES: tuple[str, ...] = get_args(EKFACUpdate)
 
 
 class EKFACMethod(EigenMethod):
