@@ -586,8 +586,10 @@ def warm_step(path: Path, d: dict[str, Any]) -> list[str]:
         "One warm refresh (`eigen_refresh='warm'`: the product `F Q`, the residual check, a QR, the sign and order "
         "fix-up) against a full `eigh`, per factor dimension of the model, and the same step with the QR replaced by "
         "CholeskyQR2 (Gram matrix, Cholesky, triangular solve, twice: products instead of LAPACK's QR). One process, "
-        "one thread, median thread CPU time, the variants timed in turn. Last column: whether CholeskyQR2 survives a "
-        "rank-deficient factor (its Gram matrix is singular in float32, so it needs a fall-back there).",
+        "one thread, median thread CPU time, the variants timed in turn, on a well-conditioned float32 factor. Last "
+        "columns: whether CholeskyQR2 survives `F Q` for the plain `X Xᵀ/d` (condition number ~d²) and for a "
+        "rank-deficient factor (where the Gram matrix is singular in float32 its Cholesky fails, and it would need a "
+        "fall-back).",
         "",
     ]
     rows = []
@@ -603,6 +605,7 @@ def warm_step(path: Path, d: dict[str, Any]) -> list[str]:
                 f"{s['warm_cholqr2'] * 1e3:.1f}",
                 f"{r['warm_cholqr2_over_warm']:.2f}x",
                 f"{r['cholqr2_over_qr']:.2f}x",
+                r.get("cholqr2_on_plain_factor", "-"),
                 r.get("cholqr2_on_rank_deficient_factor", "-"),
             ]
         )
@@ -615,7 +618,8 @@ def warm_step(path: Path, d: dict[str, Any]) -> list[str]:
             "warm, CholeskyQR2 (ms)",
             "CholeskyQR2 warm / warm",
             "CholeskyQR2 / QR",
-            "rank-deficient",
+            "CholeskyQR2 on X Xᵀ/d",
+            "on a rank-deficient F",
         ],
         rows,
     )
