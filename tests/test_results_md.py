@@ -701,3 +701,16 @@ def test_update_fusion_model_section_puts_the_prediction_beside_the_measurement(
     assert "| mobilenet_v2 | 158 / 3.5 M | 5 | 27.6 | 1.12x / 1.12x | 1.12x / 0.88x | 1.12x / 1.12x |" in section
     assert "1.12x (forward) and 1.16x (backward)" in section
     assert "benchmarks.update_fusion_model" in section
+
+
+def test_warm_step_section_gives_each_dimension_its_ratios_and_the_model_total(tmp_path: Path):
+    res = tmp_path / "results"
+    seconds = {"eigh": 9.0, "warm": 4.5, "warm_cholqr2": 6.3, "qr": 3.0, "cholqr2": 6.0}
+    row = {"dim": 4608, "seconds": seconds, "warm_over_eigh": 0.5, "warm_cholqr2_over_warm": 1.4, "cholqr2_over_qr": 2.0}
+    row.update(cholqr2_on_plain_factor="cholesky failed", cholqr2_on_rank_deficient_factor="cholesky failed")
+    totals = {"model": "resnet50", "factors": {"4608": 3}, "seconds": {k: 3 * v for k, v in seconds.items()}}
+    _write(res, "warm_step.json", {"args": {"model": "resnet50", "repeats": 3}, "machine": MACHINE, "rows": [row], "model_totals": totals})
+    section = _section(results_md.build(res, tmp_path / "RESULTS.md"), "Warm eigenbasis step per dimension")
+    assert "| 4608 | 9000.0 | 4500.0 | 0.50x | 6300.0 | 1.40x | 2.00x | cholesky failed | cholesky failed |" in section
+    assert "resnet50, every dense factor once: `eigh` 27.00 s, warm 13.50 s (0.50x)" in section
+    assert "benchmarks.warm_step --model resnet50 --repeats 3" in section

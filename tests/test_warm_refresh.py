@@ -13,6 +13,7 @@ from spdkfac import SPDKFACOptimizer
 from spdkfac.decomposition import eigen_precondition
 from spdkfac.factor_shape import FactorShape
 from spdkfac.methods import EigenMethod, get_method
+from spdkfac.methods.warm import WarmRefresh, descending_eigh
 from spdkfac.perfmodels import PerfModel
 
 DAMPING = 1e-3
@@ -204,3 +205,40 @@ def test_the_simulator_costs_the_warm_refresh_with_its_curve():
     warm = predict(profile, perf, 2, "spdkfac:compute_method=eigen,eigen_refresh=warm")
     assert warm["InverseComp"] < 0.6 * exact["InverseComp"]
     assert warm["FF&BP"] == exact["FF&BP"]
+
+
+def test_refine_returns_descending_columns_whether_or_not_the_qr_leaves_them_sorted(float64):
+    """The sorted case skips the column gather; both cases give the basis and order of the reference fix-up."""
+    factor = _walk(12, 30)[-1]
+    exact_q = descending_eigh(factor)[1]
+    swapped = exact_q[:, [1, 0, *range(2, 12)]]  # two columns out of order: the QR keeps them so
+    for previous in (exact_q, swapped):
+        d, q = WarmRefresh(tolerance=float("inf")).refine(factor, previous)
+        q_ref, r_ref = torch.linalg.qr(factor @ previous)
+        sign = torch.where(r_ref.diagonal() < 0, -1.0, 1.0).to(q_ref.dtype)
+        d_ref = r_ref.diagonal() * sign
+        order = torch.argsort(d_ref, descending=True, stable=True)
+        assert torch.equal(d, d_ref[order])
+        assert torch.equal(q, (q_ref * sign)[:, order])
+        assert torch.all(d[:-1] >= d[1:])
+
+
+def test_cholesky_qr2_matches_householder_and_fails_on_a_singular_gram_matrix(float64):
+    """benchmarks/warm_step.py's candidate: Householder's Q and |diag R| on a full-rank Y; None on a rank-deficient one."""
+    from benchmarks.warm_step import cholqr2, warm_cholqr2
+
+    gen = torch.Generator().manual_seed(5)
+    y = torch.randn(20, 20, generator=gen, dtype=torch.float64)
+    q, diag = cholqr2(y)
+    q_h, r_h = torch.linalg.qr(y)
+    sign = torch.where(r_h.diagonal() < 0, -1.0, 1.0).to(y.dtype)
+    torch.testing.assert_close(q, q_h * sign, rtol=0, atol=1e-10)
+    torch.testing.assert_close(diag, r_h.diagonal().abs(), rtol=1e-10, atol=0)
+    x = torch.randn(5, 20, generator=gen, dtype=torch.float64)
+    assert cholqr2((x.T @ x) @ torch.linalg.qr(y)[0]) is None  # rank 5 of 20: the Gram matrix is singular
+    factor = _walk(12, 30)[-1]
+    previous = descending_eigh(0.95 * factor + 0.05 * torch.diag(factor.diagonal()))[1]
+    d_c, q_c = warm_cholqr2(factor, previous)
+    d_h, q_h = WarmRefresh(tolerance=float("inf")).refine(factor, previous)
+    torch.testing.assert_close(d_c, d_h, rtol=1e-10, atol=0)
+    torch.testing.assert_close(q_c, q_h, rtol=0, atol=1e-10)

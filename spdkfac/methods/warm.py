@@ -69,8 +69,10 @@ class WarmRefresh:
         # A column's sign is arbitrary: keep the previous one's (diag(R) > 0), so the basis moves continuously.
         r_diag = r.diagonal(dim1=-2, dim2=-1)
         sign = torch.where(r_diag < 0, -1.0, 1.0).to(q.dtype)
-        q = q * sign.unsqueeze(-2)
+        q.mul_(sign.unsqueeze(-2))  # q is the QR's own output: scaled in place, no second d x d buffer
         d = r_diag * sign
+        if bool((d[..., :-1] >= d[..., 1:]).all()):
+            return d, q  # already descending (the usual case): no d x d gather
         order = torch.argsort(d, dim=-1, descending=True, stable=True)
         return d.gather(-1, order), q.gather(-1, order.unsqueeze(-2).expand_as(q))
 
