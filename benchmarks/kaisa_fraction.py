@@ -128,7 +128,7 @@ def _measure_one(fraction: float | str, args: argparse.Namespace, backend: CommB
 
 
 def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One fraction's rounds: the round of median amortised time, with every round's times beside it."""
+    """One fraction's rounds: the round of median amortised time (the lower median: of two, the faster), with every round's times beside it."""
     ordered = sorted(runs, key=lambda r: r["amortised_s"])
     return {**ordered[(len(ordered) - 1) // 2], "rounds_amortised_s": [r["amortised_s"] for r in runs]}
 

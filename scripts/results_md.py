@@ -1153,10 +1153,13 @@ def kaisa_fraction(path: Path, d: dict[str, Any]) -> list[str]:
         "decomposition stage (decompositions and their broadcasts to each layer's gradient workers); *amortised*: step + "
         f"stage / {freq}."
     )
+    rounds = len(d["measured"][0].get("rounds_amortised_s", [None])) if d["measured"] else 1
+    order = (
+        "one run, one fraction after another" if rounds == 1 else f"{rounds} rounds alternating the fractions, each row the median round"
+    )
     lines = [
         f"{d.get('model', '?')} at {d.get('resolution', '?')}×{d.get('resolution', '?')}, batch {d.get('batch_size', '?')} per worker, "
-        f"{d['workers']} workers ({d.get('engine', '?')}), `compute_method='{d.get('compute_method', '?')}'`, one run, one fraction "
-        f"after another. {timing} Memory: running factors and decompositions, fullest and emptiest worker. "
+        f"{d['workers']} workers ({d.get('engine', '?')}), `compute_method='{d.get('compute_method', '?')}'`, {order}. {timing} Memory: running factors and decompositions, fullest and emptiest worker. "
         f"*Modelled*: what the `'auto'` decision charged ({'sub-group broadcasts' if d.get('native_subgroups') else 'broadcasts to all'}).",
         "",
     ]

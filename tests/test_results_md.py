@@ -714,3 +714,24 @@ def test_warm_step_section_gives_each_dimension_its_ratios_and_the_model_total(t
     assert "| 4608 | 9000.0 | 4500.0 | 0.50x | 6300.0 | 1.40x | 2.00x | cholesky failed | cholesky failed |" in section
     assert "resnet50, every dense factor once: `eigh` 27.00 s, warm 13.50 s (0.50x)" in section
     assert "benchmarks.warm_step --model resnet50 --repeats 3" in section
+
+
+def test_kaisa_fraction_sections_one_per_run_with_rounds_and_every_step_runs(tmp_path: Path):
+    res = tmp_path / "results"
+    row = {"grad_workers": 2, "step_s": 7.0, "decomposition_stage_s": None, "amortised_s": 7.0, "kfac_mib_max": 881.0, "kfac_mib_min": 881.0}
+    base = {"workers": 2, "engine": "torch", "native_subgroups": True, "model": "resnet50", "resolution": 32, "batch_size": 4}
+    every = {**base, "compute_method": "eigen", "inv_update_freq": 1, "machine": MACHINE, "modelled": [{"fraction": "2/2", "seconds": 9.0}]}
+    every["measured"] = [{**row, "fraction": "2/2", "rounds_amortised_s": [7.5, 7.0]}]
+    _write(res, "kaisa_fraction_w2_eigen_every.json", every)
+    once = {**every, "compute_method": "inverse", "inv_update_freq": 50}
+    once["measured"] = [{**row, "fraction": "2/2", "decomposition_stage_s": 50.0, "amortised_s": 8.0}]
+    _write(res, "kaisa_fraction_w2_inverse_amortised.json", once)
+    text = results_md.build(res, tmp_path / "RESULTS.md")
+    every_section = _section(text, "KAISA's grad_worker_fraction: step time and K-FAC memory per worker (w2_eigen_every)")
+    assert "2 rounds alternating the fractions, each row the median round" in every_section
+    assert "a whole iteration, factors and decompositions updated every step" in every_section
+    assert "| 2/2 | 7000 | – | 7000 | 881 | 881 | 9000 |" in every_section
+    once_section = _section(text, "KAISA's grad_worker_fraction: step time and K-FAC memory per worker (w2_inverse_amortised)")
+    assert "one run, one fraction after another" in once_section
+    assert "*amortised*: step + stage / 50" in once_section
+    assert "| 2/2 | 7000 | 50000 | 8000 | 881 | 881 | 9000 |" in once_section
