@@ -718,7 +718,14 @@ def test_warm_step_section_gives_each_dimension_its_ratios_and_the_model_total(t
 
 def test_kaisa_fraction_sections_one_per_run_with_rounds_and_every_step_runs(tmp_path: Path):
     res = tmp_path / "results"
-    row = {"grad_workers": 2, "step_s": 7.0, "decomposition_stage_s": None, "amortised_s": 7.0, "kfac_mib_max": 881.0, "kfac_mib_min": 881.0}
+    row = {
+        "grad_workers": 2,
+        "step_s": 7.0,
+        "decomposition_stage_s": None,
+        "amortised_s": 7.0,
+        "kfac_mib_max": 881.0,
+        "kfac_mib_min": 881.0,
+    }
     base = {"workers": 2, "engine": "torch", "native_subgroups": True, "model": "resnet50", "resolution": 32, "batch_size": 4}
     every = {**base, "compute_method": "eigen", "inv_update_freq": 1, "machine": MACHINE, "modelled": [{"fraction": "2/2", "seconds": 9.0}]}
     every["measured"] = [{**row, "fraction": "2/2", "rounds_amortised_s": [7.5, 7.0]}]

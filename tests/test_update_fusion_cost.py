@@ -144,7 +144,7 @@ def test_the_optimizers_backward_fusion_pays_its_checks_and_rollback_copies():
     assert ours["backward_s"] > seed["backward_s"]
     kernels = iteration_kernels(trace, "backward", RECIPES["spdkfac"], GPU)
     assert sum(k.sync for k in kernels) == 2  # one check at the end of backward (not one per layer), the loss read
-    checks = [i for i, k in enumerate(kernels) if k.sync][0]
+    checks = next(i for i, k in enumerate(kernels) if k.sync)
     assert checks > max(i for i, k in enumerate(kernels) if k.name == "conv")  # after every backward kernel
     assert sum(k.sync for k in iteration_kernels(trace, "none", RECIPES["spdkfac"], GPU)) == 2  # one check, the loss read
 
