@@ -315,6 +315,39 @@ def simulate(argv: list[str]) -> None:
     }
     save_json(out, Path(args.out).name, Path(args.out).parent)
     print(f"wrote {args.out}")
+    png = Path(args.out).with_suffix(".png")
+    trade_off_plot(png, results, args.workers)
+    print(f"wrote {png}")
+
+
+def trade_off_plot(path: Path, predicted: dict[str, list[dict[str, Any]]], workers: list[int]) -> Path:
+    """KAISA's Figure 6 for each model: iteration time (bars) and K-FAC memory per worker (line) per fraction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({key.split("/")[0] for key in predicted})
+    fig, axes = plt.subplots(len(names), len(workers), figsize=(4.2 * len(workers), 3.4 * len(names)), squeeze=False)
+    for i, name in enumerate(names):
+        for j, P in enumerate(workers):
+            ax = axes[i][j]
+            rows = [r for r in predicted[f"{name}/{P}"] if r["fraction"] != "auto"]
+            labels = [r["fraction"].split("/")[0] for r in rows]
+            ax.bar(labels, [r["iteration_s"] * 1e3 for r in rows], color="tab:blue")
+            ax.set_title(f"{name}, {P} workers", fontsize=9)
+            ax.set_xlabel("gradient workers per layer", fontsize=8)
+            ax.set_ylabel("iteration (ms)", color="tab:blue", fontsize=8)
+            mem = ax.twinx()
+            mem.plot(labels, [r["kfac_mib_mean"] for r in rows], color="tab:red", marker="o")
+            mem.set_ylabel("K-FAC MiB / worker (mean)", color="tab:red", fontsize=8)
+            mem.set_ylim(bottom=0)
+            ax.tick_params(labelsize=7)
+            mem.tick_params(labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1277,7 +1277,13 @@ def build(results: Path, out: Path, label: str | None = None) -> str:
         title = "KAISA's grad_worker_fraction: step time and K-FAC memory per worker" + (f" ({suffix})" if suffix else "")
         w.section(measured.name, title, kaisa_fraction)
     if (results / "kaisa_fraction_simulated.json").is_file():  # optional, and new: no note when absent
-        w.section("kaisa_fraction_simulated.json", "KAISA's grad_worker_fraction at scale (simulator)", kaisa_fraction_simulated)
+        png = "kaisa_fraction_simulated.png"
+        w.section(
+            "kaisa_fraction_simulated.json",
+            "KAISA's grad_worker_fraction at scale (simulator)",
+            kaisa_fraction_simulated,
+            png if (results / png).is_file() else None,
+        )
     if (results / "main_job_seeds.json").is_file():  # optional, and new: no note when absent
         w.section("main_job_seeds.json", "The main job over seeds: SPD-KFAC's final test loss against SGD's", main_job_seeds)
     costs = sorted((results / "dho2_cost").glob("w*.json"))
