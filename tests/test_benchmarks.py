@@ -174,6 +174,9 @@ def test_kaisa_fraction_simulate_and_its_results_section(tmp_path):
     text = results_md.build(tmp_path, tmp_path / "RESULTS.md")
     assert "KAISA's grad_worker_fraction at scale (simulator)" in text
     assert "**reference, 4 workers** ('auto' chose" in text
+    assert "gradient workers the iteration is" in text  # the trend from 1 to all gradient workers, beside KAISA's
+    assert (tmp_path / "kaisa_fraction_simulated.png").stat().st_size > 0  # the trade-off plot, linked from the section
+    assert "kaisa_fraction_simulated.png" in text
 
 
 @pytest.mark.slow
