@@ -57,11 +57,53 @@ def test_spdkfac_not_slower_than_baselines_without_contention():
         assert spd <= predict(prof, perf, p, "mpdkfac")["iteration"] + 1e-12
 
 
-def test_contention_exposes_all_communication():
+def _comm_seconds(prof, perf, workers):
+    """(gradient, factor) all-reduce seconds of the crafted profile, each factor all-reduced alone (layer-wise)."""
+    m = ScaledModels(perf, workers)
+    grads = sum(m.allreduce(f["grad_numel"]) for f in prof["factors"] if f["kind"] == "G") + m.allreduce(prof["other_grad_numel"])
+    return grads, sum(m.allreduce(f["dim"] * (f["dim"] + 1) // 2) for f in prof["factors"])
+
+
+def test_contention_pays_each_second_of_communication_once():
+    """CPU workers with no spare core: every second the engine works is a second of the worker's core, taken once,
+    from the passes while they run (FF&BP, Hooks and FactorComp stretched by their share) or waited for after them."""
     prof, perf = _profile(), _perf()
-    free = predict(prof, perf, 2, "spdkfac")
-    busy = predict(prof, perf, 2, "spdkfac", contention=True)
-    assert busy["GradComm"] + busy["FactorComm"] > free["GradComm"] + free["FactorComm"]
+    grads, factors = _comm_seconds(prof, perf, 2)
+    pipelined = "spdkfac:fusion=layerwise"  # each factor all-reduced from its hook as it is ready
+    free, busy = predict(prof, perf, 2, pipelined), predict(prof, perf, 2, pipelined, contention=True)
+    waited = free["GradComm"] + free["FactorComm"]
+    assert busy["GradComm"] + busy["FactorComm"] == pytest.approx(waited)  # what runs past the passes is waited for ...
+    assert 0 < waited < grads + factors
+    passes = ("FF&BP", "FactorComp", "GradComm", "FactorComm")  # (the stage's broadcasts are paid apart)
+    assert sum(busy[k] - free[k] for k in passes) == pytest.approx(grads + factors - waited)  # ... the rest slows them
+    stretch = busy["FF&BP"] / free["FF&BP"]
+    assert stretch > 1.0
+    assert busy["FactorComp"] / free["FactorComp"] == pytest.approx(stretch)
+    # D-KFAC sends its factors after the passes: only the gradients' all-reduces run during them.
+    d_free, d_busy = predict(prof, perf, 2, "dkfac"), predict(prof, perf, 2, "dkfac", contention=True)
+    assert d_busy["FactorComm"] == pytest.approx(d_free["FactorComm"])
+    assert d_free["FactorComm"] > 0
+    assert d_busy["iteration"] - d_free["iteration"] == pytest.approx(grads - d_free["GradComm"])  # (no broadcasts)
+    # One worker communicates nothing.
+    assert predict(prof, perf, 1, "spdkfac", contention=True) == predict(prof, perf, 1, "spdkfac")
+
+
+def test_step_waits_for_the_gradients_first_then_for_the_factors():
+    """The wait after the passes is split as step() waits: factor groups served before the last gradient are part of
+    the gradient wait; D-KFAC's factors, sent after every gradient, are the factor wait."""
+    prof, perf = _profile(), _perf()
+    d = predict(prof, perf, 2, "dkfac")
+    assert d["FactorComm"] == pytest.approx(sum(ScaledModels(perf, 2).allreduce(n) for n in _dkfac_groups(prof)))
+    # A last gradient far behind every factor (a huge unpreconditioned rest): all of the wait is gradient wait.
+    late = dict(prof, other_grad_numel=10**7)
+    spd = predict(late, perf, 2, "spdkfac")
+    assert spd["FactorComm"] == 0.0
+    assert spd["GradComm"] > ScaledModels(perf, 2).allreduce(10**7)
+
+
+def _dkfac_groups(prof):
+    """D-KFAC's fused factor all-reduces of the crafted profile: one group per pass (all far under the threshold)."""
+    return [sum(f["dim"] * (f["dim"] + 1) // 2 for f in prof["factors"] if f["kind"] == kind) for kind in ("A", "G")]
 
 
 def test_amortised_updates_shrink_kfac_parts():
@@ -135,21 +177,6 @@ def test_distributed_preconditioning_needs_a_profile_with_per_layer_times():
 def test_distributed_preconditioning_changes_nothing_on_one_worker():
     prof, perf = _with_preconditioning(_profile()), _perf()
     assert predict(prof, perf, 1, "spdkfac-dp") == predict(prof, perf, 1, "spdkfac")
-
-
-def test_contention_slows_compute_by_the_profiled_sgd_ratio():
-    prof = dict(_profile(), sgd_forward_backward=1.5 * 0.19, comm_workers=2)  # 0.19 = forward + backward
-    prof["forward"], prof["backward"] = 0.07 + 0.012, 0.12 + 0.012  # the hooks' factor work (12 x 0.002 s) in the passes
-    perf = _perf()
-    busy = predict(prof, perf, 2, "spdkfac", contention=True)
-    assert busy["FF&BP"] == pytest.approx(1.5 * 0.19)
-    assert busy["FactorComp"] == pytest.approx(1.5 * 0.024)
-    free = predict(prof, perf, 2, "spdkfac")  # no contention: nothing slowed
-    assert free["FF&BP"] == pytest.approx(0.19)
-    assert free["FactorComp"] == pytest.approx(0.024)
-    assert predict(prof, perf, 1, "spdkfac", contention=True)["FF&BP"] == pytest.approx(0.19)  # no communication
-    single = dict(prof, comm_workers=1)  # profiled without communication: no ratio known
-    assert predict(single, perf, 2, "spdkfac", contention=True)["FF&BP"] == pytest.approx(0.19)
 
 
 @pytest.mark.multiprocess

@@ -76,11 +76,12 @@ def test_inversion_lag_is_waited_for_at_the_broadcasts_or_the_next_gradient_allr
     perf = _perf()
     scale = rank_lag((2.0, 3.0), 4)
 
-    def critical_inversions(variant):
+    def critical_inversions(variant):  # the critical rank's, while another rank inverts too
         plan = simulated_work_plan(prof, perf, 4, variant)
         spans = plan.inversion.makespans()
         critical = max(range(4), key=lambda r: spans[r])
-        return sum(a.t_comp for a in plan.inversion.assignments if a.owner in (critical, ALL))
+        own = [sum(a.t_comp for a in plan.inversion.assignments if a.owner in (r, ALL)) for r in range(4)]
+        return min(own[critical], max(own[r] for r in range(4) if r != critical))
 
     for variant, part in (("mpdkfac", "InverseComm"), ("dkfac", "GradComm")):  # D-KFAC broadcasts nothing
         lagging, level = predict(prof, perf, 4, variant), predict(even, perf, 4, variant)
@@ -91,6 +92,29 @@ def test_inversion_lag_is_waited_for_at_the_broadcasts_or_the_next_gradient_allr
     amortised = predict(prof, perf, 4, "mpdkfac", update_freq=(1, 10))["InverseComm"]
     level = predict(even, perf, 4, "mpdkfac", update_freq=(1, 10))["InverseComm"]
     assert amortised - level == pytest.approx(scale * critical_inversions("mpdkfac") / 10)
+
+
+def test_a_rank_inverting_alone_does_not_lag():
+    """The profile measures the ranks' spread with every rank inverting at once; where the others already wait for
+    its broadcasts the critical rank has the machine to itself. Seq-Dist on 2 workers with one huge factor first:
+    rank 0 inverts it alone, and lags only for as long as rank 1 inverts too."""
+    raw = _profile()
+    raw["factors"][0]["dim"] = 3000  # A of l0: the first factor in the optimizer's order, rank 0's
+    prof, even = _typed(raw, rank_inversions=(2.0, 3.0)), _typed(raw, rank_inversions=(2.5, 2.5))
+    perf = _perf()
+    plan = simulated_work_plan(prof, perf, 2, "mpdkfac").inversion
+    own = [sum(a.t_comp for a in plan.assignments if a.owner == r) for r in range(2)]
+    assert own[0] > 10 * own[1]
+    lagging, level = predict(prof, perf, 2, "mpdkfac"), predict(even, perf, 2, "mpdkfac")
+    assert lagging["InverseComm"] - level["InverseComm"] == pytest.approx(rank_lag((2.0, 3.0), 2) * own[1])
+    # Balanced (LBP): both ranks invert throughout, the critical one lags for all of its inversions.
+    lbp = simulated_work_plan(prof, perf, 2, "spdkfac").inversion
+    spans = lbp.makespans()
+    critical = max(range(2), key=lambda r: spans[r])
+    mine = [sum(a.t_comp for a in lbp.assignments if a.computes(r)) for r in range(2)]
+    assert predict(prof, perf, 2, "spdkfac")["iteration"] - predict(even, perf, 2, "spdkfac")["iteration"] == pytest.approx(
+        rank_lag((2.0, 3.0), 2) * min(mine[critical], mine[1 - critical])
+    )
 
 
 def test_sgd_lag_only_where_the_profile_did_not_measure_the_wait():

@@ -35,11 +35,11 @@ Scaling to P workers: the fitted file holds costs at its own world size W.
 All-reduce costs are scaled by the ring factor ``(P-1)/P`` relative to W's
 (alpha by ``(P-1)/(W-1)``), broadcasts by ``ceil(log2 P)/ceil(log2 W)`` (a
 tree). ``--contention`` models machines where communication needs the same
-cores as computation (CPU workers with no spare core): nothing overlaps, and
-forward+backward (with the factor work in it) is slowed by the ratio the
-profile measured for plain-SGD passes with their real gradient all-reduces
-(Horovod's background thread and the copies cost CPU time throughout the
-backward pass, far more than the all-reduce model's transfer time).
+cores as computation (CPU workers with no spare core): every second the
+engine works is a second of the worker's core, paid once. What the engine
+serves while the passes run slows forward+backward (the hooks and the
+factor work in them alike), what is left after them is waited for, and
+receiving a broadcast costs the receiver as much as sending costs the sender.
 
 Layout: ``profile_file`` (the typed, versioned :class:`Profile`; the one
 upgrade of unversioned files), ``profiling`` (measuring one), ``scaling``

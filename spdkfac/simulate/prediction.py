@@ -33,7 +33,6 @@ __all__ = [
     "PART_OF_PHASE",
     "PHASES",
     "SIMULATED_SUBGROUPS",
-    "contention_inflation",
     "expected_max_normal",
     "parts_of_phases",
     "predict",
@@ -81,7 +80,11 @@ def predict_phases(
     K-FAC passes' own work (less the factors and the hooks) on factor steps:
     computing factors slows the passes around them (the caches they evict),
     which version-3 profiles measure as the difference. Under ``contention``
-    both are slowed by :func:`contention_inflation`.
+    the communication's own seconds are paid once, on the worker's core
+    (:func:`_blocked_communication`): what runs while the passes compute
+    stretches FF&BP, Hooks and FactorComp (in proportion to their seconds),
+    what is left after them is waited for. Plain SGD at the profiled worker
+    count keeps its measured passes and wait.
 
     Profiles from before version 3 did not time the hooks, the preconditioning
     in ``step()``, the update and plain SGD's passes without communication
@@ -105,29 +108,31 @@ def predict_phases(
     plain = profile.sgd_forward_backward_local  # ... and on any other step: plain SGD's (older profiles: as above)
     if plain is None:
         plain = passes
-    inflation = contention_inflation(profile, plain, workers, contention)
-    grad_blocked, factor_blocked = _blocked_communication(profile, cfg, m, contention)
+    grad_blocked, factor_blocked, grad_stretch, factor_stretch = _blocked_communication(profile, cfg, m, contention)
     plan = _work_plan(profile, cfg, m, i_freq) if kfac else None
-    inverse_comp = inverse_comm = critical_inversions = 0.0
+    inverse_comp = inverse_comm = concurrent_inversions = 0.0
     if plan is not None:
         method = cfg.get("compute_method", "inverse")
-        inverse_comp, inverse_comm, critical_inversions = _inversion_stage(plan, facs, m, contention, method)
+        inverse_comp, inverse_comm, concurrent_inversions = _inversion_stage(plan, facs, m, contention, method)
     step_parts = _step_parts(profile, kfac)
     phases = {
         # The profile computes factors in every pass; they are charged once, as FactorComp, at their share.
-        "FF&BP": (plain * (1.0 - f_share) + passes * f_share) * inflation,
-        "Hooks": hooks * f_share * inflation,
+        "FF&BP": plain * (1.0 - f_share) + passes * f_share,
+        "Hooks": hooks * f_share,
         "GradComm": grad_blocked if workers > 1 else 0.0,
-        "FactorComp": factor_compute * f_share * inflation,
+        "FactorComp": factor_compute * f_share,
         "FactorComm": factor_blocked * f_share,
         "InverseComp": inverse_comp * i_share,
         "InverseComm": inverse_comm * i_share,
         **step_parts,
     }
+    _stretch_passes(phases, grad_stretch + factor_stretch * f_share)
     if not kfac and workers > 1 and profile.comm_workers == workers:
         # At the profiled worker count, plain SGD's gradient wait was measured with the real all-reduces;
         # profiles from before it was recorded apart hold it inside sgd_step (their sgd_grad_wait is 0).
         phases["GradComm"] = profile.sgd_grad_wait
+        if contention and profile.sgd_forward_backward is not None:  # ... and its passes, slowed by them
+            phases["FF&BP"] = profile.sgd_forward_backward
     if kfac:
         # Unpacking that older profiles timed only in total: every factor once, on every rank (0 otherwise).
         phases["InverseComp"] += profile.untimed_unpack * i_share
@@ -151,25 +156,23 @@ def predict_phases(
         # Factor steps that keep the inverses precondition before waiting for the factor all-reduces, so what
         # is left of the preconditioning hides factor communication too (inverse steps are factor steps).
         phases["FactorComm"] -= min(factor_blocked, busy - hidden) * factor_share
-    _add_rank_lag(phases, profile, plan, workers, kfac, critical_inversions * i_share)
+    _add_rank_lag(phases, profile, plan, workers, kfac, concurrent_inversions * i_share)
     return {"iteration": sum(phases[k] for k in PHASES) + 0.0, **{k: phases[k] + 0.0 for k in PHASES}}  # no "-0.0"
 
 
-def contention_inflation(profile: Profile, compute: float, workers: int, contention: bool) -> float:
-    """How much concurrent communication slows the passes' work (CPU workers with no spare core; 1 otherwise).
+def _stretch_passes(phases: dict[str, float], stretch: float) -> None:
+    """Spread ``stretch`` seconds of communication that ran during the passes over their phases, by their seconds.
 
-    The ratio of the profile's plain-SGD passes with their real gradient
-    all-reduces to ``compute``, the same passes without communication
-    (:attr:`Profile.sgd_forward_backward_local`; older profiles: the K-FAC
-    passes less the factors and the hooks' own work). Taking the K-FAC passes
-    as the base would cancel what computing factors costs the passes around
-    them (``passes`` less ``plain`` in :func:`predict_phases`).
+    Under contention the engine's work takes the worker's core from whatever
+    it computes at the time: the passes' own work, the hooks and the factors
+    alike (0 without contention or communication).
     """
-    if not (contention and workers > 1 and profile.comm_workers > 1):
-        return 1.0
-    if profile.sgd_forward_backward is None:
-        raise ValueError("this profile has no plain-SGD pass time to model contention with; re-run `spdkfac.simulate profile`")
-    return max(1.0, profile.sgd_forward_backward / compute)
+    computing = ("FF&BP", "Hooks", "FactorComp")
+    total = sum(phases[k] for k in computing)
+    if stretch <= 0.0 or total <= 0.0:
+        return
+    for k in computing:
+        phases[k] += stretch * phases[k] / total
 
 
 def _step_parts(profile: Profile, kfac: bool) -> dict[str, float]:
@@ -270,7 +273,8 @@ def _add_rank_lag(parts: dict[str, float], profile: Profile, plan: WorkPlan | No
     Every rank waits at the gradient all-reduces for the slowest one's
     passes, and in the inversion stage (at its broadcasts; at the next
     gradient all-reduce when nothing is broadcast) for the slowest one's
-    inversions. Plain SGD at the profiled worker count needs nothing: its
+    ``inversions`` (those it ran while another rank inverted too, see
+    :func:`_inversion_stage`). Plain SGD at the profiled worker count needs nothing: its
     measured wait already holds the lag.
     """
     if workers < 2:
@@ -312,13 +316,23 @@ def _layer_shapes(profile: Profile) -> list[LayerShape]:
     ]
 
 
-def _blocked_communication(profile: Profile, cfg: Mapping[str, Any], m: ScaledModels, contention: bool) -> tuple[float, float]:
-    """Seconds the step waits after backward for (gradient, factor) all-reduces, on one engine queue.
+def _blocked_communication(
+    profile: Profile, cfg: Mapping[str, Any], m: ScaledModels, contention: bool
+) -> tuple[float, float, float, float]:
+    """Seconds of (gradient, factor) all-reduces the step waits for after backward, and that ran during the passes.
 
     Gradients are launched as each layer's backward finishes (the rest after
     backward); factor groups are the optimizer's (:func:`fusion_groups`,
     with the variant's threshold), launched as :func:`group_launch_times`
-    says. The wait is split between the two by their share of communication.
+    says; one engine serves the launches in order. The wait is how far the
+    engine runs past the passes, split as ``step()`` waits: for the
+    gradients first (with the factor groups served before the last of them),
+    then for the factors. Without ``contention`` communication costs the
+    passes nothing (the last two are 0). Under ``contention`` (CPU workers
+    with no spare core) every second of communication is a second of the
+    worker's core, paid once: what the engine served of each kind while the
+    passes computed slows the passes by as much (returned last), the rest is
+    the wait after them.
     """
     fwd, bwd = profile.forward, profile.backward
     kfac = cfg.get("precondition", True)
@@ -335,27 +349,33 @@ def _blocked_communication(profile: Profile, cfg: Mapping[str, Any], m: ScaledMo
             launches += [(t, sum(sizes[i] for i in g), "factor") for t, g in zip(times, groups)]
     compute_end = fwd + bwd
     if m.workers == 1:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     launches.sort(key=lambda x: (x[0], x[2] == "factor"))  # the engine serves launches in the order they are made
 
     def cost(elements: int) -> float:
         return m.allreduce(elements) if elements else 0.0
 
     ends = serve_in_order([(t, elements) for t, elements, _ in launches], cost)
-    comm_time = {"grad": 0.0, "factor": 0.0}
-    for _, elements, kind in launches:
-        comm_time[kind] += cost(elements)
-    done = compute_end + comm_time["grad"] + comm_time["factor"] if contention else max(compute_end, ends[-1])
-    blocked = done - compute_end
-    total_comm = comm_time["grad"] + comm_time["factor"]
-    grad_blocked = blocked * comm_time["grad"] / total_comm if total_comm else 0.0
-    return grad_blocked, blocked - grad_blocked
+    during = {"grad": 0.0, "factor": 0.0}  # each kind's service before the passes end
+    last_grad = compute_end
+    for (_, elements, kind), end in zip(launches, ends):
+        during[kind] += min(end, compute_end) - min(end - cost(elements), compute_end)
+        if kind == "grad":
+            last_grad = max(last_grad, end)
+    blocked = max(compute_end, ends[-1]) - compute_end
+    # step() waits for every gradient first, then for the factors: what the engine serves before the last
+    # gradient (factor groups launched earlier included) is gradient wait, the rest factor wait.
+    grad_blocked = last_grad - compute_end
+    factor_blocked = blocked - grad_blocked
+    if not contention:
+        return grad_blocked, factor_blocked, 0.0, 0.0
+    return grad_blocked, factor_blocked, during["grad"], during["factor"]
 
 
 def _inversion_stage(
     plan: WorkPlan, facs: Sequence[FactorProfile], m: ScaledModels, contention: bool = False, method: str = "inverse"
 ) -> tuple[float, float, float]:
-    """(computation, wait, critical rank's inversions) seconds of the inversion stage.
+    """(computation, wait, critical rank's inversions while another rank inverts too) seconds of the inversion stage.
 
     The placement is the optimizer's (planned with the fitted model); an
     'eigen' variant is planned and costed with the eigen curve and payload.
@@ -367,6 +387,14 @@ def _inversion_stage(
     ``contention`` receiving a broadcast takes the receiver's cores as long
     as sending takes the sender's, so each rank also pays the broadcasts it
     receives.
+
+    The profile measured how far the ranks' inversions spread with every
+    rank inverting at once (:attr:`Profile.rank_inversions`); a rank that
+    inverts while the others wait for its broadcasts has the machine to
+    itself, so the critical rank lags only for the inversions it overlaps
+    with another rank's (the third value: its own, at most the next busiest
+    rank's). Seq-Dist's round-robin leaves the first rank alone for most of
+    the stage; D-KFAC and a balanced placement keep every rank busy.
     """
     workers = plan.workers
     charged = _charged(plan.inversion, _inverse_scale(facs, m))
@@ -382,8 +410,9 @@ def _inversion_stage(
     critical = max(range(workers), key=lambda r: stage[r])
     own = [sum(a.t_comp for a in charged.assignments if a.computes(r)) + comp_extra[r] for r in range(workers)]
     inverse_comp = sum(own) / workers
-    critical_inversions = sum(a.t_comp for a in charged.assignments if a.computes(critical))
-    return inverse_comp, stage[critical] - inverse_comp, critical_inversions
+    inversions = [sum(a.t_comp for a in charged.assignments if a.computes(r)) for r in range(workers)]
+    busiest_other = max((inversions[r] for r in range(workers) if r != critical), default=0.0)
+    return inverse_comp, stage[critical] - inverse_comp, min(inversions[critical], busiest_other)
 
 
 def _inverse_scale(facs: Sequence[FactorProfile], m: ScaledModels) -> float:
