@@ -37,14 +37,7 @@ class ReferenceEKFAC(ReferenceKFAC):
         self.scale: dict[nn.Module, torch.Tensor] = {}
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        for p in self.model.parameters():
-            p.grad = None
-        out, seen = self._inputs_and_outputs(x)
-        nn.functional.cross_entropy(out, y).backward()
-        if self.steps % self.fuf == 0:
-            for m in self.layers:
-                A, G = self._batch_factors(m, *seen[m])
-                self.A[m], self.G[m] = self._running(self.A.get(m), A), self._running(self.G.get(m), G)
+        self._backward_and_factors(x, y)
         if self.steps % self.iuf == 0:
             for m in self.layers:
                 d_a, q_a = torch.linalg.eigh(self.A[m])

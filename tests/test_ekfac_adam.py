@@ -44,14 +44,7 @@ class ReferenceEigenAdam(ReferenceKFAC):
         self.adamw: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        for p in self.model.parameters():
-            p.grad = None
-        out, seen = self._inputs_and_outputs(x)
-        nn.functional.cross_entropy(out, y).backward()
-        if self.steps % self.fuf == 0:
-            for m in self.layers:
-                A, G = self._batch_factors(m, *seen[m])
-                self.A[m], self.G[m] = self._running(self.A.get(m), A), self._running(self.G.get(m), G)
+        self._backward_and_factors(x, y)
         if self.steps % self.iuf == 0:
             for m in self.layers:
                 self.basis[m] = (torch.linalg.eigh(self.A[m])[1], torch.linalg.eigh(self.G[m])[1])

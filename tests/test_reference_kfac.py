@@ -111,7 +111,8 @@ class ReferenceKFAC:
         start = torch.eye(new.shape[0], dtype=new.dtype) if old is None else old
         return self.decay * start + (1 - self.decay) * new
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _backward_and_factors(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The batch loss's gradients, and on factor steps the running factors (every reference's start)."""
         for p in self.model.parameters():
             p.grad = None
         out, seen = self._inputs_and_outputs(x)
@@ -120,6 +121,9 @@ class ReferenceKFAC:
             for m in self.layers:
                 A, G = self._batch_factors(m, *seen[m])
                 self.A[m], self.G[m] = self._running(self.A.get(m), A), self._running(self.G.get(m), G)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self._backward_and_factors(x, y)
         if self.steps % self.iuf == 0:
             for m in self.layers:
                 self.A_inv[m] = torch.linalg.inv(self.A[m] + self.damping * torch.eye(self.A[m].shape[0], dtype=x.dtype))
