@@ -11,9 +11,10 @@ layer (every divisor of ``P``) it makes the optimizer's own
 * the preconditioning matmuls of the busiest rank, every step, at the
   arithmetic rate of the fitted inversion curve (an inversion and a
   ``G grad A`` product are both about ``d^3`` multiply-adds); with
-  ``overlap_preconditioning`` (on several workers) only what exceeds the
-  modelled all-reduce of the preconditioned layers' gradients, during
-  which each layer is preconditioned as its averaged gradient arrives;
+  ``overlap_preconditioning`` (on several workers), on the steps that keep
+  the decompositions, only what exceeds the modelled all-reduce of the
+  preconditioned layers' gradients, during which each layer is
+  preconditioned as its averaged gradient arrives;
 * the broadcasts of the preconditioned gradients, every step: a rank's link
   carries every broadcast it takes part in (:func:`result_broadcast_seconds`).
 
@@ -107,7 +108,9 @@ def plan_seconds(plan: WorkPlan, perf: PerfModel, inv_update_freq: int = 1, over
     busiest = max((sum(work[n] for n in plan.preconditioned_here(r, names)) for r in range(plan.workers)), default=0.0)
     elements = {n: s.blocks * s.a_dim * s.g_dim for n, s in shapes.items()}
     if overlaps_preconditioning(overlap_preconditioning, True, plan.workers, inverse_step=False):
-        busiest = max(0.0, busiest - perf.allreduce(sum(elements.values())))
+        # Only steps that keep the decompositions overlap (an inverse step needs this step's factors first).
+        hidden = min(busiest, perf.allreduce(sum(elements.values())))
+        busiest -= hidden * (1.0 - 1.0 / inv_update_freq)
     links = result_broadcast_seconds(plan, perf, elements)
     return plan.inversion.makespan / inv_update_freq + busiest + max(links, default=0.0)
 
