@@ -206,6 +206,9 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
             inv_update_freq=args.inv_update_freq,
             perf_model=args.perf_model,
             compute_method=args.compute_method,
+            eigen_refresh=args.eigen_refresh,
+            ekfac_decay=args.ekfac_decay,
+            ekfac_update=args.ekfac_update,
             distribute_preconditioning=args.distribute_preconditioning,
         )
     elif args.optimizer in DHO2_OPTIMIZERS:  # AdamW base (no momentum); its Hessian comes from a closure (below)

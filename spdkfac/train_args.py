@@ -107,9 +107,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--compute-method",
         default="inverse",
-        choices=("inverse", "eigen"),
-        help="precondition with damped inverses of each factor, or with their eigendecompositions "
-        "(damping added to the eigenvalues of A⊗G)",
+        choices=("inverse", "eigen", "ekfac"),
+        help="precondition with damped inverses of each factor, with their eigendecompositions "
+        "(damping added to the eigenvalues of A⊗G), or EKFAC (the eigenbasis with a scaling re-estimated every step)",
+    )
+    p.add_argument(
+        "--eigen-refresh",
+        default="exact",
+        choices=("exact", "warm"),
+        help="eigen/ekfac: refresh each eigenbasis with a full eigh, or warm-started from the previous one",
+    )
+    p.add_argument(
+        "--ekfac-decay", type=float, default=0.95, help="ekfac: decay of the running scaling (Adam's beta2 with --ekfac-update adam)"
+    )
+    p.add_argument(
+        "--ekfac-update",
+        default="natural",
+        choices=("natural", "adam"),
+        help="ekfac: divide by the damped scaling, or run Adam in the eigenbasis (SOAP's update with K-FAC's basis; needs --base adamw)",
     )
     p.add_argument(
         "--skip-nonfinite",
@@ -215,6 +230,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--inv-update-freq": args.inv_update_freq != 1,
             "--distribute-preconditioning": args.distribute_preconditioning,
             "--compute-method": args.compute_method != "inverse",
+            "--eigen-refresh": args.eigen_refresh != "exact",
+            "--ekfac-decay": args.ekfac_decay != 0.95,
+            "--ekfac-update": args.ekfac_update != "natural",
             "--base": args.base != "sgd",
             "--damping-decay": args.damping_decay != 1.0,
             "--damping-decay-epochs": bool(args.damping_decay_epochs),

@@ -63,9 +63,9 @@ RUNTIME_ARGS = (
 #: even with --allow-changed-args (a checkpoint of another model, data set or optimizer cannot continue;
 #: another seed would draw the rest of the epoch from another permutation, repeating and skipping samples).
 #: The value an argument added later had, in effect, in the checkpoints made before it existed.
-ARGS_BEFORE_THEY_EXISTED = {"base": "sgd"}
+ARGS_BEFORE_THEY_EXISTED = {"base": "sgd", "eigen_refresh": "exact", "ekfac_decay": 0.95, "ekfac_update": "natural"}
 
-FIXED_ARGS = ("optimizer", "model", "data", "compute_method", "base", "seed", "synthetic_size", "synthetic_shape")
+FIXED_ARGS = ("optimizer", "model", "data", "compute_method", "ekfac_update", "base", "seed", "synthetic_size", "synthetic_shape")
 
 
 def prepare_run_dir(

@@ -235,6 +235,8 @@ def test_mixed_precision_training(tmp_path, capsys, amp):
         ["--inv-update-freq", "10"],
         ["--damping-decay", "0.5"],
         ["--freq-scale-epochs", "3"],
+        ["--eigen-refresh", "warm"],
+        ["--ekfac-update", "adam"],
     ],
 )
 def test_kfac_flags_with_sgd_are_an_error(flags, capsys):
@@ -255,3 +257,22 @@ def test_damping_and_kl_clip_defaults_per_data_set():
     assert (other.damping, other.kl_clip) == (PAPER_DAMPING, 0.001) == (0.003, 0.001)
     assert train.parse_args(["--data", "digits", "--damping", "0.003"]).damping == 0.003
     assert train.parse_args(["--data", "digits", "--optimizer", "sgd"]).optimizer == "sgd"  # the default is no --damping given
+
+
+def test_ekfac_with_adam_in_its_eigenbasis_trains_and_resumes_exactly(tmp_path, capsys):
+    """--compute-method ekfac --ekfac-update adam (with --base adamw) reaches the optimizer, a resumed run continues it
+    bit for bit, and resuming with another --ekfac-update (another state) is refused, naming the flag."""
+    common = ["--data", "digits", "--backend", "single", "--quiet", "--batch-size", "64", "--epochs", "2", "--kl-clip", "0"]
+    common += ["--compute-method", "ekfac", "--base", "adamw", "--ekfac-update", "adam", "--ekfac-decay", "0.8"]
+    common += ["--factor-update-freq", "5", "--inv-update-freq", "5"]
+    full = train.main([*common, "--out-dir", str(tmp_path / "full")])
+    assert full["test_acc"] > 0.5  # it trains (2 epochs of digits)
+    train.main([*common, "--out-dir", str(tmp_path / "part"), "--stop-after", "1"])
+    ckpt = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=True)
+    assert ckpt["args"]["ekfac_update"] == "adam"
+    resumed = train.main([*common, "--out-dir", str(tmp_path / "part"), "--resume"])
+    assert (resumed["train_loss"], resumed["test_acc"]) == (full["train_loss"], full["test_acc"])
+    changed = [("natural" if prev == "--ekfac-update" else a) for prev, a in zip(["", *common], common)]
+    assert changed.count("natural") == 1
+    with pytest.raises(SystemExit, match="--ekfac-update cannot change"):
+        train.main([*changed, "--out-dir", str(tmp_path / "part"), "--resume", "--allow-changed-args"])
