@@ -12,6 +12,7 @@
 # benchmarks/results/simulator_check.json, replacing the previous run's (one current run; the JSON records
 # the arguments). NP (default 2) workers, Horovod over gloo. With --bind-cores
 # among the arguments, the performance models and the profiles are measured with bound workers too.
+# CHECK_NAME=name writes benchmarks/results/name/ and name.json instead (e.g. simulator_check_224 for 224x224).
 # PERF_MODEL=file skips step 1 and predicts with that fitted file instead (a quicker look at the compute phases;
 # the communication and inversion phases then carry the drift between that fit and this run).
 set -euo pipefail
@@ -38,7 +39,8 @@ for ((i = 0; i < ${#args[@]}; i++)); do
         --bind-cores) BIND=(--bind-cores) ;;
     esac
 done
-DIR="benchmarks/results/simulator_check"
+NAME="${CHECK_NAME:-simulator_check}"   # another name keeps another workload's check beside the main one
+DIR="benchmarks/results/$NAME"
 mkdir -p "$DIR"
 launch() { horovodrun -np "$NP" -H "localhost:$NP" --gloo "$PY" "$@"; }
 
@@ -61,6 +63,6 @@ launch -m benchmarks.iteration_time --model "$MODEL" --threads 1 "$@" --out "$DI
 profile 4/5 profile_after.json
 echo "[simulator_check] 5/5 predictions vs measurements ($(date -u +%H:%M:%S))"
 "$PY" -m benchmarks.simulator_check "$DIR/iteration_time.json" --profile "$DIR/profile_before.json" "$DIR/profile_after.json" \
-    --perf-model "$DIR/perfmodel.json" --out simulator_check.json \
-    --script "${PERF_MODEL:+PERF_MODEL=$PERF_MODEL }bash benchmarks/simulator_check.sh $*" --script-seconds "$(( $(date +%s) - START ))"
+    --perf-model "$DIR/perfmodel.json" --out "$NAME.json" \
+    --script "${CHECK_NAME:+CHECK_NAME=$CHECK_NAME }${PERF_MODEL:+PERF_MODEL=$PERF_MODEL }bash benchmarks/simulator_check.sh $*" --script-seconds "$(( $(date +%s) - START ))"
 echo "[simulator_check] done in $(( $(date +%s) - START )) s"

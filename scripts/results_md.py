@@ -1268,6 +1268,8 @@ def build(results: Path, out: Path, label: str | None = None) -> str:
     if (results / "warm_step.json").is_file():  # optional, and new: no note when absent
         w.section("warm_step.json", "Warm eigenbasis step per dimension: against eigh, and QR against CholeskyQR2", warm_step)
     w.section("simulator_check.json", "Scale simulator against measurements", simulator_check)
+    for other in sorted(results.glob("simulator_check_*.json")):  # optional: checks of other workloads (CHECK_NAME=...)
+        w.section(other.name, f"Scale simulator against measurements ({other.stem.removeprefix('simulator_check_')})", simulator_check)
     w.section("soak.json", "Soak run: replicas, memory and pending work over many steps", soak)
     w.section("fault_matrix.json", "Fault matrix: kills, damaged files, full disk, two jobs, frozen worker", fault_matrix)
     for measured in sorted(results.glob("kaisa_fraction*.json")):  # optional: one section per worker count and method

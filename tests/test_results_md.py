@@ -742,3 +742,19 @@ def test_kaisa_fraction_sections_one_per_run_with_rounds_and_every_step_runs(tmp
     assert "one run, one fraction after another" in once_section
     assert "*amortised*: step + stage / 50" in once_section
     assert "| 2/2 | 7000 | 50000 | 8000 | 881 | 881 | 9000 |" in once_section
+
+
+def test_a_simulator_check_of_another_workload_gets_its_own_section(tmp_path: Path):
+    res = tmp_path / "results"
+    res.mkdir()
+    row = {"workers": 2, "variant": "sgd", "update_freq": [10, 100], "measured_s": 13.0, "predicted_s": 12.0, "rel_error": -1 / 13}
+    data = {"rows": [row], "largest_abs_error": 1 / 13, "contention": True, "machine": {"cores": 2}}
+    (res / "simulator_check.json").write_text(json.dumps(dict(data, rows=[dict(row, update_freq=[1, 1], rel_error=0.02)])))
+    (res / "simulator_check_224.json").write_text(
+        json.dumps(dict(data, script="CHECK_NAME=simulator_check_224 bash benchmarks/simulator_check.sh"))
+    )
+    text = results_md.build(res, tmp_path / "RESULTS.md")
+    assert "| 2 | SGD | 1/1 |" in _section(text, "Scale simulator against measurements")
+    other = _section(text, "Scale simulator against measurements (224)")
+    assert "| 2 | SGD | 10/100 |" in other
+    assert "CHECK_NAME=simulator_check_224 bash benchmarks/simulator_check.sh" in other
