@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn as nn
 from nets import batch, small_net, train
+from test_ekfac import step_beside_reference
 from test_reference_kfac import ConvLinearNet, ReferenceKFAC
 
 from spdkfac import SPDKFACOptimizer
@@ -110,16 +111,7 @@ def test_adam_in_the_eigenbasis_takes_the_reference_step(freqs, kl_clip, float64
         **hyper,
     )
     assert [layer.name for layer in opt.layers] == ["conv1", "conv2", "fc1"]
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(7):  # bases refreshed at steps 0, 3, 6 (or 0, 2, 4, 6); the second moment kept across them
-        x = torch.randn(48, 2, 7, 7, generator=gen)  # 48 samples: full-rank factors, distinct eigenvalues
-        y = torch.randint(0, 3, (48,), generator=gen)
-        reference.step(x, y)
-        opt.zero_grad()
-        nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-        for (pname, p), p_ref in zip(net.named_parameters(), ref_net.parameters()):
-            torch.testing.assert_close(p, p_ref, rtol=1e-8, atol=1e-11, msg=lambda m, pname=pname: f"{pname} at step {opt.steps}: {m}")
+    step_beside_reference(net, opt, ref_net, reference)  # bases refreshed at 0, 3, 6 (or 0, 2, 4, 6); the second moment kept
     for layer, module in zip(opt.layers, reference.layers):
         assert layer.method_state["step"] == 7
         torch.testing.assert_close(layer.method_state["exp_avg"], reference.m[module], rtol=1e-8, atol=1e-12)

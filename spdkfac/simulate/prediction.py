@@ -408,9 +408,8 @@ def _inversion_stage(
                     recv_extra[r] += a.t_comm if r != a.owner and takes_part else 0.0
     stage = [spans[r] + comp_extra[r] + recv_extra[r] for r in range(workers)]
     critical = max(range(workers), key=lambda r: stage[r])
-    own = [sum(a.t_comp for a in charged.assignments if a.computes(r)) + comp_extra[r] for r in range(workers)]
-    inverse_comp = sum(own) / workers
     inversions = [sum(a.t_comp for a in charged.assignments if a.computes(r)) for r in range(workers)]
+    inverse_comp = sum(inversions[r] + comp_extra[r] for r in range(workers)) / workers
     busiest_other = max((inversions[r] for r in range(workers) if r != critical), default=0.0)
     return inverse_comp, stage[critical] - inverse_comp, min(inversions[critical], busiest_other)
 
