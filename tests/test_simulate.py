@@ -235,8 +235,10 @@ def test_profile_under_a_launcher_records_layers_and_sgd_with_real_allreduces(tm
     assert sum(prof["rank_inversions"]) / 2 == pytest.approx(sum(f["invert"] for f in prof["factors"]))
     assert sum(prof["rank_passes"]) / 2 == pytest.approx(prof["forward"] + prof["backward"] + prof["step_other"])
     # Format 3: the hooks' own work, the preconditioning and the update inside step(), plain SGD's passes without
-    # communication (measured apart from the ones with it).
-    assert prof["format_version"] == 3
+    # communication (measured apart from the ones with it); format 4: each iteration's spread of the ranks.
+    assert prof["format_version"] == 4
+    assert 0 < prof["iteration_lag_passes"] < 1
+    assert 0 < prof["iteration_lag_sgd"] < 1
     assert 0 < prof["hooks"] < prof["forward"] + prof["backward"]
     assert 0 < prof["precondition_step"] + prof["update"] <= prof["step_other"]
     assert 0 < prof["sgd_update"] <= prof["sgd_step"]

@@ -15,13 +15,14 @@ from spdkfac.comm.inprocess import InProcessGroup, run_ranks
 from spdkfac.models import get_model
 from spdkfac.placement import ALL
 from spdkfac.simulate import FORMAT_VERSION, Profile, average_profiles, load_profiles, measure_profile, predict, profile_from_dict
-from spdkfac.simulate.prediction import expected_max_normal, rank_lag, simulated_work_plan
+from spdkfac.simulate.prediction import communication_scale, expected_max_normal, iteration_lag_share, rank_lag, simulated_work_plan
 from spdkfac.simulate.profile_check import ProfileValueError
-from spdkfac.simulate.profiling import _across_ranks
+from spdkfac.simulate.profiling import _across_ranks, iteration_lag
 from spdkfac.simulate.scaling import ScaledModels
 from spdkfac.variants import make_optimizer
 
 VERSION_3_FIELDS = ("hooks", "precondition_step", "update", "sgd_update", "sgd_forward_backward_local")
+VERSION_4_FIELDS = ("iteration_lag_passes", "iteration_lag_sgd")
 
 
 def _typed(raw=None, **changes):
@@ -199,9 +200,9 @@ def test_profile_files_keep_the_per_rank_totals_and_read_version_1(tmp_path):
     path = tmp_path / "v2.json"
     prof.save(str(path))
     raw = json.loads(path.read_text())
-    assert raw["format_version"] == FORMAT_VERSION == 3
+    assert raw["format_version"] == FORMAT_VERSION == 4
     assert load_profiles([str(path)]) == prof
-    old = {k: v for k, v in raw.items() if k not in ("rank_passes", "rank_inversions", "rank_sgd", *VERSION_3_FIELDS)}
+    old = {k: v for k, v in raw.items() if k not in ("rank_passes", "rank_inversions", "rank_sgd", *VERSION_3_FIELDS, *VERSION_4_FIELDS)}
     old["format_version"] = 1
     path.write_text(json.dumps(old))
     read = load_profiles([str(path)])
@@ -231,7 +232,9 @@ def test_a_profile_across_ranks_is_the_mean_with_each_ranks_totals():
         factors = tuple(dataclasses.replace(f, invert=0.01 * (rank + 1), compute=0.002 * (rank + 1)) for f in base.factors)
         return dataclasses.replace(base, forward=0.07 * (rank + 1), factors=factors)
 
-    results = run_ranks(2, lambda backend: _across_ranks(ranked(backend.rank), backend))
+    # Iteration by iteration rank 1 is slower, then rank 0: each iteration waits for its own slowest.
+    work = {0: ([1.0, 3.0], [0.5, 0.5]), 1: ([3.0, 1.0], [0.5, 0.5])}
+    results = run_ranks(2, lambda backend: _across_ranks(ranked(backend.rank), backend, work[backend.rank]))
     assert results[0] == results[1]
     merged = results[0]
     assert merged.forward == pytest.approx(0.07 * 1.5)
@@ -242,6 +245,38 @@ def test_a_profile_across_ranks_is_the_mean_with_each_ranks_totals():
     assert merged.rank_passes == pytest.approx(tuple(own))
     assert merged.rank_sgd == pytest.approx((0.202, 0.202))
     assert merged.precondition == base.precondition
+    assert merged.iteration_lag_passes == pytest.approx(1.0 / 2.0)  # max - mean = 1 s of a 2 s mean, in both iterations
+    assert merged.iteration_lag_sgd == 0.0
+
+
+def test_the_iteration_lag_is_each_iterations_slowest_rank_not_the_slowest_total():
+    # Equal totals (no persistent difference): only the per-iteration spread is waited for.
+    assert iteration_lag([[1.0, 2.0], [2.0, 1.0]]) == pytest.approx(0.5 / 1.5)
+    assert iteration_lag([[1.0, 1.0], [1.0, 1.0]]) == 0.0
+    # A persistently slower rank: the same as the lag of the totals.
+    assert iteration_lag([[1.0, 1.0], [1.2, 1.2]]) == pytest.approx(rank_lag((1.0, 1.2), 2))
+    # Three ranks: max - mean per iteration 2, 2/3, 1/3, 1 (mean 1) of a 2.5 s mean.
+    assert iteration_lag([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]]) == pytest.approx(1.0 / 2.5)
+    assert iteration_lag([[1.0, 2.0]]) == iteration_lag([]) == 0.0  # one rank waits for nobody
+
+
+def test_the_lag_charged_comes_from_each_iteration_where_the_profile_measured_it():
+    totals = _typed(rank_passes=(1.0, 1.0), rank_sgd=(0.5, 0.5), comm_workers=2, sgd_grad_wait=0.05)
+    spread = dataclasses.replace(totals, iteration_lag_passes=0.1, iteration_lag_sgd=0.2)
+    perf = _perf()
+    for workers in (2, 8):
+        level, lagging = predict(totals, perf, workers, "dkfac"), predict(spread, perf, workers, "dkfac")
+        work = sum(level[k] for k in ("FF&BP", "FactorComp", "Other"))  # every computing phase (parts of these)
+        scale = expected_max_normal(workers) / expected_max_normal(2)
+        assert lagging["GradComm"] - level["GradComm"] == pytest.approx(0.1 * scale * work)
+        assert iteration_lag_share(0.1, (1.0, 1.0), workers) == pytest.approx(0.1 * scale)
+    # Plain SGD at another worker count: its own passes' spread; at the profiled count its measured wait holds it.
+    level, lagging = predict(totals, perf, 8, "sgd"), predict(spread, perf, 8, "sgd")
+    work = level["FF&BP"] + level["Other"]
+    assert lagging["GradComm"] - level["GradComm"] == pytest.approx(0.2 * expected_max_normal(8) / expected_max_normal(2) * work)
+    assert predict(spread, perf, 2, "sgd") == predict(totals, perf, 2, "sgd")
+    assert iteration_lag_share(None, (1.0, 1.2), 8) == rank_lag((1.0, 1.2), 8)  # older profiles: the totals' lag
+    assert iteration_lag_share(0.1, (), 8) == iteration_lag_share(0.1, (1.0, 1.0), 1) == 0.0
 
 
 # ----------------------------------------------------------------- decisions: the simulator's are the optimizer's
@@ -398,3 +433,29 @@ def test_the_simulator_overlaps_the_steps_the_optimizer_overlaps(variant):
     enabled = bool(variant_config(variant).get("overlap_preconditioning", True))
     shares = _overlap_shares(enabled, True, 2, 1 / freq[0], 1 / freq[1])
     assert (counts[0][0] / steps, counts[0][1] / steps) == pytest.approx(shares)
+
+
+def test_under_contention_every_all_reduce_costs_what_the_profiles_sgd_passes_measured():
+    # Plain SGD's model at 2 workers: six 1.1 ms gradient all-reduces during backward, 1.005 ms after it.
+    during, after = 6 * (1e-3 + 1e-8 * 10000), 1e-3 + 1e-8 * 500
+    lag = 0.01 * (0.18 + 2 * during + 0.002)  # the wait for each iteration's slowest rank, measured apart
+    measured = _typed(
+        comm_workers=2,
+        sgd_forward_backward_local=0.18,
+        sgd_forward_backward=0.18 + 2 * during,  # the real all-reduces slowed the passes twice as much as modelled...
+        sgd_grad_wait=lag + 2 * after,  # ... and left twice the modelled wait after them
+        iteration_lag_sgd=0.01,
+    )
+    perf = _perf()
+    assert communication_scale(measured, perf) == pytest.approx(2.0)
+    older = dataclasses.replace(measured, iteration_lag_sgd=None)  # no per-iteration spread: no measurement to use
+    assert communication_scale(older, perf) == 1.0
+    assert communication_scale(dataclasses.replace(measured, comm_workers=1), perf) == 1.0
+    scaled, plain = (predict(p, perf, 2, "dkfac", contention=True) for p in (measured, older))
+    computing = ("FF&BP", "FactorComp")  # what the engine's work during the passes stretches
+    assert sum(scaled[k] for k in computing) - sum(plain[k] for k in computing) == pytest.approx(during)
+    assert scaled["GradComm"] == pytest.approx(2 * plain["GradComm"])  # the last gradient, after backward
+    assert scaled["FactorComm"] == pytest.approx(2 * plain["FactorComm"])
+    assert plain["FactorComm"] > 0
+    # Without contention the fitted model stands (communication costs the passes nothing).
+    assert predict(measured, perf, 2, "dkfac") == predict(older, perf, 2, "dkfac")

@@ -24,10 +24,11 @@ factors what remains of it hides the factor wait too. Variants may carry changes
 (``'spdkfac:overlap_preconditioning=false'``, see :func:`spdkfac.variants.variant_config`).
 
 Under a launcher every rank profiles at once; the profile holds the mean
-rank's times and each rank's totals, and every synchronized step waits for
-the slowest rank: its measured excess over the mean, scaled to P workers by
-the expected maximum of P normal draws (:func:`~.prediction.rank_lag`), is
-charged as GradComm (and as InverseComm for the stage's broadcasts). The
+rank's times, each rank's totals and how far each iteration's slowest rank
+lagged the mean, and every synchronized step waits for the slowest rank:
+that measured excess, scaled to P workers by the expected maximum of P
+normal draws (:func:`~.prediction.iteration_lag_share`), is charged as
+GradComm (and as InverseComm for the stage's broadcasts). The
 breakdown is the mean rank's, as the optimizer's timeline and the
 ``iteration_time`` benchmark record it.
 
@@ -39,7 +40,10 @@ cores as computation (CPU workers with no spare core): every second the
 engine works is a second of the worker's core, paid once. What the engine
 serves while the passes run slows forward+backward (the hooks and the
 factor work in them alike), what is left after them is waited for, and
-receiving a broadcast costs the receiver as much as sending costs the sender.
+receiving a broadcast costs the receiver as much as sending costs the sender;
+each all-reduce costs what the profile's plain-SGD passes measured their real
+all-reduces to cost over the fitted model
+(:func:`~.prediction.communication_scale`).
 
 Layout: ``profile_file`` (the typed, versioned :class:`Profile`; the one
 upgrade of unversioned files), ``profiling`` (measuring one), ``scaling``

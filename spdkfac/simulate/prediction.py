@@ -33,7 +33,9 @@ __all__ = [
     "PART_OF_PHASE",
     "PHASES",
     "SIMULATED_SUBGROUPS",
+    "communication_scale",
     "expected_max_normal",
+    "iteration_lag_share",
     "parts_of_phases",
     "predict",
     "predict_memory",
@@ -108,7 +110,8 @@ def predict_phases(
     plain = profile.sgd_forward_backward_local  # ... and on any other step: plain SGD's (older profiles: as above)
     if plain is None:
         plain = passes
-    grad_blocked, factor_blocked, grad_stretch, factor_stretch = _blocked_communication(profile, cfg, m, contention)
+    scale = communication_scale(profile, perf) if contention else 1.0
+    grad_blocked, factor_blocked, grad_stretch, factor_stretch = _blocked_communication(profile, cfg, m, contention, scale)
     plan = _work_plan(profile, cfg, m, i_freq) if kfac else None
     inverse_comp = inverse_comm = concurrent_inversions = 0.0
     if plan is not None:
@@ -267,15 +270,31 @@ def rank_lag(totals: Sequence[float], workers: int) -> float:
     return (max(totals) - mean) / mean * expected_max_normal(workers) / expected_max_normal(len(totals))
 
 
+def iteration_lag_share(per_iteration: float | None, totals: Sequence[float], workers: int) -> float:
+    """The share of a synchronized step's work every rank waits for the slowest rank, at ``workers`` workers.
+
+    ``per_iteration`` is the profile's measured lag of each iteration's
+    slowest rank (:func:`~.profiling.iteration_lag`) at its ``len(totals)``
+    ranks, scaled to ``workers`` as :func:`rank_lag` scales the lag of the
+    ranks' totals, which stands in where the profile predates it (None).
+    """
+    if per_iteration is None:
+        return rank_lag(totals, workers)
+    if len(totals) < 2 or workers < 2:
+        return 0.0
+    return per_iteration * expected_max_normal(workers) / expected_max_normal(len(totals))
+
+
 def _add_rank_lag(parts: dict[str, float], profile: Profile, plan: WorkPlan | None, workers: int, kfac: bool, inversions: float) -> None:
     """The wait for the slowest rank at each synchronization: the profile's times are the mean rank's.
 
-    Every rank waits at the gradient all-reduces for the slowest one's
-    passes, and in the inversion stage (at its broadcasts; at the next
-    gradient all-reduce when nothing is broadcast) for the slowest one's
-    ``inversions`` (those it ran while another rank inverted too, see
-    :func:`_inversion_stage`). Plain SGD at the profiled worker count needs nothing: its
-    measured wait already holds the lag.
+    Every rank waits at the gradient all-reduces for each iteration's
+    slowest rank (:func:`iteration_lag_share`), and in the inversion stage
+    (at its broadcasts; at the next gradient all-reduce when nothing is
+    broadcast) for the slowest one's ``inversions`` (those it ran while
+    another rank inverted too, see :func:`_inversion_stage`). Plain SGD at
+    the profiled worker count needs nothing: its measured wait already holds
+    the lag.
     """
     if workers < 2:
         return
@@ -283,9 +302,9 @@ def _add_rank_lag(parts: dict[str, float], profile: Profile, plan: WorkPlan | No
     work = sum(parts.get(k, 0.0) for k in computing)  # what every rank computes on every step
     if not kfac:
         if workers != profile.comm_workers:
-            parts["GradComm"] += rank_lag(profile.rank_sgd, workers) * work
+            parts["GradComm"] += iteration_lag_share(profile.iteration_lag_sgd, profile.rank_sgd, workers) * work
         return
-    parts["GradComm"] += rank_lag(profile.rank_passes, workers) * work
+    parts["GradComm"] += iteration_lag_share(profile.iteration_lag_passes, profile.rank_passes, workers) * work
     stage_lag = rank_lag(profile.rank_inversions, workers) * inversions
     broadcasts = plan is not None and any(a.owner != ALL for a in plan.inversion.assignments)
     parts["InverseComm" if broadcasts else "GradComm"] += stage_lag
@@ -317,7 +336,7 @@ def _layer_shapes(profile: Profile) -> list[LayerShape]:
 
 
 def _blocked_communication(
-    profile: Profile, cfg: Mapping[str, Any], m: ScaledModels, contention: bool
+    profile: Profile, cfg: Mapping[str, Any], m: ScaledModels, contention: bool, scale: float = 1.0
 ) -> tuple[float, float, float, float]:
     """Seconds of (gradient, factor) all-reduces the step waits for after backward, and that ran during the passes.
 
@@ -332,7 +351,9 @@ def _blocked_communication(
     with no spare core) every second of communication is a second of the
     worker's core, paid once: what the engine served of each kind while the
     passes computed slows the passes by as much (returned last), the rest is
-    the wait after them.
+    the wait after them. Each all-reduce costs ``scale`` times the fitted
+    model (:func:`communication_scale`); the fusion groups are planned with
+    the fitted model, as the optimizer plans them.
     """
     fwd, bwd = profile.forward, profile.backward
     kfac = cfg.get("precondition", True)
@@ -353,7 +374,7 @@ def _blocked_communication(
     launches.sort(key=lambda x: (x[0], x[2] == "factor"))  # the engine serves launches in the order they are made
 
     def cost(elements: int) -> float:
-        return m.allreduce(elements) if elements else 0.0
+        return m.allreduce(elements) * scale if elements else 0.0
 
     ends = serve_in_order([(t, elements) for t, elements, _ in launches], cost)
     during = {"grad": 0.0, "factor": 0.0}  # each kind's service before the passes end
@@ -370,6 +391,33 @@ def _blocked_communication(
     if not contention:
         return grad_blocked, factor_blocked, 0.0, 0.0
     return grad_blocked, factor_blocked, during["grad"], during["factor"]
+
+
+def communication_scale(profile: Profile, perf: PerfModel) -> float:
+    """Measured over modelled seconds of the gradient all-reduces of plain-SGD passes, at the profiled worker count.
+
+    Under contention a second of the engine's work is a second of the
+    worker's core; the fitted all-reduce model was measured with nothing
+    else running, but in training the engine competes with the passes for
+    the cores, the caches and the memory bandwidth. The profile measured
+    what the real all-reduces cost the same passes: how much they slowed
+    forward+backward (``sgd_forward_backward`` over ``..._local``) plus the
+    wait after them, less the wait for each iteration's slowest rank (which
+    :func:`_add_rank_lag` charges apart). That over the modelled cost of the
+    same all-reduces (:func:`_blocked_communication` of plain SGD, at the
+    profiled count) scales every all-reduce the engine serves, as the
+    measured inversions scale the fitted inversion model. 1 where the
+    profile lacks any of these (one worker, older files).
+    """
+    if profile.comm_workers < 2 or profile.iteration_lag_sgd is None:
+        return 1.0
+    if profile.sgd_forward_backward is None or profile.sgd_forward_backward_local is None:
+        return 1.0
+    blocked, _, during, _ = _blocked_communication(profile, variant_config("sgd"), ScaledModels(perf, profile.comm_workers), True)
+    modelled = blocked + during
+    lag = profile.iteration_lag_sgd * (profile.sgd_forward_backward + _sgd_step(profile))
+    measured = max(0.0, profile.sgd_forward_backward - profile.sgd_forward_backward_local) + max(0.0, profile.sgd_grad_wait - lag)
+    return measured / modelled if modelled > 0.0 else 1.0
 
 
 def _inversion_stage(

@@ -33,8 +33,9 @@ __all__ = [
 #: The version ``measure_profile`` writes; 1 is the first versioned format, 2 adds the per-rank totals
 #: (``rank_passes``, ``rank_inversions``, ``rank_sgd``; a version-1 file reads with none), 3 the parts of a pass and
 #: of ``step()`` charged apart (``hooks``, ``precondition_step``, ``update``, ``sgd_update``) and the plain-SGD passes without
-#: communication (``sgd_forward_backward_local``); older files read with none.
-FORMAT_VERSION = 3
+#: communication (``sgd_forward_backward_local``), 4 the ranks' spread iteration by iteration (``iteration_lag_passes``,
+#: ``iteration_lag_sgd``); older files read with none.
+FORMAT_VERSION = 4
 
 #: What predict needs of every profile file, whatever its version (``measure_profile`` writes them).
 PROFILE_FIELDS = ("forward", "backward", "step_other", "factors")
@@ -111,6 +112,14 @@ class Profile:
     the plain-SGD passes without communication (every rank at once), the base
     of the slowdown communication causes (= ``sgd_forward_backward`` in a
     single-process profile).
+
+    ``iteration_lag_passes`` / ``iteration_lag_sgd`` (version 4; None before,
+    and in single-process profiles): how far the slowest rank's work lags the
+    ranks' mean *in the same iteration*, averaged over the iterations, as a
+    share of the mean work (K-FAC passes with ``step()``; plain-SGD passes with
+    the update). The per-rank totals above average the iterations first, so
+    they keep only a persistent difference between the ranks; a step that
+    synchronizes every iteration waits for each iteration's slowest rank.
     """
 
     forward: float
@@ -142,6 +151,8 @@ class Profile:
     update: float | None = None
     sgd_update: float | None = None
     sgd_forward_backward_local: float | None = None
+    iteration_lag_passes: float | None = None
+    iteration_lag_sgd: float | None = None
     format_version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -188,13 +199,15 @@ ADDED_IN = {
     "update": 3,
     "sgd_update": 3,
     "sgd_forward_backward_local": 3,
+    "iteration_lag_passes": 4,
+    "iteration_lag_sgd": 4,
 }
 _RANK_TOTALS = ("rank_passes", "rank_inversions", "rank_sgd")
 
 
 def _parse_versioned(raw: Mapping[str, Any], source: str, version: int) -> Profile:
-    """A versioned file (1 to 3): every field by name, nothing guessed; version 1 has no per-rank totals, versions
-    before 3 no times of the hooks, preconditioning and update."""
+    """A versioned file (1 to 4): every field by name, nothing guessed; version 1 has no per-rank totals, versions
+    before 3 no times of the hooks, preconditioning and update, before 4 no per-iteration spread of the ranks."""
     _check_times(raw, source)
     known = {f.name for f in dataclasses.fields(Profile)}
     unknown = sorted(k for k in set(raw) if k not in known or ADDED_IN.get(k, 1) > version)
@@ -371,6 +384,8 @@ def average_profiles(profiles: Sequence[Profile]) -> Profile:
         update=mean("update"),
         sgd_update=mean("sgd_update"),
         sgd_forward_backward_local=mean("sgd_forward_backward_local"),
+        iteration_lag_passes=mean("iteration_lag_passes"),
+        iteration_lag_sgd=mean("iteration_lag_sgd"),
         unpack=mean("unpack"),
         untimed_unpack=mean("untimed_unpack"),
         factors=tuple(factors),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -36,8 +37,9 @@ def measure_profile(
 
     With ``comm`` every rank measures each part at the same time as the
     others (a barrier before each), and the profile holds the mean over the
-    ranks with each rank's own totals (:func:`_across_ranks`): how far the
-    slowest rank lags is a cost of every synchronized step.
+    ranks with each rank's own totals and each iteration's spread
+    (:func:`_across_ranks`): how far the slowest rank lags is a cost of every
+    synchronized step.
     """
     from .. import SPDKFACOptimizer
     from ..models import get_model
@@ -47,10 +49,10 @@ def measure_profile(
     model = get_model(model_name)
     x = torch.randn(batch_size, 3, resolution, resolution)
     y = torch.randint(0, 10, (batch_size,))
-    sgd = _measure_sgd_passes(model, x, y, iters, comm)
+    sgd, sgd_iterations = _measure_sgd_passes(model, x, y, iters, comm)
     _barrier(comm)
     # The same passes without communication (every rank at once): the base of the slowdown communication causes.
-    local = _measure_sgd_passes(model, x, y, iters, None) if comm is not None and comm.size > 1 else sgd
+    local = _measure_sgd_passes(model, x, y, iters, None)[0] if comm is not None and comm.size > 1 else sgd
     _barrier(comm)
     opt = SPDKFACOptimizer(model, lr=1e-4, backend="single", inv_update_freq=10**6, kl_clip=None, timeline=True, fusion="layerwise")
     runs: list[dict[str, float]] = []
@@ -82,6 +84,7 @@ def measure_profile(
                 "hooks": rec.hooks,
                 "precondition": rec.precondition,
                 "update": rec.update,
+                "work": t3 - t0 - rec.inverse_stage,  # this iteration's pass work with its step()
             }
         )
     # The running averages are kept packed: a rank unpacks each factor it inverts, packs each inverse it
@@ -161,7 +164,10 @@ def measure_profile(
         other_grad_numel=sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in covered),
         factors=tuple(factors),
     )
-    return profile if comm is None or comm.size == 1 else _across_ranks(profile, comm)
+    if comm is None or comm.size == 1:
+        return profile
+    iterations = ([r["work"] for r in runs], sgd_iterations)
+    return _across_ranks(profile, comm, iterations)
 
 
 def _barrier(comm: CommBackend | None) -> None:
@@ -169,12 +175,15 @@ def _barrier(comm: CommBackend | None) -> None:
         comm.barrier()
 
 
-def _across_ranks(profile: Profile, comm: CommBackend) -> Profile:
-    """``profile`` with every time the mean over the ranks, and each rank's totals (one all-reduce).
+def _across_ranks(profile: Profile, comm: CommBackend, iterations: tuple[list[float], list[float]]) -> Profile:
+    """``profile`` with every time the mean over the ranks, each rank's totals and each iteration's spread (one all-reduce).
 
     The totals are this rank's K-FAC pass work (forward + backward + the
     rest of ``step()``), its inversions of every factor, and its plain-SGD
     pass work (forward + backward + update), placed at its rank's slot.
+    ``iterations`` holds this rank's K-FAC and plain-SGD pass work iteration
+    by iteration (the same count on every rank), gathered the same way for
+    :func:`iteration_lag`.
     """
     n, rank = comm.size, comm.rank
     scalars = (
@@ -203,7 +212,12 @@ def _across_ranks(profile: Profile, comm: CommBackend) -> Profile:
     totals = [0.0] * (3 * n)
     for i, total in enumerate(own):
         totals[i * n + rank] = total * n  # the mean over the ranks leaves each rank's own value in its slot
-    buf = torch.tensor(values + totals, dtype=torch.float64)
+    per_iteration = []
+    for series in iterations:
+        slots = [0.0] * (len(series) * n)
+        slots[rank * len(series) : (rank + 1) * len(series)] = [t * n for t in series]
+        per_iteration += slots
+    buf = torch.tensor(values + totals + per_iteration, dtype=torch.float64)
     comm.allreduce_async(buf, "spdkfac.simulate.profile").wait()
     mean = buf.tolist()
     head = dict(zip(scalars, mean[: len(scalars)]))
@@ -218,6 +232,12 @@ def _across_ranks(profile: Profile, comm: CommBackend) -> Profile:
         precondition.append(replace(p, seconds=mean[pos]))
         pos += 1
     rank_totals = [tuple(mean[pos + i * n : pos + (i + 1) * n]) for i in range(3)]
+    pos += 3 * n
+    lags = []
+    for series in iterations:
+        k = len(series)
+        lags.append(iteration_lag([mean[pos + r * k : pos + (r + 1) * k] for r in range(n)]))
+        pos += k * n
     return replace(
         profile,
         **head,
@@ -226,7 +246,28 @@ def _across_ranks(profile: Profile, comm: CommBackend) -> Profile:
         rank_passes=rank_totals[0],
         rank_inversions=rank_totals[1],
         rank_sgd=rank_totals[2],
+        iteration_lag_passes=lags[0],
+        iteration_lag_sgd=lags[1],
     )
+
+
+def iteration_lag(per_rank: Sequence[Sequence[float]]) -> float:
+    """How far the slowest rank lags the ranks' mean in the same iteration, averaged, as a share of the mean.
+
+    ``per_rank[r][i]`` is rank ``r``'s work in iteration ``i``. A step that
+    synchronizes the ranks every iteration waits for each iteration's
+    slowest: the mean of ``max - mean`` over the iterations, which is larger
+    than the lag of the ranks' averages whenever the ranks' times fluctuate
+    independently from iteration to iteration.
+    """
+    columns: list[tuple[float, ...]] = list(zip(*per_rank))
+    if len(per_rank) < 2 or not columns:
+        return 0.0
+    mean_work = sum(sum(c) for c in columns) / (len(columns) * len(per_rank))
+    if mean_work <= 0:
+        return 0.0
+    excess = sum(max(c) - sum(c) / len(c) for c in columns) / len(columns)
+    return float(excess / mean_work)
 
 
 def _timeline(opt: SPDKFACOptimizer) -> Timeline:
@@ -236,17 +277,20 @@ def _timeline(opt: SPDKFACOptimizer) -> Timeline:
     return opt.timeline
 
 
-def _measure_sgd_passes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, iters: int, comm: CommBackend | None) -> dict[str, float | int]:
+def _measure_sgd_passes(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, iters: int, comm: CommBackend | None
+) -> tuple[dict[str, float | int], list[float]]:
     """Plain-SGD passes, with the engine's real gradient all-reduces when ``comm`` is given.
 
     Three times as many as the K-FAC passes: they are short, and their
     blocked wait (what the simulator charges plain SGD at the profiled worker
-    count) varies from pass to pass by as much as the wait itself.
+    count) varies from pass to pass by as much as the wait itself. Returns the
+    means and each iteration's passes and update (the wait apart).
     """
     from .. import SPDKFACOptimizer
 
     sgd = SPDKFACOptimizer(model, lr=1e-4, backend=comm if comm is not None else "single", precondition=False, timeline=True)
-    steps, waits, passes, updates = [], [], [], []
+    steps, waits, passes, updates, work = [], [], [], [], []
     for it in range(3 * iters + 1):
         sgd.zero_grad()
         t0 = time.perf_counter()
@@ -260,12 +304,14 @@ def _measure_sgd_passes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, iter
             waits.append(wait)
             updates.append(record.update)
             passes.append(t1 - t0)
+            work.append(passes[-1] + steps[-1])
     sgd.remove_hooks()
     sgd.zero_grad()
-    return {
+    means: dict[str, float | int] = {
         "sgd_step": sum(steps) / len(steps),  # the update alone
         "sgd_grad_wait": sum(waits) / len(waits),  # measured blocked wait, real all-reduces
         "sgd_forward_backward": sum(passes) / len(passes),  # with gradient all-reduces when comm_workers > 1
         "sgd_update": sum(updates) / len(updates),  # the base update inside sgd_step
         "comm_workers": sgd.backend.size,
     }
+    return means, work
