@@ -136,7 +136,8 @@ class KFACStep:
         group = self.param_groups[0]
         if "betas" in group:  # Adam's hyperparameters in force, for a method running Adam in its basis (EKFAC's 'adam')
             for layer in self.layers:
-                layer.method_state["betas"], layer.method_state["eps"] = group["betas"], group["eps"]
+                if layer.method.gives_direction:  # the only methods that read them
+                    layer.method_state["betas"], layer.method_state["eps"] = group["betas"], group["eps"]
         if self._overlapping(inverse_step):
             self.grads.start_missing()  # every all-reduce in flight before waiting on any
             if factor_step:

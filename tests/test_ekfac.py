@@ -131,6 +131,16 @@ def test_ekfac_refuses_distributed_preconditioning():
         SPDKFACOptimizer(mixed_net(), lr=0.1, compute_method="ekfac", distribute_preconditioning=True, backend="single")
 
 
+@pytest.mark.parametrize("update", ["natural", "adam"])
+def test_only_a_method_running_adam_in_its_basis_is_handed_adams_hyperparameters(update):
+    net = small_net()
+    opt = SPDKFACOptimizer(net, lr=0.01, base="adamw", compute_method="ekfac", ekfac_update=update, kl_clip=None, backend="single")
+    x, y = batch(8)
+    train(net, opt, x, y, steps=1)
+    handed = [("betas" in layer.method_state, "eps" in layer.method_state) for layer in opt.layers]
+    assert handed == [(update == "adam", update == "adam")] * len(opt.layers)
+
+
 STEPS = 6
 #: More samples than any factor's dimension: full-rank factors with distinct eigenvalues. Where eigenvalues repeat
 #: (a rank-deficient factor's null space), eigh's basis within that eigenspace depends on rounding, and a warm
