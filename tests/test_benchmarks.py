@@ -80,6 +80,15 @@ def test_iteration_time_measures_every_variant(tmp_path, interleave):
     assert all(r != r for r in rss) if interleave else all(r > 0 for r in rss)  # NaN: no per-variant RSS when interleaved
 
 
+def test_interleaved_iterations_last_until_their_slowest_rank():
+    from benchmarks.iteration_time import slowest_rank
+    from spdkfac.comm.inprocess import run_ranks
+
+    own = {0: [1.0, 3.0, 2.0], 1: [2.0, 1.0, 2.5]}
+    results = run_ranks(2, lambda backend: slowest_rank(backend, own[backend.rank], "slowest"))
+    assert results == [[2.0, 3.0, 2.5]] * 2
+
+
 def test_split_by_factor_step():
     from benchmarks.common import split_by_factor_step
 
