@@ -24,6 +24,7 @@ import json
 import os
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from spdkfac.output_path import unwritable_reason
@@ -76,6 +77,38 @@ def print_phase_table(rows: list[dict[str, object]]) -> None:
         print(f"{phase:<12} " + " ".join(f"{c:>30}" for c in cells))
 
 
+#: Two profiles of the same workload whose work differs more than this (max / min), or one whose ranks' work
+#: differs more than this, were disturbed by something else running: the check says so.
+DISAGREEMENT = 1.25
+
+
+def profile_disturbances(paths: Sequence[str]) -> list[str]:
+    """What says the profiles were taken on a busy machine: each profile's K-FAC and plain-SGD pass work, and its ranks' spread.
+
+    The check brackets the measurement with two profiles of the same
+    workers; on a quiet machine they agree within a few percent, and so do
+    the ranks of each. Another job's load shows as one profile (or one rank)
+    much slower than the rest, and is reported rather than averaged in
+    silently.
+    """
+    notes = []
+    profiles = [(path, load_profiles([path])) for path in paths]
+    for what, work in (
+        ("K-FAC pass work", lambda p: p.forward + p.backward + p.step_other),
+        ("plain-SGD passes", lambda p: p.sgd_forward_backward or 0.0),
+    ):
+        values = [work(p) for _, p in profiles]
+        if len(values) > 1 and min(values) > 0 and max(values) / min(values) > DISAGREEMENT:
+            listed = ", ".join(f"{Path(path).name} {v:.2f} s" for (path, _), v in zip(profiles, values))
+            notes.append(f"the profiles disagree on the {what} ({listed}): the machine was busy while profiling")
+    for path, p in profiles:
+        ranks = p.rank_passes
+        if len(ranks) > 1 and min(ranks) > 0 and max(ranks) / min(ranks) > DISAGREEMENT:
+            listed = ", ".join(f"{t:.2f}" for t in ranks)
+            notes.append(f"{Path(path).name}: the ranks' K-FAC pass work differs ({listed} s): a rank shared its core while profiling")
+    return notes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("measured", nargs="+", type=Path)
@@ -99,6 +132,9 @@ def main() -> None:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     perf = PerfModel.load(args.perf_model)
+    disturbed = profile_disturbances(args.profile)
+    for note in disturbed:
+        print(f"warning: {note}", file=sys.stderr)
     rows = []
     print(f"{'workers':>7} {'variant':<10} {'updates':>8} {'measured':>10} {'predicted':>10} {'error':>7}")
     for path in args.measured:
@@ -145,6 +181,7 @@ def main() -> None:
         "machine": machine(),
         # How busy the machine was over the measurement (1, 5 and 15 minutes): a loaded machine's check is indicative.
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "profile_disturbances": disturbed,
     }
     if args.script:
         result["script"] = args.script

@@ -209,3 +209,24 @@ def test_the_command_line_predicts_the_phases(tmp_path, capsys):
     assert main([*argv, "--json", str(out)]) == 0
     assert capsys.readouterr().out.splitlines()[0].split()[4:] == PARTS
     assert json.loads(out.read_text())["predictions"]["2:spdkfac"] == pytest.approx(predict(_v3(), _perf(), 2, "spdkfac"))
+
+
+def test_the_check_reports_profiles_taken_on_a_busy_machine(tmp_path):
+    from benchmarks.simulator_check import profile_disturbances
+
+    base = dataclasses.replace(profile_from_dict(_profile()), rank_passes=(0.2, 0.21), sgd_forward_backward=0.15)
+    paths = {}
+    for name, prof in {
+        "quiet_a": base,
+        "quiet_b": dataclasses.replace(base, forward=0.075),  # a few percent apart: the same machine state
+        "slow": dataclasses.replace(base, forward=0.21),  # 0.20 -> 0.34 s of K-FAC work: another job ran
+        "uneven": dataclasses.replace(base, rank_passes=(0.2, 0.4)),  # one rank shared its core
+    }.items():
+        paths[name] = str(tmp_path / f"{name}.json")
+        prof.save(paths[name])
+    assert profile_disturbances([paths["quiet_a"], paths["quiet_b"]]) == []
+    (note,) = profile_disturbances([paths["quiet_a"], paths["slow"]])
+    assert "disagree on the K-FAC pass work" in note
+    assert "slow.json 0.34 s" in note
+    (note,) = profile_disturbances([paths["uneven"]])
+    assert "uneven.json: the ranks' K-FAC pass work differs (0.20, 0.40 s)" in note
