@@ -557,6 +557,47 @@ def plot(setting: dict[str, Any], path: Path, world_size: int) -> Path:
     return path
 
 
+def plot_per_seed(setting: dict[str, Any], specs: Sequence[str], path: Path) -> Path:
+    """Each seed's curves of ``specs`` at their chosen LR: test accuracy, training loss and test loss against epochs.
+
+    The mean curve the benchmark ranks by can hide one seed that ends lower
+    (a seed that overfits, or that fit the training set while the LR was
+    still high): this figure shows where each seed's training loss reaches
+    zero and what its test accuracy and loss do after that.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    unknown = [spec for spec in specs if spec not in setting["optimizers"]]
+    if unknown:
+        raise ValueError(f"{unknown} not in this run; its optimizers are {list(setting['optimizers'])}")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    styles = ("-", "--", ":", "-.")
+    for color, spec in enumerate(specs):
+        res = setting["optimizers"][spec]
+        runs = res["lr_grid"][repr(res["chosen_lr"])]["runs"]
+        for k, run in enumerate(runs):
+            xs = [e["epoch"] for e in run["epochs"]]
+            kw = {"color": f"C{color}", "ls": styles[k % len(styles)], "marker": "o", "ms": 2}
+            label = f"{spec} (lr {res['chosen_lr']:g}), seed {run['seed']}"
+            axes[0].plot(xs, [100 * e["test_acc"] for e in run["epochs"]], label=label, **kw)
+            axes[1].semilogy(xs, [max(e["train_loss"], 1e-6) for e in run["epochs"]], **kw)
+            axes[2].semilogy(xs, [e["test_loss"] for e in run["epochs"]], **kw)
+    for ax, ylabel in zip(axes, ("test accuracy (%)", "training loss", "test loss")):
+        ax.set(xlabel="epoch", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, frameon=False)
+    fig.suptitle(f"{setting['data']}: batch {setting['batch_size']}/worker, each seed")
+    rows = -(-len(labels) // 2)
+    fig.tight_layout(rect=(0, 0.03 + 0.03 * rows, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _fmt(x: float | None, spec: str) -> str:
     """``format(x, spec)``, or a dash as wide as the number would be."""
     if x is None:

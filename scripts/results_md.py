@@ -1017,10 +1017,13 @@ def main_job_seeds(path: Path, d: dict[str, Any]) -> list[str]:
     args = {name: " ".join(extra) or "(defaults)" for name, extra in d["configs"].items()}
     lines = [
         f"`spdkfac.train --data digits --epochs {d.get('epochs', '?')}` on {d.get('world_size', '?')} workers, one run per "
-        "configuration and seed (the seed also draws the train/test split). Final test loss (best test accuracy):",
+        "configuration and seed (the seed also draws the train/test split). Configurations (the arguments each adds):",
+        "",
+        *table(["configuration", "arguments"], [[f"`{n}`", f"`{args[n]}`"] for n in names]),
+        "Final test loss (best test accuracy):",
         "",
     ]
-    head = ["seed", *(f"`{n}` {args[n]}" for n in names)]
+    head = ["seed", *(f"`{n}`" for n in names)]
     rows = []
     for seed in seeds:
         cells = []
@@ -1033,7 +1036,9 @@ def main_job_seeds(path: Path, d: dict[str, Any]) -> list[str]:
         per_seed = t["per_seed"]
         verdicts = ", ".join(f"seed {s}: {'yes' if v['final_loss_at_most_sgd'] else '**no**'}" for s, v in per_seed.items())
         every = "yes" if t["final_loss_at_most_sgd_every_seed"] else "**no**"
-        lines += [f"`{name}`: final test loss ≤ SGD's for every seed: {every} ({verdicts}).", ""]
+        worst = t.get("worst_final_loss_over_sgd")
+        margin = "" if worst is None else f"; at most {worst:.2f}x SGD's on any seed"
+        lines += [f"`{name}`: final test loss ≤ SGD's for every seed: {every} ({verdicts}{margin}).", ""]
     aborted = [f"`{n}` seed {seed} ({r['exit_status']})" for n, per in d["runs"].items() for seed, r in per.items() if r.get("exit_status")]
     if aborted:
         lines += ["Runs that trained every epoch but exited with a non-zero status: " + ", ".join(aborted) + ".", ""]
