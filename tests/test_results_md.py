@@ -313,6 +313,10 @@ def test_tables_hold_the_numbers(results: Path, tmp_path: Path):
     assert "--grids" not in cv
     assert "--kl-clip" not in cv
     assert "(../results/convergence/mnist_run/convergence_mnist5k_b256.png)" in cv
+    assert "_per_seed.png" not in cv  # plot_curves.py --per-seed's figure is linked only where it was drawn
+    (results / "convergence" / "mnist_run" / "convergence_mnist5k_b256_per_seed.png").write_bytes(b"\x89PNG")
+    cv = _section(results_md.build(results, tmp_path / "docs" / "RESULTS.md"), "Time to accuracy: mnist_run")
+    assert "![test accuracy and loss, mnist_run, each seed](../results/convergence/mnist_run/convergence_mnist5k_b256_per_seed.png)" in cv
 
     for missing in ("hook_overhead.json", "simulator_check.json", "soak.json", "fault_matrix.json"):  # optional: a note
         assert f"_No `{results}/{missing}`: section skipped._" in text
