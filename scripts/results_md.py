@@ -858,6 +858,17 @@ RUN_NOTES = {
     "overfitting: the second-moment decay (`ekfac_decay` 0.8, 0.95, 0.99), Adam's `eps` (1e-8, 1e-4: a floor like "
     "damping on small eigenbasis coordinates) and the factors' decay (`factor_decay` 0.99: a smoother basis). "
     "Weight decay is in mnist5k_b256_wd0.5 (it applies to every Adam-type optimizer alike).",
+    "mnist5k_b256_wd0.5": "mnist5k_b256_regularise with ten times the decoupled weight decay (0.5 instead of 0.05) for "
+    "every Adam-type optimizer alike (AdamW, SOAP, Muon, K-FAC with an AdamW base; SGD, the reference, keeps its "
+    "5e-4): at the race's LRs and 12 epochs, `lr·wd` over the run shrinks the weights by ~2% at 0.05, too little to "
+    "regularise; SOAP on 2 LRs, the K-FAC configurations on the race's 3.",
+    "digits_b32_ekfac": "The race on digits with Adam in K-FAC's eigenbasis: every optimizer on a 3-point grid (factors "
+    "of 2 around digits_b32_race's choice), interleaved so that seconds compare. SPD-KFAC every step and DHO2 are in "
+    "digits_b32_race (left out here: the slowest, and no contenders).",
+    "mnist5k_b32_ekfac": "The race at 32 per worker on MNIST 5k with Adam in K-FAC's eigenbasis, interleaved, 10 epochs "
+    "(mnist5k_b32_race had to stop at 3); one LR each (no grid, to fit the time): the contenders' from "
+    "digits_b32_race and mnist5k_b32_interleaved (the same 32 per worker), the K-FAC configurations' from the main job "
+    "(digits, 32 per worker, 0.002).",
     "mnist5k_b32_race": "Cut to 3 epochs to fit the time available on a loaded machine; LRs from digits_b32_race "
     "(the same 32 per worker) for the Adam-type optimizers and from mnist5k_b32_interleaved for sgd and spdkfac, "
     "one point each (no grid). DHO2 refreshes every epoch (62 steps), ADMM period 2 epochs (4 would never end "
