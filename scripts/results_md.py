@@ -862,8 +862,9 @@ RUN_NOTES = {
     "every Adam-type optimizer alike (AdamW, SOAP, Muon, K-FAC with an AdamW base; SGD, the reference, keeps its "
     "5e-4): at the race's LRs and 12 epochs, `lr·wd` over the run shrinks the weights by ~2% at 0.05, too little to "
     "regularise; SOAP on 2 LRs, the K-FAC configurations on the race's 3.",
-    "mnist5k_b256_wd0.5_seeds345": "mnist5k_b256_wd0.5 again on seeds 3, 4, 5, run after the choice, to see whether "
-    "the best accuracy's order (K-FAC's `ekfac_decay=0.8` above SOAP on seeds 0-2) holds on seeds nothing was chosen on.",
+    "mnist5k_b256_wd0.5_seeds345": "mnist5k_b256_wd0.5 again on seeds 3, 4, 5, run after the choice, each optimizer at "
+    "the LR chosen on seeds 0-2: whether the best accuracy's order (K-FAC's `ekfac_decay=0.8` above SOAP on seeds 0-2) "
+    "holds on seeds nothing was chosen on.",
     "mnist5k_b256_wd0.05_seeds345": "The race's weight decay (0.05) on the same held-out seeds 3, 4, 5, for the "
     "comparison with SOAP at its race setting; one LR each, the race's choice.",
     "digits_b32_ekfac": "The race on digits with Adam in K-FAC's eigenbasis: every optimizer on a 3-point grid (factors "
