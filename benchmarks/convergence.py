@@ -557,6 +557,51 @@ def plot(setting: dict[str, Any], path: Path, world_size: int) -> Path:
     return path
 
 
+def plot_per_seed(setting: dict[str, Any], specs: Sequence[str], path: Path) -> Path:
+    """Each seed's curves of ``specs`` at their chosen LR: test accuracy, training loss and test loss against epochs.
+
+    The mean curve the benchmark ranks by can hide one seed that ends lower
+    (a seed that overfits, or that fit the training set while the LR was
+    still high): this figure shows where each seed's training loss reaches
+    zero and what its test accuracy and loss do after that.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    unknown = [spec for spec in specs if spec not in setting["optimizers"]]
+    if unknown:
+        raise ValueError(f"{unknown} not in this run; its optimizers are {list(setting['optimizers'])}")
+    from matplotlib.lines import Line2D
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    styles = ("-", "--", ":", "-.")
+    handles: list[Any] = []  # the colour is the optimizer, the line style the seed
+    seeds: list[Any] = []
+    for color, spec in enumerate(specs):
+        res = setting["optimizers"][spec]
+        runs = res["lr_grid"][repr(res["chosen_lr"])]["runs"]
+        handles.append(Line2D([], [], color=f"C{color}", label=f"{spec} (lr {res['chosen_lr']:g})"))
+        for k, run in enumerate(runs):
+            xs = [e["epoch"] for e in run["epochs"]]
+            kw = {"color": f"C{color}", "ls": styles[k % len(styles)], "marker": "o", "ms": 2}
+            axes[0].plot(xs, [100 * e["test_acc"] for e in run["epochs"]], **kw)
+            axes[1].semilogy(xs, [max(e["train_loss"], 1e-6) for e in run["epochs"]], **kw)
+            axes[2].semilogy(xs, [e["test_loss"] for e in run["epochs"]], **kw)
+            if len(seeds) <= k:
+                seeds.append(Line2D([], [], color="black", ls=styles[k % len(styles)], label=f"seed {run['seed']}"))
+    for ax, ylabel in zip(axes, ("test accuracy (%)", "training loss", "test loss")):
+        ax.set(xlabel="epoch", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+    fig.legend(handles=handles + seeds, loc="lower center", ncol=1, fontsize=7, frameon=False)
+    fig.suptitle(f"{setting['data']}: batch {setting['batch_size']}/worker, each seed")
+    fig.tight_layout(rect=(0, 0.03 + 0.028 * (len(handles) + len(seeds)), 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _fmt(x: float | None, spec: str) -> str:
     """``format(x, spec)``, or a dash as wide as the number would be."""
     if x is None:

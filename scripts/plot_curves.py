@@ -2,10 +2,13 @@
 
     python scripts/plot_curves.py runs/spdkfac/log.csv runs/sgd/log.csv --labels SPD-KFAC SGD --out curves.png
     python scripts/plot_curves.py benchmarks/results/convergence/mnist5k_b256_interleaved/convergence.json
+    python scripts/plot_curves.py benchmarks/results/convergence/mnist5k_b256_race/convergence.json --per-seed soap adamw
 
 A convergence.json (from ``python -m benchmarks.convergence``) gives one
 figure per (data, batch size) next to the JSON: test accuracy and test loss
-against epochs and against training seconds.
+against epochs and against training seconds; with ``--per-seed SPEC ...``, one
+figure of those optimizers' curves seed by seed at their chosen LR
+(``convergence_<data>_b<batch>_per_seed.png``).
 """
 
 from __future__ import annotations
@@ -17,15 +20,21 @@ import sys
 from pathlib import Path
 
 
-def plot_convergence(path: Path) -> None:
-    """The benchmark's own figures, redrawn from its JSON."""
+def plot_convergence(path: Path, per_seed: list[str] | None = None) -> None:
+    """The benchmark's own figures, redrawn from its JSON; or, given ``per_seed``, those optimizers' curves per seed."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.convergence import plot
+    from benchmarks.convergence import plot, plot_per_seed
 
     result = json.loads(path.read_text())
     for st in result["settings"]:
-        out = path.parent / f"convergence_{st['data']}_b{st['batch_size']}.png"
-        print(f"wrote {plot(st, out, result['world_size'])}")
+        stem = path.parent / f"convergence_{st['data']}_b{st['batch_size']}"
+        if per_seed:
+            try:
+                print(f"wrote {plot_per_seed(st, per_seed, stem.with_name(stem.name + '_per_seed.png'))}")
+            except ValueError as exc:
+                raise SystemExit(f"error: --per-seed: {exc}") from None
+        else:
+            print(f"wrote {plot(st, stem.with_suffix('.png'), result['world_size'])}")
 
 
 def main() -> None:
@@ -33,11 +42,14 @@ def main() -> None:
     ap.add_argument("logs", nargs="+", type=Path)
     ap.add_argument("--labels", nargs="*")
     ap.add_argument("--out", type=Path, default=Path("curves.png"))
+    ap.add_argument("--per-seed", nargs="+", metavar="SPEC", help="convergence.json: these optimizers' curves seed by seed")
     args = ap.parse_args()
     if all(p.suffix == ".json" for p in args.logs):
         for path in args.logs:
-            plot_convergence(path)
+            plot_convergence(path, args.per_seed)
         return
+    if args.per_seed:
+        raise SystemExit("error: --per-seed applies to convergence.json files only")
     labels = args.labels or [p.parent.name for p in args.logs]
     if len(labels) != len(args.logs):
         raise SystemExit("error: give one --labels entry per log")

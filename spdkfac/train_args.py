@@ -19,7 +19,7 @@ OPTIMIZERS = ("sgd", *KFAC_OPTIMIZERS, *DHO2_OPTIMIZERS)
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: The paper's Tikhonov damping, the default of --damping.
 PAPER_DAMPING = 0.003
-#: The default on --data digits (README, "The main job": measured over seeds against SGD, benchmarks/main_job_seeds.py).
+#: The default on --data digits (README, "The main job before": measured over seeds against SGD, benchmarks/main_job_seeds.py).
 DIGITS_DAMPING = 0.1
 
 
@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="Tikhonov damping (default: the paper's 0.003; 0.1 for --data digits: once its tiny CNN fits the training "
         "set, the classifier's G factors fall below 0.003 and the KL-clipped steps doubled the weights' norm, "
-        "test loss climbing to 0.11 against SGD's 0.057; see README, 'The main job')",
+        "test loss climbing to 0.11 against SGD's 0.057; see README, 'The main job before')",
     )
     p.add_argument("--factor-decay", type=float, default=0.95)
     p.add_argument(

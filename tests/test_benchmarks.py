@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from launch import require_horovod, run_workers
 
+from benchmarks.main_job_seeds import main_job_kfac
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -248,13 +250,53 @@ def test_main_job_seeds_runs_the_main_job_per_configuration_and_seed(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.main_job_seeds", *args], cwd=ROOT, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
-    assert result["configs"] == {"sgd": ["--optimizer", "sgd"], "spdkfac": []}
+    assert result["configs"] == {"sgd": ["--optimizer", "sgd"], "spdkfac": main_job_kfac()}
     for name in ("sgd", "spdkfac"):
         run = result["runs"][name]["3"]
         assert [row["epoch"] for row in run["curve"]] == [0]
         assert run["summary"]["final_test_loss"] == run["curve"][0]["test_loss"] > 0
     kfac, sgd = (result["runs"][n]["3"]["summary"]["final_test_loss"] for n in ("spdkfac", "sgd"))
     assert result["targets"]["spdkfac"]["per_seed"]["3"]["final_loss_at_most_sgd"] == (kfac <= sgd)
+
+
+def test_main_job_kfac_is_run_digits_own_line_and_a_valid_training_job(tmp_path):
+    """The main job's K-FAC options come from scripts/run_digits.sh (one source); spdkfac.train takes them on digits."""
+    from spdkfac.train_args import parse_args
+
+    options = main_job_kfac()
+    assert options[:2] == ["--compute-method", "ekfac"]
+    args = parse_args(["--data", "digits", *options])
+    assert (args.compute_method, args.base, args.ekfac_update, args.kl_clip, args.lr) == ("ekfac", "adamw", "adam", 0, 0.002)
+    script = tmp_path / "run.sh"
+    script.write_text("echo\nMAIN_JOB_KFAC=(--lr '0.5' --base adamw)\n")
+    assert main_job_kfac(script) == ["--lr", "0.5", "--base", "adamw"]
+    script.write_text("KFAC=(--lr 0.5)\n")
+    with pytest.raises(ValueError, match="no MAIN_JOB_KFAC"):
+        main_job_kfac(script)
+
+
+@pytest.mark.parametrize(
+    ("extra", "kept"), [([], True), (["--epochs", "3"], True), (["--optimizer", "sgd"], False), (["--optimizer=dho2"], False)]
+)
+def test_run_digits_adds_the_kfac_options_unless_an_optimizer_is_chosen(tmp_path, extra, kept):
+    """scripts/run_digits.sh passes MAIN_JOB_KFAC before the user's arguments, and none with --optimizer (they are K-FAC's)."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    (root / ".venv" / "bin").mkdir(parents=True)
+    (root / "scripts" / "run_digits.sh").write_text((ROOT / "scripts" / "run_digits.sh").read_text())
+    (root / "scripts" / "setup.sh").write_text("true\n")  # no installer here
+    fake = root / ".venv" / "bin" / "horovodrun"  # records its arguments instead of training
+    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$(dirname "$0")/argv"\n')
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(root / "scripts" / "run_digits.sh"), *extra], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    argv = (root / ".venv" / "bin" / "argv").read_text().splitlines()
+    if extra:
+        assert argv[-len(extra) :] == extra
+    options = main_job_kfac()
+    tail = argv[len(argv) - len(extra) - len(options) : len(argv) - len(extra)]
+    assert (tail == options) is kept
+    assert ("ekfac" in argv) is kept
 
 
 def _kaisa_installed() -> bool:

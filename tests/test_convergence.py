@@ -304,3 +304,26 @@ def test_external_optimizers_step_identically_on_every_worker(engine, tmp_path):
         (point,) = st["optimizers"][spec]["lr_grid"].values()
         assert point["runs"][0]["replicas_identical"] is True, spec
         assert point["best_test_acc"] > 0.2, spec  # it trained
+
+
+def test_plot_per_seed_draws_each_seed_of_the_chosen_lr_and_names_an_unknown_optimizer(tmp_path, monkeypatch):
+    """One line per (optimizer, seed) at the chosen LR, on each of the three panels; a spec not in the run is refused by name."""
+    import matplotlib.pyplot as plt
+
+    from benchmarks.convergence import plot_per_seed
+
+    def run(seed, acc):
+        return {"seed": seed, "epochs": [{"epoch": e, "test_acc": acc, "train_loss": 0.0, "test_loss": 0.1} for e in (1, 2)]}
+
+    setting = {"data": "mnist5k", "batch_size": 256, "optimizers": {}}
+    for spec in ("soap", "adamw"):
+        setting["optimizers"][spec] = {
+            "chosen_lr": 0.01,
+            "lr_grid": {"0.01": {"runs": [run(0, 0.9), run(1, 0.8)]}, "0.02": {"runs": [run(0, 0.1), run(1, 0.1), run(2, 0.1)]}},
+        }
+    drawn = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **_: drawn.append([len(ax.lines) for ax in fig.axes]))
+    assert plot_per_seed(setting, ["soap", "adamw"], tmp_path / "p.png") == tmp_path / "p.png"
+    assert drawn == [[4, 4, 4]]  # 2 optimizers x 2 seeds of the chosen LR (not the other LR's 3)
+    with pytest.raises(ValueError, match=r"\['muon'\] not in this run"):
+        plot_per_seed(setting, ["soap", "muon"], tmp_path / "q.png")
