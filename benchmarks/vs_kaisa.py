@@ -13,10 +13,17 @@ factor decay, KL-clip and update frequencies:
   all-reduce, decompositions placed greedily by n³, the eigenvalue outer
   product precomputed); the model in ``DistributedDataParallel`` and
   ``preconditioner.step()`` before ``torch.optim.SGD.step()``, as its
-  README shows;
+  README shows; ``kaisa-eigen-memopt``: the eigen method with
+  ``grad_worker_fraction=1/P`` (MEM-OPT: each layer decomposed and
+  preconditioned on one worker, which broadcasts the result), KAISA's own
+  way of not preconditioning every layer everywhere;
 * ``spdkfac-eigen``, ``spdkfac-eigen-warm``, ``spdkfac-inverse``: this
   project's optimizer (``compute_method='eigen'``, the same with
-  ``eigen_refresh='warm'``, and the inverse method).
+  ``eigen_refresh='warm'`` and ``grad_worker_fraction='auto'`` (which
+  splits the preconditioning among the workers where the performance
+  model says it pays, every worker still holding every basis), and the
+  inverse method); ``spdkfac-eigen-warm-commopt``: the warm refresh with
+  every worker preconditioning every layer.
 
 Rounds alternate the systems (the order rotates every round) and each
 system is built, warmed up, measured and freed in turn, so only one
@@ -51,11 +58,25 @@ INSTALL = "pip install --no-deps kfac-pytorch   (KAISA, module kfac; torch is it
 #: system name -> this project's variant spec (KAISA's are built by System._kaisa)
 SPDKFAC_SYSTEMS = {
     "spdkfac-eigen": "spdkfac:compute_method=eigen",
-    "spdkfac-eigen-warm": "spdkfac:compute_method=eigen,eigen_refresh=warm,eigen_full_every={full_every}",
+    "spdkfac-eigen-warm": "spdkfac:compute_method=eigen,eigen_refresh=warm,eigen_full_every={full_every},grad_worker_fraction=auto",
+    "spdkfac-eigen-warm-commopt": "spdkfac:compute_method=eigen,eigen_refresh=warm,eigen_full_every={full_every}",
     "spdkfac-inverse": "spdkfac",
 }
-KAISA_SYSTEMS = {"kaisa-eigen": "eigen", "kaisa-inverse": "inverse"}
-SYSTEMS = ["kaisa-eigen", "spdkfac-eigen-warm", "spdkfac-eigen", "kaisa-inverse", "spdkfac-inverse"]  # neighbours in time are compared
+#: system name -> KAISA's (compute_method, grad_worker_fraction); None: 1/P (MEM-OPT)
+KAISA_SYSTEMS: dict[str, tuple[str, float | None]] = {
+    "kaisa-eigen": ("eigen", 1.0),
+    "kaisa-eigen-memopt": ("eigen", None),
+    "kaisa-inverse": ("inverse", 1.0),
+}
+SYSTEMS = [  # neighbours in time are compared
+    "kaisa-eigen",
+    "spdkfac-eigen-warm",
+    "kaisa-eigen-memopt",
+    "spdkfac-eigen",
+    "spdkfac-eigen-warm-commopt",
+    "kaisa-inverse",
+    "spdkfac-inverse",
+]
 BASELINE = "kaisa-eigen"  # the ratios' numerator: the issue's target is measured against KAISA's eigen method
 
 
@@ -103,8 +124,9 @@ class System:
         self.zero_grad, self.step = self.opt.zero_grad, self.opt.step
         self.cleanup = self.opt.remove_hooks
 
-    def _kaisa(self, method: str, args: Any) -> None:
+    def _kaisa(self, system: tuple[str, float | None], args: Any) -> None:
         kfac = require_kaisa()
+        method, fraction = system
         # KAISA's recipe: gradients averaged by DistributedDataParallel, then preconditioner.step(), then the SGD step.
         self.forward = nn.parallel.DistributedDataParallel(self.model)
         sgd = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
@@ -117,7 +139,7 @@ class System:
             kl_clip=args.kl_clip,
             lr=args.lr,
             compute_method=method,
-            grad_worker_fraction=1.0,  # COMM-OPT
+            grad_worker_fraction=1.0 / torch.distributed.get_world_size() if fraction is None else fraction,
         )
 
         def step() -> None:
@@ -158,7 +180,7 @@ def summarise(samples: dict[str, list[float]]) -> list[dict[str, Any]]:
     rows = []
     for name, xs in samples.items():
         row: dict[str, Any] = {"system": name, **stats(xs)}
-        for base in (BASELINE, "kaisa-inverse"):
+        for base in (BASELINE, "kaisa-eigen-memopt", "kaisa-inverse"):
             if base in samples and base != name:
                 for statistic in ("median", "mean"):
                     ratio = stats(samples[base])[statistic] / row[statistic]
@@ -245,7 +267,9 @@ def save(args: Any, backend: Any, samples: dict[str, list[float]], rounds: list[
 def describe(name: str, args: Any) -> str:
     """What the system runs: this project's variant spec, or KAISA's constructor."""
     if name in KAISA_SYSTEMS:
-        return f"kfac.preconditioner.KFACPreconditioner(compute_method='{KAISA_SYSTEMS[name]}', grad_worker_fraction=1.0) + DDP + SGD"
+        method, fraction = KAISA_SYSTEMS[name]
+        given = "1/P" if fraction is None else repr(fraction)
+        return f"kfac.preconditioner.KFACPreconditioner(compute_method='{method}', grad_worker_fraction={given}) + DDP + SGD"
     return SPDKFAC_SYSTEMS[name].format(full_every=args.eigen_full_every)
 
 

@@ -174,7 +174,9 @@ class KFACConfig:
             model (:mod:`spdkfac.grad_worker_choice`). Memory of the
             decompositions per worker falls with the fraction; the
             preconditioned gradients are broadcast to the other workers.
-            Same result.
+            Same result. With ``eigen_refresh='warm'`` every worker still
+            holds every basis (each refresh starts from the previous one):
+            the fraction splits only the preconditioning.
         memory_budget: with ``grad_worker_fraction='auto'``, the bytes of
             K-FAC state (running factors and decompositions) a worker may
             hold; the fastest modelled fraction within it is chosen.
@@ -300,13 +302,6 @@ class KFACConfig:
         object.__setattr__(self, "skip_nonfinite", check_non_negative_int("skip_nonfinite", self.skip_nonfinite))
         self._check_grad_workers()
         fraction = self.grad_worker_fraction
-        if self.splits_preconditioning and self.eigen_refresh == "warm":
-            given = "distribute_preconditioning=True" if self.distribute_preconditioning else f"grad_worker_fraction={fraction!r}"
-            raise ValueError(
-                "eigen_refresh='warm' starts each refresh from the previous basis, which every worker must hold (a "
-                f"replan may move a factor to another worker); {given} keeps decompositions on a layer's gradient "
-                "workers only: use grad_worker_fraction=None (1) with it"
-            )
         if fraction is not None and fraction != 1 and self.compute_method == "ekfac":
             raise ValueError(
                 "compute_method='ekfac' updates each layer's scaling on every worker; "

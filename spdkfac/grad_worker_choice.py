@@ -33,8 +33,7 @@ from dataclasses import dataclass
 from .grad_workers import grad_worker_count
 from .methods import DecompositionMethod, get_method
 from .perfmodels import PerfModel
-from .placement import preconditioning_cost
-from .work_plan import LayerShape, WorkPlan, overlaps_preconditioning
+from .work_plan import LayerShape, WorkPlan, overlaps_preconditioning, preconditioning_seconds
 
 __all__ = [
     "GradWorkerOption",
@@ -43,9 +42,6 @@ __all__ = [
     "plan_seconds",
     "result_broadcast_seconds",
 ]
-
-#: The dimension at which the inversion curve's per-``d^3`` rate is read.
-RATE_DIM = 1024
 
 
 @dataclass(frozen=True)
@@ -70,13 +66,6 @@ class GradWorkerOption:
         )
 
 
-def _matmul_seconds(perf: PerfModel, flops: float) -> float:
-    """Seconds of ``flops`` multiply-adds at the fitted inversion curve's rate per ``d^3``."""
-    curve = perf.inverse
-    rate = max(curve.fitted(RATE_DIM) - curve.fitted(1), 0.0) / RATE_DIM**3
-    return flops * rate
-
-
 def result_broadcast_seconds(plan: WorkPlan, perf: PerfModel, elements: Mapping[str, int]) -> list[float]:
     """Seconds each rank's link is busy with the broadcasts of preconditioned gradients in one step.
 
@@ -97,14 +86,17 @@ def result_broadcast_seconds(plan: WorkPlan, perf: PerfModel, elements: Mapping[
     return busy
 
 
-def plan_seconds(plan: WorkPlan, perf: PerfModel, inv_update_freq: int = 1, overlap_preconditioning: bool = False) -> float:
+def plan_seconds(
+    plan: WorkPlan, perf: PerfModel, method: str | DecompositionMethod, inv_update_freq: int = 1, overlap_preconditioning: bool = False
+) -> float:
     """Modelled seconds per step of the parts ``plan``'s gradient workers change (see the module docstring).
 
     ``perf`` describes the plan's worker count (:meth:`PerfModel.scaled_to`).
     """
     names = [s.name for s in plan.layers]
     shapes = {s.name: s for s in plan.layers}
-    work = {n: _matmul_seconds(perf, s.blocks * preconditioning_cost(s.a_dim, s.g_dim)) for n, s in shapes.items()}
+    m = get_method(method)
+    work = {n: preconditioning_seconds(perf, m, s) for n, s in shapes.items()}
     busiest = max((sum(work[n] for n in plan.preconditioned_here(r, names)) for r in range(plan.workers)), default=0.0)
     elements = {n: s.blocks * s.a_dim * s.g_dim for n, s in shapes.items()}
     if overlaps_preconditioning(overlap_preconditioning, True, plan.workers, inverse_step=False):
@@ -152,8 +144,9 @@ class GradWorkerProblem:
                 self.method,
                 grad_workers=g,
                 native_subgroups=self.native_subgroups,
+                inv_update_freq=self.inv_update_freq,
             )
-            seconds = plan_seconds(plan, self.perf, self.inv_update_freq, self.overlap_preconditioning)
+            seconds = plan_seconds(plan, self.perf, self.method, self.inv_update_freq, self.overlap_preconditioning)
             memory = max(plan_memory(plan, self.method, self.element_size))
             out.append(GradWorkerOption(g, self.workers, seconds, memory, plan))
         return out

@@ -199,7 +199,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             if self.grad_worker_choice is not None
             else WorkPlan.make(
                 shapes, self.backend.size, self.perf_model, placement, self.method,
-                grad_workers=grad_workers, native_subgroups=self.backend.native_subgroups,
+                grad_workers=grad_workers, native_subgroups=self.backend.native_subgroups, inv_update_freq=self.inv_update_freq,
             )
         )  # fmt: skip
         if self.grad_worker_choice is not None and self.backend.rank == 0:

@@ -31,7 +31,20 @@ from .placement import ALL, Assignment, PlacementPlan, balance_by_cost, place, p
 if TYPE_CHECKING:  # pragma: no cover
     from .layers import KFACLayer
 
-__all__ = ["ALL", "LayerShape", "ResultBroadcast", "WorkPlan", "fusion_groups", "group_launch_times", "overlaps_preconditioning"]
+__all__ = [
+    "ALL",
+    "LayerShape",
+    "ResultBroadcast",
+    "WorkPlan",
+    "fusion_groups",
+    "group_launch_times",
+    "layer_seconds",
+    "overlaps_preconditioning",
+    "preconditioning_seconds",
+]
+
+#: The dimension at which the inversion curve's per-``d^3`` rate is read (:func:`preconditioning_seconds`).
+RATE_DIM = 1024
 
 
 def fusion_groups(
@@ -108,6 +121,26 @@ class LayerShape:
         return FactorShape(self.dim(kind), blocks=self.blocks)
 
 
+def preconditioning_seconds(perf: PerfModel, method: DecompositionMethod, shape: LayerShape) -> float:
+    """Modelled seconds of preconditioning one layer's gradient, every step.
+
+    Its multiply-adds (``g a (g + a)`` per block for each of the method's
+    :attr:`~spdkfac.methods.DecompositionMethod.precondition_products`) at
+    the fitted inversion curve's rate per ``d^3``: an inversion and a
+    ``G grad A`` product are both about ``d^3`` multiply-adds.
+    """
+    curve = perf.inverse
+    rate = max(curve.fitted(RATE_DIM) - curve.fitted(1), 0.0) / RATE_DIM**3
+    return method.precondition_products * shape.blocks * preconditioning_cost(shape.a_dim, shape.g_dim) * rate
+
+
+def layer_seconds(perf: PerfModel, method: DecompositionMethod, shape: LayerShape, inv_update_freq: int) -> float:
+    """Modelled seconds per step a layer's gradient workers spend on it: its two decompositions, once per
+    ``inv_update_freq`` steps, and its preconditioning, every step (what the layer groups are balanced by)."""
+    decompositions = sum(method.cost(perf, shape.factor_shape(kind)) for kind in ("A", "G"))
+    return decompositions / inv_update_freq + preconditioning_seconds(perf, method, shape)
+
+
 @dataclass(frozen=True)
 class ResultBroadcast:
     """One fused broadcast of preconditioned gradients: ``root`` sends its group's ``layers`` to ``members``."""
@@ -133,7 +166,10 @@ class WorkPlan:
     factor placed among them). ``native_subgroups``: the engine broadcasts
     to a subset of ranks; without it a group's decompositions are broadcast
     to every rank (the others drop them) and each group's results are sent
-    to all from its first rank.
+    to all from its first rank. ``held_everywhere``: for a method that
+    starts each decomposition from the previous one (a warm eigenbasis),
+    every rank holds every decomposition (placed over all ranks, as
+    COMM-OPT) and the groups split only the preconditioning.
     """
 
     inversion: PlacementPlan
@@ -141,6 +177,7 @@ class WorkPlan:
     layer_groups: dict[str, int] = field(default_factory=dict)
     groups: GradWorkerGroups | None = None
     native_subgroups: bool = False
+    held_everywhere: bool = False
 
     @classmethod
     def make(
@@ -154,6 +191,7 @@ class WorkPlan:
         *,
         grad_workers: int | None = None,
         native_subgroups: bool = False,
+        inv_update_freq: int = 1,
     ) -> WorkPlan:
         """The plan for ``layers`` (in model order) on ``workers`` workers with ``grad_workers`` per layer.
 
@@ -163,9 +201,11 @@ class WorkPlan:
         sent as one buffer), costed by the compute method
         (:meth:`~spdkfac.methods.DecompositionMethod.cost`). ``grad_workers``
         None means all (COMM-OPT), or one with ``distribute_preconditioning``
-        (MEM-OPT, its old name). Layers go to groups balanced by their
-        preconditioning matmuls; inside a group the factors are placed by
-        ``placement`` among its ranks, costed with broadcasts to the group.
+        (MEM-OPT, its old name). Layers go to groups balanced by the work a
+        group does for them per step (:func:`layer_seconds`: decompositions
+        every ``inv_update_freq`` steps, preconditioning every step); inside a
+        group the factors are placed by ``placement`` among its ranks, costed
+        with broadcasts to the group.
         """
         method = get_method(compute_method)
         if grad_workers is None:
@@ -173,7 +213,13 @@ class WorkPlan:
         groups = GradWorkerGroups(workers, grad_workers)
         if groups.everyone_holds_everything:
             return cls(_place_factors(layers, workers, perf, placement, method, None), tuple(layers))
-        group_of = balance_by_cost([s.blocks * preconditioning_cost(s.a_dim, s.g_dim) for s in layers], groups.count)
+        if method.starts_from_previous:
+            # The previous decomposition must be where the next is made, and in a checkpoint: all hold all.
+            group_of = balance_by_cost([preconditioning_seconds(perf, method, s) for s in layers], groups.count)
+            inversion = _place_factors(layers, workers, perf, placement, method, None)
+            layer_groups = {s.name: g for s, g in zip(layers, group_of)}
+            return cls(inversion, tuple(layers), layer_groups, groups, native_subgroups, held_everywhere=True)
+        group_of = balance_by_cost([layer_seconds(perf, method, s, inv_update_freq) for s in layers], groups.count)
         in_group = perf.scaled_to(grad_workers) if native_subgroups else perf
         assignments: list[Assignment] = []
         for k in range(groups.count):
@@ -199,14 +245,14 @@ class WorkPlan:
         return self.grad_workers / self.workers
 
     def gradient_workers(self, layer: str) -> tuple[int, ...]:
-        """The ranks that hold ``layer``'s decompositions."""
+        """The ranks that precondition ``layer`` (and hold its decompositions, as every rank does if :attr:`held_everywhere`)."""
         if self.groups is None:
             return tuple(range(self.workers))
         return self.groups.members(self.layer_groups[layer])
 
     def holds(self, rank: int, layer: str) -> bool:
-        """Whether ``rank`` keeps ``layer``'s decompositions (and may precondition it)."""
-        return rank in self.gradient_workers(layer)
+        """Whether ``rank`` keeps ``layer``'s decompositions (it may precondition it only if a gradient worker of it)."""
+        return self.held_everywhere or rank in self.gradient_workers(layer)
 
     @property
     def preconditioners(self) -> dict[str, int]:

@@ -327,7 +327,10 @@ def test_vs_kaisa_alternates_this_projects_systems_and_renders(tmp_path):
         assert r["median"] == pytest.approx(sorted(its)[1] / 2 + sorted(its)[2] / 2)
         assert "vs_kaisa-eigen_mean" not in r  # no KAISA in this run: no ratio against it
     assert data["kaisa"] is None
-    assert data["specs"]["spdkfac-eigen-warm"] == "spdkfac:compute_method=eigen,eigen_refresh=warm,eigen_full_every=2"
+    assert (
+        data["specs"]["spdkfac-eigen-warm"]
+        == "spdkfac:compute_method=eigen,eigen_refresh=warm,eigen_full_every=2,grad_worker_fraction=auto"
+    )
     sys.path.insert(0, str(ROOT / "scripts"))
     import results_md
 

@@ -20,13 +20,15 @@ from spdkfac.comm import CommBackend
 from spdkfac.comm.inprocess import InProcessBackend, RankError, run_ranks
 from spdkfac.grad_worker_choice import GradWorkerProblem, plan_memory, result_broadcast_seconds
 from spdkfac.grad_workers import GradWorkerGroups, grad_worker_count, valid_fractions
+from spdkfac.methods import get_method
 from spdkfac.perfmodels import PerfModel
 from spdkfac.placement import ALL
-from spdkfac.work_plan import LayerShape, WorkPlan
+from spdkfac.work_plan import LayerShape, WorkPlan, layer_seconds, preconditioning_seconds
 
 P = 4
 STEPS = 4
 BASE: dict[str, Any] = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.01, factor_decay=0.9, kl_clip=0.01, profile_steps=1)
+GLOBAL_BATCH = 48  # more samples than any factor's dimension (full-rank factors), where a warm refresh is compared
 SHAPES = [LayerShape(f"fc{i}", 10 + i, 6 + i % 3) for i in range(8)]  # similar sizes: groups hold alike
 
 
@@ -124,28 +126,56 @@ def test_all_gradient_workers_is_the_plain_plan():
     assert set(memopt.preconditioners.values()) == set(range(4))
 
 
+def test_layer_groups_balance_decompositions_and_preconditioning():
+    """A group decomposes its layers' factors and preconditions them: both count, the decompositions per refresh."""
+    perf = _perf()
+    # Three layers dear to decompose (one wide factor) but cheap to precondition, one the other way round.
+    shapes = [LayerShape(f"wide{i}", 60, 2) for i in range(3)] + [LayerShape("square", 40, 40)]
+    names = [s.name for s in shapes]
+
+    def busiest(plan: WorkPlan, inv_update_freq: int) -> float:
+        per_rank = [0.0, 0.0]
+        for s in shapes:
+            per_rank[plan.preconditioners[s.name]] += layer_seconds(perf, get_method("inverse"), s, inv_update_freq)
+        return max(per_rank)
+
+    every = WorkPlan.make(shapes, 2, perf, "lbp", "inverse", grad_workers=1, inv_update_freq=1)
+    # Decomposing every step, the wide layers are shared out (by preconditioning alone, all three would share a rank).
+    assert len({every.preconditioners[n] for n in names[:3]}) == 2
+    rare = WorkPlan.make(shapes, 2, perf, "lbp", "inverse", grad_workers=1, inv_update_freq=100)
+    # Decomposing once in 100 steps, the preconditioning decides: the square layer alone against the three wide ones.
+    assert {rare.preconditioners[n] for n in names[:3]} == {1 - rare.preconditioners["square"]}
+    assert busiest(every, 1) < busiest(rare, 1)
+    assert busiest(rare, 100) <= busiest(every, 100)
+    # The eigen method's preconditioning is twice the inverse method's products (into the eigenbasis and back).
+    square = shapes[-1]
+    assert preconditioning_seconds(perf, get_method("eigen"), square) == 2 * preconditioning_seconds(perf, get_method("inverse"), square)
+
+
 # -- N workers equal one worker ------------------------------------------------------------------
-def _reference(cfg: dict[str, Any], steps: int = STEPS) -> dict[str, torch.Tensor]:
-    x, y = batch(4 * P)
+def _reference(cfg: dict[str, Any], steps: int = STEPS, global_batch: int = 4 * P) -> dict[str, torch.Tensor]:
+    x, y = batch(global_batch)
     model = small_net().double()
     opt = SPDKFACOptimizer(model, backend="single", perf_model=_perf(), **cfg)
     train(model, opt, x.double(), y, steps)
     return model.state_dict()
 
 
-def _shard(rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = batch(4 * P)
-    local = 4 * P // size
+def _shard(rank: int, size: int, global_batch: int = 4 * P) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch(global_batch)
+    local = global_batch // size
     return x.double()[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
 
 
-def _distributed(cfg: dict[str, Any], steps: int = STEPS, size: int = P) -> list[tuple[dict[str, torch.Tensor], SPDKFACOptimizer]]:
+def _distributed(
+    cfg: dict[str, Any], steps: int = STEPS, size: int = P, global_batch: int = 4 * P
+) -> list[tuple[dict[str, torch.Tensor], SPDKFACOptimizer]]:
     models = [small_net().double() for _ in range(size)]  # built here: small_net seeds the global generator
 
     def body(backend: CommBackend) -> tuple[dict[str, torch.Tensor], SPDKFACOptimizer]:
         model = models[backend.rank]
         opt = SPDKFACOptimizer(model, backend=backend, perf_model=_perf(), **cfg)
-        train(model, opt, *_shard(backend.rank, size), steps, accumulate=cfg.get("accumulation_steps", 1))
+        train(model, opt, *_shard(backend.rank, size, global_batch), steps, accumulate=cfg.get("accumulation_steps", 1))
         return model.state_dict(), opt
 
     return run_ranks(size, body, timeout=120)
@@ -178,6 +208,54 @@ def test_every_fraction_matches_one_worker(method):
     # The total falls with the fraction; the fullest worker's never grows (here the largest layer alone fills it).
     assert sum(usage[0.25]) < sum(usage[0.5]) < sum(usage[1.0])
     assert max(usage[0.25]) <= max(usage[0.5]) < max(usage[1.0])
+
+
+@pytest.mark.slow
+def test_warm_refresh_splits_only_the_preconditioning_and_resumes_exactly():
+    """A warm refresh starts from the previous basis, so every rank holds every basis (placed as COMM-OPT) and the
+    fraction splits only the preconditioning: one worker's result, and the saving rank's checkpoint holds every
+    basis and its age, so a run resumed from it continues bit for bit. More samples than any factor's dimension
+    (distinct eigenvalues: within a repeated one a warm basis follows rounding, tests/test_ekfac.py)."""
+    cfg = dict(BASE, compute_method="eigen", eigen_refresh="warm", eigen_full_every=3, grad_worker_fraction=0.5)
+    results = _distributed(cfg, steps=5, global_batch=GLOBAL_BATCH)
+    _assert_matches(results, _reference(cfg, steps=5, global_batch=GLOBAL_BATCH))
+    opts = [opt for _, opt in results]
+    plan = opts[0].work_plan
+    names = [layer.name for layer in opts[0].layers]
+    assert plan.held_everywhere
+    assert plan.grad_workers == 2
+    comm_opt = WorkPlan.make([LayerShape.of(la) for la in opts[0].layers], P, opts[0].perf_model, "lbp", opts[0].method)
+    assert plan.inversion.assignments == comm_opt.inversion.assignments
+    assert any(int(layer.decomposition("A").age) > 0 for layer in opts[0].layers)  # warm refreshes ran
+    for rank, opt in enumerate(opts):
+        assert all(layer.decomposed for layer in opt.layers)
+        assert 0 < len(plan.preconditioned_here(rank, names)) < len(names)
+
+    models = {run: [small_net().double() for _ in range(P)] for run in ("resumed", "uninterrupted")}
+
+    def body(backend: CommBackend) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+        x, y = _shard(backend.rank, P, GLOBAL_BATCH)
+        out = []
+        for run in ("resumed", "uninterrupted"):
+            model = models[run][backend.rank]
+            opt = SPDKFACOptimizer(model, backend=backend, perf_model=_perf(), **cfg)
+            train(model, opt, x, y, 3)
+            state = copy.deepcopy(opt.state_dict())
+            if run == "resumed":
+                opt.remove_hooks()
+                opt = SPDKFACOptimizer(model, backend=backend, perf_model=_perf(), **cfg)
+                opt.load_state_dict(state)
+            train(model, opt, x, y, 3)
+            out.append(model.state_dict())
+        return out[0], out[1], state["kfac"]
+
+    ranks = run_ranks(P, body, timeout=120)
+    for resumed, uninterrupted, saved in ranks:
+        for name, value in uninterrupted.items():
+            assert torch.equal(resumed[name], value), name
+        assert all(entry[f"{kind}_eigen"]["age"] is not None for entry in saved["layers"].values() for kind in "AG")
+        for layer, entry in saved["layers"].items():  # every rank saves the same bases: rank 0's checkpoint is everyone's
+            assert torch.equal(entry["A_eigen"]["Q"], ranks[0][2]["layers"][layer]["A_eigen"]["Q"])
 
 
 @pytest.mark.slow
@@ -332,13 +410,13 @@ def test_state_dict_round_trip_resumes_bit_for_bit():
             assert torch.equal(params_r[name], value), name
 
 
-@pytest.mark.parametrize("options", [dict(compute_method="ekfac"), dict(compute_method="eigen", eigen_refresh="warm")])
-def test_a_fraction_below_one_is_refused_with_per_layer_eigenbasis_state(options):
+def test_a_fraction_below_one_is_refused_with_per_layer_eigenbasis_state():
     from spdkfac.config import KFACConfig
 
+    options = dict(compute_method="ekfac")
     with pytest.raises(ValueError, match=r"use grad_worker_fraction=None \(1\) with it"):
         KFACConfig(grad_worker_fraction=0.5, **options)
     KFACConfig(grad_worker_fraction=1.0, **options)  # COMM-OPT: every worker holds every basis
-    if options.get("eigen_refresh") == "warm":  # MEM-OPT under its older name, too
-        with pytest.raises(ValueError, match="distribute_preconditioning=True keeps decompositions"):
-            KFACConfig(distribute_preconditioning=True, **options)
+    # A warm eigenbasis is held by every worker whatever the fraction (which then splits only the preconditioning).
+    KFACConfig(compute_method="eigen", eigen_refresh="warm", grad_worker_fraction=0.5)
+    KFACConfig(compute_method="eigen", eigen_refresh="warm", distribute_preconditioning=True)

@@ -59,3 +59,36 @@ def test_gradient_worker_groups_match_one_process_and_replicas_agree(engine, tmp
         assert record["grad_workers"] == round(CONFIGS[name]["grad_worker_fraction"] * NPROC)
     owners = ranks[0]["half-inverse-lbp"]["owners"]
     assert any(o >= 0 for o in owners.values())  # some decompositions broadcast inside their group
+
+
+#: A warm refresh starts from the previous basis: every rank holds every basis, the groups split the preconditioning.
+#: More samples than any factor's dimension (distinct eigenvalues: within a repeated one a warm basis follows rounding).
+WARM = {
+    "half-eigen-warm": dict(
+        BASE,
+        placement="lbp",
+        perf_model="expensive-eigen",
+        compute_method="eigen",
+        eigen_refresh="warm",
+        eigen_full_every=3,
+        grad_worker_fraction=0.5,
+    ),
+}
+WARM_BATCH = 48
+
+
+@pytest.mark.parametrize("engine", ["torch", "horovod"])
+def test_warm_refresh_with_gradient_worker_groups_matches_one_process(engine, tmp_path):
+    out = tmp_path / f"{engine}.pt"
+    args = ["--configs", json.dumps(WARM), "--global-batch", str(WARM_BATCH), "--steps", str(STEPS)]
+    run_workers(engine, NPROC, [WORKER, "--backend", engine, *args, "--every-rank", "--out", str(out)])
+    ranks = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(NPROC)]
+    _assert_same(ranks[0], _reference(WARM_BATCH, WARM, tmp_path))
+    for other in range(1, NPROC):
+        _assert_bitwise_equal(ranks[0]["half-eigen-warm"]["params"], ranks[other]["half-eigen-warm"]["params"], "params")
+        _assert_bitwise_equal(
+            ranks[0]["half-eigen-warm"]["optimizer_state"], ranks[other]["half-eigen-warm"]["optimizer_state"], "optimizer_state"
+        )
+    for r in range(NPROC):  # every rank holds every basis, with its age
+        layers = ranks[r]["half-eigen-warm"]["optimizer_state"]["kfac"]["layers"]
+        assert all(e["A_eigen"] is not None and e["A_eigen"].get("age") is not None for e in layers.values())

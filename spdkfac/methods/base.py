@@ -89,6 +89,21 @@ class DecompositionMethod(abc.ABC):
         stages its next value in; the others ignore it.
         """
 
+    #: Products of the ``g x a`` gradient with each factor's kept ``d x d`` matrix in :meth:`precondition`
+    #: (an inverse: one on each side; an eigenbasis: into it and back), for the modelled preconditioning seconds.
+    precondition_products: ClassVar[int] = 1
+
+    @property
+    def starts_from_previous(self) -> bool:
+        """Whether a decomposition starts from the factor's previous one (a warm-started eigenbasis).
+
+        Whichever rank decomposes a factor must then hold its previous
+        decomposition, and a checkpoint every one: every rank keeps every
+        decomposition, even where only some precondition a layer
+        (:class:`~spdkfac.work_plan.WorkPlan`).
+        """
+        return False
+
     # -- per-layer state (empty but for methods that learn from every gradient) -------
     #: Whether a layer's state changes on every preconditioning (then only every rank preconditioning every layer
     #: keeps it identical everywhere: distributed preconditioning is refused).

@@ -37,6 +37,7 @@ class EigenMethod(DecompositionMethod):
     name = "eigen"
     label = "eigendecompositions"
     suffix = "_eigen"
+    precondition_products = 2  # Q_G^T grad Q_A, then Q_G (...) Q_A^T
 
     def __init__(self, refresh: EigenRefresh = "exact", full_every: int = 10, tolerance: float | None = None) -> None:
         if refresh not in EIGEN_REFRESHES:
@@ -56,6 +57,10 @@ class EigenMethod(DecompositionMethod):
         if self.warm is None:
             return f"{type(self).__name__}()"
         return f"{type(self).__name__}(refresh='warm', full_every={self.warm.full_every}, tolerance={self.warm.tolerance:g})"
+
+    @property
+    def starts_from_previous(self) -> bool:
+        return self.warm is not None
 
     def _ages(self, shape: FactorShape) -> int:
         """Trailing payload elements holding the warm refresh's age (one; none for exact or diagonal factors)."""

@@ -225,8 +225,9 @@ def _work_plan(profile: Profile, cfg: Mapping[str, Any], m: ScaledModels, inv_up
     if choice is not None:
         return choice.plan
     return WorkPlan.make(
-        shapes, m.workers, m.scaled, cfg["placement"], method, grad_workers=grad_workers, native_subgroups=SIMULATED_SUBGROUPS
-    )
+        shapes, m.workers, m.scaled, cfg["placement"], method, grad_workers=grad_workers, native_subgroups=SIMULATED_SUBGROUPS,
+        inv_update_freq=inv_update_freq,
+    )  # fmt: skip
 
 
 def predict_memory(profile: Profile, perf: PerfModel, workers: int, variant: str, update_freq: tuple[int, int] = (1, 1)) -> list[int]:
