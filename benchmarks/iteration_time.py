@@ -168,11 +168,7 @@ class VariantRun:
 
 def slowest_rank(backend, seconds: list[float], name: str) -> list[float]:
     """Each iteration's seconds on its slowest rank (every rank passes its own, in the same order)."""
-    n, k = backend.size, len(seconds)
-    buf = torch.zeros(n * k, dtype=torch.float64)
-    buf[backend.rank * k : (backend.rank + 1) * k] = torch.tensor(seconds, dtype=torch.float64) * n
-    backend.allreduce_async(buf, name).wait()  # the mean over the ranks leaves each rank's values in its slot
-    return buf.view(n, k).max(dim=0).values.tolist()
+    return [max(column) for column in zip(*backend.gather_values(seconds, name))]
 
 
 def run_round(variants: list[str], args, backend, x, y, interleave: bool, label: str) -> dict[str, dict[str, object]]:

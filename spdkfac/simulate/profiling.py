@@ -176,16 +176,14 @@ def _barrier(comm: CommBackend | None) -> None:
 
 
 def _across_ranks(profile: Profile, comm: CommBackend, iterations: tuple[list[float], list[float]]) -> Profile:
-    """``profile`` with every time the mean over the ranks, each rank's totals and each iteration's spread (one all-reduce).
+    """``profile`` with every time the mean over the ranks, each rank's totals and each iteration's spread.
 
     The totals are this rank's K-FAC pass work (forward + backward + the
     rest of ``step()``), its inversions of every factor, and its plain-SGD
-    pass work (forward + backward + update), placed at its rank's slot.
-    ``iterations`` holds this rank's K-FAC and plain-SGD pass work iteration
-    by iteration (the same count on every rank), gathered the same way for
-    :func:`iteration_lag`.
+    pass work (forward + backward + update). ``iterations`` holds this rank's
+    K-FAC and plain-SGD pass work iteration by iteration (the same count on
+    every rank), gathered with them for :func:`iteration_lag`.
     """
-    n, rank = comm.size, comm.rank
     scalars = (
         "forward",
         "backward",
@@ -204,20 +202,7 @@ def _across_ranks(profile: Profile, comm: CommBackend, iterations: tuple[list[fl
     values = [float(getattr(profile, k) or 0.0) for k in scalars]
     values += [float(getattr(f, k) or 0.0) for f in profile.factors for k in per_factor]
     values += [p.seconds for p in profile.precondition]
-    own = (
-        profile.forward + profile.backward + profile.step_other,
-        sum(f.invert or 0.0 for f in profile.factors),
-        (profile.sgd_forward_backward or 0.0) + (profile.sgd_step or 0.0),
-    )
-    totals = [0.0] * (3 * n)
-    for i, total in enumerate(own):
-        totals[i * n + rank] = total * n  # the mean over the ranks leaves each rank's own value in its slot
-    per_iteration = []
-    for series in iterations:
-        slots = [0.0] * (len(series) * n)
-        slots[rank * len(series) : (rank + 1) * len(series)] = [t * n for t in series]
-        per_iteration += slots
-    buf = torch.tensor(values + totals + per_iteration, dtype=torch.float64)
+    buf = torch.tensor(values, dtype=torch.float64)
     comm.allreduce_async(buf, "spdkfac.simulate.profile").wait()
     mean = buf.tolist()
     head = dict(zip(scalars, mean[: len(scalars)]))
@@ -231,23 +216,24 @@ def _across_ranks(profile: Profile, comm: CommBackend, iterations: tuple[list[fl
     for p in profile.precondition:
         precondition.append(replace(p, seconds=mean[pos]))
         pos += 1
-    rank_totals = [tuple(mean[pos + i * n : pos + (i + 1) * n]) for i in range(3)]
-    pos += 3 * n
-    lags = []
-    for series in iterations:
-        k = len(series)
-        lags.append(iteration_lag([mean[pos + r * k : pos + (r + 1) * k] for r in range(n)]))
-        pos += k * n
+    own = [
+        profile.forward + profile.backward + profile.step_other,
+        sum(f.invert or 0.0 for f in profile.factors),
+        (profile.sgd_forward_backward or 0.0) + (profile.sgd_step or 0.0),
+    ]
+    kfac_series, sgd_series = iterations
+    ranks = comm.gather_values(own + kfac_series + sgd_series, "spdkfac.simulate.profile.ranks")
+    split = len(own) + len(kfac_series)
     return replace(
         profile,
         **head,
         factors=tuple(factors),
         precondition=tuple(precondition),
-        rank_passes=rank_totals[0],
-        rank_inversions=rank_totals[1],
-        rank_sgd=rank_totals[2],
-        iteration_lag_passes=lags[0],
-        iteration_lag_sgd=lags[1],
+        rank_passes=tuple(r[0] for r in ranks),
+        rank_inversions=tuple(r[1] for r in ranks),
+        rank_sgd=tuple(r[2] for r in ranks),
+        iteration_lag_passes=iteration_lag([r[len(own) : split] for r in ranks]),
+        iteration_lag_sgd=iteration_lag([r[split:] for r in ranks]),
     )
 
 
