@@ -268,7 +268,12 @@ def rank_lag(totals: Sequence[float], workers: int) -> float:
     mean = sum(totals) / len(totals)
     if mean <= 0:
         return 0.0
-    return (max(totals) - mean) / mean * expected_max_normal(workers) / expected_max_normal(len(totals))
+    return _lag_at(workers, (max(totals) - mean) / mean, len(totals))
+
+
+def _lag_at(workers: int, lag: float, profiled: int) -> float:
+    """``lag`` measured over ``profiled`` ranks, for ``workers``: as the expected maximum of that many normal draws."""
+    return lag * expected_max_normal(workers) / expected_max_normal(profiled)
 
 
 def iteration_lag_share(per_iteration: float | None, totals: Sequence[float], workers: int) -> float:
@@ -283,7 +288,7 @@ def iteration_lag_share(per_iteration: float | None, totals: Sequence[float], wo
         return rank_lag(totals, workers)
     if len(totals) < 2 or workers < 2:
         return 0.0
-    return per_iteration * expected_max_normal(workers) / expected_max_normal(len(totals))
+    return _lag_at(workers, per_iteration, len(totals))
 
 
 def _add_rank_lag(parts: dict[str, float], profile: Profile, plan: WorkPlan | None, workers: int, kfac: bool, inversions: float) -> None:
