@@ -21,6 +21,7 @@ import torch.nn as nn
 from launch import ROOT, assert_params_match, require_horovod, run_single, run_workers
 from nets import assert_bitwise_equal, batch, mixed_net, small_net, train
 from test_reference_kfac import ConvLinearNet, ReferenceKFAC
+from test_reference_kfac import step_beside_reference as beside_reference
 
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm.inprocess import run_ranks
@@ -75,20 +76,11 @@ class ReferenceEKFAC(ReferenceKFAC):
 
 
 def step_beside_reference(net: nn.Module, opt: SPDKFACOptimizer, ref_net: nn.Module, reference: ReferenceKFAC, steps: int = 7) -> None:
-    """``steps`` steps of ``opt`` and of the float64 ``reference`` on the same batches, the parameters equal after each.
+    """``steps`` steps beside the float64 reference, the parameters equal after each (:func:`test_reference_kfac.step_beside_reference`).
 
     48 samples a batch: full-rank factors with distinct eigenvalues, so the two eigenbases agree.
     """
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x = torch.randn(48, 2, 7, 7, generator=gen)
-        y = torch.randint(0, 3, (48,), generator=gen)
-        reference.step(x, y)
-        opt.zero_grad()
-        nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-        for (pname, p), p_ref in zip(net.named_parameters(), ref_net.parameters()):
-            torch.testing.assert_close(p, p_ref, rtol=1e-8, atol=1e-11, msg=lambda m, pname=pname: f"{pname} at step {opt.steps}: {m}")
+    beside_reference(net, opt, ref_net, reference, steps=steps, batch=48, rtol=1e-8, atol=1e-11)
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ with nothing from the library but the optimizer under test:
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -156,6 +157,32 @@ class ReferenceKFAC:
         self.steps += 1
 
 
+def step_beside_reference(
+    net: nn.Module,
+    opt: Any,
+    ref_net: nn.Module,
+    reference: ReferenceKFAC,
+    steps: int,
+    batch: int,
+    rtol: float,
+    atol: float,
+    label: str = "",
+) -> None:
+    """``steps`` steps of ``opt`` and of the float64 ``reference`` on the same batches, the parameters equal after each."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(batch, 2, 7, 7, generator=gen)
+        y = torch.randint(0, 3, (batch,), generator=gen)
+        reference.step(x, y)
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        for (pname, p), p_ref in zip(net.named_parameters(), ref_net.parameters()):
+            torch.testing.assert_close(
+                p, p_ref, rtol=rtol, atol=atol, msg=lambda m, pname=pname: f"{label}{pname} at step {opt.steps}: {m}"
+            )
+
+
 CONFIGS = {
     "every-step": dict(factor_update_freq=1, inv_update_freq=1, kl_clip=1e-3),
     "amortised": dict(factor_update_freq=2, inv_update_freq=4, kl_clip=1e-3),
@@ -174,18 +201,7 @@ def test_optimizer_takes_the_reference_step(name, float64):
     ref_net = copy.deepcopy(net)
     reference = ReferenceKFAC(ref_net, **hyper)
     opt = SPDKFACOptimizer(net, backend="single", **hyper)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(6):
-        x = torch.randn(5, 2, 7, 7, generator=gen)
-        y = torch.randint(0, 3, (5,), generator=gen)
-        reference.step(x, y)
-        opt.zero_grad()
-        nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-        for (pname, p), p_ref in zip(net.named_parameters(), ref_net.parameters()):
-            torch.testing.assert_close(
-                p, p_ref, rtol=1e-9, atol=1e-12, msg=lambda m, pname=pname: f"{name}/{pname} at step {opt.steps}: {m}"
-            )
+    step_beside_reference(net, opt, ref_net, reference, steps=6, batch=5, rtol=1e-9, atol=1e-12, label=f"{name}/")
     for layer, module in zip(opt.layers, reference.layers):
         torch.testing.assert_close(layer.A, reference.A[module], rtol=1e-9, atol=1e-12)
         torch.testing.assert_close(layer.G, reference.G[module], rtol=1e-9, atol=1e-12)
