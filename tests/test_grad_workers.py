@@ -230,6 +230,7 @@ def test_warm_refresh_splits_only_the_preconditioning_and_resumes_exactly():
     for rank, opt in enumerate(opts):
         assert all(layer.decomposed for layer in opt.layers)
         assert 0 < len(plan.preconditioned_here(rank, names)) < len(names)
+        assert sum(opt.memory_usage().values()) == plan_memory(plan, opt.method, 8)[rank]  # the bases' ages counted too
 
     models = {run: [small_net().double() for _ in range(P)] for run in ("resumed", "uninterrupted")}
 

@@ -126,7 +126,7 @@ class EigenMethod(DecompositionMethod):
         return eigen_precondition(grad, a, g, damping)
 
     def tensors(self, kept: Any) -> list[torch.Tensor]:
-        return [t for t in (kept.Q, kept.d) if t is not None]
+        return [t for t in (kept.Q, kept.d, kept.age) if t is not None]  # the age is held too (kept_size counts it)
 
     def save(self, kept: Any) -> Any:
         saved = {"Q": kept.Q, "d": kept.d}
