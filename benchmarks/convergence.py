@@ -473,6 +473,33 @@ def summarise(setting: dict[str, Any], optimizers: list[str]) -> None:
             seconds_to_second=s2,
             per_seed=per_seed(res["lr_grid"][repr(res["chosen_lr"])]["runs"], target, second_target),
         )
+    for spec in optimizers:
+        mine = setting["optimizers"][spec]["per_seed"]
+        setting["optimizers"][spec]["paired_best_test_acc"] = {
+            other: paired_difference(mine, setting["optimizers"][other]["per_seed"], "best_test_acc")
+            for other in optimizers
+            if other != spec
+        }
+
+
+def paired_difference(mine: dict[str, Any], theirs: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """``mine[key] - theirs[key]`` seed by seed (the same seed: the same initialisation and data order), their mean,
+    its standard error and the wins / ties / losses: what a difference between two optimizers' means is worth
+    next to the seeds' noise. None when the two ran on different seeds or no seed has both values."""
+    if mine["seeds"] != theirs["seeds"]:
+        return None
+    diffs = [a - b for a, b in zip(mine[key], theirs[key]) if a is not None and b is not None]
+    if not diffs:
+        return None
+    n = len(diffs)
+    return {
+        "mean": statistics.fmean(diffs),
+        "standard_error": statistics.stdev(diffs) / math.sqrt(n) if n > 1 else None,
+        "seeds": n,
+        "wins": sum(d > 0 for d in diffs),
+        "ties": sum(d == 0 for d in diffs),
+        "losses": sum(d < 0 for d in diffs),
+    }
 
 
 def per_seed(runs: list[dict[str, Any]], target: float | None, second: float | None) -> dict[str, Any]:

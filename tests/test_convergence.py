@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -245,6 +247,12 @@ def test_convergence_runs_soap_muon_and_kfac_with_an_adamw_base(tmp_path):
         hit = next((r for r in res["curve"] if r["test_acc"] >= st["second_target_test_acc"]), None)
         assert res["epochs_to_second"] == (hit["epoch"] if hit else None)
     assert st["optimizers"]["adamw"]["epochs_to_second"] is not None
+    paired = st["optimizers"][kfac_adamw]["paired_best_test_acc"]["soap"]  # seed by seed against each other optimizer
+    soap_seeds = st["optimizers"]["soap"]["per_seed"]["best_test_acc"]
+    diffs = [a - b for a, b in zip(st["optimizers"][kfac_adamw]["per_seed"]["best_test_acc"], soap_seeds)]
+    assert paired["seeds"] == 2
+    assert paired["mean"] == pytest.approx(sum(diffs) / 2)
+    assert set(st["optimizers"]["soap"]["paired_best_test_acc"]) == set(st["optimizers"]) - {"soap"}
     assert st["optimizers"]["muon:adamw_lr=0.002"]["config"] == {"adamw_lr": 0.002, "weight_decay": 0.05}
     assert st["optimizers"]["soap"]["config"]["precondition_frequency"] == 2
     kfac = st["optimizers"][kfac_adamw]["config"]
@@ -327,3 +335,21 @@ def test_plot_per_seed_draws_each_seed_of_the_chosen_lr_and_names_an_unknown_opt
     assert drawn == [[4, 4, 4]]  # 2 optimizers x 2 seeds of the chosen LR (not the other LR's 3)
     with pytest.raises(ValueError, match=r"\['muon'\] not in this run"):
         plot_per_seed(setting, ["soap", "muon"], tmp_path / "q.png")
+
+
+def test_paired_difference_compares_seed_by_seed_and_refuses_different_seeds():
+    from benchmarks.convergence import paired_difference
+
+    mine = {"seeds": [0, 1, 2, 3], "best_test_acc": [0.98, 0.97, 0.99, None]}
+    theirs = {"seeds": [0, 1, 2, 3], "best_test_acc": [0.97, 0.97, 0.985, 0.9]}
+    p = paired_difference(mine, theirs, "best_test_acc")
+    assert p is not None
+    assert p["seeds"] == 3  # seed 3 has no value of mine
+    assert p["mean"] == pytest.approx((0.01 + 0.0 + 0.005) / 3)
+    assert p["standard_error"] == pytest.approx(statistics.stdev([0.01, 0.0, 0.005]) / math.sqrt(3))
+    assert (p["wins"], p["ties"], p["losses"]) == (2, 1, 0)
+    assert paired_difference(mine, {**theirs, "seeds": [4, 5, 6, 7]}, "best_test_acc") is None
+    one = paired_difference({"seeds": [0], "best_test_acc": [0.9]}, {"seeds": [0], "best_test_acc": [0.95]}, "best_test_acc")
+    assert one is not None
+    assert one["standard_error"] is None
+    assert one["losses"] == 1

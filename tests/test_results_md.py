@@ -562,6 +562,13 @@ def test_convergence_race_shows_the_second_target_the_seeds_and_the_issue_target
     assert "| `spdkfac` | 0.05: 98.5%, 0.5: 10.0% | 0.985 (0.980–0.990) |" in section
     assert "– (2–3), 1 of 3 not reached" in section
     assert "| `spdkfac` | yes (2 vs 2) | no (30 vs 9) | yes (98.5% vs 98.0%) | no (0.150 vs 0.100) |" in section
+    # With the seed-by-seed comparison the benchmark records, the cell says what the difference is worth.
+    optimizers["spdkfac"]["paired_best_test_acc"] = {
+        "soap": {"mean": 0.005, "standard_error": 0.0029, "seeds": 3, "wins": 2, "ties": 1, "losses": 0}
+    }
+    _write(run, "convergence.json", {"args": {"epochs": 12}, "world_size": 2, "settings": [setting]})
+    section = _section(results_md.build(tmp_path / "results", tmp_path / "RESULTS.md"), "Time to accuracy: race")
+    assert "| yes (98.5% vs 98.0%; per seed +0.50 ± 0.29 points, 2–1–0) |" in section
 
 
 def test_eigenbasis_section_gives_each_variant_its_speed_up_over_the_exact_eigen_method(tmp_path):
