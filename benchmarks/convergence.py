@@ -31,7 +31,9 @@ and Lanczos, part of the step) and its curvature memory per worker;
 heavyball``), stepping on every worker on the same averaged gradients
 (:mod:`benchmarks.external_optimizers`; ``muon``: Muon on the hidden 2-D+
 weights, AdamW on the rest); they and K-FAC with an Adam-type base
-(``spdkfac:base=adamw``) use ``--adamw-weight-decay`` (decoupled). A second
+(``spdkfac:base=adamw``) use ``--adamw-weight-decay`` (decoupled). A spec
+may set its own decay (``adamw:weight_decay=0.05``), so that each optimizer
+runs at its best one in the same interleaved run. A second
 target is the first ``adamw`` entry's best test accuracy: epochs and seconds
 to reach it are reported too. Per-seed best accuracies, final test losses
 and epochs to the targets give the median and spread over ``--seeds``.
@@ -71,7 +73,8 @@ DEFAULT_LR_GRID = (0.025, 0.05, 0.1)
 #: Keyword arguments of the K-FAC optimizers that --damping etc. set (a variant spec may override them).
 KFAC_KEYS = ("damping", "kl_clip", "factor_decay", "factor_update_freq", "inv_update_freq")
 #: Optimizer options this benchmark passes itself, so a variant spec cannot set them (and where they come from).
-SET_BY_BENCHMARK = {"lr": "--lr-grid", "momentum": "--momentum", "weight_decay": "--weight-decay", "backend": "the launcher"}
+#: A spec may set its own ``weight_decay`` (over --weight-decay / --adamw-weight-decay): each optimizer at its best decay.
+SET_BY_BENCHMARK = {"lr": "--lr-grid", "momentum": "--momentum", "backend": "the launcher"}
 #: The optimizer a second target (its best test accuracy) comes from, when listed.
 SECOND_REFERENCE = "adamw"
 CURVE_KEYS = ("train_loss", "test_loss", "test_acc", "epoch_s", "seconds", "fwdbwd_s", "step_s", "refresh_s", "lr")
@@ -115,12 +118,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="model-initialisation and shuffling seeds")
     ap.add_argument("--split-seed", type=int, default=42, help="seed of the fixed train/test split")
     ap.add_argument("--momentum", type=float, default=0.9)
-    ap.add_argument("--weight-decay", type=float, default=5e-4, help="SGD and K-FAC")
+    ap.add_argument("--weight-decay", type=float, default=5e-4, help="SGD and K-FAC (a spec's own weight_decay=... wins)")
     ap.add_argument(
         "--adamw-weight-decay",
         type=float,
         default=0.05,
-        help="decoupled weight decay of adamw, dho2, dho2-wa (the DHO2 paper's), soap, muon and K-FAC with base adamw/lamb",
+        help="decoupled weight decay of adamw, dho2, dho2-wa (the DHO2 paper's), soap, muon and K-FAC with base adamw/lamb "
+        "(a spec's own weight_decay=... wins)",
     )
     ap.add_argument("--warmup-epochs", type=float, default=1.0)
     ap.add_argument("--damping", type=float, default=0.003, help="Tikhonov damping (the paper's and spdkfac.train's default)")
@@ -210,7 +214,8 @@ def spec_config(spec: str) -> dict[str, Any]:
             given[key.strip()] = float(value) if "." in value or "e" in value.lower() else int(value)
         except ValueError:
             raise ValueError(f"bad value in {spec!r}: {value!r} is not a number") from None
-    return external_options(name, given)
+    decay = {"weight_decay": given.pop("weight_decay")} if "weight_decay" in given else {}
+    return {**external_options(name, given), **decay}
 
 
 def adam_type(spec: str, config: dict[str, Any]) -> bool:
@@ -254,12 +259,12 @@ def optimizer_kwargs(spec: str, args: argparse.Namespace, data: str) -> dict[str
     """Keyword arguments for make_optimizer beyond the variant's own (which a spec's changes override)."""
     config = spec_config(spec)
     name = spec.partition(":")[0]
+    decay = args.adamw_weight_decay if adam_type(spec, config) else args.weight_decay
+    kw0: dict[str, Any] = {} if "weight_decay" in config else {"weight_decay": decay}
     if name in OTHER_OPTIMIZERS or name in EXTERNAL_OPTIMIZERS:  # AdamW-based: its decay, no momentum
-        return {"weight_decay": args.adamw_weight_decay}
-    if adam_type(spec, config):  # K-FAC with an AdamW or LAMB base
-        kw0: dict[str, Any] = {"weight_decay": args.adamw_weight_decay}
-    else:
-        kw0 = {"momentum": args.momentum, "weight_decay": args.weight_decay}
+        return kw0
+    if not adam_type(spec, config):  # K-FAC with momentum SGD (an AdamW or LAMB base has no momentum option)
+        kw0["momentum"] = args.momentum
     if not config.get("precondition", True):
         return kw0
     kw = {k: getattr(args, k) for k in KFAC_KEYS}

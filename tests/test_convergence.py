@@ -353,3 +353,26 @@ def test_paired_difference_compares_seed_by_seed_and_refuses_different_seeds():
     assert one is not None
     assert one["standard_error"] is None
     assert one["losses"] == 1
+
+
+def test_a_spec_sets_its_own_weight_decay_over_the_benchmarks_options(tmp_path):
+    import argparse
+
+    from benchmarks.convergence import check_spec, optimizer_kwargs, parse_args, spec_config
+
+    args = parse_args(["--weight-decay", "5e-4", "--adamw-weight-decay", "2.0", "--out", str(tmp_path)])
+    assert optimizer_kwargs("adamw", args, "mnist5k") == {"weight_decay": 2.0}
+    assert optimizer_kwargs("adamw:weight_decay=0.05", args, "mnist5k") == {}  # the spec's own decay is the variant's
+    assert spec_config("soap:weight_decay=0.05") == {"precondition_frequency": 2, "shampoo_beta": 0.95, "weight_decay": 0.05}
+    assert optimizer_kwargs("soap:weight_decay=0.05", args, "mnist5k") == {}
+    kfac = optimizer_kwargs("spdkfac:base=adamw,weight_decay=0.5", args, "mnist5k")
+    assert "weight_decay" not in kfac
+    assert "momentum" not in kfac  # an AdamW base has no momentum option
+    sgd_kfac = optimizer_kwargs("spdkfac", args, "mnist5k")
+    assert (sgd_kfac["weight_decay"], sgd_kfac["momentum"]) == (5e-4, 0.9)
+    assert optimizer_kwargs("spdkfac:weight_decay=0.01", args, "mnist5k")["momentum"] == 0.9
+    assert "weight_decay" not in optimizer_kwargs("spdkfac:weight_decay=0.01", args, "mnist5k")
+    with pytest.raises(ValueError, match="sets \\['lr'\\], which this benchmark sets itself"):
+        check_spec("adamw:lr=0.1", argparse.Namespace(factor_update_freq=1, inv_update_freq=1))
+    with pytest.raises(ValueError, match="unknown option"):
+        spec_config("soap:weight_decays=0.05")
