@@ -590,12 +590,15 @@ def plot(setting: dict[str, Any], path: Path, world_size: int) -> Path:
 
 
 def plot_per_seed(setting: dict[str, Any], specs: Sequence[str], path: Path) -> Path:
-    """Each seed's curves of ``specs`` at their chosen LR: test accuracy, training loss and test loss against epochs.
+    """Each seed's curves of ``specs`` at their chosen LR: test accuracy, training loss and test loss against epochs,
+    and each seed's best test accuracy side by side.
 
     The mean curve the benchmark ranks by can hide one seed that ends lower
     (a seed that overfits, or that fit the training set while the LR was
     still high): this figure shows where each seed's training loss reaches
-    zero and what its test accuracy and loss do after that.
+    zero and what its test accuracy and loss do after that; the last panel
+    pairs the optimizers' best accuracies seed by seed (the same seed: the
+    same initialisation and data order), which :func:`paired_difference` sums up.
     """
     import matplotlib
 
@@ -607,24 +610,34 @@ def plot_per_seed(setting: dict[str, Any], specs: Sequence[str], path: Path) -> 
         raise ValueError(f"{unknown} not in this run; its optimizers are {list(setting['optimizers'])}")
     from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
     styles = ("-", "--", ":", "-.")
-    handles: list[Any] = []  # the colour is the optimizer, the line style the seed
+    handles: list[Any] = []  # the colour is the optimizer, the line style the seed (a few seeds) or none (many)
     seeds: list[Any] = []
     for color, spec in enumerate(specs):
         res = setting["optimizers"][spec]
         runs = res["lr_grid"][repr(res["chosen_lr"])]["runs"]
+        many = len(runs) > len(styles)
         handles.append(Line2D([], [], color=f"C{color}", label=f"{spec} (lr {res['chosen_lr']:g})"))
         for k, run in enumerate(runs):
             xs = [e["epoch"] for e in run["epochs"]]
-            kw = {"color": f"C{color}", "ls": styles[k % len(styles)], "marker": "o", "ms": 2}
+            kw = {"color": f"C{color}", "ls": "-" if many else styles[k], "marker": "o", "ms": 2, "lw": 0.8 if many else 1.5}
             axes[0].plot(xs, [100 * e["test_acc"] for e in run["epochs"]], **kw)
             axes[1].semilogy(xs, [max(e["train_loss"], 1e-6) for e in run["epochs"]], **kw)
             axes[2].semilogy(xs, [e["test_loss"] for e in run["epochs"]], **kw)
-            if len(seeds) <= k:
-                seeds.append(Line2D([], [], color="black", ls=styles[k % len(styles)], label=f"seed {run['seed']}"))
-    for ax, ylabel in zip(axes, ("test accuracy (%)", "training loss", "test loss")):
-        ax.set(xlabel="epoch", ylabel=ylabel)
+            if not many and len(seeds) <= k:
+                seeds.append(Line2D([], [], color="black", ls=styles[k], label=f"seed {run['seed']}"))
+        best = [100 * max((e["test_acc"] for e in run["epochs"]), default=math.nan) for run in runs]
+        offset = (color - (len(specs) - 1) / 2) * 0.1  # side by side at each seed
+        axes[3].plot([k + offset for k in range(len(runs))], best, "o", color=f"C{color}")
+        axes[3].axhline(statistics.fmean(best), color=f"C{color}", ls="--", lw=0.8)
+        axes[3].set_xticks(range(len(runs)), [str(run["seed"]) for run in runs])
+    for ax, xlabel, ylabel in zip(
+        axes,
+        ("epoch", "epoch", "epoch", "seed (dashed: the mean over seeds)"),
+        ("test accuracy (%)", "training loss", "test loss", "best test accuracy (%)"),
+    ):
+        ax.set(xlabel=xlabel, ylabel=ylabel)
         ax.grid(alpha=0.3)
     fig.legend(handles=handles + seeds, loc="lower center", ncol=1, fontsize=7, frameon=False)
     fig.suptitle(f"{setting['data']}: batch {setting['batch_size']}/worker, each seed")

@@ -332,7 +332,8 @@ def test_plot_per_seed_draws_each_seed_of_the_chosen_lr_and_names_an_unknown_opt
     drawn = []
     monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **_: drawn.append([len(ax.lines) for ax in fig.axes]))
     assert plot_per_seed(setting, ["soap", "adamw"], tmp_path / "p.png") == tmp_path / "p.png"
-    assert drawn == [[4, 4, 4]]  # 2 optimizers x 2 seeds of the chosen LR (not the other LR's 3)
+    # 2 optimizers x 2 seeds of the chosen LR (not the other LR's 3); last panel: each one's best per seed and its mean
+    assert drawn == [[4, 4, 4, 4]]
     with pytest.raises(ValueError, match=r"\['muon'\] not in this run"):
         plot_per_seed(setting, ["soap", "muon"], tmp_path / "q.png")
 

@@ -569,6 +569,22 @@ def test_convergence_race_shows_the_second_target_the_seeds_and_the_issue_target
     _write(run, "convergence.json", {"args": {"epochs": 12}, "world_size": 2, "settings": [setting]})
     section = _section(results_md.build(tmp_path / "results", tmp_path / "RESULTS.md"), "Time to accuracy: race")
     assert "| yes (98.5% vs 98.0%; per seed +0.50 ± 0.29 points, 2–1–0) |" in section
+    # A contender in two configurations: each target is held against its best value among them.
+    optimizers["soap:weight_decay=2.0"] = opt(0.005, 0.99, 0.07, 3, 11.0, 3, 18.0, [0.99, 0.99, 0.99], [3, 3, 3])
+    optimizers["adamw:weight_decay=0.5"] = opt(0.005, 0.96, 0.09, 5, 8.0, 8, 18.0, [0.96, 0.96, 0.96], [5, 5, 5])
+    optimizers["spdkfac"]["paired_best_test_acc"]["soap:weight_decay=2.0"] = {
+        "mean": -0.005,
+        "standard_error": 0.001,
+        "seeds": 3,
+        "wins": 0,
+        "ties": 0,
+        "losses": 3,
+    }
+    _write(run, "convergence.json", {"args": {"epochs": 12}, "world_size": 2, "settings": [setting]})
+    section = _section(results_md.build(tmp_path / "results", tmp_path / "RESULTS.md"), "Time to accuracy: race")
+    assert "(best accuracy: `soap:weight_decay=2.0`)" in section
+    row = "| `spdkfac` | yes (2 vs 2) | no (30 vs 8) | no (98.5% vs 99.0%; per seed -0.50 ± 0.10 points, 0–0–3) | no (0.150 vs 0.090) |"
+    assert row in section
 
 
 def test_eigenbasis_section_gives_each_variant_its_speed_up_over_the_exact_eigen_method(tmp_path):
