@@ -878,6 +878,9 @@ RUN_NOTES = {
     "(mnist5k_b256_wd0.5), SOAP at 0.05 and at 2.0 (tied with 1.0 for its best on seeds 0-5), the two K-FAC "
     "configurations at 2.0 and the LR fixed on seeds 0-5 (mnist5k_b256_screen_wd*); AdamW on 3 LRs, SOAP on 2 at each "
     "decay, Muon and SGD at the race's LR.",
+    "mnist5k_b256_fresh_seeds_soap_lr": "mnist5k_b256_fresh_seeds' SOAP (weight decay 2.0) one LR further, whether its "
+    "choice at the grid's top (0.01) is its best: 0.01 again (its curves identical to the interleaved run's) and 0.02. "
+    "Its own target is SOAP's best (no SGD here): ignore the epochs and seconds to it.",
     "digits_b32_ekfac": "The race on digits with Adam in K-FAC's eigenbasis: every optimizer on a 3-point grid (factors "
     "of 2 around digits_b32_race's choice), interleaved so that seconds compare. SPD-KFAC every step and DHO2 are in "
     "digits_b32_race (left out here: the slowest, and no contenders).",
