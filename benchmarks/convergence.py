@@ -259,11 +259,12 @@ def optimizer_kwargs(spec: str, args: argparse.Namespace, data: str) -> dict[str
     """Keyword arguments for make_optimizer beyond the variant's own (which a spec's changes override)."""
     config = spec_config(spec)
     name = spec.partition(":")[0]
-    decay = args.adamw_weight_decay if adam_type(spec, config) else args.weight_decay
+    adam = adam_type(spec, config)
+    decay = args.adamw_weight_decay if adam else args.weight_decay
     kw0: dict[str, Any] = {} if "weight_decay" in config else {"weight_decay": decay}
     if name in OTHER_OPTIMIZERS or name in EXTERNAL_OPTIMIZERS:  # AdamW-based: its decay, no momentum
         return kw0
-    if not adam_type(spec, config):  # K-FAC with momentum SGD (an AdamW or LAMB base has no momentum option)
+    if not adam:  # K-FAC with momentum SGD (an AdamW or LAMB base has no momentum option)
         kw0["momentum"] = args.momentum
     if not config.get("precondition", True):
         return kw0
@@ -631,7 +632,7 @@ def plot_per_seed(setting: dict[str, Any], specs: Sequence[str], path: Path) -> 
         offset = (color - (len(specs) - 1) / 2) * 0.1  # side by side at each seed
         axes[3].plot([k + offset for k in range(len(runs))], best, "o", color=f"C{color}")
         axes[3].axhline(statistics.fmean(best), color=f"C{color}", ls="--", lw=0.8)
-        axes[3].set_xticks(range(len(runs)), [str(run["seed"]) for run in runs])
+    axes[3].set_xticks(range(len(runs)), [str(run["seed"]) for run in runs])  # every optimizer ran the same seeds
     for ax, xlabel, ylabel in zip(
         axes,
         ("epoch", "epoch", "epoch", "seed (dashed: the mean over seeds)"),

@@ -1022,9 +1022,9 @@ def issue_targets(st: dict[str, Any]) -> list[str]:
     if not soap or not adamw or not kfac:
         return []
 
-    def best(among: dict[str, dict[str, Any]], key: str, pick: Callable[..., Any] = min) -> Any:
+    def lowest(among: dict[str, dict[str, Any]], key: str) -> Any:
         values = [r[key] for r in among.values() if r.get(key) is not None]
-        return pick(values) if values else None
+        return min(values) if values else None
 
     def at_most(mine: float | None, theirs: float | None) -> str:
         if mine is None:
@@ -1034,8 +1034,8 @@ def issue_targets(st: dict[str, Any]) -> list[str]:
         return f"{'yes' if mine <= theirs else 'no'} ({mine:g} vs {theirs:g})"
 
     soap_spec = max(soap, key=lambda spec: soap[spec].get("best_test_acc") or -1.0)  # its most accurate configuration
-    soap_acc, adamw_loss = soap[soap_spec].get("best_test_acc"), best(adamw, "final_test_loss")
-    adamw_seconds = best(adamw, "seconds_to_target")
+    soap_acc, adamw_loss = soap[soap_spec].get("best_test_acc"), lowest(adamw, "final_test_loss")
+    adamw_seconds = lowest(adamw, "seconds_to_target")
     rows = []
     for spec, r in kfac.items():
         acc, loss = r.get("best_test_acc"), r.get("final_test_loss")
@@ -1043,7 +1043,7 @@ def issue_targets(st: dict[str, Any]) -> list[str]:
         rows.append(
             [
                 f"`{spec}`",
-                at_most(r.get("epochs_to_target"), best(soap, "epochs_to_target")),
+                at_most(r.get("epochs_to_target"), lowest(soap, "epochs_to_target")),
                 at_most(
                     None if r.get("seconds_to_target") is None else round(r["seconds_to_target"], 1),
                     None if adamw_seconds is None else round(adamw_seconds, 1),
