@@ -186,6 +186,77 @@ class Writer:
             self.lines += self.link(plot, title)
 
 
+def gpu_check(path: Path, d: dict[str, Any]) -> list[str]:
+    """One GPU check (benchmarks/gpu_check.py): the card, the gpu tests, iteration times against SGD, phases, decompositions."""
+    need(d, path, "environment", "stages")
+    env, stages = d["environment"], d["stages"]
+    lines = [
+        f"{env.get('card', '?')} ({env.get('memory_gib', '?')} GiB), torch {env.get('torch')}, CUDA {env.get('cuda')}, "
+        f"cupy {env.get('cupy') or 'absent'}, Python {env.get('python')}; {env.get('date')}"
+        + (" — `--quick`: proves the script, measures nothing" if d.get("quick") else "")
+        + ". Command: `bash scripts/gpu_check.sh` (benchmarks/gpu_check.py).",
+        "",
+    ]
+    for stage, value in stages.items():
+        if "error" in value:
+            lines += [f"- stage `{stage}` stopped: `{str(value['error']).splitlines()[0][:300]}`", ""]
+    tests = stages.get("tests")
+    if tests and "counts" in tests:
+        c = tests["counts"]
+        lines += [f"**gpu tests** (tests/test_gpu.py on the card): {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped.", ""]
+        bad = [t for t in tests["tests"] if t["outcome"] != "passed"]
+        if bad:
+            lines += table(["test", "outcome", "message"], [[t["name"], t["outcome"], t["message"].replace("|", "/")[:160]] for t in bad])
+    timing = stages.get("timing")
+    for batch, rows in (timing or {}).get("batches", {}).items():
+        st = timing["setting"]
+        lines += [
+            f"**Iteration time**, {st['model']} {st['resolution']}x{st['resolution']}, batch {batch}, bf16 autocast, channels-last, "
+            f"one process; interleaved; ratio to SGD's median with its 95% interval (peak memory {rows.get('cuda_peak_gib', 0):.1f} GiB):",
+            "",
+        ]
+        body = []
+        for name, row in rows.items():
+            if not isinstance(row, dict) or "median" not in row:
+                continue
+            body.append(
+                [
+                    name,
+                    str(row["n"]),
+                    ms(row["median"]),
+                    ms(row["mean"]),
+                    ratio(row.get("vs_sgd_median"), *(row.get("vs_sgd_median_95") or (None, None))),
+                    ratio(row.get("vs_sgd_mean")),
+                ]
+            )
+        lines += table(["configuration", "iterations", "median ms", "mean ms", "x SGD (median)", "x SGD (mean)"], body)
+        phased = {n: r["phases_s"] for n, r in rows.items() if isinstance(r, dict) and r.get("phases_s")}
+        if phased:
+            phases = ["forward+backward", "factors", "decompositions", "preconditioning", "update", "other"]
+            lines += ["Every-step K-FAC per phase (ms; a separate run with the timeline, which waits for the GPU at each phase):", ""]
+            lines += table(
+                ["configuration", *phases, "iteration"],
+                [[n, *(ms(p.get(k)) for k in phases), ms(p.get("iteration"))] for n, p in phased.items()],
+            )
+        if "error" in rows:
+            lines += [f"Batch {batch}: {rows['error']}", ""]
+    dec = stages.get("decompositions")
+    if dec and "stage_s" in dec:
+        names = sorted(dec["stage_s"])
+        lines += [
+            f"**One decomposition stage** of the model ({dec['factors']} factors, {dec['dims_measured']} of {dec['dims']} distinct "
+            "dimensions measured, median of repeats), by backend:",
+            "",
+        ]
+        lines += table(["backend", "ms per stage"], [[n, ms(dec["stage_s"][n])] for n in names])
+        largest = sorted(dec["per_dim_s"], key=int, reverse=True)[:4]
+        lines += table(["dimension", *names], [[dim, *(f"{dec['per_dim_s'][dim][n] * 1e3:.1f}" for n in names)] for dim in largest])
+    pm = stages.get("perfmodel")
+    if pm and "file" in pm:
+        lines += [f"Decomposition curves for planning: `{pm['file']}` (copied to `perfmodels/`).", ""]
+    return lines
+
+
 def model_stats(path: Path, d: dict[str, Any]) -> list[str]:
     """Table II: factor statistics per model, and the arithmetic floor of the amortised setting."""
     need(d, path, "models")
@@ -1300,6 +1371,13 @@ def build(results: Path, out: Path, label: str | None = None) -> str:
         "",
     ]
     w.section("model_stats.json", "Model statistics (Table II) and the arithmetic floor", model_stats, "factor_sizes.png")
+    for run in sorted(results.glob("gpu_check*.json")):  # optional: one section per card
+        w.section(
+            run.name,
+            "On a GPU: the gpu tests, iteration time against SGD and AdamW, decompositions"
+            + (f" ({run.stem.removeprefix('gpu_check_')})" if run.stem != "gpu_check" else ""),
+            gpu_check,
+        )
     w.section("iteration_time.json", "Iteration time and breakdown per variant (Table III)", iteration_time, "iteration_time.png")
     for extra in sorted(results.glob("iteration_time_*.json")):  # other models (e.g. grouped/depthwise networks)
         if extra.name == "iteration_time_eigenbasis.json":

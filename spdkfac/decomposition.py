@@ -5,7 +5,7 @@ update ``(G+γI)^-1 grad (A+γI)^-1``; the inverse is symmetric, so it travels
 as its upper triangle (``d(d+1)/2`` elements).
 
 ``compute_method='eigen'`` (Pauloski et al. 2020, KAISA): ``F = Q diag(d) Q^T``
-from ``torch.linalg.eigh``, eigenvalues below :data:`EIGEN_CLAMP` set to 0,
+from ``torch.linalg.eigh`` (:func:`~spdkfac.linalg.symmetric_eigh`), eigenvalues below :data:`EIGEN_CLAMP` set to 0,
 and the update ``Q_G [(Q_G^T grad Q_A) / (d_G d_A^T + γ)] Q_A^T``, which is
 ``(A ⊗ G + γI)^-1 vec(grad)``: the damping is added to the eigenvalues of the
 Kronecker product (not to each factor), and only when preconditioning, so a
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .factor_shape import FactorShape
+from .linalg import symmetric_eigh
 
 if TYPE_CHECKING:  # pragma: no cover
     from .perfmodels import PerfModel
@@ -76,7 +77,7 @@ class Eigen:
 def eigen_payload(matrix: torch.Tensor) -> torch.Tensor:
     """``[Q row by row, d]`` of a symmetric PSD matrix as one flat buffer (what an owner broadcasts and keeps)."""
     dim = matrix.shape[0]
-    d, q = torch.linalg.eigh(matrix)
+    d, q = symmetric_eigh(matrix)
     buffer = matrix.new_empty(dim * dim + dim)
     buffer[: dim * dim].view(dim, dim).copy_(q)  # eigh's Q is column-major: this is the row-major copy
     buffer[dim * dim :].copy_(d.masked_fill_(d < EIGEN_CLAMP, 0.0))

@@ -21,7 +21,7 @@ import torch.nn as nn
 from .fusion.controller import TensorFusionController
 from .fusion.profiler import FusionProfiler
 from .layers import FACTOR_KINDS, FactorKey, KFACLayer
-from .linalg import all_finite
+from .linalg import non_finite_indices
 from .nonfinite import NonFiniteFactorError, NonFiniteGuard
 from .timeline import IterationRecord, Timeline
 
@@ -174,7 +174,8 @@ class FactorCollector:
         missing = sorted(expected - factors.keys())
         if missing:
             raise RuntimeError(f"no factor was computed for {missing} in this step; every preconditioned layer must run")
-        bad = [key for key, mat in factors.items() if not all_finite(mat)]
+        keys = list(factors)
+        bad = [keys[i] for i in non_finite_indices([factors[key] for key in keys])]
         if bad:
             nonfinite.bad_step(NonFiniteFactorError(sorted(bad), step))
         return factors

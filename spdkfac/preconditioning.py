@@ -31,7 +31,11 @@ def kl_clip_scale(grads: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
     """The factor every update is multiplied by: ``min(1, sqrt(kl_clip / |Σ lr² v·grad|))`` (1 without a clip)."""
     if kl_clip is None:
         return 1.0
-    vg_sum = abs(sum(float((update * grad).sum()) for grad, update in zip(grads, updates)) * lr**2)
+    # One host sync for all layers (a GPU waits at every float(tensor)); summed in Python, in order, as before.
+    products = [(update * grad).sum() for grad, update in zip(grads, updates)]
+    same = len({(p.dtype, p.device) for p in products}) == 1
+    values = torch.stack(products).tolist() if products and same else [float(p) for p in products]
+    vg_sum = abs(sum(values) * lr**2)
     return min(1.0, math.sqrt(kl_clip / vg_sum)) if vg_sum > 0 else 1.0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -364,3 +365,40 @@ def test_vs_kaisa_says_how_to_install_kaisa_when_missing():
     proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode != 0
     assert "pip install --no-deps kfac-pytorch" in proc.stderr
+
+
+@pytest.mark.slow
+def test_gpu_check_script_on_the_cpu(tmp_path):
+    """scripts/gpu_check.sh --device cpu --quick: every stage runs and records what the GPU run will."""
+    out = tmp_path / "gpu_check.json"
+    cmd = ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", "--quick", "--out", str(out), "--tests-k", "cupy or bf16"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, env=dict(os.environ, PYTHON=sys.executable))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    stages = report["stages"]
+    assert set(stages) == {"tests", "decompositions", "timing", "perfmodel"}
+    assert not [s for s, v in stages.items() if "error" in v]
+    # On the CPU the cupy comparison skips and the bf16 test runs: both outcomes read from pytest's report.
+    outcomes = {t["name"]: t["outcome"] for t in stages["tests"]["tests"]}
+    assert outcomes == {
+        "test_cupy_and_torch_inverses_agree[dtype0]": "skipped",
+        "test_cupy_and_torch_inverses_agree[dtype1]": "skipped",
+        "test_bf16_autocast": "passed",
+    }
+    dec = stages["decompositions"]
+    assert dec["dims_measured"] == dec["dims"]
+    assert set(dec["stage_s"]) == {"inverse/torch.linalg", "eigh/torch.linalg"}
+    first, second = (stages["timing"]["batches"][str(b)] for b in (8, 16))
+    assert {"sgd", "adamw", "kfac-inverse-amortised", "kfac-eigen", "kfac-eigen-warm"} <= set(first)
+    assert set(second) >= {"sgd", "kfac-inverse-amortised"}
+    for name in ("kfac-inverse", "kfac-eigen", "kfac-eigen-warm"):
+        row = first[name]
+        assert row["n"] == 2
+        assert row["vs_sgd_median"] > 0
+        phases = row["phases_s"]
+        assert phases["decompositions"] > 0
+        assert phases["factors"] > 0
+        assert phases["iteration"] >= sum(v for k, v in phases.items() if k != "iteration") - 1e-9
+    model = stages["perfmodel"]["model"]
+    assert "inverse" in model
+    assert "eigen" in model

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..linalg import symmetric_eigh
+
 __all__ = ["WARM_TOLERANCE", "WarmRefresh", "descending_eigh", "drift"]
 
 #: Relative residual ``|F Q - Q diag(d)|_F / |d|`` above which a warm refresh is replaced by a full ``eigh``.
@@ -37,7 +39,7 @@ WARM_TOLERANCE = 0.15
 
 def descending_eigh(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d, Q)`` of a symmetric (stack of) matrix, eigenvalues in descending order."""
-    d, q = torch.linalg.eigh(factor)
+    d, q = symmetric_eigh(factor) if factor.dim() == 2 else torch.linalg.eigh(factor)
     return d.flip(-1), q.flip(-1)
 
 

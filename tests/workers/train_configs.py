@@ -80,7 +80,9 @@ def main() -> None:
         "--no-accumulation", action="store_true", help="ignore accumulation_steps: the full-batch reference of an accumulated run"
     )
     ap.add_argument("--every-rank", action="store_true", help="every rank saves its results, to OUT.rank<r>")
+    ap.add_argument("--device", default="cpu", help="where every rank computes (cuda: all ranks share the current GPU)")
     args = ap.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(1)
     torch.set_default_dtype(getattr(torch, args.dtype))
     backend = get_backend(args.backend)
@@ -89,7 +91,7 @@ def main() -> None:
         raise SystemExit(f"global batch {args.global_batch} not divisible by {size} workers")
     local = args.global_batch // size
     x, y = batch(args.global_batch)
-    x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+    x, y = x[rank * local : (rank + 1) * local].to(device), y[rank * local : (rank + 1) * local].to(device)
     results = {}
     for name, cfg in json.loads(args.configs).items():
         cfg = dict(cfg)
@@ -97,15 +99,15 @@ def main() -> None:
         scaler = poisoned = None
         amp = cfg.pop("amp", None)  # {"init_scale": S, "nan_step": k}: GradScaler loop, NaN in the last sample at step k
         if amp is not None:
-            scaler = cfg["grad_scaler"] = torch.amp.GradScaler("cpu", init_scale=amp["init_scale"])
+            scaler = cfg["grad_scaler"] = torch.amp.GradScaler(device.type, init_scale=amp["init_scale"])
             last = torch.zeros(args.global_batch, dtype=torch.bool)
             last[-1] = True  # on the last rank only: the others see NaN only through the averaged gradients
-            poisoned = {amp["nan_step"]: last[rank * local : (rank + 1) * local]}
+            poisoned = {amp["nan_step"]: last[rank * local : (rank + 1) * local].to(device)}
         nan_steps = cfg.pop("nan_steps", None)  # NaN in the last sample (on the last rank only) at these steps, no scaler
         if nan_steps is not None:
             last = torch.zeros(args.global_batch, dtype=torch.bool)
             last[-1] = True
-            poisoned = dict.fromkeys(nan_steps, last[rank * local : (rank + 1) * local])
+            poisoned = dict.fromkeys(nan_steps, last[rank * local : (rank + 1) * local].to(device))
         skip_bad_loss = cfg.pop("skip_bad_loss", False)
         clip = cfg.pop("clip_grad_norm", None)
         cfg.update(SCHEDULES[cfg.pop("schedule")] if "schedule" in cfg else {})
@@ -114,7 +116,7 @@ def main() -> None:
         accumulate = cfg.get("accumulation_steps", 1)
         if local % accumulate:
             raise SystemExit(f"local batch {local} not divisible into {accumulate} micro-batches")
-        model = {"transformer": small_transformer, "mixed": mixed_net}.get(cfg.pop("model", None), small_net)()
+        model = {"transformer": small_transformer, "mixed": mixed_net}.get(cfg.pop("model", None), small_net)().to(device)
         opt = SPDKFACOptimizer(model, backend=backend, perf_model=pm, **cfg)
         train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned, clip=clip, accumulate=accumulate, skip_bad_loss=skip_bad_loss)
         results[name] = {

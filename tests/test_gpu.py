@@ -1,0 +1,297 @@
+"""The CUDA paths against the CPU: ``pytest -m gpu`` (``scripts/gpu_check.sh`` runs them on a GPU).
+
+The device is ``SPDKFAC_TEST_DEVICE`` (default ``cuda``); without CUDA these
+tests skip. ``scripts/gpu_check.sh --device cpu`` sets it to ``cpu``, which
+runs the same comparisons on the CPU so that the tests themselves are tested
+where no GPU is. Every comparison is against a computation on the CPU in
+float64: the reference K-FAC step, or the optimizer itself, whose CPU
+float64 results the rest of the suite checks against the references.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+from launch import ROOT, run_workers
+from nets import assert_bitwise_equal, batch, mixed_net, small_net, train
+from test_reference_kfac import ConvLinearNet, ReferenceKFAC
+
+from spdkfac import SPDKFACOptimizer
+from spdkfac.linalg import cupy_available, invert_spd
+
+pytestmark = pytest.mark.gpu
+
+DEVICE_ENV = "SPDKFAC_TEST_DEVICE"
+HYPER = dict(lr=0.1, momentum=0.9, weight_decay=1e-3, damping=0.01, factor_decay=0.9, kl_clip=1e-2)
+#: The compute methods and their variants, each a configuration of the one optimizer.
+METHODS = {
+    "inverse": {},
+    "eigen": dict(compute_method="eigen"),
+    "eigen-warm": dict(compute_method="eigen", eigen_refresh="warm", eigen_full_every=3),
+    "ekfac": dict(compute_method="ekfac"),
+    "ekfac-adam": dict(compute_method="ekfac", ekfac_update="adam", base="adamw", lr=1e-2, kl_clip=None),
+}
+
+
+#: float32 on the device against float64 on the CPU after 6 steps (on the CPU: 1e-7 inverse and eigen, 4e-5 EKFAC).
+FLOAT32_RTOL = 1e-3
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """The device under test; skips without CUDA unless ``SPDKFAC_TEST_DEVICE=cpu``."""
+    name = os.environ.get(DEVICE_ENV, "cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip(f"no CUDA device (set {DEVICE_ENV}=cpu to run these tests on the CPU)")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        # Exact float32 arithmetic, so that a float32 comparison measures the optimizer, not TF32.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    return dev
+
+
+def _cpu_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", torch.float64) for k, v in model.state_dict().items()}
+
+
+def _train_on(
+    device: torch.device, dtype: torch.dtype, options: dict, steps: int = 6, net=mixed_net, samples: int = 16
+) -> tuple[dict[str, torch.Tensor], SPDKFACOptimizer]:
+    """``steps`` steps of the optimizer on ``device`` in ``dtype`` (mixed_net: Embedding, grouped, depthwise, Conv1d)."""
+    model = net().to(device, dtype)
+    hyper = {**HYPER, **options}
+    if hyper.get("base", "sgd") != "sgd":
+        del hyper["momentum"]  # betas instead
+    opt = SPDKFACOptimizer(model, backend="single", **hyper)
+    x, y = batch(samples)
+    train(model, opt, x.to(device, dtype), y.to(device), steps)
+    assert opt.steps == steps
+    return _cpu_params(model), opt
+
+
+def _smallest_eigen_gap(opt: SPDKFACOptimizer) -> float:
+    """The smallest gap between neighbouring eigenvalues of any factor, relative to its largest eigenvalue."""
+    gaps = []
+    for layer in opt.layers:
+        for factor in (layer.A, layer.G):
+            d = torch.linalg.eigvalsh(factor.double().cpu())
+            gaps.append(float((d[1:] - d[:-1]).min() / d[-1]) if d.numel() > 1 else 1.0)
+    return min(gaps)
+
+
+def _relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    num = sum(float((got[k] - v).pow(2).sum()) for k, v in want.items())
+    den = sum(float(v.pow(2).sum()) for v in want.values())
+    return (num / den) ** 0.5
+
+
+def test_reference_step_on_device(device: torch.device) -> None:
+    """The inverse method on the device takes the float64 reference step computed on the CPU (factors every step,
+    decompositions every 2)."""
+    torch.manual_seed(0)
+    hyper = dict(lr=0.1, momentum=0.9, weight_decay=1e-3, damping=0.003, factor_decay=0.95, kl_clip=1e-3)
+    ref_net = ConvLinearNet().double()
+    net = copy.deepcopy(ref_net).to(device)
+    reference = ReferenceKFAC(ref_net, factor_update_freq=1, inv_update_freq=2, **hyper)
+    opt = SPDKFACOptimizer(net, backend="single", factor_update_freq=1, inv_update_freq=2, **hyper)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(6):
+        x = torch.randn(5, 2, 7, 7, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 3, (5,), generator=gen)
+        reference.step(x, y)
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x.to(device)), y.to(device)).backward()
+        opt.step()
+        for (name, p), p_ref in zip(net.named_parameters(), ref_net.parameters()):
+            assert p.device.type == device.type
+            torch.testing.assert_close(
+                p.detach().cpu(), p_ref, rtol=1e-9, atol=1e-12, msg=lambda m, n=name, s=step: f"{n} at step {s}: {m}"
+            )
+    for layer, module in zip(opt.layers, reference.layers):
+        assert layer.A.device.type == device.type
+        torch.testing.assert_close(layer.A.cpu(), reference.A[module], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_method_on_device_equals_cpu_float64(device: torch.device, method: str) -> None:
+    """Each compute method, float64 on the device, gives the CPU's float64 parameters; float32 on the device is within
+    float32 rounding of them."""
+    options = dict(METHODS[method], factor_update_freq=1, inv_update_freq=2)
+    # EKFAC's running scales live on the eigenvectors, so they are defined only where the eigenvalues are distinct:
+    # in a repeated eigenvalue's eigenspace (an Embedding's diagonal A with equal token counts, a factor of rank below
+    # its size mixed with the identity) CPU and GPU eigh pick different bases, and both are right. Its check runs
+    # where every factor has distinct eigenvalues: the small network on 64 samples (full-rank factors).
+    net, samples = (small_net, 64) if options.get("compute_method") == "ekfac" else (mixed_net, 16)
+    want, reference = _train_on(torch.device("cpu"), torch.float64, options, net=net, samples=samples)
+    if net is small_net:
+        assert _smallest_eigen_gap(reference) > 1e-6
+    got, _ = _train_on(device, torch.float64, options, net=net, samples=samples)
+    # (Adam divides by the root of its second moments: a rounding difference of the eigenbasis grows to ~2e-9, H200.)
+    rtol = 1e-7 if options.get("base", "sgd") != "sgd" else 1e-9
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=rtol, atol=1e-11, msg=lambda m, k=k: f"{method} {k}: {m}")
+    start = _cpu_params(net().double())
+    assert _relative_error(want, start) > 1e-3  # the parameters moved: the comparison is not of a still model
+    if options.get("base", "sgd") == "sgd":
+        # (Adam's first steps are nearly sign(g): float32 rounding flips the coordinates whose gradient is ~0.)
+        got32, _ = _train_on(device, torch.float32, options, net=net, samples=samples)
+        assert _relative_error(got32, want) < FLOAT32_RTOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cupy_and_torch_inverses_agree(device: torch.device, dtype: torch.dtype) -> None:
+    """cuSOLVER through cupy and ``torch.linalg`` invert the same damped factors to the dtype's rounding."""
+    if device.type != "cuda" or not cupy_available():
+        pytest.skip("cupy with a CUDA device is needed to compare the two")
+    gen = torch.Generator().manual_seed(0)
+    for d in (7, 256, 1153):
+        a = torch.randn(d, d + 3, generator=gen, dtype=torch.float64)
+        spd = (a @ a.T / (d + 3)).to(device, dtype)
+        by_cupy, by_torch = invert_spd(spd, 1e-3, use_cupy=True), invert_spd(spd, 1e-3, use_cupy=False)
+        exact = torch.linalg.inv(spd.double().cpu() + 1e-3 * torch.eye(d, dtype=torch.float64))
+        tol = 1e-3 if dtype == torch.float32 else 1e-10
+        for got in (by_cupy, by_torch):
+            assert got.dtype == dtype
+            assert got.device.type == "cuda"
+            assert float((got.double().cpu() - exact).norm() / exact.norm()) < tol
+            assert torch.equal(got, got.T)  # symmetrised, as packing the upper triangle needs
+
+
+def test_bf16_autocast(device: torch.device) -> None:
+    """Under bf16 autocast the factors stay float32 and match the float32 run's to bf16 rounding; training goes on."""
+    x, y = batch(16)
+    x, y = x.to(device), y.to(device)
+    runs = {}
+    for amp in (False, True):
+        model = small_net().to(device)
+        opt = SPDKFACOptimizer(model, backend="single", **HYPER)
+        losses = []
+        for _ in range(8):
+            opt.zero_grad()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        runs[amp] = (opt, losses)
+    (plain, _), (mixed, losses) = runs[False], runs[True]
+    assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
+    for a, b in zip(mixed.layers, plain.layers):
+        assert a.A.dtype == torch.float32
+        assert a.G.dtype == torch.float32
+        assert torch.isfinite(a.A).all()
+        assert torch.isfinite(a.G).all()
+        assert float((a.A - b.A).norm() / b.A.norm()) < 3e-2
+    assert losses[-1] < losses[0]
+
+
+def test_grad_scaler_on_device(device: torch.device) -> None:
+    """The float16 loop's GradScaler on the device: a loss scale changes nothing (float64), a NaN step is skipped,
+    and float16 autocast trains."""
+    x, y = batch(8)
+    x, y = x.to(device, torch.float64), y.to(device)
+    plain = small_net().to(device, torch.float64)
+    train(plain, SPDKFACOptimizer(plain, backend="single", **HYPER), x, y, 4)
+    scaled = small_net().to(device, torch.float64)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**12)
+    train(scaled, SPDKFACOptimizer(scaled, backend="single", grad_scaler=scaler, **HYPER), x, y, 4, scaler=scaler)
+    for k, v in _cpu_params(plain).items():
+        torch.testing.assert_close(_cpu_params(scaled)[k], v, rtol=1e-12, atol=1e-14)
+
+    skipped = small_net().to(device, torch.float64)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**8)
+    opt = SPDKFACOptimizer(skipped, backend="single", grad_scaler=scaler, **HYPER)
+    mask = torch.zeros(8, dtype=torch.bool, device=device)
+    mask[3] = True
+    train(skipped, opt, x, y, 4, scaler=scaler, poisoned={1: mask})
+    assert opt.steps == 3
+    assert scaler.get_scale() == 2.0**7
+    assert all(torch.isfinite(layer.A).all() and torch.isfinite(layer.G).all() for layer in opt.layers)
+
+    model = small_net().to(device)
+    scaler = torch.amp.GradScaler(device.type)
+    opt = SPDKFACOptimizer(model, backend="single", grad_scaler=scaler, **HYPER)
+    xf, losses = x.float(), []
+    for _ in range(8):
+        opt.zero_grad()
+        with torch.autocast(device.type, dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(xf), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(float(loss))
+    assert opt.steps >= 6
+    assert losses[-1] < losses[0]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("direction", ["device-to-cpu", "cpu-to-device"])
+def test_state_dict_moves_between_cpu_and_device(device: torch.device, direction: str) -> None:
+    """A checkpoint written on one device and resumed on the other continues the run exactly (float64)."""
+    first, second = (device, torch.device("cpu")) if direction == "device-to-cpu" else (torch.device("cpu"), device)
+    x, y = batch(16)
+    options = dict(HYPER, compute_method="eigen", factor_update_freq=1, inv_update_freq=2)
+    whole = mixed_net().to(first, torch.float64)
+    train(whole, SPDKFACOptimizer(whole, backend="single", **options), x.to(first, torch.float64), y.to(first), 6)
+
+    model = mixed_net().to(first, torch.float64)
+    opt = SPDKFACOptimizer(model, backend="single", **options)
+    train(model, opt, x.to(first, torch.float64), y.to(first), 3)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, map_location=second, weights_only=True)
+    resumed = mixed_net(seed=1).to(second, torch.float64)
+    resumed.load_state_dict(saved["model"])
+    opt2 = SPDKFACOptimizer(resumed, backend="single", **options)
+    opt2.load_state_dict(saved["optimizer"])
+    # Steps 3-5 of the whole run: train() perturbs the batch by 0.1 * step, so shift it by the 3 steps done.
+    train(resumed, opt2, x.to(second, torch.float64) + 0.3, y.to(second), 3)
+    assert opt2.steps == 6
+    assert all(layer.A.device.type == second.type for layer in opt2.layers)
+    for k, v in _cpu_params(whole).items():
+        torch.testing.assert_close(_cpu_params(resumed)[k], v, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.multiprocess
+def test_two_processes_on_one_device_equal_one(device: torch.device, tmp_path, monkeypatch) -> None:
+    """2 torchrun workers (gloo over the device's tensors; on a GPU both share it) give one process's parameters on
+    the global batch (float64), and hold bitwise the same parameters, momentum, factors and decompositions."""
+    worker = str(ROOT / "tests" / "workers" / "train_configs.py")
+    base = dict(HYPER, fusion="optimal", placement="lbp", perf_model="expensive-inverse", model="mixed")
+    configs = json.dumps(
+        {
+            "spdkfac": base,
+            "eigen-amortised": dict(base, compute_method="eigen", factor_update_freq=2, inv_update_freq=4),
+            "grad-workers-half": dict(base, compute_method="eigen", grad_worker_fraction=0.5),
+        }
+    )
+    common = ["--configs", configs, "--global-batch", "16", "--steps", "5", "--device", str(device)]
+    single = tmp_path / "single.pt"
+    monkeypatch.setenv("SPDKFAC_DIST_BACKEND", "gloo")  # NCCL cannot put two ranks on one GPU
+    run_workers("torch", 2, [worker, "--backend", "torch", "--every-rank", "--out", str(tmp_path / "dist.pt"), *common])
+    subprocess.run([sys.executable, worker, "--backend", "single", "--out", str(single), *common], check=True, cwd=ROOT, timeout=300)
+    want = torch.load(single, weights_only=False, map_location="cpu")
+    ranks = [torch.load(f"{tmp_path / 'dist.pt'}.rank{r}", weights_only=False, map_location="cpu") for r in (0, 1)]
+    for name, ref in want.items():
+        for r, result in enumerate(ranks):
+            for k, v in ref["params"].items():
+                torch.testing.assert_close(
+                    result[name]["params"][k].cpu(),
+                    v.cpu(),
+                    rtol=1e-9,
+                    atol=1e-11,
+                    msg=lambda m, n=name, r=r, k=k: f"{n} rank {r} {k}: {m}",
+                )
+        assert_bitwise_equal(ranks[0][name]["params"], ranks[1][name]["params"], f"{name} parameters")
+        if "grad_worker_fraction" not in json.loads(configs)[name]:  # (there each rank holds its own layers' decompositions)
+            assert_bitwise_equal(ranks[0][name]["optimizer_state"], ranks[1][name]["optimizer_state"], f"{name} optimizer state")
