@@ -3,7 +3,9 @@
 A relative Markdown link (``[text](path)``, ``![alt](path)``, optionally ``path#anchor`` or ``#anchor``)
 in README.md or any docs/**/*.md must name an existing file; an anchor into a Markdown file must match
 one of its headings, slugged as GitHub slugs them. Links inside fenced code blocks and inline code
-are not links.
+are not links. A source path named in inline code (```spdkfac/update_fusion.py```, ```tests/...```,
+```scripts/...```, ```benchmarks/....py```) must exist too, so that moving a module shows which pages
+name it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ _INLINE_CODE = re.compile(r"`[^`]*`")
 # [text](target) or ![alt](target); the text may hold one level of brackets, the target no spaces.
 _LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+# A repository path in inline code: the package, the tests, the scripts, or a benchmark's source.
+_SOURCE_PATH = re.compile(r"(?<![\w./-])((?:spdkfac|tests|scripts)/[\w./-]*|benchmarks/[\w./-]*\.(?:py|sh))")
 
 
 def _markdown_files() -> list[Path]:
@@ -75,6 +79,14 @@ def _links(path: Path) -> list[tuple[int, str]]:
     return links
 
 
+def _source_paths(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for number, line in _prose_lines(path.read_text(encoding="utf-8")):
+        for span in _INLINE_CODE.findall(line):
+            found += [(number, m.group(1).rstrip(".")) for m in _SOURCE_PATH.finditer(span)]
+    return found
+
+
 def _broken(path: Path) -> list[str]:
     problems = []
     for number, target in _links(path):
@@ -85,6 +97,9 @@ def _broken(path: Path) -> list[str]:
             problems.append(f"{where} (no such file)")
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
             problems.append(f"{where} (no heading with anchor #{anchor} in {dest.relative_to(ROOT)})")
+    for number, source in _source_paths(path):
+        if not (ROOT / source).exists():
+            problems.append(f"{path.relative_to(ROOT)}:{number}: `{source}` (no such file in the repository)")
     return problems
 
 
@@ -117,3 +132,10 @@ def test_slugs_follow_github() -> None:
     assert _slug("Time to accuracy: mnist5k_b256_screen_wd0.5") == "time-to-accuracy-mnist5k_b256_screen_wd05"
     assert _slug("The update after preconditioning: SGD, AdamW, LAMB") == "the-update-after-preconditioning-sgd-adamw-lamb"
     assert _slug("DHO2 (hybrid order, `dho2/`)") == "dho2-hybrid-order-dho2"
+
+
+def test_source_paths_are_the_repository_paths_in_inline_code() -> None:
+    found = [m.group(1) for m in _SOURCE_PATH.finditer("spdkfac/update_fusion.py; tests/test_x.py, benchmarks/run.sh")]
+    assert found == ["spdkfac/update_fusion.py", "tests/test_x.py", "benchmarks/run.sh"]
+    assert not _SOURCE_PATH.search("benchmarks/results/x.json")  # an output, not a source
+    assert not _SOURCE_PATH.search("python -m spdkfac.train")  # a module, not a path
