@@ -186,17 +186,32 @@ def all_finite(tensor: torch.Tensor) -> bool:
 
 
 def non_finite_indices(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """The positions of the tensors that hold a NaN or an infinity (:func:`all_finite` of each, one host sync).
+    """The positions of the tensors that hold a NaN or an infinity, with one host synchronisation in all.
 
-    A GPU waits for the device at every ``bool(tensor)``; the sums of all
-    tensors are checked at once, and only a tensor whose sum is not finite
-    is examined element by element.
+    One value per tensor decides, gathered and read at once: on a GPU the
+    largest magnitude (``inf``-norm: one fused pass over all tensors of a
+    device and dtype; not finite exactly when the tensor holds a NaN or an
+    infinity), on the CPU the sum (4-10x faster there than the norm), with
+    the tensors whose sum is not finite (an overflow, possibly) checked
+    element by element.
     """
     if not tensors:
         return []
-    sums = torch.stack([t.sum().to(torch.float64) for t in tensors])
-    suspects = [i for i, ok in enumerate(torch.isfinite(sums).tolist()) if not ok]
-    return [i for i in suspects if not bool(torch.isfinite(tensors[i]).all())]
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    home = tensors[0].device  # the flags are gathered here: one host sync below, not one per group
+    flags, order = [], []
+    for (device, _), positions in groups.items():
+        group = [tensors[i].detach() for i in positions]
+        values = torch._foreach_norm(group, math.inf) if device.type != "cpu" else [t.sum() for t in group]
+        flags.append(torch.isfinite(torch.stack(values)).to(home))
+        order += positions
+    finite = torch.cat(flags)
+    if bool(finite.all()):  # the one read-back of the usual, all-finite case
+        return []
+    suspects = [order[k] for k, ok in enumerate(finite.tolist()) if not ok]
+    return sorted(i for i in suspects if tensors[i].device.type != "cpu" or not bool(torch.isfinite(tensors[i]).all()))
 
 
 @functools.lru_cache(maxsize=1)

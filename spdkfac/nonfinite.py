@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from .layers import FactorKey
+from .linalg import non_finite_indices
 
 __all__ = ["NonFiniteError", "NonFiniteFactorError", "NonFiniteGuard", "SkipStep", "non_finite"]
 
@@ -39,15 +40,9 @@ class SkipStep(Exception):  # noqa: N818 a control-flow signal, not an error
 
 
 def non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """Names of the tensors holding NaN or Inf (one reduction per tensor, one synchronisation in all)."""
+    """Names of the tensors holding NaN or Inf (one fused pass per device and dtype, one synchronisation in all)."""
     items = [(name, t) for name, t in named if t is not None]
-    if not items:
-        return []
-    device = items[0][1].device  # the sums are gathered where the first tensor lives: one host sync below, not one each
-    sums = torch.stack([t.detach().sum(dtype=torch.float64).to(device) for _, t in items])
-    if bool(torch.isfinite(sums).all()):
-        return []
-    return [name for name, t in items if not bool(torch.isfinite(t).all())]  # a sum can overflow: check each
+    return [items[i][0] for i in non_finite_indices([t for _, t in items])]
 
 
 class NonFiniteGuard:

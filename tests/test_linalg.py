@@ -108,3 +108,18 @@ def test_mirror_upper_keeps_upper_and_replaces_lower():
     out = mirror_upper_(m.clone(), block=4)  # strips of 4: diagonal blocks, off-diagonal strips, a ragged last one
     assert torch.equal(torch.triu(out), upper)
     assert torch.equal(out, out.T)
+
+
+def test_non_finite_indices():
+    """NaN, +inf and -inf anywhere are found; huge finite values (whose sum overflows) are not; dtypes mix."""
+    from spdkfac.linalg import non_finite_indices
+
+    big = torch.full((4,), 3e38)  # finite, but its sum is inf in float32
+    tensors = [torch.ones(3), big, torch.ones(2, 2, dtype=torch.float64), torch.zeros(5), torch.ones(1, dtype=torch.bfloat16)]
+    assert non_finite_indices(tensors) == []
+    assert non_finite_indices([]) == []
+    for i, value in ((0, float("nan")), (2, float("inf")), (3, float("-inf")), (4, float("nan"))):
+        bad = [t.clone() for t in tensors]
+        bad[i].view(-1)[-1] = value
+        bad[1].view(-1)[0] = float("nan") if i == 0 else 1.0
+        assert non_finite_indices(bad) == ([0, 1] if i == 0 else [i])
