@@ -25,7 +25,7 @@ closure, and each epoch records the seconds of its eigenpair refreshes (HVPs
 and Lanczos, part of the step) and its curvature memory per worker;
 ``adamw`` and DHO2 use ``--adamw-weight-decay`` and no momentum.
 
-``adamw`` is this package's :class:`~spdkfac.adamw.DistributedAdamW`
+``adamw`` is this package's :class:`~spdkfac.update.adamw.DistributedAdamW`
 (``torch.optim.AdamW``'s rule on the averaged gradients). ``soap`` and
 ``muon`` are HeavyBall's (an optional dependency: ``pip install --no-deps
 heavyball``), stepping on every worker on the same averaged gradients
@@ -57,12 +57,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from spdkfac.affinity import add_bind_cores_option
 from spdkfac.comm import DEVICE_CHOICES, worker_device
 from spdkfac.dho2 import DHO2Optimizer
 from spdkfac.models import MODELS, get_model
 from spdkfac.optimizer import NonFiniteError
-from spdkfac.train import average_over_workers, evaluate, lr_at, make_loaders
+from spdkfac.runtime.affinity import add_bind_cores_option
+from spdkfac.train.job import average_over_workers, evaluate, lr_at, make_loaders
 from spdkfac.variants import OTHER_OPTIMIZERS, make_optimizer, optimizer_config, variant_argv
 
 from .common import RESULTS, log, machine, save_json, start

@@ -8,8 +8,8 @@ import re
 import pytest
 from launch import ROOT, run_workers
 
-from spdkfac.affinity import core_share
 from spdkfac.comm import local_rank, local_rank_and_size
+from spdkfac.runtime.affinity import core_share
 
 
 def test_core_share_splits_the_cores_into_contiguous_blocks():

@@ -17,7 +17,7 @@ import torch.nn as nn
 from nets import batch, small_net
 
 from spdkfac import SPDKFACOptimizer
-from spdkfac.updates import lamb_delta
+from spdkfac.update.rules import lamb_delta
 from spdkfac.variants import make_optimizer, variant_config
 
 STEPS = 5
@@ -248,7 +248,7 @@ def test_training_job_takes_the_base_and_refuses_to_change_it_on_resume(tmp_path
     ],
 )
 def test_training_job_refuses_a_base_where_it_does_not_apply(argv, message, capsys):
-    from spdkfac.train_args import parse_args
+    from spdkfac.train.args import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(argv)
@@ -256,7 +256,7 @@ def test_training_job_refuses_a_base_where_it_does_not_apply(argv, message, caps
 
 
 def test_training_job_defaults_follow_the_base():
-    from spdkfac.train_args import parse_args
+    from spdkfac.train.args import parse_args
 
     args = parse_args(["--base", "adamw"])
     assert (args.lr, args.weight_decay) == (1e-3, 0.05)

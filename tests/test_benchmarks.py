@@ -261,7 +261,7 @@ def test_main_job_seeds_runs_the_main_job_per_configuration_and_seed(tmp_path):
 
 def test_main_job_kfac_is_run_digits_own_line_and_a_valid_training_job(tmp_path):
     """The main job's K-FAC options come from scripts/run_digits.sh (one source); spdkfac.train takes them on digits."""
-    from spdkfac.train_args import parse_args
+    from spdkfac.train.args import parse_args
 
     options = main_job_kfac()
     assert options[:2] == ["--compute-method", "ekfac"]

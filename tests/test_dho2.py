@@ -31,7 +31,7 @@ from spdkfac.dho2 import (
     hybrid_delta,
 )
 from spdkfac.dho2.lanczos import start_vector
-from spdkfac.nonfinite import NonFiniteError
+from spdkfac.step.nonfinite import NonFiniteError
 
 tiny_net, data = dho2_net, dho2_batch
 
@@ -501,7 +501,7 @@ def test_make_optimizer_builds_both_configurations():
 
 # ---------------------------------------------------------------- training job
 def test_training_job_options(capsys):
-    from spdkfac.train_args import dho2_options, parse_args
+    from spdkfac.train.args import dho2_options, parse_args
 
     args = parse_args(["--optimizer", "dho2", "--refresh-every", "10", "--admm-epochs", "2"])
     assert (args.lr, args.weight_decay) == (1e-3, 0.05)  # the paper's AdamW defaults
@@ -521,7 +521,7 @@ def test_training_job_options(capsys):
 
 @pytest.mark.slow
 def test_training_job_runs_and_resumes_dho2(tmp_path, capsys):
-    from spdkfac.train import main
+    from spdkfac.train.job import main
 
     torch.set_default_dtype(torch.float32)  # the job's data and models (the module's float64 fixture restores it)
     argv = ["--data", "digits", "--optimizer", "dho2", "--epochs", "2", "--refresh-every", "15", "--quiet", "--backend", "single"]

@@ -1,7 +1,7 @@
 """compute_method='ekfac' against an independent float64 implementation, and N workers = one worker with the eigenbasis options.
 
 The reference is written from the definition (George et al. 2018, with the
-scaling estimated from the batch gradient, :mod:`spdkfac.methods.ekfac`):
+scaling estimated from the batch gradient, :mod:`spdkfac.kfac.methods.ekfac`):
 factors and running averages as K-FAC's (``test_reference_kfac``), at every
 ``inv_update_freq``-th step ``A = Q_A diag(d_A) Q_A^T`` and ``G = Q_G
 diag(d_G) Q_G^T`` by ``torch.linalg.eigh`` (eigenvalues below 1e-10 set to

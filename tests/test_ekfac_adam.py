@@ -1,6 +1,6 @@
 """``ekfac_update='adam'`` (Adam in K-FAC's eigenbasis, SOAP's update) against an independent float64 implementation.
 
-The reference is written from the definition (:mod:`spdkfac.methods.ekfac`):
+The reference is written from the definition (:mod:`spdkfac.kfac.methods.ekfac`):
 factors and running averages as K-FAC's (``test_reference_kfac``), at every
 ``inv_update_freq``-th step the eigenvectors ``Q_A``, ``Q_G`` of ``A`` and
 ``G`` by ``torch.linalg.eigh``; for each preconditioned layer, with ``∇W``

@@ -26,7 +26,7 @@ import pytest
 import torch
 from launch import ROOT, free_port, launcher_command, require_horovod, run_workers
 
-from spdkfac.checkpoint import LATEST, PREVIOUS
+from spdkfac.train.checkpoint import LATEST, PREVIOUS
 
 pytestmark = pytest.mark.multiprocess  # every test here starts worker processes
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from test_simulate import _perf, _profile
 
-from spdkfac.file_version import FormatVersionError, check_format_version
 from spdkfac.perfmodels import PerfModel, PerfModelError
 from spdkfac.perfmodels import models as perf_models
 from spdkfac.perfmodels.__main__ import main as perfmodels_main
+from spdkfac.perfmodels.file_version import FormatVersionError, check_format_version
 from spdkfac.simulate import load_profiles, main, profile_check, profile_file, profile_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent

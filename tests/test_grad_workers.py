@@ -18,12 +18,12 @@ from nets import batch, small_net, train
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm import CommBackend
 from spdkfac.comm.inprocess import InProcessBackend, RankError, run_ranks
-from spdkfac.grad_worker_choice import GradWorkerProblem, plan_memory, result_broadcast_seconds
-from spdkfac.grad_workers import GradWorkerGroups, grad_worker_count, valid_fractions
-from spdkfac.methods import get_method
+from spdkfac.kfac.methods import get_method
 from spdkfac.perfmodels import PerfModel
-from spdkfac.placement import ALL
-from spdkfac.work_plan import LayerShape, WorkPlan, layer_seconds, preconditioning_seconds
+from spdkfac.plan.grad_worker_choice import GradWorkerProblem, plan_memory, result_broadcast_seconds
+from spdkfac.plan.grad_workers import GradWorkerGroups, grad_worker_count, valid_fractions
+from spdkfac.plan.placement import ALL
+from spdkfac.plan.work_plan import LayerShape, WorkPlan, layer_seconds, preconditioning_seconds
 
 P = 4
 STEPS = 4

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ve
 # Activation-like churn: several large tensors of mixed sizes allocated, used and freed, round after round.
 CHURN = """
 import json, torch
-from spdkfac.host_memory import minor_page_faults, retain_freed_memory
+from spdkfac.runtime.host_memory import minor_page_faults, retain_freed_memory
 applied = retain_freed_memory()
 faults = []
 for _ in range(10):
@@ -51,7 +51,7 @@ def test_default_allocator_faults_every_round_and_the_switch_turns_it_off():
 
 RELEASE = """
 import json, torch
-from spdkfac.host_memory import release_freed_memory, retain_freed_memory
+from spdkfac.runtime.host_memory import release_freed_memory, retain_freed_memory
 def rss_mb():
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * 4096 / 2**20

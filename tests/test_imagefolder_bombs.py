@@ -8,7 +8,7 @@ import pytest
 
 PIL_Image = pytest.importorskip("PIL.Image")
 
-from spdkfac.imagefolder import ImageFolder, ImageFolderError  # noqa: E402
+from spdkfac.train.imagefolder import ImageFolder, ImageFolderError  # noqa: E402
 
 
 def _png(path, size):

@@ -132,7 +132,7 @@ def _patches_general(x, kernel, stride, padding, dilation):
 )
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_conv_input_rows_match_explicit_im2col(kernel, stride, padding, dilation, channels_last):
-    from spdkfac.layers import make_helper
+    from spdkfac.kfac.layers import make_helper
 
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 4, kernel, stride=stride, padding=padding, dilation=dilation)
@@ -163,7 +163,7 @@ def test_conv_input_rows_match_explicit_im2col(kernel, stride, padding, dilation
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_stride1_conv_factor_from_shared_shifts_equals_explicit_im2col_gram(kernel, padding, dilation, size, bias, channels_last):
     """The A factor of a stride-1 conv (built from shifted sums, never from im2col rows) is the rows' mean Gram."""
-    from spdkfac.layers import KFACLayer, make_helper
+    from spdkfac.kfac.layers import KFACLayer, make_helper
 
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 4, kernel, padding=padding, dilation=dilation, bias=bias).double()
@@ -187,7 +187,7 @@ def test_stride1_conv_factor_from_shared_shifts_equals_explicit_im2col_gram(kern
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_conv_factors_from_channel_grams_equal_explicit_rows(stride, size, bias, channels_last):
     """1x1 conv A factors and conv G factors come from the NCHW tensors directly; they equal the rows' Gram."""
-    from spdkfac.layers import KFACLayer, make_helper
+    from spdkfac.kfac.layers import KFACLayer, make_helper
 
     torch.manual_seed(0)
     conv = nn.Conv2d(6, 5, 1, stride=stride, bias=bias).double()
@@ -257,8 +257,8 @@ def test_half_precision_forward_keeps_factors_in_float32():
 
 
 def test_running_averages_are_kept_packed_and_unpack_to_the_decayed_mean():
-    from spdkfac.layers import kfac_layers
-    from spdkfac.linalg import pack_upper, triangle_size
+    from spdkfac.kfac.layers import kfac_layers
+    from spdkfac.kfac.linalg import pack_upper, triangle_size
 
     layer = kfac_layers(nn.Linear(5, 3))[0]  # A is 6x6 (bias row), G 3x3
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from spdkfac.linalg import all_finite, invert_spd, pack_upper, triangle_size, unpack_upper
+from spdkfac.kfac.linalg import all_finite, invert_spd, pack_upper, triangle_size, unpack_upper
 
 
 @pytest.mark.parametrize("d", [1, 2, 5, 17, 2048, 2050])  # both the gather and the row-wise paths
@@ -55,7 +55,7 @@ def test_all_finite():
 
 
 def test_pack_row_path_matches_gather_path():
-    from spdkfac import linalg
+    from spdkfac.kfac import linalg
 
     m = torch.randn(2100, 2100)
     m = m + m.T
@@ -66,7 +66,7 @@ def test_pack_row_path_matches_gather_path():
 
 @pytest.mark.parametrize("d", [3, 255, 256, 300, 769, 1030])  # unblocked, 128-wide and 256-wide strips, ragged edges
 def test_symmetric_gram_equals_full_product_and_is_exactly_symmetric(d):
-    from spdkfac.linalg import symmetric_gram
+    from spdkfac.kfac.linalg import symmetric_gram
 
     torch.manual_seed(d)
     rows = torch.randn(40, d, dtype=torch.float64)
@@ -86,7 +86,7 @@ def test_symmetric_gram_equals_full_product_and_is_exactly_symmetric(d):
 )
 def test_channel_gram_equals_gram_of_the_channel_rows(c, size, layout):
     """Per-sample in place (>= 128 positions), channel-major copy (fewer), and channels-last rows: one Gram."""
-    from spdkfac.linalg import channel_gram
+    from spdkfac.kfac.linalg import channel_gram
 
     torch.manual_seed(c)
     x = torch.randn(3, c, *size, dtype=torch.float64)
@@ -101,7 +101,7 @@ def test_channel_gram_equals_gram_of_the_channel_rows(c, size, layout):
 
 
 def test_mirror_upper_keeps_upper_and_replaces_lower():
-    from spdkfac.linalg import mirror_upper_
+    from spdkfac.kfac.linalg import mirror_upper_
 
     m = torch.randn(11, 11)
     upper = torch.triu(m)

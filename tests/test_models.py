@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from spdkfac.layers import kfac_layers
+from spdkfac.kfac.layers import kfac_layers
 from spdkfac.models import MODELS, get_model
 from spdkfac.models.imagenet import InceptionV4
 

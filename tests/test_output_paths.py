@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from spdkfac.output_path import output_file, unwritable_reason
 from spdkfac.perfmodels import PerfModel
 from spdkfac.perfmodels.__main__ import main as perfmodels_main
+from spdkfac.runtime.output_path import output_file, unwritable_reason
 from spdkfac.simulate import cli as simulate_cli
 from spdkfac.simulate import main
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from spdkfac.placement import ALL, balance_by_cost, place, place_lbp, place_seq
+from spdkfac.plan.placement import ALL, balance_by_cost, place, place_lbp, place_seq
 
 COMP = lambda d: 1e-10 * d**3 + 1e-5  # noqa: E731 - cubic inversion cost
 COMM = lambda d: 1e-3 + 1e-8 * d * (d + 1) / 2  # noqa: E731 - broadcast cost
@@ -103,7 +103,7 @@ def test_eigen_placement_costed_with_the_eigen_curve_and_the_q_and_d_payload():
     import warnings
 
     from spdkfac import SPDKFACOptimizer
-    from spdkfac.decomposition import payload_size, stage_costs
+    from spdkfac.kfac.eigenbasis import payload_size, stage_costs
     from spdkfac.perfmodels import PerfModel
     from spdkfac.perfmodels.models import BroadcastModel, InverseModel
 

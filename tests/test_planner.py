@@ -2,7 +2,7 @@
 
 import pytest
 
-from spdkfac.fusion.planner import plan_groups, plan_naive, plan_optimal, plan_threshold, serve_in_order, simulate_plan
+from spdkfac.plan.factor_fusion import plan_groups, plan_naive, plan_optimal, plan_threshold, serve_in_order, simulate_plan
 
 READY = [1.0, 2.0, 3.0, 4.0, 5.0]
 SIZES = [100, 100, 100, 100, 100]

@@ -10,12 +10,12 @@ from nets import small_net
 
 from spdkfac.comm import SingleProcessBackend
 from spdkfac.comm.inprocess import RankError, run_ranks
-from spdkfac.decomposition import eigen_payload, unpack_eigen
-from spdkfac.layers import kfac_layers
-from spdkfac.linalg import invert_spd
+from spdkfac.kfac.eigenbasis import eigen_payload, unpack_eigen
+from spdkfac.kfac.layers import kfac_layers
+from spdkfac.kfac.linalg import invert_spd
 from spdkfac.perfmodels import load_perf_model
-from spdkfac.preconditioning import Preconditioner, kl_clip_scale
-from spdkfac.work_plan import LayerShape, WorkPlan
+from spdkfac.plan.work_plan import LayerShape, WorkPlan
+from spdkfac.step.preconditioning import Preconditioner, kl_clip_scale
 
 DAMPING = 0.01
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from spdkfac import train
-from spdkfac.checkpoint import LATEST, PREVIOUS, CheckpointError, load_checkpoint, newest_valid
-from spdkfac.data import Dataset, ShardedLoader
+from spdkfac.train.checkpoint import LATEST, PREVIOUS, CheckpointError, load_checkpoint, newest_valid
+from spdkfac.train.data import Dataset, ShardedLoader
 
 COMMON = ["--data", "digits", "--backend", "single", "--quiet", "--batch-size", "128", "--epochs", "2"]
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from spdkfac import train
-from spdkfac.checkpoint import LATEST, PREVIOUS, CheckpointError, content_digest, load_checkpoint, newest_valid, save_rotating
-from spdkfac.run_dir import LOCK_NAME, RunLock
+from spdkfac.train.checkpoint import LATEST, PREVIOUS, CheckpointError, content_digest, load_checkpoint, newest_valid, save_rotating
+from spdkfac.train.run_dir import LOCK_NAME, RunLock
 
 COMMON = ["--data", "digits", "--backend", "single", "--quiet", "--batch-size", "128", "--epochs", "2"]
 

@@ -138,7 +138,7 @@ def test_distributed_preconditioning_replaces_the_total_by_the_busiest_rank_plus
     dp = predict(prof, perf, 2, "spdkfac-dp", contention=True)
     # Recomputed here from the optimizer's balancing: the busiest rank's share plus both broadcasts (contention).
     m = ScaledModels(perf, 2)
-    from spdkfac.placement import balance_by_cost
+    from spdkfac.plan.placement import balance_by_cost
 
     layers = prof["precondition"]
     owners = balance_by_cost([p["a_dim"] * p["g_dim"] * (p["a_dim"] + p["g_dim"]) for p in layers], 2)
@@ -187,7 +187,7 @@ def test_profile_under_a_launcher_records_layers_and_sgd_with_real_allreduces(tm
 
     from launch import run_workers
 
-    from spdkfac.layers import kfac_layers
+    from spdkfac.kfac.layers import kfac_layers
     from spdkfac.models import get_model
 
     out = tmp_path / "profile.json"
@@ -410,7 +410,7 @@ def test_sgd_gradient_wait_is_the_measured_one_at_the_profiled_worker_count():
 
 def test_inversions_are_charged_at_the_profiles_measured_ratio_to_the_fitted_model():
     """The plan is the optimizer's (fitted model); its inversions cost what the profile measured in the job."""
-    from spdkfac.placement import place
+    from spdkfac.plan.placement import place
 
     perf = _perf()
     bare = _profile()

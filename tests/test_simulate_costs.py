@@ -13,7 +13,7 @@ from test_simulate import _perf, _profile, _with_preconditioning
 
 from spdkfac.comm.inprocess import InProcessGroup, run_ranks
 from spdkfac.models import get_model
-from spdkfac.placement import ALL
+from spdkfac.plan.placement import ALL
 from spdkfac.simulate import FORMAT_VERSION, Profile, average_profiles, load_profiles, measure_profile, predict, profile_from_dict
 from spdkfac.simulate.prediction import communication_scale, expected_max_normal, iteration_lag_share, rank_lag, simulated_work_plan
 from spdkfac.simulate.profile_check import ProfileValueError
@@ -354,8 +354,8 @@ def test_the_simulator_fuses_with_the_optimizers_inputs(small_profile, variant, 
     instant in the profile than in the optimizer's clock)."""
     import torch.nn.functional as F
 
-    from spdkfac.fusion import profiler
     from spdkfac.simulate import prediction
+    from spdkfac.step import factor_profiler as profiler
 
     perf = _perf(world=2)
     path = tmp_path / "perf.json"

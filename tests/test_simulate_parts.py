@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from test_simulate import _perf, _profile, _with_preconditioning
 
-from spdkfac import work_plan
-from spdkfac.placement import PlacementPlan
+from spdkfac.plan import work_plan
+from spdkfac.plan.placement import PlacementPlan
+from spdkfac.plan.work_plan import LayerShape, WorkPlan
 from spdkfac.simulate import (
     FORMAT_VERSION,
     Profile,
@@ -19,7 +20,6 @@ from spdkfac.simulate import (
     profile_from_dict,
     upgrade_unversioned,
 )
-from spdkfac.work_plan import LayerShape, WorkPlan
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 

@@ -13,7 +13,8 @@ import torch
 from launch import ROOT, require_horovod, run_workers
 
 from spdkfac import train
-from spdkfac.imagefolder import ImageFolderError, scan_image_folder
+from spdkfac.train.args import parse_args
+from spdkfac.train.imagefolder import ImageFolderError, scan_image_folder
 
 
 def _image_folder(root, classes=("cat", "dog"), per_class=8, size=12):
@@ -48,7 +49,7 @@ def test_image_folder_errors(tmp_path):
 def test_malformed_directory_exits_with_message(tmp_path, capsys):
     root = _image_folder(tmp_path / "data")
     (root / "train" / "cat" / "0.png").write_bytes(b"not a png")
-    from spdkfac.imagefolder import ImageFolder
+    from spdkfac.train.imagefolder import ImageFolder
 
     with pytest.raises(ImageFolderError, match="cannot read image"):
         ImageFolder(root / "train", 8)[0]
@@ -241,22 +242,22 @@ def test_mixed_precision_training(tmp_path, capsys, amp):
 )
 def test_kfac_flags_with_sgd_are_an_error(flags, capsys):
     with pytest.raises(SystemExit) as exc:
-        train.parse_args(["--optimizer", "sgd", *flags])
+        parse_args(["--optimizer", "sgd", *flags])
     assert exc.value.code == 2
     assert f"{flags[0]} only apply to the K-FAC optimizers" in capsys.readouterr().err
-    assert train.parse_args(["--optimizer", "spdkfac", *flags]).optimizer == "spdkfac"
+    assert parse_args(["--optimizer", "spdkfac", *flags]).optimizer == "spdkfac"
 
 
 def test_damping_and_kl_clip_defaults_per_data_set():
     """The main job (digits) runs with its measured damping and KL clip; other data with the paper's; a given value wins."""
-    from spdkfac.train_args import DIGITS_DAMPING, PAPER_DAMPING
+    from spdkfac.train.args import DIGITS_DAMPING, PAPER_DAMPING
 
-    digits = train.parse_args(["--data", "digits"])
+    digits = parse_args(["--data", "digits"])
     assert (digits.damping, digits.kl_clip) == (DIGITS_DAMPING, 1e-4) == (0.1, 1e-4)
-    other = train.parse_args(["--data", "synthetic"])
+    other = parse_args(["--data", "synthetic"])
     assert (other.damping, other.kl_clip) == (PAPER_DAMPING, 0.001) == (0.003, 0.001)
-    assert train.parse_args(["--data", "digits", "--damping", "0.003"]).damping == 0.003
-    assert train.parse_args(["--data", "digits", "--optimizer", "sgd"]).optimizer == "sgd"  # the default is no --damping given
+    assert parse_args(["--data", "digits", "--damping", "0.003"]).damping == 0.003
+    assert parse_args(["--data", "digits", "--optimizer", "sgd"]).optimizer == "sgd"  # the default is no --damping given
 
 
 def test_ekfac_with_adam_in_its_eigenbasis_trains_and_resumes_exactly(tmp_path, capsys):

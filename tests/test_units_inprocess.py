@@ -15,13 +15,13 @@ import torch
 
 from spdkfac.comm import CommBackend
 from spdkfac.comm.inprocess import CollectiveMismatchError, InProcessGroup, RankError, run_ranks
-from spdkfac.decomposition import eigen_payload, unpack_eigen
-from spdkfac.fusion.controller import TensorFusionController
-from spdkfac.fusion.planner import plan_naive
-from spdkfac.inversion import compute_eigen, compute_inverses
-from spdkfac.layers import FactorKey
-from spdkfac.linalg import invert_spd, pack_upper, unpack_upper
-from spdkfac.placement import ALL, PlacementPlan, place
+from spdkfac.kfac.eigenbasis import eigen_payload, unpack_eigen
+from spdkfac.kfac.layers import FactorKey
+from spdkfac.kfac.linalg import invert_spd, pack_upper, unpack_upper
+from spdkfac.plan.factor_fusion import plan_naive
+from spdkfac.plan.placement import ALL, PlacementPlan, place
+from spdkfac.step.decomposition_stage import compute_eigen, compute_inverses
+from spdkfac.step.factor_allreduce import TensorFusionController
 
 DTYPE = torch.float64
 

@@ -15,7 +15,7 @@ from nets import batch, mixed_net, small_net, small_transformer, train
 
 from spdkfac import NonFiniteError, SPDKFACOptimizer
 from spdkfac.comm import run_ranks
-from spdkfac.update_fusion import update_owners
+from spdkfac.update.update_fusion import update_owners
 from spdkfac.variants import variant_config
 
 KW = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.01, factor_decay=0.9, kl_clip=None, factor_update_freq=2, inv_update_freq=4)
@@ -343,7 +343,7 @@ def test_bad_update_fusion_values_are_refused():
     ],
 )
 def test_training_job_refuses_unsupported_fusion_flags(flags, error, capsys):
-    from spdkfac.train_args import parse_args
+    from spdkfac.train.args import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(flags)
@@ -351,7 +351,7 @@ def test_training_job_refuses_unsupported_fusion_flags(flags, error, capsys):
 
 
 def test_training_job_passes_the_fusion_and_kl_clip_zero_as_none():
-    from spdkfac.train_args import kl_clip_option, parse_args
+    from spdkfac.train.args import kl_clip_option, parse_args
 
     args = parse_args(["--optimizer", "spdkfac", "--update-fusion", "backward", "--kl-clip", "0"])
     assert args.update_fusion == "backward"

@@ -10,10 +10,10 @@ import torch
 from nets import batch, small_net, train
 
 from spdkfac import SPDKFACOptimizer
-from spdkfac.decomposition import eigen_precondition
-from spdkfac.factor_shape import FactorShape
-from spdkfac.methods import EigenMethod, get_method
-from spdkfac.methods.warm import WarmRefresh, descending_eigh
+from spdkfac.kfac.eigenbasis import eigen_precondition
+from spdkfac.kfac.factor_shape import FactorShape
+from spdkfac.kfac.methods import EigenMethod, get_method
+from spdkfac.kfac.methods.warm import WarmRefresh, descending_eigh
 from spdkfac.perfmodels import PerfModel
 
 DAMPING = 1e-3

@@ -12,9 +12,9 @@ import argparse
 import json
 import sys
 
-from ..affinity import add_bind_cores_option, bind_cores_if_asked
-from ..host_memory import retain_freed_memory
-from ..output_path import output_file, unwritable_reason
+from ..runtime.affinity import add_bind_cores_option, bind_cores_if_asked
+from ..runtime.host_memory import retain_freed_memory
+from ..runtime.output_path import output_file, unwritable_reason
 from .models import PerfModel, PerfModelError
 
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Mpi4pyEngine() if args.engine == "mpi4py" else get_backend(args.engine)
         model_dims = None
         if args.model:
-            from ..layers import factor_list, kfac_layers
+            from ..kfac.layers import factor_list, kfac_layers
             from ..models import get_model
 
             model_dims = sorted({dim for _, dim in factor_list(kfac_layers(get_model(args.model)))})

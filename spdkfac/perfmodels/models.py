@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..file_version import FormatVersionError, check_format_version
+from .file_version import FormatVersionError, check_format_version
 
 __all__ = [
     "AllReduceModel",
@@ -253,7 +253,7 @@ class PerfModel:
 
     def decomposition(self, method: Any) -> Callable[[float], float]:
         """Seconds to turn a ``d x d`` factor into what ``method`` (a name or a method object) preconditions with."""
-        from ..methods import get_method
+        from ..kfac.methods import get_method
 
         return get_method(method).curve(self)
 

@@ -9,12 +9,12 @@ Two steps::
 workers profile at once and share the machine as in training): forward and backward time, when each
 factor becomes ready and how long it took, gradient sizes, and the time of the
 rest of ``step()``. ``predict`` replays the decisions the optimizer makes, with
-the optimizer's own functions (:mod:`spdkfac.work_plan`): factor groups from
-:func:`~spdkfac.work_plan.fusion_groups` (launched when their last member is
+the optimizer's own functions (:mod:`spdkfac.plan.work_plan`): factor groups from
+:func:`~spdkfac.plan.work_plan.fusion_groups` (launched when their last member is
 ready, or after backward without pipelining), gradient all-reduces launched as
 each layer's backward finishes, one communication engine serving launches in
-order with ``t(m) = alpha + beta*m`` (:func:`spdkfac.fusion.planner.serve_in_order`),
-then the inversion stage's makespan from :class:`~spdkfac.work_plan.WorkPlan`
+order with ``t(m) = alpha + beta*m`` (:func:`spdkfac.plan.factor_fusion.serve_in_order`),
+then the inversion stage's makespan from :class:`~spdkfac.plan.work_plan.WorkPlan`
 (planned with the fitted inversion model, as the optimizer plans; charged at
 the ratio of the profile's measured inversions to that model), with each rank's
 packing work (the profile's per-factor unpack and pack times). On steps that
@@ -48,7 +48,7 @@ all-reduces to cost over the fitted model
 Layout: ``profile_file`` (the typed, versioned :class:`Profile`; the one
 upgrade of unversioned files), ``profiling`` (measuring one), ``scaling``
 (:class:`ScaledModels`), ``prediction`` (:func:`predict`: costs on top of
-:mod:`spdkfac.work_plan`'s decisions) and ``cli`` (this command line).
+:mod:`spdkfac.plan.work_plan`'s decisions) and ``cli`` (this command line).
 Apart from them, for update fusion on one device: ``kernel_trace`` (a step's
 kernels, FLOPs and bytes, counted on meta tensors) and ``update_fusion_cost``
 (iteration time with the update unfused, forward- or backward-fused).

@@ -8,11 +8,11 @@ import json
 import sys
 import warnings
 
-from ..affinity import add_bind_cores_option, bind_cores_if_asked
 from ..comm import detect_launcher, get_backend
-from ..host_memory import retain_freed_memory
-from ..output_path import output_file
 from ..perfmodels import PerfModel, PerfModelError
+from ..runtime.affinity import add_bind_cores_option, bind_cores_if_asked
+from ..runtime.host_memory import retain_freed_memory
+from ..runtime.output_path import output_file
 from ..variants import variant_argv, variant_config
 from .prediction import PARTS, PHASES, parts_of_phases, predict_phases
 from .profile_file import load_profiles

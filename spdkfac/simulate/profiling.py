@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import CommBackend
-from ..timeline import Timeline
+from ..step.timeline import Timeline
 from .profile_file import FactorProfile, LayerPreconditionProfile, Profile
 
 if TYPE_CHECKING:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..decomposition import payload_size
-from ..factor_shape import FactorShape
-from ..methods import get_method
+from ..kfac.eigenbasis import payload_size
+from ..kfac.factor_shape import FactorShape
+from ..kfac.methods import get_method
 from ..perfmodels import PerfModel
 
 __all__ = ["ScaledModels"]
@@ -36,7 +36,7 @@ class ScaledModels:
         return self.scaled.allreduce.beta if self.workers > 1 else 0.0
 
     def broadcast(self, dim: int, method: str = "inverse") -> float:
-        """Broadcast of one factor's result (:func:`~spdkfac.decomposition.payload_size` elements)."""
+        """Broadcast of one factor's result (:func:`~spdkfac.kfac.eigenbasis.payload_size` elements)."""
         if self.workers == 1:
             return 0.0
         return self.scaled.broadcast.payload(payload_size(method, dim))

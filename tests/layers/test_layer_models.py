@@ -8,7 +8,7 @@ import torch.nn as nn
 from nets import mixed_net
 
 from spdkfac import SPDKFACOptimizer
-from spdkfac.layers import kfac_layers
+from spdkfac.kfac.layers import kfac_layers
 from spdkfac.models import get_model
 
 # torchvision's counts for the same architectures (1000 classes).

@@ -8,10 +8,10 @@ import torch
 import torch.nn as nn
 
 from spdkfac import SPDKFACOptimizer
-from spdkfac.factor_shape import FactorShape
-from spdkfac.layer_types import HELPERS, LayerHelper
-from spdkfac.linalg import symmetric_gram
-from spdkfac.methods import METHODS, InverseMethod
+from spdkfac.kfac.factor_shape import FactorShape
+from spdkfac.kfac.layer_types import HELPERS, LayerHelper
+from spdkfac.kfac.linalg import symmetric_gram
+from spdkfac.kfac.methods import METHODS, InverseMethod
 
 
 class TransposedLinear(nn.Module):

@@ -7,11 +7,11 @@ import json
 import pytest
 
 from spdkfac.perfmodels import PerfModel
+from spdkfac.plan.work_plan import WorkPlan
 from spdkfac.simulate import predict
 from spdkfac.simulate.prediction import _layer_shapes
 from spdkfac.simulate.profile_file import profile_from_dict
 from spdkfac.simulate.profiling import measure_profile
-from spdkfac.work_plan import WorkPlan
 
 
 @pytest.mark.slow

@@ -123,7 +123,7 @@ def test_embedding_factors_and_update_match_one_hot_reference(padding_idx, metho
 
 
 def test_unsupported_modules_get_plain_sgd():
-    from spdkfac.layers import kfac_layers
+    from spdkfac.kfac.layers import kfac_layers
 
     net = nn.Sequential(nn.Embedding(5, 3, sparse=True), nn.Linear(3, 2))
     assert [layer.name for layer in kfac_layers(net)] == ["1"]
@@ -131,8 +131,8 @@ def test_unsupported_modules_get_plain_sgd():
 
 def test_block_diagonal_decompositions_are_one_batched_payload():
     """A grouped layer's blocks travel as one buffer, and its placement cost follows the batched rule."""
-    from spdkfac.factor_shape import FactorShape
-    from spdkfac.methods import get_method
+    from spdkfac.kfac.factor_shape import FactorShape
+    from spdkfac.kfac.methods import get_method
     from spdkfac.perfmodels import PerfModel
 
     shape = FactorShape(10, blocks=6)
@@ -148,8 +148,8 @@ def test_block_diagonal_decompositions_are_one_batched_payload():
 
 
 def test_batched_model_is_fitted_saved_and_used_by_the_methods():
-    from spdkfac.factor_shape import FactorShape
-    from spdkfac.methods import get_method
+    from spdkfac.kfac.factor_shape import FactorShape
+    from spdkfac.kfac.methods import get_method
     from spdkfac.perfmodels import PerfModel
     from spdkfac.perfmodels.fitting import fit_batched
     from spdkfac.perfmodels.models import BatchedModel
@@ -179,8 +179,8 @@ def test_batched_model_is_fitted_saved_and_used_by_the_methods():
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_depthwise_gram_is_the_same_one_channel_at_a_time_and_exactly_symmetric(bias, monkeypatch):
-    from spdkfac.layer_types import conv as conv_module
-    from spdkfac.layer_types import make_helper
+    from spdkfac.kfac.layer_types import conv as conv_module
+    from spdkfac.kfac.layer_types import make_helper
 
     module = nn.Conv2d(5, 10, 3, stride=2, padding=1, groups=5, bias=bias)
     helper = make_helper(module)
