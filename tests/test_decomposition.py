@@ -10,7 +10,8 @@ from nets import batch, small_net
 
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm import CommBackend, CompletedHandle
-from spdkfac.kfac.eigenbasis import EIGEN_CLAMP, eigen_payload, payload_size, unpack_eigen
+from spdkfac.kfac.eigenbasis import EIGEN_CLAMP, eigen_payload, unpack_eigen
+from spdkfac.kfac.methods import payload_size
 from spdkfac.plan.placement import place
 from spdkfac.step.decomposition_stage import compute_eigen
 

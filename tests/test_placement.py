@@ -103,7 +103,7 @@ def test_eigen_placement_costed_with_the_eigen_curve_and_the_q_and_d_payload():
     import warnings
 
     from spdkfac import SPDKFACOptimizer
-    from spdkfac.kfac.eigenbasis import payload_size, stage_costs
+    from spdkfac.kfac.methods import payload_size, stage_costs
     from spdkfac.perfmodels import PerfModel
     from spdkfac.perfmodels.models import BroadcastModel, InverseModel
 

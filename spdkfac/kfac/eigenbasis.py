@@ -14,21 +14,14 @@ whole, with ``d``, as one flat buffer of ``d*d + d`` elements.
 
 This module holds the eigendecomposition's maths; what each method does
 with a factor (decomposition, payload, preconditioning, checkpoint form,
-cost) is its class in :mod:`spdkfac.kfac.methods`. :func:`payload_size` and
-:func:`stage_costs` answer for a dense factor through those classes.
+cost) is its class in :mod:`spdkfac.kfac.methods`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
 
 import torch
-
-from .factor_shape import FactorShape
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..perfmodels import PerfModel
 
 __all__ = [
     "EIGEN_CLAMP",
@@ -38,21 +31,10 @@ __all__ = [
     "eigen_precondition",
     "eigen_project",
     "eigen_unproject",
-    "payload_size",
-    "stage_costs",
     "unpack_eigen",
 ]
 
 EIGEN_CLAMP = 1e-10  # eigenvalues below this are rounding noise of a PSD factor: set to exactly 0
-
-CostFn = Callable[[int], float]
-
-
-def payload_size(method: str, dim: int) -> int:
-    """Elements broadcast for one dense ``dim x dim`` factor (:meth:`DecompositionMethod.payload_size <spdkfac.kfac.methods.DecompositionMethod.payload_size>`)."""
-    from .methods import get_method
-
-    return get_method(method).payload_size(FactorShape(dim))
 
 
 @dataclass(frozen=True)
@@ -124,11 +106,3 @@ def eigen_outer(a: Eigen, g: Eigen) -> torch.Tensor:
     if g.d.dim() == 1 and a.d.dim() == 1:
         return torch.outer(g.d, a.d)
     return g.d.unsqueeze(-1) * a.d.unsqueeze(-2)
-
-
-def stage_costs(perf: PerfModel, method: str) -> tuple[CostFn, CostFn]:
-    """Modelled seconds to decompose and to broadcast a dense ``d x d`` factor, as the placement solvers take them."""
-    from .methods import get_method
-
-    m = get_method(method)
-    return lambda dim: m.cost(perf, FactorShape(dim)), lambda dim: m.broadcast_cost(perf, FactorShape(dim))

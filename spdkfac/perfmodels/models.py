@@ -251,12 +251,6 @@ class PerfModel:
     _eigen_estimate_warned: bool = field(default=False, init=False, repr=False, compare=False)
     _warm_estimate_warned: bool = field(default=False, init=False, repr=False, compare=False)
 
-    def decomposition(self, method: Any) -> Callable[[float], float]:
-        """Seconds to turn a ``d x d`` factor into what ``method`` (a name or a method object) preconditions with."""
-        from ..kfac.methods import get_method
-
-        return get_method(method).curve(self)
-
     def eigen_curve(self) -> Callable[[float], float]:
         """The eigendecomposition model; in a file without one (measured before it existed),
         :data:`EIGEN_OVER_INVERSE` times the inversion model, with a warning the first time, since

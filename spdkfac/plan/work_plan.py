@@ -19,17 +19,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from ..kfac.factor_shape import FactorShape
+from ..kfac.layers import KFACLayer
 from ..kfac.methods import DecompositionMethod, get_method
 from ..perfmodels import PerfModel
 from .factor_fusion import Plan, plan_groups
 from .grad_workers import GradWorkerGroups
 from .placement import ALL, Assignment, PlacementPlan, balance_by_cost, place, preconditioning_cost
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..kfac.layers import KFACLayer
 
 __all__ = [
     "ALL",

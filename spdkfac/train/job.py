@@ -39,6 +39,7 @@ from ..variants import make_optimizer
 from .args import AMP_DTYPES, DHO2_OPTIMIZERS, KFAC_OPTIMIZERS, dho2_options, kl_clip_option, parse_args
 from .checkpoint import LATEST, CheckpointError, save_rotating
 from .data import ShardedLoader, load_digits, load_mnist5k, synthetic
+from .imagefolder import ImageFolder, ImageFolderError, make_loader
 from .run import Position, prepare_run_dir, restore, start_log
 from .run_dir import append_text
 
@@ -66,8 +67,6 @@ def make_loaders(args: argparse.Namespace, rank: int, size: int) -> tuple[Loader
         test = synthetic(max(args.synthetic_size // 4, size), shape, 10, seed=args.seed + 1)
         model = "cifar_resnet20"
     else:
-        from .imagefolder import ImageFolder, ImageFolderError, make_loader
-
         root = Path(args.data)
         try:
             if not root.is_dir():

@@ -6,14 +6,27 @@ line in :data:`METHODS`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+from ...perfmodels import PerfModel
+from ..factor_shape import FactorShape
 from .base import DecompositionMethod, LinAlgError
 from .eigen import EigenMethod
 from .ekfac import EKFACMethod
 from .inverse import InverseMethod
 
-__all__ = ["COMPUTE_METHODS", "METHODS", "DecompositionMethod", "EKFACMethod", "EigenMethod", "InverseMethod", "LinAlgError", "get_method"]
+__all__ = [
+    "COMPUTE_METHODS",
+    "METHODS",
+    "DecompositionMethod",
+    "EKFACMethod",
+    "EigenMethod",
+    "InverseMethod",
+    "LinAlgError",
+    "get_method",
+    "payload_size",
+    "stage_costs",
+]
 
 METHODS: dict[str, type[DecompositionMethod]] = {
     InverseMethod.name: InverseMethod,
@@ -35,3 +48,14 @@ def get_method(method: str | DecompositionMethod, options: Any = None) -> Decomp
     if cls is None:
         raise ValueError(f"compute_method must be one of {tuple(METHODS)}, got {method!r}")
     return cls.from_options(options)
+
+
+def payload_size(method: str | DecompositionMethod, dim: int) -> int:
+    """Elements broadcast for one dense ``dim x dim`` factor (:meth:`DecompositionMethod.payload_size`)."""
+    return get_method(method).payload_size(FactorShape(dim))
+
+
+def stage_costs(perf: PerfModel, method: str | DecompositionMethod) -> tuple[Callable[[int], float], Callable[[int], float]]:
+    """Modelled seconds to decompose and to broadcast a dense ``d x d`` factor, as the placement solvers take them."""
+    m = get_method(method)
+    return lambda dim: m.cost(perf, FactorShape(dim)), lambda dim: m.broadcast_cost(perf, FactorShape(dim))

@@ -11,14 +11,12 @@ buffer, and a diagonal one (an embedding's ``A``) elementwise.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
+from ...perfmodels.models import BatchedModel, PerfModel
 from ..factor_shape import FactorShape
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ...perfmodels import PerfModel
 
 __all__ = ["DecompositionMethod", "LinAlgError"]
 
@@ -160,8 +158,6 @@ class DecompositionMethod(abc.ABC):
         measurements, their fit instead (:class:`~spdkfac.perfmodels.models.BatchedModel`).
         Diagonal: elementwise, the fixed cost ``t(1)``.
         """
-        from ...perfmodels.models import BatchedModel
-
         t = self.curve(perf)
         if shape.diagonal:
             return t(1)

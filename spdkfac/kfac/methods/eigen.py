@@ -15,17 +15,15 @@ ends with one more element, the refreshes since the last ``eigh``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
+from ...perfmodels.models import BatchedModel, PerfModel
 from ..eigenbasis import EIGEN_CLAMP, Eigen, eigen_payload, eigen_precondition, unpack_eigen
 from ..factor_shape import FactorShape
 from .base import DecompositionMethod
 from .warm import WarmRefresh, descending_eigh
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ...perfmodels import PerfModel
 
 __all__ = ["EigenMethod", "EigenRefresh"]
 
@@ -151,6 +149,4 @@ class EigenMethod(DecompositionMethod):
     def cost(self, perf: PerfModel, shape: FactorShape) -> float:
         if self.warm is None or shape.diagonal or shape.blocks == 1:
             return super().cost(perf, shape)
-        from ...perfmodels.models import BatchedModel
-
         return BatchedModel.rule(self.curve(perf), shape.blocks, shape.dim)  # the batched fit measures eigh alone

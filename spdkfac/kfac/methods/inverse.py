@@ -7,16 +7,14 @@ factor are inverted in one batched Cholesky; a diagonal factor elementwise.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
+from ...perfmodels import PerfModel
 from ..factor_shape import FactorShape
 from ..linalg import invert_spd
 from .base import DecompositionMethod
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ...perfmodels import PerfModel
 
 __all__ = ["InverseMethod", "invert_blocks"]
 
