@@ -159,7 +159,11 @@ def worker(engine: str, out: Path) -> None:
         if any(r != gathered[0] for r in gathered):
             raise SystemExit(f"rank {rank}: the replicas' parameters differ: {gathered}")
     if rank == 0:
-        out.write_text(json.dumps({"engine": engine, "workers": size, "torch": torch.__version__, "hashes": results}, indent=1))
+        out.write_text(
+            json.dumps(
+                {"engine": engine, "workers": size, "torch": torch.__version__, "spdkfac_file": spdkfac.__file__, "hashes": results}, indent=1
+            )
+        )
 
 
 def _free_port() -> int:
