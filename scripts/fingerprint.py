@@ -161,7 +161,8 @@ def worker(engine: str, out: Path) -> None:
     if rank == 0:
         out.write_text(
             json.dumps(
-                {"engine": engine, "workers": size, "torch": torch.__version__, "spdkfac_file": spdkfac.__file__, "hashes": results}, indent=1
+                {"engine": engine, "workers": size, "torch": torch.__version__, "spdkfac_file": spdkfac.__file__, "hashes": results},
+                indent=1,
             )
         )
 

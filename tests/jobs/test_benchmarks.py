@@ -13,7 +13,7 @@ from launch import require_horovod, run_workers
 
 from benchmarks.main_job_seeds import main_job_kfac
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.multiprocess

@@ -1,7 +1,7 @@
 """Update fusion: the update in the next forward pass or in backward gives bitwise the unfused parameters.
 
 On one process and on in-process ranks (threads, :mod:`spdkfac.comm.inprocess`);
-the real engines are in ``test_update_fusion_multiprocess.py``.
+the real engines are in ``tests/multiprocess/test_update_fusion_multiprocess.py``.
 """
 
 from __future__ import annotations

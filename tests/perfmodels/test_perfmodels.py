@@ -7,6 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
+from spdkfac.kfac.methods import get_method
 from spdkfac.perfmodels import PerfModel, PerfModelError, fit_exponential, fit_inverse_model, fit_linear, load_perf_model
 from spdkfac.perfmodels.models import EIGEN_OVER_INVERSE
 
@@ -120,9 +121,9 @@ def test_eigen_curve_round_trips_and_is_what_eigen_plans_with(tmp_path):
     assert model.to_dict()["eigen"] == PerfModel.from_dict(data).to_dict()["eigen"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a file with the curve: no estimate, no warning
-        assert model.decomposition("eigen")(512) == 0.05
-        assert model.decomposition("eigen")(1000) == pytest.approx(2e-5 + 9e-11 * 1000**3)
-        assert model.decomposition("inverse") is model.inverse
+        assert get_method("eigen").curve(model)(512) == 0.05
+        assert get_method("eigen").curve(model)(1000) == pytest.approx(2e-5 + 9e-11 * 1000**3)
+        assert get_method("inverse").curve(model) is model.inverse
     data["eigen"]["kind"] = "quartic"
     with pytest.raises(PerfModelError, match=r"eigen.kind must be"):
         PerfModel.from_dict(data)
@@ -138,13 +139,13 @@ def test_file_without_eigen_curve_loads_and_eigen_estimates_from_inverse_with_on
     assert "eigen" not in model.to_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        model.decomposition("inverse")
+        get_method("inverse").curve(model)
     with pytest.warns(UserWarning, match=f"has no eigendecomposition model: estimating it as {EIGEN_OVER_INVERSE:g}x the inversion model"):
-        estimate = model.decomposition("eigen")
+        estimate = get_method("eigen").curve(model)
     assert estimate(1024) == pytest.approx(EIGEN_OVER_INVERSE * model.inverse(1024))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per model
-        model.decomposition("eigen")
+        get_method("eigen").curve(model)
 
 
 @pytest.mark.slow

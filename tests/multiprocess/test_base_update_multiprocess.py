@@ -1,6 +1,6 @@
 """K-FAC with an AdamW or LAMB base across real workers (torchrun and horovodrun, gloo): N workers give the
 parameters of one process on the whole batch, and every rank holds bitwise the same parameters and optimizer
-state (Adam moments, factors, inverses), as for the momentum-SGD base (tests/test_distributed_equivalence.py).
+state (Adam moments, factors, inverses), as for the momentum-SGD base (tests/multiprocess/test_distributed_equivalence.py).
 """
 
 from __future__ import annotations

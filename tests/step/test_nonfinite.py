@@ -1,7 +1,7 @@
 """NaN or Inf on any kind of step: the step is skipped or refused, never NaN parameters (one process).
 
 The 2-worker version (a NaN on one worker only, every worker skipping the same
-step) is in test_distributed_equivalence.py.
+step) is in tests/multiprocess/test_distributed_equivalence.py.
 """
 
 from __future__ import annotations
