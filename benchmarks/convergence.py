@@ -276,12 +276,12 @@ def optimizer_kwargs(spec: str, args: argparse.Namespace, data: str) -> dict[str
 
 
 def schedule(args: argparse.Namespace) -> argparse.Namespace:
-    """The fields spdkfac.train.lr_at reads: warm-up, then cosine decay over ``--epochs``."""
+    """The fields spdkfac.train.job.lr_at reads: warm-up, then cosine decay over ``--epochs``."""
     return argparse.Namespace(warmup_epochs=args.warmup_epochs, schedule="cosine", epochs=args.epochs, lr_decay_epochs=[])
 
 
 def train_run(args, backend, device, data: str, loaders, spec: str, base_lr: float, seed: int) -> dict[str, Any]:
-    """One training run on ``loaders`` (spdkfac.train.make_loaders's answer); per-epoch metrics, identical on every worker.
+    """One training run on ``loaders`` (spdkfac.train.job.make_loaders's answer); per-epoch metrics, identical on every worker.
 
     Stops early if it diverges (non-finite values or loss).
     """

@@ -1,10 +1,6 @@
-"""What each factor is turned into before preconditioning: a damped inverse or an eigendecomposition.
+"""The eigendecomposition's maths: ``F = Q diag(d) Q^T`` in one flat buffer, and the update in the Kronecker eigenbasis.
 
-``compute_method='inverse'`` (the paper's): ``(F + γI)^-1`` per factor, the
-update ``(G+γI)^-1 grad (A+γI)^-1``; the inverse is symmetric, so it travels
-as its upper triangle (``d(d+1)/2`` elements).
-
-``compute_method='eigen'`` (Pauloski et al. 2020, KAISA): ``F = Q diag(d) Q^T``
+Used by ``compute_method='eigen'`` and ``'ekfac'`` (Pauloski et al. 2020, KAISA): ``F = Q diag(d) Q^T``
 from ``torch.linalg.eigh``, eigenvalues below :data:`EIGEN_CLAMP` set to 0,
 and the update ``Q_G [(Q_G^T grad Q_A) / (d_G d_A^T + γ)] Q_A^T``, which is
 ``(A ⊗ G + γI)^-1 vec(grad)``: the damping is added to the eigenvalues of the
@@ -12,7 +8,7 @@ Kronecker product (not to each factor), and only when preconditioning, so a
 new damping needs no new decomposition. ``Q`` is not symmetric: it travels
 whole, with ``d``, as one flat buffer of ``d*d + d`` elements.
 
-This module holds the eigendecomposition's maths; what each method does
+What each method does
 with a factor (decomposition, payload, preconditioning, checkpoint form,
 cost) is its class in :mod:`spdkfac.kfac.methods`.
 """
