@@ -135,3 +135,12 @@ def test_only_the_training_application_imports_it():
         if _part(module) == "train" and module.startswith("spdkfac.train")
     }
     assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_tests_mirror_the_folders():
+    """Unit tests in ``tests/unit/<folder>/`` (one level down: ``tests/`` is on ``sys.path``, and a ``tests/kfac/``
+    would pass for KAISA's ``kfac`` module), real-launcher runs in ``tests/multiprocess/``, whole jobs in ``tests/jobs/``."""
+    tests = ROOT / "tests"
+    assert {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"} == {"unit", "multiprocess", "jobs", "workers"}
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"} | {"scripts"}
+    assert {p.name for p in (tests / "unit").iterdir() if p.is_dir() and p.name != "__pycache__"} <= folders

@@ -14,7 +14,7 @@ from spdkfac.perfmodels.__main__ import main as perfmodels_main
 from spdkfac.perfmodels.file_version import FormatVersionError, check_format_version
 from spdkfac.simulate import load_profiles, main, profile_check, profile_file, profile_from_dict
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 # -- format_version --------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 _spec = importlib.util.spec_from_file_location("results_md", ROOT / "scripts" / "results_md.py")
 results_md = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(results_md)
@@ -423,7 +423,7 @@ def test_simulator_check_shows_the_error_per_phase(tmp_path: Path, monkeypatch, 
     from benchmarks import simulator_check
     from spdkfac.simulate import PHASES
 
-    stored = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "simulator_check"
+    stored = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "simulator_check"
     res = tmp_path / "results"
     res.mkdir()
     argv = [

@@ -215,7 +215,7 @@ def test_warm_refresh_splits_only_the_preconditioning_and_resumes_exactly():
     """A warm refresh starts from the previous basis, so every rank holds every basis (placed as COMM-OPT) and the
     fraction splits only the preconditioning: one worker's result, and the saving rank's checkpoint holds every
     basis and its age, so a run resumed from it continues bit for bit. More samples than any factor's dimension
-    (distinct eigenvalues: within a repeated one a warm basis follows rounding, tests/kfac/test_ekfac.py)."""
+    (distinct eigenvalues: within a repeated one a warm basis follows rounding, tests/unit/kfac/test_ekfac.py)."""
     cfg = dict(BASE, compute_method="eigen", eigen_refresh="warm", eigen_full_every=3, grad_worker_fraction=0.5)
     results = _distributed(cfg, steps=5, global_batch=GLOBAL_BATCH)
     _assert_matches(results, _reference(cfg, steps=5, global_batch=GLOBAL_BATCH))

@@ -198,7 +198,7 @@ def test_the_simulator_costs_the_warm_refresh_with_its_curve():
 
     from spdkfac.simulate import predict, profile_from_dict
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     profile = profile_from_dict(json.loads((root / "benchmarks/results/profile_resnet50.json").read_text()))
     perf = PerfModel.load(root / "perfmodels/reference-cpu-gloo-2.json")
     exact = predict(profile, perf, 2, "spdkfac:compute_method=eigen")

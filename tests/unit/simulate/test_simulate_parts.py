@@ -21,7 +21,7 @@ from spdkfac.simulate import (
     upgrade_unversioned,
 )
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
 
 
 def _shapes(prof):

@@ -13,7 +13,7 @@ from spdkfac.kfac.layers import kfac_layers
 from spdkfac.models import MODELS, get_model
 from spdkfac.models.imagenet import InceptionV4
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 EXACT_PARAMS = {"resnet50": 25_557_032, "resnet152": 60_192_808, "densenet201": 20_013_928}
 INCEPTION_V4_PARAMS = 42.7e6

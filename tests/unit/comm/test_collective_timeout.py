@@ -19,7 +19,7 @@ from spdkfac.comm.watchdog import WaitWatchdog
 from spdkfac.train.args import parse_args
 from spdkfac.train.run import RUNTIME_ARGS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("seconds", [0.5, 10, 300.0])
