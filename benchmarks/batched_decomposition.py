@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from spdkfac.factor_shape import FactorShape
-from spdkfac.layers import kfac_layers
-from spdkfac.methods import get_method
+from spdkfac.kfac.factor_shape import FactorShape
+from spdkfac.kfac.layers import kfac_layers
+from spdkfac.kfac.methods import get_method
 from spdkfac.models import get_model
 from spdkfac.perfmodels import PerfModel, load_perf_model
 

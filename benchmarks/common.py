@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from spdkfac.affinity import add_bind_cores_option, bind_cores_if_asked
-from spdkfac.host_memory import retain_freed_memory
-from spdkfac.output_path import output_file
+from spdkfac.runtime.affinity import add_bind_cores_option, bind_cores_if_asked
+from spdkfac.runtime.host_memory import retain_freed_memory
+from spdkfac.runtime.output_path import output_file
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -25,7 +25,7 @@ closure, and each epoch records the seconds of its eigenpair refreshes (HVPs
 and Lanczos, part of the step) and its curvature memory per worker;
 ``adamw`` and DHO2 use ``--adamw-weight-decay`` and no momentum.
 
-``adamw`` is this package's :class:`~spdkfac.adamw.DistributedAdamW`
+``adamw`` is this package's :class:`~spdkfac.update.adamw.DistributedAdamW`
 (``torch.optim.AdamW``'s rule on the averaged gradients). ``soap`` and
 ``muon`` are HeavyBall's (an optional dependency: ``pip install --no-deps
 heavyball``), stepping on every worker on the same averaged gradients
@@ -57,12 +57,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from spdkfac.affinity import add_bind_cores_option
 from spdkfac.comm import DEVICE_CHOICES, worker_device
 from spdkfac.dho2 import DHO2Optimizer
 from spdkfac.models import MODELS, get_model
 from spdkfac.optimizer import NonFiniteError
-from spdkfac.train import average_over_workers, evaluate, lr_at, make_loaders
+from spdkfac.runtime.affinity import add_bind_cores_option
+from spdkfac.train.job import average_over_workers, evaluate, lr_at, make_loaders
 from spdkfac.variants import OTHER_OPTIMIZERS, make_optimizer, optimizer_config, variant_argv
 
 from .common import RESULTS, log, machine, save_json, start
@@ -276,12 +276,12 @@ def optimizer_kwargs(spec: str, args: argparse.Namespace, data: str) -> dict[str
 
 
 def schedule(args: argparse.Namespace) -> argparse.Namespace:
-    """The fields spdkfac.train.lr_at reads: warm-up, then cosine decay over ``--epochs``."""
+    """The fields spdkfac.train.job.lr_at reads: warm-up, then cosine decay over ``--epochs``."""
     return argparse.Namespace(warmup_epochs=args.warmup_epochs, schedule="cosine", epochs=args.epochs, lr_decay_epochs=[])
 
 
 def train_run(args, backend, device, data: str, loaders, spec: str, base_lr: float, seed: int) -> dict[str, Any]:
-    """One training run on ``loaders`` (spdkfac.train.make_loaders's answer); per-epoch metrics, identical on every worker.
+    """One training run on ``loaders`` (spdkfac.train.job.make_loaders's answer); per-epoch metrics, identical on every worker.
 
     Stops early if it diverges (non-finite values or loss).
     """

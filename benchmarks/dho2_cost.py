@@ -29,7 +29,7 @@ import torch.nn as nn
 from spdkfac.dho2 import DHO2Optimizer
 from spdkfac.dho2.lanczos import lanczos_memory
 from spdkfac.models import get_model
-from spdkfac.train import average_over_workers
+from spdkfac.train.job import average_over_workers
 
 from .common import RESULTS, machine, save_json, start, workload_parser
 

@@ -3,8 +3,8 @@
     pip install --no-deps heavyball      # >= 3.2; needs numpy (and torch), both already there
 
 Each worker runs the library's optimizer on the same averaged gradients (the
-gradient all-reduce of :class:`spdkfac.grad_sync.GradientSync`, which
-:class:`~spdkfac.adamw.DistributedAdamW` uses too), so the replicas stay
+gradient all-reduce of :class:`spdkfac.step.grad_sync.GradientSync`, which
+:class:`~spdkfac.update.adamw.DistributedAdamW` uses too), so the replicas stay
 identical. HeavyBall compiles its steps with ``torch.compile`` by default;
 here it runs eagerly (the other optimizers are not compiled either, and a
 CPU compile needs a C++ tool chain).
@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from spdkfac.comm import CommBackend
-from spdkfac.grad_sync import GradientSync, collective_names
+from spdkfac.step.grad_sync import GradientSync, collective_names
 
 __all__ = ["EXTERNAL_OPTIMIZERS", "ExternalOptimizer", "external_options", "make_external", "require_heavyball"]
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import RESULTS, machine, save_json
-from spdkfac.checkpoint import LATEST, PREVIOUS, CheckpointError, load_checkpoint, save_rotating
+from spdkfac.train.checkpoint import LATEST, PREVIOUS, CheckpointError, load_checkpoint, save_rotating
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ["-m", "spdkfac.train", "--data", "digits", "--epochs", "2", "--batch-size", "32", "--quiet", "--checkpoint-every", "4"]

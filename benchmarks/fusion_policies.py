@@ -29,9 +29,9 @@ import torch
 import torch.nn as nn
 
 from spdkfac import SPDKFACOptimizer
-from spdkfac.fusion import FUSION_POLICIES
-from spdkfac.linalg import triangle_size
+from spdkfac.kfac.linalg import triangle_size
 from spdkfac.models import get_model
+from spdkfac.plan.factor_fusion import FUSION_POLICIES
 
 from .common import bar_chart, log, machine, save_json, start, stats, workload_parser
 

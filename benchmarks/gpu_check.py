@@ -51,11 +51,11 @@ import torch
 import torch.nn as nn
 
 from spdkfac import make_optimizer
-from spdkfac.layers import factor_list, kfac_layers
-from spdkfac.linalg import cupy_available, invert_spd
+from spdkfac.kfac.layers import factor_list, kfac_layers
+from spdkfac.kfac.linalg import cupy_available, invert_spd
 from spdkfac.models import get_model
-from spdkfac.output_path import output_file
-from spdkfac.timeline import Timeline
+from spdkfac.runtime.output_path import output_file
+from spdkfac.step.timeline import Timeline
 
 from .common import RESULTS, ratio_interval, stats
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from spdkfac import make_optimizer
-from spdkfac.layers import kfac_layers
+from spdkfac.kfac.layers import kfac_layers
 from spdkfac.models import get_model
 
 

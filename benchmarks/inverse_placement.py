@@ -4,7 +4,7 @@
 
 Uses the model's real factor dimensions (ResNet-50: 54 A + 54 G, largest 4608)
 with synthetic SPD matrices and runs the optimizer's own inversion stage
-(:func:`spdkfac.inversion.compute_inverses`) for each placement, interleaved
+(:func:`spdkfac.step.decomposition_stage.compute_inverses`) for each placement, interleaved
 over rounds. It also reports the lower bound
 ``max(largest single inversion, total inversion time / P)`` from measured
 single inversions, and how well the fitted models predict the measured
@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from spdkfac.comm import CommBackend
-from spdkfac.inversion import compute_inverses
-from spdkfac.layers import factor_list, kfac_layers
-from spdkfac.linalg import invert_spd, triangle_size
+from spdkfac.kfac.layers import factor_list, kfac_layers
+from spdkfac.kfac.linalg import invert_spd, triangle_size
 from spdkfac.models import get_model
 from spdkfac.perfmodels import PerfModel
-from spdkfac.placement import PLACEMENTS, place
+from spdkfac.plan.placement import PLACEMENTS, place
+from spdkfac.step.decomposition_stage import compute_inverses
 
 from .common import bar_chart, log, machine, ratio_interval, save_json, start, stats, workload_parser
 

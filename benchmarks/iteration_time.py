@@ -39,10 +39,10 @@ import torch.nn as nn
 
 from spdkfac import make_optimizer
 from spdkfac.comm import DEVICE_CHOICES, worker_device
-from spdkfac.host_memory import release_freed_memory
-from spdkfac.kfac_step import StepHyper
 from spdkfac.models import get_model
-from spdkfac.output_path import output_file
+from spdkfac.runtime.host_memory import release_freed_memory
+from spdkfac.runtime.output_path import output_file
+from spdkfac.step.kfac_step import StepHyper
 from spdkfac.variants import variant_argv, variant_config
 
 from .common import RESULTS, bar_chart, log, machine, ratio_interval, save_json, split_by_factor_step, start, stats, workload_parser

@@ -32,15 +32,15 @@ import torch.nn as nn
 
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm import CommBackend
-from spdkfac.grad_worker_choice import GradWorkerProblem
-from spdkfac.grad_workers import valid_fractions
-from spdkfac.host_memory import release_freed_memory
-from spdkfac.kfac_step import StepHyper
 from spdkfac.models import get_model
 from spdkfac.perfmodels import PerfModel, load_perf_model
+from spdkfac.plan.grad_worker_choice import GradWorkerProblem
+from spdkfac.plan.grad_workers import valid_fractions
+from spdkfac.plan.work_plan import LayerShape
+from spdkfac.runtime.host_memory import release_freed_memory
 from spdkfac.simulate import Profile, load_profiles, predict, simulated_work_plan
 from spdkfac.simulate.prediction import predict_memory
-from spdkfac.work_plan import LayerShape
+from spdkfac.step.kfac_step import StepHyper
 
 from .common import RESULTS, log, machine, save_json, start, workload_parser
 
@@ -172,8 +172,8 @@ def measure(argv: list[str]) -> None:
         )
     # What the decision function modelled for every fraction (the 'auto' row shows which it took).
     model = get_model(args.model)
-    from spdkfac.layers import preconditioned_layers
-    from spdkfac.methods import get_method
+    from spdkfac.kfac.layers import preconditioned_layers
+    from spdkfac.kfac.methods import get_method
 
     shapes = [LayerShape.of(layer) for layer in preconditioned_layers(model, get_method(args.compute_method))]
     perf = load_perf_model(args.perf_model).scaled_to(P)

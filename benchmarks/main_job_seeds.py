@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from spdkfac.output_path import output_file
+from spdkfac.runtime.output_path import output_file
 
 from .common import RESULTS, machine
 

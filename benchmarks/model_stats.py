@@ -1,11 +1,11 @@
 """K-FAC factor statistics of the ImageNet models (the SPD-KFAC paper's Table II and Fig. 3).
 
 For every model: parameter count, number of preconditioned layers (those
-:func:`spdkfac.layers.make_helper` accepts), number of ``A`` and ``G``
+:func:`spdkfac.kfac.layers.make_helper` accepts), number of ``A`` and ``G``
 factors, the total number of upper-triangle elements ``d(d+1)/2`` over all
 ``A`` and over all ``G`` factors (per block for grouped convolutions, whose
 factors are block-diagonal), and the largest factor (block) dimension. Factor
-dimensions come from :class:`spdkfac.layers.KFACLayer`, exactly as the
+dimensions come from :class:`spdkfac.kfac.layers.KFACLayer`, exactly as the
 optimizer sizes them. Models are built on the CPU; no forward pass is run.
 
     python -m benchmarks.model_stats [--models resnet50 ...] [--out-dir benchmarks/results]
@@ -27,9 +27,9 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
-from spdkfac.layers import KFACLayer, kfac_layers
+from spdkfac.kfac.layers import KFACLayer, kfac_layers
 from spdkfac.models import get_model
-from spdkfac.output_path import unwritable_reason
+from spdkfac.runtime.output_path import unwritable_reason
 
 DEFAULT_MODELS = ["resnet50", "resnet152", "densenet201", "inception_v4", "mobilenet_v2", "resnext50_32x4d", "efficientnet_b0"]
 

@@ -27,8 +27,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from spdkfac.output_path import unwritable_reason
 from spdkfac.perfmodels import PerfModel
+from spdkfac.runtime.output_path import unwritable_reason
 from spdkfac.simulate import PART_OF_PHASE, PARTS, PHASES, load_profiles, parts_of_phases, predict_phases
 
 from .common import RESULTS, machine, save_json

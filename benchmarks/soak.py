@@ -29,8 +29,8 @@ import torch.nn as nn
 
 from benchmarks.common import RESULTS, log, machine, save_json, start
 from spdkfac import SPDKFACOptimizer
-from spdkfac.affinity import add_bind_cores_option
-from spdkfac.output_path import output_file
+from spdkfac.runtime.affinity import add_bind_cores_option
+from spdkfac.runtime.output_path import output_file
 
 
 def _net() -> nn.Module:

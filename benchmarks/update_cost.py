@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from spdkfac.base_update import apply_base_update
 from spdkfac.models import get_model
+from spdkfac.update.base_update import apply_base_update
 
 from .common import log, machine, save_json, start, workload_parser
 

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from spdkfac.base_update import sgd_param_update
 from spdkfac.models import get_model
 from spdkfac.simulate.kernel_trace import trace_kernels, trace_training_step
 from spdkfac.simulate.update_fusion_cost import RECIPES, Device, predicted_gains, stream_seconds
+from spdkfac.update.base_update import sgd_param_update
 
 from .common import RESULTS, log, machine, save_json
 from .update_cost import measure_passes

@@ -47,9 +47,9 @@ import torch
 import torch.nn as nn
 
 from spdkfac import make_optimizer
-from spdkfac.host_memory import release_freed_memory
 from spdkfac.models import get_model
-from spdkfac.output_path import output_file
+from spdkfac.runtime.host_memory import release_freed_memory
+from spdkfac.runtime.output_path import output_file
 
 from .common import RESULTS, log, machine, ratio_interval, save_json, start, stats, workload_parser
 

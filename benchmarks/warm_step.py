@@ -3,7 +3,7 @@
     python -m benchmarks.warm_step --model resnet50
 
 ``eigen_refresh='warm'`` refreshes a basis with one subspace-iteration step,
-``Q <- qr(F Q)`` (:meth:`spdkfac.methods.warm.WarmRefresh.refine`). For every
+``Q <- qr(F Q)`` (:meth:`spdkfac.kfac.methods.warm.WarmRefresh.refine`). For every
 distinct factor dimension of ``--model`` this times, alternately in one
 process on one thread (median *thread CPU time*, so other jobs on the cores
 inflate it less):
@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from spdkfac.layers import kfac_layers
-from spdkfac.methods.warm import WarmRefresh, descending_eigh, drift
+from spdkfac.kfac.layers import kfac_layers
+from spdkfac.kfac.methods.warm import WarmRefresh, descending_eigh, drift
 from spdkfac.models import get_model
 
 from .common import RESULTS, machine, save_json

@@ -33,8 +33,8 @@ from typing import Callable
 
 import torch
 
-from spdkfac.decomposition import eigen_payload
-from spdkfac.linalg import invert_spd
+from spdkfac.kfac.eigenbasis import eigen_payload
+from spdkfac.kfac.linalg import invert_spd
 from spdkfac.perfmodels import PerfModel, fit_inverse_model
 from spdkfac.perfmodels.bench import warm_refresh_call
 

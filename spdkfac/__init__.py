@@ -6,8 +6,8 @@ Quick start::
     optimizer = SPDKFACOptimizer(model, lr=0.1, momentum=0.9)   # instead of torch.optim.SGD
 """
 
-from .host_memory import retain_freed_memory
 from .optimizer import NonFiniteError, NonFiniteFactorError, SPDKFACOptimizer
+from .runtime.host_memory import retain_freed_memory
 from .schedules import KFACParamScheduler
 from .variants import VARIANTS, make_optimizer
 

@@ -18,12 +18,12 @@ from dataclasses import asdict, dataclass, fields
 from numbers import Integral, Real
 from typing import Any, Literal, get_args
 
-from .base_update import BASE_OPTIMIZERS, BaseOptimizer
-from .fusion.planner import DEFAULT_THRESHOLD_BYTES, FUSION_POLICIES
-from .layers import LayerFilter
-from .methods import METHODS
-from .methods.ekfac import EKFAC_UPDATES, EKFACUpdate
-from .placement import PLACEMENTS
+from .kfac.layers import LayerFilter
+from .kfac.methods import METHODS
+from .kfac.methods.ekfac import EKFAC_UPDATES, EKFACUpdate
+from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES, FUSION_POLICIES
+from .plan.placement import PLACEMENTS
+from .update.base_update import BASE_OPTIMIZERS, BaseOptimizer
 
 #: The choices of the enumerated options (checked at run time too: the values often come from a command line).
 FusionPolicy = Literal["optimal", "threshold", "layerwise", "naive"]
@@ -145,12 +145,12 @@ class KFACConfig:
             placement is costed with the performance model's ``eigen`` curve).
             ``'ekfac'`` (George et al.'s eigenvalue-corrected K-FAC: the eigen
             method's bases, the scaling re-estimated every step from the
-            averaged gradient, :mod:`spdkfac.methods.ekfac`).
+            averaged gradient, :mod:`spdkfac.kfac.methods.ekfac`).
         eigen_refresh: how ``'eigen'`` and ``'ekfac'`` refresh a basis:
             ``'exact'`` (a full ``eigh`` every time) or ``'warm'`` (one
             subspace-iteration step from the previous basis, with a full
             ``eigh`` every ``eigen_full_every`` refreshes or when the previous
-            basis drifted, :mod:`spdkfac.methods.warm`).
+            basis drifted, :mod:`spdkfac.kfac.methods.warm`).
         eigen_full_every: with ``eigen_refresh='warm'``, every this many
             refreshes is a full ``eigh``.
         ekfac_decay: β of EKFAC's running average of the scaling.
@@ -160,7 +160,7 @@ class KFACConfig:
             the second one in the eigenbasis with ``β2 = ekfac_decay``,
             ``β1`` and ``eps`` the AdamW base's; needs ``base='adamw'``,
             which then steps along it with its decoupled decay,
-            :mod:`spdkfac.methods.ekfac`).
+            :mod:`spdkfac.kfac.methods.ekfac`).
         distribute_preconditioning: ``grad_worker_fraction=1/P`` (KAISA's
             MEM-OPT) under its older name: each layer's decompositions are
             held and its gradient preconditioned by one worker, which
@@ -168,10 +168,10 @@ class KFACConfig:
             ``grad_worker_fraction``.
         grad_worker_fraction: KAISA's share of the workers that hold each
             layer's decompositions and precondition its gradient
-            (:mod:`spdkfac.grad_workers`): ``1/P`` is MEM-OPT, 1 is COMM-OPT
+            (:mod:`spdkfac.plan.grad_workers`): ``1/P`` is MEM-OPT, 1 is COMM-OPT
             (the default, None), anything with ``fraction * P`` a divisor of
             ``P`` in between; ``'auto'`` chooses it from the performance
-            model (:mod:`spdkfac.grad_worker_choice`). Memory of the
+            model (:mod:`spdkfac.plan.grad_worker_choice`). Memory of the
             decompositions per worker falls with the fraction; the
             preconditioned gradients are broadcast to the other workers.
             Same result. With ``eigen_refresh='warm'`` every worker still
@@ -196,7 +196,7 @@ class KFACConfig:
             replace the ``'optimal'`` plan if the per-layer times have drifted
             (None: plan once). The current plan stays in use while the new
             profile is taken; every worker switches at the same step.
-        timeline: record a per-iteration :class:`~spdkfac.timeline.Timeline`.
+        timeline: record a per-iteration :class:`~spdkfac.step.timeline.Timeline`.
         precondition: False turns K-FAC off: the optimizer is then plain
             distributed momentum SGD with the same gradient communication
             (the S-SGD baseline of the benchmarks).
@@ -232,7 +232,7 @@ class KFACConfig:
             are left out automatically, with a notice; a weight shared by
             several modules (tied weights) must be left out here.
         update_fusion: where the parameter update runs
-            (:mod:`spdkfac.update_fusion`): ``'none'`` (in ``step()``),
+            (:mod:`spdkfac.update.update_fusion`): ``'none'`` (in ``step()``),
             ``'forward'`` (each module's parameters just before its next
             forward pass; the rest at the next ``step()``, ``flush()`` or any
             ``state_dict()``), ``'backward'`` (each layer as soon as its
@@ -243,7 +243,7 @@ class KFACConfig:
             distributed preconditioning, clipping after ``synchronize()``);
             both need ``base='sgd'``.
         base: the update after preconditioning: ``'sgd'`` (momentum SGD),
-            ``'adamw'`` or ``'lamb'`` (:mod:`spdkfac.base_update`); a
+            ``'adamw'`` or ``'lamb'`` (:mod:`spdkfac.update.base_update`); a
             checkpoint resumes only with the same base (its state differs).
     """
 

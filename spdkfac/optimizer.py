@@ -3,7 +3,7 @@
 The optimizer is wiring: it validates the options (:class:`~spdkfac.config.KFACConfig`),
 builds the parts (factor hooks, gradient averaging, fusion controller and profiler,
 work plan, decomposition stage, preconditioner), fixes each step's hyperparameters
-and leaves the order of the K-FAC work to :class:`~spdkfac.kfac_step.KFACStep`;
+and leaves the order of the K-FAC work to :class:`~spdkfac.step.kfac_step.KFACStep`;
 then it takes the base optimizer's step (momentum SGD, AdamW or LAMB). See ``docs/design.md``.
 """
 
@@ -15,7 +15,6 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .base_update import BaseOptimizer, apply_base_update, base_defaults
 from .comm import CommBackend, get_backend
 from .config import (
     SCHEDULE_CHECKS,
@@ -28,21 +27,22 @@ from .config import (
     UpdateFusion,
     check_hyperparameters,
 )
-from .coverage import kfac_summary
-from .fusion import DEFAULT_THRESHOLD_BYTES
-from .grad_sync import collective_names
-from .grad_worker_choice import GradWorkerProblem
-from .grad_workers import GradWorkerFraction
-from .kfac_state import check_kfac_state, load_kfac_state, memory_usage, save_kfac_state
-from .kfac_step import KFACStep, StepHyper
-from .layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, preconditioned_layers
-from .methods import get_method
-from .nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
+from .kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, preconditioned_layers
+from .kfac.methods import get_method
+from .kfac.state import check_kfac_state, load_kfac_state, memory_usage, save_kfac_state
+from .kfac.summary import kfac_summary
 from .perfmodels import PerfModel, load_perf_model
+from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES
+from .plan.grad_worker_choice import GradWorkerProblem
+from .plan.grad_workers import GradWorkerFraction
+from .plan.work_plan import LayerShape, WorkPlan
 from .schedules import Scheduled, StepSchedule
-from .timeline import Timeline
-from .update_fusion import BackwardFusion, ForwardFusion
-from .work_plan import LayerShape, WorkPlan
+from .step.grad_sync import collective_names
+from .step.kfac_step import KFACStep, StepHyper
+from .step.nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
+from .step.timeline import Timeline
+from .update.base_update import BaseOptimizer, apply_base_update, base_defaults
+from .update.update_fusion import BackwardFusion, ForwardFusion
 
 __all__ = ["NonFiniteError", "NonFiniteFactorError", "SPDKFACOptimizer"]
 
@@ -59,7 +59,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     Args:
         model: every ``nn.Linear``, ``nn.Conv1d``, ``nn.Conv2d`` (any groups
             and padding mode) and dense ``nn.Embedding`` with a trainable
-            weight is preconditioned (:mod:`spdkfac.layer_types`); every other
+            weight is preconditioned (:mod:`spdkfac.kfac.layer_types`); every other
             parameter gets the plain base update
             (:meth:`kfac_summary` lists which, and why).
         lr, momentum, weight_decay: as ``torch.optim.SGD`` (read from
@@ -72,7 +72,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             ``'adamw'`` (``torch.optim.AdamW``'s rule; decoupled decay
             ``-lr * wd * param``) or ``'lamb'`` (LAMB: Adam's ratio plus
             ``wd * param``, scaled per tensor by the trust ratio
-            ``‖param‖/‖ratio‖``), :mod:`spdkfac.base_update`. The KL clip
+            ``‖param‖/‖ratio‖``), :mod:`spdkfac.update.base_update`. The KL clip
             always scales the preconditioned gradients before the base
             update, by ``min(1, sqrt(kl_clip / (lr² |Σ v·grad|)))`` with the
             base's ``lr``; an adaptive base (AdamW, LAMB) then normalises the
@@ -104,7 +104,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         fusion_threshold_bytes, profile_steps, replan_interval, timeline, precondition, accumulation_steps,
         skip_nonfinite, skip_layers: how the step is computed: :class:`~spdkfac.config.KFACConfig`.
         update_fusion: ``'none'``, ``'forward'`` or ``'backward'``: where the
-            parameter update runs (:mod:`spdkfac.update_fusion`; same results).
+            parameter update runs (:mod:`spdkfac.update.update_fusion`; same results).
     """
 
     def __init__(

@@ -5,16 +5,14 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any, Literal, overload
 
 import torch.nn as nn
 
 from .config import HYPERPARAMETER_CHECKS, SCHEDULE_CHECKS, KFACConfig
-
-if TYPE_CHECKING:
-    from .adamw import DistributedAdamW
-    from .dho2 import DHO2Optimizer
-    from .optimizer import SPDKFACOptimizer  # at run time imported lazily, in make_optimizer
+from .dho2 import DHO2Optimizer
+from .optimizer import SPDKFACOptimizer
+from .update.adamw import DistributedAdamW
 
 __all__ = ["OTHER_OPTIMIZERS", "VARIANTS", "make_optimizer", "optimizer_config", "variant_argv", "variant_config", "variant_keys"]
 
@@ -58,8 +56,6 @@ def _parse_value(text: str) -> Any:
 @functools.cache
 def variant_keys() -> tuple[str, ...]:
     """The optimizer keyword arguments a variant spec may change: all but the model and the GradScaler object."""
-    from .optimizer import SPDKFACOptimizer
-
     names = inspect.signature(SPDKFACOptimizer.__init__).parameters
     return tuple(sorted(n for n in names if n not in ("self", "model", "grad_scaler")))
 
@@ -133,9 +129,6 @@ def optimizer_config(spec: str) -> dict[str, Any]:
 
 def _other_changes(name: str, config: dict[str, Any], changes: str, spec: str) -> dict[str, Any]:
     """``config`` with a spec's ``key=value`` changes; the keys checked against the optimizer's constructor (its values there)."""
-    from .adamw import DistributedAdamW
-    from .dho2 import DHO2Optimizer
-
     cls = DistributedAdamW if name == "adamw" else DHO2Optimizer
     keys = sorted(n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "model", "grad_scaler"))
     for item in filter(None, (c.strip() for c in changes.split(","))):
@@ -164,10 +157,6 @@ def make_optimizer(variant: str, model: nn.Module, **kwargs: Any) -> SPDKFACOpti
 def make_optimizer(variant: str, model: nn.Module, **kwargs: Any) -> SPDKFACOptimizer | DHO2Optimizer | DistributedAdamW:
     """Build the optimizer ``variant`` names (see :func:`optimizer_config`): ``SPDKFACOptimizer`` configured as
     one of :data:`VARIANTS`, the DHO2 optimizer (``'dho2'``, ``'dho2-wa'``) or its base, distributed AdamW (``'adamw'``)."""
-    from .adamw import DistributedAdamW
-    from .dho2 import DHO2Optimizer
-    from .optimizer import SPDKFACOptimizer
-
     config = optimizer_config(variant)
     overlap = sorted(set(config) & set(kwargs))
     if overlap:

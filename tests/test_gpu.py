@@ -22,10 +22,10 @@ import torch
 import torch.nn as nn
 from launch import ROOT, run_workers
 from nets import assert_bitwise_equal, batch, mixed_net, small_net, train
-from test_reference_kfac import ConvLinearNet, ReferenceKFAC
+from unit.kfac.test_reference_kfac import ConvLinearNet, ReferenceKFAC
 
 from spdkfac import SPDKFACOptimizer
-from spdkfac.linalg import cupy_available, invert_spd
+from spdkfac.kfac.linalg import cupy_available, invert_spd
 
 pytestmark = pytest.mark.gpu
 

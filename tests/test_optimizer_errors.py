@@ -131,7 +131,7 @@ def test_step_without_backward_is_an_error():
 
 def test_weight_sharing_is_an_error():
     lin = nn.Linear(4, 4)
-    # Registered twice: refused when the optimizer is built (tests/test_layer_selection.py has the tied-weight case).
+    # Registered twice: refused when the optimizer is built (tests/unit/kfac/test_layer_selection.py has the tied-weight case).
     with pytest.raises(ValueError, match=r"shared by \['0.weight', '2.weight'\]"):
         SPDKFACOptimizer(nn.Sequential(lin, nn.Tanh(), lin), lr=0.1, backend="single")
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 from ..comm import CommBackend, get_backend
-from ..grad_sync import GradientSync, collective_names
-from ..nonfinite import NonFiniteError, NonFiniteGuard, SkipStep
-from ..updates import adamw_delta, momentum_direction
+from ..step.grad_sync import GradientSync, collective_names
+from ..step.nonfinite import NonFiniteError, NonFiniteGuard, SkipStep
+from ..update.rules import adamw_delta, momentum_direction
 from .config import BaseOptimizer, DHO2Config
 from .hvp import HessianVectorProduct, flatten
 from .lanczos import RowSplit, distributed_lanczos, extreme_eigenpairs, lanczos_memory, start_vector

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .mobile import ConvNormAct, InvertedResidual
+
 __all__ = ["DigitsCNN", "MnistCNN", "MnistMobileNet", "cifar_resnet20"]
 
 
@@ -66,8 +68,6 @@ class MnistMobileNet(nn.Sequential):
     """
 
     def __init__(self, num_classes: int = 10) -> None:
-        from .mobile import ConvNormAct, InvertedResidual
-
         super().__init__(
             ConvNormAct(1, 16, 3, 1),  # 28x28
             InvertedResidual(16, 24, 2, 4),  # 14x14

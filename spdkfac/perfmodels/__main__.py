@@ -12,10 +12,17 @@ import argparse
 import json
 import sys
 
-from ..affinity import add_bind_cores_option, bind_cores_if_asked
-from ..host_memory import retain_freed_memory
-from ..output_path import output_file, unwritable_reason
+import torch
+
+from ..comm import get_backend
+from ..kfac.layers import factor_list, kfac_layers
+from ..models import get_model
+from ..runtime.affinity import add_bind_cores_option, bind_cores_if_asked
+from ..runtime.host_memory import retain_freed_memory
+from ..runtime.output_path import output_file, unwritable_reason
+from .bench import BenchmarkConfig, Mpi4pyEngine, add_batched, run_benchmark
 from .models import PerfModel, PerfModelError
+from .plot import plot_perf_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,11 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.cmd == "benchmark":
-        import torch
-
-        from ..comm import get_backend
-        from .bench import BenchmarkConfig, Mpi4pyEngine, run_benchmark
-
         cores = bind_cores_if_asked(args)
         retain_freed_memory()  # as the training job does
         if args.threads:
@@ -77,9 +79,6 @@ def main(argv: list[str] | None = None) -> int:
         engine = Mpi4pyEngine() if args.engine == "mpi4py" else get_backend(args.engine)
         model_dims = None
         if args.model:
-            from ..layers import factor_list, kfac_layers
-            from ..models import get_model
-
             model_dims = sorted({dim for _, dim in factor_list(kfac_layers(get_model(args.model)))})
         cfg = BenchmarkConfig(
             quick=args.quick,
@@ -107,8 +106,6 @@ def main(argv: list[str] | None = None) -> int:
             print(_summary(model))
             print(f"wrote {args.out}")
             if args.plot:
-                from .plot import plot_perf_model
-
                 print(f"wrote {plot_perf_model(model, args.plot)}")
         return 0
     try:
@@ -124,8 +121,6 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             ap.error(f"cannot write {args.out} (the default --out of plot): {problem}")
     if args.cmd == "plot":
-        from .plot import plot_perf_model
-
         print(f"wrote {plot_perf_model(model, args.out)}")
         return 0
     print(_summary(model))
@@ -134,11 +129,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _add_batched(ap: argparse.ArgumentParser, args: argparse.Namespace, model: PerfModel) -> int:
     """The ``add-batched`` command: one process, the file's other curves kept as they are."""
-    import torch
-
-    from ..comm import get_backend
-    from .bench import BenchmarkConfig, add_batched
-
     if args.repeats < 1 or args.warmup < 0:
         ap.error("--repeats must be >= 1 and --warmup >= 0")
     out = args.out or args.file

@@ -28,11 +28,11 @@ import torch
 
 from ..comm import CommBackend, get_backend
 from ..comm.mpi4py_backend import Mpi4pyEngine
-from ..decomposition import eigen_payload
-from ..factor_shape import FactorShape
-from ..linalg import invert_spd, triangle_size
-from ..methods import get_method
-from ..methods.warm import WarmRefresh, descending_eigh
+from ..kfac.eigenbasis import eigen_payload
+from ..kfac.factor_shape import FactorShape
+from ..kfac.linalg import invert_spd, triangle_size
+from ..kfac.methods import get_method
+from ..kfac.methods.warm import WarmRefresh, descending_eigh
 from .fitting import fit_batched, fit_inverse_model, fit_linear, r_squared
 from .models import AllReduceModel, BatchedModel, BroadcastModel, InverseModel, PerfModel
 

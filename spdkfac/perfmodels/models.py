@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..file_version import FormatVersionError, check_format_version
+from .file_version import FormatVersionError, check_format_version
 
 __all__ = [
     "AllReduceModel",
@@ -250,12 +250,6 @@ class PerfModel:
     batched: dict[str, BatchedModel] = field(default_factory=dict)
     _eigen_estimate_warned: bool = field(default=False, init=False, repr=False, compare=False)
     _warm_estimate_warned: bool = field(default=False, init=False, repr=False, compare=False)
-
-    def decomposition(self, method: Any) -> Callable[[float], float]:
-        """Seconds to turn a ``d x d`` factor into what ``method`` (a name or a method object) preconditions with."""
-        from ..methods import get_method
-
-        return get_method(method).curve(self)
 
     def eigen_curve(self) -> Callable[[float], float]:
         """The eigendecomposition model; in a file without one (measured before it existed),

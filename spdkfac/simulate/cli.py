@@ -1,4 +1,50 @@
-"""The command line: ``python -m spdkfac.simulate profile|predict ...`` (the package docstring is its help)."""
+"""The command line ``python -m spdkfac.simulate``: predict iteration time and its breakdown at any worker count.
+
+Two steps::
+
+    python -m spdkfac.simulate profile --model resnet50 --resolution 32 --batch-size 4 --out profile.json
+    python -m spdkfac.simulate predict --profile profile.json --perf-model perfmodels/x.json --workers 2 4 8 64
+
+``profile`` measures one worker (launch it with the job's launcher so that all
+workers profile at once and share the machine as in training): forward and backward time, when each
+factor becomes ready and how long it took, gradient sizes, and the time of the
+rest of ``step()``. ``predict`` replays the decisions the optimizer makes, with
+the optimizer's own functions (:mod:`spdkfac.plan.work_plan`): factor groups from
+:func:`~spdkfac.plan.work_plan.fusion_groups` (launched when their last member is
+ready, or after backward without pipelining), gradient all-reduces launched as
+each layer's backward finishes, one communication engine serving launches in
+order with ``t(m) = alpha + beta*m`` (:func:`spdkfac.plan.factor_fusion.serve_in_order`),
+then the inversion stage's makespan from :class:`~spdkfac.plan.work_plan.WorkPlan`
+(planned with the fitted inversion model, as the optimizer plans; charged at
+the ratio of the profile's measured inversions to that model), with each rank's
+packing work (the profile's per-factor unpack and pack times). On steps that
+keep the inverses, variants with ``overlap_preconditioning`` hide up to their
+preconditioning time of the gradient wait, and on such steps that update the
+factors what remains of it hides the factor wait too. Variants may carry changes
+(``'spdkfac:overlap_preconditioning=false'``, see :func:`spdkfac.variants.variant_config`).
+
+Under a launcher every rank profiles at once; the profile holds the mean
+rank's times, each rank's totals and how far each iteration's slowest rank
+lagged the mean, and every synchronized step waits for the slowest rank:
+that measured excess, scaled to P workers by the expected maximum of P
+normal draws (:func:`~.prediction.iteration_lag_share`), is charged as
+GradComm (and as InverseComm for the stage's broadcasts). The
+breakdown is the mean rank's, as the optimizer's timeline and the
+``iteration_time`` benchmark record it.
+
+Scaling to P workers: the fitted file holds costs at its own world size W.
+All-reduce costs are scaled by the ring factor ``(P-1)/P`` relative to W's
+(alpha by ``(P-1)/(W-1)``), broadcasts by ``ceil(log2 P)/ceil(log2 W)`` (a
+tree). ``--contention`` models machines where communication needs the same
+cores as computation (CPU workers with no spare core): every second the
+engine works is a second of the worker's core, paid once. What the engine
+serves while the passes run slows forward+backward (the hooks and the
+factor work in them alike), what is left after them is waited for, and
+receiving a broadcast costs the receiver as much as sending costs the sender;
+each all-reduce costs what the profile's plain-SGD passes measured their real
+all-reduces to cost over the fitted model
+(:func:`~.prediction.communication_scale`).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +54,11 @@ import json
 import sys
 import warnings
 
-from ..affinity import add_bind_cores_option, bind_cores_if_asked
 from ..comm import detect_launcher, get_backend
-from ..host_memory import retain_freed_memory
-from ..output_path import output_file
 from ..perfmodels import PerfModel, PerfModelError
+from ..runtime.affinity import add_bind_cores_option, bind_cores_if_asked
+from ..runtime.host_memory import retain_freed_memory
+from ..runtime.output_path import output_file
 from ..variants import variant_argv, variant_config
 from .prediction import PARTS, PHASES, parts_of_phases, predict_phases
 from .profile_file import load_profiles
@@ -24,10 +70,8 @@ DEFAULT_VARIANTS = ("sgd", "dkfac", "mpdkfac", "spdkfac")  # what `predict` pred
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __doc__ as description
-
     ap = argparse.ArgumentParser(
-        prog="python -m spdkfac.simulate", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m spdkfac.simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("profile", help="measure a per-layer compute profile (under the job's launcher: every worker at once)")

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from ..update_fusion import update_owners
+from ..update.update_fusion import update_owners
 
 __all__ = ["Kernel", "StepTrace", "trace_kernels", "trace_training_step"]
 
@@ -100,7 +100,7 @@ class StepTrace:
     ``params`` holds each trainable tensor's element count. ``forward_slots[i]``
     lists the parameters whose forward-fused update runs just before
     ``forward[i]`` (the forward pre-hook of the module that holds them, as
-    :class:`~spdkfac.update_fusion.ForwardFusion`); ``backward_slots[i]``
+    :class:`~spdkfac.update.update_fusion.ForwardFusion`); ``backward_slots[i]``
     those whose gradient is final once ``backward[i]`` has run (the earliest
     point of a backward-fused update).
     """

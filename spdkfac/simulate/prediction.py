@@ -1,10 +1,10 @@
 """Predicted iteration time and its breakdown: the optimizer's decisions plus the profile's costs.
 
-Every decision is the optimizer's own function from :mod:`spdkfac.work_plan`
+Every decision is the optimizer's own function from :mod:`spdkfac.plan.work_plan`
 (fusion groups and their launch times, the inversion placement, who
 preconditions each layer, when preconditioning overlaps the gradient
 all-reduces); communication runs on one engine queue
-(:func:`spdkfac.fusion.planner.serve_in_order`). This module only adds the
+(:func:`spdkfac.plan.factor_fusion.serve_in_order`). This module only adds the
 costs: the profile's measured times and the fitted models at P workers.
 """
 
@@ -17,14 +17,13 @@ from dataclasses import replace
 from typing import Any
 
 from ..config import KFACConfig
-from ..fusion import DEFAULT_THRESHOLD_BYTES
-from ..fusion.planner import serve_in_order
-from ..grad_worker_choice import GradWorkerProblem, plan_memory, result_broadcast_seconds
-from ..methods import get_method
+from ..kfac.methods import get_method
 from ..perfmodels import PerfModel
-from ..placement import ALL, PlacementPlan
+from ..plan.factor_fusion import DEFAULT_THRESHOLD_BYTES, serve_in_order
+from ..plan.grad_worker_choice import GradWorkerProblem, plan_memory, result_broadcast_seconds
+from ..plan.placement import ALL, PlacementPlan
+from ..plan.work_plan import LayerShape, WorkPlan, fusion_groups, group_launch_times, overlaps_preconditioning
 from ..variants import variant_config
-from ..work_plan import LayerShape, WorkPlan, fusion_groups, group_launch_times, overlaps_preconditioning
 from .profile_file import FactorProfile, LayerPreconditionProfile, Profile
 from .scaling import ScaledModels
 
@@ -497,7 +496,7 @@ def _conversions(
     Before: unpacking the factors it inverts, and for each inverse it
     broadcasts packing it and unpacking the packed copy, which the owner
     keeps so that every rank holds the same values
-    (:func:`~spdkfac.inversion.compute_inverses`); in the wait: unpacking
+    (:func:`~spdkfac.step.decomposition_stage.compute_inverses`); in the wait: unpacking
     the inverses it receives. An inverse is the size of its factor, so the
     profile's per-factor unpack and pack times stand for all of them. An
     eigendecomposition's owner keeps views into the buffer it sends (no
@@ -553,7 +552,7 @@ def _distributed_precondition_change(profile: Profile, plan: WorkPlan, m: Scaled
     The busiest rank's share replaces the whole preconditioning; then the
     fused broadcasts of the results, each at its group's size, as the
     optimizer's ``'auto'`` choice charges them
-    (:func:`~spdkfac.grad_worker_choice.result_broadcast_seconds`: a rank's
+    (:func:`~spdkfac.plan.grad_worker_choice.result_broadcast_seconds`: a rank's
     link carries every broadcast it takes part in).
     """
     layers = profile.precondition

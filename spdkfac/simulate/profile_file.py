@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..factor_shape import FactorShape
-from ..file_version import check_format_version
+from ..kfac.factor_shape import FactorShape
+from ..perfmodels.file_version import check_format_version
 from .profile_check import check_profile
 
 __all__ = [

@@ -5,17 +5,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from ..comm import CommBackend
-from ..timeline import Timeline
+from ..models import get_model
+from ..optimizer import SPDKFACOptimizer
+from ..step.timeline import Timeline
 from .profile_file import FactorProfile, LayerPreconditionProfile, Profile
-
-if TYPE_CHECKING:
-    from .. import SPDKFACOptimizer
 
 __all__ = ["measure_profile"]
 
@@ -41,9 +39,6 @@ def measure_profile(
     (:func:`_across_ranks`): how far the slowest rank lags is a cost of every
     synchronized step.
     """
-    from .. import SPDKFACOptimizer
-    from ..models import get_model
-
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = get_model(model_name)
@@ -273,8 +268,6 @@ def _measure_sgd_passes(
     count) varies from pass to pass by as much as the wait itself. Returns the
     means and each iteration's passes and update (the wait apart).
     """
-    from .. import SPDKFACOptimizer
-
     sgd = SPDKFACOptimizer(model, lr=1e-4, backend=comm if comm is not None else "single", precondition=False, timeline=True)
     steps, waits, passes, updates, work = [], [], [], [], []
     for it in range(3 * iters + 1):

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..decomposition import payload_size
-from ..factor_shape import FactorShape
-from ..methods import get_method
+from ..kfac.factor_shape import FactorShape
+from ..kfac.methods import get_method, payload_size
 from ..perfmodels import PerfModel
 
 __all__ = ["ScaledModels"]
@@ -36,7 +35,7 @@ class ScaledModels:
         return self.scaled.allreduce.beta if self.workers > 1 else 0.0
 
     def broadcast(self, dim: int, method: str = "inverse") -> float:
-        """Broadcast of one factor's result (:func:`~spdkfac.decomposition.payload_size` elements)."""
+        """Broadcast of one factor's result (:func:`~spdkfac.kfac.methods.payload_size` elements)."""
         if self.workers == 1:
             return 0.0
         return self.scaled.broadcast.payload(payload_size(method, dim))
@@ -56,4 +55,4 @@ class ScaledModels:
 
     def stage_costs(self, method: str) -> tuple[Callable[[int], float], Callable[[int], float]]:
         """(decomposition, broadcast) seconds of a ``d x d`` factor for ``compute_method`` at ``workers``."""
-        return self.perf.decomposition(method), lambda dim: self.broadcast(dim, method)
+        return get_method(method).curve(self.perf), lambda dim: self.broadcast(dim, method)

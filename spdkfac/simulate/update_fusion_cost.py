@@ -11,7 +11,7 @@ terms and no others:
 * **Kernels.** A step's forward and backward kernels, counted on ``meta``
   tensors (:func:`~.kernel_trace.trace_training_step`), and each parameter's
   update kernels, traced from the code the optimizer runs
-  (:func:`~spdkfac.base_update.sgd_param_update`). A kernel takes
+  (:func:`~spdkfac.update.base_update.sgd_param_update`). A kernel takes
   ``max(flops / flop_rate, bytes / bandwidth)`` on the device.
 * **Launches.** The host spends ``launch_s`` per kernel. On an asynchronous
   device (a GPU stream) the host issues ahead and the device runs kernels in
@@ -54,8 +54,8 @@ from typing import Literal
 
 import torch
 
-from ..base_update import sgd_param_update
-from ..nonfinite import non_finite
+from ..step.nonfinite import non_finite
+from ..update.base_update import sgd_param_update
 from .kernel_trace import Kernel, StepTrace, trace_kernels
 
 __all__ = [
@@ -147,7 +147,7 @@ def _spdkfac_check(sizes: list[int]) -> list[Kernel]:
 
 
 def _spdkfac_backup(n: int) -> list[Kernel]:
-    """The copies :class:`~spdkfac.update_fusion.BackwardFusion` keeps of a parameter and its momentum buffer."""
+    """The copies :class:`~spdkfac.update.update_fusion.BackwardFusion` keeps of a parameter and its momentum buffer."""
     p, buf = _meta(n), _meta(n)
     return trace_kernels(lambda: (p.detach().clone(), buf.clone()))
 

@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from spdkfac.affinity import bind_to_local_cores
 from spdkfac.comm import get_backend
+from spdkfac.runtime.affinity import bind_to_local_cores
 
 available = sorted(os.sched_getaffinity(0))
 share = bind_to_local_cores()

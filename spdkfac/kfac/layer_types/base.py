@@ -1,0 +1,112 @@
+"""What a layer type owns: how its inputs and output gradients become factor Gram matrices, and its gradient layout.
+
+One :class:`LayerHelper` subclass per module type (registered in
+:mod:`spdkfac.kfac.layer_types`); the K-FAC maths around it (scaling, running
+averages, decompositions, preconditioning) is the same for every type and
+lives in :class:`~spdkfac.kfac.layers.KFACLayer`.
+
+Conventions: ``A`` is the Gram of the layer-input rows (with a trailing ones
+column when the layer has a bias), ``G`` that of the output-gradient rows;
+the gradient is a ``g x a`` matrix (bias as the last column), or a
+``blocks x g x a`` stack when the factors are block-diagonal (a grouped
+convolution: one block per group).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..factor_shape import FactorShape
+
+__all__ = ["LayerHelper"]
+
+
+class LayerHelper(abc.ABC):
+    """Reads and writes one module's K-FAC quantities (a small helper per layer type)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        self.weight: torch.Tensor = weight
+        bias = getattr(module, "bias", None)
+        self.bias: torch.Tensor | None = bias if isinstance(bias, torch.Tensor) else None
+
+    @classmethod
+    def unsupported(cls, module: nn.Module) -> str | None:
+        """Why this module cannot be preconditioned by this helper (None: it can)."""
+        return None
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias is not None
+
+    @property
+    @abc.abstractmethod
+    def a_shape(self) -> FactorShape:
+        """Shape of the ``A`` factor (bias column included)."""
+
+    @property
+    @abc.abstractmethod
+    def g_shape(self) -> FactorShape:
+        """Shape of the ``G`` factor."""
+
+    def params(self) -> list[torch.Tensor]:
+        """The parameters the factors precondition."""
+        return [self.weight] if self.bias is None else [self.weight, self.bias]
+
+    @abc.abstractmethod
+    def input_gram(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """``rows^T rows`` of the input rows (``a_shape``'s full form, ones column included) and the row count."""
+
+    @abc.abstractmethod
+    def output_gram(self, g: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``rows^T rows`` of the output-gradient rows (``g_shape``'s full form) and the row count."""
+
+    def positions(self, rows: int, batch: int) -> int:
+        """Output positions per sample that share the weight (``S``; 1 unless a convolution)."""
+        return 1
+
+    @property
+    def grad_shape(self) -> tuple[int, ...]:
+        """Shape of :meth:`grad`: ``(g, a)`` or ``(blocks, g, a)``."""
+        a, g = self.a_shape, self.g_shape
+        blocks = max(a.blocks, g.blocks)
+        return (g.dim, a.dim) if blocks == 1 else (blocks, g.dim, a.dim)
+
+    @abc.abstractmethod
+    def grad(self) -> torch.Tensor | None:
+        """The gradient in :attr:`grad_shape` (None before a backward pass)."""
+
+    @abc.abstractmethod
+    def write_grad(self, update: torch.Tensor) -> None:
+        """Copy an update in :attr:`grad_shape` back into the parameters' gradients."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the start-up summary shows of this layer."""
+        return {"A": self.a_shape.describe(), "G": self.g_shape.describe()}
+
+
+def with_bias_column(weight_part: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``weight_part`` (``(..., g, a)``) with the bias gradient (zeros if none yet) as a last column."""
+    if bias is None:
+        return weight_part
+    bias_grad = bias.grad if bias.grad is not None else torch.zeros_like(bias)
+    return torch.cat([weight_part, bias_grad.reshape(*weight_part.shape[:-1], 1)], dim=-1)
+
+
+def split_bias_column(update: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Write ``update`` (``(..., g, a)``, bias as the last column if ``bias``) into the gradients."""
+    if bias is not None:
+        w_part, b_part = update[..., :-1], update[..., -1]
+        if bias.grad is None:
+            bias.grad = torch.zeros_like(bias)
+        bias.grad.copy_(b_part.reshape(bias.shape))
+    else:
+        w_part = update
+    assert weight.grad is not None  # the caller preconditioned grad(), which needs it
+    weight.grad.copy_(w_part.reshape(weight.shape))

@@ -1,0 +1,369 @@
+"""Per-layer K-FAC maths: Kronecker factors, running averages, preconditioning.
+
+One :class:`KFACLayer` class holds the maths for every supported layer; the
+layer types differ only in how their inputs and output gradients are turned
+into Gram matrices and how their gradient is laid out (a small
+:class:`~spdkfac.kfac.layer_types.LayerHelper` per type), and the compute methods
+in what the factors are decomposed into (:mod:`spdkfac.kfac.methods`).
+
+Factor conventions (those of the K-FAC code base SPD-KFAC was built on,
+Pauloski et al.; chosen so that P workers with local batch ``n`` give the same
+factors as one worker with batch ``P*n``). With ``S`` the output positions per
+sample that share a convolution's weight (``S = 1`` for Linear):
+
+* ``A = Σ (a/S)(a/S)^T / n`` over the layer-input rows ``a`` (im2col patches
+  for a convolution, ``n*S`` rows, with a ones column for the bias);
+* ``G = Σ (n*S*g)(n*S*g)^T / (n*S)`` over the output-gradient rows ``g`` of a
+  batch-*mean* loss (PyTorch's default reduction): ``n*S*g`` undoes the mean.
+
+For Linear that is ``A = a^T a / n`` and ``G = n g^T g``. ``A ⊗ G`` is the KFC
+approximation of a convolution's Fisher (Grosse & Martens); the split between
+the two factors matters because damping is added to each. Linear layers on
+sequence input (``n*T`` rows) average ``A`` over all rows and keep
+``G = n g^T g``. Both factors are means over the local batch's samples, so
+averaging them over workers gives the mean over the global batch.
+A grouped convolution has these factors per group (block-diagonal ``A`` and
+``G``); an embedding is a Linear layer on one-hot rows (diagonal ``A``).
+
+Running averages start from the identity, as the reference's do: the first
+factor step gives ``F = decay*I + (1-decay)*F_batch``. A single batch's factor
+is rank-deficient; starting from it, the first inverses would amplify its null
+space by ``1/damping``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import torch
+import torch.nn as nn
+
+from .factor_shape import FactorShape
+from .layer_types import LayerHelper, make_helper
+from .methods import DecompositionMethod, get_method
+
+__all__ = [
+    "FACTOR_KINDS",
+    "FactorKey",
+    "KFACLayer",
+    "LayerHelper",
+    "factor_list",
+    "functional_submodules",
+    "kfac_layers",
+    "make_helper",
+    "preconditioned_layers",
+]
+
+FACTOR_KINDS = ("A", "G")
+#: A factor by (kind 'A' | 'G', layer name), the same on every rank.
+FactorKey = tuple[str, str]
+
+
+class KFACLayer:
+    """K-FAC state and maths of one preconditioned layer.
+
+    Holds the running averages ``A`` and ``G`` and, per factor, one
+    decomposition slot holding what the compute method
+    (:mod:`spdkfac.kfac.methods`) preconditions with: for ``'inverse'`` the damped
+    inverses ``(A + γI)^-1`` and ``(G + γI)^-1``, the gradient becoming
+    ``G_inv @ grad @ A_inv``, which equals ``((A+γI) ⊗ (G+γI))^-1 vec(grad)``
+    for column-stacked ``vec``; for ``'eigen'`` the eigendecompositions, the
+    gradient becoming ``(A ⊗ G + γI)^-1 vec(grad)``. How the layer's inputs,
+    output gradients and gradient are read and written belongs to its
+    :class:`~spdkfac.kfac.layer_types.LayerHelper`.
+
+    The running averages are kept in the flat form of their
+    :class:`~spdkfac.kfac.factor_shape.FactorShape` (packed upper triangles, or a
+    diagonal): the all-reduced factors arrive that way and are folded in as
+    they are (half the memory and traffic, no unpacking every factor step);
+    ``A`` / ``G`` unpack on access, which the decomposition stage does once
+    per decomposition.
+    """
+
+    def __init__(self, name: str, helper: LayerHelper, method: str | DecompositionMethod = "inverse") -> None:
+        self.name = name
+        self.method = get_method(method)
+        self.module = helper.module
+        self.helper = helper
+        self.has_bias = helper.has_bias
+        self.shapes: dict[str, FactorShape] = {"A": helper.a_shape, "G": helper.g_shape}
+        self.a_dim = self.shapes["A"].dim
+        self.g_dim = self.shapes["G"].dim
+        self._packed: dict[str, torch.Tensor | None] = {"A": None, "G": None}
+        self._decomposed: dict[str, Any] = {"A": None, "G": None}
+        #: The method's own per-layer state (EKFAC's scaling; empty for the others), :meth:`DecompositionMethod.commit`.
+        self.method_state: dict[str, Any] = {}
+        #: Samples per worker in the last batch the factor hooks saw (EKFAC scales its statistic by the global batch).
+        self.local_samples = 1
+
+    def __repr__(self) -> str:
+        a, g = self.shapes["A"].describe(), self.shapes["G"].describe()
+        return f"KFACLayer({self.name!r}, {type(self.module).__name__}, A {a}, G {g})"
+
+    @property
+    def compute_method(self) -> str:
+        return self.method.name
+
+    def dim(self, kind: str) -> int:
+        """Dimension of (one block of) factor ``kind`` ('A' or 'G')."""
+        return self.shapes[kind].dim
+
+    def shape(self, kind: str) -> FactorShape:
+        """The shape of factor ``kind``: dense, block-diagonal or diagonal."""
+        return self.shapes[kind]
+
+    def params(self) -> list[torch.Tensor]:
+        """The parameters this layer preconditions (weight, and bias if any)."""
+        return self.helper.params()
+
+    # -- factor computation (called from hooks) ---------------------------------
+    @property
+    def factor_dtype(self) -> torch.dtype:
+        """The weight's dtype, but at least float32: inverses need it, and half precision overflows."""
+        dtype = self.helper.weight.dtype
+        return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+    def compute_a(self, x: torch.Tensor) -> torch.Tensor:
+        """Batch factor ``A = Σ (a/S)(a/S)^T / n`` from the layer input, in flat form."""
+        batch = x.shape[0]
+        with torch.autocast(x.device.type, enabled=False):  # under AMP the input may be half precision
+            gram, count = self.helper.input_gram(x.detach(), self.factor_dtype)
+            # count = n*S rows: Σ (a/S)(a/S)^T / n = gram / (count * S).
+            return self.shapes["A"].pack(gram.div_(count * self.helper.positions(count, batch)))
+
+    def compute_g(self, grad_output: torch.Tensor, loss_scale: float = 1.0) -> torch.Tensor:
+        """Batch factor ``G = Σ (n*S*g)(n*S*g)^T / (n*S)`` from the output gradient of a mean loss, in flat form.
+
+        ``loss_scale`` is the factor a GradScaler multiplied the loss by; it is
+        divided out so that ``G`` describes the true gradients.
+        """
+        batch = grad_output.shape[0]
+        self.local_samples = batch
+        with torch.autocast(grad_output.device.type, enabled=False):
+            g = grad_output.detach().to(self.factor_dtype)
+            if loss_scale != 1.0:
+                g = g / loss_scale
+            gram, rows = self.helper.output_gram(g)
+            return self.shapes["G"].pack(gram.mul_(batch * self.helper.positions(rows, batch)))
+
+    # -- running averages and decompositions --------------------------------------
+    def update_factor(self, kind: str, batch_factor: torch.Tensor, decay: float) -> None:
+        """Fold a (worker-averaged) batch factor into the running average.
+
+        ``batch_factor`` is the full factor or its flat form (as the fused
+        all-reduce delivers it). The average starts from the identity:
+        ``F <- decay * F + (1 - decay) * batch`` with ``F = I`` before the
+        first factor.
+        """
+        packed = self._as_packed(kind, batch_factor)
+        current = self._packed[kind]
+        if current is None:
+            current = self._packed[kind] = self.shapes[kind].identity(packed.dtype, packed.device)
+        current.mul_(decay).add_(packed, alpha=1.0 - decay)
+
+    def set_factor(self, kind: str, value: torch.Tensor | None) -> None:
+        """Replace the running average (full or flat form; None clears it)."""
+        if value is None:
+            self._packed[kind] = None
+            return
+        packed = self._as_packed(kind, value)
+        # Our own copy: a packed value may be a view into a buffer its owner reuses.
+        self._packed[kind] = packed.clone() if packed is value else packed
+
+    def _as_packed(self, kind: str, factor: torch.Tensor) -> torch.Tensor:
+        """The flat form of a full or already flat factor of this layer, checked for size."""
+        try:
+            return self.shapes[kind].as_packed(factor)
+        except ValueError as exc:
+            raise ValueError(f"{kind} factor of {self.name!r}: {exc}") from None
+
+    def packed_factor(self, kind: str) -> torch.Tensor | None:
+        """The running average as stored: its flat form (no copy)."""
+        return self._packed[kind]
+
+    def factor(self, kind: str) -> torch.Tensor | None:
+        """The running average in full form (unpacked afresh on each call)."""
+        packed = self._packed[kind]
+        return None if packed is None else self.shapes[kind].unpack(packed)
+
+    @property
+    def A(self) -> torch.Tensor | None:
+        """Running average of the input-covariance factor (full form, unpacked on access)."""
+        return self.factor("A")
+
+    @A.setter
+    def A(self, value: torch.Tensor | None) -> None:
+        self.set_factor("A", value)
+
+    @property
+    def G(self) -> torch.Tensor | None:
+        """Running average of the output-gradient-covariance factor (full form, unpacked on access)."""
+        return self.factor("G")
+
+    @G.setter
+    def G(self, value: torch.Tensor | None) -> None:
+        self.set_factor("G", value)
+
+    def decomposition(self, kind: str) -> Any:
+        """What the method preconditions with for factor ``kind`` (None before the first decomposition)."""
+        return self._decomposed[kind]
+
+    def set_decomposition(self, kind: str, value: Any) -> None:
+        self._decomposed[kind] = value
+
+    @property
+    def decomposed(self) -> bool:
+        """Whether the layer holds both factors' decompositions."""
+        return all(value is not None for value in self._decomposed.values())
+
+    @property
+    def update_dtype(self) -> torch.dtype:
+        """The dtype :meth:`precondition` returns (that of the G decomposition, made from the G factor).
+
+        A worker that is not one of the layer's gradient workers holds no
+        decomposition and reads the factor's dtype, which it was made in.
+        """
+        held = self._decomposed["G"]
+        if held is None:
+            factor = self.packed_factor("G")
+            if factor is None:
+                raise RuntimeError(f"layer {self.name!r} has no {self.method.label} yet; factors were never updated")
+            return factor.dtype
+        return self.method.tensors(held)[0].dtype
+
+    # -- gradients -----------------------------------------------------------------
+    @property
+    def grad_shape(self) -> tuple[int, ...]:
+        """Shape of :meth:`grad_matrix`: ``(g_dim, a_dim)``, or ``(blocks, g_dim, a_dim)`` for block-diagonal factors."""
+        return self.helper.grad_shape
+
+    def grad_matrix(self) -> torch.Tensor | None:
+        """The layer gradient as a ``g_dim x a_dim`` matrix (bias as the last column), per block for grouped layers."""
+        return self.helper.grad()
+
+    def precondition(self, grad: torch.Tensor, damping: float) -> torch.Tensor:
+        """The preconditioned gradient, in the decomposition's precision (the caller casts back on writing).
+
+        ``'inverse'`` has the damping inside the inverses (``damping`` is not
+        read); ``'eigen'`` applies it here.
+        """
+        if not self.decomposed:
+            raise RuntimeError(f"layer {self.name!r} has no {self.method.label} yet; factors were never updated")
+        return self.method.precondition(grad, self._decomposed["A"], self._decomposed["G"], damping, self.method_state)
+
+    def write_grad(self, grad: torch.Tensor) -> None:
+        """Copy an update shaped as :meth:`grad_matrix` back into the weight (and bias) gradients."""
+        self.helper.write_grad(grad)
+
+
+LayerFilter = Union[str, type]
+
+
+def functional_submodules(model: nn.Module) -> dict[str, str]:
+    """``{name: why}`` of supported layers whose weight their parent uses without calling their ``forward()``.
+
+    ``nn.MultiheadAttention`` computes with ``out_proj.weight`` directly, so
+    no hook of ``out_proj`` ever fires: there is no factor to precondition it
+    with. Such layers get the plain momentum-SGD update.
+    """
+    found: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention) and isinstance(getattr(module, "out_proj", None), nn.Linear):
+            found[f"{name}.out_proj" if name else "out_proj"] = "nn.MultiheadAttention uses out_proj.weight without calling out_proj"
+    return found
+
+
+#: ``skip_layers`` entries ``'kind:NAME'``: layers of a shape rather than of a name or class.
+LAYER_KINDS: dict[str, Callable[[nn.Module], bool]] = {
+    # groups == in_channels > 1: one filter per input channel (MobileNet, EfficientNet)
+    "depthwise": lambda m: isinstance(m, nn.modules.conv._ConvNd) and m.groups > 1 and m.groups == m.in_channels,
+    # any groups > 1, depthwise included (ResNeXt, RegNet)
+    "grouped": lambda m: isinstance(m, nn.modules.conv._ConvNd) and m.groups > 1,
+}
+
+
+def _kind_matches(entry: str, module: nn.Module) -> bool:
+    kind = entry.removeprefix("kind:")
+    if kind not in LAYER_KINDS:
+        raise ValueError(f"skip_layers entry {entry!r}: unknown layer kind; known: {['kind:' + k for k in LAYER_KINDS]}")
+    return LAYER_KINDS[kind](module)
+
+
+def skipped(name: str, module: nn.Module, skip: Sequence[LayerFilter]) -> bool:
+    """Whether ``skip`` names the module: by name (shell-style wildcards allowed), class name, class or ``'kind:...'``."""
+    for entry in skip:
+        if isinstance(entry, str) and entry.startswith("kind:"):
+            if _kind_matches(entry, module):
+                return True
+        elif isinstance(entry, str) and (fnmatch.fnmatchcase(name, entry) or entry == type(module).__name__):
+            return True
+        if isinstance(entry, type) and isinstance(module, entry):
+            return True
+    return False
+
+
+def kfac_layers(
+    model: nn.Module, compute_method: str | DecompositionMethod = "inverse", skip: Sequence[LayerFilter] = ()
+) -> list[KFACLayer]:
+    """A :class:`KFACLayer` for every supported layer with a trainable weight, in module order.
+
+    Left out (plain momentum SGD): modules matched by ``skip`` (a module name,
+    a class name, or a class) and layers used without their ``forward()``
+    (:func:`functional_submodules`).
+
+    Raises:
+        ValueError: two preconditioned layers share a weight (tied weights):
+            each would precondition it with half of the statistics.
+    """
+    for entry in skip:
+        if not isinstance(entry, (str, type)):
+            raise TypeError(f"skip_layers entries are module names, class names or classes, got {entry!r}")
+    unmatched = [e for e in skip if not any(skipped(n, m, [e]) for n, m in model.named_modules())]
+    if unmatched:
+        raise ValueError(
+            f"skip_layers entries {unmatched} match no module of the model (names: {[n for n, _ in model.named_modules() if n][:12]} ...)"
+        )
+    method = get_method(compute_method)
+    functional = functional_submodules(model)
+    holders: dict[int, list[str]] = {}
+    for pname, param in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), []).append(pname)
+    layers: list[KFACLayer] = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or not weight.requires_grad or name in functional or skipped(name, module, skip):
+            continue
+        helper = make_helper(module)
+        if helper is None:
+            continue
+        layer_name = name or type(module).__name__
+        if len(holders.get(id(weight), [])) > 1:
+            raise ValueError(
+                f"the weight of layer {layer_name!r} is shared by {holders[id(weight)]} (tied weights): its gradient "
+                f"sums every use, but its factors would describe only this layer's; exclude the layers that share it "
+                f"with skip_layers (they then get the plain update)"
+            )
+        layers.append(KFACLayer(layer_name, helper, method))
+    return layers
+
+
+def factor_list(layers: list[KFACLayer]) -> list[tuple[tuple[str, str], int]]:
+    """``[((kind, layer name), dim)]``: A then G of each layer, the order placements follow (Eq. 22)."""
+    return [((kind, layer.name), layer.dim(kind)) for layer in layers for kind in FACTOR_KINDS]
+
+
+def preconditioned_layers(model: nn.Module, compute_method: str | DecompositionMethod, skip: Sequence[LayerFilter] = ()) -> list[KFACLayer]:
+    """:func:`kfac_layers`, with a notice naming the layers used without ``forward()``; at least one layer, or an error."""
+    functional = functional_submodules(model)
+    if functional:  # a notice, once: these layers are not preconditioned
+        warnings.warn(f"these layers get the plain momentum-SGD update, without K-FAC: {functional}", stacklevel=3)
+    layers = kfac_layers(model, compute_method, skip)
+    if not layers:
+        raise ValueError(
+            "model has no layer SPDKFACOptimizer can precondition (nn.Linear, nn.Conv1d, nn.Conv2d or a dense "
+            "nn.Embedding, with a trainable weight); use torch.optim.SGD for this model"
+        )
+    return layers

@@ -1,0 +1,152 @@
+"""``compute_method='eigen'`` (Pauloski et al. 2020, KAISA): eigendecompositions, the damping applied when preconditioning.
+
+``F = Q diag(d) Q^T`` (:func:`~spdkfac.kfac.eigenbasis.eigen_payload`), the
+update ``Q_G [(Q_G^T grad Q_A) / (d_G d_A^T + γ)] Q_A^T``. A block-diagonal
+factor is decomposed in one batched ``eigh`` and sent as ``[every Q, every
+d]``; a diagonal factor is its own eigendecomposition (``Q = I``: only ``d``
+is kept and sent).
+
+With ``eigen_refresh='warm'`` (:mod:`spdkfac.kfac.methods.warm`) a dense or
+block-diagonal factor's basis is refreshed from the previous one by one
+subspace-iteration step, with a full ``eigh`` every ``eigen_full_every``
+refreshes or when the residual says the basis drifted; the payload then
+ends with one more element, the refreshes since the last ``eigh``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+import torch
+
+from ...perfmodels.models import BatchedModel, PerfModel
+from ..eigenbasis import EIGEN_CLAMP, Eigen, eigen_payload, eigen_precondition, unpack_eigen
+from ..factor_shape import FactorShape
+from .base import DecompositionMethod
+from .warm import WarmRefresh, descending_eigh
+
+__all__ = ["EigenMethod", "EigenRefresh"]
+
+EigenRefresh = Literal["exact", "warm"]
+EIGEN_REFRESHES: tuple[str, ...] = ("exact", "warm")
+
+
+class EigenMethod(DecompositionMethod):
+    name = "eigen"
+    label = "eigendecompositions"
+    suffix = "_eigen"
+    precondition_products = 2  # Q_G^T grad Q_A, then Q_G (...) Q_A^T
+
+    def __init__(self, refresh: EigenRefresh = "exact", full_every: int = 10, tolerance: float | None = None) -> None:
+        if refresh not in EIGEN_REFRESHES:
+            raise ValueError(f"eigen_refresh must be one of {EIGEN_REFRESHES}, got {refresh!r}")
+        self.refresh = refresh
+        self.warm: WarmRefresh | None = None
+        if refresh == "warm":
+            self.warm = WarmRefresh(full_every) if tolerance is None else WarmRefresh(full_every, tolerance)
+
+    @classmethod
+    def from_options(cls, options: Any = None) -> DecompositionMethod:
+        if options is None:
+            return cls()
+        return cls(options.eigen_refresh, options.eigen_full_every)
+
+    def __repr__(self) -> str:
+        if self.warm is None:
+            return f"{type(self).__name__}()"
+        return f"{type(self).__name__}(refresh='warm', full_every={self.warm.full_every}, tolerance={self.warm.tolerance:g})"
+
+    @property
+    def starts_from_previous(self) -> bool:
+        return self.warm is not None
+
+    def _ages(self, shape: FactorShape) -> int:
+        """Trailing payload elements holding the warm refresh's age (one; none for exact or diagonal factors)."""
+        return 0 if self.warm is None or shape.diagonal else 1
+
+    def payload_size(self, shape: FactorShape) -> int:
+        if shape.diagonal:
+            return shape.dim
+        return shape.blocks * (shape.dim * shape.dim + shape.dim) + self._ages(shape)
+
+    def owned(self, shape: FactorShape, factor: torch.Tensor, damping: float, previous: Any = None) -> tuple[Eigen, torch.Tensor]:
+        if shape.diagonal:
+            payload = factor.clone().masked_fill_(factor < EIGEN_CLAMP, 0.0)
+        elif self.warm is not None:
+            payload = self._warm_payload(shape, factor, previous)
+        elif shape.blocks == 1:
+            payload = eigen_payload(factor)
+        else:
+            d, q = torch.linalg.eigh(factor)
+            payload = self._pack(shape, factor, d, q)
+        return self.received(payload, shape), payload  # kept as sent: the receivers' layout exactly
+
+    def _pack(self, shape: FactorShape, factor: torch.Tensor, d: torch.Tensor, q: torch.Tensor, age: int | None = None) -> torch.Tensor:
+        """``[Q row-major, d clamped (, age)]`` as one flat buffer."""
+        b, dim = shape.blocks, shape.dim
+        payload = factor.new_empty(self.payload_size(shape))
+        payload[: b * dim * dim].view(b, dim, dim).copy_(q.reshape(b, dim, dim))
+        payload[b * dim * dim : b * (dim * dim + dim)].view(b, dim).copy_(
+            d.reshape(b, dim).masked_fill(d.reshape(b, dim) < EIGEN_CLAMP, 0.0)
+        )
+        if age is not None:
+            payload[-1] = float(age)
+        return payload
+
+    def _warm_payload(self, shape: FactorShape, factor: torch.Tensor, previous: Eigen | None) -> torch.Tensor:
+        """A warm-started refresh from ``previous`` (a full ``eigh`` when due or when the residual says so)."""
+        assert self.warm is not None
+        age = None if previous is None or previous.age is None or previous.Q is None else int(previous.age.item())
+        if previous is not None and previous.Q is not None and age is not None and not self.warm.due_full(age):
+            refined = self.warm.refine(factor, previous.Q.to(factor.dtype))
+            if refined is not None:
+                return self._pack(shape, factor, *refined, age + 1)
+        d, q = descending_eigh(factor)
+        return self._pack(shape, factor, d, q, 0)
+
+    def received(self, payload: torch.Tensor, shape: FactorShape) -> Eigen:
+        if payload.numel() != self.payload_size(shape):
+            raise ValueError(f"eigen buffer has {payload.numel()} elements, expected {self.payload_size(shape)} ({shape.describe()})")
+        if shape.diagonal:
+            return Eigen(None, payload)
+        b, dim = shape.blocks, shape.dim
+        age = payload[-1:] if self._ages(shape) else None
+        if shape.blocks == 1:
+            eig = unpack_eigen(payload[: dim * dim + dim], dim)
+            return Eigen(eig.Q, eig.d, age)
+        return Eigen(payload[: b * dim * dim].view(b, dim, dim), payload[b * dim * dim : b * (dim * dim + dim)].view(b, dim), age)
+
+    def failure(self, what: str, shape: FactorShape, factor: torch.Tensor, damping: float, step: int, exc: Exception) -> str:
+        dimension = f"dimension {shape.dim}" if shape.blocks == 1 else shape.describe()
+        return f"the eigendecomposition of {what} ({dimension}) failed at step {step}; compute_method='inverse' does not need one. ({exc})"
+
+    def precondition(self, grad: torch.Tensor, a: Any, g: Any, damping: float, state: dict[str, Any] | None = None) -> torch.Tensor:
+        return eigen_precondition(grad, a, g, damping)
+
+    def tensors(self, kept: Any) -> list[torch.Tensor]:
+        return [t for t in (kept.Q, kept.d, kept.age) if t is not None]  # the age is held too (kept_size counts it)
+
+    def save(self, kept: Any) -> Any:
+        saved = {"Q": kept.Q, "d": kept.d}
+        if kept.age is not None:
+            saved["age"] = int(kept.age.item())
+        return saved
+
+    def load(self, saved: Any, shape: FactorShape, device: torch.device) -> Eigen:
+        parts = [saved["d"]] if saved.get("Q") is None else [saved["Q"].reshape(-1), saved["d"].reshape(-1)]
+        if self._ages(shape):
+            # A checkpoint of the exact refresh holds an eigh's basis, ascending: the next refresh is a full one.
+            age = saved.get("age")
+            parts.append(torch.tensor([float(self.warm.full_every if age is None else age)], dtype=saved["d"].dtype))  # type: ignore[union-attr]
+        buffer = torch.cat([p.reshape(-1) for p in parts]).detach().to(device)  # one fresh buffer, as the stage leaves it
+        return self.received(buffer, shape)
+
+    def curve(self, perf: PerfModel) -> Callable[[float], float]:
+        if self.warm is None:
+            return perf.eigen_curve()
+        return perf.warm_eigen_curve(self.warm.full_every)
+
+    def cost(self, perf: PerfModel, shape: FactorShape) -> float:
+        if self.warm is None or shape.diagonal or shape.blocks == 1:
+            return super().cost(perf, shape)
+        return BatchedModel.rule(self.curve(perf), shape.blocks, shape.dim)  # the batched fit measures eigh alone

@@ -1,0 +1,161 @@
+"""Gradient averaging: one asynchronous all-reduce per parameter, started the moment autograd finishes it.
+
+As Horovod's ``DistributedOptimizer``: a post-accumulate-grad hook on every
+parameter starts its all-reduce, so the communication of the last layers'
+gradients runs while the backward pass computes the earlier ones; the
+optimizer waits for each only when it needs it. With gradient accumulation the
+hook counts the backward passes and sends at the k-th. With a GradScaler the
+wait is queued at the end of ``backward()``, because the scaler reads the
+gradients before ``step()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from ..comm import CommBackend, Handle
+from .timeline import IterationRecord, Timeline
+
+__all__ = ["GradientSync", "collective_names"]
+
+
+def collective_names(model: nn.Module, param_groups: list[dict[str, Any]]) -> dict[torch.Tensor, str]:
+    """A name for every parameter that every rank agrees on (collectives are matched by name).
+
+    The model's parameter name, else the position in ``param_groups``; never
+    an object id, which differs between processes.
+    """
+    names: dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
+    for i, p in enumerate(p for group in param_groups for p in group["params"]):
+        names.setdefault(p, f"param{i}")
+    return names
+
+
+class GradientSync:
+    """Starts, counts and waits for the gradient all-reduces of one optimizer's parameters.
+
+    Args:
+        backend: the communication engine.
+        param_groups: the optimizer's ``param_groups`` (read live: every parameter is averaged).
+        names: parameter -> a name identical on every rank (collectives are
+            matched by name).
+        accumulation_steps: backward passes per step.
+        grad_scaler: the mixed-precision ``GradScaler``, if any.
+        on_final: called with each parameter whose gradient is final (its
+            all-reduce started), from its hook: backward update fusion.
+    """
+
+    def __init__(
+        self,
+        backend: CommBackend,
+        param_groups: list[dict[str, Any]],
+        names: dict[torch.Tensor, str],
+        accumulation_steps: int,
+        grad_scaler: Any | None,
+        on_final: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.param_groups = param_groups
+        self.names = names
+        self.accumulation_steps = accumulation_steps
+        self.grad_scaler = grad_scaler
+        self.on_final = on_final
+        self.record: IterationRecord | None = None
+        self._handles: dict[torch.Tensor, Handle] = {}
+        self._counts: dict[torch.Tensor, int] = {}  # backward passes that reached each parameter this step
+        self.synchronized = False
+        self.backward_seen = False  # a gradient hook fired since reset()
+        self._sync_queued = False
+        self._hook_handles: list[Any] = []
+        if backend.size > 1 or accumulation_steps > 1 or on_final is not None:  # all-reduce, count the passes, or fuse
+            self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_hook) for group in param_groups for p in group["params"]]
+
+    def reset(self, record: IterationRecord | None) -> None:
+        """Forget the finished (or abandoned) step's handles and counts."""
+        self.record = record
+        self._handles.clear()
+        self._counts = {}
+        self.synchronized = False
+        self.backward_seen = False
+        self._sync_queued = False
+
+    @property
+    def pending(self) -> int:
+        """Gradient all-reduces started and not yet reset (0 after every ``step()``)."""
+        return len(self._handles)
+
+    def _grad_hook(self, p: torch.Tensor) -> None:
+        passes = self._counts.get(p, 0) + 1
+        if passes > self.accumulation_steps or p in self._handles:
+            raise RuntimeError(
+                f"parameter {self.names.get(p, '?')!r} received gradient number {passes} before step(), but "
+                f"accumulation_steps is {self.accumulation_steps}: SPDKFACOptimizer averages gradients once per step, "
+                f"after accumulation_steps backward passes (pass accumulation_steps=k to accumulate k of them)"
+            )
+        self._counts[p] = passes
+        self.backward_seen = True
+        if passes < self.accumulation_steps:  # accumulating: autograd sums into p.grad, nothing to send yet
+            return
+        if self.backend.size > 1:
+            self._start(p)
+        if self.grad_scaler is not None and not self._sync_queued:
+            # GradScaler reads the gradients between backward() and step(): average them before it does.
+            torch.autograd.Variable._execution_engine.queue_callback(self.synchronize)
+            self._sync_queued = True
+        if self.on_final is not None:
+            self.on_final(p)
+
+    def _start(self, p: torch.Tensor) -> None:
+        assert p.grad is not None  # called for parameters whose gradient is set
+        self._handles[p] = self.backend.allreduce_async(p.grad, f"spdkfac.grad.{self.names[p]}")
+
+    def start_missing(self) -> None:
+        """Start the all-reduce of every gradient whose hook did not (set outside autograd's accumulation)."""
+        for p in (p for group in self.param_groups for p in group["params"]):
+            if p.grad is not None and p not in self._handles:
+                self._start(p)
+
+    def wait(self, params: Iterable[torch.Tensor]) -> None:
+        """Block until these parameters' gradients are averaged (timed as non-overlapped GradComm)."""
+        t0 = Timeline.now() if self.record is not None else 0.0
+        for p in params:
+            handle = self._handles.get(p)
+            if handle is not None:
+                handle.wait()
+        if self.record is not None:
+            self.record.grad_wait += Timeline.now() - t0
+
+    def done(self, params: Iterable[torch.Tensor]) -> bool:
+        """Whether these parameters' gradients are averaged already (non-blocking)."""
+        return all(handle.done() for handle in (self._handles.get(p) for p in params) if handle is not None)
+
+    def check_accumulated(self, caller: str) -> None:
+        """Raise unless accumulation_steps backward passes ran (checked before any collective: the same on every worker)."""
+        passes = max(self._counts.values(), default=self.accumulation_steps)  # no backward: other checks apply
+        if passes != self.accumulation_steps:
+            raise RuntimeError(
+                f"{caller} after {passes} backward pass(es), but accumulation_steps is {self.accumulation_steps}: run "
+                f"backward() exactly {self.accumulation_steps} times (each micro-batch loss divided by "
+                f"{self.accumulation_steps}) before every step(); zero_grad() discards the partial accumulation"
+            )
+
+    def synchronize(self) -> None:
+        """Wait until every gradient holds its average over the workers (idempotent within a step)."""
+        if not self.synchronized:
+            self.check_accumulated("synchronize()")
+        if self.synchronized or self.backend.size == 1:
+            self.synchronized = True
+            return
+        self.start_missing()
+        self.wait(self._handles)
+        self.synchronized = True
+
+    def remove_hooks(self) -> None:
+        """Detach the parameter hooks."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []

@@ -1,0 +1,142 @@
+"""The preconditioning stage: every layer's gradient replaced by its K-FAC update, KL-clipped.
+
+Each layer's averaged gradient becomes ``G_inv @ grad @ A_inv`` (or the eigen
+form, :mod:`spdkfac.kfac.eigenbasis`), computed by every rank (COMM-OPT), or
+by the layer's gradient workers (:mod:`spdkfac.plan.grad_workers`), each of which
+broadcasts its group's results in one fused buffer to its receivers. All updates
+are then scaled by the reference's KL clip
+``ν = min(1, sqrt(kl_clip / |Σ lr² v·grad|))``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Callable
+
+import torch
+
+from ..comm import CommBackend, Handle
+from ..kfac.layers import KFACLayer
+from ..plan.work_plan import WorkPlan
+from .timeline import IterationRecord, Timeline
+
+__all__ = ["Preconditioner", "kl_clip_scale"]
+
+#: Blocks until the given parameters' averaged gradients are in place.
+GradWaiter = Callable[[list[torch.Tensor]], None]
+
+
+def kl_clip_scale(grads: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], lr: float, kl_clip: float | None) -> float:
+    """The factor every update is multiplied by: ``min(1, sqrt(kl_clip / |Σ lr² v·grad|))`` (1 without a clip)."""
+    if kl_clip is None:
+        return 1.0
+    # One host sync for all layers (a GPU waits at every float(tensor)); summed in Python, in order, as before.
+    products = [(update * grad).sum() for grad, update in zip(grads, updates)]
+    same = len({(p.dtype, p.device) for p in products}) == 1
+    values = torch.stack(products).tolist() if products and same else [float(p) for p in products]
+    vg_sum = abs(sum(values) * lr**2)
+    return min(1.0, math.sqrt(kl_clip / vg_sum)) if vg_sum > 0 else 1.0
+
+
+class Preconditioner:
+    """Preconditions the layers' gradients in place, locally or split across ranks per the work plan."""
+
+    def __init__(self, layers: list[KFACLayer], backend: CommBackend, plan: WorkPlan, wait_grads: GradWaiter) -> None:
+        self.layers = layers
+        self.backend = backend
+        self.plan = plan
+        self.wait_grads = wait_grads
+
+    def run(
+        self, damping: float, lr: float, kl_clip: float | None, wait_for_grads: bool = False, record: IterationRecord | None = None
+    ) -> None:
+        """Replace each layer's gradient by its KL-clipped update.
+
+        With ``wait_for_grads`` the gradient all-reduces are still running:
+        layers are taken last first (the order their gradients were sent in)
+        and each waits only for its own gradient.
+        """
+        t0 = Timeline.now() if record is not None else 0.0
+        waited0 = record.grad_wait if record is not None else 0.0
+        layers = [layer for layer in self.layers if layer.helper.weight.grad is not None]
+        if self.plan.groups is not None:
+            grads, updates = self._distributed(layers, damping, wait_for_grads, record)
+        else:
+            found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for i in reversed(range(len(layers))) if wait_for_grads else range(len(layers)):
+                grad = self._grad(layers[i], wait_for_grads)
+                found[i] = (grad, layers[i].precondition(grad, damping))
+            grads = [found[i][0] for i in range(len(layers))]
+            updates = [found[i][1] for i in range(len(layers))]
+        scale = kl_clip_scale(grads, updates, lr, kl_clip)
+        for layer, update in zip(layers, updates):
+            layer.write_grad(update.mul_(scale) if scale != 1.0 else update)
+        if record is not None:
+            record.precondition += Timeline.now() - t0 - (record.grad_wait - waited0)
+
+    def _grad(self, layer: KFACLayer, wait: bool) -> torch.Tensor:
+        """The layer's averaged gradient matrix, first waiting for its all-reduces if ``wait``."""
+        if wait:
+            self.wait_grads(layer.params())
+        grad = layer.grad_matrix()
+        assert grad is not None  # callers pass layers whose weight has a gradient
+        return grad
+
+    def _distributed(
+        self, layers: list[KFACLayer], damping: float, wait_for_grads: bool, record: IterationRecord | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Precondition this rank's layers, broadcast them fused to their receivers, receive the others'.
+
+        The broadcasts are issued in the plan's order on every rank; this
+        rank computes its layers when it reaches its own broadcast, so the
+        receives posted before complete while it computes. Returns every
+        layer's averaged gradient and update.
+        """
+        rank = self.backend.rank
+        missing = [layer.name for layer in layers if self.plan.holds(rank, layer.name) and not layer.decomposed]
+        if missing:  # checked before any broadcast
+            raise RuntimeError(f"layers {missing} have no {layers[0].method.label} yet; factors were never updated")
+        names = [layer.name for layer in layers]
+        index = {name: i for i, name in enumerate(names)}
+        here = [index[n] for n in self.plan.preconditioned_here(rank, names)]
+        grads: dict[int, torch.Tensor] = {}
+        results: dict[int, torch.Tensor] = {}
+
+        def precondition_mine() -> None:
+            for i in reversed(here) if wait_for_grads else here:
+                grads[i] = grad = self._grad(layers[i], wait_for_grads)
+                results[i] = layers[i].precondition(grad, damping)
+
+        pending: list[tuple[Handle, torch.Tensor, list[int]]] = []
+        for b in self.plan.result_broadcasts(names):
+            indices = [index[n] for n in b.layers]
+            dtype = layers[indices[0]].update_dtype
+            for i in indices[1:]:
+                dtype = torch.promote_types(dtype, layers[i].update_dtype)
+            device = layers[indices[0]].helper.weight.device
+            if b.root == rank:
+                if not results:
+                    precondition_mine()
+                buffer = torch.cat([results[i].reshape(-1).to(dtype) for i in indices])
+            else:
+                member = rank in b.members
+                numel = sum(math.prod(layers[i].grad_shape) for i in indices) if member else 0
+                buffer = torch.empty(numel, dtype=dtype, device=device)
+            handle = self.backend.broadcast_within_async(buffer, b.root, b.members, f"spdkfac.precondition.{b.root}")
+            pending.append((handle, buffer, indices if rank in b.members else []))
+        t0 = Timeline.now()
+        updates: dict[int, torch.Tensor] = {}
+        for handle, buffer, indices in pending:
+            handle.wait()
+            offset = 0
+            for i in indices:
+                shape = layers[i].grad_shape
+                updates[i] = buffer[offset : offset + math.prod(shape)].view(shape)
+                offset += math.prod(shape)
+        if record is not None:
+            record.precondition_wait += Timeline.now() - t0
+        for i, layer in enumerate(layers):
+            if i not in grads:  # another rank's layer: its gradient is still needed for the KL clip
+                grads[i] = self._grad(layer, wait_for_grads)
+        return [grads[i] for i in range(len(layers))], [updates[i] for i in range(len(layers))]

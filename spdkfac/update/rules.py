@@ -1,0 +1,109 @@
+"""First-order update rules on tensors, shared by every optimizer of the project.
+
+Each rule maps a gradient (and its parameter, for weight decay) to the change
+the optimizer adds to the parameter, keeping its running statistics in a
+plain ``state`` dict. They are pure tensor maths with no knowledge of layers,
+preconditioning or communication: K-FAC applies momentum SGD, AdamW or LAMB
+to its preconditioned gradients (:mod:`spdkfac.update.base_update`), distributed
+AdamW to the averaged gradients (:mod:`spdkfac.update.adamw`), and DHO2 AdamW or
+momentum SGD to the gradient's component outside its Newton subspace
+(:mod:`spdkfac.dho2`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["adamw_delta", "lamb_delta", "momentum_direction"]
+
+
+def momentum_direction(
+    grad: torch.Tensor, param: torch.Tensor, state: dict[str, Any], momentum: float, weight_decay: float
+) -> torch.Tensor:
+    """``torch.optim.SGD``'s direction: ``buf = momentum*buf + (grad + wd*param)`` (the first ``buf`` is that sum).
+
+    The parameter moves by ``-lr`` times the result; ``state["momentum_buffer"]`` is updated in place.
+    """
+    d_p = grad if weight_decay == 0 else grad.add(param, alpha=weight_decay)
+    if momentum == 0:
+        return d_p
+    buf: torch.Tensor | None = state.get("momentum_buffer")
+    if buf is None:
+        buf = state["momentum_buffer"] = d_p.detach().clone()
+    else:
+        buf.mul_(momentum).add_(d_p)
+    return buf
+
+
+def adamw_delta(
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    state: dict[str, Any],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> torch.Tensor:
+    """The change AdamW (Loshchilov & Hutter) makes to ``param``: ``-lr*wd*param - lr*m̂/(√v̂ + eps)``.
+
+    ``m`` and ``v`` are the running averages of the gradient and its square
+    (``state["exp_avg"]``, ``state["exp_avg_sq"]``, updated in place), ``m̂``
+    and ``v̂`` their bias-corrected values after ``state["step"]`` updates;
+    the same arithmetic as ``torch.optim.AdamW`` (bitwise without weight decay,
+    which torch applies by scaling the parameter first). ``param`` is not changed.
+    """
+    exp_avg, exp_avg_sq, step = _adam_moments(grad, state, betas)
+    beta1, beta2 = betas
+    bias1 = 1 - beta1**step
+    bias2_sqrt = (1 - beta2**step) ** 0.5
+    denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(eps)
+    delta: torch.Tensor = exp_avg.mul(-lr / bias1).div_(denom)  # torch's addcdiv order: (value * m) / denom
+    if weight_decay != 0:
+        delta.add_(param.detach(), alpha=-lr * weight_decay)
+    return delta
+
+
+def lamb_delta(
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    state: dict[str, Any],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> torch.Tensor:
+    """The change LAMB (You et al. 2020, Algorithm 2) makes to ``param``: ``-lr * (‖w‖/‖u‖) * u``.
+
+    ``u = m̂/(√v̂ + eps) + wd*param`` is Adam's ratio with the weight decay
+    added (so the decay is part of the step the trust ratio normalises); the
+    trust ratio ``‖w‖/‖u‖`` is taken over the whole tensor (one "layer"), and
+    is 1 when either norm is zero (a parameter initialised at zero, such as a
+    bias, moves by Adam's step at first). The moments are AdamW's
+    (:func:`adamw_delta`, same state keys). ``param`` is not changed.
+    """
+    exp_avg, exp_avg_sq, step = _adam_moments(grad, state, betas)
+    beta1, beta2 = betas
+    ratio = (exp_avg / (1 - beta1**step)).div_((exp_avg_sq / (1 - beta2**step)).sqrt_().add_(eps))
+    if weight_decay != 0:
+        ratio.add_(param.detach(), alpha=weight_decay)
+    w_norm = float(param.detach().norm())
+    u_norm = float(ratio.norm())
+    trust = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+    return ratio.mul_(-lr * trust)
+
+
+def _adam_moments(grad: torch.Tensor, state: dict[str, Any], betas: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Advance Adam's running averages of the gradient and its square (in ``state``); returns them and the step count."""
+    beta1, beta2 = betas
+    if "exp_avg" not in state:
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(grad)
+        state["exp_avg_sq"] = torch.zeros_like(grad)
+    state["step"] += 1
+    exp_avg: torch.Tensor = state["exp_avg"]
+    exp_avg_sq: torch.Tensor = state["exp_avg_sq"]
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    return exp_avg, exp_avg_sq, int(state["step"])

@@ -1,0 +1,404 @@
+"""The iteration-time benchmark on real worker processes: variants one after another and interleaved."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launch import require_horovod, run_workers
+
+from benchmarks.main_job_seeds import main_job_kfac
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("interleave", [False, True])
+def test_iteration_time_measures_every_variant(tmp_path, interleave):
+    out = tmp_path / "it.json"
+    variants = ["sgd", "spdkfac", "dkfac", "-pipe+lbp"]  # an ablation name that starts with a dash, too
+    args = [
+        "-m",
+        "benchmarks.iteration_time",
+        "--model",
+        "cifar_resnet20",
+        "--resolution",
+        "8",
+        "--batch-size",
+        "2",
+        "--iters",
+        "4",
+        "--warmup",
+        "1",
+        "--rounds",
+        "2",
+        "--update-freq",
+        "2",
+        "8",
+        "--variants",
+        *variants,
+        "--out",
+        str(out),
+    ]
+    output = run_workers("torch", 2, args + (["--interleave"] if interleave else []))
+    data = json.loads(out.read_text())
+    assert [row["variant"] for row in data["table"]] == variants
+    for row in data["table"]:
+        assert len(data["samples"][row["variant"]]) == 4 * 2  # measured iterations x rounds, warm-up left out
+        parts = sum(row[p] for p in ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"))
+        assert parts == pytest.approx(row["mean_s"], rel=1e-6)
+        kfac = row["variant"] != "sgd"
+        # factors every 2 iterations, inverses every 8: no inversion in the window, so 1/8 of one is charged
+        assert (row["FactorComp"] > 0) == kfac
+        assert (row["InverseComp"] > 0) == kfac
+        # recorded inside their parts, for the simulator's per-phase check: hooks in FF&BP, the rest in Other
+        assert (row["Hooks"] > 0) == kfac
+        assert (row["Precondition"] > 0) == kfac
+        assert row["Update"] > 0
+        assert row["Hooks"] < row["FF&BP"]
+        assert row["Precondition"] + row["Update"] <= row["Other"] + 1e-9
+        # steps 1-4 of each round, factors on steps 2 and 4: samples 1, 3, 5, 7 are factor-update iterations
+        its = data["samples"][row["variant"]]
+        assert row["factor_steps_n"] == row["other_steps_n"] == 4
+        assert row["factor_steps_s"] == pytest.approx(sum(its[1::2]) / 4)
+        assert row["other_steps_s"] == pytest.approx(sum(its[::2]) / 4)
+    alternations = re.findall(r"iteration (\d+)/5[^:]*: sgd [\d.]+s, spdkfac [\d.]+s, dkfac [\d.]+s, -pipe\+lbp [\d.]+s", output)
+    assert alternations == (["1", "2", "3", "4", "5"] * 2 if interleave else [])
+    progress = re.findall(r"round (\d)/2 (\S+) +[\d.]+ ms/iter", output)  # each variant's mean, once per round
+    assert progress == [(r, v) for r in ("1", "2") for v in variants]
+    samples = data["samples"]
+    for row in data["table"]:
+        for key, (num, den) in {"SP1": ("dkfac", row["variant"]), "vs_sgd": (row["variant"], "sgd")}.items():
+            if row["variant"] in ("dkfac" if key == "SP1" else "sgd"):
+                assert f"{key}_lo" not in row  # no interval of a variant against itself
+                continue
+            point = sum(samples[num]) / sum(samples[den])  # rank 0's ratio, inside its own bootstrap interval
+            assert row[f"{key}_lo"] <= point <= row[f"{key}_hi"]
+    rss = [row["rss_mb"] for row in data["table"]]
+    assert all(r != r for r in rss) if interleave else all(r > 0 for r in rss)  # NaN: no per-variant RSS when interleaved
+
+
+def test_interleaved_iterations_last_until_their_slowest_rank():
+    from benchmarks.iteration_time import slowest_rank
+    from spdkfac.comm.inprocess import run_ranks
+
+    own = {0: [1.0, 3.0, 2.0], 1: [2.0, 1.0, 2.5]}
+    results = run_ranks(2, lambda backend: slowest_rank(backend, own[backend.rank], "slowest"))
+    assert results == [[2.0, 3.0, 2.5]] * 2
+
+
+def test_split_by_factor_step():
+    from benchmarks.common import split_by_factor_step
+
+    # warm-up 1, then steps 1..10 in each of two rounds; factors every 5 iterations: steps 5 and 10
+    samples = [1.0] * 4 + [9.0] + [1.0] * 4 + [7.0]
+    split = split_by_factor_step(samples * 2, warmup=1, iters=10, factor_freq=5)
+    assert split == {"factor_steps": {"mean": 8.0, "n": 4}, "other_steps": {"mean": 1.0, "n": 16}}
+    assert split_by_factor_step([2.0, 3.0], warmup=1, iters=2, factor_freq=10) == {"other_steps": {"mean": 2.5, "n": 2}}
+    with pytest.raises(ValueError, match="whole rounds"):
+        split_by_factor_step([1.0] * 5, warmup=0, iters=2, factor_freq=2)
+
+
+def test_ratio_interval():
+    from benchmarks.common import ratio_interval
+
+    assert ratio_interval([2.0, 2.0, 2.0], [1.0, 1.0, 1.0], paired=True) == (2.0, 2.0)
+    # A drift common to both (interleaved rounds) cancels when paired, not when resampled independently.
+    drift = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5]
+    paired = ratio_interval([1.1 * d for d in drift], drift, paired=True)
+    independent = ratio_interval([1.1 * d for d in drift], drift, paired=False)
+    assert paired[0] == pytest.approx(1.1)
+    assert paired[1] == pytest.approx(1.1)
+    assert independent[0] < 1.0 < 1.2 < independent[1]
+    # Medians ignore one outlier round that moves the mean ratio.
+    outlier = [2.0] * 8 + [50.0]  # a median moves only if 5 of 9 draws hit the outlier (p < 0.3%)
+    assert ratio_interval(outlier, [1.0] * 9, paired=True, statistic="median") == (2.0, 2.0)
+    assert ratio_interval(outlier, [1.0] * 9, paired=True)[1] > 10
+    with pytest.raises(ValueError, match="statistic"):
+        ratio_interval([1.0, 2.0], [1.0, 2.0], paired=True, statistic="mode")
+    with pytest.raises(ValueError, match="differ in number"):
+        ratio_interval([1.0, 2.0], [1.0, 2.0, 3.0], paired=True)
+    with pytest.raises(ValueError, match="at least two"):
+        ratio_interval([1.0], [1.0, 2.0], paired=False)
+
+
+@pytest.mark.slow
+def test_hook_overhead_times_non_factor_steps(tmp_path):
+    """benchmarks/hook_overhead.py for real on a small model: it measures passes on which the hooks compute nothing."""
+    out = tmp_path / "hooks.json"
+    args = ["--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2", "--iters", "2", "--out", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.hook_overhead", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["args"]["model"] == "cifar_resnet20"
+    assert result["plain"]["median"] > 0
+    assert result["ratio"] == pytest.approx(result["hooked"]["median"] / result["plain"]["median"])
+
+
+@pytest.mark.multiprocess
+def test_soak_keeps_replicas_identical_with_a_delayed_worker(tmp_path):
+    """benchmarks/soak.py for real (2 workers, a short run): bitwise replicas, nothing left pending after step()."""
+    out = tmp_path / "soak.json"
+    run_workers("torch", 2, ["-m", "benchmarks.soak", "--steps", "200", "--every", "50", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["replicas_bitwise_identical"] is True
+    assert result["steps"] == 200
+    assert result["delayed_steps_on_last_rank"] > 0
+    assert result["max_pending_grad_handles"] == 0
+    assert result["max_pending_factor_allreduces"] == 0
+    assert len(result["samples"]) == 4
+
+
+@pytest.mark.multiprocess
+def test_kaisa_fraction_measures_every_fraction_and_auto(tmp_path):
+    out = tmp_path / "kaisa.json"
+    args = ["-m", "benchmarks.kaisa_fraction", "measure", "--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2"]
+    run_workers("torch", 2, [*args, "--iters", "2", "--warmup", "1", "--inv-update-freq", "5", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert [r["fraction"] for r in data["measured"]] == ["2/2", "1/2", "auto"]
+    assert [r["fraction"] for r in data["modelled"]] == ["1/2", "2/2"]
+    full, half = data["measured"][0], data["measured"][1]
+    assert half["kfac_mib_max"] < full["kfac_mib_max"] == full["kfac_mib_min"]  # one gradient worker holds less
+    for r in data["measured"]:
+        assert r["amortised_s"] == pytest.approx(r["step_s"] + r["decomposition_stage_s"] / 5)
+    assert data["measured"][2]["auto_predicted_s"] is not None
+
+
+@pytest.mark.slow
+def test_kaisa_fraction_simulate_and_its_results_section(tmp_path):
+    out = tmp_path / "kaisa_fraction_simulated.json"
+    cmd = [sys.executable, "-m", "benchmarks.kaisa_fraction", "simulate", "--workers", "4", "--out", str(out)]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    data = json.loads(out.read_text())
+    for model in ("reference", "gpu-cluster"):
+        rows = data["predicted"][f"{model}/4"]
+        assert [r["fraction"] for r in rows] == ["1/4", "2/4", "4/4", "auto"]
+        assert rows[0]["kfac_mib_mean"] < rows[1]["kfac_mib_mean"] < rows[2]["kfac_mib_mean"]  # memory grows with the fraction
+        assert rows[-1]["chose"] in ("1/4", "2/4", "4/4")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import results_md
+
+    text = results_md.build(tmp_path, tmp_path / "RESULTS.md")
+    assert "KAISA's grad_worker_fraction at scale (simulator)" in text
+    assert "**reference, 4 workers** ('auto' chose" in text
+    assert "gradient workers the iteration is" in text  # the trend from 1 to all gradient workers, beside KAISA's
+    assert (tmp_path / "kaisa_fraction_simulated.png").stat().st_size > 0  # the trade-off plot, linked from the section
+    assert "kaisa_fraction_simulated.png" in text
+
+
+@pytest.mark.slow
+def test_batched_decomposition_compares_one_batched_call_with_a_loop(tmp_path):
+    """benchmarks/batched_decomposition.py for real: both timings per shape and the model totals add up."""
+    args = ["--models", "resnext50_32x4d", "--methods", "inverse", "--repeats", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.batched_decomposition", *args], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "batched_decomposition.json").read_text())
+    shapes = {(r["blocks"], r["dim"]) for r in result["rows"]}
+    assert shapes == {(32, d) for d in (4, 8, 16, 32, 36, 72, 144, 288)}  # ResNeXt-50's grouped 3x3 factors
+    assert all(r["batched_s"] > 0 and r["per_block_s"] > 0 and "prediction_error" in r for r in result["rows"])
+    (total,) = result["totals"]
+    counts = {(32, 36): 3, (32, 4): 3, (32, 72): 4, (32, 8): 4, (32, 144): 6, (32, 16): 6, (32, 288): 3, (32, 32): 3}
+    by_shape = {(r["blocks"], r["dim"]): r for r in result["rows"]}
+    assert total["factors"] == 32
+    assert total["batched_s"] == pytest.approx(sum(n * by_shape[s]["batched_s"] for s, n in counts.items()))
+
+
+@pytest.mark.slow
+def test_iteration_time_runs_every_variant_with_each_update_fusion(tmp_path):
+    out = tmp_path / "fusion.json"
+    args = ["--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2", "--iters", "2", "--warmup", "1"]
+    args += ["--update-freq", "2", "4", "--variants", "sgd", "spdkfac", "--update-fusions", "none", "forward", "backward"]
+    subprocess.run([sys.executable, "-m", "benchmarks.iteration_time", *args, "--out", str(out)], cwd=ROOT, check=True, capture_output=True)
+    data = json.loads(out.read_text())
+    assert [row["variant"] for row in data["table"]] == [
+        "sgd",
+        "sgd:update_fusion=forward",
+        "sgd:update_fusion=backward",
+        "spdkfac",
+        "spdkfac:update_fusion=forward",
+        "spdkfac:update_fusion=backward",
+    ]
+    assert data["args"]["variants"] == ["sgd", "spdkfac"]  # as given: the recorded command reruns the same
+
+
+@pytest.mark.slow
+def test_update_cost_times_the_update_pass(tmp_path):
+    out = tmp_path / "cost.json"
+    args = ["--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2", "--iters", "2", "--out", str(out)]
+    subprocess.run([sys.executable, "-m", "benchmarks.update_cost", *args], cwd=ROOT, check=True, capture_output=True)
+    data = json.loads(out.read_text())
+    assert data["tensors"] > 0
+    assert data["update_s"] > 0
+    assert data["fwd_bwd_s"] > 0
+    assert data["update_share"] == data["update_s"] / (data["fwd_bwd_s"] + data["update_s"])
+    assert len(data["samples"]["update"]) == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_main_job_seeds_runs_the_main_job_per_configuration_and_seed(tmp_path):
+    """benchmarks/main_job_seeds.py for real (one epoch, one seed): the main job's log per run and the target against SGD."""
+    require_horovod()
+    out = tmp_path / "seeds.json"
+    args = ["--epochs", "1", "--seeds", "3", "--configs", "sgd", "spdkfac", "--out", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.main_job_seeds", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["configs"] == {"sgd": ["--optimizer", "sgd"], "spdkfac": main_job_kfac()}
+    for name in ("sgd", "spdkfac"):
+        run = result["runs"][name]["3"]
+        assert [row["epoch"] for row in run["curve"]] == [0]
+        assert run["summary"]["final_test_loss"] == run["curve"][0]["test_loss"] > 0
+    kfac, sgd = (result["runs"][n]["3"]["summary"]["final_test_loss"] for n in ("spdkfac", "sgd"))
+    assert result["targets"]["spdkfac"]["per_seed"]["3"]["final_loss_at_most_sgd"] == (kfac <= sgd)
+
+
+def test_main_job_kfac_is_run_digits_own_line_and_a_valid_training_job(tmp_path):
+    """The main job's K-FAC options come from scripts/run_digits.sh (one source); spdkfac.train takes them on digits."""
+    from spdkfac.train.args import parse_args
+
+    options = main_job_kfac()
+    assert options[:2] == ["--compute-method", "ekfac"]
+    args = parse_args(["--data", "digits", *options])
+    assert (args.compute_method, args.base, args.ekfac_update, args.kl_clip, args.lr) == ("ekfac", "adamw", "adam", 0, 0.002)
+    script = tmp_path / "run.sh"
+    script.write_text("echo\nMAIN_JOB_KFAC=(--lr '0.5' --base adamw)\n")
+    assert main_job_kfac(script) == ["--lr", "0.5", "--base", "adamw"]
+    script.write_text("KFAC=(--lr 0.5)\n")
+    with pytest.raises(ValueError, match="no MAIN_JOB_KFAC"):
+        main_job_kfac(script)
+
+
+@pytest.mark.parametrize(
+    ("extra", "kept"), [([], True), (["--epochs", "3"], True), (["--optimizer", "sgd"], False), (["--optimizer=dho2"], False)]
+)
+def test_run_digits_adds_the_kfac_options_unless_an_optimizer_is_chosen(tmp_path, extra, kept):
+    """scripts/run_digits.sh passes MAIN_JOB_KFAC before the user's arguments, and none with --optimizer (they are K-FAC's)."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    (root / ".venv" / "bin").mkdir(parents=True)
+    (root / "scripts" / "run_digits.sh").write_text((ROOT / "scripts" / "run_digits.sh").read_text())
+    (root / "scripts" / "setup.sh").write_text("true\n")  # no installer here
+    fake = root / ".venv" / "bin" / "horovodrun"  # records its arguments instead of training
+    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$(dirname "$0")/argv"\n')
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(root / "scripts" / "run_digits.sh"), *extra], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    argv = (root / ".venv" / "bin" / "argv").read_text().splitlines()
+    if extra:
+        assert argv[-len(extra) :] == extra
+    options = main_job_kfac()
+    tail = argv[len(argv) - len(extra) - len(options) : len(argv) - len(extra)]
+    assert (tail == options) is kept
+    assert ("ekfac" in argv) is kept
+
+
+def _kaisa_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("kfac") is not None
+
+
+def _vs_kaisa(tmp_path, systems, rounds=2):
+    """A tiny benchmarks.vs_kaisa run on 2 torchrun workers; its JSON."""
+    out = tmp_path / "vs_kaisa.json"
+    args = ["-m", "benchmarks.vs_kaisa", "--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2"]
+    args += ["--iters", "2", "--warmup", "1", "--rounds", str(rounds), "--eigen-full-every", "2", "--systems", *systems]
+    run_workers("torch", 2, [*args, "--out", str(out)])
+    return json.loads(out.read_text())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_vs_kaisa_alternates_this_projects_systems_and_renders(tmp_path):
+    systems = ["spdkfac-eigen", "spdkfac-eigen-warm", "spdkfac-inverse"]
+    data = _vs_kaisa(tmp_path, systems)
+    assert [r["system"] for r in data["table"]] == systems
+    assert [r["order"] for r in data["rounds"]] == [systems, systems[1:] + systems[:1]]  # the order rotates
+    for r in data["table"]:
+        its = data["samples"][r["system"]]
+        assert len(its) == 2 * 2  # measured iterations x rounds, warm-up left out
+        assert r["median"] == pytest.approx(sorted(its)[1] / 2 + sorted(its)[2] / 2)
+        assert "vs_kaisa-eigen_mean" not in r  # no KAISA in this run: no ratio against it
+    assert data["kaisa"] is None
+    assert (
+        data["specs"]["spdkfac-eigen-warm"]
+        == "spdkfac:compute_method=eigen,eigen_refresh=warm,eigen_full_every=2,grad_worker_fraction=auto"
+    )
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import results_md
+
+    text = results_md.build(tmp_path, tmp_path / "RESULTS.md")
+    assert "## Eigen and inverse methods beside KAISA's, in one run" in text
+    assert "| `spdkfac-eigen-warm` |" in text
+    assert "torchrun --nproc_per_node 2 -m benchmarks.vs_kaisa" in text
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.skipif(not _kaisa_installed(), reason="KAISA (kfac-pytorch) not installed: pip install --no-deps kfac-pytorch")
+def test_vs_kaisa_measures_kaisa_beside_spdkfac(tmp_path):
+    from benchmarks.common import stats
+
+    data = _vs_kaisa(tmp_path, ["kaisa-eigen", "kaisa-inverse", "spdkfac-eigen-warm"], rounds=1)
+    by = {r["system"]: r for r in data["table"]}
+    base = stats(data["samples"]["kaisa-eigen"])
+    for name in ("kaisa-inverse", "spdkfac-eigen-warm"):
+        row = by[name]
+        assert row["vs_kaisa-eigen_mean"] == pytest.approx(base["mean"] / row["mean"])
+        assert row["vs_kaisa-eigen_median"] == pytest.approx(base["median"] / row["median"])
+        lo, hi = row["vs_kaisa-eigen_mean_interval"]
+        assert lo <= hi
+    assert data["kaisa"]["version"]
+
+
+@pytest.mark.skipif(_kaisa_installed(), reason="KAISA is installed: the missing-dependency message cannot be shown")
+def test_vs_kaisa_says_how_to_install_kaisa_when_missing():
+    cmd = [sys.executable, "-m", "benchmarks.vs_kaisa", "--systems", "kaisa-eigen"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "pip install --no-deps kfac-pytorch" in proc.stderr
+
+
+@pytest.mark.slow
+def test_gpu_check_script_on_the_cpu(tmp_path):
+    """scripts/gpu_check.sh --device cpu --quick: every stage runs and records what the GPU run will."""
+    out = tmp_path / "gpu_check.json"
+    cmd = ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", "--quick", "--out", str(out), "--tests-k", "cupy or bf16"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, env=dict(os.environ, PYTHON=sys.executable))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    stages = report["stages"]
+    assert set(stages) == {"tests", "decompositions", "timing", "perfmodel"}
+    assert not [s for s, v in stages.items() if "error" in v]
+    # On the CPU the cupy comparison skips and the bf16 test runs: both outcomes read from pytest's report.
+    outcomes = {t["name"]: t["outcome"] for t in stages["tests"]["tests"]}
+    assert outcomes == {
+        "test_cupy_and_torch_inverses_agree[dtype0]": "skipped",
+        "test_cupy_and_torch_inverses_agree[dtype1]": "skipped",
+        "test_bf16_autocast": "passed",
+    }
+    dec = stages["decompositions"]
+    assert dec["dims_measured"] == dec["dims"]
+    assert set(dec["stage_s"]) == {"inverse/torch.linalg", "eigh/torch.linalg"}
+    first, second = (stages["timing"]["batches"][str(b)] for b in (8, 16))
+    assert {"sgd", "adamw", "kfac-inverse-amortised", "kfac-eigen", "kfac-eigen-warm"} <= set(first)
+    assert set(second) >= {"sgd", "kfac-inverse-amortised"}
+    for name in ("kfac-inverse", "kfac-eigen", "kfac-eigen-warm"):
+        row = first[name]
+        assert row["n"] == 2
+        assert row["vs_sgd_median"] > 0
+        phases = row["phases_s"]
+        assert phases["decompositions"] > 0
+        assert phases["factors"] > 0
+        assert phases["iteration"] >= sum(v for k, v in phases.items() if k != "iteration") - 1e-9
+    model = stages["perfmodel"]["model"]
+    assert "inverse" in model
+    assert "eigen" in model

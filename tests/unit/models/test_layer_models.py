@@ -1,0 +1,55 @@
+"""The zoo's networks with grouped and depthwise convolutions, and the optimizer's coverage summary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from nets import mixed_net
+
+from spdkfac import SPDKFACOptimizer
+from spdkfac.kfac.layers import kfac_layers
+from spdkfac.models import get_model
+
+# torchvision's counts for the same architectures (1000 classes).
+PARAMS = {"mobilenet_v2": 3_504_872, "resnext50_32x4d": 25_028_904, "efficientnet_b0": 5_288_548}
+# (preconditioned layers, of them with block-diagonal factors)
+LAYERS = {"mobilenet_v2": (53, 17), "resnext50_32x4d": (54, 16), "efficientnet_b0": (82, 16)}
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+def test_parameter_counts_and_kfac_layers(name):
+    model = get_model(name, num_classes=1000)
+    assert sum(p.numel() for p in model.parameters()) == PARAMS[name]
+    layers = kfac_layers(model)
+    assert (len(layers), sum(layer.shape("A").blocks > 1 for layer in layers)) == LAYERS[name]
+    if name == "resnext50_32x4d":
+        assert {layer.shape("A").blocks for layer in layers} == {1, 32}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n != "mobilenet_v2" else n for n in sorted(PARAMS)])
+def test_32x32_variants_train_one_step(name):
+    torch.manual_seed(0)
+    model = get_model(f"{name}_32", num_classes=10)
+    opt = SPDKFACOptimizer(model, lr=0.01, backend="single", damping=0.1)
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    before = [p.detach().clone() for p in model.parameters()]
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_kfac_summary_names_what_gets_plain_sgd():
+    model = nn.Sequential(mixed_net(), nn.Embedding(3, 2, sparse=True), nn.Linear(2, 2))
+    opt = SPDKFACOptimizer(model, lr=0.1, backend="single", skip_layers=["2"])
+    summary = opt.kfac_summary()
+    total = sum(p.numel() for p in model.parameters())
+    covered = sum(p.numel() for layer in opt.layers for p in layer.params())
+    assert f"K-FAC preconditions 6 layers: {covered:,} of {total:,}" in summary
+    assert "1 x Conv2d (depthwise, block-diagonal)" in summary
+    assert "1 x Conv2d (grouped, block-diagonal)" in summary
+    assert "1 x Embedding (diagonal A)" in summary
+    assert "1 x GroupNorm, 1 x LayerNorm: no K-FAC factors for this type" in summary
+    assert "1 x Embedding: not supported: sparse gradients" in summary
+    assert "1 x Linear: listed in skip_layers" in summary
