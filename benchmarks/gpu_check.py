@@ -24,6 +24,11 @@ runs out of its time is recorded with its error, and the next one runs):
 4. ``perfmodel``: ``python -m spdkfac.perfmodels benchmark`` on the device:
    the decomposition curves placement and ``grad_worker_fraction='auto'``
    plan with (one device: no communication curves).
+5. ``simulate``: a per-layer profile taken on the device
+   (``python -m spdkfac.simulate profile --device``) and the simulator's
+   prediction for 8-64 such GPUs from it, with the device's decomposition
+   curves and an assumed cluster network (100 Gb/s InfiniBand, as
+   benchmarks/kaisa_fraction.py assumes): one GPU has no network to measure.
 
 Data are synthetic (fixed random images), as in the iteration-time
 benchmark: the time per iteration does not depend on the values.
@@ -61,6 +66,7 @@ from .common import RESULTS, ratio_interval, stats
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE = "sgd"
+STAGES = ("tests", "decompositions", "timing", "perfmodel", "simulate")
 PHASES = ("forward+backward", "factors", "decompositions", "preconditioning", "update", "other")
 
 
@@ -77,7 +83,11 @@ class Setting:
     every_step_iters: int = 10  # the warm refresh's full eigh every 10: one in the window
     phase_iters: int = 3
     decomposition_repeats: int = 5
-    budget_s: dict[str, float] = field(default_factory=lambda: {"tests": 90, "decompositions": 25, "timing": 200, "perfmodel": 45})
+    profile_batch: int = 64
+    workers: tuple[int, ...] = (8, 16, 32, 64)
+    budget_s: dict[str, float] = field(
+        default_factory=lambda: {"tests": 90, "decompositions": 25, "timing": 200, "perfmodel": 45, "simulate": 90}
+    )
 
 
 QUICK = Setting(
@@ -90,7 +100,9 @@ QUICK = Setting(
     every_step_iters=2,
     phase_iters=2,
     decomposition_repeats=2,
-    budget_s={"tests": 600, "decompositions": 300, "timing": 600, "perfmodel": 300},  # (a busy CI machine)
+    profile_batch=8,
+    workers=(8, 16),
+    budget_s={"tests": 600, "decompositions": 300, "timing": 600, "perfmodel": 300, "simulate": 300},  # (a busy CI machine)
 )
 
 #: name -> (spdkfac variant or torch optimizer, options, every step?)
@@ -409,6 +421,50 @@ def perfmodel(setting: Setting, device: torch.device, out_dir: Path, card: str, 
     return {"file": path.name, "model": json.loads(path.read_text()), "summary": proc.stdout[-3000:]}
 
 
+# ------------------------------------------------------------------------------------------------- 5. simulate
+#: The network of the GPU cluster the prediction assumes (one GPU has none to measure): 100 Gb/s InfiniBand,
+#: NCCL-like, as benchmarks/kaisa_fraction.py assumes. Seconds: alpha per collective, beta per float32 element.
+ASSUMED_NETWORK = {"allreduce": {"alpha": 5e-5, "beta": 2 * 4 / 12.5e9}, "broadcast": {"alpha": 5e-5, "beta": 4 / 12.5e9}}
+
+
+def simulate(setting: Setting, device: torch.device, out_dir: Path, perf_file: Path, budget: float) -> dict[str, Any]:
+    """A profile on the device, then the simulator's iteration time at ``setting.workers`` such devices."""
+    deadline = time.perf_counter() + budget
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    profile = out_dir / "profile.json"
+    cmd = [sys.executable, "-m", "spdkfac.simulate", "profile", "--model", setting.model, "--resolution", str(setting.resolution)]
+    cmd += [
+        "--batch-size",
+        str(setting.profile_batch),
+        "--device",
+        str(device),
+        "--threads",
+        str(torch.get_num_threads()),
+        "--out",
+        str(profile),
+    ]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget)
+    if proc.returncode:
+        raise RuntimeError(f"simulate profile failed: {proc.stderr[-1500:]}")
+    model = json.loads(perf_file.read_text())
+    model.update(ASSUMED_NETWORK)
+    model["meta"] = {**model.get("meta", {}), "note": "decompositions measured on the device; network assumed (100 Gb/s InfiniBand)"}
+    cluster = out_dir / "perfmodel-cluster.json"
+    cluster.write_text(json.dumps(model, indent=1))
+    predictions = out_dir / "prediction.json"
+    cmd = [sys.executable, "-m", "spdkfac.simulate", "predict", "--profile", str(profile), "--perf-model", str(cluster)]
+    cmd += ["--workers", *map(str, setting.workers), "--update-freq", "10", "100", "--json", str(predictions)]
+    cmd += ["--variants", "sgd", "dkfac", "mpdkfac", "spdkfac"]
+    proc = subprocess.run(
+        cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(1.0, deadline - time.perf_counter())
+    )
+    if proc.returncode:
+        raise RuntimeError(f"simulate predict failed: {proc.stderr[-1500:]}")
+    log("simulated (factors every 10, decompositions every 100):\n" + proc.stdout[-2500:])
+    result = json.loads(predictions.read_text())["predictions"]
+    return {"batch": setting.profile_batch, "update_freq": [10, 100], "network": ASSUMED_NETWORK, "predictions": result}
+
+
 # ------------------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -419,8 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--stages",
         nargs="+",
-        default=["tests", "decompositions", "timing", "perfmodel"],
-        choices=["tests", "decompositions", "timing", "perfmodel"],
+        default=list(STAGES),
+        choices=list(STAGES),
     )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -449,8 +505,13 @@ def main(argv: list[str] | None = None) -> int:
                 value = decompositions(setting, device, budget)
             elif stage == "timing":
                 value = timing(setting, device, budget, lambda partial: emit("timing", partial))
-            else:
+            elif stage == "perfmodel":
                 value = perfmodel(setting, device, out.parent, report["environment"]["card"], budget)
+            else:
+                pm = report["stages"].get("perfmodel", {})
+                if "file" not in pm:
+                    raise RuntimeError("the simulate stage needs the perfmodel stage's curves (run it first)")
+                value = simulate(setting, device, out.parent, out.parent / pm["file"], budget)
         except Exception as exc:  # recorded, and the next stage runs: one loan must give every stage its chance
             traceback.print_exc()
             value = {"error": f"{type(exc).__name__}: {exc}"[:2000], **(report["stages"].get(stage) or {})}

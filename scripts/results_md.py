@@ -254,6 +254,25 @@ def gpu_check(path: Path, d: dict[str, Any]) -> list[str]:
     pm = stages.get("perfmodel")
     if pm and "file" in pm:
         lines += [f"Decomposition curves for planning: `{pm['file']}` (copied to `perfmodels/`).", ""]
+    sim = stages.get("simulate")
+    if sim and "predictions" in sim:
+        preds = sim["predictions"]
+        workers = sorted({int(k.split(":")[0]) for k in preds})
+        variants = list(dict.fromkeys(k.split(":", 1)[1] for k in preds))
+        lines += [
+            f"**Predicted** by the simulator from a profile taken on the card (batch {sim['batch']} per GPU, fp32), its "
+            "decomposition curves and an assumed 100 Gb/s InfiniBand network; factors every 10, decompositions every "
+            "100; ms per iteration (x SGD's):",
+            "",
+        ]
+        body = []
+        for v in variants:
+            row = [v]
+            for w in workers:
+                it, sgd = preds[f"{w}:{v}"]["iteration"], preds.get(f"{w}:sgd", {}).get("iteration")
+                row.append(f"{it * 1e3:.0f}" + (f" ({it / sgd:.2f}x)" if sgd and v != "sgd" else ""))
+            body.append(row)
+        lines += table(["variant", *(f"{w} GPUs" for w in workers)], body)
     return lines
 
 

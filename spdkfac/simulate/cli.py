@@ -79,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--iters", type=int, default=4)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU the job trains on (one process)")
     p.add_argument("--threads", type=int, default=1)
     add_bind_cores_option(p)
     p.add_argument("--out", required=True, type=output_file())
@@ -120,7 +121,7 @@ def _profile(args: argparse.Namespace) -> int:
     if workers == 1:
         comm = None
     retained = retain_freed_memory()  # profile under the training job's allocator settings
-    prof = measure_profile(args.model, args.resolution, args.batch_size, args.iters, args.threads, comm)
+    prof = measure_profile(args.model, args.resolution, args.batch_size, args.iters, args.threads, comm, args.device)
     prof = dataclasses.replace(
         prof, concurrent_workers=workers, retained_freed_memory=retained, bound_cores=None if cores is None else tuple(cores)
     )

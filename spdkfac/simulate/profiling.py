@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -19,7 +18,13 @@ __all__ = ["measure_profile"]
 
 
 def measure_profile(
-    model_name: str, resolution: int, batch_size: int, iters: int = 4, threads: int = 1, comm: CommBackend | None = None
+    model_name: str,
+    resolution: int,
+    batch_size: int,
+    iters: int = 4,
+    threads: int = 1,
+    comm: CommBackend | None = None,
+    device: torch.device | str = "cpu",
 ) -> Profile:
     """Per-layer compute profile of one worker (factors every iteration, no factor communication).
 
@@ -38,12 +43,15 @@ def measure_profile(
     ranks with each rank's own totals and each iteration's spread
     (:func:`_across_ranks`): how far the slowest rank lags is a cost of every
     synchronized step.
+
+    On a GPU (``device``) every clock reading waits for the device (:meth:`Timeline.now`), so each part is
+    charged its own kernels' time.
     """
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = get_model(model_name)
-    x = torch.randn(batch_size, 3, resolution, resolution)
-    y = torch.randint(0, 10, (batch_size,))
+    model = get_model(model_name).to(device)
+    x = torch.randn(batch_size, 3, resolution, resolution).to(device)
+    y = torch.randint(0, 10, (batch_size,)).to(device)
     sgd, sgd_iterations = _measure_sgd_passes(model, x, y, iters, comm)
     _barrier(comm)
     # The same passes without communication (every rank at once): the base of the slowdown communication causes.
@@ -54,13 +62,13 @@ def measure_profile(
     events: list[dict[str, tuple[float, float]]] = []  # per run: factor key -> (ready, compute) seconds
     for it in range(iters + 2):
         opt.zero_grad()
-        t0 = time.perf_counter()
+        t0 = Timeline.now()
         out = model(x)
-        t1 = time.perf_counter()
+        t1 = Timeline.now()
         torch.autograd.backward(nn.functional.cross_entropy(out, y))
-        t2 = time.perf_counter()
+        t2 = Timeline.now()
         opt.step()
-        t3 = time.perf_counter()
+        t3 = Timeline.now()
         rec = _timeline(opt).iterations[-1]
         if it < 2:
             continue  # warm-up (and the one inversion)
@@ -90,15 +98,15 @@ def measure_profile(
     per_factor: dict[str, tuple[float, float, float]] = {}  # factor -> (unpack, pack, invert) seconds
     for layer in opt.layers:
         for kind in ("A", "G"):
-            t0 = time.perf_counter()
+            t0 = Timeline.now()
             full = layer.factor(kind)
-            t1 = time.perf_counter()
+            t1 = Timeline.now()
             if full is None:
                 raise RuntimeError(f"the {kind} factor of {layer.name!r} was never computed while profiling")
             layer.shape(kind).pack(full)
-            t2 = time.perf_counter()
+            t2 = Timeline.now()
             layer.method.local(layer.shape(kind), full, damping)
-            per_factor[f"{kind}:{layer.name}"] = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+            per_factor[f"{kind}:{layer.name}"] = (t1 - t0, t2 - t1, Timeline.now() - t2)
     # Per-layer preconditioning time, for variants that split it across workers.
     precondition = []
     _barrier(comm)
@@ -107,11 +115,11 @@ def measure_profile(
         if grad is None:
             raise RuntimeError(f"layer {layer.name!r} has no gradient to precondition while profiling")
         layer.precondition(grad, damping)
-        t0 = time.perf_counter()
+        t0 = Timeline.now()
         for _ in range(3):
             layer.precondition(grad, damping)
         precondition.append(
-            LayerPreconditionProfile(layer.name, (time.perf_counter() - t0) / 3, layer.a_dim, layer.g_dim, layer.shape("G").blocks)
+            LayerPreconditionProfile(layer.name, (Timeline.now() - t0) / 3, layer.a_dim, layer.g_dim, layer.shape("G").blocks)
         )
     opt.remove_hooks()
     n = len(runs)
@@ -272,14 +280,14 @@ def _measure_sgd_passes(
     steps, waits, passes, updates, work = [], [], [], [], []
     for it in range(3 * iters + 1):
         sgd.zero_grad()
-        t0 = time.perf_counter()
+        t0 = Timeline.now()
         torch.autograd.backward(nn.functional.cross_entropy(model(x), y))
-        t1 = time.perf_counter()
+        t1 = Timeline.now()
         sgd.step()
         if it:
             record = _timeline(sgd).iterations[-1]
             wait = record.grad_wait  # blocked on the gradient all-reduces
-            steps.append(time.perf_counter() - t1 - wait)
+            steps.append(Timeline.now() - t1 - wait)
             waits.append(wait)
             updates.append(record.update)
             passes.append(t1 - t0)

@@ -376,7 +376,7 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     stages = report["stages"]
-    assert set(stages) == {"tests", "decompositions", "timing", "perfmodel"}
+    assert set(stages) == {"tests", "decompositions", "timing", "perfmodel", "simulate"}
     assert not [s for s, v in stages.items() if "error" in v]
     # On the CPU the cupy comparison skips and the bf16 test runs: both outcomes read from pytest's report.
     outcomes = {t["name"]: t["outcome"] for t in stages["tests"]["tests"]}
@@ -399,6 +399,9 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
         assert phases["decompositions"] > 0
         assert phases["factors"] > 0
         assert phases["iteration"] >= sum(v for k, v in phases.items() if k != "iteration") - 1e-9
+    predictions = stages["simulate"]["predictions"]
+    assert set(predictions) == {f"{w}:{v}" for w in (8, 16) for v in ("sgd", "dkfac", "mpdkfac", "spdkfac")}
+    assert all(p["iteration"] > 0 for p in predictions.values())
     model = stages["perfmodel"]["model"]
     assert "inverse" in model
     assert "eigen" in model
