@@ -1,0 +1,59 @@
+"""This project's eigen and inverse methods beside KAISA's, in one run (``vs_kaisa*.json``, benchmarks/vs_kaisa.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report.common import (
+    command_block,
+    need,
+    ratio,
+    renders,
+    table,
+)
+
+
+def title(rel: Path) -> str:
+    """``vs_kaisa_<suffix>.json``'s title."""
+    suffix = rel.stem.removeprefix("vs_kaisa").strip("_")
+    return "Eigen and inverse methods beside KAISA's, in one run" + (f": {suffix}" if suffix else "")
+
+
+@renders("vs_kaisa*.json", title, order=60)
+def vs_kaisa(path: Path, d: dict[str, Any]) -> list[str]:
+    """This project's eigen (exact, warm) and inverse methods beside KAISA's, measured in one run: seconds and ratios."""
+    need(d, path, "table", "args")
+    a = d["args"]
+    kaisa = d.get("kaisa") or {}
+    specs = d.get("specs", {})
+    memopt = any(r["system"] == "kaisa-eigen-memopt" for r in d["table"])  # (a column only where it ran)
+    bases = [("kaisa-eigen", "median"), ("kaisa-eigen", "mean")] + [("kaisa-eigen-memopt", s) for s in ("median", "mean") if memopt]
+    bases.append(("kaisa-inverse", "mean"))
+    rows = []
+    for r in d["table"]:
+        ratios = [ratio(r.get(f"vs_{b}_{s}"), *(r.get(f"vs_{b}_{s}_interval") or (None, None))) for b, s in bases]
+        rows.append([f"`{r['system']}`", f"{r['median']:.2f}", f"{r['mean']:.2f}", *ratios])
+    lines = [
+        f"{a.get('model', '?')} at {a.get('resolution', '?')}×{a.get('resolution', '?')}, batch {a.get('batch_size', '?')} per "
+        f"worker, factors every {a['update_freq'][0]} and decompositions every {a['update_freq'][1]} iteration(s), damping "
+        f"{a.get('damping')}, factor decay {a.get('factor_decay')}, KL-clip {a.get('kl_clip')} for every system. "
+        f"{a.get('rounds', '?')} round(s); in each, every system in turn (the order rotates) is built, warmed up "
+        f"({a.get('warmup', '?')} iterations) and measured ({a.get('iters', '?')} iterations). KAISA: `kfac` "
+        f"{kaisa.get('version', 'not run')}, `KFACPreconditioner` with `grad_worker_fraction=1` (COMM-OPT; "
+        "`kaisa-eigen-memopt`: 1/P, MEM-OPT), the model in `DistributedDataParallel`, its other options at their "
+        "defaults. `spdkfac-eigen-warm*`: a full `eigh` every "
+        f"{a.get('eigen_full_every', '?')} refreshes, so the mean over a window that long is the amortised cost and the "
+        "median is a warm iteration's. Ratios: the row's speed-up over KAISA's eigen (COMM-OPT, MEM-OPT) / inverse method "
+        "(95% bootstrap interval); the machine was shared with other jobs, so compare the ratios, not the seconds.",
+        "",
+    ]
+    if d.get("partial"):
+        lines += ["_The run was stopped before its end: the systems and rounds measured until then._", ""]
+    names = {"kaisa-eigen": "KAISA eigen", "kaisa-eigen-memopt": "KAISA eigen MEM-OPT", "kaisa-inverse": "KAISA inverse"}
+    lines += table(["system", "median (s)", "mean (s)", *(f"{names[b]} / row ({s})" for b, s in bases)], rows)
+    measured = {r["system"] for r in d["table"]}
+    if specs:
+        lines += ["Systems: " + "; ".join(f"`{k}` = `{v}`" for k, v in specs.items() if k in measured) + ".", ""]
+    out = None if path.name == "vs_kaisa.json" else f"benchmarks/results/{path.name}"  # the default needs no --out
+    return lines + command_block(d, "benchmarks.vs_kaisa", "torchrun --nproc_per_node 2 -m benchmarks.vs_kaisa", out)
