@@ -6,12 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    command_block,
-    need,
-    renders,
-    table,
-)
+from benchmarks.report.common import command_block, need, renders, table
 
 
 @renders(

@@ -20,6 +20,7 @@ from typing import Any, Callable
 #: A section's renderer: the result file and its JSON object -> the section's Markdown lines (below its title).
 Render = Callable[[Path, dict[str, Any]], list[str]]
 
+#: Table labels of the variants (iteration time, update fusion, the simulator check).
 LABELS = {
     "sgd": "SGD",
     "dkfac": "D-KFAC",
@@ -168,7 +169,7 @@ class Writer:
         href = Path(os.path.relpath(target, self.out.parent)).as_posix()
         return [f"![{text}]({href})", ""]
 
-    def section(self, rel: str, title: str, render: Callable[[Path, dict[str, Any]], list[str]], plot: str | None = None) -> None:
+    def section(self, rel: str, title: str, render: Render, plot: str | None = None) -> None:
         """One claim's section from ``results/rel`` (and its plot), or a note that the file is absent."""
         path = self.results / rel
         self.lines += [f"## {title}", ""]

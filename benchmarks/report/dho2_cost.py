@@ -1,4 +1,4 @@
-"""DHO2's time per iteration and curvature memory per worker, one section for every worker count
+"""DHO2's time per iteration and curvature memory per worker: one section, a row per worker count
 (``dho2_cost/w<P>.json``, benchmarks/dho2_cost.py)."""
 
 from __future__ import annotations

@@ -5,12 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    command_block,
-    need,
-    renders,
-    table,
-)
+from benchmarks.report.common import command_block, need, renders, table
 
 
 @renders("fault_matrix.json", "Fault matrix: kills, damaged files, full disk, two jobs, frozen worker", order=140)

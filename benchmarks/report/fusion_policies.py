@@ -5,14 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    command_block,
-    ms,
-    need,
-    ratio,
-    renders,
-    table,
-)
+from benchmarks.report.common import command_block, ms, need, ratio, renders, table
 
 
 @renders("fusion_policies.json", "Pipelined factor communication per fusion policy (Fig. 10)", order=70, plot="fusion_policies.png")

@@ -5,23 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    ms,
-    need,
-    ratio,
-    renders,
-    table,
-)
+from benchmarks.report.common import ms, need, ratio, renders, table
 
 
-@renders(
-    "gpu_check*.json",
-    lambda rel: (
-        "On a GPU: the gpu tests, iteration time against SGD and AdamW, decompositions"
-        + (f" ({rel.stem.removeprefix('gpu_check_')})" if rel.stem != "gpu_check" else "")
-    ),
-    order=20,
-)
+def title(rel: Path) -> str:
+    """``gpu_check_<card>.json``'s title."""
+    card = rel.stem.removeprefix("gpu_check_")
+    return "On a GPU: the gpu tests, iteration time against SGD and AdamW, decompositions" + (
+        f" ({card})" if rel.stem != "gpu_check" else ""
+    )
+
+
+@renders("gpu_check*.json", title, order=20)
 def gpu_check(path: Path, d: dict[str, Any]) -> list[str]:
     """One GPU check (benchmarks/gpu_check.py): the card, the gpu tests, iteration times against SGD, phases, decompositions."""
     need(d, path, "environment", "stages")

@@ -5,13 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    command_block,
-    ms,
-    need,
-    renders,
-    table,
-)
+from benchmarks.report.common import command_block, ms, need, renders, table
 
 
 @renders("hook_overhead.json", "Cost of the hooks on steps without a factor update", order=90)

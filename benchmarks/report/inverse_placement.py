@@ -5,13 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    command_block,
-    need,
-    ratio,
-    renders,
-    table,
-)
+from benchmarks.report.common import command_block, need, ratio, renders, table
 
 PLACEMENT_LABELS = {"lbp": "LBP (SPD-KFAC)", "seq": "Seq-Dist (MPD-KFAC)", "local": "Non-Dist (D-KFAC)"}
 

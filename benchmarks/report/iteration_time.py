@@ -7,15 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    LABELS,
-    command_block,
-    ms,
-    need,
-    ratio,
-    renders,
-    table,
-)
+from benchmarks.report.common import LABELS, command_block, ms, need, ratio, renders, table
 
 #: The parts of the breakdown, as iteration_time records them.
 PARTS = ("FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other")

@@ -6,13 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    command_block,
-    ms,
-    need,
-    renders,
-    table,
-)
+from benchmarks.report.common import command_block, ms, need, renders, table
 
 
 def title(rel: Path) -> str:

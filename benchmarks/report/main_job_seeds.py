@@ -5,12 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    command_block,
-    need,
-    renders,
-    table,
-)
+from benchmarks.report.common import command_block, need, renders, table
 
 
 @renders("main_job_seeds.json", "The main job over seeds: SPD-KFAC's final test loss against SGD's", order=160, optional=True)

@@ -5,11 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    need,
-    renders,
-    table,
-)
+from benchmarks.report.common import need, renders, table
 
 
 @renders("model_stats.json", "Model statistics (Table II) and the arithmetic floor", order=10, plot="factor_sizes.png")

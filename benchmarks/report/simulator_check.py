@@ -7,14 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    LABELS,
-    command_block,
-    ms,
-    need,
-    renders,
-    table,
-)
+from benchmarks.report.common import LABELS, command_block, ms, need, renders, table
 
 
 @renders("simulator_check.json", "Scale simulator against measurements", order=120)

@@ -5,12 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    command_block,
-    need,
-    renders,
-    table,
-)
+from benchmarks.report.common import command_block, need, renders, table
 
 
 @renders("soak.json", "Soak run: replicas, memory and pending work over many steps", order=130)

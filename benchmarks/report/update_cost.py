@@ -5,13 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    command_block,
-    ms,
-    need,
-    renders,
-    table,
-)
+from benchmarks.report.common import command_block, ms, need, renders, table
 
 
 @renders("update_cost.json", "Update fusion: what the separate update pass costs", order=41, optional=True)

@@ -5,15 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    LABELS,
-    command_block,
-    ms,
-    need,
-    ratio,
-    renders,
-    table,
-)
+from benchmarks.report.common import LABELS, command_block, ms, need, ratio, renders, table
 
 
 def paired_ratios(samples: dict[str, list[float]], base: str, variant: str) -> str:
@@ -27,14 +19,13 @@ def paired_ratios(samples: dict[str, list[float]], base: str, variant: str) -> s
     return f"{median:.2f}x ({ratios[0]:.2f}–{ratios[-1]:.2f})"
 
 
-@renders(
-    "update_fusion*.json",
-    lambda rel: (
-        "Update fusion: the update in the next forward pass or in backward"
-        + (f" ({rel.stem.removeprefix('update_fusion_')})" if rel.stem != "update_fusion" else "")
-    ),
-    order=40,
-)
+def title(rel: Path) -> str:
+    """``update_fusion_<model>_w<P>.json``'s title (``update_fusion_model.json`` has its own section)."""
+    setting = rel.stem.removeprefix("update_fusion_")
+    return "Update fusion: the update in the next forward pass or in backward" + (f" ({setting})" if rel.stem != "update_fusion" else "")
+
+
+@renders("update_fusion*.json", title, order=40)
 def update_fusion(path: Path, d: dict[str, Any]) -> list[str]:
     """Update fusion: iteration time with the update in step(), in the next forward pass, or in backward."""
     need(d, path, "table")

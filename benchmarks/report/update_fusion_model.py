@@ -5,13 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    command_block,
-    ms,
-    need,
-    renders,
-    table,
-)
+from benchmarks.report.common import command_block, ms, need, renders, table
 
 
 @renders("update_fusion_model.json", "Update fusion: the cost model on this CPU and on a V100-class GPU", order=42, optional=True)

@@ -5,13 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    command_block,
-    need,
-    ratio,
-    renders,
-    table,
-)
+from benchmarks.report.common import command_block, need, ratio, renders, table
 
 
 def title(rel: Path) -> str:

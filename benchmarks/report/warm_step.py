@@ -5,12 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import (
-    command_block,
-    need,
-    renders,
-    table,
-)
+from benchmarks.report.common import command_block, need, renders, table
 
 
 @renders("warm_step.json", "Warm eigenbasis step per dimension: against eigh, and QR against CholeskyQR2", order=110, optional=True)

@@ -3,9 +3,12 @@
 import importlib.util
 import json
 import math
+import pkgutil
 from pathlib import Path
 
 import pytest
+
+import benchmarks.report as report
 
 ROOT = Path(__file__).resolve().parents[3]
 _spec = importlib.util.spec_from_file_location("results_md", ROOT / "scripts" / "results_md.py")
@@ -795,3 +798,23 @@ def test_a_simulator_check_of_another_workload_gets_its_own_section(tmp_path: Pa
     other = _section(text, "Scale simulator against measurements (224)")
     assert "| 2 | SGD | 10/100 |" in other
     assert "CHECK_NAME=simulator_check_224 bash benchmarks/simulator_check.sh" in other
+
+
+def test_a_runs_notes_beside_its_results_show_under_its_title(tmp_path: Path):
+    run = tmp_path / "results" / "convergence" / "d"
+    setting = {"data": "digits", "batch_size": 32, "reference": "sgd", "optimizers": {"sgd": {"chosen_lr": 0.05, "best_test_acc": 0.98}}}
+    _write(run, "convergence.json", {"args": {}, "settings": [setting]})
+    (run / "notes.md").write_text("LR grids: one point\nwhere the race chose the LR.\n")
+    section = _section(results_md.build(tmp_path / "results", tmp_path / "RESULTS.md"), "Time to accuracy: d")
+    assert section.startswith("## Time to accuracy: d\n\n_LR grids: one point where the race chose the LR._\n\ndigits, 32 per worker")
+    (run / "notes.md").unlink()
+    section = _section(results_md.build(tmp_path / "results", tmp_path / "RESULTS.md"), "Time to accuracy: d")
+    assert section.startswith("## Time to accuracy: d\n\ndigits, 32 per worker")
+
+
+def test_every_report_module_registers_its_sections_each_in_its_own_place():
+    found = report.sections()
+    modules = {m.name for m in pkgutil.iter_modules(report.__path__)} - {"common"}
+    registering = {getattr(s, "render", type(s)).__module__.rpartition(".")[2] for s in found}
+    assert registering == modules  # each benchmark's module registers, found without a list to edit
+    assert len({s.order for s in found}) == len(found)  # the order is chosen, not left to the patterns
