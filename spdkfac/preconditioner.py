@@ -65,7 +65,7 @@ _REFUSED: dict[str, str] = {
     "inv_dtype": "the decompositions are kept in the factors' dtype; remove the option",
     "loglevel": "nothing is logged per layer; kfac_summary() lists the preconditioned layers",
     "precondition": "precondition=False is plain gradient averaging: use SPDKFACOptimizer(model, precondition=False) or DDP",
-    **{name: _YOUR_OPTIMIZER for name in ("momentum", "weight_decay", "betas", "eps", "base")},
+    **dict.fromkeys(("momentum", "weight_decay", "betas", "eps", "base"), _YOUR_OPTIMIZER),
     "update_fusion": "the parameter update is your optimizer's; update fusion needs SPDKFACOptimizer(model, update_fusion=...)",
 }
 
@@ -194,6 +194,11 @@ class KFACPreconditioner:
             raise TypeError("update_factors_in_hook and symmetry_aware must be bools")
         if grad_scaler is not None and callable(grad_scaler) and not hasattr(grad_scaler, "get_scale"):
             raise ValueError("grad_scaler must be a torch.amp.GradScaler (a callable returning the scale is not supported)")
+        if ekfac_update == "adam":
+            raise ValueError(
+                "ekfac_update='adam' makes the step's direction, not a gradient for another optimizer; "
+                "use SPDKFACOptimizer(model, compute_method='ekfac', ekfac_update='adam', base='adamw')"
+            )
         fraction, distribute = kaisa_grad_workers(grad_worker_fraction)
         self._lr = lr
         self.kfac = SPDKFACOptimizer(
@@ -228,11 +233,6 @@ class KFACPreconditioner:
             skip_nonfinite=skip_nonfinite,
             skip_layers=() if skip_layers is None else skip_layers,
         )
-        if self.kfac.method.gives_direction:
-            raise ValueError(
-                "ekfac_update='adam' makes the step's direction, not a gradient for another optimizer; "
-                "use SPDKFACOptimizer(model, compute_method='ekfac', ekfac_update='adam', base='adamw')"
-            )
 
     def _lr_at(self, step: int) -> float:
         lr = self._lr(step) if callable(self._lr) else self._lr
