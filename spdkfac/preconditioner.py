@@ -14,6 +14,7 @@ learning rate the KL clip needs. See ``docs/preconditioner.md``.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from .perfmodels import PerfModel
 from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES
 from .schedules import Scheduled
 
-__all__ = ["KAISA_STRATEGIES", "KFACPreconditioner"]
+__all__ = ["KAISA_STRATEGIES", "KFACPreconditioner", "kaisa_grad_workers", "kaisa_skip_layers"]
 
 #: KAISA's ``DistributedStrategy`` names for ``grad_worker_fraction`` -> this project's (fraction, distribute_preconditioning).
 KAISA_STRATEGIES: dict[str, tuple[float | None, bool]] = {
@@ -94,6 +95,23 @@ def kaisa_grad_workers(value: Any) -> tuple[float | str | None, bool]:
     return value, False
 
 
+def kaisa_skip_layers(model: nn.Module, patterns: Sequence[LayerFilter] | None) -> tuple[LayerFilter, ...]:
+    """KAISA's ``skip_layers`` as this project's: each string a regular expression searched in every module's name
+    and class name (KAISA's rule), replaced by the names of the modules it finds; ``'kind:...'`` entries and classes
+    are kept. A pattern that finds no module raises ValueError naming it."""
+    out: list[LayerFilter] = []
+    for pattern in patterns or ():
+        if not isinstance(pattern, str) or pattern.startswith("kind:"):
+            out.append(pattern)
+            continue
+        regex = re.compile(pattern)
+        found = [name for name, module in model.named_modules() if name and (regex.search(name) or regex.search(type(module).__name__))]
+        if not found:
+            raise ValueError(f"skip_layers pattern {pattern!r} (a regular expression, as KAISA's) finds no module's name or class name")
+        out.extend(name for name in found if name not in out)
+    return tuple(out)
+
+
 class KFACPreconditioner:
     """Preconditions the gradients in place for any torch optimizer (KAISA's ``KFACPreconditioner``).
 
@@ -130,9 +148,10 @@ class KFACPreconditioner:
             a number in [0, 1] (0: ``1/P``), ``'auto'``, or KAISA's
             ``DistributedStrategy`` (``COMM_OPT``, ``HYBRID_OPT``,
             ``MEM_OPT``) or its name.
-        skip_layers: the modules left out of K-FAC: names with shell
-            wildcards, class names, classes or ``'kind:...'`` (not KAISA's
-            regular expressions; see ``docs/layers.md``).
+        skip_layers: the modules left out of K-FAC: regular expressions
+            searched in each module's name and class name (KAISA's rule;
+            :func:`kaisa_skip_layers`), classes, or ``'kind:depthwise'`` /
+            ``'kind:grouped'`` (``docs/layers.md``).
         update_factors_in_hook: ``pipelining``: all-reduce each factor from
             its hook (True) or all after the backward pass.
         symmetry_aware: taken for KAISA scripts; symmetric factors always
@@ -231,7 +250,7 @@ class KFACPreconditioner:
             grad_scaler=grad_scaler,
             accumulation_steps=accumulation_steps,
             skip_nonfinite=skip_nonfinite,
-            skip_layers=() if skip_layers is None else skip_layers,
+            skip_layers=kaisa_skip_layers(model, skip_layers),
         )
 
     def _lr_at(self, step: int) -> float:

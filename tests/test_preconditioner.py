@@ -13,7 +13,7 @@ import torch.nn as nn
 from nets import batch, small_net
 
 from spdkfac import KFACPreconditioner, NonFiniteError, SPDKFACOptimizer
-from spdkfac.preconditioner import kaisa_grad_workers
+from spdkfac.preconditioner import kaisa_grad_workers, kaisa_skip_layers
 
 pytestmark = pytest.mark.filterwarnings("ignore:no perf_model given")
 
@@ -138,6 +138,20 @@ def test_state_dict_round_trip_resumes_bitwise():
     assert _max_diff(resumed, whole) == 0.0
 
 
+def test_reset_batch_forgets_a_backward_pass_whose_step_is_skipped():
+    whole, skipped = small_net(), small_net()
+    pairs = [(m, KFACPreconditioner(m, lr=0.05, **KFAC), torch.optim.SGD(m.parameters(), lr=0.05)) for m in (whole, skipped)]
+    _train_pair(*pairs[0], 0, 4)
+    model, preconditioner, optimizer = pairs[1]
+    _train_pair(model, preconditioner, optimizer, 0, 2)
+    x, y = batch(8)
+    nn.functional.cross_entropy(model(x * 3), y).backward()  # a batch given up on: no step()
+    preconditioner.reset_batch()
+    optimizer.zero_grad()
+    _train_pair(model, preconditioner, optimizer, 2, 4)
+    assert _max_diff(whole, skipped) == 0.0
+
+
 def test_a_skipped_step_leaves_no_gradient_for_the_optimizer():
     model = small_net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
@@ -197,6 +211,17 @@ def test_bad_grad_worker_fraction_is_refused(bad):
         kaisa_grad_workers(bad)
 
 
+def test_kaisa_skip_layers_are_regular_expressions_searched_in_names_and_class_names():
+    model = small_net()  # 0: Conv2d, 2: Conv2d, 4: Linear, 6: Linear
+    assert kaisa_skip_layers(model, None) == ()
+    assert kaisa_skip_layers(model, ["Lin"]) == ("4", "6")  # search, not match: anywhere in the class name
+    assert kaisa_skip_layers(model, ["^[02]$", "Conv", nn.Linear, "kind:depthwise"]) == ("0", "2", nn.Linear, "kind:depthwise")
+    with pytest.raises(ValueError, match="'lstm'"):
+        kaisa_skip_layers(model, ["lstm"])
+    preconditioner = KFACPreconditioner(model, skip_layers=["6"], backend="single")
+    assert [layer.name for layer in preconditioner.layers] == ["0", "2", "4"]
+
+
 def test_kaisa_names_reach_the_optimizer():
     def schedule(step: int) -> float:
         return 0.02
@@ -214,7 +239,7 @@ def test_kaisa_names_reach_the_optimizer():
     assert kfac.config.compute_method == "inverse"
     assert kfac.config.distribute_preconditioning
     assert kfac.config.pipelining is False
-    assert kfac.config.skip_layers == ("Conv2d",)
+    assert kfac.config.skip_layers == ("0", "2")  # KAISA's regular expression, found in the class names
     assert all(type(layer.helper.module).__name__ != "Conv2d" for layer in preconditioner.layers)
     assert "momentum_buffer" not in str(kfac.state_dict()["state"])
     text = repr(preconditioner)
