@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from nets import batch, small_net
 
-from spdkfac import KFACPreconditioner, NonFiniteError, SPDKFACOptimizer
+from spdkfac import KFACParamScheduler, KFACPreconditioner, NonFiniteError, SPDKFACOptimizer
 from spdkfac.preconditioner import kaisa_grad_workers, kaisa_skip_layers
 
 pytestmark = pytest.mark.filterwarnings("ignore:no perf_model given")
@@ -304,3 +304,16 @@ def test_other_refusals():
                 preconditioner.step()
         else:
             preconditioner.step()
+
+
+def test_the_per_epoch_scheduler_drives_the_preconditioner():
+    model = small_net()
+    preconditioner = KFACPreconditioner(model, lr=0.05, factor_update_steps=1, inv_update_steps=2, **KFAC)
+    scheduler = KFACParamScheduler(
+        preconditioner.kfac, damping_alpha=0.5, damping_schedule=[1], update_freq_alpha=2, update_freq_schedule=[1]
+    )
+    _train_pair(model, preconditioner, torch.optim.SGD(model.parameters(), lr=0.05), 0, 2)
+    scheduler.step()
+    _train_pair(model, preconditioner, torch.optim.SGD(model.parameters(), lr=0.05), 2, 3)
+    assert preconditioner.kfac.param_groups[0]["damping"] == 0.005
+    assert (preconditioner.kfac.factor_update_freq, preconditioner.kfac.inv_update_freq) == (2, 4)
