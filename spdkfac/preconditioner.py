@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from .comm import CommBackend
-from .config import FusionPolicy, Placement, check_number
+from .config import EigenRefresh, FusionPolicy, Placement, check_number
 from .kfac.layers import FactorKey, KFACLayer, LayerFilter
 from .kfac.methods.ekfac import EKFACUpdate
 from .optimizer import SPDKFACOptimizer
@@ -40,7 +40,7 @@ KAISA_STRATEGIES: dict[str, tuple[float | None, bool]] = {
 }
 
 #: Options of this project's optimizer that this class takes under KAISA's name.
-_RENAMED = {"factor_update_freq": "factor_update_steps", "inv_update_freq": "inv_update_steps"}
+_RENAMED = {"factor_update_freq": "factor_update_steps", "inv_update_freq": "inv_update_steps", "pipelining": "update_factors_in_hook"}
 
 _YOUR_OPTIMIZER = (
     "it belongs to the update, which your own optimizer makes: pass it to that optimizer "
@@ -65,6 +65,7 @@ _REFUSED: dict[str, str] = {
     "factor_dtype": "the factors are kept in the weights' dtype (at least float32); remove the option",
     "inv_dtype": "the decompositions are kept in the factors' dtype; remove the option",
     "loglevel": "nothing is logged per layer; kfac_summary() lists the preconditioned layers",
+    "distribute_preconditioning": "KAISA's MEM-OPT is grad_worker_fraction='mem_opt' (or 0): one gradient worker per layer",
     "precondition": "precondition=False is plain gradient averaging: use SPDKFACOptimizer(model, precondition=False) or DDP",
     **dict.fromkeys(("momentum", "weight_decay", "betas", "eps", "base"), _YOUR_OPTIMIZER),
     "update_fusion": "the parameter update is your optimizer's; update fusion needs SPDKFACOptimizer(model, update_fusion=...)",
@@ -187,7 +188,7 @@ class KFACPreconditioner:
         backend: str | CommBackend = "auto",
         fusion: FusionPolicy = "optimal",
         placement: Placement = "lbp",
-        eigen_refresh: Any = "exact",
+        eigen_refresh: EigenRefresh = "exact",
         eigen_full_every: int = 10,
         ekfac_decay: float = 0.95,
         ekfac_update: EKFACUpdate = "natural",

@@ -272,6 +272,8 @@ def test_kaisa_defaults():
         ("update_fusion", "forward", "SPDKFACOptimizer"),
         ("factor_update_freq", 2, "factor_update_steps"),
         ("inv_update_freq", 2, "inv_update_steps"),
+        ("pipelining", False, "update_factors_in_hook"),
+        ("distribute_preconditioning", True, "grad_worker_fraction='mem_opt'"),
     ],
 )
 def test_options_without_an_equivalent_are_refused_naming_what_to_use(name, value, names):
