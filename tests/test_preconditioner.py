@@ -319,3 +319,35 @@ def test_the_per_epoch_scheduler_drives_the_preconditioner():
     _train_pair(model, preconditioner, torch.optim.SGD(model.parameters(), lr=0.05), 2, 3)
     assert preconditioner.kfac.param_groups[0]["damping"] == 0.005
     assert (preconditioner.kfac.factor_update_freq, preconditioner.kfac.inv_update_freq) == (2, 4)
+
+
+@pytest.mark.parametrize("overflow_steps", [(), (2, 3)])
+def test_grad_scaler_loop_is_the_optimizers(overflow_steps):
+    """``scaler.unscale_(optimizer); preconditioner.step(); scaler.step(optimizer)`` is SPDKFACOptimizer's GradScaler
+    loop; a step whose gradients overflowed is skipped by both (``skip_nonfinite``: the most overflows in a row)."""
+    x, y = batch(8)
+    ours, ref = small_net(), small_net()
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    freqs = dict(factor_update_steps=1, inv_update_steps=2)
+    optimizer = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
+    preconditioner = KFACPreconditioner(ours, lr=0.05, compute_method="inverse", grad_scaler=scalers[0], skip_nonfinite=2, **freqs, **KFAC)
+    reference = SPDKFACOptimizer(ref, lr=0.05, momentum=0.9, grad_scaler=scalers[1], factor_update_freq=1, inv_update_freq=2, **KFAC)
+    for s in range(7):
+        xs = x + 0.1 * s
+        if s in overflow_steps:
+            xs[0, 0, 0, 0] = float("inf")
+        optimizer.zero_grad()
+        scalers[0].scale(nn.functional.cross_entropy(ours(xs), y)).backward()
+        scalers[0].unscale_(optimizer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            preconditioner.step()
+        scalers[0].step(optimizer)
+        scalers[0].update()
+        reference.zero_grad()
+        scalers[1].scale(nn.functional.cross_entropy(ref(xs), y)).backward()
+        scalers[1].step(reference)
+        scalers[1].update()
+    assert preconditioner.steps == reference.steps == 7 - len(overflow_steps)
+    assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0 ** (10 - len(overflow_steps))
+    assert _max_diff(ours, ref) == 0.0
