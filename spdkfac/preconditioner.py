@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .comm import CommBackend
 from .config import EigenRefresh, FusionPolicy, Placement, check_number
@@ -157,7 +158,9 @@ class KFACPreconditioner:
             its hook (True) or all after the backward pass.
         symmetry_aware: taken for KAISA scripts; symmetric factors always
             travel as upper triangles here.
-        grad_scaler: the ``torch.amp.GradScaler`` of a float16 loop.
+        grad_scaler: the ``torch.amp.GradScaler`` of a float16 loop; call
+            ``scaler.unscale_(optimizer)`` before :meth:`step`, and allow
+            overflowing steps with ``skip_nonfinite`` (``docs/preconditioner.md``).
         backend, fusion, placement, eigen_refresh, eigen_full_every, ekfac_decay, ekfac_update, memory_budget,
         overlap_preconditioning, perf_model, fusion_threshold_bytes, profile_steps, replan_interval, timeline,
         skip_nonfinite: as :class:`~spdkfac.SPDKFACOptimizer`.
@@ -208,6 +211,11 @@ class KFACPreconditioner:
             if name in _REFUSED:
                 raise ValueError(f"KFACPreconditioner has no option {name!r}: {_REFUSED[name]}")
             raise TypeError(f"KFACPreconditioner() got an unexpected keyword argument {name!r} (docs/preconditioner.md lists the options)")
+        if isinstance(model, DistributedDataParallel):  # (until SPDKFACOptimizer owns DDP's gradient averaging)
+            raise ValueError(
+                "KFACPreconditioner averages the gradients itself: pass the bare model (model.module), not the "
+                "DistributedDataParallel wrapper, or DDP and the preconditioner would both average them"
+            )
         if callable(factor_decay):
             raise ValueError("factor_decay must be a number: a scheduled factor_decay is not supported (damping and kl_clip may be)")
         if not isinstance(update_factors_in_hook, bool) or not isinstance(symmetry_aware, bool):

@@ -351,3 +351,13 @@ def test_grad_scaler_loop_is_the_optimizers(overflow_steps):
     assert preconditioner.steps == reference.steps == 7 - len(overflow_steps)
     assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0 ** (10 - len(overflow_steps))
     assert _max_diff(ours, ref) == 0.0
+
+
+def test_a_ddp_wrapped_model_is_refused_naming_the_bare_model(tmp_path):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        wrapped = nn.parallel.DistributedDataParallel(small_net())
+        with pytest.raises(ValueError, match=r"model\.module"):
+            KFACPreconditioner(wrapped, backend="single")
+    finally:
+        torch.distributed.destroy_process_group()
