@@ -4,9 +4,15 @@ Quick start::
 
     from spdkfac import SPDKFACOptimizer
     optimizer = SPDKFACOptimizer(model, lr=0.1, momentum=0.9)   # instead of torch.optim.SGD
+
+or, for any torch optimizer (KAISA's usage)::
+
+    from spdkfac import KFACPreconditioner
+    preconditioner = KFACPreconditioner(model, lr=0.1)   # loss.backward(); preconditioner.step(); optimizer.step()
 """
 
 from .optimizer import NonFiniteError, NonFiniteFactorError, SPDKFACOptimizer
+from .preconditioner import KFACPreconditioner
 from .runtime.host_memory import retain_freed_memory
 from .schedules import KFACParamScheduler
 from .variants import VARIANTS, make_optimizer
@@ -16,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "VARIANTS",
     "KFACParamScheduler",
+    "KFACPreconditioner",
     "NonFiniteError",
     "NonFiniteFactorError",
     "SPDKFACOptimizer",

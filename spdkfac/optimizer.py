@@ -282,6 +282,21 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.run_step(base_update=True)
+        return loss
+
+    @torch.no_grad()
+    def run_step(self, base_update: bool) -> bool:
+        """The K-FAC step; then the base update, unless ``base_update`` is False.
+
+        Without the base update each preconditioned layer's gradient is left
+        replaced by its preconditioned (KL-clipped) gradient and every other
+        gradient by its average, for another optimizer to step on
+        (:class:`~spdkfac.preconditioner.KFACPreconditioner`). Returns False for
+        a step skipped over NaN/Inf (nothing changed), True otherwise.
+        """
+        if not base_update and self.config.update_fusion != "none":
+            raise ValueError(f"update_fusion={self.config.update_fusion!r} updates the parameters itself; it needs the base update")
         self.flush()  # the previous step's updates the forward pass did not reach, before this step's
         self.kfac_step.grads.check_accumulated("step()")
         try:
@@ -294,27 +309,33 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 backward.commit()
             else:
                 self.kfac_step.run(factor_step, inverse_step, hyper, self.steps)
-                if self._forward_fusion is not None:
-                    self._forward_fusion.defer()
-                else:
-                    t_update = Timeline.now() if self._record is not None else 0.0
-                    apply_base_update(self.config.base, self.param_groups, self.state, self._direct)
-                    if self._record is not None:
-                        self._record.update += Timeline.now() - t_update
+                if base_update:
+                    self._base_update()
             self.steps += 1
             self.kfac_step.nonfinite.good_step()
             if self.timeline is not None and self._record is not None:
                 self.timeline.end()
         except SkipStep:  # every worker skips this step (the values checked are identical everywhere)
             self._begin_iteration()
-            return loss
+            return False
         except BaseException:
             # The first error is the one to see (after a peer died, the engine's): drop this iteration's
             # state without the checks that would raise again over collectives that can never complete.
             self._begin_iteration(abandon=True)
             raise
         self._begin_iteration()
-        return loss
+        return True
+
+    def _base_update(self) -> None:
+        """The base optimizer's step on the preconditioned gradients (held for the next forward passes under
+        ``update_fusion='forward'``)."""
+        if self._forward_fusion is not None:
+            self._forward_fusion.defer()
+            return
+        t_update = Timeline.now() if self._record is not None else 0.0
+        apply_base_update(self.config.base, self.param_groups, self.state, self._direct)
+        if self._record is not None:
+            self._record.update += Timeline.now() - t_update
 
     # ------------------------------------------------------------ between steps
     def zero_grad(self, set_to_none: bool = True) -> None:

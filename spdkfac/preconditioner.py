@@ -1,0 +1,349 @@
+"""KFACPreconditioner: K-FAC for any torch optimizer, in KAISA's usage and with KAISA's option names.
+
+``step()`` averages every gradient across the workers and replaces each
+preconditioned layer's by its K-FAC preconditioned, KL-clipped gradient in
+place; the user's own optimizer (SGD, AdamW, LAMB, anything) then steps on
+them. It is :class:`~spdkfac.SPDKFACOptimizer`'s machinery without the base
+update (:meth:`SPDKFACOptimizer.run_step <spdkfac.SPDKFACOptimizer.run_step>`
+with ``base_update=False``): the same engines, pipelining, placement, compute
+methods, gradient workers, non-finite handling and checkpoints. This class
+only turns KAISA's keyword arguments into that optimizer's and feeds it the
+learning rate the KL clip needs. See ``docs/preconditioner.md``.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .comm import CommBackend
+from .config import EigenRefresh, FusionPolicy, Placement, check_number
+from .kfac.layers import FactorKey, KFACLayer, LayerFilter
+from .kfac.methods.ekfac import EKFACUpdate
+from .optimizer import SPDKFACOptimizer
+from .perfmodels import PerfModel
+from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES
+from .schedules import Scheduled
+
+__all__ = ["KAISA_STRATEGIES", "KFACPreconditioner", "kaisa_grad_workers", "kaisa_skip_layers"]
+
+#: KAISA's ``DistributedStrategy`` names for ``grad_worker_fraction`` -> this project's (fraction, distribute_preconditioning).
+KAISA_STRATEGIES: dict[str, tuple[float | None, bool]] = {
+    "comm_opt": (None, False),  # every worker a gradient worker (fraction 1)
+    "hybrid_opt": (0.5, False),
+    "mem_opt": (None, True),  # fraction 1/P
+}
+
+#: Options of this project's optimizer that this class takes under KAISA's name.
+_RENAMED = {"factor_update_freq": "factor_update_steps", "inv_update_freq": "inv_update_steps", "pipelining": "update_factors_in_hook"}
+
+_YOUR_OPTIMIZER = (
+    "it belongs to the update, which your own optimizer makes: pass it to that optimizer "
+    "(or use SPDKFACOptimizer(model, base=..., ...), which preconditions and updates in one)"
+)
+
+#: Options (KAISA's, or the optimizer's own) this class refuses, with what to use instead.
+_REFUSED: dict[str, str] = {
+    "allreduce_bucket_cap_mb": (
+        "the factor all-reduces are fused by `fusion`: the default 'optimal' sizes the buckets from measured layer "
+        "times; for KAISA's fixed buckets use fusion='threshold', fusion_threshold_bytes=int(MB * 2**20), and for "
+        "none fusion='layerwise'"
+    ),
+    "assignment_strategy": (
+        "the decompositions are placed by `placement`: 'lbp' (the default) balances the performance model's measured "
+        "costs (`perf_model`), which replaces KAISA's n**3 ('compute') and n**2 ('memory') estimates"
+    ),
+    "colocate_factors": "`placement` places each factor's decomposition ('lbp', 'seq' or 'local'); there is no colocation switch",
+    "compute_eigenvalue_outer_product": (
+        "compute_method='eigen' always preconditions with the damped eigenvalue products (A ⊗ G + γI)^-1; remove the option"
+    ),
+    "factor_dtype": "the factors are kept in the weights' dtype (at least float32); remove the option",
+    "inv_dtype": "the decompositions are kept in the factors' dtype; remove the option",
+    "loglevel": "nothing is logged per layer; kfac_summary() lists the preconditioned layers",
+    "distribute_preconditioning": "KAISA's MEM-OPT is grad_worker_fraction='mem_opt' (or 0): one gradient worker per layer",
+    "precondition": "precondition=False is plain gradient averaging: use SPDKFACOptimizer(model, precondition=False) or DDP",
+    **dict.fromkeys(("momentum", "weight_decay", "betas", "eps", "base"), _YOUR_OPTIMIZER),
+    "update_fusion": "the parameter update is your optimizer's; update fusion needs SPDKFACOptimizer(model, update_fusion=...)",
+}
+
+
+def _choice_name(value: Any) -> Any:
+    """A KAISA enum member (``ComputeMethod.EIGEN``) or a string in any case, as this project's lower-case name."""
+    if isinstance(value, enum.Enum):
+        return value.name.lower()
+    return value.lower() if isinstance(value, str) else value
+
+
+def kaisa_grad_workers(value: Any) -> tuple[float | str | None, bool]:
+    """KAISA's ``grad_worker_fraction`` (a number, 0 for ``1/P``, or a ``DistributedStrategy``) as this project's
+    ``(grad_worker_fraction, distribute_preconditioning)``."""
+    name = _choice_name(value)
+    if isinstance(name, str) and name in KAISA_STRATEGIES:
+        return KAISA_STRATEGIES[name]
+    if isinstance(name, str):
+        if name != "auto":
+            raise ValueError(f"grad_worker_fraction must be a number in [0, 1], 'auto' or one of {tuple(KAISA_STRATEGIES)}, got {value!r}")
+        return "auto", False
+    if value is None:
+        return None, False
+    if check_number("grad_worker_fraction", value, 0.0, 1.0, high_open=False) == 0:  # KAISA: 0 means 1/P
+        return None, True
+    return value, False
+
+
+def kaisa_skip_layers(model: nn.Module, patterns: Sequence[LayerFilter] | None) -> tuple[LayerFilter, ...]:
+    """KAISA's ``skip_layers`` as this project's: each string a regular expression searched in every module's name
+    and class name (KAISA's rule), replaced by the names of the modules it finds; ``'kind:...'`` entries and classes
+    are kept. A pattern that finds no module raises ValueError naming it."""
+    out: list[LayerFilter] = []
+    for pattern in patterns or ():
+        if not isinstance(pattern, str) or pattern.startswith("kind:"):
+            out.append(pattern)
+            continue
+        regex = re.compile(pattern)
+        found = [name for name, module in model.named_modules() if name and (regex.search(name) or regex.search(type(module).__name__))]
+        if not found:
+            raise ValueError(f"skip_layers pattern {pattern!r} (a regular expression, as KAISA's) finds no module's name or class name")
+        out.extend(name for name in found if name not in out)
+    return tuple(out)
+
+
+class KFACPreconditioner:
+    """Preconditions the gradients in place for any torch optimizer (KAISA's ``KFACPreconditioner``).
+
+    Usage::
+
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)   # or AdamW, LAMB, any
+        preconditioner = KFACPreconditioner(model, lr=lambda step: optimizer.param_groups[0]["lr"])
+        loss.backward(); preconditioner.step(); optimizer.step(); optimizer.zero_grad()
+
+    After :meth:`step` every gradient holds its average over the workers (the
+    loss must be a mean over the local batch; do not also average them) and
+    each preconditioned layer's its K-FAC preconditioned, KL-clipped
+    gradient. With ``torch.optim.SGD`` this is exactly
+    ``SPDKFACOptimizer(base='sgd')``, and with ``torch.optim.AdamW`` its
+    ``base='adamw'``. A step skipped over NaN/Inf (``skip_nonfinite``) sets
+    every gradient to None, so a torch optimizer's next ``step()`` changes
+    nothing.
+
+    Args (KAISA's names and meanings; defaults KAISA's):
+        model: the model; its layers are chosen as by ``SPDKFACOptimizer``.
+        factor_update_steps, inv_update_steps: update the factors (the
+            decompositions) at the steps where ``steps % n == 0`` and at the
+            first; ``inv_update_steps`` a multiple of ``factor_update_steps``;
+            a number or ``f(step) -> int``.
+        damping: Tikhonov damping, a number or ``f(step) -> float``.
+        factor_decay: running-average weight of the old factor (a number).
+        kl_clip: KL-clip bound (None: no clip), a number or ``f(step)``.
+        lr: the learning rate the KL clip assumes (give your optimizer's),
+            a number or ``f(step) -> float``.
+        accumulation_steps: backward passes per ``step()``.
+        compute_method: ``'eigen'`` (KAISA's default), ``'inverse'`` or
+            ``'ekfac'``; KAISA's ``ComputeMethod`` members are taken too.
+        grad_worker_fraction: KAISA's fraction of gradient workers per layer:
+            a number in [0, 1] (0: ``1/P``), ``'auto'``, or KAISA's
+            ``DistributedStrategy`` (``COMM_OPT``, ``HYBRID_OPT``,
+            ``MEM_OPT``) or its name.
+        skip_layers: the modules left out of K-FAC: regular expressions
+            searched in each module's name and class name (KAISA's rule;
+            :func:`kaisa_skip_layers`), classes, or ``'kind:depthwise'`` /
+            ``'kind:grouped'`` (``docs/layers.md``).
+        update_factors_in_hook: ``pipelining``: all-reduce each factor from
+            its hook (True) or all after the backward pass.
+        symmetry_aware: taken for KAISA scripts; symmetric factors always
+            travel as upper triangles here.
+        grad_scaler: the ``torch.amp.GradScaler`` of a float16 loop; call
+            ``scaler.unscale_(optimizer)`` before :meth:`step`, and allow
+            overflowing steps with ``skip_nonfinite`` (``docs/preconditioner.md``).
+        backend, fusion, placement, eigen_refresh, eigen_full_every, ekfac_decay, ekfac_update, memory_budget,
+        overlap_preconditioning, perf_model, fusion_threshold_bytes, profile_steps, replan_interval, timeline,
+        skip_nonfinite: as :class:`~spdkfac.SPDKFACOptimizer`.
+
+    Raises:
+        ValueError: an option KAISA has but this project does not (or one of
+            the update's), naming what to use instead; TypeError: an unknown
+            option.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        factor_update_steps: Scheduled[int] = 1,
+        inv_update_steps: Scheduled[int] = 1,
+        damping: Scheduled[float] = 0.001,
+        factor_decay: float = 0.95,
+        kl_clip: Scheduled[float | None] = 0.001,
+        lr: Scheduled[float] = 0.1,
+        accumulation_steps: int = 1,
+        compute_method: Any = "eigen",
+        grad_worker_fraction: Any = None,
+        skip_layers: Sequence[LayerFilter] | None = None,
+        update_factors_in_hook: bool = True,
+        symmetry_aware: bool = False,
+        grad_scaler: Any | None = None,
+        backend: str | CommBackend = "auto",
+        fusion: FusionPolicy = "optimal",
+        placement: Placement = "lbp",
+        eigen_refresh: EigenRefresh = "exact",
+        eigen_full_every: int = 10,
+        ekfac_decay: float = 0.95,
+        ekfac_update: EKFACUpdate = "natural",
+        memory_budget: int | None = None,
+        overlap_preconditioning: bool = True,
+        perf_model: str | PerfModel | None = None,
+        fusion_threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
+        profile_steps: int = 3,
+        replan_interval: int | None = None,
+        timeline: bool = False,
+        skip_nonfinite: int = 0,
+        **unsupported: Any,
+    ) -> None:
+        for name in unsupported:
+            if name in _RENAMED:
+                raise ValueError(f"KFACPreconditioner takes {name} under KAISA's name: {_RENAMED[name]}=...")
+            if name in _REFUSED:
+                raise ValueError(f"KFACPreconditioner has no option {name!r}: {_REFUSED[name]}")
+            raise TypeError(f"KFACPreconditioner() got an unexpected keyword argument {name!r} (docs/preconditioner.md lists the options)")
+        if isinstance(model, DistributedDataParallel):  # (until SPDKFACOptimizer owns DDP's gradient averaging)
+            raise ValueError(
+                "KFACPreconditioner averages the gradients itself: pass the bare model (model.module), not the "
+                "DistributedDataParallel wrapper, or DDP and the preconditioner would both average them"
+            )
+        if callable(factor_decay):
+            raise ValueError("factor_decay must be a number: a scheduled factor_decay is not supported (damping and kl_clip may be)")
+        if not isinstance(update_factors_in_hook, bool) or not isinstance(symmetry_aware, bool):
+            raise TypeError("update_factors_in_hook and symmetry_aware must be bools")
+        if grad_scaler is not None and callable(grad_scaler) and not hasattr(grad_scaler, "get_scale"):
+            raise ValueError("grad_scaler must be a torch.amp.GradScaler (a callable returning the scale is not supported)")
+        if ekfac_update == "adam":
+            raise ValueError(
+                "ekfac_update='adam' makes the step's direction, not a gradient for another optimizer; "
+                "use SPDKFACOptimizer(model, compute_method='ekfac', ekfac_update='adam', base='adamw')"
+            )
+        fraction, distribute = kaisa_grad_workers(grad_worker_fraction)
+        self._lr = lr
+        self.kfac = SPDKFACOptimizer(
+            model,
+            lr=self._lr_at(0),
+            momentum=0.0,  # no base update runs: the gradients are the user's optimizer's to step on
+            damping=damping,
+            factor_decay=factor_decay,
+            kl_clip=kl_clip,
+            factor_update_freq=factor_update_steps,
+            inv_update_freq=inv_update_steps,
+            backend=backend,
+            fusion=fusion,
+            pipelining=update_factors_in_hook,
+            placement=placement,
+            compute_method=_choice_name(compute_method),
+            eigen_refresh=eigen_refresh,
+            eigen_full_every=eigen_full_every,
+            ekfac_decay=ekfac_decay,
+            ekfac_update=ekfac_update,
+            distribute_preconditioning=distribute,
+            grad_worker_fraction=fraction,  # type: ignore[arg-type]  # checked by KFACConfig
+            memory_budget=memory_budget,
+            overlap_preconditioning=overlap_preconditioning,
+            perf_model=perf_model,
+            fusion_threshold_bytes=fusion_threshold_bytes,
+            profile_steps=profile_steps,
+            replan_interval=replan_interval,
+            timeline=timeline,
+            grad_scaler=grad_scaler,
+            accumulation_steps=accumulation_steps,
+            skip_nonfinite=skip_nonfinite,
+            skip_layers=kaisa_skip_layers(model, skip_layers),
+        )
+
+    def _lr_at(self, step: int) -> float:
+        lr = self._lr(step) if callable(self._lr) else self._lr
+        suffix = f" (the lr schedule's value at step {step})" if callable(self._lr) else ""
+        try:
+            return check_number("lr", lr, 0.0)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{exc}{suffix}") from None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Average every gradient and precondition the K-FAC layers' in place; call between ``backward()`` and your
+        optimizer's ``step()``."""
+        self.kfac.param_groups[0]["lr"] = self._lr_at(self.kfac.steps)  # the KL clip's learning rate this step
+        if not self.kfac.run_step(base_update=False):  # skipped over NaN/Inf: the user's optimizer must not step
+            for group in self.kfac.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    def reset_batch(self) -> None:
+        """Drop the factors and gradient state of backward passes whose ``step()`` is skipped (e.g. by a GradScaler's
+        inf check); the gradients themselves are your optimizer's ``zero_grad()``'s to clear."""
+        kfac_step = self.kfac.kfac_step
+        if kfac_step.grads.pending and not kfac_step.grads.synchronized:
+            kfac_step.grads.synchronize()  # every all-reduce issued alike on every worker is completed first
+        if kfac_step.backward_seen:
+            kfac_step.controller.discard()
+        self.kfac._begin_iteration()
+
+    def synchronize(self) -> None:
+        """Wait until every gradient holds its average (before reading them ahead of :meth:`step`)."""
+        self.kfac.synchronize()
+
+    def finite_everywhere(self, value: torch.Tensor) -> bool:
+        """True when ``value`` (e.g. the loss) is finite on every worker; if not, this step's factors are dropped."""
+        return self.kfac.finite_everywhere(value)
+
+    @property
+    def steps(self) -> int:
+        """The number of completed (not skipped) steps."""
+        return self.kfac.steps
+
+    @property
+    def layers(self) -> list[KFACLayer]:
+        """The preconditioned layers."""
+        return self.kfac.layers
+
+    # --------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The K-FAC state (step counter, factors, decompositions, update frequencies), as ``SPDKFACOptimizer``'s.
+
+        Your optimizer's state is its own ``state_dict()``'s; callables (``lr``
+        and schedules) are not saved: pass the same ones on resume.
+        """
+        return self.kfac.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (for the same model and compute method)."""
+        self.kfac.load_state_dict(state_dict)
+
+    # ------------------------------------------------------------ reporting
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes this worker holds in factors and decompositions, per kind."""
+        return self.kfac.memory_usage()
+
+    def kfac_summary(self) -> str:
+        """Which modules K-FAC preconditions, and which it leaves out and why."""
+        return self.kfac.kfac_summary()
+
+    def fusion_plan(self) -> dict[str, list[list[FactorKey]] | None]:
+        """Current fusion groups of the factor all-reduces per pass (None while profiling, or for ``'layerwise'``)."""
+        return self.kfac.fusion_plan()
+
+    def remove_hooks(self) -> None:
+        """Detach every hook from the model (the preconditioner is unusable afterwards)."""
+        self.kfac.remove_hooks()
+
+    def __repr__(self) -> str:
+        kfac, group = self.kfac, self.kfac.param_groups[0]
+        options = ", ".join(f"{k}={v!r}" for k, v in kfac.config.as_dict().items() if k not in ("base", "update_fusion", "precondition"))
+        return (
+            f"KFACPreconditioner(layers={len(kfac.layers)}, lr={self._lr!r}, damping={group['damping']}, "
+            f"factor_decay={group['factor_decay']}, kl_clip={group['kl_clip']}, factor_update_steps={kfac.factor_update_freq}, "
+            f"inv_update_steps={kfac.inv_update_freq}, backend={kfac.backend.name}(rank {kfac.backend.rank}/{kfac.backend.size}), "
+            f"{options}, perf_model={kfac.perf_model.source!r})"
+        )

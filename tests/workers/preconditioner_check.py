@@ -1,0 +1,96 @@
+"""Multi-process worker: KFACPreconditioner with torch's own optimizers on one shard of a fixed global batch.
+
+Each rank saves its parameters, its optimizer's state and the preconditioner's
+state per configuration to ``<out>/rank<r>.pt``; the test compares the ranks
+with each other (bitwise) and with one process on the whole batch.
+
+    torchrun --nproc_per_node 2 tests/workers/preconditioner_check.py --backend torch --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nets import batch, small_net
+
+from spdkfac import KFACPreconditioner
+from spdkfac.comm import CommBackend, get_backend
+
+warnings.filterwarnings("ignore", message="no perf_model given")
+
+GLOBAL_BATCH = 8
+STEPS = 6
+#: name -> (torch optimizer, its options, the preconditioner's options in KAISA's names)
+CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "sgd-eigen-2-4": (
+        "sgd",
+        dict(lr=0.05, momentum=0.9, weight_decay=1e-3),
+        dict(compute_method="eigen", factor_update_steps=2, inv_update_steps=4, damping=0.01, kl_clip=0.01),
+    ),
+    "adamw-inverse-memopt": (
+        "adamw",
+        dict(lr=0.01, weight_decay=1e-2),
+        dict(compute_method="inverse", grad_worker_fraction="MEM_OPT", damping=0.01, kl_clip=0.01),
+    ),
+    "sgd-accumulated": (
+        "sgd",
+        dict(lr=0.05, momentum=0.9),
+        dict(compute_method="inverse", accumulation_steps=2, factor_update_steps=3, inv_update_steps=3, damping=0.01),
+    ),
+}
+
+
+def run(backend: CommBackend) -> dict[str, Any]:
+    """Every configuration trained for ``STEPS`` steps on this rank's shard: parameters and states."""
+    torch.set_default_dtype(torch.float64)
+    x, y = batch(GLOBAL_BATCH)
+    local = GLOBAL_BATCH // backend.size
+    x, y = x[backend.rank * local : (backend.rank + 1) * local], y[backend.rank * local : (backend.rank + 1) * local]
+    results: dict[str, Any] = {}
+    for name, (kind, options, kfac_options) in CONFIGS.items():
+        model = small_net()
+        optimizer: torch.optim.Optimizer = (
+            torch.optim.SGD(model.parameters(), **options)
+            if kind == "sgd"
+            else torch.optim.AdamW(model.parameters(), foreach=False, **options)
+        )
+        preconditioner = KFACPreconditioner(model, lr=lambda _s, o=optimizer: o.param_groups[0]["lr"], backend=backend, **kfac_options)
+        accumulate = preconditioner.kfac.config.accumulation_steps
+        for s in range(STEPS):
+            optimizer.zero_grad()
+            for xm, ym in zip((x + 0.1 * s).chunk(accumulate), y.chunk(accumulate)):
+                (nn.functional.cross_entropy(model(xm), ym) / accumulate).backward()
+            preconditioner.step()
+            optimizer.step()
+        results[name] = {
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "optimizer": optimizer.state_dict(),
+            "kfac": preconditioner.state_dict()["kfac"],
+        }
+        preconditioner.remove_hooks()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    backend = get_backend(args.backend)
+    torch.save(run(backend), Path(args.out) / f"rank{backend.rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
