@@ -1,0 +1,61 @@
+"""``SPDKFACOptimizer(DistributedDataParallel(model))`` is the optimizer on the bare model.
+
+Two real ``torchrun`` gloo workers, float64, the small test network, factors
+and inverses every 3 steps, 8 steps. Per configuration: the DDP-wrapped run
+equals the bare run on the same rank (bitwise: with 2 workers DDP's
+divide-then-sum and the optimizer's sum-then-divide are the same numbers),
+both equal one process on the global batch (1e-9), the ranks are bitwise
+replicas (parameters and optimizer state), and the K-FAC layers carry the
+bare model's names (checkpoints interchangeable). ``no_sync()`` accumulation
+equals ``accumulation_steps`` without DDP.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from launch import ROOT, assert_params_match, run_single, run_workers
+from nets import assert_bitwise_equal
+
+pytestmark = pytest.mark.multiprocess
+
+WORKER = str(ROOT / "tests" / "workers" / "ddp_check.py")
+NPROC = 2
+BASE = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.01, factor_decay=0.9, factor_update_freq=3, inv_update_freq=3)
+ACCUM = dict(BASE, accumulation_steps=2)
+#: name -> (configuration, the bare configuration it must equal)
+CONFIGS = {
+    "bare": dict(BASE, ddp=None),
+    "ddp": dict(BASE, ddp={}),
+    "ddp-static-graph": dict(BASE, ddp={"static_graph": True}),
+    "ddp-bucket-view": dict(BASE, ddp={"gradient_as_bucket_view": True}),
+    "ddp-find-unused": dict(BASE, ddp={"find_unused_parameters": True}),
+    "ddp-small-buckets": dict(BASE, ddp={"bucket_cap_mb": 0.0001}),
+    "ddp-eigen-dp": dict(BASE, compute_method="eigen", grad_worker_fraction=0.5, ddp={}),
+    "bare-eigen-dp": dict(BASE, compute_method="eigen", grad_worker_fraction=0.5, ddp=None),
+    "ddp-forward-fusion": dict(BASE, kl_clip=None, update_fusion="forward", ddp={}),
+    "bare-forward-fusion": dict(BASE, kl_clip=None, update_fusion="forward", ddp=None),
+    "bare-accum": dict(ACCUM, ddp=None),
+    "ddp-no-sync": dict(ACCUM, ddp={}, no_sync=True),
+}
+SAME_AS = {name: "bare" for name in CONFIGS if name.startswith("ddp")}
+SAME_AS.update({"ddp-eigen-dp": "bare-eigen-dp", "ddp-forward-fusion": "bare-forward-fusion", "ddp-no-sync": "bare-accum"})
+
+
+def test_ddp_wrapped_equals_bare_and_one_process(tmp_path):
+    args = ["--configs", json.dumps(CONFIGS), "--global-batch", "8", "--steps", "8"]
+    run_workers("torch", NPROC, [WORKER, *args, "--out", str(tmp_path / "dist.pt")])
+    run_single(WORKER, [*args, "--out", str(tmp_path / "single.pt")])
+    ranks = [torch.load(tmp_path / f"dist.pt.rank{r}", weights_only=False) for r in range(NPROC)]
+    single = torch.load(tmp_path / "single.pt.rank0", weights_only=False)
+    for name in CONFIGS:
+        assert ranks[0][name]["steps"] == 8, name
+        assert_bitwise_equal(ranks[0][name]["params"], ranks[1][name]["params"], f"{name}: parameters")
+        assert_bitwise_equal(ranks[0][name]["optimizer_state"], ranks[1][name]["optimizer_state"], f"{name}: optimizer state")
+        assert ranks[0][name]["layers"] == single[name]["layers"] == ["0", "2", "4", "6"], name  # the bare model's names
+    for name, bare in SAME_AS.items():
+        assert_bitwise_equal(ranks[0][bare]["params"], ranks[0][name]["params"], f"{name} vs {bare}: parameters")
+        assert_bitwise_equal(ranks[0][bare]["optimizer_state"]["state"], ranks[0][name]["optimizer_state"]["state"], f"{name} vs {bare}")
+    assert_params_match(single, ranks[0], list(CONFIGS))
