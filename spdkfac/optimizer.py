@@ -112,6 +112,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             parameter update runs (:mod:`spdkfac.update.update_fusion`; same results).
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        refuse_wrapped_optimizer(cls)  # hvd.DistributedOptimizer makes a subclass of the optimizer's class
+        super().__init_subclass__(**kwargs)
+
     def __init__(
         self,
         model: nn.Module,
@@ -151,7 +155,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         betas: tuple[float, float] | None = None,
         eps: float | None = None,
     ) -> None:
-        refuse_wrapped_optimizer(type(self), model)  # (hvd.DistributedOptimizer calls this with the parameters)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         wrapping = ModelWrapping(model)  # a DDP model: its bare module is preconditioned, DDP averages the gradients
         model = wrapping.module
         base_options = base_defaults(base, momentum, betas, eps)  # momentum, or betas and eps

@@ -30,15 +30,13 @@ __all__ = ["ModelWrapping", "refuse_wrapped_optimizer"]
 _FIX = "pass the model (or its DistributedDataParallel wrapper) to SPDKFACOptimizer, which averages the gradients itself"
 
 
-def refuse_wrapped_optimizer(optimizer_class: type, model: Any) -> None:
-    """Raise TypeError when Horovod's ``DistributedOptimizer`` wraps the optimizer (it calls ``__init__`` with parameters)."""
-    if optimizer_class.__module__.startswith("horovod"):  # hvd.DistributedOptimizer's class, made from ours
+def refuse_wrapped_optimizer(optimizer_class: type) -> None:
+    """Raise TypeError for the class Horovod's ``DistributedOptimizer`` derives from the optimizer's (its module is Horovod's)."""
+    if optimizer_class.__module__.startswith("horovod"):
         raise TypeError(
             "SPDKFACOptimizer must not be wrapped in hvd.DistributedOptimizer: it averages the gradients itself (with "
             "Horovod under horovodrun), so Horovod's wrapper would average them a second time; use the optimizer directly"
         )
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
 def _refuse_other_wrappers(model: nn.Module) -> None:
@@ -79,7 +77,7 @@ class ModelWrapping:
     def __init__(self, model: nn.Module) -> None:
         _refuse_other_wrappers(model)
         self.ddp: DistributedDataParallel | None = model if isinstance(model, DistributedDataParallel) else None
-        self.module: nn.Module = model.module if self.ddp is not None else model
+        self.module: nn.Module = self.ddp.module if self.ddp is not None else model
         self._last_pass_synced = True  # whether the latest forward pass under autograd will have DDP average its gradients
         self._hook: Any = (
             self.ddp.register_forward_pre_hook(self._ddp_forward)

@@ -50,11 +50,11 @@ def test_ddp_wrapped_equals_bare_and_one_process(tmp_path):
     run_single(WORKER, [*args, "--out", str(tmp_path / "single.pt")])
     ranks = [torch.load(tmp_path / f"dist.pt.rank{r}", weights_only=False) for r in range(NPROC)]
     single = torch.load(tmp_path / "single.pt.rank0", weights_only=False)
-    for name in CONFIGS:
+    for name, config in CONFIGS.items():
         assert ranks[0][name]["steps"] == 8, name
         assert_bitwise_equal(ranks[0][name]["params"], ranks[1][name]["params"], f"{name}: parameters")
         states = [ranks[r][name]["optimizer_state"] for r in range(NPROC)]
-        if "grad_worker_fraction" in CONFIGS[name]:  # each rank holds the decompositions of its own layers only
+        if "grad_worker_fraction" in config:  # each rank holds the decompositions of its own layers only
             states = [{"state": st["state"], "factors": {k: (v["A"], v["G"]) for k, v in st["kfac"]["layers"].items()}} for st in states]
         assert_bitwise_equal(states[0], states[1], f"{name}: optimizer state")
         assert ranks[0][name]["layers"] == single[name]["layers"] == ["0", "2", "4", "6"], name  # the bare model's names
