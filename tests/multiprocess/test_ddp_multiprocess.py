@@ -1,10 +1,10 @@
 """``SPDKFACOptimizer(DistributedDataParallel(model))`` is the optimizer on the bare model.
 
-Two real ``torchrun`` gloo workers, float64, the small test network, factors
-and inverses every 3 steps, 8 steps. Per configuration: the DDP-wrapped run
-equals the bare run on the same rank (bitwise: with 2 workers DDP's
-divide-then-sum and the optimizer's sum-then-divide are the same numbers),
-both equal one process on the global batch (1e-9), the ranks are bitwise
+Two and three real ``torchrun`` gloo workers, float64, the small test network,
+factors and inverses every 3 steps, 8 steps. Per configuration: the DDP-wrapped
+run equals the bare run on the same rank (bitwise with 2 workers, where DDP's
+divide-then-sum and the optimizer's sum-then-divide are the same numbers; to
+1e-12 with 3), both equal one process on the global batch (1e-9), the ranks are bitwise
 replicas (parameters and optimizer state), and the K-FAC layers carry the
 bare model's names (checkpoints interchangeable). ``no_sync()`` accumulation
 equals ``accumulation_steps`` without DDP.
@@ -22,7 +22,6 @@ from nets import assert_bitwise_equal
 pytestmark = pytest.mark.multiprocess
 
 WORKER = str(ROOT / "tests" / "workers" / "ddp_check.py")
-NPROC = 2
 BASE = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.01, factor_decay=0.9, factor_update_freq=3, inv_update_freq=3)
 ACCUM = dict(BASE, accumulation_steps=2)
 #: name -> (configuration, the bare configuration it must equal)
@@ -33,8 +32,8 @@ CONFIGS = {
     "ddp-bucket-view": dict(BASE, ddp={"gradient_as_bucket_view": True}),
     "ddp-find-unused": dict(BASE, ddp={"find_unused_parameters": True}),
     "ddp-small-buckets": dict(BASE, ddp={"bucket_cap_mb": 0.0001}),
-    "ddp-eigen-dp": dict(BASE, compute_method="eigen", grad_worker_fraction=0.5, ddp={}),
-    "bare-eigen-dp": dict(BASE, compute_method="eigen", grad_worker_fraction=0.5, ddp=None),
+    "ddp-eigen-dp": dict(BASE, compute_method="eigen", distribute_preconditioning=True, ddp={}),
+    "bare-eigen-dp": dict(BASE, compute_method="eigen", distribute_preconditioning=True, ddp=None),
     "ddp-forward-fusion": dict(BASE, kl_clip=None, update_fusion="forward", ddp={}),
     "bare-forward-fusion": dict(BASE, kl_clip=None, update_fusion="forward", ddp=None),
     "bare-accum": dict(ACCUM, ddp=None),
@@ -44,21 +43,28 @@ SAME_AS = {name: "bare" for name in CONFIGS if name.startswith("ddp")}
 SAME_AS.update({"ddp-eigen-dp": "bare-eigen-dp", "ddp-forward-fusion": "bare-forward-fusion", "ddp-no-sync": "bare-accum"})
 
 
-def test_ddp_wrapped_equals_bare_and_one_process(tmp_path):
-    args = ["--configs", json.dumps(CONFIGS), "--global-batch", "8", "--steps", "8"]
-    run_workers("torch", NPROC, [WORKER, *args, "--out", str(tmp_path / "dist.pt")])
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_ddp_wrapped_equals_bare_and_one_process(nproc, tmp_path):
+    args = ["--configs", json.dumps(CONFIGS), "--global-batch", str(4 * nproc), "--steps", "8"]
+    run_workers("torch", nproc, [WORKER, *args, "--out", str(tmp_path / "dist.pt")])
     run_single(WORKER, [*args, "--out", str(tmp_path / "single.pt")])
-    ranks = [torch.load(tmp_path / f"dist.pt.rank{r}", weights_only=False) for r in range(NPROC)]
+    ranks = [torch.load(tmp_path / f"dist.pt.rank{r}", weights_only=False) for r in range(nproc)]
     single = torch.load(tmp_path / "single.pt.rank0", weights_only=False)
     for name, config in CONFIGS.items():
         assert ranks[0][name]["steps"] == 8, name
-        assert_bitwise_equal(ranks[0][name]["params"], ranks[1][name]["params"], f"{name}: parameters")
-        states = [ranks[r][name]["optimizer_state"] for r in range(NPROC)]
-        if "grad_worker_fraction" in config:  # each rank holds the decompositions of its own layers only
+        states = [ranks[r][name]["optimizer_state"] for r in range(nproc)]
+        if "distribute_preconditioning" in config:  # each rank holds the decompositions of its own layers only
             states = [{"state": st["state"], "factors": {k: (v["A"], v["G"]) for k, v in st["kfac"]["layers"].items()}} for st in states]
-        assert_bitwise_equal(states[0], states[1], f"{name}: optimizer state")
+        for r in range(1, nproc):
+            assert_bitwise_equal(ranks[0][name]["params"], ranks[r][name]["params"], f"{name}: parameters of rank {r}")
+            assert_bitwise_equal(states[0], states[r], f"{name}: optimizer state of rank {r}")
         assert ranks[0][name]["layers"] == single[name]["layers"] == ["0", "2", "4", "6"], name  # the bare model's names
     for name, bare in SAME_AS.items():
-        assert_bitwise_equal(ranks[0][bare]["params"], ranks[0][name]["params"], f"{name} vs {bare}: parameters")
-        assert_bitwise_equal(ranks[0][bare]["optimizer_state"]["state"], ranks[0][name]["optimizer_state"]["state"], f"{name} vs {bare}")
+        if nproc == 2:  # DDP's sum of g/2 is bitwise the optimizer's (sum of g)/2
+            assert_bitwise_equal(ranks[0][bare]["params"], ranks[0][name]["params"], f"{name} vs {bare}: parameters")
+            assert_bitwise_equal(
+                ranks[0][bare]["optimizer_state"]["state"], ranks[0][name]["optimizer_state"]["state"], f"{name} vs {bare}"
+            )
+        else:  # g/3 rounds: the same to the last bits
+            assert_params_match({name: ranks[0][bare]}, ranks[0], [name], rtol=1e-12, atol=1e-14)
     assert_params_match(single, ranks[0], list(CONFIGS))
