@@ -32,6 +32,7 @@ CONFIGS = {
     "ddp-bucket-view": dict(BASE, ddp={"gradient_as_bucket_view": True}),
     "ddp-find-unused": dict(BASE, ddp={"find_unused_parameters": True}),
     "ddp-small-buckets": dict(BASE, ddp={"bucket_cap_mb": 0.0001}),
+    "ddp-counted": dict(BASE, ddp={}, count=True),
     "ddp-eigen-dp": dict(BASE, compute_method="eigen", distribute_preconditioning=True, ddp={}),
     "bare-eigen-dp": dict(BASE, compute_method="eigen", distribute_preconditioning=True, ddp=None),
     "ddp-forward-fusion": dict(BASE, kl_clip=None, update_fusion="forward", ddp={}),
@@ -68,3 +69,10 @@ def test_ddp_wrapped_equals_bare_and_one_process(nproc, tmp_path):
         else:  # g/3 rounds: the same to the last bits
             assert_params_match({name: ranks[0][bare]}, ranks[0], [name], rtol=1e-12, atol=1e-14)
     assert_params_match(single, ranks[0], list(CONFIGS))
+    # Each gradient all-reduced once: by DDP alone, as many bytes as the optimizer sends on the bare model.
+    model_bytes = sum(v.numel() * v.element_size() for v in ranks[0]["bare"]["params"].values())
+    assert ranks[0]["bare"]["gradient_bytes"] == {"optimizer": 8 * model_bytes, "ddp": 0}
+    assert ranks[0]["ddp-counted"]["gradient_bytes"] == {"optimizer": 0, "ddp": 8 * model_bytes}
+    for name, config in CONFIGS.items():
+        if config["ddp"] is not None:
+            assert ranks[0][name]["gradient_bytes"]["optimizer"] == 0, name

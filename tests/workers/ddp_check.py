@@ -7,8 +7,11 @@ global batch and saves, per configuration, its parameters (the bare model's
 ``state_dict``), its optimizer state and the K-FAC layer names to ``OUT.rank<r>``.
 
 A configuration is optimizer options plus ``ddp``: None (bare model) or the
-``DistributedDataParallel`` keyword arguments, and ``no_sync``: run every
-micro-batch but the last inside ``model.no_sync()``.
+``DistributedDataParallel`` keyword arguments, ``no_sync``: run every
+micro-batch but the last inside ``model.no_sync()``, and ``count``: count the
+bytes DDP all-reduces (through a communication hook that adds the count to
+DDP's own divide-then-all-reduce). The bytes of the optimizer's own gradient
+all-reduces are counted always.
 
     torchrun --nproc_per_node 2 tests/workers/ddp_check.py --configs '<json>' --out result.pt
 """
@@ -24,6 +27,7 @@ import warnings
 
 import torch
 import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -66,13 +70,29 @@ def main() -> None:
     local = args.global_batch // size
     x, y = batch(args.global_batch)
     x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+    sent = {"optimizer": 0, "ddp": 0}  # gradient bytes all-reduced by the optimizer, by DDP
+    allreduce = backend.allreduce_async
+
+    def counted(tensor: torch.Tensor, name: str):
+        if name.startswith("spdkfac.grad."):
+            sent["optimizer"] += tensor.numel() * tensor.element_size()
+        return allreduce(tensor, name)
+
+    def ddp_hook(state, bucket):  # (DDP rejects the string annotations of ``from __future__ import annotations``)
+        sent["ddp"] += bucket.buffer().numel() * bucket.buffer().element_size()
+        return default_hooks.allreduce_hook(None, bucket)
+
+    backend.allreduce_async = counted  # type: ignore[method-assign]
     results = {}
     for name, cfg in json.loads(args.configs).items():
         cfg = dict(cfg)
-        ddp_options, no_sync = cfg.pop("ddp", None), cfg.pop("no_sync", False)
+        ddp_options, no_sync, count = cfg.pop("ddp", None), cfg.pop("no_sync", False), cfg.pop("count", False)
         net = small_net()
         model: nn.Module = DistributedDataParallel(net, **ddp_options) if ddp_options is not None and size > 1 else net
+        if count and isinstance(model, DistributedDataParallel):
+            model.register_comm_hook(None, ddp_hook)
         opt = SPDKFACOptimizer(model, backend=backend, **cfg)
+        sent.update(optimizer=0, ddp=0)
         train(model, opt, x, y, args.steps, cfg.get("accumulation_steps", 1), no_sync)
         state = opt.state_dict()
         results[name] = {
@@ -80,6 +100,7 @@ def main() -> None:
             "optimizer_state": state,
             "layers": sorted(state["kfac"]["layers"]),
             "steps": opt.steps,
+            "gradient_bytes": dict(sent),
         }
         opt.remove_hooks()
         print(f"rank {rank}/{size}: {name} done", flush=True)
