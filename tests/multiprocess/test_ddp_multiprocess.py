@@ -39,8 +39,9 @@ CONFIGS = {
     "bare-forward-fusion": dict(BASE, kl_clip=None, update_fusion="forward", ddp=None),
     "bare-accum": dict(ACCUM, ddp=None),
     "ddp-no-sync": dict(ACCUM, ddp={}, no_sync=True),
+    "ddp-accum-every-pass-averaged": dict(ACCUM, ddp={}),  # without no_sync(): DDP averages each micro-batch
 }
-SAME_AS = {name: "bare" for name in CONFIGS if name.startswith("ddp")}
+SAME_AS = {name: "bare" for name in CONFIGS if name.startswith("ddp") and name != "ddp-accum-every-pass-averaged"}
 SAME_AS.update({"ddp-eigen-dp": "bare-eigen-dp", "ddp-forward-fusion": "bare-forward-fusion", "ddp-no-sync": "bare-accum"})
 
 
@@ -69,6 +70,8 @@ def test_ddp_wrapped_equals_bare_and_one_process(nproc, tmp_path):
         else:  # g/3 rounds: the same to the last bits
             assert_params_match({name: ranks[0][bare]}, ranks[0], [name], rtol=1e-12, atol=1e-14)
     assert_params_match(single, ranks[0], list(CONFIGS))
+    # Accumulation without no_sync(): the sum of averages, the average of the sums to rounding.
+    assert_params_match({"a": ranks[0]["bare-accum"]}, {"a": ranks[0]["ddp-accum-every-pass-averaged"]}, ["a"], rtol=1e-12, atol=1e-14)
     # Each gradient all-reduced once: by DDP alone, as many bytes as the optimizer sends on the bare model.
     model_bytes = sum(v.numel() * v.element_size() for v in ranks[0]["bare"]["params"].values())
     assert ranks[0]["bare"]["gradient_bytes"] == {"optimizer": 8 * model_bytes, "ddp": 0}
