@@ -239,6 +239,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             if update_fusion == "backward"
             else None
         )
+        wrapping.attach()
         self._begin_iteration()
 
     # ------------------------------------------------------------------ per step

@@ -79,7 +79,16 @@ class ModelWrapping:
         self.ddp: DistributedDataParallel | None = model if isinstance(model, DistributedDataParallel) else None
         self.module: nn.Module = self.ddp.module if self.ddp is not None else model
         self._last_pass_synced = True  # whether the latest forward pass under autograd will have DDP average its gradients
-        self._hook: Any = (
+        self._hook: Any = None
+
+    def attach(self) -> None:
+        """Hook the forward pass (called last in the optimizer's construction, so a refused one leaves no hook).
+
+        On a DDP model: note whether each pass runs inside ``no_sync()``. On a
+        bare model: check at its first forward pass that no DDP the optimizer
+        was not given runs it.
+        """
+        self._hook = (
             self.ddp.register_forward_pre_hook(self._ddp_forward)
             if self.ddp is not None
             else self.module.register_forward_pre_hook(self._bare_forward)

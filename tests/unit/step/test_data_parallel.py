@@ -80,8 +80,19 @@ def test_bare_model_check_runs_once_and_leaves_no_hook():
 
 
 def test_backward_update_fusion_is_refused_with_ddp(process_group):
+    net = small_net()
+    model = DistributedDataParallel(net)
     with pytest.raises(ValueError, match="before DDP has averaged it; use update_fusion='forward'"):
-        SPDKFACOptimizer(DistributedDataParallel(small_net()), lr=0.1, kl_clip=None, update_fusion="backward", backend="single")
+        SPDKFACOptimizer(model, lr=0.1, kl_clip=None, update_fusion="backward", backend="single")
+    assert not model._forward_pre_hooks
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in net.modules())
+
+
+def test_a_refused_construction_leaves_no_hook_on_the_bare_model():
+    net = small_net()
+    with pytest.raises(ValueError, match="lr"):
+        SPDKFACOptimizer(net, lr=-1.0, backend="single")
+    assert not net._forward_pre_hooks  # a later DDP(net) runs without a stale check
 
 
 def test_ddp_over_other_processes_than_the_backend_is_refused(process_group):
