@@ -37,12 +37,21 @@ CONFIGS = {
     "bare-eigen-dp": dict(BASE, compute_method="eigen", distribute_preconditioning=True, ddp=None),
     "ddp-forward-fusion": dict(BASE, kl_clip=None, update_fusion="forward", ddp={}),
     "bare-forward-fusion": dict(BASE, kl_clip=None, update_fusion="forward", ddp=None),
+    "ddp-grad-scaler": dict(BASE, ddp={}, amp=True),
+    "bare-grad-scaler": dict(BASE, ddp=None, amp=True),
     "bare-accum": dict(ACCUM, ddp=None),
     "ddp-no-sync": dict(ACCUM, ddp={}, no_sync=True),
     "ddp-accum-every-pass-averaged": dict(ACCUM, ddp={}),  # without no_sync(): DDP averages each micro-batch
 }
 SAME_AS = {name: "bare" for name in CONFIGS if name.startswith("ddp") and name != "ddp-accum-every-pass-averaged"}
-SAME_AS.update({"ddp-eigen-dp": "bare-eigen-dp", "ddp-forward-fusion": "bare-forward-fusion", "ddp-no-sync": "bare-accum"})
+SAME_AS.update(
+    {
+        "ddp-grad-scaler": "bare-grad-scaler",
+        "ddp-eigen-dp": "bare-eigen-dp",
+        "ddp-forward-fusion": "bare-forward-fusion",
+        "ddp-no-sync": "bare-accum",
+    }
+)
 
 
 @pytest.mark.parametrize("nproc", [2, 3])

@@ -8,7 +8,8 @@ global batch and saves, per configuration, its parameters (the bare model's
 
 A configuration is optimizer options plus ``ddp``: None (bare model) or the
 ``DistributedDataParallel`` keyword arguments, ``no_sync``: run every
-micro-batch but the last inside ``model.no_sync()``, and ``count``: count the
+micro-batch but the last inside ``model.no_sync()``, ``amp``: the GradScaler
+loop (scale 1024), and ``count``: count the
 bytes DDP all-reduces (through a communication hook that adds the count to
 DDP's own divide-then-all-reduce). The bytes of the optimizer's own gradient
 all-reduces are counted always.
@@ -42,8 +43,11 @@ warnings.filterwarnings("ignore", message="no perf_model given")
 warnings.filterwarnings("ignore", message="performance model")
 
 
-def train(model: nn.Module, opt: SPDKFACOptimizer, x: torch.Tensor, y: torch.Tensor, steps: int, accumulate: int, no_sync: bool) -> None:
-    """``steps`` steps of ``accumulate`` micro-batches each (loss divided by their number), as torch's idiom."""
+def train(
+    model: nn.Module, opt: SPDKFACOptimizer, x: torch.Tensor, y: torch.Tensor, steps: int, accumulate: int, no_sync: bool, scaler=None
+) -> None:
+    """``steps`` steps of ``accumulate`` micro-batches each (loss divided by their number), as torch's idiom; with a
+    GradScaler, the mixed-precision loop's calls."""
     for s in range(steps):
         xs = x + 0.1 * s  # different data each step, the same on every split of the batch
         opt.zero_grad()
@@ -51,8 +55,13 @@ def train(model: nn.Module, opt: SPDKFACOptimizer, x: torch.Tensor, y: torch.Ten
         for i, (xm, ym) in enumerate(chunks):
             quiet = no_sync and i < len(chunks) - 1 and isinstance(model, DistributedDataParallel)
             with model.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
-                (nn.functional.cross_entropy(model(xm), ym) / accumulate).backward()
-        opt.step()
+                loss = nn.functional.cross_entropy(model(xm), ym) / accumulate
+                (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
 
 
 def main() -> None:
@@ -89,11 +98,12 @@ def main() -> None:
         ddp_options, no_sync, count = cfg.pop("ddp", None), cfg.pop("no_sync", False), cfg.pop("count", False)
         net = small_net()
         model: nn.Module = DistributedDataParallel(net, **ddp_options) if ddp_options is not None and size > 1 else net
+        scaler = cfg["grad_scaler"] = torch.amp.GradScaler("cpu", init_scale=1024.0) if cfg.pop("amp", False) else None
         if count and isinstance(model, DistributedDataParallel):
             model.register_comm_hook(None, ddp_hook)
         opt = SPDKFACOptimizer(model, backend=backend, **cfg)
         sent.update(optimizer=0, ddp=0)
-        train(model, opt, x, y, args.steps, cfg.get("accumulation_steps", 1), no_sync)
+        train(model, opt, x, y, args.steps, cfg.get("accumulation_steps", 1), no_sync, scaler)
         state = opt.state_dict()
         results[name] = {
             "params": {k: v.detach().clone() for k, v in net.state_dict().items()},
