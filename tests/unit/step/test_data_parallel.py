@@ -123,6 +123,16 @@ def test_fsdp_is_refused(process_group):
         SPDKFACOptimizer(model, lr=0.1, backend="single")
 
 
+def test_fsdp2_is_refused(process_group):
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("no FSDP2 (fully_shard) in this torch")
+    model = small_net()
+    fsdp.fully_shard(model)
+    with pytest.raises(ValueError, match="the model is sharded by FSDP"):
+        SPDKFACOptimizer(model, lr=0.1, backend="single")
+
+
 def test_horovod_distributed_optimizer_wrapping_is_refused():
     hvd = pytest.importorskip("horovod.torch")
     net = small_net()
