@@ -37,6 +37,7 @@ from .plan.grad_worker_choice import GradWorkerProblem
 from .plan.grad_workers import GradWorkerFraction
 from .plan.work_plan import LayerShape, WorkPlan
 from .schedules import Scheduled, StepSchedule
+from .step.data_parallel import ModelWrapping, refuse_wrapped_optimizer
 from .step.grad_sync import collective_names
 from .step.kfac_step import KFACStep, StepHyper
 from .step.nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
@@ -52,12 +53,16 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     Replace ``torch.optim.SGD(model.parameters(), lr=..., momentum=...)`` by
     ``SPDKFACOptimizer(model, lr=..., momentum=...)``; the optimizer averages
-    gradients across workers itself (do not also use Horovod's
-    DistributedOptimizer or DDP). The loss must be a mean over the local batch.
-    N workers produce the parameters one worker would with the global batch.
+    gradients across workers itself (do not wrap it in Horovod's
+    DistributedOptimizer). A ``DistributedDataParallel`` model may be passed
+    as it is: DDP then averages the gradients and the optimizer preconditions
+    the bare module (:mod:`spdkfac.step.data_parallel`). The loss must be a
+    mean over the local batch. N workers produce the parameters one worker
+    would with the global batch.
 
     Args:
-        model: every ``nn.Linear``, ``nn.Conv1d``, ``nn.Conv2d`` (any groups
+        model: the model, or its ``DistributedDataParallel`` wrapper (other
+            data-parallel wrappers are refused); every ``nn.Linear``, ``nn.Conv1d``, ``nn.Conv2d`` (any groups
             and padding mode) and dense ``nn.Embedding`` with a trainable
             weight is preconditioned (:mod:`spdkfac.kfac.layer_types`); every other
             parameter gets the plain base update
@@ -107,6 +112,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             parameter update runs (:mod:`spdkfac.update.update_fusion`; same results).
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        refuse_wrapped_optimizer(cls)  # hvd.DistributedOptimizer makes a subclass of the optimizer's class
+        super().__init_subclass__(**kwargs)
+
     def __init__(
         self,
         model: nn.Module,
@@ -148,6 +157,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        wrapping = ModelWrapping(model)  # a DDP model: its bare module is preconditioned, DDP averages the gradients
+        model = wrapping.module
         base_options = base_defaults(base, momentum, betas, eps)  # momentum, or betas and eps
         momentum_now = base_options.get("momentum", 0.0)
         hyper = check_hyperparameters(lr=lr, momentum=momentum_now, weight_decay=weight_decay, factor_decay=factor_decay)  # plain floats
@@ -181,6 +192,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         #: Parameters whose preconditioned gradient is the step's direction (EKFAC's Adam update): the base steps along it.
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         self.backend = get_backend(backend)
+        wrapping.check(self.backend.size, update_fusion)
+        self.wrapping = wrapping
         self.perf_model = load_perf_model(perf_model).for_world_size(self.backend.size)  # as the simulator plans
         shapes = [LayerShape.of(la) for la in self.layers]
         grad_workers, self.grad_worker_choice = GradWorkerProblem(
@@ -218,6 +231,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self._collecting,
             self._loss_scale,
             self._final_grad if update_fusion == "backward" else None,
+            wrapping,
         )
         self._forward_fusion = ForwardFusion(model, self.param_groups, self.state) if update_fusion == "forward" else None
         self._backward_fusion = (
@@ -225,6 +239,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             if update_fusion == "backward"
             else None
         )
+        wrapping.attach()
         self._begin_iteration()
 
     # ------------------------------------------------------------------ per step
@@ -490,6 +505,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if self._forward_fusion is not None:
             self._forward_fusion.remove_hooks()
         self.kfac_step.remove_hooks()
+        self.wrapping.remove_hooks()
 
     def __repr__(self) -> str:
         g = self.param_groups[0]

@@ -6,7 +6,9 @@ gradients runs while the backward pass computes the earlier ones; the
 optimizer waits for each only when it needs it. With gradient accumulation the
 hook counts the backward passes and sends at the k-th. With a GradScaler the
 wait is queued at the end of ``backward()``, because the scaler reads the
-gradients before ``step()``.
+gradients before ``step()``. On a ``DistributedDataParallel`` model DDP
+averages the gradients (:mod:`spdkfac.step.data_parallel`): the hooks only
+count the passes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import CommBackend, Handle
+from .data_parallel import ModelWrapping
 from .timeline import IterationRecord, Timeline
 
 __all__ = ["GradientSync", "collective_names"]
@@ -47,6 +50,8 @@ class GradientSync:
         grad_scaler: the mixed-precision ``GradScaler``, if any.
         on_final: called with each parameter whose gradient is final (its
             all-reduce started), from its hook: backward update fusion.
+        wrapping: the model's data-parallel wrapping; when DDP averages the
+            gradients, no all-reduce is started here.
     """
 
     def __init__(
@@ -57,6 +62,7 @@ class GradientSync:
         accumulation_steps: int,
         grad_scaler: Any | None,
         on_final: Callable[[torch.Tensor], None] | None = None,
+        wrapping: ModelWrapping | None = None,
     ) -> None:
         self.backend = backend
         self.param_groups = param_groups
@@ -64,6 +70,8 @@ class GradientSync:
         self.accumulation_steps = accumulation_steps
         self.grad_scaler = grad_scaler
         self.on_final = on_final
+        self.wrapping = wrapping
+        self._reduces = backend.size > 1 and not (wrapping is not None and wrapping.averages_gradients)
         self.record: IterationRecord | None = None
         self._handles: dict[torch.Tensor, Handle] = {}
         self._counts: dict[torch.Tensor, int] = {}  # backward passes that reached each parameter this step
@@ -100,7 +108,7 @@ class GradientSync:
         self.backward_seen = True
         if passes < self.accumulation_steps:  # accumulating: autograd sums into p.grad, nothing to send yet
             return
-        if self.backend.size > 1:
+        if self._reduces:
             self._start(p)
         if self.grad_scaler is not None and not self._sync_queued:
             # GradScaler reads the gradients between backward() and step(): average them before it does.
@@ -115,6 +123,8 @@ class GradientSync:
 
     def start_missing(self) -> None:
         """Start the all-reduce of every gradient whose hook did not (set outside autograd's accumulation)."""
+        if not self._reduces:
+            return
         for p in (p for group in self.param_groups for p in group["params"]):
             if p.grad is not None and p not in self._handles:
                 self._start(p)
@@ -142,12 +152,14 @@ class GradientSync:
                 f"backward() exactly {self.accumulation_steps} times (each micro-batch loss divided by "
                 f"{self.accumulation_steps}) before every step(); zero_grad() discards the partial accumulation"
             )
+        if self.wrapping is not None:
+            self.wrapping.check_synchronized(caller)
 
     def synchronize(self) -> None:
         """Wait until every gradient holds its average over the workers (idempotent within a step)."""
         if not self.synchronized:
             self.check_accumulated("synchronize()")
-        if self.synchronized or self.backend.size == 1:
+        if self.synchronized or not self._reduces:
             self.synchronized = True
             return
         self.start_missing()

@@ -35,6 +35,7 @@ from ..kfac.layers import FACTOR_KINDS, KFACLayer
 from ..kfac.linalg import all_finite
 from ..perfmodels import PerfModel
 from ..plan.work_plan import WorkPlan, overlaps_preconditioning
+from .data_parallel import ModelWrapping
 from .decomposition_stage import DecompositionStage
 from .factor_allreduce import TensorFusionController
 from .factor_hooks import FactorCollector
@@ -90,6 +91,7 @@ class KFACStep:
         collecting: Callable[[nn.Module], bool],
         loss_scale: Callable[[], float],
         on_final_grad: Callable[[torch.Tensor], None] | None = None,
+        wrapping: ModelWrapping | None = None,
     ) -> None:
         self.config = config
         self.layers = layers
@@ -105,7 +107,7 @@ class KFACStep:
         self.factors = FactorCollector(
             layers, self.controller, self.profiler, config.pipelining, config.accumulation_steps, collecting, loss_scale
         )
-        self.grads = GradientSync(backend, param_groups, param_names, config.accumulation_steps, grad_scaler, on_final_grad)
+        self.grads = GradientSync(backend, param_groups, param_names, config.accumulation_steps, grad_scaler, on_final_grad, wrapping)
         self.decompositions = DecompositionStage(layers, work_plan.inversion, backend)
         self.preconditioner = Preconditioner(layers, backend, work_plan, self.grads.wait)
         self.record: IterationRecord | None = None

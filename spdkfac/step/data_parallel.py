@@ -1,0 +1,151 @@
+"""Models wrapped for data parallelism: DDP's gradient averaging replaces the optimizer's own; other wrappers are refused.
+
+``SPDKFACOptimizer(DistributedDataParallel(model))`` preconditions
+``model`` itself (the K-FAC layers, the collective names and the checkpoint
+keys are the bare model's) and lets DDP average the gradients: DDP's buckets
+all-reduce each gradient once, during the backward pass, and have finished
+when ``backward()`` returns, so the optimizer starts no gradient all-reduce of
+its own (the factors are still its own, pipelined and placed as on the bare
+model). What DDP does not say in its gradients is checked here: that the last
+backward pass before ``step()`` ran outside ``no_sync()`` (else nothing was
+averaged), that DDP averages over the optimizer's workers, and that the
+parameters are not updated inside ``backward()`` before DDP has averaged them.
+
+Wrappers that average or shard the gradients some other way (``nn.DataParallel``,
+FSDP, a DDP inside the model, Horovod's ``DistributedOptimizer`` around the
+optimizer) and a bare model run inside a DDP the optimizer was not given are
+refused with an error that names the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["ModelWrapping", "refuse_wrapped_optimizer"]
+
+_FIX = "pass the model (or its DistributedDataParallel wrapper) to SPDKFACOptimizer, which averages the gradients itself"
+
+
+def refuse_wrapped_optimizer(optimizer_class: type) -> None:
+    """Raise TypeError for the class Horovod's ``DistributedOptimizer`` derives from the optimizer's (its module is Horovod's)."""
+    if optimizer_class.__module__.startswith("horovod"):
+        raise TypeError(
+            "SPDKFACOptimizer must not be wrapped in hvd.DistributedOptimizer: it averages the gradients itself (with "
+            "Horovod under horovodrun), so Horovod's wrapper would average them a second time; use the optimizer directly"
+        )
+
+
+def _refuse_other_wrappers(model: nn.Module) -> None:
+    """Raise ValueError for a wrapper whose gradient averaging or sharding the optimizer cannot work with."""
+    for name, module in model.named_modules():
+        where = f"the model's submodule {name!r} is" if name else "the model is"
+        if isinstance(module, nn.DataParallel):
+            raise ValueError(
+                f"{where} an nn.DataParallel: it runs replicas on several GPUs of one process, whose factors the "
+                f"optimizer never sees; start one process per GPU (torchrun) and {_FIX}"
+            )
+        if name and isinstance(module, DistributedDataParallel):
+            raise ValueError(
+                f"{where} a DistributedDataParallel inside the model: wrap the whole model instead, "
+                "SPDKFACOptimizer(DistributedDataParallel(model), ...), or pass the bare model"
+            )
+        if type(module).__name__ in ("FullyShardedDataParallel", "FSDPModule") or any(
+            c.__name__ == "FSDPModule" for c in type(module).__mro__
+        ):
+            raise ValueError(
+                f"{where} sharded by FSDP: K-FAC needs every layer's whole weight and gradient on the worker that "
+                f"preconditions it, and FSDP reduce-scatters them; {_FIX}"
+            )
+
+
+class ModelWrapping:
+    """The bare model inside a ``DistributedDataParallel`` (if any), and the checks that DDP's averaging needs.
+
+    Args:
+        model: the bare model or its ``DistributedDataParallel`` wrapper
+            (other data-parallel wrappers raise ValueError).
+
+    Attributes:
+        module: the bare model: the optimizer's layers, names and hooks are its.
+        ddp: the wrapper, or None; when set, DDP averages the gradients.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        _refuse_other_wrappers(model)
+        self.ddp: DistributedDataParallel | None = model if isinstance(model, DistributedDataParallel) else None
+        self.module: nn.Module = self.ddp.module if self.ddp is not None else model
+        self._last_pass_synced = True  # whether the latest forward pass under autograd will have DDP average its gradients
+        self._hook: Any = None
+
+    def attach(self) -> None:
+        """Hook the forward pass (called last in the optimizer's construction, so a refused one leaves no hook).
+
+        On a DDP model: note whether each pass runs inside ``no_sync()``. On a
+        bare model: check at its first forward pass that no DDP the optimizer
+        was not given runs it.
+        """
+        self._hook = (
+            self.ddp.register_forward_pre_hook(self._ddp_forward)
+            if self.ddp is not None
+            else self.module.register_forward_pre_hook(self._bare_forward)
+        )
+
+    @property
+    def averages_gradients(self) -> bool:
+        """Whether DDP averages the gradients (the optimizer then starts no gradient all-reduce)."""
+        return self.ddp is not None
+
+    def check(self, workers: int, update_fusion: str) -> None:
+        """Raise ValueError when DDP averages over other processes than the optimizer's, or backward fusion is asked for."""
+        if self.ddp is None:
+            return
+        size = _group_size(self.ddp.process_group)
+        if size != workers:
+            raise ValueError(
+                f"DistributedDataParallel averages the gradients over {size} processes but the optimizer's backend has "
+                f"{workers} workers: build DDP on the default process group and the optimizer with backend='auto' "
+                "(or 'torch') in the same torchrun job"
+            )
+        if update_fusion == "backward":
+            raise ValueError(
+                "update_fusion='backward' cannot be used with a DistributedDataParallel model: it updates each layer as "
+                "soon as autograd finishes its gradient, before DDP has averaged it; use update_fusion='forward'"
+            )
+
+    def _ddp_forward(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            self._last_pass_synced = bool(getattr(module, "require_backward_grad_sync", True))
+
+    def _bare_forward(self, module: nn.Module, args: Any) -> None:
+        if DistributedDataParallel._active_ddp_module is not None:
+            raise RuntimeError(
+                "the model runs inside a DistributedDataParallel but SPDKFACOptimizer was given the bare model: DDP and "
+                "the optimizer would both average the gradients; pass the wrapper, SPDKFACOptimizer(ddp_model, ...), "
+                "and the optimizer lets DDP average them"
+            )
+        self.remove_hooks()  # checked at the first forward pass: a model is wrapped before it is run
+
+    def check_synchronized(self, caller: str) -> None:
+        """Raise RuntimeError when the last backward pass ran inside ``no_sync()``: its gradients were not averaged."""
+        if self.ddp is not None and not self._last_pass_synced:
+            raise RuntimeError(
+                f"{caller} after a backward pass run inside DistributedDataParallel.no_sync(): DDP has not averaged the "
+                "gradients; run the last micro-batch's forward and backward outside no_sync() (and pass "
+                "accumulation_steps=k to the optimizer for k micro-batches per step)"
+            )
+
+    def remove_hooks(self) -> None:
+        """Detach the forward hook."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+def _group_size(group: Any) -> int:
+    import torch.distributed as dist  # optional: only a DDP model, which needs it, gets here
+
+    return int(dist.get_world_size(group))

@@ -1,0 +1,146 @@
+"""Data-parallel wrappers: a DDP model is unwrapped (the bare model's names), the others are refused with the fix.
+
+DDP needs a process group: these tests run in a one-process gloo group (a
+file store under the test's temporary folder), with the optimizer on the
+``'single'`` backend; the 2-worker numbers are in
+``tests/multiprocess/test_ddp_multiprocess.py``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from nets import batch, small_net
+from torch.nn.parallel import DistributedDataParallel
+
+from spdkfac import SPDKFACOptimizer
+from spdkfac.step.data_parallel import ModelWrapping
+
+warnings.filterwarnings("ignore", message="no perf_model given")
+
+
+@pytest.fixture
+def process_group(tmp_path) -> Iterator[None]:
+    """A one-process gloo group for DDP, destroyed afterwards."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _backward(model: nn.Module) -> None:
+    x, y = batch(4)
+    nn.functional.cross_entropy(model(x), y).backward()
+
+
+def test_ddp_model_is_preconditioned_under_the_bare_models_names(process_group):
+    net = small_net()
+    opt = SPDKFACOptimizer(DistributedDataParallel(net), lr=0.1, backend="single")
+    bare = SPDKFACOptimizer(small_net(), lr=0.1, backend="single")
+    assert opt.model is net
+    assert [layer.name for layer in opt.layers] == [layer.name for layer in bare.layers] == ["0", "2", "4", "6"]
+    assert set(opt.param_names.values()) == set(bare.param_names.values())
+    assert opt.state_dict()["kfac"]["layers"].keys() == bare.state_dict()["kfac"]["layers"].keys()
+
+
+def test_last_pass_inside_no_sync_is_refused_at_step(process_group):
+    model = DistributedDataParallel(small_net())
+    opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
+    with model.no_sync():
+        _backward(model)
+    with pytest.raises(RuntimeError, match=r"no_sync\(\).*outside no_sync\(\)"):
+        opt.step()
+    opt.zero_grad()
+    _backward(model)  # outside no_sync: DDP averages, step() goes on
+    opt.step()
+    assert opt.steps == 1
+
+
+def test_bare_model_inside_ddp_is_refused_at_its_first_forward(process_group):
+    net = small_net()
+    model = DistributedDataParallel(net)
+    SPDKFACOptimizer(net, lr=0.1, backend="single")
+    with pytest.raises(RuntimeError, match=r"pass the wrapper, SPDKFACOptimizer\(ddp_model"):
+        _backward(model)
+
+
+def test_bare_model_check_runs_once_and_leaves_no_hook():
+    net = small_net()
+    SPDKFACOptimizer(net, lr=0.1, backend="single")
+    assert len(net._forward_pre_hooks) == 1
+    _backward(net)
+    assert len(net._forward_pre_hooks) == 0
+
+
+def test_backward_update_fusion_is_refused_with_ddp(process_group):
+    net = small_net()
+    model = DistributedDataParallel(net)
+    with pytest.raises(ValueError, match="before DDP has averaged it; use update_fusion='forward'"):
+        SPDKFACOptimizer(model, lr=0.1, kl_clip=None, update_fusion="backward", backend="single")
+    assert not model._forward_pre_hooks
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in net.modules())
+
+
+def test_a_refused_construction_leaves_no_hook_on_the_bare_model():
+    net = small_net()
+    with pytest.raises(ValueError, match="lr"):
+        SPDKFACOptimizer(net, lr=-1.0, backend="single")
+    assert not net._forward_pre_hooks  # a later DDP(net) runs without a stale check
+
+
+def test_ddp_over_other_processes_than_the_backend_is_refused(process_group):
+    wrapping = ModelWrapping(DistributedDataParallel(small_net()))
+    wrapping.check(1, "none")
+    with pytest.raises(ValueError, match="over 1 processes but the optimizer's backend has 2 workers"):
+        wrapping.check(2, "none")
+
+
+def test_ddp_inside_the_model_is_refused(process_group):
+    model = nn.Sequential(DistributedDataParallel(small_net()))
+    with pytest.raises(ValueError, match=r"submodule '0' is a DistributedDataParallel inside the model: wrap the whole model"):
+        SPDKFACOptimizer(model, lr=0.1, backend="single")
+
+
+def test_data_parallel_is_refused():
+    with pytest.raises(ValueError, match=r"nn\.DataParallel.*one process per GPU"):
+        SPDKFACOptimizer(nn.DataParallel(small_net()), lr=0.1, backend="single")
+
+
+def test_fsdp_is_refused(process_group):
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    try:
+        model = fsdp.FullyShardedDataParallel(small_net(), device_id=torch.device("cpu"))
+    except Exception as exc:  # an FSDP that cannot run on this build's CPU: the check by type is all there is to test
+        pytest.skip(f"FSDP does not wrap on this CPU build: {exc}")
+    with pytest.raises(ValueError, match="sharded by FSDP"):
+        SPDKFACOptimizer(model, lr=0.1, backend="single")
+
+
+def test_fsdp2_is_refused(process_group):
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("no FSDP2 (fully_shard) in this torch")
+    model = small_net()
+    fsdp.fully_shard(model)
+    with pytest.raises(ValueError, match="the model is sharded by FSDP"):
+        SPDKFACOptimizer(model, lr=0.1, backend="single")
+
+
+def test_horovod_distributed_optimizer_wrapping_is_refused():
+    hvd = pytest.importorskip("horovod.torch")
+    net = small_net()
+    opt = SPDKFACOptimizer(net, lr=0.1, backend="single")
+    with pytest.raises(TypeError, match=r"must not be wrapped in hvd\.DistributedOptimizer"):
+        hvd.DistributedOptimizer(opt, named_parameters=net.named_parameters())
+
+
+def test_a_non_module_is_still_a_type_error():
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module, got list"):
+        SPDKFACOptimizer([nn.Parameter(torch.zeros(2))], lr=0.1, backend="single")  # type: ignore[arg-type]
