@@ -211,11 +211,6 @@ class KFACPreconditioner:
             if name in _REFUSED:
                 raise ValueError(f"KFACPreconditioner has no option {name!r}: {_REFUSED[name]}")
             raise TypeError(f"KFACPreconditioner() got an unexpected keyword argument {name!r} (docs/preconditioner.md lists the options)")
-        if isinstance(model, DistributedDataParallel):  # (until SPDKFACOptimizer owns DDP's gradient averaging)
-            raise ValueError(
-                "KFACPreconditioner averages the gradients itself: pass the bare model (model.module), not the "
-                "DistributedDataParallel wrapper, or DDP and the preconditioner would both average them"
-            )
         if callable(factor_decay):
             raise ValueError("factor_decay must be a number: a scheduled factor_decay is not supported (damping and kl_clip may be)")
         if not isinstance(update_factors_in_hook, bool) or not isinstance(symmetry_aware, bool):
@@ -259,7 +254,7 @@ class KFACPreconditioner:
             grad_scaler=grad_scaler,
             accumulation_steps=accumulation_steps,
             skip_nonfinite=skip_nonfinite,
-            skip_layers=kaisa_skip_layers(model, skip_layers),
+            skip_layers=kaisa_skip_layers(model.module if isinstance(model, DistributedDataParallel) else model, skip_layers),
         )
 
     def _lr_at(self, step: int) -> float:

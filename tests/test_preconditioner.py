@@ -353,11 +353,14 @@ def test_grad_scaler_loop_is_the_optimizers(overflow_steps):
     assert _max_diff(ours, ref) == 0.0
 
 
-def test_a_ddp_wrapped_model_is_refused_naming_the_bare_model(tmp_path):
+def test_a_ddp_wrapped_model_is_preconditioned_as_the_bare_model(tmp_path):
+    """KAISA's usage, ``KFACPreconditioner(DDP(model))``: the layers are the bare model's (KAISA's skip_layers rule
+    read on them), so the state matches a bare model's (the 2-worker run: tests/multiprocess)."""
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         wrapped = nn.parallel.DistributedDataParallel(small_net())
-        with pytest.raises(ValueError, match=r"model\.module"):
-            KFACPreconditioner(wrapped, backend="single")
+        preconditioner = KFACPreconditioner(wrapped, backend="single", skip_layers=["Linear$"])
+        bare = KFACPreconditioner(small_net(), backend="single", skip_layers=["Linear$"])
+        assert [layer.name for layer in preconditioner.layers] == [layer.name for layer in bare.layers] == ["0", "2"]
     finally:
         torch.distributed.destroy_process_group()

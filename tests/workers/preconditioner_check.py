@@ -43,6 +43,13 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         dict(lr=0.01, weight_decay=1e-2),
         dict(compute_method="inverse", grad_worker_fraction="MEM_OPT", damping=0.01, kl_clip=0.01),
     ),
+    # The model wrapped in DistributedDataParallel on several workers (DDP averages the gradients; the bare model in
+    # the one-process reference): KAISA's usage.
+    "ddp-sgd-eigen": (
+        "sgd",
+        dict(lr=0.05, momentum=0.9, weight_decay=1e-3),
+        dict(compute_method="eigen", factor_update_steps=1, inv_update_steps=2, damping=0.01, kl_clip=0.01, skip_layers=["Linear$"]),
+    ),
     "sgd-accumulated": (
         "sgd",
         dict(lr=0.05, momentum=0.9),
@@ -59,7 +66,9 @@ def run(backend: CommBackend) -> dict[str, Any]:
     x, y = x[backend.rank * local : (backend.rank + 1) * local], y[backend.rank * local : (backend.rank + 1) * local]
     results: dict[str, Any] = {}
     for name, (kind, options, kfac_options) in CONFIGS.items():
-        model = small_net()
+        net = small_net()
+        wrap = name.startswith("ddp") and backend.size > 1
+        model: nn.Module = nn.parallel.DistributedDataParallel(net) if wrap else net
         optimizer: torch.optim.Optimizer = (
             torch.optim.SGD(model.parameters(), **options)
             if kind == "sgd"
@@ -74,7 +83,7 @@ def run(backend: CommBackend) -> dict[str, Any]:
             preconditioner.step()
             optimizer.step()
         results[name] = {
-            "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "params": {k: v.detach().clone() for k, v in net.state_dict().items()},
             "optimizer": optimizer.state_dict(),
             "kfac": preconditioner.state_dict()["kfac"],
         }
