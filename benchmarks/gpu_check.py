@@ -274,16 +274,23 @@ class Run:
             self.opt = make_optimizer(kind, self.model, backend="single", **HYPER, **options)
         self.seconds: list[float] = []
 
-    def iteration(self, x: torch.Tensor, y: torch.Tensor, keep: bool) -> float:
+    def _timed(self, x: torch.Tensor, y: torch.Tensor, wait_after_backward: bool) -> tuple[float, float]:
+        """One iteration under bf16 autocast: (its seconds, those of forward + backward; 0 unless waited for)."""
         sync(x.device)
         t0 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         with torch.autocast(x.device.type, dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(self.model(x), y)
         loss.backward()
+        if wait_after_backward:
+            sync(x.device)
+        t1 = time.perf_counter()
         self.opt.step()
         sync(x.device)
-        seconds = time.perf_counter() - t0
+        return time.perf_counter() - t0, (t1 - t0) if wait_after_backward else 0.0
+
+    def iteration(self, x: torch.Tensor, y: torch.Tensor, keep: bool) -> float:
+        seconds = self._timed(x, y, wait_after_backward=False)[0]
         if keep:
             self.seconds.append(seconds)
         return seconds
@@ -293,18 +300,9 @@ class Run:
         self.opt.timeline = Timeline()
         totals, fwdbwd = [], []
         for _ in range(iters + 1):  # the first opens the timeline's record
-            sync(x.device)
-            t0 = time.perf_counter()
-            self.opt.zero_grad(set_to_none=True)
-            with torch.autocast(x.device.type, dtype=torch.bfloat16):
-                loss = nn.functional.cross_entropy(self.model(x), y)
-            loss.backward()
-            sync(x.device)
-            t1 = time.perf_counter()
-            self.opt.step()
-            sync(x.device)
-            totals.append(time.perf_counter() - t0)
-            fwdbwd.append(t1 - t0)
+            total, passes = self._timed(x, y, wait_after_backward=True)
+            totals.append(total)
+            fwdbwd.append(passes)
         recs = self.opt.timeline.iterations[-iters:]
         self.opt.timeline = None
         n = len(recs)
