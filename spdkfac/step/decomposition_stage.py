@@ -19,6 +19,7 @@ and :func:`compute_eigen` run the stage for plain dense factors.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable, Sequence
 from typing import Any, Callable, cast
 
@@ -34,6 +35,9 @@ from ..plan.placement import ALL, PlacementPlan
 from .timeline import IterationRecord, Timeline
 
 __all__ = ["DecompositionStage", "compute_eigen", "compute_inverses"]
+
+#: Factors named in a fallback warning; the rest are counted.
+_NAMED = 5
 
 Inverter = Callable[[Hashable, torch.Tensor], torch.Tensor]
 Decomposer = Callable[[Hashable, torch.Tensor], torch.Tensor]
@@ -184,6 +188,7 @@ class DecompositionStage:
         self.backend = backend
         self.method = layers[0].method if layers else None
         self.step = 0  # for the messages
+        self.fallen_back: set[Hashable] = set()  # factors the method's fallback was used for (each warned about once)
 
     def _shape(self, key: Hashable) -> FactorShape:
         kind, name = cast(FactorKey, key)
@@ -204,14 +209,17 @@ class DecompositionStage:
                     raise RuntimeError(f"factor {kind} of layer {name!r} was never computed; nothing to decompose")
                 factors[(kind, name)] = packed
 
+        fell_back: list[Hashable] = []
+
         def owned(key: Hashable, factor: torch.Tensor) -> tuple[Any, torch.Tensor]:
             result: tuple[Any, torch.Tensor] = self._guarded(
-                key, factor, damping, lambda: method.owned(self._shape(key), factor, damping, self._previous(key))
+                key, factor, damping, lambda: method.owned(self._shape(key), factor, damping, self._previous(key)), fell_back
             )
             return result
 
         def local(key: Hashable, factor: torch.Tensor) -> Any:
-            return self._guarded(key, factor, damping, lambda: method.local(self._shape(key), factor, damping, self._previous(key)))
+            compute = lambda: method.local(self._shape(key), factor, damping, self._previous(key))  # noqa: E731
+            return self._guarded(key, factor, damping, compute, fell_back, kept_only=True)
 
         results = _stage(
             self.plan,
@@ -228,18 +236,54 @@ class DecompositionStage:
         for key, value in results.items():
             kind, name = cast(FactorKey, key)
             self.layers[name].set_decomposition(kind, value)
+        self._warn_fallbacks(fell_back, damping)
 
     def _previous(self, key: Hashable) -> Any:
         """The factor's current decomposition (every rank holds it bitwise alike): a warm start's origin."""
         kind, name = cast(FactorKey, key)
         return self.layers[name].decomposition(kind)
 
-    def _guarded(self, key: Hashable, factor: torch.Tensor, damping: float, compute: Callable[[], Any]) -> Any:
-        """``compute()``; a failed factorization re-raised with the method's explanation, naming the factor."""
+    def _guarded(
+        self,
+        key: Hashable,
+        factor: torch.Tensor,
+        damping: float,
+        compute: Callable[[], Any],
+        fell_back: list[Hashable],
+        kept_only: bool = False,
+    ) -> Any:
+        """``compute()``; where its factorization fails, the method's fallback (the key noted in ``fell_back``),
+        or without one the error re-raised with the method's explanation, naming the factor.
+
+        The decision is the factor's alone: its owner takes it and broadcasts
+        the result, and a factor every rank decomposes is bitwise equal on
+        every rank, so each takes the same one.
+        """
         kind, name = cast(FactorKey, key)
+        assert self.method is not None
         try:
             return compute()
         except LinAlgError as exc:
-            assert self.method is not None
-            message = self.method.failure(f"factor {kind} of layer {name!r}", self._shape(key), factor, damping, self.step, exc)
-            raise LinAlgError(message) from exc
+            fallback = self.method.fallback(self._shape(key), factor, damping, self._previous(key))
+            if fallback is None:
+                message = self.method.failure(f"factor {kind} of layer {name!r}", self._shape(key), factor, damping, self.step, exc)
+                raise LinAlgError(message) from exc
+            fell_back.append(key)
+            return fallback[0] if kept_only else fallback
+
+    def _warn_fallbacks(self, keys: list[Hashable], damping: float) -> None:
+        """One warning for the factors that needed the fallback for the first time (each factor is named once)."""
+        new = [key for key in keys if key not in self.fallen_back]
+        if not new:
+            return
+        self.fallen_back.update(new)
+        assert self.method is not None
+        named = ", ".join(f"{kind} of {name!r}" for kind, name in cast("list[FactorKey]", new[:_NAMED]))
+        more = f" and {len(new) - _NAMED} more" if len(new) > _NAMED else ""
+        warnings.warn(
+            f"step {self.step}: factor {named}{more} not positive definite in {self.method.name} even with damping {damping:g} "
+            f"(rounding at the factor's scale exceeds the damping: typically a small batch through layers that amplify "
+            f"gradients); {self.method.fallback_label} instead (docs/fault-tolerance.md). Each factor is named once.",
+            RuntimeWarning,
+            stacklevel=3,
+        )

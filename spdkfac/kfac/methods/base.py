@@ -69,6 +69,20 @@ class DecompositionMethod(abc.ABC):
         """The kept value of a factor every rank decomposes itself (nothing sent)."""
         return self.owned(shape, factor, damping, previous)[0]
 
+    #: What :meth:`fallback` does, for the warning when it is used ("" where there is none).
+    fallback_label: ClassVar[str] = ""
+
+    def fallback(self, shape: FactorShape, factor: torch.Tensor, damping: float, previous: Any = None) -> tuple[Any, torch.Tensor] | None:
+        """(kept value, flat payload) by a slower decomposition that cannot fail, for a factor whose :meth:`owned`
+        or :meth:`local` raised a ``LinAlgError``; None: there is none, and the error stands.
+
+        Called only where the plain decomposition failed, so results elsewhere
+        are untouched. It must be a deterministic function of the factor (a
+        factor placed on every rank is decomposed by each, from bitwise-equal
+        factors, and each must take the same decision and get the same bits).
+        """
+        return None
+
     @abc.abstractmethod
     def received(self, payload: torch.Tensor, shape: FactorShape) -> Any:
         """The kept value rebuilt from a received payload."""
