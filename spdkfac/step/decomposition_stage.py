@@ -30,7 +30,7 @@ from ..kfac.eigenbasis import Eigen, eigen_payload, unpack_eigen
 from ..kfac.factor_shape import FactorShape
 from ..kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer
 from ..kfac.linalg import invert_spd, pack_upper, triangle_size, unpack_upper
-from ..kfac.methods import LinAlgError
+from ..kfac.methods import DecompositionFallbackWarning, LinAlgError
 from ..plan.placement import ALL, PlacementPlan
 from .timeline import IterationRecord, Timeline
 
@@ -209,7 +209,7 @@ class DecompositionStage:
                     raise RuntimeError(f"factor {kind} of layer {name!r} was never computed; nothing to decompose")
                 factors[(kind, name)] = packed
 
-        fell_back: list[Hashable] = []
+        fell_back: dict[Hashable, str] = {}  # factor -> why its plain decomposition failed
 
         def owned(key: Hashable, factor: torch.Tensor) -> tuple[Any, torch.Tensor]:
             result: tuple[Any, torch.Tensor] = self._guarded(
@@ -249,7 +249,7 @@ class DecompositionStage:
         factor: torch.Tensor,
         damping: float,
         compute: Callable[[], Any],
-        fell_back: list[Hashable],
+        fell_back: dict[Hashable, str],
         kept_only: bool = False,
     ) -> Any:
         """``compute()``; where its factorization fails, the method's fallback (the key noted in ``fell_back``),
@@ -264,26 +264,27 @@ class DecompositionStage:
         try:
             return compute()
         except LinAlgError as exc:
+            message = self.method.failure(f"factor {kind} of layer {name!r}", self._shape(key), factor, damping, self.step, exc)
             fallback = self.method.fallback(self._shape(key), factor, damping, self._previous(key))
             if fallback is None:
-                message = self.method.failure(f"factor {kind} of layer {name!r}", self._shape(key), factor, damping, self.step, exc)
                 raise LinAlgError(message) from exc
-            fell_back.append(key)
+            fell_back[key] = message
             return fallback[0] if kept_only else fallback
 
-    def _warn_fallbacks(self, keys: list[Hashable], damping: float) -> None:
-        """One warning for the factors that needed the fallback for the first time (each factor is named once)."""
-        new = [key for key in keys if key not in self.fallen_back]
+    def _warn_fallbacks(self, failures: dict[Hashable, str], damping: float) -> None:
+        """One warning for the factors that needed the fallback for the first time (each factor is named once):
+        the first one's explanation, the others named."""
+        new = [key for key in failures if key not in self.fallen_back]
         if not new:
             return
         self.fallen_back.update(new)
         assert self.method is not None
-        named = ", ".join(f"{kind} of {name!r}" for kind, name in cast("list[FactorKey]", new[:_NAMED]))
-        more = f" and {len(new) - _NAMED} more" if len(new) > _NAMED else ""
+        others = ", ".join(f"{kind} of {name!r}" for kind, name in cast("list[FactorKey]", new[1 : 1 + _NAMED]))
+        more = f" and {len(new) - 1 - _NAMED} more" if len(new) > 1 + _NAMED else ""
+        also = f" So were factors {others}{more}." if others else ""
         warnings.warn(
-            f"step {self.step}: factor {named}{more} not positive definite in {self.method.name} even with damping {damping:g} "
-            f"(rounding at the factor's scale exceeds the damping: typically a small batch through layers that amplify "
-            f"gradients); {self.method.fallback_label} instead (docs/fault-tolerance.md). Each factor is named once.",
-            RuntimeWarning,
+            f"{failures[new[0]]}{also} Each was {self.method.fallback_label} instead (DecompositionFallbackWarning, "
+            f"docs/fault-tolerance.md); each factor is named once.",
+            DecompositionFallbackWarning,
             stacklevel=3,
         )

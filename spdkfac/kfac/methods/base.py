@@ -18,10 +18,18 @@ import torch
 from ...perfmodels.models import BatchedModel, PerfModel
 from ..factor_shape import FactorShape
 
-__all__ = ["DecompositionMethod", "LinAlgError"]
+__all__ = ["DecompositionFallbackWarning", "DecompositionMethod", "LinAlgError"]
 
 #: torch's error for a failed factorization (torch's stubs do not re-export it from torch.linalg).
 LinAlgError: type[RuntimeError] = torch.linalg.LinAlgError  # type: ignore[attr-defined]
+
+
+class DecompositionFallbackWarning(RuntimeWarning):
+    """A factor's decomposition failed and the method's slower fallback was used (each factor is named once).
+
+    ``warnings.simplefilter("error", DecompositionFallbackWarning)`` turns it
+    into an error on the rank that decomposed the factor.
+    """
 
 
 class DecompositionMethod(abc.ABC):
