@@ -15,6 +15,12 @@ inverse's upper triangle(s), or an eigendecomposition's ``Q`` and ``d`` in
 one buffer, which every rank, owner included, keeps as views into that
 buffer; a grouped layer's blocks travel as one buffer. :func:`compute_inverses`
 and :func:`compute_eigen` run the stage for plain dense factors.
+
+A factor whose decomposition fails is decomposed by the method's fallback
+where it has one (the inverse method's clamped ``eigh``: docs/fault-tolerance.md),
+on the rank that decomposes it, and named once in a
+:class:`~spdkfac.kfac.methods.DecompositionFallbackWarning`; without one the
+error names the factor and the step.
 """
 
 from __future__ import annotations
