@@ -176,3 +176,32 @@ def test_zoo_model_with_two_images_steps(name, pixels):
         opt.step()
     assert any(issubclass(w.category, DecompositionFallbackWarning) for w in caught)
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_resnet50_two_images_per_worker_two_workers_bitwise_replicas():
+    """ResNet-50 at 32x32, 2 images per worker, 2 in-process workers: the step that ended the job; replicas bitwise."""
+    torch.manual_seed(0)
+    init = get_model("resnet50", num_classes=10).state_dict()
+    models = [get_model("resnet50", num_classes=10) for _ in range(2)]
+    for model in models:
+        model.load_state_dict(init)
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+
+    def step(backend) -> dict[str, torch.Tensor]:
+        model = models[backend.rank]
+        opt = SPDKFACOptimizer(model, lr=0.1, backend=backend)
+        nn.functional.cross_entropy(
+            model(x[2 * backend.rank : 2 * backend.rank + 2]), y[2 * backend.rank : 2 * backend.rank + 2]
+        ).backward()
+        opt.step()
+        assert opt.kfac_step.decompositions.fallen_back or backend.rank == 1  # rank 0 owns some of the failing factors
+        return {k: v.detach().clone() for k, v in model.named_parameters()}  # (BatchNorm's running statistics are local)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DecompositionFallbackWarning)
+        ranks = run_ranks(2, step, timeout=1200)
+    for key, value in ranks[0].items():
+        assert torch.equal(value, ranks[1][key]), key
+        assert bool(torch.isfinite(value).all()), key
+    assert not torch.equal(ranks[0]["head.2.weight"], init["head.2.weight"])
