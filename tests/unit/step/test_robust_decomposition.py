@@ -2,7 +2,7 @@
 
 A layer that scales its output by 1e8 (as BatchNorm over two samples of a
 1x1 map does to the gradients flowing back) gives the layer before it a
-``G`` factor of scale ~1e16 and rank below its dimension; its float32
+``G`` factor of scale ~1e12 and rank below its dimension; its float32
 Cholesky fails even with damping. The inverse method then inverts it through
 ``eigh`` with the negative (rounding) eigenvalues set to 0, warns once naming
 it, and N workers still hold bitwise-equal replicas. Where the Cholesky
@@ -44,7 +44,7 @@ def amplified_net(seed: int = 0) -> nn.Module:
 
     The forward pass is an ordinary net's; the backward pass multiplies the
     first layer's output gradients by 1e8 (as a normalisation over a tiny
-    batch does), so its G factor is ~1e16 and of rank <= the batch (8 < 12).
+    batch does), so its G factor is ~1e12 and of rank <= the batch (8 < 12).
     """
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(16, 12), Amplify(1e8), nn.ReLU(), nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 5))
