@@ -15,10 +15,17 @@ inverse's upper triangle(s), or an eigendecomposition's ``Q`` and ``d`` in
 one buffer, which every rank, owner included, keeps as views into that
 buffer; a grouped layer's blocks travel as one buffer. :func:`compute_inverses`
 and :func:`compute_eigen` run the stage for plain dense factors.
+
+A factor whose decomposition fails is decomposed by the method's fallback
+where it has one (the inverse method's clamped ``eigh``: docs/fault-tolerance.md),
+on the rank that decomposes it, and named once in a
+:class:`~spdkfac.kfac.methods.DecompositionFallbackWarning`; without one the
+error names the factor and the step.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable, Sequence
 from typing import Any, Callable, cast
 
@@ -29,11 +36,14 @@ from ..kfac.eigenbasis import Eigen, eigen_payload, unpack_eigen
 from ..kfac.factor_shape import FactorShape
 from ..kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer
 from ..kfac.linalg import invert_spd, pack_upper, triangle_size, unpack_upper
-from ..kfac.methods import LinAlgError
+from ..kfac.methods import DecompositionFallbackWarning, LinAlgError
 from ..plan.placement import ALL, PlacementPlan
 from .timeline import IterationRecord, Timeline
 
 __all__ = ["DecompositionStage", "compute_eigen", "compute_inverses"]
+
+#: Factors named in a fallback warning; the rest are counted.
+_NAMED = 5
 
 Inverter = Callable[[Hashable, torch.Tensor], torch.Tensor]
 Decomposer = Callable[[Hashable, torch.Tensor], torch.Tensor]
@@ -184,6 +194,7 @@ class DecompositionStage:
         self.backend = backend
         self.method = layers[0].method if layers else None
         self.step = 0  # for the messages
+        self.fallen_back: set[Hashable] = set()  # factors the method's fallback was used for (each warned about once)
 
     def _shape(self, key: Hashable) -> FactorShape:
         kind, name = cast(FactorKey, key)
@@ -204,14 +215,17 @@ class DecompositionStage:
                     raise RuntimeError(f"factor {kind} of layer {name!r} was never computed; nothing to decompose")
                 factors[(kind, name)] = packed
 
+        fell_back: dict[Hashable, str] = {}  # factor -> why its plain decomposition failed
+
         def owned(key: Hashable, factor: torch.Tensor) -> tuple[Any, torch.Tensor]:
             result: tuple[Any, torch.Tensor] = self._guarded(
-                key, factor, damping, lambda: method.owned(self._shape(key), factor, damping, self._previous(key))
+                key, factor, damping, lambda: method.owned(self._shape(key), factor, damping, self._previous(key)), fell_back
             )
             return result
 
         def local(key: Hashable, factor: torch.Tensor) -> Any:
-            return self._guarded(key, factor, damping, lambda: method.local(self._shape(key), factor, damping, self._previous(key)))
+            compute = lambda: method.local(self._shape(key), factor, damping, self._previous(key))  # noqa: E731
+            return self._guarded(key, factor, damping, compute, fell_back, kept_only=True)
 
         results = _stage(
             self.plan,
@@ -228,18 +242,55 @@ class DecompositionStage:
         for key, value in results.items():
             kind, name = cast(FactorKey, key)
             self.layers[name].set_decomposition(kind, value)
+        self._warn_fallbacks(fell_back, damping)
 
     def _previous(self, key: Hashable) -> Any:
         """The factor's current decomposition (every rank holds it bitwise alike): a warm start's origin."""
         kind, name = cast(FactorKey, key)
         return self.layers[name].decomposition(kind)
 
-    def _guarded(self, key: Hashable, factor: torch.Tensor, damping: float, compute: Callable[[], Any]) -> Any:
-        """``compute()``; a failed factorization re-raised with the method's explanation, naming the factor."""
+    def _guarded(
+        self,
+        key: Hashable,
+        factor: torch.Tensor,
+        damping: float,
+        compute: Callable[[], Any],
+        fell_back: dict[Hashable, str],
+        kept_only: bool = False,
+    ) -> Any:
+        """``compute()``; where its factorization fails, the method's fallback (the key noted in ``fell_back``),
+        or without one the error re-raised with the method's explanation, naming the factor.
+
+        The decision is the factor's alone: its owner takes it and broadcasts
+        the result, and a factor every rank decomposes is bitwise equal on
+        every rank, so each takes the same one.
+        """
         kind, name = cast(FactorKey, key)
+        assert self.method is not None
         try:
             return compute()
         except LinAlgError as exc:
-            assert self.method is not None
             message = self.method.failure(f"factor {kind} of layer {name!r}", self._shape(key), factor, damping, self.step, exc)
-            raise LinAlgError(message) from exc
+            fallback = self.method.fallback(self._shape(key), factor, damping, self._previous(key))
+            if fallback is None:
+                raise LinAlgError(message) from exc
+            fell_back[key] = message
+            return fallback[0] if kept_only else fallback
+
+    def _warn_fallbacks(self, failures: dict[Hashable, str], damping: float) -> None:
+        """One warning for the factors that needed the fallback for the first time (each factor is named once):
+        the first one's explanation, the others named."""
+        new = [key for key in failures if key not in self.fallen_back]
+        if not new:
+            return
+        self.fallen_back.update(new)
+        assert self.method is not None
+        others = ", ".join(f"{kind} of {name!r}" for kind, name in cast("list[FactorKey]", new[1 : 1 + _NAMED]))
+        more = f" and {len(new) - 1 - _NAMED} more" if len(new) > 1 + _NAMED else ""
+        also = f" So were factors {others}{more}." if others else ""
+        warnings.warn(
+            f"{failures[new[0]]}{also} Each was {self.method.fallback_label} instead (DecompositionFallbackWarning, "
+            f"docs/fault-tolerance.md); each factor is named once.",
+            DecompositionFallbackWarning,
+            stacklevel=3,
+        )

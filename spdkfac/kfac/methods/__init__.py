@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from ...perfmodels import PerfModel
 from ..factor_shape import FactorShape
-from .base import DecompositionMethod, LinAlgError
+from .base import DecompositionFallbackWarning, DecompositionMethod, LinAlgError
 from .eigen import EigenMethod
 from .ekfac import EKFACMethod
 from .inverse import InverseMethod
@@ -18,6 +18,7 @@ from .inverse import InverseMethod
 __all__ = [
     "COMPUTE_METHODS",
     "METHODS",
+    "DecompositionFallbackWarning",
     "DecompositionMethod",
     "EKFACMethod",
     "EigenMethod",

@@ -18,10 +18,18 @@ import torch
 from ...perfmodels.models import BatchedModel, PerfModel
 from ..factor_shape import FactorShape
 
-__all__ = ["DecompositionMethod", "LinAlgError"]
+__all__ = ["DecompositionFallbackWarning", "DecompositionMethod", "LinAlgError"]
 
 #: torch's error for a failed factorization (torch's stubs do not re-export it from torch.linalg).
 LinAlgError: type[RuntimeError] = torch.linalg.LinAlgError  # type: ignore[attr-defined]
+
+
+class DecompositionFallbackWarning(RuntimeWarning):
+    """A factor's decomposition failed and the method's slower fallback was used (each factor is named once).
+
+    ``warnings.simplefilter("error", DecompositionFallbackWarning)`` turns it
+    into an error on the rank that decomposed the factor.
+    """
 
 
 class DecompositionMethod(abc.ABC):
@@ -68,6 +76,20 @@ class DecompositionMethod(abc.ABC):
     def local(self, shape: FactorShape, factor: torch.Tensor, damping: float, previous: Any = None) -> Any:
         """The kept value of a factor every rank decomposes itself (nothing sent)."""
         return self.owned(shape, factor, damping, previous)[0]
+
+    #: What :meth:`fallback` does, for the warning when it is used ("" where there is none).
+    fallback_label: ClassVar[str] = ""
+
+    def fallback(self, shape: FactorShape, factor: torch.Tensor, damping: float, previous: Any = None) -> tuple[Any, torch.Tensor] | None:
+        """(kept value, flat payload) by a slower decomposition that cannot fail, for a factor whose :meth:`owned`
+        or :meth:`local` raised a ``LinAlgError``; None: there is none, and the error stands.
+
+        Called only where the plain decomposition failed, so results elsewhere
+        are untouched. It must be a deterministic function of the factor (a
+        factor placed on every rank is decomposed by each, from bitwise-equal
+        factors, and each must take the same decision and get the same bits).
+        """
+        return None
 
     @abc.abstractmethod
     def received(self, payload: torch.Tensor, shape: FactorShape) -> Any:

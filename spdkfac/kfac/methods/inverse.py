@@ -2,6 +2,12 @@
 
 The update is ``(G+γI)^-1 grad (A+γI)^-1``. Blocks of a block-diagonal
 factor are inverted in one batched Cholesky; a diagonal factor elementwise.
+
+A factor whose damped Cholesky fails (one whose rounding error, ``~ eps *
+scale``, exceeds the damping on its null space: a small batch through layers
+that scale gradients by 1e8 and more, docs/fault-tolerance.md) is inverted by
+the fallback instead, ``(F₊ + γI)^-1`` through an eigendecomposition with the
+negative eigenvalues set to 0 (:func:`~spdkfac.kfac.linalg.invert_clamped_eigh`).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import torch
 
 from ...perfmodels import PerfModel
 from ..factor_shape import FactorShape
-from ..linalg import invert_spd
+from ..linalg import invert_clamped_eigh, invert_spd
 from .base import DecompositionMethod
 
 __all__ = ["InverseMethod", "invert_blocks"]
@@ -44,6 +50,14 @@ class InverseMethod(DecompositionMethod):
         if shape.blocks == 1:
             return invert_spd(factor, damping)
         return invert_blocks(factor, damping)
+
+    fallback_label = "inverted through an eigendecomposition with its negative eigenvalues (rounding) set to 0"
+
+    def fallback(self, shape: FactorShape, factor: torch.Tensor, damping: float, previous: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(F₊ + γI)^-1`` by :func:`~spdkfac.kfac.linalg.invert_clamped_eigh` (a diagonal factor never fails)."""
+        inverse = 1.0 / (factor.clamp_min(0.0) + damping) if shape.diagonal else invert_clamped_eigh(factor, damping)
+        payload = shape.pack(inverse)
+        return shape.unpack(payload), payload
 
     def owned(self, shape: FactorShape, factor: torch.Tensor, damping: float, previous: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         payload = shape.pack(self._invert(shape, factor, damping))
