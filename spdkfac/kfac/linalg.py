@@ -25,6 +25,7 @@ __all__ = [
     "invert_clamped_eigh",
     "invert_spd",
     "mirror_upper_",
+    "mirrored_upper",
     "non_finite_indices",
     "pack_upper",
     "symmetric_eigh",
@@ -45,6 +46,11 @@ def triangle_size(dim: int) -> int:
 _BLOCK = 256
 
 
+def mirrored_upper(matrix: torch.Tensor) -> torch.Tensor:
+    """A new matrix (or ``(..., d, d)`` stack) with each upper triangle kept and mirrored into the lower one."""
+    return torch.triu(matrix) + torch.triu(matrix, 1).transpose(-1, -2)
+
+
 def mirror_upper_(matrix: torch.Tensor, block: int = _BLOCK) -> torch.Tensor:
     """Overwrite the strict lower triangle of a square matrix with the transpose of its upper one, in place.
 
@@ -53,12 +59,12 @@ def mirror_upper_(matrix: torch.Tensor, block: int = _BLOCK) -> torch.Tensor:
     d=4608 on the reference CPU), block transposes do not.
     """
     if matrix.device.type != "cpu":  # a GPU: two whole-matrix kernels, not two launches per strip
-        return matrix.copy_(torch.triu(matrix) + torch.triu(matrix, 1).transpose(0, 1))
+        return matrix.copy_(mirrored_upper(matrix))
     dim = matrix.shape[0]
     for start in range(0, dim, block):
         stop = min(start + block, dim)
         diag = matrix[start:stop, start:stop]
-        diag.copy_(torch.triu(diag) + torch.triu(diag, 1).transpose(0, 1))
+        diag.copy_(mirrored_upper(diag))
         if stop < dim:
             matrix[stop:, start:stop].copy_(matrix[start:stop, stop:].transpose(0, 1))
     return matrix
@@ -175,15 +181,8 @@ def unpack_upper(packed: torch.Tensor, dim: int, out: torch.Tensor | None = None
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
-    """True when no element is NaN or infinite.
-
-    One reduction (the sum is non-finite whenever an element is); only when
-    the sum is non-finite is every element checked, so a sum that merely
-    overflows is not mistaken for a bad tensor.
-    """
-    if bool(torch.isfinite(tensor.sum())):
-        return True
-    return bool(torch.isfinite(tensor).all())
+    """True when no element is NaN or infinite (:func:`non_finite_indices` of the one tensor)."""
+    return not non_finite_indices([tensor])
 
 
 def non_finite_indices(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -277,10 +276,9 @@ def invert_clamped_eigh(matrix: torch.Tensor, damping: float) -> torch.Tensor:
     (:class:`~spdkfac.kfac.methods.inverse.InverseMethod`). The result is
     exactly symmetric and row-major, as :func:`invert_spd`'s.
     """
-    d, q = symmetric_eigh(matrix) if matrix.dim() == 2 else torch.linalg.eigh(matrix)
+    d, q = symmetric_eigh(matrix)
     scaled = q / (d.clamp_min(0.0) + damping).unsqueeze(-2)
-    inv = scaled @ q.transpose(-1, -2)
-    return torch.triu(inv) + torch.triu(inv, 1).transpose(-1, -2)
+    return mirrored_upper(scaled @ q.transpose(-1, -2))
 
 
 #: Dimensions up to which cuSOLVER's ``syevd`` through cupy beats ``torch.linalg.eigh`` on CUDA (on an H200:
@@ -298,7 +296,7 @@ def _on_torch_stream(device: torch.device) -> Any:  # pragma: no cover - needs a
 
 
 def symmetric_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.linalg.eigh(matrix)``: ascending eigenvalues and column eigenvectors of a symmetric matrix.
+    """``torch.linalg.eigh(matrix)``: ascending eigenvalues and column eigenvectors of a symmetric matrix (or stack).
 
     On CUDA, one matrix of dimension up to :data:`CUPY_EIGH_MAX_DIM` goes to
     cuSOLVER's ``syevd`` through cupy when cupy is installed, where that was

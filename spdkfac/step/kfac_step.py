@@ -32,7 +32,7 @@ import torch.nn as nn
 from ..comm import CommBackend
 from ..config import KFACConfig
 from ..kfac.layers import FACTOR_KINDS, KFACLayer
-from ..kfac.linalg import all_finite
+from ..kfac.linalg import all_finite, non_finite_indices
 from ..perfmodels import PerfModel
 from ..plan.work_plan import WorkPlan, overlaps_preconditioning
 from .data_parallel import ModelWrapping
@@ -206,7 +206,7 @@ class KFACStep:
             f"{kind}{layer.method.suffix} of {layer.name!r}"
             for layer in self.layers
             for kind in FACTOR_KINDS
-            if layer.decomposition(kind) is not None and not all(all_finite(t) for t in layer.method.tensors(layer.decomposition(kind)))
+            if layer.decomposition(kind) is not None and non_finite_indices(list(layer.method.tensors(layer.decomposition(kind))))
         ]
         label = self.layers[0].method.label if self.layers else ""
         cause = f"; the {label} {bad_decompositions} are non-finite (a damaged checkpoint?)" if bad_decompositions else ""

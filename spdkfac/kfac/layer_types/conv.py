@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..conv_gram import conv_input_gram
 from ..factor_shape import FactorShape
-from ..linalg import channel_gram, symmetric_gram
+from ..linalg import channel_gram, mirrored_upper, symmetric_gram
 from .base import LayerHelper, split_bias_column, with_bias_column
 
 __all__ = ["ConvHelper"]
@@ -193,7 +193,7 @@ class ConvHelper(LayerHelper):
                 rows.append(part.new_ones(part.shape[0], n, out_h, out_w))
             stacked = torch.stack(rows, dim=1).reshape(part.shape[0], k + bias, positions)
             torch.bmm(stacked, stacked.transpose(1, 2), out=gram[c0 : c0 + chunk])
-        return _mirror_upper_blocks(gram)  # exactly symmetric, as every factor
+        return mirrored_upper(gram)  # exactly symmetric, as every factor
 
     def shared_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         """The rows' Gram and row count without im2col rows where there is a cheaper way.
@@ -239,12 +239,7 @@ class ConvHelper(LayerHelper):
 
 def _block_gram(rows: torch.Tensor) -> torch.Tensor:
     """``rows_b^T rows_b`` of every block of a ``(blocks, rows, d)`` stack, exactly symmetric."""
-    return _mirror_upper_blocks(rows.transpose(1, 2) @ rows)
-
-
-def _mirror_upper_blocks(gram: torch.Tensor) -> torch.Tensor:
-    """Each block of a ``(blocks, d, d)`` stack with its upper triangle mirrored into the lower (exactly symmetric)."""
-    return torch.triu(gram) + torch.triu(gram, 1).transpose(1, 2)
+    return mirrored_upper(rows.transpose(1, 2) @ rows)
 
 
 def _with_bias_row(gram: torch.Tensor, x: torch.Tensor, with_bias: bool) -> tuple[torch.Tensor, int]:

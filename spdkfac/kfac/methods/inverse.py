@@ -19,7 +19,7 @@ import torch
 
 from ...perfmodels import PerfModel
 from ..factor_shape import FactorShape
-from ..linalg import invert_clamped_eigh, invert_spd
+from ..linalg import invert_clamped_eigh, invert_spd, mirrored_upper
 from .base import DecompositionMethod
 
 __all__ = ["InverseMethod", "invert_blocks"]
@@ -29,8 +29,7 @@ def invert_blocks(factor: torch.Tensor, damping: float) -> torch.Tensor:
     """``(F_b + γI)^-1`` of every block of a ``(blocks, d, d)`` stack: one batched Cholesky, exactly symmetric."""
     damped = factor.clone()
     damped.diagonal(dim1=-2, dim2=-1).add_(damping)
-    inv = torch.cholesky_inverse(torch.linalg.cholesky(damped))
-    return torch.triu(inv) + torch.triu(inv, 1).transpose(-1, -2)
+    return mirrored_upper(torch.cholesky_inverse(torch.linalg.cholesky(damped)))
 
 
 class InverseMethod(DecompositionMethod):

@@ -39,7 +39,7 @@ WARM_TOLERANCE = 0.15
 
 def descending_eigh(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d, Q)`` of a symmetric (stack of) matrix, eigenvalues in descending order."""
-    d, q = symmetric_eigh(factor) if factor.dim() == 2 else torch.linalg.eigh(factor)
+    d, q = symmetric_eigh(factor)
     return d.flip(-1), q.flip(-1)
 
 
