@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from .factor_shape import FactorShape
-from .layer_types import LayerHelper, make_helper
+from .layer_types import LayerHelper, make_helper, split_helpers
 from .methods import DecompositionMethod, get_method
 
 __all__ = [
@@ -55,6 +55,8 @@ __all__ = [
     "kfac_layers",
     "make_helper",
     "preconditioned_layers",
+    "split_layers",
+    "unhooked_submodules",
 ]
 
 FACTOR_KINDS = ("A", "G")
@@ -263,17 +265,39 @@ LayerFilter = Union[str, type]
 
 
 def functional_submodules(model: nn.Module) -> dict[str, str]:
-    """``{name: why}`` of supported layers whose weight their parent uses without calling their ``forward()``.
+    """``{name: why}`` of supported layers whose weight their parent's own forward uses without calling their ``forward()``.
 
-    ``nn.MultiheadAttention`` computes with ``out_proj.weight`` directly, so
-    no hook of ``out_proj`` ever fires: there is no factor to precondition it
-    with. Such layers get the plain momentum-SGD update.
+    ``nn.MultiheadAttention``'s torch forward computes with ``out_proj.weight``
+    directly. Once the attention module is split
+    (:func:`split_layers`), its explicit forward calls ``out_proj``, which is
+    then a layer like any other (:func:`unhooked_submodules`).
     """
     found: dict[str, str] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention) and isinstance(getattr(module, "out_proj", None), nn.Linear):
             found[f"{name}.out_proj" if name else "out_proj"] = "nn.MultiheadAttention uses out_proj.weight without calling out_proj"
     return found
+
+
+def split_layers(model: nn.Module, skip: Sequence[LayerFilter] = ()) -> dict[str, list[tuple[str, LayerHelper]]]:
+    """``{module name: [(suffix, helper)]}`` of the modules split into several blocks (``nn.MultiheadAttention``).
+
+    Splitting gives each such module (not matched by ``skip``) a forward whose
+    blocks K-FAC's hooks see; see :mod:`spdkfac.kfac.layer_types.attention`.
+    """
+    found: dict[str, list[tuple[str, LayerHelper]]] = {}
+    for name, module in model.named_modules():
+        if skipped(name, module, skip):
+            continue
+        parts = split_helpers(module)
+        if parts is not None:
+            found[name] = parts
+    return found
+
+
+def unhooked_submodules(model: nn.Module, split: dict[str, list[tuple[str, LayerHelper]]]) -> dict[str, str]:
+    """:func:`functional_submodules` but those whose parent is split (its forward then calls them): no hook sees these."""
+    return {name: why for name, why in functional_submodules(model).items() if name.rpartition(".")[0] not in split}
 
 
 #: ``skip_layers`` entries ``'kind:NAME'``: layers of a shape rather than of a name or class.
@@ -312,7 +336,8 @@ def kfac_layers(
 
     Left out (plain momentum SGD): modules matched by ``skip`` (a module name,
     a class name, or a class) and layers used without their ``forward()``
-    (:func:`functional_submodules`).
+    (:func:`unhooked_submodules`). A split module (:func:`split_layers`)
+    gives a layer per block, named ``<module>.<suffix>`` (``attn.q_proj``).
 
     Raises:
         ValueError: two preconditioned layers share a weight (tied weights):
@@ -327,12 +352,15 @@ def kfac_layers(
             f"skip_layers entries {unmatched} match no module of the model (names: {[n for n, _ in model.named_modules() if n][:12]} ...)"
         )
     method = get_method(compute_method)
-    functional = functional_submodules(model)
+    split = split_layers(model, skip)
+    functional = unhooked_submodules(model, split)
     holders: dict[int, list[str]] = {}
     for pname, param in model.named_parameters(remove_duplicate=False):
         holders.setdefault(id(param), []).append(pname)
     layers: list[KFACLayer] = []
     for name, module in model.named_modules():
+        for suffix, part in split.get(name, []):
+            layers.append(KFACLayer(f"{name or type(module).__name__}.{suffix}", part, method))
         weight = getattr(module, "weight", None)
         if weight is None or not weight.requires_grad or name in functional or skipped(name, module, skip):
             continue
@@ -357,13 +385,13 @@ def factor_list(layers: list[KFACLayer]) -> list[tuple[tuple[str, str], int]]:
 
 def preconditioned_layers(model: nn.Module, compute_method: str | DecompositionMethod, skip: Sequence[LayerFilter] = ()) -> list[KFACLayer]:
     """:func:`kfac_layers`, with a notice naming the layers used without ``forward()``; at least one layer, or an error."""
-    functional = functional_submodules(model)
+    functional = unhooked_submodules(model, split_layers(model, skip))
     if functional:  # a notice, once: these layers are not preconditioned
         warnings.warn(f"these layers get the plain momentum-SGD update, without K-FAC: {functional}", stacklevel=3)
     layers = kfac_layers(model, compute_method, skip)
     if not layers:
         raise ValueError(
-            "model has no layer SPDKFACOptimizer can precondition (nn.Linear, nn.Conv1d, nn.Conv2d or a dense "
-            "nn.Embedding, with a trainable weight); use torch.optim.SGD for this model"
+            "model has no layer SPDKFACOptimizer can precondition (nn.Linear, nn.Conv1d, nn.Conv2d, a dense "
+            "nn.Embedding or nn.MultiheadAttention, with a trainable weight); use torch.optim.SGD for this model"
         )
     return layers

@@ -7,15 +7,15 @@ from collections.abc import Sequence
 
 import torch.nn as nn
 
-from .layer_types import helper_class, unsupported_reason
-from .layers import KFACLayer, LayerFilter, functional_submodules, skipped
+from .layer_types import helper_class, splitter_class, unsupported_reason
+from .layers import KFACLayer, LayerFilter, skipped, split_layers, unhooked_submodules
 
 __all__ = ["kfac_summary"]
 
 
 def _kind(layer: KFACLayer) -> str:
     """The layer's type, with how its factors are shaped where that is not plain."""
-    name = type(layer.module).__name__
+    name = layer.helper.kind or type(layer.module).__name__
     a = layer.shape("A")
     if a.diagonal:
         return f"{name} (diagonal A)"
@@ -35,7 +35,7 @@ def kfac_summary(model: nn.Module, layers: Sequence[KFACLayer], skip: Sequence[L
     lines = [f"K-FAC preconditions {len(layers)} layers: {n_covered:,} of {total:,} trainable parameters ({share:.1f}%)"]
     for kind, count in sorted(Counter(_kind(layer) for layer in layers).items()):
         lines.append(f"  {count:>4} x {kind}")
-    functional = functional_submodules(model)
+    functional = unhooked_submodules(model, split_layers(model, skip))
     reasons: dict[str, Counter[str]] = {}
     params_by_reason: Counter[str] = Counter()
     for name, module in model.named_modules():
@@ -49,7 +49,7 @@ def kfac_summary(model: nn.Module, layers: Sequence[KFACLayer], skip: Sequence[L
             why = "weight used without the module's forward()"
         elif skipped(name, module, skip):
             why = "listed in skip_layers"
-        elif helper_class(module) is None:
+        elif helper_class(module) is None and splitter_class(module) is None:
             why = "no K-FAC factors for this type (normalisation layers, ...)"
         else:
             why = f"not supported: {unsupported_reason(module) or 'weight frozen'}"

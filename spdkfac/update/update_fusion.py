@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -133,10 +133,14 @@ class ForwardFusion:
 
 @dataclass
 class _Unit:
-    """What backward fusion updates at once: one preconditioned layer's parameters, or one other parameter."""
+    """What backward fusion updates at once: the parameters of preconditioned layers that share them, or one other parameter.
+
+    Layers share parameters when they are blocks of one (``nn.MultiheadAttention``'s
+    q, k and v rows of ``in_proj_weight``): all are preconditioned before it is updated.
+    """
 
     params: list[torch.Tensor]
-    layer: KFACLayer | None = None
+    layers: list[KFACLayer] = field(default_factory=list)
     arrived: int = 0
     done: bool = False
 
@@ -188,7 +192,16 @@ class BackwardFusion:
         self.units: list[_Unit] = []
         self._unit_of: dict[torch.Tensor, _Unit] = {}
         for layer in layers:
-            self._add(_Unit([p for p in layer.params() if p in self._group], layer))
+            params = [p for p in layer.params() if p in self._group]
+            shared = next((self._unit_of[p] for p in params if p in self._unit_of), None)
+            if shared is None:
+                self._add(_Unit(params, [layer]))
+                continue
+            shared.layers.append(layer)
+            for p in params:
+                if p not in self._unit_of:
+                    shared.params.append(p)
+                    self._unit_of[p] = shared
         for p in self._group:
             if p not in self._unit_of:
                 self._add(_Unit([p]))
@@ -266,12 +279,12 @@ class BackwardFusion:
     def _update(self, unit: _Unit) -> None:
         """Precondition and update ``unit``, keeping what it overwrites (checked for NaN/Inf in :meth:`finish`)."""
         unit.done = True
-        if unit.layer is not None:
-            grad = unit.layer.grad_matrix()
+        for layer in unit.layers:
+            grad = layer.grad_matrix()
             if grad is None:
                 return
             group = self._group[unit.params[0]]
-            unit.layer.write_grad(unit.layer.precondition(grad, float(group["damping"])))
+            layer.write_grad(layer.precondition(grad, float(group["damping"])))
         for p in unit.params:
             if p.grad is None:
                 continue

@@ -22,11 +22,14 @@ import torch.nn as nn
 
 from ..factor_shape import FactorShape
 
-__all__ = ["LayerHelper"]
+__all__ = ["LayerHelper", "SplitHelper"]
 
 
 class LayerHelper(abc.ABC):
     """Reads and writes one module's K-FAC quantities (a small helper per layer type)."""
+
+    #: What the start-up summary calls these layers (None: the module's class name).
+    kind: str | None = None
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -89,6 +92,26 @@ class LayerHelper(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """What the start-up summary shows of this layer."""
         return {"A": self.a_shape.describe(), "G": self.g_shape.describe()}
+
+
+class SplitHelper(abc.ABC):
+    """A module that computes with several K-FAC blocks' weights itself, with no submodule ``forward()`` for them.
+
+    :meth:`split` gives one helper per block whose module runs in the split
+    module's forward (so K-FAC's hooks see it); the module's children that it
+    then calls as modules (``nn.MultiheadAttention.out_proj``) are layers of
+    their own.
+    """
+
+    @classmethod
+    def unsupported(cls, module: nn.Module) -> str | None:
+        """Why this module cannot be split (None: it can)."""
+        return None
+
+    @classmethod
+    @abc.abstractmethod
+    def split(cls, module: nn.Module) -> list[tuple[str, LayerHelper]]:
+        """``(name suffix, helper)`` per block with a trainable weight; makes the blocks visible to hooks."""
 
 
 def with_bias_column(weight_part: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -18,10 +18,21 @@ def _train(model, opt, steps=4):
         opt.step()
 
 
-def test_transformer_encoder_trains_with_out_proj_left_to_plain_sgd():
+def test_transformer_encoder_preconditions_its_attention():
+    model = small_transformer()
+    opt = SPDKFACOptimizer(model, lr=0.05, backend="single")
+    attn = "encoder.layers.0.self_attn"
+    names = [layer.name for layer in opt.layers]
+    assert names == [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj", f"{attn}.out_proj", "encoder.layers.0.linear1", "encoder.layers.0.linear2", "head"]
+    _train(model, opt)
+    assert opt.steps == 4
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_skipped_attention_leaves_out_proj_to_plain_sgd_with_a_notice():
     model = small_transformer()
     with pytest.warns(UserWarning, match=r"plain momentum-SGD update.*encoder.layers.0.self_attn.out_proj"):
-        opt = SPDKFACOptimizer(model, lr=0.05, backend="single")
+        opt = SPDKFACOptimizer(model, lr=0.05, backend="single", skip_layers=["MultiheadAttention"])
     names = [layer.name for layer in opt.layers]
     assert names == ["encoder.layers.0.linear1", "encoder.layers.0.linear2", "head"]
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -29,7 +40,7 @@ def test_transformer_encoder_trains_with_out_proj_left_to_plain_sgd():
     out_proj = "encoder.layers.0.self_attn.out_proj.weight"
     assert not torch.equal(model.state_dict()[out_proj], before[out_proj])  # updated, by plain SGD
     assert opt.steps == 4
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert "weight used without the module's forward()" in opt.kfac_summary()
 
 
 @pytest.mark.parametrize(("skip", "left"), [(["4"], ["0", "2", "6"]), (["Conv2d"], ["4", "6"]), ([nn.Linear], ["0", "2"])])

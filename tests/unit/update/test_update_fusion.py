@@ -68,7 +68,8 @@ def _run(kind, fusion, x, y, model=None, backend="single", **kw):
 
 @pytest.mark.parametrize(
     ("kind", "flush_each_step", "net"),
-    [(kind, False, small_net) for kind in KINDS] + [("inverse", True, mixed_net)],  # mixed_net: every layer type
+    # mixed_net: every layer type; small_transformer: q, k and v share in_proj_weight (one backward-fusion unit)
+    [(kind, False, small_net) for kind in KINDS] + [("inverse", True, mixed_net), ("inverse", True, small_transformer)],
 )
 @pytest.mark.parametrize("fusion", ["forward", "backward"])
 def test_fused_parameters_equal_unfused_bitwise(float64, kind, fusion, flush_each_step, net):
