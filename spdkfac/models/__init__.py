@@ -1,4 +1,4 @@
-"""Model zoo (no torchvision needed): small CPU models and ImageNet-size CNNs.
+"""Model zoo (no torchvision needed): small CPU models, ImageNet-size CNNs, ConvNeXt-T and ViT-S/16.
 
 ``get_model(name, num_classes)`` builds any registered model; names prefixed
 ``torchvision:`` use torchvision's constructors when torchvision imports.
@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from .imagenet import densenet201, inception_v4, resnet50, resnet152
 from .mobile import efficientnet_b0, mobilenet_v2, resnext50_32x4d
+from .modern import convnext_t, vit_s16
 from .small import DigitsCNN, MnistCNN, MnistMobileNet, cifar_resnet20
 
 __all__ = ["MODELS", "DigitsCNN", "MnistCNN", "MnistMobileNet", "cifar_resnet20", "get_model"]
@@ -28,10 +29,14 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mobilenet_v2": mobilenet_v2,
     "resnext50_32x4d": resnext50_32x4d,
     "efficientnet_b0": efficientnet_b0,
-    # The same networks for 32x32 images (stride-1 stem; see spdkfac.models.mobile).
+    "convnext_t": convnext_t,
+    "vit_s16": vit_s16,
+    # The same networks for 32x32 images (stride-1 stem, 4x4 patches; see spdkfac.models.mobile and .modern).
     "mobilenet_v2_32": lambda num_classes=10: mobilenet_v2(num_classes, small_input=True),
     "resnext50_32x4d_32": lambda num_classes=10: resnext50_32x4d(num_classes, small_input=True),
     "efficientnet_b0_32": lambda num_classes=10: efficientnet_b0(num_classes, small_input=True),
+    "convnext_t_32": lambda num_classes=10: convnext_t(num_classes, small_input=True),
+    "vit_s16_32": lambda num_classes=10: vit_s16(num_classes, small_input=True),
 }
 
 

@@ -91,8 +91,8 @@ class ProjectionHelper(LinearHelper):
     module: AttentionProjection  # type: ignore[assignment]  # a Linear layer's maths on a projection module
     kind = "MultiheadAttention q/k/v projection"
 
-    def __init__(self, module: AttentionProjection) -> None:  # noqa: D107 - the weight is the shared parameter
-        self.module = module  # type: ignore[assignment]
+    def __init__(self, module: AttentionProjection) -> None:
+        self.module = module
         self.weight = module.weight_param
         self.bias = module.bias_param
         self.rows = module.rows if module.packed else slice(None)
@@ -134,7 +134,9 @@ def _heads_mask(mask: torch.Tensor, batch: int, heads: int, tgt: int, src: int) 
         return mask.view(1, 1, tgt, src)
     if mask.dim() == 3 and mask.shape == (batch * heads, tgt, src):
         return mask.view(batch, heads, tgt, src)
-    raise RuntimeError(f"nn.MultiheadAttention: attn_mask of shape {tuple(mask.shape)}; expected ({tgt}, {src}) or ({batch * heads}, {tgt}, {src})")
+    raise RuntimeError(
+        f"nn.MultiheadAttention: attn_mask of shape {tuple(mask.shape)}; expected ({tgt}, {src}) or ({batch * heads}, {tgt}, {src})"
+    )
 
 
 def explicit_attention(
@@ -191,7 +193,9 @@ def explicit_attention(
         padding = None if padding is None else F.pad(padding, (0, 1))
     if padding is not None:
         if padding.shape != (batch, kh.shape[2]):
-            raise RuntimeError(f"nn.MultiheadAttention: key_padding_mask of shape {tuple(padding.shape)}; expected ({batch}, {kh.shape[2]})")
+            raise RuntimeError(
+                f"nn.MultiheadAttention: key_padding_mask of shape {tuple(padding.shape)}; expected ({batch}, {kh.shape[2]})"
+            )
         padding = padding.view(batch, 1, 1, -1)
         mask = padding if mask is None else mask + padding
     dropout = mha.dropout if mha.training else 0.0
@@ -253,6 +257,4 @@ class AttentionSplit(SplitHelper):
         if not isinstance(explicit, ExplicitAttention):  # once per module: every optimizer hooks the same projections
             explicit = ExplicitAttention(module)
             module.forward = explicit  # type: ignore[method-assign]  # an instance attribute, as torch looks it up
-        return [
-            (PROJECTIONS[p.index], ProjectionHelper(p)) for p in explicit.projections if p.weight_param.requires_grad
-        ]
+        return [(PROJECTIONS[p.index], ProjectionHelper(p)) for p in explicit.projections if p.weight_param.requires_grad]

@@ -23,7 +23,15 @@ def test_transformer_encoder_preconditions_its_attention():
     opt = SPDKFACOptimizer(model, lr=0.05, backend="single")
     attn = "encoder.layers.0.self_attn"
     names = [layer.name for layer in opt.layers]
-    assert names == [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj", f"{attn}.out_proj", "encoder.layers.0.linear1", "encoder.layers.0.linear2", "head"]
+    assert names == [
+        f"{attn}.q_proj",
+        f"{attn}.k_proj",
+        f"{attn}.v_proj",
+        f"{attn}.out_proj",
+        "encoder.layers.0.linear1",
+        "encoder.layers.0.linear2",
+        "head",
+    ]
     _train(model, opt)
     assert opt.steps == 4
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -1,0 +1,149 @@
+"""Every zoo model: what K-FAC covers by default, and two steps on one process and on 2 in-process workers.
+
+Coverage counts what K-FAC preconditions with the default options. Every
+trainable parameter it leaves out must be one of the kinds named in
+:data:`LEFT_OUT` (normalisation layers, ConvNeXt's layer scales, ViT's class
+token and position embeddings); at least 99% is covered, except the models in
+:data:`BELOW_99`, whose shortfall is their BatchNorm layers alone (small
+networks, or 10-class heads that leave the norms a larger share).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from spdkfac import SPDKFACOptimizer
+from spdkfac.comm.inprocess import run_ranks
+from spdkfac.kfac.layers import kfac_layers
+from spdkfac.models import MODELS, get_model
+from spdkfac.models.imagenet import InceptionV4
+from spdkfac.models.modern import ConvNeXt, ConvNeXtBlock, VisionTransformer
+
+pytestmark = pytest.mark.filterwarnings("ignore:no perf_model given")
+
+NORMS = (nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)
+#: Why a parameter may be left to the base update: (module types holding it, parameter names).
+LEFT_OUT = {
+    "normalisation layer (affine scale and shift)": (NORMS, ("weight", "bias")),
+    "ConvNeXt layer scale": ((ConvNeXtBlock,), ("gamma",)),
+    "ViT class token and position embeddings": ((VisionTransformer,), ("cls_token", "pos_embed")),
+}
+#: Covered share below 99% with the default options; the rest is BatchNorm (the norm-curvature option covers it).
+BELOW_99 = {"mnist_mobilenet": 0.93, "densenet201": 0.985, "mobilenet_v2_32": 0.98, "efficientnet_b0_32": 0.985}
+#: Models built in the fast loop (the others take seconds each to build: run with --run-slow).
+FAST = {
+    "digits_cnn",
+    "mnist_cnn",
+    "mnist_mobilenet",
+    "cifar_resnet20",
+    "mobilenet_v2",
+    "mobilenet_v2_32",
+    "efficientnet_b0_32",
+    "vit_s16_32",
+}
+#: Input (C, H, W) per model for the steps: the smallest each takes.
+INPUT = {"digits_cnn": (1, 8, 8), "mnist_cnn": (1, 28, 28), "mnist_mobilenet": (1, 28, 28), "inception_v4": (3, InceptionV4.MIN_INPUT) * 1}
+
+
+def _input(name: str) -> tuple[int, int, int]:
+    if name in INPUT:
+        shape = INPUT[name]
+        return shape if len(shape) == 3 else (3, shape[1], shape[1])
+    if name.endswith("_32") or name == "cifar_resnet20":
+        return (3, 32, 32)
+    return (3, 224, 224) if name == "vit_s16" else (3, 64, 64)
+
+
+def _owner_kind(model: nn.Module) -> dict[int, str]:
+    """Parameter id -> the LEFT_OUT reason it fits (absent: fits none)."""
+    kinds: dict[int, str] = {}
+    for module in model.modules():
+        for pname, p in module.named_parameters(recurse=False):
+            for why, (types, names) in LEFT_OUT.items():
+                if isinstance(module, types) and pname in names:
+                    kinds[id(p)] = why
+    return kinds
+
+
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in MODELS])
+def test_kfac_covers_the_zoo_model_or_names_why_not(name):
+    model = get_model(name)
+    layers = kfac_layers(model)
+    covered = {id(p) for layer in layers for p in layer.params()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    left = [p for p in trainable if id(p) not in covered]
+    kinds = _owner_kind(model)
+    unexplained = [tuple(p.shape) for p in left if id(p) not in kinds]
+    assert not unexplained, f"{name}: parameters left to the base update for no named reason: {unexplained}"
+    share = 1 - sum(p.numel() for p in left) / sum(p.numel() for p in trainable)
+    if name in BELOW_99:
+        assert share >= BELOW_99[name], f"{name}: {share:.2%}"
+        assert all(kinds[id(p)].startswith("normalisation") for p in left), name
+    else:
+        assert share >= 0.99, f"{name}: K-FAC covers {share:.2%} of the trainable parameters"
+    if name.startswith("vit_s16"):  # every attention module: q, k, v and out_proj
+        assert sum(layer.name.endswith(".q_proj") for layer in layers) == 12
+        assert sum(layer.name.endswith(".out_proj") for layer in layers) == 12
+
+
+@pytest.mark.slow
+def test_convnext_t_and_vit_s16_have_the_reference_parameter_counts():
+    counts = {"convnext_t": 28_589_128, "vit_s16": 22_050_664}  # torchvision's ConvNeXt-T, timm's ViT-S/16
+    for name, expected in counts.items():
+        assert sum(p.numel() for p in get_model(name).parameters()) == expected, name
+
+
+def _two_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, backend) -> dict[str, torch.Tensor]:
+    size = 1 if isinstance(backend, str) else backend.size
+    rank = 0 if isinstance(backend, str) else backend.rank
+    local = len(x) // size
+    opt = SPDKFACOptimizer(model, lr=0.01, damping=0.1, backend=backend)
+    for s in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[rank * local : (rank + 1) * local] + 0.1 * s), y[rank * local : (rank + 1) * local]).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}  # (BatchNorm buffers hold per-worker statistics)
+
+
+def _check_steps(build, shape: tuple[int, int, int], classes: int, equal_to_one: bool) -> None:
+    """Two steps on 4 samples: finite, moved; 2 in-process workers hold bitwise the same parameters (and equal one process)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, *shape), torch.randint(0, classes, (4,))
+    start = build()
+    init = {k: v.clone() for k, v in start.state_dict().items()}
+    single = _two_steps(start, x, y, "single")
+    assert all(torch.isfinite(v).all() for v in single.values())
+    assert any(not torch.equal(single[k], init[k]) for k in single)
+    models = [build() for _ in range(2)]
+    for m in models:
+        m.load_state_dict(init)
+    ranks = run_ranks(2, lambda b: _two_steps(models[b.rank], x, y, b))
+    for key, value in ranks[0].items():
+        assert torch.isfinite(value).all(), key
+        assert torch.equal(value, ranks[1][key]), f"{key} differs between ranks"
+        if equal_to_one:
+            torch.testing.assert_close(value, single[key], rtol=1e-9, atol=1e-11, msg=lambda m, k=key: f"{k}: {m}")
+
+
+STEP_FAST = {"digits_cnn", "mnist_cnn", "mnist_mobilenet"}
+
+
+@pytest.mark.parametrize("name", [n if n in STEP_FAST else pytest.param(n, marks=pytest.mark.slow) for n in MODELS])
+def test_two_steps_stay_finite_on_one_process_and_two_workers(name):
+    classes = 10 if name in STEP_FAST or name.endswith("_32") or name == "cifar_resnet20" else 1000
+    _check_steps(lambda: get_model(name), _input(name), classes, equal_to_one=False)  # BatchNorm: per-worker statistics
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda: ConvNeXt((1, 2, 1, 1), (8, 16, 24, 32), num_classes=5, small_input=True), id="convnext"),
+        pytest.param(lambda: VisionTransformer(image_size=16, patch=4, dim=16, depth=2, heads=2, mlp_dim=24, num_classes=5), id="vit"),
+    ],
+)
+def test_narrow_convnext_and_vit_on_two_workers_equal_one_process(build, float64):
+    """The same architectures, narrow: no BatchNorm, so 2 workers equal one process on the global batch (float64)."""
+    shape = (3, 16, 16)
+    _check_steps(build, shape, 5, equal_to_one=True)
