@@ -44,8 +44,8 @@ class ChannelsFirstLayerNorm(nn.LayerNorm):
     """LayerNorm over the channels of an ``(N, C, H, W)`` map (ConvNeXt's stem and downsampling layers)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = super().forward(x.permute(0, 2, 3, 1))
-        return out.permute(0, 3, 1, 2)
+        out: torch.Tensor = super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return out
 
 
 class ConvNeXtBlock(nn.Module):
