@@ -61,7 +61,7 @@ class ConvNeXtBlock(nn.Module):
         self.gamma = nn.Parameter(torch.full((dim,), layer_scale))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.dwconv(x).permute(0, 2, 3, 1)  # (N, H, W, C): the Linear layers see H*W tokens per sample
+        h: torch.Tensor = self.dwconv(x).permute(0, 2, 3, 1)  # (N, H, W, C): the Linear layers see H*W tokens per sample
         h = self.pwconv2(self.act(self.pwconv1(self.norm(h))))
         return x + (self.gamma * h).permute(0, 3, 1, 2)
 
