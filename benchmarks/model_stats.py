@@ -31,7 +31,21 @@ from spdkfac.kfac.layers import KFACLayer, kfac_layers
 from spdkfac.models import get_model
 from spdkfac.runtime.output_path import unwritable_reason
 
-DEFAULT_MODELS = ["resnet50", "resnet152", "densenet201", "inception_v4", "mobilenet_v2", "resnext50_32x4d", "efficientnet_b0"]
+DEFAULT_MODELS = [
+    "resnet50",
+    "resnet152",
+    "densenet201",
+    "inception_v4",
+    "mobilenet_v2",
+    "resnext50_32x4d",
+    "efficientnet_b0",
+    "convnext_t",
+    "vit_s16",
+    "convnext_t_32",
+    "vit_s16_32",
+]
+#: Models for 32x32 images (``*_32``): their arithmetic is counted at 32x32, with 10 classes.
+SMALL_INPUT_SUFFIX = "_32"
 
 # The paper's Table II: parameters (M), preconditioned layers, sum of A / G upper triangles (M).
 PAPER_TABLE2: dict[str, dict[str, float]] = {
@@ -200,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, object]]:
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help="registered model names")
     parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
     parser.add_argument("--num-classes", type=int, default=1000)
-    parser.add_argument("--resolution", type=int, default=224, help="input size for the arithmetic table")
+    parser.add_argument("--resolution", type=int, default=224, help="input size for the arithmetic table (models *_32: 32)")
     parser.add_argument("--batch-size", type=int, default=32, help="per-worker batch for the arithmetic table")
     parser.add_argument("--factor-every", type=int, default=10, help="factor update interval for the floor")
     parser.add_argument("--workers", type=int, default=2, help="workers sharing distributed preconditioning")
@@ -215,11 +229,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, object]]:
     results: dict[str, dict[str, object]] = {}
     for name in args.models:
         t0 = time.perf_counter()
-        model = get_model(name, num_classes=args.num_classes)
-        results[name] = model_stats(name, args.num_classes, model)
-        ops = kfac_arithmetic(model, (args.batch_size, 3, args.resolution, args.resolution))
+        small = name.endswith(SMALL_INPUT_SUFFIX)
+        resolution, classes = (32, 10) if small else (args.resolution, args.num_classes)
+        model = get_model(name, num_classes=classes)
+        results[name] = model_stats(name, classes, model)
+        ops = kfac_arithmetic(model, (args.batch_size, 3, resolution, resolution))
         results[name]["arithmetic"] = {
-            "resolution": args.resolution,
+            "resolution": resolution,
             "batch_size": args.batch_size,
             "gflop": {k: v / 1e9 for k, v in ops.items()},
             "factor_every": args.factor_every,

@@ -13,13 +13,15 @@ def model_stats(path: Path, d: dict[str, Any]) -> list[str]:
     """Table II: factor statistics per model, and the arithmetic floor of the amortised setting."""
     need(d, path, "models")
     rows = []
+    first_resolution = (next(iter(d["models"].values()), {}).get("arithmetic") or {}).get("resolution")
     for name, st in d["models"].items():
         need(st, path, "params", "layers", "a_elems", "g_elems")
         ar = st.get("arithmetic") or {}
         same = st.get("matches_paper")
+        res = ar.get("resolution")
         rows.append(
             [
-                name,
+                name if res == first_resolution or res is None else f"{name} (floor at {res}×{res})",
                 f"{st['params'] / 1e6:.1f}",
                 str(st["layers"]),
                 f"{st['a_elems'] / 1e6:.1f}",
