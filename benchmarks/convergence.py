@@ -99,7 +99,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         choices=sorted(n for n in MODELS if "_32" not in n),
         help="model for every data set (default: digits_cnn on digits, mnist_cnn on mnist5k; "
-        "mnist_mobilenet: depthwise convolutions, 28x28 only)",
+        "mnist_mobilenet: depthwise convolutions, mnist_vit: nn.MultiheadAttention; both 28x28 only)",
     )
     ap.add_argument(
         "--lr-grid",

@@ -83,7 +83,7 @@ def convergence(w: Writer, run: str) -> Callable[[Path, dict[str, Any]], list[st
                 rows.append(row)
             head = ["optimizer", "best LR of the grid", "best test acc", "final test loss", "epochs to target", "seconds to target"]
             lines += table(head + ([f"epochs to {second}'s", f"seconds to {second}'s"] if second is not None else []), rows)
-            lines += diverged_runs(st) + per_seed_table(st) + issue_targets(st) + dho2_against_kfac(st)
+            lines += diverged_runs(st) + per_seed_table(st) + issue_targets(st) + dho2_against_kfac(st) + kfac_pairs(st)
             pngs.append(f"convergence/{run}/convergence_{st['data']}_b{st['batch_size']}.png")
             pngs.append(f"convergence/{run}/convergence_{st['data']}_b{st['batch_size']}_per_seed.png")  # plot_curves.py --per-seed
         lines += command_block(
@@ -209,6 +209,47 @@ def issue_targets(st: dict[str, Any]) -> list[str]:
         + ":",
         "",
         *table(head, rows),
+    ]
+
+
+#: Per-seed values compared between K-FAC configurations: (key of ``per_seed``, label, scale, format).
+PAIRED_KEYS = (
+    ("best_test_acc", "best test acc (points)", 100.0, "+.2f"),
+    ("final_test_loss", "final test loss", 1.0, "+.4f"),
+    ("epochs_to_second", "epochs to the 2nd target", 1.0, "+.2f"),
+    ("seconds_to_second", "seconds to the 2nd target", 1.0, "+.2f"),
+)
+
+
+def kfac_pairs(st: dict[str, Any]) -> list[str]:
+    """Each later K-FAC configuration against the first, seed by seed (same seed: same initialisation and data
+    order): the mean difference ± its standard error over the seeds where both have a value, and how many."""
+    kfac = {spec: r for spec, r in st["optimizers"].items() if spec.partition(":")[0] == "spdkfac" and r.get("per_seed")}
+    if len(kfac) < 2:
+        return []
+    (base_spec, base), *others = kfac.items()
+    rows = []
+    for spec, r in others:
+        mine, theirs = r["per_seed"], base["per_seed"]
+        if mine.get("seeds") != theirs.get("seeds"):
+            continue
+        row = [f"`{spec}`"]
+        for key, _, scale, fmt in PAIRED_KEYS:
+            diffs = [scale * (a - b) for a, b in zip(mine.get(key) or [], theirs.get(key) or []) if a is not None and b is not None]
+            if not diffs:
+                row.append("–")
+                continue
+            mean = sum(diffs) / len(diffs)
+            se = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5 if len(diffs) > 1 else None
+            row.append(f"{format(mean, fmt)}" + ("" if se is None else f" ± {se:.2g}") + f" ({len(diffs)} seeds)")
+        rows.append(row)
+    if not rows:
+        return []
+    return [
+        "",
+        f"K-FAC configurations against `{base_spec}`, seed by seed (the mean difference ± its standard error):",
+        "",
+        *table(["configuration", *(label for _, label, _, _ in PAIRED_KEYS)], rows),
     ]
 
 

@@ -10,6 +10,7 @@
   blocks of width 384 with 6-head ``nn.MultiheadAttention`` and an MLP of
   1536; 22,050,664 parameters for 1000 classes (no dropout).
 
+:func:`mnist_vit` is a two-block ViT for 28x28 MNIST (the attention benchmark's).
 ``small_input=True`` gives the 32x32 versions: ConvNeXt with a 3x3 stride-1
 stem (its stages see 32, 16, 8 and 4), ViT with 4x4 patches (64 tokens and
 the class token). K-FAC preconditions every convolution, every Linear and
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-__all__ = ["ConvNeXt", "VisionTransformer", "convnext_t", "vit_s16"]
+__all__ = ["ConvNeXt", "VisionTransformer", "convnext_t", "mnist_vit", "vit_s16"]
 
 
 def _init_transformer(model: nn.Module) -> nn.Module:
@@ -130,13 +131,14 @@ class VisionTransformer(nn.Module):
         heads: int = 6,
         mlp_dim: int = 1536,
         num_classes: int = 1000,
+        in_channels: int = 3,
     ) -> None:
         super().__init__()
         if image_size % patch:
             raise ValueError(f"image size {image_size} is not a multiple of the patch size {patch}")
         tokens = (image_size // patch) ** 2
         self.image_size = image_size
-        self.patch_embed = nn.Conv2d(3, dim, patch, stride=patch)
+        self.patch_embed = nn.Conv2d(in_channels, dim, patch, stride=patch)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, tokens + 1, dim))
         self.blocks = nn.Sequential(*(EncoderBlock(dim, heads, mlp_dim) for _ in range(depth)))
@@ -160,3 +162,8 @@ def vit_s16(num_classes: int = 1000, small_input: bool = False) -> nn.Module:
     if small_input:
         return VisionTransformer(image_size=32, patch=4, num_classes=num_classes)
     return VisionTransformer(num_classes=num_classes)
+
+
+def mnist_vit(num_classes: int = 10) -> nn.Module:
+    """A small ViT for 1x28x28 MNIST: 7x7 patches (16 tokens and the class token), width 64, 2 blocks of 4 heads, MLP 128."""
+    return VisionTransformer(image_size=28, patch=7, dim=64, depth=2, heads=4, mlp_dim=128, num_classes=num_classes, in_channels=1)

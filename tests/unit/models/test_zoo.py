@@ -30,11 +30,20 @@ LEFT_OUT = {
     "ConvNeXt layer scale": ((ConvNeXtBlock,), ("gamma",)),
     "ViT class token and position embeddings": ((VisionTransformer,), ("cls_token", "pos_embed")),
 }
-#: Covered share below 99% with the default options; the rest is BatchNorm (the norm-curvature option covers it).
-BELOW_99 = {"mnist_mobilenet": 0.93, "densenet201": 0.985, "mobilenet_v2_32": 0.98, "efficientnet_b0_32": 0.985}
+NORM, TOKENS = "normalisation layer (affine scale and shift)", "ViT class token and position embeddings"
+#: Covered share below 99% with the default options, and what the rest is: BatchNorm (the norm-curvature option
+#: covers it) in small networks or under 10-class heads; a narrow ViT's norms, class token and position embeddings.
+BELOW_99 = {
+    "mnist_mobilenet": (0.93, {NORM}),
+    "mnist_vit": (0.97, {NORM, TOKENS}),
+    "densenet201": (0.985, {NORM}),
+    "mobilenet_v2_32": (0.98, {NORM}),
+    "efficientnet_b0_32": (0.985, {NORM}),
+}
 #: Models built in the fast loop (the others take seconds each to build: run with --run-slow).
 FAST = {
     "digits_cnn",
+    "mnist_vit",
     "mnist_cnn",
     "mnist_mobilenet",
     "cifar_resnet20",
@@ -44,7 +53,7 @@ FAST = {
     "vit_s16_32",
 }
 #: Input (C, H, W) per model for the steps: the smallest each takes.
-INPUT = {"digits_cnn": (1, 8, 8), "mnist_cnn": (1, 28, 28), "mnist_mobilenet": (1, 28, 28), "inception_v4": (3, InceptionV4.MIN_INPUT) * 1}
+INPUT = {"digits_cnn": (1, 8, 8), "mnist_cnn": (1, 28, 28), "mnist_mobilenet": (1, 28, 28), "mnist_vit": (1, 28, 28), "inception_v4": (3, InceptionV4.MIN_INPUT) * 1}
 
 
 def _input(name: str) -> tuple[int, int, int]:
@@ -79,8 +88,9 @@ def test_kfac_covers_the_zoo_model_or_names_why_not(name):
     assert not unexplained, f"{name}: parameters left to the base update for no named reason: {unexplained}"
     share = 1 - sum(p.numel() for p in left) / sum(p.numel() for p in trainable)
     if name in BELOW_99:
-        assert share >= BELOW_99[name], f"{name}: {share:.2%}"
-        assert all(kinds[id(p)].startswith("normalisation") for p in left), name
+        floor, reasons = BELOW_99[name]
+        assert share >= floor, f"{name}: {share:.2%}"
+        assert {kinds[id(p)] for p in left} <= reasons, name
     else:
         assert share >= 0.99, f"{name}: K-FAC covers {share:.2%} of the trainable parameters"
     if name.startswith("vit_s16"):  # every attention module: q, k, v and out_proj
@@ -127,7 +137,7 @@ def _check_steps(build, shape: tuple[int, int, int], classes: int, equal_to_one:
             torch.testing.assert_close(value, single[key], rtol=1e-9, atol=1e-11, msg=lambda m, k=key: f"{k}: {m}")
 
 
-STEP_FAST = {"digits_cnn", "mnist_cnn", "mnist_mobilenet"}
+STEP_FAST = {"digits_cnn", "mnist_cnn", "mnist_mobilenet", "mnist_vit"}
 
 
 @pytest.mark.parametrize("name", [n if n in STEP_FAST else pytest.param(n, marks=pytest.mark.slow) for n in MODELS])
