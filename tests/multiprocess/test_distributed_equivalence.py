@@ -78,8 +78,8 @@ FREQ_CONFIGS = {
     "nan-skip-factor": dict(BASE, factor_update_freq=2, inv_update_freq=4, skip_nonfinite=1, nan_steps=[2]),
     # The skip-a-bad-batch idiom after the forward pass, decided on every worker at once (finite_everywhere).
     "skip-bad-batch": dict(BASE, skip_bad_loss=True, nan_steps=[2]),
-    # nn.TransformerEncoder: its MultiheadAttention's out_proj (weight used without its forward) gets the plain
-    # update, the feed-forward Linears (on sequence input) and the head are preconditioned.
+    # nn.TransformerEncoder: its MultiheadAttention's q, k, v (rows of in_proj_weight) and out_proj through the
+    # explicit forward, the feed-forward Linears (on sequence input) and the head are preconditioned.
     "transformer": dict(BASE, model="transformer", placement="seq"),
     # Gradient clipping between backward and step, after synchronize(): clips the averaged gradient.
     "clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05),
