@@ -14,7 +14,7 @@ ROWS = {
 }
 
 
-@renders("attention_cost.json", "Cost of preconditioning nn.MultiheadAttention", order=92)
+@renders("attention_cost.json", "Cost of preconditioning nn.MultiheadAttention", order=92, optional=True)
 def attention_cost(path: Path, d: dict[str, Any]) -> list[str]:
     """Forward+backward and whole iterations, with and without a factor update, per configuration."""
     need(d, path, "times", "args")
