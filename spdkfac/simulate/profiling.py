@@ -125,9 +125,12 @@ def measure_profile(
     n = len(runs)
     by_name = {layer.name: layer for layer in opt.layers}
     factors = []
+    counted: set[int] = set()  # a parameter several layers share (attention's in_proj_weight) is all-reduced once
     for key in events[0]:  # the order the factors became ready
         kind, name = key.split(":", 1)
         layer = by_name[name]
+        fresh = [p for p in layer.params() if p.requires_grad and id(p) not in counted] if kind == "G" else []
+        counted.update(id(p) for p in fresh)
         factors.append(
             FactorProfile(
                 kind=kind,
@@ -135,7 +138,7 @@ def measure_profile(
                 dim=layer.dim(kind),
                 ready=sum(e[key][0] for e in events) / n,
                 compute=sum(e[key][1] for e in events) / n,
-                grad_numel=sum(p.numel() for p in layer.params() if p.requires_grad) if kind == "G" else 0,
+                grad_numel=sum(p.numel() for p in fresh),
                 unpack=per_factor[key][0],
                 pack=per_factor[key][1],
                 invert=per_factor[key][2],
