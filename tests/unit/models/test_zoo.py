@@ -53,13 +53,18 @@ FAST = {
     "vit_s16_32",
 }
 #: Input (C, H, W) per model for the steps: the smallest each takes.
-INPUT = {"digits_cnn": (1, 8, 8), "mnist_cnn": (1, 28, 28), "mnist_mobilenet": (1, 28, 28), "mnist_vit": (1, 28, 28), "inception_v4": (3, InceptionV4.MIN_INPUT) * 1}
+INPUT = {
+    "digits_cnn": (1, 8, 8),
+    "mnist_cnn": (1, 28, 28),
+    "mnist_mobilenet": (1, 28, 28),
+    "mnist_vit": (1, 28, 28),
+    "inception_v4": (3, InceptionV4.MIN_INPUT, InceptionV4.MIN_INPUT),
+}
 
 
 def _input(name: str) -> tuple[int, int, int]:
     if name in INPUT:
-        shape = INPUT[name]
-        return shape if len(shape) == 3 else (3, shape[1], shape[1])
+        return INPUT[name]
     if name.endswith("_32") or name == "cifar_resnet20":
         return (3, 32, 32)
     return (3, 224, 224) if name == "vit_s16" else (3, 64, 64)
