@@ -324,21 +324,28 @@ def test_factors_and_update_match_the_definition(kdim, method, float64):
 
 
 # -- distributed -------------------------------------------------------------------------------------------------------------
-def test_n_workers_equal_one_in_process_with_bitwise_replicas(float64):
-    """Cross-attention with kdim/vdim (separate weights), sequence-first, key padding: 2 ranks = 1 on the global batch."""
-    x, y, padding = _data("cross")
+@pytest.mark.parametrize(
+    ("kind", "kdim", "options"), [("cross", KDIM, dict(placement="lbp")), ("self", None, dict(distribute_preconditioning=True))]
+)
+def test_n_workers_equal_one_in_process_with_bitwise_replicas(kind, kdim, options, float64):
+    """Sequence-first attention with key padding: 2 ranks = 1 on the global batch.
+
+    Cross-attention with kdim/vdim (separate weights), LBP placement; self-attention (q, k, v rows of one
+    parameter) with each layer preconditioned by one gradient worker and broadcast (MEM-OPT).
+    """
+    x, y, padding = _data(kind)
 
     def run(backend):
         size = 1 if isinstance(backend, str) else backend.size
         rank = 0 if isinstance(backend, str) else backend.rank
         model = models[rank if size > 1 else 2]
-        opt = SPDKFACOptimizer(model, **{**KW, "backend": backend, "placement": "lbp"})
+        opt = SPDKFACOptimizer(model, **{**KW, "backend": backend, **options})
         local = len(x) // size
         part = slice(rank * local, (rank + 1) * local)
         _train(model, opt, x[part], y[part], padding[part], steps=4)
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    models = [_nets(False, True, "cross", KDIM)[0] for _ in range(3)]  # built outside the rank threads
+    models = [_nets(False, True, kind, kdim)[0] for _ in range(3)]  # built outside the rank threads
     ref = run("single")
     ranks = run_ranks(2, run)
     for key, value in ref.items():
