@@ -222,10 +222,11 @@ PAIRED_KEYS = (
 
 
 def kfac_pairs(st: dict[str, Any]) -> list[str]:
-    """Each later K-FAC configuration against the first, seed by seed (same seed: same initialisation and data
-    order): the mean difference ± its standard error over the seeds where both have a value, and how many."""
+    """In a run that leaves layers out of K-FAC in some configuration (``skip_layers=``: attention, depthwise
+    convolutions), each later K-FAC configuration against the first, seed by seed (same seed: same initialisation
+    and data order): the mean difference ± its standard error over the seeds where both have a value."""
     kfac = {spec: r for spec, r in st["optimizers"].items() if spec.partition(":")[0] == "spdkfac" and r.get("per_seed")}
-    if len(kfac) < 2:
+    if len(kfac) < 2 or not any("skip_layers=" in spec for spec in kfac):
         return []
     (base_spec, base), *others = kfac.items()
     rows = []
