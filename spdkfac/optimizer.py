@@ -23,6 +23,7 @@ from .config import (
     EKFACUpdate,
     FusionPolicy,
     KFACConfig,
+    NormLayers,
     Placement,
     UpdateFusion,
     check_hyperparameters,
@@ -110,6 +111,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         skip_nonfinite, skip_layers: how the step is computed: :class:`~spdkfac.config.KFACConfig`.
         update_fusion: ``'none'``, ``'forward'`` or ``'backward'``: where the
             parameter update runs (:mod:`spdkfac.update.update_fusion`; same results).
+        norm_layers: ``'plain'`` (the default: normalisation layers get the
+            base update unpreconditioned) or ``'kfac'``: the affine
+            parameters of BatchNorm, LayerNorm and GroupNorm preconditioned
+            by their per-channel 2x2 scale-and-shift Fisher blocks
+            (:mod:`spdkfac.kfac.layer_types.norm`, docs/norm-layers.md).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -154,6 +160,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         base: BaseOptimizer = "sgd",
         betas: tuple[float, float] | None = None,
         eps: float | None = None,
+        norm_layers: NormLayers = "plain",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -188,7 +195,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.inv_update_freq: int = initial["inv_update_freq"]
         self.compute_method, self.precondition = compute_method, precondition
         self.method = get_method(compute_method, self.config)  # chosen once: the decomposition, payload, state and costs
-        self.layers: list[KFACLayer] = preconditioned_layers(model, self.method, self.config.skip_layers) if precondition else []
+        self.layers: list[KFACLayer] = (
+            preconditioned_layers(model, self.method, self.config.skip_layers, self.config.norm_layers == "kfac") if precondition else []
+        )
         #: Parameters whose preconditioned gradient is the step's direction (EKFAC's Adam update): the base steps along it.
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         self.backend = get_backend(backend)
@@ -494,7 +503,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     def kfac_summary(self) -> str:
         """Which modules K-FAC preconditions (by type, with how many parameters), which get plain SGD and why."""
-        return kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition)
+        return kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition, self.config.norm_layers == "kfac")
 
     def fusion_plan(self) -> dict[str, list[list[FactorKey]] | None]:
         """Current fusion groups per pass (None while profiling, or for ``'layerwise'``)."""
