@@ -37,6 +37,7 @@ NORM_LAYERS: tuple[str, ...] = get_args(NormLayers)
 
 __all__ = [
     "HYPERPARAMETER_CHECKS",
+    "NORM_LAYERS",
     "SCHEDULE_CHECKS",
     "UPDATE_FUSIONS",
     "ComputeMethod",
@@ -44,7 +45,6 @@ __all__ = [
     "EigenRefresh",
     "FusionPolicy",
     "KFACConfig",
-    "NORM_LAYERS",
     "NormLayers",
     "Placement",
     "UpdateFusion",

@@ -323,7 +323,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------- step
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Precondition the gradients and take one step of the base optimizer (momentum SGD, AdamW or LAMB).
 
         ``closure`` as in ``torch.optim``: it recomputes the loss and its

@@ -38,7 +38,11 @@ __all__ = [
     "NEEDS_CLOSURE",
     "AdaptiveDamping",
     "damping_rule",
-    "kronecker_quadratic", "levenberg_marquardt", "quadratic_model", "reduction_ratio"]
+    "kronecker_quadratic",
+    "levenberg_marquardt",
+    "quadratic_model",
+    "reduction_ratio",
+]
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ def per_sample_grads_batch_norm(model: nn.Module, x: torch.Tensor, y: torch.Tens
     result = {}
     for name, m in norms.items():
         a, g = inputs[name], outputs[name].grad
-        dims = [0] + list(range(2, a.dim()))
+        dims = [0, *list(range(2, a.dim()))]
         shape = [1, -1] + [1] * (a.dim() - 2)
         mean = a.mean(dims).reshape(shape)
         var = ((a - mean) ** 2).mean(dims).reshape(shape)  # biased, as BatchNorm normalises
