@@ -258,3 +258,20 @@ def test_batch_norm_two_workers_bitwise_replicas():
     ranks = run_ranks(2, lambda b: _train(b, models[b.rank], CONFIGS["inverse-lbp"], 12))
     for key, value in ranks[0].items():
         assert torch.equal(value, ranks[1][key]), key
+
+
+def test_accumulated_micro_batches_equal_one_batch(float64):
+    """Two micro-batches of 4 (each forward input kept until its own backward pass) give the batch of 8's step."""
+    x, y = _data(8)
+    results = []
+    for accumulate in (1, 2):
+        model = per_sample_net()
+        opt = SPDKFACOptimizer(model, lr=0.1, damping=0.01, norm_layers="kfac", accumulation_steps=accumulate)
+        for s in range(3):
+            opt.zero_grad()
+            for xm, ym in zip((x + 0.1 * s).chunk(accumulate), y.chunk(accumulate)):
+                (F.cross_entropy(model(xm), ym) / accumulate).backward()
+            opt.step()
+        results.append(dict(model.named_parameters()))
+    for key, value in results[0].items():
+        torch.testing.assert_close(results[1][key], value, rtol=1e-9, atol=1e-12)
