@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from spdkfac import SPDKFACOptimizer
+from spdkfac import KFACPreconditioner, SPDKFACOptimizer
 from spdkfac.comm.inprocess import run_ranks
 from spdkfac.step.adaptive_damping import AdaptiveDamping, levenberg_marquardt, reduction_ratio
 
@@ -121,6 +121,8 @@ def test_refuses_without_a_closure_and_with_a_backward_in_it():
         SPDKFACOptimizer(net(), lr=0.1, damping="auto")
     with pytest.raises(ValueError, match="update_fusion='none'"):
         SPDKFACOptimizer(net(), lr=0.1, damping="adaptive", update_fusion="forward")
+    with pytest.raises(ValueError, match=r"step\(closure\)"):
+        KFACPreconditioner(net(), lr=0.1, damping="adaptive")
 
 
 def _train(backend, model: nn.Module, steps: range, opt_state=None, global_batch: int = 16):
