@@ -20,9 +20,10 @@ at the new size, calls :meth:`ElasticState.on_reset` and then
 (``SPDKFACOptimizer.replan``, ``KFACPreconditioner.replan``): fusion, placement
 and gradient workers are planned for the new size as a job started at that
 size plans them (the torchrun restart of :mod:`spdkfac.train.run` does the same
-in a new process), and the committed state is loaded back. ``sync`` sends rank
-0's committed state to every worker, so an added worker starts from it and
-every replica is bitwise equal.
+in a new process), the committed state is loaded back and the reset callbacks
+run (e.g. to scale the learning rate). ``sync`` then sends rank 0's state to
+every worker, so an added worker starts from it and every replica is bitwise
+equal.
 
 What is committed: the model's ``state_dict()`` (parameters and buffers), the
 ``state_dict()`` of every object given that has one (the K-FAC optimizer or
@@ -144,10 +145,16 @@ class ElasticState:
         self._load(self._committed)
 
     def sync(self) -> None:
-        """Give every worker rank 0's commit (an added worker starts from it), loaded and kept as its own."""
-        committed = self._bcast_object(self._committed)  # the same object type everywhere: Horovod names the collective by it
-        self._load(committed)
-        self._committed = committed
+        """Give every worker rank 0's state, loaded and kept as its commit (an added worker starts from it).
+
+        Rank 0's state is its commit as the reset loaded it, plus what the
+        reset callbacks changed (the learning rate for the new size), so
+        every worker starts alike.
+        """
+        mine = self._snapshot() if self._get_rank() == 0 else self._committed  # a dict everywhere: Horovod names the collective by its type
+        state = self._bcast_object(mine)
+        self._load(state)
+        self._committed = state
 
     def reset(self) -> None:
         """After Horovod re-initialised at the new size: re-plan every object that plans, and load the commit again."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -62,10 +64,11 @@ def test_a_lost_worker_and_added_workers_leave_bitwise_replicas_and_the_one_proc
         # Restored (or synced) state = the commit, bit for bit; only the plan record follows the new size.
         assert set(e["differences"]) <= PLAN_RECORD, e
         assert e["planned_for"] == e["size"], e  # placement and gradient workers planned at this size
-        if e["commit_made_here"] is not None:
-            assert e["commit"] == e["commit_made_here"], e  # restored from the commit this process made
+        if e["differences_from_commit_made_here"] is not None:  # restored from the commit this process made
+            assert set(e["differences_from_commit_made_here"]) <= PLAN_RECORD, e
     joined = [e for e in starts if e["size"] == 3]
     assert len(joined) == 3 and len({e["commit"] for e in joined}) == 1, joined  # the added workers start from rank 0's
+    assert sum(e["differences_from_commit_made_here"] is not None for e in starts) >= 2, starts  # the survivor's restores
 
     assert len({e["digest"] for e in ends}) == 1, ends  # bitwise replicas: model and optimizer state
 
@@ -74,3 +77,52 @@ def test_a_lost_worker_and_added_workers_leave_bitwise_replicas_and_the_one_proc
     params, reference = torch.load(tmp_path / "params.pt"), torch.load(tmp_path / "reference.pt")
     for name, value in reference.items():
         torch.testing.assert_close(params[name], value, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_the_launch_script_runs_the_elastic_example_and_workers_that_join_end_bitwise_equal(tmp_path):
+    """scripts/launch_horovod.sh's elastic mode (MIN_NP/MAX_NP/DISCOVERY/NIC) on examples/elastic_horovod.py.
+
+    One worker starts; the test grows the discovery file to two slots once the first epoch is done, and the
+    second worker joins at a commit of the second epoch: both end with bitwise-equal parameters.
+    """
+    require_horovod()
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n")
+    discovery = elastic_horovod_command(hosts, 1, 2, [])[8]  # writes the discovery script beside the hosts file
+    env = dict(
+        os.environ,
+        NP="1",
+        MIN_NP="1",
+        MAX_NP="2",
+        DISCOVERY=discovery,
+        NIC="lo",
+        PYTHON=sys.executable,
+        PYTHONPATH=str(ROOT),
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        HOROVODRUN=shutil.which("horovodrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]),
+    )
+    args = ["--epochs", "3", "--batch-size", "16", "--commit-every", "4"]
+    proc = subprocess.Popen(
+        ["bash", str(ROOT / "scripts" / "launch_horovod.sh"), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "epoch 0:" in line and hosts.read_text() == "localhost:1\n":
+                hosts.write_text("localhost:2\n")  # a worker joins at the next commit
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = "".join(lines)
+    assert proc.returncode == 0, output[-6000:]
+    assert "reset: 2 workers" in output, output[-4000:]
+    done = re.findall(r"rank (\d)/(\d): done, parameters sha256 (\w+)", output)
+    assert sorted(r for r, _, _ in done) == ["0", "1"] and {s for _, s, _ in done} == {"2"}, output[-4000:]
+    assert len({d for _, _, d in done}) == 1, done  # bitwise replicas
+    accuracy = [float(a) for a in re.findall(r"test accuracy ([\d.]+)", output)]
+    assert accuracy and accuracy[-1] > 0.5, output[-4000:]

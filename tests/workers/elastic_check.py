@@ -12,7 +12,7 @@ commit adds the new workers, which start from rank 0's commit.
 Each process appends JSON lines to ``<out>/events-<pid>.jsonl``: every
 (re)start of the training function with the size, rank, step and whether
 its live state equals the commit it resumed from bit for bit (and, for a
-process that made that commit, the digest recorded then), and at the end the
+process that made that commit, where it differs from the one made then), and at the end the
 digest of its model and optimizer state. Rank 0 saves the final parameters
 to ``<out>/params.pt``. ``--reference`` trains one process on the same
 batches (``backend='single'``) and saves ``<out>/reference.pt``.
@@ -24,6 +24,7 @@ batches (``backend='single'``) and saves ``<out>/reference.pt``.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -108,7 +109,7 @@ def elastic(args: argparse.Namespace) -> None:
 
     model, optimizer = make("horovod")
     state = ElasticState(model, optimizer, step=0)
-    made: dict[int, str] = {}  # step -> digest of the commit this process made there
+    made: dict[int, Any] = {}  # step -> the commit this process made there
 
     @hvd.elastic.run
     def train(state: ElasticState) -> None:
@@ -122,7 +123,9 @@ def elastic(args: argparse.Namespace) -> None:
             live_equals_commit=live == committed,
             differences=differences({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
                                     {"model": state.committed["model"], "optimizer": state.committed["objects"]["optimizer"]}),
-            commit_made_here=made.get(state.step),
+            differences_from_commit_made_here=None
+            if state.step not in made
+            else differences({"model": state.committed["model"], "optimizer": state.committed["objects"]["optimizer"]}, made[state.step]),
             commit=committed,
             planned_for=optimizer.work_plan.workers,
         )
@@ -143,9 +146,7 @@ def elastic(args: argparse.Namespace) -> None:
                 try:
                     state.commit()
                 finally:
-                    made[state.step] = content_digest(
-                        {"model": state.committed["model"], "optimizer": state.committed["objects"]["optimizer"]}
-                    )
+                    made[state.step] = copy.deepcopy({"model": state.committed["model"], "optimizer": state.committed["objects"]["optimizer"]})
 
     train(state)
     log(event="end", size=hvd.size(), rank=hvd.rank(), step=state.step, digest=live_digest(model, optimizer))
