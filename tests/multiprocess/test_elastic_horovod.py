@@ -44,7 +44,7 @@ def test_a_lost_worker_and_added_workers_leave_bitwise_replicas_and_the_one_proc
     args += ["--die-at", "5", "--die-host", "127.0.0.1", "--grow-at", "9", "--grow-to", "localhost:3"]
     cmd = elastic_horovod_command(hosts, 1, 3, [WORKER, *args])
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"elastic horovodrun hung for 240 s: {' '.join(cmd)}\n{str(exc.stdout)[-4000:]}")
     output = proc.stdout + proc.stderr
@@ -55,10 +55,13 @@ def test_a_lost_worker_and_added_workers_leave_bitwise_replicas_and_the_one_proc
 
     # The worker died, the survivor went on alone from the commit before it, then two workers joined.
     assert [e["step"] for e in events if e["event"] == "dying"] == [5], events
-    sizes = [(e["size"], e["step"]) for e in starts if e["host"] == "localhost" and e["pid"] == starts[1]["pid"]]
+    survivor = next(e["pid"] for e in starts if e["host"] == "localhost" and e["size"] == 2)
+    sizes = [(e["size"], e["step"]) for e in starts if e["pid"] == survivor]
     assert sizes[:2] == [(2, 0), (1, 4)], starts
-    assert sizes[-1][0] == 3 and sizes[-1][1] >= 10, starts
-    assert sorted(e["rank"] for e in ends) == [0, 1, 2] and {e["size"] for e in ends} == {3}, ends
+    assert sizes[-1][0] == 3, starts
+    assert sizes[-1][1] >= 10, starts
+    assert sorted(e["rank"] for e in ends) == [0, 1, 2], ends
+    assert {e["size"] for e in ends} == {3}, ends
 
     for e in starts:
         # Restored (or synced) state = the commit, bit for bit; only the plan record follows the new size.
@@ -67,12 +70,20 @@ def test_a_lost_worker_and_added_workers_leave_bitwise_replicas_and_the_one_proc
         if e["differences_from_commit_made_here"] is not None:  # restored from the commit this process made
             assert set(e["differences_from_commit_made_here"]) <= PLAN_RECORD, e
     joined = [e for e in starts if e["size"] == 3]
-    assert len(joined) == 3 and len({e["commit"] for e in joined}) == 1, joined  # the added workers start from rank 0's
+    assert len(joined) == 3, joined
+    assert len({e["commit"] for e in joined}) == 1, joined  # the added workers start from rank 0's
     assert sum(e["differences_from_commit_made_here"] is not None for e in starts) >= 2, starts  # the survivor's restores
 
     assert len({e["digest"] for e in ends}) == 1, ends  # bitwise replicas: model and optimizer state
 
-    ref = subprocess.run([sys.executable, WORKER, "--out", str(tmp_path), "--steps", "16", "--reference"], cwd=ROOT, env=env, capture_output=True, text=True)
+    ref = subprocess.run(
+        [sys.executable, WORKER, "--out", str(tmp_path), "--steps", "16", "--reference"],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert ref.returncode == 0, ref.stdout + ref.stderr
     params, reference = torch.load(tmp_path / "params.pt"), torch.load(tmp_path / "reference.pt")
     for name, value in reference.items():
@@ -122,7 +133,9 @@ def test_the_launch_script_runs_the_elastic_example_and_workers_that_join_end_bi
     assert proc.returncode == 0, output[-6000:]
     assert "reset: 2 workers" in output, output[-4000:]
     done = re.findall(r"rank (\d)/(\d): done, parameters sha256 (\w+)", output)
-    assert sorted(r for r, _, _ in done) == ["0", "1"] and {s for _, s, _ in done} == {"2"}, output[-4000:]
+    assert sorted(r for r, _, _ in done) == ["0", "1"], output[-4000:]
+    assert {s for _, s, _ in done} == {"2"}, output[-4000:]
     assert len({d for _, _, d in done}) == 1, done  # bitwise replicas
     accuracy = [float(a) for a in re.findall(r"test accuracy ([\d.]+)", output)]
-    assert accuracy and accuracy[-1] > 0.5, output[-4000:]
+    assert len(accuracy) >= 3, output[-4000:]  # a line per epoch
+    assert accuracy[-1] > 0.5, output[-4000:]

@@ -121,8 +121,10 @@ def elastic(args: argparse.Namespace) -> None:
             rank=hvd.rank(),
             step=state.step,
             live_equals_commit=live == committed,
-            differences=differences({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
-                                    {"model": state.committed["model"], "optimizer": state.committed["objects"]["optimizer"]}),
+            differences=differences(
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                {"model": state.committed["model"], "optimizer": state.committed["objects"]["optimizer"]},
+            ),
             differences_from_commit_made_here=None
             if state.step not in made
             else differences({"model": state.committed["model"], "optimizer": state.committed["objects"]["optimizer"]}, made[state.step]),
@@ -146,7 +148,9 @@ def elastic(args: argparse.Namespace) -> None:
                 try:
                     state.commit()
                 finally:
-                    made[state.step] = copy.deepcopy({"model": state.committed["model"], "optimizer": state.committed["objects"]["optimizer"]})
+                    made[state.step] = copy.deepcopy(
+                        {"model": state.committed["model"], "optimizer": state.committed["objects"]["optimizer"]}
+                    )
 
     train(state)
     log(event="end", size=hvd.size(), rank=hvd.rank(), step=state.step, digest=live_digest(model, optimizer))

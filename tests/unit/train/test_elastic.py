@@ -18,7 +18,7 @@ from spdkfac.train.checkpoint import content_digest
 
 pytest.importorskip("horovod.common.elastic")
 
-from spdkfac.train.elastic import ElasticState  # noqa: E402
+from spdkfac.train.elastic import ElasticState
 
 OPTIONS = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.01, kl_clip=0.01, factor_update_freq=1, inv_update_freq=2)
 GLOBAL = 12
