@@ -70,9 +70,10 @@ def test_restore_gives_back_the_commit_bit_for_bit_twice(float64):
 
 def test_a_step_abandoned_mid_way_is_dropped_and_training_continues_as_if_it_never_ran(float64):
     """A worker lost between backward() and step(): restore() drops the step in progress, its collectives in flight."""
+    models = [small_net() for _ in range(4)]  # built here: torch.manual_seed in two threads at once would race
 
     def worker(backend):
-        model = small_net()
+        model = models[backend.rank]
         optimizer = SPDKFACOptimizer(model, backend=backend, **OPTIONS)
         state = _state(model, optimizer)
         for s in range(2):
@@ -85,7 +86,7 @@ def test_a_step_abandoned_mid_way_is_dropped_and_training_continues_as_if_it_nev
         return content_digest(model.state_dict())
 
     def uninterrupted(backend):
-        model = small_net()
+        model = models[2 + backend.rank]
         optimizer = SPDKFACOptimizer(model, backend=backend, **OPTIONS)
         for s in range(5):
             _step(model, optimizer, s, backend.rank, 2)
@@ -111,9 +112,10 @@ def test_replan_at_another_size_continues_the_one_process_computation(float64, o
     (``load_state_dict``), one early refresh otherwise, as after a torchrun restart.
     """
     config = {**OPTIONS, **options, "profile_steps": 1}
+    models = [small_net(), small_net(), small_net(seed=1)]  # built here: torch.manual_seed in threads would race
 
     def first(backend):
-        model = small_net()
+        model = models[backend.rank]
         optimizer = SPDKFACOptimizer(model, backend=backend, **config)
         for s in range(4):
             _step(model, optimizer, s, backend.rank, 2)
@@ -129,7 +131,7 @@ def test_replan_at_another_size_continues_the_one_process_computation(float64, o
             optimizer.replan()
             assert optimizer.fusion_plan() == {"A": None, "G": None}  # 'optimal' fusion is profiled again
         else:  # a worker that joins
-            model = small_net(seed=1)
+            model = models[2]
             optimizer = SPDKFACOptimizer(model, backend=backend, **config)
         assert optimizer.work_plan.workers == 3
         model.load_state_dict(copy.deepcopy(commit["model"]))
