@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from nets import batch, small_net
 
-from spdkfac import KFACParamScheduler, SPDKFACOptimizer
+from spdkfac import KFACParamScheduler, KFACPreconditioner, SPDKFACOptimizer
 from spdkfac.comm import run_ranks
 from spdkfac.train.checkpoint import content_digest
 
@@ -157,3 +157,29 @@ def test_replan_refuses_a_ddp_model():
     optimizer.wrapping.ddp = object()  # what a DistributedDataParallel model sets (no process group needed to refuse)
     with pytest.raises(ValueError, match="DistributedDataParallel model's process group cannot change size"):
         optimizer.replan()
+
+
+def test_a_preconditioner_and_its_torch_optimizer_are_committed_and_restored_together(float64):
+    """KAISA's usage: KFACPreconditioner (re-planned, its K-FAC state) plus the user's torch optimizer (its state)."""
+    model = small_net()
+    preconditioner = KFACPreconditioner(model, lr=0.05, damping=0.01, backend="single")
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = _state(model, preconditioner, sgd=sgd, step=0)
+
+    def step(s):
+        x, y = batch(GLOBAL, seed=100 + s)
+        sgd.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        preconditioner.step()
+        sgd.step()
+
+    for s in range(2):
+        step(s)
+    state.commit()
+    committed = _digest(model, preconditioner, sgd)
+    for s in range(2, 4):
+        step(s)
+    assert _digest(model, preconditioner, sgd) != committed
+    state.restore()
+    assert _digest(model, preconditioner, sgd) == committed
+    assert preconditioner.steps == 2
