@@ -26,7 +26,7 @@ import sys
 
 import pytest
 import torch
-from launch import ROOT, elastic_horovod_command, require_horovod
+from launch import ROOT, discovery_script, elastic_horovod_command, require_horovod
 
 pytestmark = pytest.mark.multiprocess  # every test here starts worker processes
 
@@ -99,13 +99,12 @@ def test_the_launch_script_runs_the_elastic_example_and_workers_that_join_end_bi
     require_horovod()
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:1\n")
-    discovery = elastic_horovod_command(hosts, 1, 2, [])[8]  # writes the discovery script beside the hosts file
     env = dict(
         os.environ,
         NP="1",
         MIN_NP="1",
         MAX_NP="2",
-        DISCOVERY=discovery,
+        DISCOVERY=str(discovery_script(hosts)),
         NIC="lo",
         PYTHON=sys.executable,
         PYTHONPATH=str(ROOT),
