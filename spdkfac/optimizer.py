@@ -23,6 +23,7 @@ from .config import (
     EKFACUpdate,
     FusionPolicy,
     KFACConfig,
+    NormLayers,
     Placement,
     UpdateFusion,
     check_hyperparameters,
@@ -37,6 +38,15 @@ from .plan.grad_worker_choice import GradWorkerProblem
 from .plan.grad_workers import GradWorkerFraction
 from .plan.work_plan import LayerShape, WorkPlan
 from .schedules import Scheduled, StepSchedule
+from .step.adaptive_damping import (
+    CLOSURE_WITH_BACKWARD,
+    NEEDS_CLOSURE,
+    AdaptiveDamping,
+    damping_rule,
+    levenberg_marquardt,
+    quadratic_model,
+    reduction_ratio,
+)
 from .step.data_parallel import ModelWrapping, refuse_wrapped_optimizer
 from .step.grad_sync import collective_names
 from .step.kfac_step import KFACStep, StepHyper
@@ -86,7 +96,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         betas, eps: Adam's moment decays and denominator term (``'adamw'``,
             ``'lamb'``; defaults (0.9, 0.999) and 1e-8, LAMB 1e-6).
         damping: Tikhonov damping γ: ``(F + γI)^-1`` (``'eigen'``: added to
-            the eigenvalues of ``A ⊗ G`` when preconditioning).
+            the eigenvalues of ``A ⊗ G`` when preconditioning); ``'adaptive'``
+            or an :class:`~spdkfac.step.adaptive_damping.AdaptiveDamping`:
+            adjusted by the Levenberg-Marquardt rule, which needs
+            ``step(closure)`` with a loss-only closure (docs/damping.md).
         factor_decay: running-average weight of the old factor.
         kl_clip: KL-clip bound on the preconditioned update (None disables).
         factor_update_freq, inv_update_freq: update factors (inverses) at the
@@ -110,6 +123,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         skip_nonfinite, skip_layers: how the step is computed: :class:`~spdkfac.config.KFACConfig`.
         update_fusion: ``'none'``, ``'forward'`` or ``'backward'``: where the
             parameter update runs (:mod:`spdkfac.update.update_fusion`; same results).
+        norm_layers: ``'plain'`` (the default: normalisation layers get the
+            base update unpreconditioned) or ``'kfac'``: the affine
+            parameters of BatchNorm, LayerNorm and GroupNorm preconditioned
+            by their per-channel 2x2 scale-and-shift Fisher blocks
+            (:mod:`spdkfac.kfac.layer_types.norm`, docs/norm-layers.md).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -122,7 +140,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         lr: float,
         momentum: float | None = None,
         weight_decay: float = 0.0,
-        damping: Scheduled[float] = 0.003,
+        damping: Scheduled[float] | str | AdaptiveDamping = 0.003,
         factor_decay: float = 0.95,
         kl_clip: Scheduled[float | None] = 0.001,
         factor_update_freq: Scheduled[int] = 1,
@@ -154,11 +172,23 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         base: BaseOptimizer = "sgd",
         betas: tuple[float, float] | None = None,
         eps: float | None = None,
+        norm_layers: NormLayers = "plain",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         wrapping = ModelWrapping(model)  # a DDP model: its bare module is preconditioned, DDP averages the gradients
         model = wrapping.module
+        #: The Levenberg-Marquardt damping rule (``damping='adaptive'``), or None; the damping in force is the group's.
+        self.adaptive_damping = damping_rule(damping)
+        if self.adaptive_damping is not None:
+            damping = self.adaptive_damping.initial
+            if update_fusion != "none" or grad_scaler is not None:
+                raise ValueError(
+                    "damping='adaptive' evaluates the loss after the update inside step(): it needs update_fusion='none' "
+                    "and no grad_scaler (GradScaler.step does not pass a closure); use a fixed or scheduled damping"
+                )
+        #: ρ of the last damping adjustment (``damping='adaptive'``), for the record.
+        self.last_reduction_ratio: float | None = None
         base_options = base_defaults(base, momentum, betas, eps)  # momentum, or betas and eps
         momentum_now = base_options.get("momentum", 0.0)
         hyper = check_hyperparameters(lr=lr, momentum=momentum_now, weight_decay=weight_decay, factor_decay=factor_decay)  # plain floats
@@ -188,37 +218,54 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.inv_update_freq: int = initial["inv_update_freq"]
         self.compute_method, self.precondition = compute_method, precondition
         self.method = get_method(compute_method, self.config)  # chosen once: the decomposition, payload, state and costs
-        self.layers: list[KFACLayer] = preconditioned_layers(model, self.method, self.config.skip_layers) if precondition else []
+        self.layers: list[KFACLayer] = (
+            preconditioned_layers(model, self.method, self.config.skip_layers, self.config.norm_layers == "kfac") if precondition else []
+        )
         #: Parameters whose preconditioned gradient is the step's direction (EKFAC's Adam update): the base steps along it.
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         self.backend = get_backend(backend)
-        wrapping.check(self.backend.size, update_fusion)
         self.wrapping = wrapping
-        self.perf_model = load_perf_model(perf_model).for_world_size(self.backend.size)  # as the simulator plans
+        self._measured_perf_model = load_perf_model(perf_model)  # scaled to the run's worker count by _plan_for_workers
+        self.timeline: Timeline | None = Timeline() if timeline else None
+        self.param_names = collective_names(model, self.param_groups)
+        self._forward_fusion: ForwardFusion | None = None
+        self._backward_fusion: BackwardFusion | None = None
+        self._plan_for_workers()
+        wrapping.attach()
+        self._begin_iteration()
+
+    def _plan_for_workers(self) -> None:
+        """Plan and wire what depends on the number of workers: fusion, placement, gradient workers and the step's parts.
+
+        Construction and :meth:`replan` run this one implementation, so a job
+        re-planned at a new size plans as a job started at that size.
+        """
+        workers = self.backend.size
+        self.wrapping.check(workers, self.config.update_fusion)
+        self.perf_model = self._measured_perf_model.for_world_size(workers)  # as the simulator plans
         shapes = [LayerShape.of(la) for la in self.layers]
         grad_workers, self.grad_worker_choice = GradWorkerProblem(
             shapes,
-            self.backend.size,
+            workers,
             self.perf_model,
-            placement,
+            self.config.placement,
             self.method,
             self.backend.native_subgroups,
             self.layers[0].helper.weight.element_size() if self.layers else 4,
             self.inv_update_freq,
             self.config.overlap_preconditioning,
-        ).resolve(self.config.grad_worker_fraction, distribute_preconditioning, self.config.memory_budget)
+        ).resolve(self.config.grad_worker_fraction, self.config.distribute_preconditioning, self.config.memory_budget)
         self.work_plan: WorkPlan = (
             self.grad_worker_choice.plan
             if self.grad_worker_choice is not None
             else WorkPlan.make(
-                shapes, self.backend.size, self.perf_model, placement, self.method,
+                shapes, workers, self.perf_model, self.config.placement, self.method,
                 grad_workers=grad_workers, native_subgroups=self.backend.native_subgroups, inv_update_freq=self.inv_update_freq,
             )
         )  # fmt: skip
         if self.grad_worker_choice is not None and self.backend.rank == 0:
             print(f"spdkfac: grad_worker_fraction='auto' chose {self.grad_worker_choice.describe()}", flush=True)
-        self.timeline: Timeline | None = Timeline() if timeline else None
-        self.param_names = collective_names(model, self.param_groups)
+        update_fusion = self.config.update_fusion
         self.kfac_step = KFACStep(
             self.config,
             self.layers,
@@ -227,19 +274,44 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.work_plan,
             self.param_groups,
             self.param_names,
-            grad_scaler,
+            self.grad_scaler,
             self._collecting,
             self._loss_scale,
             self._final_grad if update_fusion == "backward" else None,
-            wrapping,
+            self.wrapping,
         )
-        self._forward_fusion = ForwardFusion(model, self.param_groups, self.state) if update_fusion == "forward" else None
+        self._forward_fusion = ForwardFusion(self.model, self.param_groups, self.state) if update_fusion == "forward" else None
         self._backward_fusion = (
             BackwardFusion(self.param_groups, self.state, self.layers, self.kfac_step.grads, self.param_names, self._fusable_step)
             if update_fusion == "backward"
             else None
         )
-        wrapping.attach()
+
+    def replan(self) -> None:
+        """Plan fusion, placement and gradient workers anew for the engine's current size and rank.
+
+        For Horovod's elastic mode, whose ``hvd.elastic.run`` re-initialises
+        Horovod at another size in the same process
+        (:class:`spdkfac.train.elastic.ElasticState` calls this after every
+        reset): the plan is the one a job started at that size makes, and the
+        ``'optimal'`` fusion plan is profiled again. The step in progress, if
+        any, is dropped (its collectives are not waited for: after a lost
+        worker they never complete); the factors, decompositions, base state
+        and step counter are kept. Then load the committed ``state_dict()``
+        (with ``grad_worker_fraction`` < 1 this also recomputes the
+        decompositions this worker now holds). A ``DistributedDataParallel``
+        model is refused: its process group cannot change size in place.
+        """
+        if self.wrapping.ddp is not None:
+            raise ValueError(
+                "replan() re-plans for Horovod's elastic mode; a DistributedDataParallel model's process group cannot "
+                "change size in place: restart the job under torchrun (spdkfac.train --resume auto) instead"
+            )
+        self._begin_iteration(abandon=True)  # under backward fusion: rolls back what an unfinished step wrote
+        self.kfac_step.remove_hooks()
+        if self._forward_fusion is not None:
+            self._forward_fusion.remove_hooks()  # the held updates are applied first
+        self._plan_for_workers()
         self._begin_iteration()
 
     # ------------------------------------------------------------------ per step
@@ -291,14 +363,76 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------- step
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Precondition the gradients and take one step of the base optimizer (momentum SGD, AdamW or LAMB)."""
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Precondition the gradients and take one step of the base optimizer (momentum SGD, AdamW or LAMB).
+
+        ``closure`` as in ``torch.optim``: it recomputes the loss and its
+        gradients, and its loss is returned. Under ``damping='adaptive'`` it
+        is required and different: it returns the loss of this step's batch
+        without a backward pass, and is evaluated under ``torch.no_grad()``
+        before and after the update on the steps that adjust the damping
+        (whose loss before the update is returned; None on the others).
+        """
+        if self.adaptive_damping is not None:
+            return self._adaptive_step(self.adaptive_damping, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self.run_step(base_update=True)
         return loss
+
+    def _adaptive_step(self, rule: AdaptiveDamping, closure: Callable[[], Any] | None) -> Any:
+        """A step that, every ``rule.interval`` steps, compares the loss change with the model's and adjusts the damping."""
+        if closure is None:
+            raise ValueError(NEEDS_CLOSURE)
+        if not (self.precondition and rule.due(self.steps)):
+            self.run_step(base_update=True)
+            return None
+        self.kfac_step.grads.synchronize()  # the averaged gradient ∇h (the plain order then preconditions: same result)
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad.detach().clone() for p in params if p.grad is not None]
+        before = [p.detach().clone() for p in params]
+        damping = float(self.param_groups[0]["damping"])  # in force for this step (a number: not scheduled)
+        loss_before = self._loss_only(closure)
+        if not self.run_step(base_update=True):  # skipped over NaN/Inf: nothing moved, nothing to measure
+            return loss_before
+        losses = torch.tensor([float(loss_before), float(self._loss_only(closure))], dtype=torch.float64)
+        if self.backend.size > 1:
+            self.backend.allreduce_async(losses, "spdkfac.adaptive_damping").wait()
+        deltas = [p.detach() - b for p, b in zip(params, before)]
+        predicted = quadratic_model(self.layers, self._layer_deltas(params, deltas), grads, deltas, damping)
+        rho = reduction_ratio(float(losses[0]), float(losses[1]), predicted)
+        new = levenberg_marquardt(damping, rho, rule.factor, rule.low, rule.high)
+        for group in self.param_groups:
+            group["damping"] = new
+        self.last_reduction_ratio = rho
+        return loss_before
+
+    def _loss_only(self, closure: Callable[[], Any]) -> Any:
+        """The closure's loss under ``torch.no_grad()``, the model's buffers (BatchNorm's statistics) left as they were."""
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        try:
+            with torch.no_grad():
+                return closure()
+        except RuntimeError as exc:
+            if "does not require grad" in str(exc):
+                raise RuntimeError(CLOSURE_WITH_BACKWARD) from exc
+            raise
+        finally:
+            for b, saved in zip(self.model.buffers(), buffers):
+                b.copy_(saved)
+
+    def _layer_deltas(self, params: list[torch.Tensor], deltas: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each preconditioned layer's parameter change in its gradient layout (read through its helper)."""
+        held = [p.grad for p in params]
+        try:
+            for p, d in zip(params, deltas):
+                p.grad = d
+            return {layer.name: m.clone() for layer in self.layers if (m := layer.grad_matrix()) is not None}
+        finally:
+            for p, g in zip(params, held):
+                p.grad = g
 
     @torch.no_grad()
     def run_step(self, base_update: bool) -> bool:
@@ -494,7 +628,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     def kfac_summary(self) -> str:
         """Which modules K-FAC preconditions (by type, with how many parameters), which get plain SGD and why."""
-        return kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition)
+        return kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition, self.config.norm_layers == "kfac")
 
     def fusion_plan(self) -> dict[str, list[list[FactorKey]] | None]:
         """Current fusion groups per pass (None while profiling, or for ``'layerwise'``)."""
