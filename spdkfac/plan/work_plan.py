@@ -20,7 +20,7 @@ import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
-from ..kfac.factor_shape import FactorShape
+from ..kfac.factor_shape import FactorKind, FactorShape
 from ..kfac.layers import KFACLayer
 from ..kfac.methods import DecompositionMethod, get_method
 from ..perfmodels import PerfModel
@@ -110,10 +110,10 @@ class LayerShape:
         return cls(layer.name, a.dim, g.dim, max(a.blocks, g.blocks), a.diagonal)
 
     def dim(self, kind: str) -> int:
-        return self.a_dim if kind == "A" else self.g_dim
+        return self.a_dim if kind == FactorKind.A else self.g_dim
 
     def factor_shape(self, kind: str) -> FactorShape:
-        if kind == "A" and self.a_diagonal:
+        if kind == FactorKind.A and self.a_diagonal:
             return FactorShape(self.a_dim, diagonal=True)
         return FactorShape(self.dim(kind), blocks=self.blocks)
 
