@@ -199,10 +199,7 @@ def _train(backend, config: dict, global_batch: int, model: nn.Module) -> dict:
         for kind in "AG"
         if layer.decomposition(kind).Q is not None
     }
-    scales = {
-        layer.name: getattr(layer.method_state, "scale", None) if hasattr(layer.method_state, "scale") else layer.method_state.exp_avg_sq
-        for layer in opt.layers
-    }
+    scales = {layer.name: getattr(layer.method_state, "scale", getattr(layer.method_state, "exp_avg_sq", None)) for layer in opt.layers}
     owners = {"/".join(a.key): a.owner for a in opt.work_plan.inversion.assignments}
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "bases": state, "scales": scales, "owners": owners}
 
