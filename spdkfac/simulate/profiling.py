@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from ..comm import CommBackend
 from ..kfac.factor_shape import FactorKind
+from ..kfac.layers import FACTOR_KINDS
 from ..models import get_model
 from ..optimizer import SPDKFACOptimizer
 from ..step.timeline import Timeline
@@ -98,7 +99,7 @@ def measure_profile(
     _barrier(comm)  # every rank inverts at once, as in the inversion stage
     per_factor: dict[str, tuple[float, float, float]] = {}  # factor -> (unpack, pack, invert) seconds
     for layer in opt.layers:
-        for kind in ("A", "G"):
+        for kind in FACTOR_KINDS:
             t0 = Timeline.now()
             full = layer.factor(kind)
             t1 = Timeline.now()
