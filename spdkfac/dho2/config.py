@@ -6,10 +6,20 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-__all__ = ["BASE_OPTIMIZERS", "DHO2Config", "default_lanczos_steps"]
+__all__ = ["ADMM_RULES", "BASE_OPTIMIZERS", "DEFAULT_SIGMA", "DHO2Config", "default_lanczos_steps"]
 
 BaseOptimizer = Literal["adamw", "sgd"]
 BASE_OPTIMIZERS: tuple[BaseOptimizer, ...] = ("adamw", "sgd")
+
+#: The ADMM-like outer iteration's forms (docs/dho2.md argues them): ``'code'`` runs the authors' code (also
+#: Algorithm 3 as printed: inner gradient g + π, no σ(w_a − w)); ``'lagrangian'`` adds σ(w_a − w), so the inner
+#: loop descends the w_a-subproblem of Eq. 11; ``'proximal'`` is ``'lagrangian'`` without moving the parameters
+#: to w at the outer step (the inner loop warm-starts at w_a: the proximal point method Eq. 11 reduces to).
+ADMMRule = Literal["code", "lagrangian", "proximal"]
+ADMM_RULES: tuple[ADMMRule, ...] = ("code", "lagrangian", "proximal")
+#: σ when not given, by rule: the authors' code's 5e-9 for ``'code'``; the measured best for the others.
+DEFAULT_SIGMA: dict[ADMMRule, float] = {"code": 5e-9, "lagrangian": 1e-2, "proximal": 1e-2}
+DEFAULT_ADMM_RULE: ADMMRule = "proximal"
 
 
 def default_lanczos_steps(n: int, k: int, l: int) -> int:  # noqa: E741 the paper's name
@@ -33,7 +43,8 @@ class DHO2Config:
     lanczos_steps: int | None = None
     alpha: float = 0.1
     admm: bool = True
-    sigma: float = 5e-4
+    admm_rule: ADMMRule | None = None
+    sigma: float | None = None
     admm_period: int = 400
     eigenvalue_floor: float = 1e-6
     seed: int = 0
@@ -67,13 +78,27 @@ class DHO2Config:
         if self.lanczos_steps is not None:
             count("lanczos_steps", self.lanczos_steps, self.k + self.l)
         positive("alpha", self.alpha)
-        positive("sigma", self.sigma)
+        if not self.admm and (self.admm_rule is not None or self.sigma is not None):
+            raise ValueError("admm_rule and sigma apply to the ADMM outer iteration only: drop them, or pass admm=True ('dho2')")
+        if self.admm:  # resolved once here, so the config (repr, checkpoints) names the rule and σ that run
+            if self.admm_rule is None:
+                object.__setattr__(self, "admm_rule", DEFAULT_ADMM_RULE)
+            if self.admm_rule not in ADMM_RULES:
+                raise ValueError(f"admm_rule must be one of {ADMM_RULES}, got {self.admm_rule!r}")
+            if self.sigma is None:
+                object.__setattr__(self, "sigma", DEFAULT_SIGMA[self.admm_rule])  # type: ignore[index]
+            positive("sigma", self.sigma)  # type: ignore[arg-type]
         count("admm_period", self.admm_period, 1)
         if not (math.isfinite(self.eigenvalue_floor) and self.eigenvalue_floor >= 0):
             raise ValueError(f"eigenvalue_floor must be >= 0, got {self.eigenvalue_floor!r}")
         count("seed", self.seed, 0)
         count("accumulation_steps", self.accumulation_steps, 1)
         count("skip_nonfinite", self.skip_nonfinite, 0)
+
+    @property
+    def shift(self) -> float:
+        """σ where the step uses it (the Newton step's ``(A + σI)⁻¹``), 0 without ADMM."""
+        return float(self.sigma) if self.admm and self.sigma is not None else 0.0
 
     def steps_for(self, n: int) -> int:
         """The Lanczos steps m for a model of ``n`` parameters (the option, or FOSI's default; at most n)."""
