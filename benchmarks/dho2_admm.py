@@ -11,7 +11,7 @@ batch and seeds; an optimizer spec found in several files is taken from the
 first). Per optimizer, at its chosen learning rate: best test accuracy,
 final test loss and the epochs to DHO2-WA's best test accuracy (the mean
 curve's), per seed and as the paired per-seed difference to DHO2-WA (mean
-and standard error); the runs that stopped on a non-finite value; the test
+and standard error; only for optimizers in DHO2-WA's file); the runs that stopped on a non-finite value; the test
 loss just before and just after each ADMM outer step (the convergence
 benchmark's probe) and at the end of that epoch; and epochs and seconds to
 SGD's best test accuracy (seconds from different files were measured on a
@@ -64,13 +64,14 @@ def _mean_best(runs: list[dict[str, Any]]) -> float | None:
 
 
 def _outer_steps(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Mean over the seeds of the test loss and accuracy just before / after each outer step and at the end of its epoch."""
+    """Mean over the seeds of the test loss and accuracy just before / after each outer step, and the test loss at the end
+    of the next epoch (one epoch after the step, as the authors' code measures it)."""
     steps: list[dict[str, Any]] = []
     probes = [r.get("outer_steps") or [] for r in runs]
     for i in range(min((len(p) for p in probes), default=0)):
         rows = [p[i] for p in probes]
-        epoch_end = [math.ceil(row["epoch"] - 1e-9) for row in rows]
-        ends = [r["epochs"][e - 1] for r, e in zip(runs, epoch_end) if len(r["epochs"]) >= e]
+        next_end = [math.ceil(row["epoch"] - 1e-9) + (1 if float(row["epoch"]).is_integer() else 0) for row in rows]
+        ends = [r["epochs"][e - 1] for r, e in zip(runs, next_end) if len(r["epochs"]) >= e]
         steps.append(
             {
                 "step": rows[0]["step"],
@@ -79,7 +80,7 @@ def _outer_steps(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "after_test_loss": statistics.fmean(row["after"]["test_loss"] for row in rows),
                 "before_test_acc": statistics.fmean(row["before"]["test_acc"] for row in rows),
                 "after_test_acc": statistics.fmean(row["after"]["test_acc"] for row in rows),
-                "epoch_end_test_loss": statistics.fmean(e["test_loss"] for e in ends) if len(ends) == len(rows) else None,
+                "next_epoch_test_loss": statistics.fmean(e["test_loss"] for e in ends) if len(ends) == len(rows) else None,
                 "seeds": len(rows),
             }
         )
@@ -122,7 +123,7 @@ def summarise(name: str, files: Sequence[Path]) -> dict[str, Any]:
         paired: dict[str, Any] = {}
         for key in ("best_test_acc", "final_test_loss"):
             diffs = []
-            for row in per_seed:
+            for row in per_seed if source == entries[wa_spec][1] else []:  # pairs only within one run of the benchmark
                 ref = wa_runs.get(row["seed"])
                 if ref is None or row["diverged"] or ref.get("diverged") or row[key] is None:
                     continue

@@ -88,7 +88,7 @@ def dho2_admm(path: Path, d: dict[str, Any]) -> list[str]:
         if outer:
             lines += [
                 "Test loss around each ADMM outer step (mean over the seeds): just before (the inner loop's end "
-                "w_a), just after (where the parameters continue from), and at the end of that epoch.",
+                "w_a), just after (where the parameters continue from), and one epoch later.",
                 "",
             ]
             rows = [
@@ -98,10 +98,10 @@ def dho2_admm(path: Path, d: dict[str, Any]) -> list[str]:
                     _num(o["before_test_loss"]),
                     _num(o["after_test_loss"]),
                     f"{_pct(o['before_test_acc'])} → {_pct(o['after_test_acc'])}",
-                    _num(o["epoch_end_test_loss"]),
+                    _num(o["next_epoch_test_loss"]),
                 ]
                 for spec, m in outer
                 for o in m["outer_steps"]
             ]
-            lines += table(["optimizer", "outer step at step", "before", "after", "test acc", "end of epoch"], rows)
+            lines += table(["optimizer", "outer step at step", "before", "after", "test acc", "one epoch later"], rows)
     return lines

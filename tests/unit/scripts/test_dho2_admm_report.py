@@ -55,15 +55,12 @@ def results(tmp_path: Path) -> Path:
     dho2 = [
         _run(0, [0.6, 0.85, 0.92], [0.9, 0.4, 0.25], outer=[_probe(44, 2.0, 0.5, 0.6)]),
         _run(1, [0.6, 0.9, 0.91], [0.9, 0.4, 0.27], outer=[_probe(44, 2.0, 0.3, 0.5)]),
-        _run(2, [0.4, 0.0], [2.0, 9.0], diverged="epoch 3: non-finite averaged gradient", outer=[_probe(44, 2.0, 0.4, 0.7)]),
+        _run(2, [0.4, 0.0, 0.1], [2.0, 9.0, 5.0], diverged="epoch 4: non-finite averaged gradient", outer=[_probe(44, 2.0, 0.4, 0.7)]),
     ]
     sgd = [_run(s, [0.3, 0.6, 0.85], [1.5, 0.9, 0.5]) for s in range(3)]
-    new = {
-        "settings": [
-            {**setting, "optimizers": {"dho2:admm_rule=proximal": _entry(0.002, dho2[:2]) | {"lr_grid": {"0.002": {"runs": dho2}}}}}
-        ]
-    }
-    old = {"settings": [{**setting, "optimizers": {"sgd": _entry(0.05, sgd), "dho2-wa:refresh_every=22": _entry(0.002, wa)}}]}
+    dho2_entry = _entry(0.002, dho2[:2]) | {"lr_grid": {"0.002": {"runs": dho2}}}
+    new = {"settings": [{**setting, "optimizers": {"dho2:admm_rule=proximal": dho2_entry, "dho2-wa:refresh_every=22": _entry(0.002, wa)}}]}
+    old = {"settings": [{**setting, "optimizers": {"sgd": _entry(0.05, sgd)}}]}  # another run: no pairs with dho2-wa
     res = tmp_path / "results"
     for name, obj in (("new", new), ("old", old)):
         (res / "convergence" / name).mkdir(parents=True)
@@ -88,8 +85,9 @@ def test_the_summary_pairs_each_seed_with_dho2_wa_and_averages_the_outer_steps(r
     assert m["paired_vs_wa"]["final_test_loss"]["mean"] == pytest.approx(((0.25 - 0.30) + (0.27 - 0.31)) / 2)
     outer = m["outer_steps"][0]  # over the three seeds' probes
     assert (outer["before_test_loss"], outer["after_test_loss"]) == (pytest.approx(0.4), pytest.approx(0.6))
-    assert outer["epoch_end_test_loss"] == pytest.approx((0.4 + 0.4 + 9.0) / 3)
+    assert outer["next_epoch_test_loss"] == pytest.approx((0.25 + 0.27 + 5.0) / 3)  # epoch 3, one epoch after the step
     assert m["epochs_to_sgd_best"] == 2
+    assert st["methods"]["sgd"]["paired_vs_wa"]["best_test_acc"]["n"] == 0
 
 
 def test_the_section_renders_the_comparison(results: Path, tmp_path: Path):
@@ -101,4 +99,4 @@ def test_the_section_renders_the_comparison(results: Path, tmp_path: Path):
     assert "### digits_b32: digits, 32 per worker (22 steps per epoch)" in section
     assert "| `dho2:admm_rule=proximal` | 0.002: 74.3% → 0.002 | 91.5% | 3 | 0.260 | 1 of 3 |" in section  # grid: (92 + 91 + 40) / 3
     assert "| 1 of 3 | +1.50 ± 0.50 (n=2) pts |" in section
-    assert "| `dho2:admm_rule=proximal` | 44 (epoch 2) | 0.400 | 0.600 | 90.0% → 50.0% | 3.267 |" in section
+    assert "| `dho2:admm_rule=proximal` | 44 (epoch 2) | 0.400 | 0.600 | 90.0% → 50.0% | 1.840 |" in section
