@@ -65,7 +65,9 @@ def dho2_admm(path: Path, d: dict[str, Any]) -> list[str]:
                     f"{m['nonfinite_stops']} of {m['runs']}",
                     _paired(m["paired_vs_wa"]["best_test_acc"], 100, ".2f") + " pts",
                     _paired(m["paired_vs_wa"]["final_test_loss"], 1, ".3f"),
-                    f"{_epochs(m['epochs_to_sgd_best'])} / {_num(m['seconds_to_sgd_best'], '.1f')} s",
+                    "–"
+                    if st["sgd_best_test_acc"] is None
+                    else f"{_epochs(m['epochs_to_sgd_best'])} / {_num(m['seconds_to_sgd_best'], '.1f')} s",
                     f"`{Path(m['source']).parent.name}`",
                 ]
             )
