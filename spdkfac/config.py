@@ -7,7 +7,7 @@ frequencies as attributes (both may be scheduled, :mod:`spdkfac.schedules`).
 Everything else decides *how* the step is computed and is fixed for the
 optimizer's life: that is :class:`KFACConfig`. None of it changes the
 result, except ``precondition`` (K-FAC on or off), ``compute_method``,
-``skip_layers`` and ``base``, which are what a checkpoint must agree on.
+``skip_layers``, ``norm_layers`` and ``base``, which are what a checkpoint must agree on.
 """
 
 from __future__ import annotations
@@ -32,9 +32,12 @@ ComputeMethod = Literal["inverse", "eigen", "ekfac"]
 EigenRefresh = Literal["exact", "warm"]
 UpdateFusion = Literal["none", "forward", "backward"]
 UPDATE_FUSIONS: tuple[str, ...] = get_args(UpdateFusion)
+NormLayers = Literal["plain", "kfac"]
+NORM_LAYERS: tuple[str, ...] = get_args(NormLayers)
 
 __all__ = [
     "HYPERPARAMETER_CHECKS",
+    "NORM_LAYERS",
     "SCHEDULE_CHECKS",
     "UPDATE_FUSIONS",
     "ComputeMethod",
@@ -42,6 +45,7 @@ __all__ = [
     "EigenRefresh",
     "FusionPolicy",
     "KFACConfig",
+    "NormLayers",
     "Placement",
     "UpdateFusion",
     "check_hyperparameters",
@@ -242,6 +246,12 @@ class KFACConfig:
             all gradients before any update (a KL clip, a GradScaler,
             distributed preconditioning, clipping after ``synchronize()``);
             both need ``base='sgd'``.
+        norm_layers: what the affine parameters of ``nn.BatchNorm1d/2d/3d``,
+            ``nn.LayerNorm`` and ``nn.GroupNorm`` get: ``'plain'`` (the
+            base update, unpreconditioned) or ``'kfac'`` (their per-channel
+            2x2 Fisher blocks of scale and shift,
+            :mod:`spdkfac.kfac.layer_types.norm`); a checkpoint resumes only
+            with the same choice (its layers differ).
         base: the update after preconditioning: ``'sgd'`` (momentum SGD),
             ``'adamw'`` or ``'lamb'`` (:mod:`spdkfac.update.base_update`); a
             checkpoint resumes only with the same base (its state differs).
@@ -269,6 +279,7 @@ class KFACConfig:
     skip_layers: tuple[LayerFilter, ...] = ()
     update_fusion: UpdateFusion = "none"
     base: BaseOptimizer = "sgd"
+    norm_layers: NormLayers = "plain"
 
     def __post_init__(self) -> None:
         _check_choice("fusion", self.fusion, FUSION_POLICIES)
@@ -276,6 +287,7 @@ class KFACConfig:
         _check_choice("base", self.base, BASE_OPTIMIZERS)
         _check_choice("compute_method", self.compute_method, tuple(METHODS))  # the registry as it is now
         _check_choice("update_fusion", self.update_fusion, UPDATE_FUSIONS)
+        _check_choice("norm_layers", self.norm_layers, NORM_LAYERS)
         _check_choice("eigen_refresh", self.eigen_refresh, ("exact", "warm"))
         _check_choice("ekfac_update", self.ekfac_update, EKFAC_UPDATES)
         if self.ekfac_update == "adam" and (self.compute_method != "ekfac" or self.base != "adamw"):

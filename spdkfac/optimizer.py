@@ -23,6 +23,7 @@ from .config import (
     EKFACUpdate,
     FusionPolicy,
     KFACConfig,
+    NormLayers,
     Placement,
     UpdateFusion,
     check_hyperparameters,
@@ -37,6 +38,15 @@ from .plan.grad_worker_choice import GradWorkerProblem
 from .plan.grad_workers import GradWorkerFraction
 from .plan.work_plan import LayerShape, WorkPlan
 from .schedules import Scheduled, StepSchedule
+from .step.adaptive_damping import (
+    CLOSURE_WITH_BACKWARD,
+    NEEDS_CLOSURE,
+    AdaptiveDamping,
+    damping_rule,
+    levenberg_marquardt,
+    quadratic_model,
+    reduction_ratio,
+)
 from .step.data_parallel import ModelWrapping, refuse_wrapped_optimizer
 from .step.grad_sync import collective_names
 from .step.kfac_step import KFACStep, StepHyper
@@ -86,7 +96,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         betas, eps: Adam's moment decays and denominator term (``'adamw'``,
             ``'lamb'``; defaults (0.9, 0.999) and 1e-8, LAMB 1e-6).
         damping: Tikhonov damping γ: ``(F + γI)^-1`` (``'eigen'``: added to
-            the eigenvalues of ``A ⊗ G`` when preconditioning).
+            the eigenvalues of ``A ⊗ G`` when preconditioning); ``'adaptive'``
+            or an :class:`~spdkfac.step.adaptive_damping.AdaptiveDamping`:
+            adjusted by the Levenberg-Marquardt rule, which needs
+            ``step(closure)`` with a loss-only closure (docs/damping.md).
         factor_decay: running-average weight of the old factor.
         kl_clip: KL-clip bound on the preconditioned update (None disables).
         factor_update_freq, inv_update_freq: update factors (inverses) at the
@@ -110,6 +123,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         skip_nonfinite, skip_layers: how the step is computed: :class:`~spdkfac.config.KFACConfig`.
         update_fusion: ``'none'``, ``'forward'`` or ``'backward'``: where the
             parameter update runs (:mod:`spdkfac.update.update_fusion`; same results).
+        norm_layers: ``'plain'`` (the default: normalisation layers get the
+            base update unpreconditioned) or ``'kfac'``: the affine
+            parameters of BatchNorm, LayerNorm and GroupNorm preconditioned
+            by their per-channel 2x2 scale-and-shift Fisher blocks
+            (:mod:`spdkfac.kfac.layer_types.norm`, docs/norm-layers.md).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -122,7 +140,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         lr: float,
         momentum: float | None = None,
         weight_decay: float = 0.0,
-        damping: Scheduled[float] = 0.003,
+        damping: Scheduled[float] | str | AdaptiveDamping = 0.003,
         factor_decay: float = 0.95,
         kl_clip: Scheduled[float | None] = 0.001,
         factor_update_freq: Scheduled[int] = 1,
@@ -154,11 +172,23 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         base: BaseOptimizer = "sgd",
         betas: tuple[float, float] | None = None,
         eps: float | None = None,
+        norm_layers: NormLayers = "plain",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         wrapping = ModelWrapping(model)  # a DDP model: its bare module is preconditioned, DDP averages the gradients
         model = wrapping.module
+        #: The Levenberg-Marquardt damping rule (``damping='adaptive'``), or None; the damping in force is the group's.
+        self.adaptive_damping = damping_rule(damping)
+        if self.adaptive_damping is not None:
+            damping = self.adaptive_damping.initial
+            if update_fusion != "none" or grad_scaler is not None:
+                raise ValueError(
+                    "damping='adaptive' evaluates the loss after the update inside step(): it needs update_fusion='none' "
+                    "and no grad_scaler (GradScaler.step does not pass a closure); use a fixed or scheduled damping"
+                )
+        #: ρ of the last damping adjustment (``damping='adaptive'``), for the record.
+        self.last_reduction_ratio: float | None = None
         base_options = base_defaults(base, momentum, betas, eps)  # momentum, or betas and eps
         momentum_now = base_options.get("momentum", 0.0)
         hyper = check_hyperparameters(lr=lr, momentum=momentum_now, weight_decay=weight_decay, factor_decay=factor_decay)  # plain floats
@@ -188,7 +218,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.inv_update_freq: int = initial["inv_update_freq"]
         self.compute_method, self.precondition = compute_method, precondition
         self.method = get_method(compute_method, self.config)  # chosen once: the decomposition, payload, state and costs
-        self.layers: list[KFACLayer] = preconditioned_layers(model, self.method, self.config.skip_layers) if precondition else []
+        self.layers: list[KFACLayer] = (
+            preconditioned_layers(model, self.method, self.config.skip_layers, self.config.norm_layers == "kfac") if precondition else []
+        )
         #: Parameters whose preconditioned gradient is the step's direction (EKFAC's Adam update): the base steps along it.
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         self.backend = get_backend(backend)
@@ -331,14 +363,76 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------- step
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Precondition the gradients and take one step of the base optimizer (momentum SGD, AdamW or LAMB)."""
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Precondition the gradients and take one step of the base optimizer (momentum SGD, AdamW or LAMB).
+
+        ``closure`` as in ``torch.optim``: it recomputes the loss and its
+        gradients, and its loss is returned. Under ``damping='adaptive'`` it
+        is required and different: it returns the loss of this step's batch
+        without a backward pass, and is evaluated under ``torch.no_grad()``
+        before and after the update on the steps that adjust the damping
+        (whose loss before the update is returned; None on the others).
+        """
+        if self.adaptive_damping is not None:
+            return self._adaptive_step(self.adaptive_damping, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self.run_step(base_update=True)
         return loss
+
+    def _adaptive_step(self, rule: AdaptiveDamping, closure: Callable[[], Any] | None) -> Any:
+        """A step that, every ``rule.interval`` steps, compares the loss change with the model's and adjusts the damping."""
+        if closure is None:
+            raise ValueError(NEEDS_CLOSURE)
+        if not (self.precondition and rule.due(self.steps)):
+            self.run_step(base_update=True)
+            return None
+        self.kfac_step.grads.synchronize()  # the averaged gradient ∇h (the plain order then preconditions: same result)
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad.detach().clone() for p in params if p.grad is not None]
+        before = [p.detach().clone() for p in params]
+        damping = float(self.param_groups[0]["damping"])  # in force for this step (a number: not scheduled)
+        loss_before = self._loss_only(closure)
+        if not self.run_step(base_update=True):  # skipped over NaN/Inf: nothing moved, nothing to measure
+            return loss_before
+        losses = torch.tensor([float(loss_before), float(self._loss_only(closure))], dtype=torch.float64)
+        if self.backend.size > 1:
+            self.backend.allreduce_async(losses, "spdkfac.adaptive_damping").wait()
+        deltas = [p.detach() - b for p, b in zip(params, before)]
+        predicted = quadratic_model(self.layers, self._layer_deltas(params, deltas), grads, deltas, damping)
+        rho = reduction_ratio(float(losses[0]), float(losses[1]), predicted)
+        new = levenberg_marquardt(damping, rho, rule.factor, rule.low, rule.high)
+        for group in self.param_groups:
+            group["damping"] = new
+        self.last_reduction_ratio = rho
+        return loss_before
+
+    def _loss_only(self, closure: Callable[[], Any]) -> Any:
+        """The closure's loss under ``torch.no_grad()``, the model's buffers (BatchNorm's statistics) left as they were."""
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        try:
+            with torch.no_grad():
+                return closure()
+        except RuntimeError as exc:
+            if "does not require grad" in str(exc):
+                raise RuntimeError(CLOSURE_WITH_BACKWARD) from exc
+            raise
+        finally:
+            for b, saved in zip(self.model.buffers(), buffers):
+                b.copy_(saved)
+
+    def _layer_deltas(self, params: list[torch.Tensor], deltas: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each preconditioned layer's parameter change in its gradient layout (read through its helper)."""
+        held = [p.grad for p in params]
+        try:
+            for p, d in zip(params, deltas):
+                p.grad = d
+            return {layer.name: m.clone() for layer in self.layers if (m := layer.grad_matrix()) is not None}
+        finally:
+            for p, g in zip(params, held):
+                p.grad = g
 
     @torch.no_grad()
     def run_step(self, base_update: bool) -> bool:
@@ -534,7 +628,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     def kfac_summary(self) -> str:
         """Which modules K-FAC preconditions (by type, with how many parameters), which get plain SGD and why."""
-        return kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition)
+        return kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition, self.config.norm_layers == "kfac")
 
     def fusion_plan(self) -> dict[str, list[list[FactorKey]] | None]:
         """Current fusion groups per pass (None while profiling, or for ``'layerwise'``)."""

@@ -30,6 +30,7 @@ from .optimizer import SPDKFACOptimizer
 from .perfmodels import PerfModel
 from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES
 from .schedules import Scheduled
+from .step.adaptive_damping import AdaptiveDamping
 
 __all__ = ["KAISA_STRATEGIES", "KFACPreconditioner", "kaisa_grad_workers", "kaisa_skip_layers"]
 
@@ -211,6 +212,11 @@ class KFACPreconditioner:
             if name in _REFUSED:
                 raise ValueError(f"KFACPreconditioner has no option {name!r}: {_REFUSED[name]}")
             raise TypeError(f"KFACPreconditioner() got an unexpected keyword argument {name!r} (docs/preconditioner.md lists the options)")
+        if isinstance(damping, (str, AdaptiveDamping)):
+            raise ValueError(
+                "KFACPreconditioner takes a number or a function of the step for damping: damping='adaptive' needs the "
+                "update inside the optimizer, SPDKFACOptimizer(model, damping='adaptive', base=...).step(closure)"
+            )
         if callable(factor_decay):
             raise ValueError("factor_decay must be a number: a scheduled factor_decay is not supported (damping and kl_clip may be)")
         if not isinstance(update_factors_in_hook, bool) or not isinstance(symmetry_aware, bool):

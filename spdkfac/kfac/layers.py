@@ -306,9 +306,12 @@ def skipped(name: str, module: nn.Module, skip: Sequence[LayerFilter]) -> bool:
 
 
 def kfac_layers(
-    model: nn.Module, compute_method: str | DecompositionMethod = "inverse", skip: Sequence[LayerFilter] = ()
+    model: nn.Module, compute_method: str | DecompositionMethod = "inverse", skip: Sequence[LayerFilter] = (), norm_layers: bool = False
 ) -> list[KFACLayer]:
     """A :class:`KFACLayer` for every supported layer with a trainable weight, in module order.
+
+    With ``norm_layers`` the normalisation layers' affine parameters too
+    (:mod:`spdkfac.kfac.layer_types.norm`).
 
     Left out (plain momentum SGD): modules matched by ``skip`` (a module name,
     a class name, or a class) and layers used without their ``forward()``
@@ -336,7 +339,7 @@ def kfac_layers(
         weight = getattr(module, "weight", None)
         if weight is None or not weight.requires_grad or name in functional or skipped(name, module, skip):
             continue
-        helper = make_helper(module)
+        helper = make_helper(module, norm_layers)
         if helper is None:
             continue
         layer_name = name or type(module).__name__
@@ -355,12 +358,14 @@ def factor_list(layers: list[KFACLayer]) -> list[tuple[tuple[str, str], int]]:
     return [((kind, layer.name), layer.dim(kind)) for layer in layers for kind in FACTOR_KINDS]
 
 
-def preconditioned_layers(model: nn.Module, compute_method: str | DecompositionMethod, skip: Sequence[LayerFilter] = ()) -> list[KFACLayer]:
+def preconditioned_layers(
+    model: nn.Module, compute_method: str | DecompositionMethod, skip: Sequence[LayerFilter] = (), norm_layers: bool = False
+) -> list[KFACLayer]:
     """:func:`kfac_layers`, with a notice naming the layers used without ``forward()``; at least one layer, or an error."""
     functional = functional_submodules(model)
     if functional:  # a notice, once: these layers are not preconditioned
         warnings.warn(f"these layers get the plain momentum-SGD update, without K-FAC: {functional}", stacklevel=3)
-    layers = kfac_layers(model, compute_method, skip)
+    layers = kfac_layers(model, compute_method, skip, norm_layers)
     if not layers:
         raise ValueError(
             "model has no layer SPDKFACOptimizer can precondition (nn.Linear, nn.Conv1d, nn.Conv2d or a dense "
