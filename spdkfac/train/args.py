@@ -9,6 +9,7 @@ import torch
 
 from ..comm import DEFAULT_COLLECTIVE_TIMEOUT_S, DEVICE_CHOICES
 from ..config import BaseOptimizer, ComputeMethod, EigenRefresh, EKFACUpdate, UpdateFusion
+from ..dho2.config import DEFAULT_ADMM_RULE, ADMMRule
 from ..models import MODELS
 from ..runtime.affinity import add_bind_cores_option
 
@@ -139,7 +140,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     dho2.add_argument("--dho2-l", type=int, default=0, help="smallest Hessian eigenpairs in the Newton subspace")
     dho2.add_argument("--refresh-every", type=int, default=100, help="steps between Lanczos refreshes of the eigenpairs (T)")
     dho2.add_argument("--alpha", type=float, default=0.1, help="scale of the Newton step")
-    dho2.add_argument("--sigma", type=float, default=5e-4, help="ADMM penalty σ (dho2)")
+    dho2.add_argument(
+        "--admm-rule",
+        choices=ADMMRule.choices(),
+        default=None,
+        help=f"form of the ADMM outer iteration (dho2; default {DEFAULT_ADMM_RULE})",
+    )
+    dho2.add_argument("--sigma", type=float, default=None, help="ADMM penalty σ (dho2; default by --admm-rule)")
     dho2.add_argument("--admm-epochs", type=float, default=4.0, help="epochs per ADMM outer iteration (the paper's P = 4; dho2)")
     p.add_argument("--perf-model", default=None, help="fitted performance-model JSON (perfmodels/*.json)")
     p.add_argument(
@@ -261,9 +268,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--optimizer {args.optimizer} does not support --amp fp16 (loss scaling); use --amp bf16")
         if args.admm_epochs <= 0:
             p.error("--admm-epochs must be > 0")
+        if args.optimizer == "dho2-wa" and (args.admm_rule is not None or args.sigma is not None):
+            p.error("--admm-rule and --sigma apply to --optimizer dho2 (the ADMM outer iteration), not dho2-wa")
     else:
-        dho2_defaults = {"--dho2-k": 5, "--dho2-l": 0, "--refresh-every": 100, "--alpha": 0.1, "--sigma": 5e-4, "--admm-epochs": 4.0}
-        values = (args.dho2_k, args.dho2_l, args.refresh_every, args.alpha, args.sigma, args.admm_epochs)
+        dho2_defaults = {
+            "--dho2-k": 5,
+            "--dho2-l": 0,
+            "--refresh-every": 100,
+            "--alpha": 0.1,
+            "--admm-rule": None,
+            "--sigma": None,
+            "--admm-epochs": 4.0,
+        }
+        values = (args.dho2_k, args.dho2_l, args.refresh_every, args.alpha, args.admm_rule, args.sigma, args.admm_epochs)
         given = [flag for (flag, default), value in zip(dho2_defaults.items(), values) if value != default]
         if given:
             p.error(f"{', '.join(given)} only apply to --optimizer dho2 / dho2-wa, not --optimizer {args.optimizer}")
@@ -284,9 +301,11 @@ def kl_clip_option(args: argparse.Namespace) -> float | None:
     return None if args.kl_clip == 0 else float(args.kl_clip)
 
 
-def dho2_options(args: argparse.Namespace, steps_per_epoch: int) -> dict[str, int | float]:
+def dho2_options(args: argparse.Namespace, steps_per_epoch: int) -> dict[str, int | float | str | None]:
     """Keyword arguments of the DHO2 optimizer from the command line (the ADMM period converted from epochs to steps)."""
-    options: dict[str, int | float] = dict(k=args.dho2_k, l=args.dho2_l, refresh_every=args.refresh_every, alpha=args.alpha, seed=args.seed)
+    options: dict[str, int | float | str | None] = dict(
+        k=args.dho2_k, l=args.dho2_l, refresh_every=args.refresh_every, alpha=args.alpha, seed=args.seed
+    )
     if args.optimizer == "dho2":
-        options.update(sigma=args.sigma, admm_period=max(1, round(args.admm_epochs * steps_per_epoch)))
+        options.update(admm_rule=args.admm_rule, sigma=args.sigma, admm_period=max(1, round(args.admm_epochs * steps_per_epoch)))
     return options
