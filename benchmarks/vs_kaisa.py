@@ -182,21 +182,26 @@ def round_order(systems: list[str], rnd: int) -> list[str]:
     return systems[k:] + systems[:k]
 
 
-def measure(name: str, args: Any, backend: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[list[float], list[dict[str, int]] | None]:
+def measure(name: str, args: Any, backend: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[list[float], list[dict[str, Any]] | None]:
     """One system built, warmed up, measured and freed; its measured iterations' seconds, and per measured iteration
     the refreshes of each kind it made (None for a system without warm refresh counts)."""
     system = System(name, args, backend)
     for _ in range(args.warmup):
         system.iteration(x, y)
     secs: list[float] = []
-    refreshes: list[dict[str, int]] | None = [] if system.refresh_totals() is not None else None
+    refreshes: list[dict[str, Any]] | None = [] if system.refresh_totals() is not None else None
     for _ in range(args.iters):
         before = system.refresh_totals()
         secs.append(system.iteration(x, y))
         after = system.refresh_totals()
         if refreshes is not None and before is not None and after is not None:
             refreshes.append({kind: after[kind] - before[kind] for kind in REFRESH_KINDS})
-    if refreshes is not None and not any(sum(r.values()) for r in refreshes):
+            factors = system.opt.refresh_statistics()["factors"]
+            drifts = {name: f["drift"] for name, f in factors.items() if f["drift"] is not None}
+            if drifts and refreshes[-1]["warm"] + refreshes[-1]["full_drift"]:  # measured this iteration (each factor refreshed)
+                worst = max(drifts, key=lambda name: drifts[name])
+                refreshes[-1]["max_drift"], refreshes[-1]["max_drift_factor"] = drifts[worst], worst
+    if refreshes is not None and not any(sum(r[kind] for kind in REFRESH_KINDS) for r in refreshes):
         refreshes = None  # an exact method (no warm refresh to count)
     system.cleanup()
     del system
@@ -252,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=g)
     y = torch.randint(0, 10, (args.batch_size,), generator=g)
     samples: dict[str, list[float]] = {s: [] for s in args.systems}
-    refreshes: dict[str, list[dict[str, int]]] = {}  # warm systems: refresh counts per measured iteration
+    refreshes: dict[str, list[dict[str, Any]]] = {}  # warm systems: refresh counts per measured iteration
     rounds: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
         rounds.append({"order": round_order(args.systems, rnd), "seconds": {}})
@@ -282,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {args.out}")
 
 
-def refresh_summary(counts: list[dict[str, int]]) -> dict[str, Any]:
+def refresh_summary(counts: list[dict[str, Any]]) -> dict[str, Any]:
     """A warm system's refreshes over its measured iterations: totals per kind, the warm share, and how many
     iterations made at least one full ``eigh`` (by schedule, or because the residual check failed)."""
     totals = {kind: sum(c[kind] for c in counts) for kind in REFRESH_KINDS}
@@ -302,7 +307,7 @@ def save(
     backend: Any,
     samples: dict[str, list[float]],
     rounds: list[dict[str, Any]],
-    refreshes: dict[str, list[dict[str, int]]],
+    refreshes: dict[str, list[dict[str, Any]]],
     partial: bool,
 ) -> list[dict[str, Any]]:
     """Write the JSON (``partial``: some systems or rounds still to come); the table it holds."""
