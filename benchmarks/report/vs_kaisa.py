@@ -55,6 +55,8 @@ def vs_kaisa(path: Path, d: dict[str, Any]) -> list[str]:
         "(95% bootstrap interval); the machine was shared with other jobs, so compare the ratios, not the seconds.",
         "",
     ]
+    if d.get("note"):
+        lines += [f"_{d['note']}_", ""]
     if d.get("partial"):
         lines += ["_The run was stopped before its end: the systems and rounds measured until then._", ""]
     names = {"kaisa-eigen": "KAISA eigen", "kaisa-eigen-memopt": "KAISA eigen MEM-OPT", "kaisa-inverse": "KAISA inverse"}

@@ -77,7 +77,7 @@ class WarmRefresh:
 
     full_every: int = 10
     tolerance: float = WARM_TOLERANCE
-    ritz: bool = True
+    ritz: bool = False  # measured slower than KAISA at lr 0.1 with it on (docs/experiments/eigenbasis.md): opt-in
 
     def __post_init__(self) -> None:
         if isinstance(self.full_every, bool) or not isinstance(self.full_every, int) or self.full_every < 1:
