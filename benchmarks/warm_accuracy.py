@@ -8,8 +8,8 @@ iteration, one fixed random batch as ``vs_kaisa`` uses). Beside it, each warm
 step keeps its own chain of bases, refreshed every iteration from its own
 previous one and never replaced by a full ``eigh`` (so iteration ``t`` shows
 the error ``t`` refreshes after an ``eigh``): ``subspace`` (one subspace
-step, the method before the Rayleigh–Ritz step) and ``ritz`` (the shipped
-:class:`~spdkfac.kfac.methods.warm.WarmRefresh`). Per iteration and step it
+step, the default) and ``ritz`` (``ritz=True``, the
+Rayleigh–Ritz variant of :class:`~spdkfac.kfac.methods.warm.WarmRefresh`). Per iteration and step it
 records the relative error of the preconditioned gradient against the exact
 one over the whole model and for the worst layer, and the largest residual of
 the previous basis on the new factor (the drift) and of the refreshed basis

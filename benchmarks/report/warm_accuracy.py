@@ -14,7 +14,7 @@ def title(rel: Path) -> str:
     return "Warm eigenbasis refresh: its preconditioned gradient against eigh's" + (f", {suffix}" if suffix else "")
 
 
-STEPS = {"subspace": "one subspace step (before)", "ritz": "with Rayleigh–Ritz (shipped)"}
+STEPS = {"subspace": "one subspace step (the default)", "ritz": "with Rayleigh–Ritz (`ritz=True`)"}
 
 
 @renders("warm_accuracy*.json", title, order=111, optional=True)

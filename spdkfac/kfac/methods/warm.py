@@ -7,24 +7,25 @@ product and one QR decomposition; the eigenvalues are the diagonal of
 ``Q_new^T F Q_old = R`` (equal to ``diag(Q^T F Q)`` to first order in the
 basis change, without a second product).
 
-At a training learning rate the factors move more than one step can follow:
+With ``ritz=True`` (off by default: its second product made the refresh
+slower than KAISA's full decompositions at lr 0.1, docs/experiments/eigenbasis.md)
+a Rayleigh–Ritz step follows. At a training learning rate the factors move more than one step can follow:
 within the leading eigenvalues, which are close to one another, subspace
 iteration converges at the rate of their ratios, i.e. hardly
 (ResNet-50 at LR 0.1: a second and third step took the residual from 0.14
 to 0.13 and 0.12). A Rayleigh–Ritz step on the leading ``k`` columns
 (``k = max(64, dim/8)``; every column up to dimension 64) rotates them
 within their span exactly: ``V, θ = eigh(Q_kᵀ F Q_k)``, ``Q_k <- Q_k V``,
-for one ``d·d·k`` product and a ``k``-wide ``eigh`` (1/512 of a full one at
-``k = dim/8``). The same product gives the refined block's own residual,
-``|F Q_k - Q_k diag(θ)|_F / |d|``: how far the leading columns still are
-from an invariant subspace of ``F`` (the columns behind them were
-orthogonalized against them by the QR, and carry the smaller eigenvalues).
-A full ``eigh`` is made instead when it exceeds ``tolerance``, before the
+for a second ``d x d`` product ``F Q`` and a ``k``-wide ``eigh`` (1/512 of a
+full one at ``k = dim/8``). The product also gives the other columns'
+Rayleigh quotients and the refreshed basis's own residual,
+``|F Q - Q diag(d)|_F / |d|``; a full ``eigh`` is made instead when it
+exceeds ``tolerance``. Either way a full ``eigh`` is made before the
 first refresh, and every ``full_every`` refreshes. The previous basis's
 residual on the new factor, ``|F Q - Q diag(Q^T F Q)|_F / |diag(Q^T F Q)|``
 (0 when it still diagonalizes ``F``), is reported as the factor's drift
-(:class:`RefreshStatistics`). ``ritz=False`` is the step without
-Rayleigh–Ritz, deciding on that drift (the method before it).
+(:class:`RefreshStatistics`). ``ritz=False`` (the default) is the step
+without Rayleigh–Ritz, deciding on that drift before its QR.
 
 The columns are kept in descending eigenvalue order: orthogonalizing each
 column against the larger ones first is what makes subspace iteration
