@@ -315,6 +315,8 @@ def train_epochs(
         opt = make_optimizer(spec, model, lr=peak, backend=backend, **optimizer_kwargs(spec, args, data))
     peaks = [group["lr"] for group in opt.param_groups]  # a group with another base LR (Muon's AdamW part) follows the schedule
     dho2 = isinstance(opt, DHO2Optimizer)
+    # DHO2 and K-FAC's adaptive damping evaluate the loss of the step's batch themselves
+    loss_closure = dho2 or getattr(opt, "adaptive_damping", None) is not None
     sched = schedule(args)
     steps = len(train_loader)
     epochs: list[dict[str, Any]] = []
@@ -339,7 +341,7 @@ def train_epochs(
             loss.backward()
             t1 = time.perf_counter()
             try:
-                opt.step((lambda x=x, y=y: nn.functional.cross_entropy(model(x), y)) if dho2 else None)
+                opt.step((lambda x=x, y=y: nn.functional.cross_entropy(model(x), y)) if loss_closure else None)
             except NonFiniteError as exc:  # raised on every worker alike (averaged gradients and factors)
                 diverged = f"epoch {epoch + 1}: {exc}"
                 failed = 1.0

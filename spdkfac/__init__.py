@@ -15,12 +15,14 @@ from .optimizer import NonFiniteError, NonFiniteFactorError, SPDKFACOptimizer
 from .preconditioner import KFACPreconditioner
 from .runtime.host_memory import retain_freed_memory
 from .schedules import KFACParamScheduler
+from .step.adaptive_damping import AdaptiveDamping
 from .variants import VARIANTS, make_optimizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "VARIANTS",
+    "AdaptiveDamping",
     "KFACParamScheduler",
     "KFACPreconditioner",
     "NonFiniteError",

@@ -18,11 +18,15 @@ import torch.nn as nn
 from .comm import CommBackend, get_backend
 from .config import (
     SCHEDULE_CHECKS,
+    BaseOptimizer,
     ComputeMethod,
+    EigenOptions,
     EigenRefresh,
+    EKFACOptions,
     EKFACUpdate,
     FusionPolicy,
     KFACConfig,
+    NormLayers,
     Placement,
     UpdateFusion,
     check_hyperparameters,
@@ -37,12 +41,21 @@ from .plan.grad_worker_choice import GradWorkerProblem
 from .plan.grad_workers import GradWorkerFraction
 from .plan.work_plan import LayerShape, WorkPlan
 from .schedules import Scheduled, StepSchedule
+from .step.adaptive_damping import (
+    CLOSURE_WITH_BACKWARD,
+    NEEDS_CLOSURE,
+    AdaptiveDamping,
+    damping_rule,
+    levenberg_marquardt,
+    quadratic_model,
+    reduction_ratio,
+)
 from .step.data_parallel import ModelWrapping, refuse_wrapped_optimizer
 from .step.grad_sync import collective_names
 from .step.kfac_step import KFACStep, StepHyper
 from .step.nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
 from .step.timeline import Timeline
-from .update.base_update import BaseOptimizer, apply_base_update, base_defaults
+from .update.base_update import apply_base_update, base_defaults
 from .update.update_fusion import BackwardFusion, ForwardFusion
 
 __all__ = ["NonFiniteError", "NonFiniteFactorError", "SPDKFACOptimizer"]
@@ -86,7 +99,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         betas, eps: Adam's moment decays and denominator term (``'adamw'``,
             ``'lamb'``; defaults (0.9, 0.999) and 1e-8, LAMB 1e-6).
         damping: Tikhonov damping γ: ``(F + γI)^-1`` (``'eigen'``: added to
-            the eigenvalues of ``A ⊗ G`` when preconditioning).
+            the eigenvalues of ``A ⊗ G`` when preconditioning); ``'adaptive'``
+            or an :class:`~spdkfac.step.adaptive_damping.AdaptiveDamping`:
+            adjusted by the Levenberg-Marquardt rule, which needs
+            ``step(closure)`` with a loss-only closure (docs/damping.md).
         factor_decay: running-average weight of the old factor.
         kl_clip: KL-clip bound on the preconditioned update (None disables).
         factor_update_freq, inv_update_freq: update factors (inverses) at the
@@ -108,8 +124,17 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         distribute_preconditioning, grad_worker_fraction, memory_budget, overlap_preconditioning,
         fusion_threshold_bytes, profile_steps, replan_interval, timeline, precondition, accumulation_steps,
         skip_nonfinite, skip_layers: how the step is computed: :class:`~spdkfac.config.KFACConfig`.
+            The enumerated ones take their strings or enum members (``Placement.LBP``).
+        eigen, ekfac: the per-method options grouped, ``EigenOptions(refresh,
+            full_every)`` and ``EKFACOptions(decay, update)``, in place of
+            their flat keywords (:meth:`~spdkfac.config.KFACConfig.from_options`).
         update_fusion: ``'none'``, ``'forward'`` or ``'backward'``: where the
             parameter update runs (:mod:`spdkfac.update.update_fusion`; same results).
+        norm_layers: ``'plain'`` (the default: normalisation layers get the
+            base update unpreconditioned) or ``'kfac'``: the affine
+            parameters of BatchNorm, LayerNorm and GroupNorm preconditioned
+            by their per-channel 2x2 scale-and-shift Fisher blocks
+            (:mod:`spdkfac.kfac.layer_types.norm`, docs/norm-layers.md).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -122,20 +147,20 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         lr: float,
         momentum: float | None = None,
         weight_decay: float = 0.0,
-        damping: Scheduled[float] = 0.003,
+        damping: Scheduled[float] | str | AdaptiveDamping = 0.003,
         factor_decay: float = 0.95,
         kl_clip: Scheduled[float | None] = 0.001,
         factor_update_freq: Scheduled[int] = 1,
         inv_update_freq: Scheduled[int] = 1,
         backend: str | CommBackend = "auto",
-        fusion: FusionPolicy = "optimal",
+        fusion: FusionPolicy | str = FusionPolicy.OPTIMAL,
         pipelining: bool = True,
-        placement: Placement = "lbp",
-        compute_method: ComputeMethod = "inverse",
-        eigen_refresh: EigenRefresh = "exact",
+        placement: Placement | str = Placement.LBP,
+        compute_method: ComputeMethod | str = ComputeMethod.INVERSE,
+        eigen_refresh: EigenRefresh | str = EigenRefresh.EXACT,
         eigen_full_every: int = 10,
         ekfac_decay: float = 0.95,
-        ekfac_update: EKFACUpdate = "natural",
+        ekfac_update: EKFACUpdate | str = EKFACUpdate.NATURAL,
         distribute_preconditioning: bool = False,
         grad_worker_fraction: GradWorkerFraction | None = None,
         memory_budget: int | None = None,
@@ -150,19 +175,33 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         accumulation_steps: int = 1,
         skip_nonfinite: int = 0,
         skip_layers: Sequence[LayerFilter] = (),
-        update_fusion: UpdateFusion = "none",
-        base: BaseOptimizer = "sgd",
+        update_fusion: UpdateFusion | str = UpdateFusion.NONE,
+        base: BaseOptimizer | str = BaseOptimizer.SGD,
         betas: tuple[float, float] | None = None,
         eps: float | None = None,
+        norm_layers: NormLayers | str = NormLayers.PLAIN,
+        eigen: EigenOptions | None = None,
+        ekfac: EKFACOptions | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         wrapping = ModelWrapping(model)  # a DDP model: its bare module is preconditioned, DDP averages the gradients
         model = wrapping.module
+        #: The Levenberg-Marquardt damping rule (``damping='adaptive'``), or None; the damping in force is the group's.
+        self.adaptive_damping = damping_rule(damping)
+        if self.adaptive_damping is not None:
+            damping = self.adaptive_damping.initial
+            if update_fusion != "none" or grad_scaler is not None:
+                raise ValueError(
+                    "damping='adaptive' evaluates the loss after the update inside step(): it needs update_fusion='none' "
+                    "and no grad_scaler (GradScaler.step does not pass a closure); use a fixed or scheduled damping"
+                )
+        #: ρ of the last damping adjustment (``damping='adaptive'``), for the record.
+        self.last_reduction_ratio: float | None = None
         base_options = base_defaults(base, momentum, betas, eps)  # momentum, or betas and eps
         momentum_now = base_options.get("momentum", 0.0)
         hyper = check_hyperparameters(lr=lr, momentum=momentum_now, weight_decay=weight_decay, factor_decay=factor_decay)  # plain floats
-        if base != "sgd":
+        if base != BaseOptimizer.SGD:
             del hyper["momentum"]
         scheduled = dict(damping=damping, kl_clip=kl_clip, factor_update_freq=factor_update_freq, inv_update_freq=inv_update_freq)
         self.schedule = StepSchedule(scheduled, SCHEDULE_CHECKS)
@@ -170,12 +209,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.config = KFACConfig.from_options(locals())  # the options named like its fields
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "unscale_")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
-        if update_fusion != "none" and base != "sgd":
+        update_fusion = self.config.update_fusion
+        if update_fusion is not UpdateFusion.NONE and self.config.base is not BaseOptimizer.SGD:
             raise ValueError(
-                f"update_fusion={update_fusion!r} holds and rolls back momentum-SGD updates only; with base={base!r} "
+                f"update_fusion={update_fusion!r} holds and rolls back momentum-SGD updates only; with base={self.config.base!r} "
                 "use update_fusion='none'"
             )
-        if update_fusion == "backward":
+        if update_fusion is UpdateFusion.BACKWARD:
             _check_backward_fusion(precondition, initial["kl_clip"], grad_scaler, self.config.splits_preconditioning)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
@@ -186,9 +226,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.model, self.grad_scaler, self.steps = model, grad_scaler, 0
         self.factor_update_freq: int = initial["factor_update_freq"]  # in force (see _step_kind)
         self.inv_update_freq: int = initial["inv_update_freq"]
-        self.compute_method, self.precondition = compute_method, precondition
-        self.method = get_method(compute_method, self.config)  # chosen once: the decomposition, payload, state and costs
-        self.layers: list[KFACLayer] = preconditioned_layers(model, self.method, self.config.skip_layers) if precondition else []
+        self.compute_method, self.precondition = self.config.compute_method, precondition
+        self.method = get_method(self.config.compute_method, self.config)  # chosen once: the decomposition, payload, state and costs
+        self.layers: list[KFACLayer] = (
+            preconditioned_layers(model, self.method, self.config.skip_layers, self.config.norm_layers is NormLayers.KFAC)
+            if precondition
+            else []
+        )
         #: Parameters whose preconditioned gradient is the step's direction (EKFAC's Adam update): the base steps along it.
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         self.backend = get_backend(backend)
@@ -245,13 +289,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.grad_scaler,
             self._collecting,
             self._loss_scale,
-            self._final_grad if update_fusion == "backward" else None,
+            self._final_grad if update_fusion is UpdateFusion.BACKWARD else None,
             self.wrapping,
         )
-        self._forward_fusion = ForwardFusion(self.model, self.param_groups, self.state) if update_fusion == "forward" else None
+        self._forward_fusion = ForwardFusion(self.model, self.param_groups, self.state) if update_fusion is UpdateFusion.FORWARD else None
         self._backward_fusion = (
             BackwardFusion(self.param_groups, self.state, self.layers, self.kfac_step.grads, self.param_names, self._fusable_step)
-            if update_fusion == "backward"
+            if update_fusion is UpdateFusion.BACKWARD
             else None
         )
 
@@ -331,14 +375,76 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------- step
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Precondition the gradients and take one step of the base optimizer (momentum SGD, AdamW or LAMB)."""
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Precondition the gradients and take one step of the base optimizer (momentum SGD, AdamW or LAMB).
+
+        ``closure`` as in ``torch.optim``: it recomputes the loss and its
+        gradients, and its loss is returned. Under ``damping='adaptive'`` it
+        is required and different: it returns the loss of this step's batch
+        without a backward pass, and is evaluated under ``torch.no_grad()``
+        before and after the update on the steps that adjust the damping
+        (whose loss before the update is returned; None on the others).
+        """
+        if self.adaptive_damping is not None:
+            return self._adaptive_step(self.adaptive_damping, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self.run_step(base_update=True)
         return loss
+
+    def _adaptive_step(self, rule: AdaptiveDamping, closure: Callable[[], Any] | None) -> Any:
+        """A step that, every ``rule.interval`` steps, compares the loss change with the model's and adjusts the damping."""
+        if closure is None:
+            raise ValueError(NEEDS_CLOSURE)
+        if not (self.precondition and rule.due(self.steps)):
+            self.run_step(base_update=True)
+            return None
+        self.kfac_step.grads.synchronize()  # the averaged gradient ∇h (the plain order then preconditions: same result)
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad.detach().clone() for p in params if p.grad is not None]
+        before = [p.detach().clone() for p in params]
+        damping = float(self.param_groups[0]["damping"])  # in force for this step (a number: not scheduled)
+        loss_before = self._loss_only(closure)
+        if not self.run_step(base_update=True):  # skipped over NaN/Inf: nothing moved, nothing to measure
+            return loss_before
+        losses = torch.tensor([float(loss_before), float(self._loss_only(closure))], dtype=torch.float64)
+        if self.backend.size > 1:
+            self.backend.allreduce_async(losses, "spdkfac.adaptive_damping").wait()
+        deltas = [p.detach() - b for p, b in zip(params, before)]
+        predicted = quadratic_model(self.layers, self._layer_deltas(params, deltas), grads, deltas, damping)
+        rho = reduction_ratio(float(losses[0]), float(losses[1]), predicted)
+        new = levenberg_marquardt(damping, rho, rule.factor, rule.low, rule.high)
+        for group in self.param_groups:
+            group["damping"] = new
+        self.last_reduction_ratio = rho
+        return loss_before
+
+    def _loss_only(self, closure: Callable[[], Any]) -> Any:
+        """The closure's loss under ``torch.no_grad()``, the model's buffers (BatchNorm's statistics) left as they were."""
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        try:
+            with torch.no_grad():
+                return closure()
+        except RuntimeError as exc:
+            if "does not require grad" in str(exc):
+                raise RuntimeError(CLOSURE_WITH_BACKWARD) from exc
+            raise
+        finally:
+            for b, saved in zip(self.model.buffers(), buffers):
+                b.copy_(saved)
+
+    def _layer_deltas(self, params: list[torch.Tensor], deltas: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each preconditioned layer's parameter change in its gradient layout (read through its helper)."""
+        held = [p.grad for p in params]
+        try:
+            for p, d in zip(params, deltas):
+                p.grad = d
+            return {layer.name: m.clone() for layer in self.layers if (m := layer.grad_matrix()) is not None}
+        finally:
+            for p, g in zip(params, held):
+                p.grad = g
 
     @torch.no_grad()
     def run_step(self, base_update: bool) -> bool:
@@ -350,7 +456,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         (:class:`~spdkfac.preconditioner.KFACPreconditioner`). Returns False for
         a step skipped over NaN/Inf (nothing changed), True otherwise.
         """
-        if not base_update and self.config.update_fusion != "none":
+        if not base_update and self.config.update_fusion is not UpdateFusion.NONE:
             raise ValueError(f"update_fusion={self.config.update_fusion!r} updates the parameters itself; it needs the base update")
         self.flush()  # the previous step's updates the forward pass did not reach, before this step's
         self.kfac_step.grads.check_accumulated("step()")
@@ -544,7 +650,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     def kfac_summary(self) -> str:
         """Which modules K-FAC preconditions (by type, with how many parameters), which get plain SGD and why."""
-        return kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition)
+        return kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition, self.config.norm_layers is NormLayers.KFAC)
 
     def fusion_plan(self) -> dict[str, list[list[FactorKey]] | None]:
         """Current fusion groups per pass (None while profiling, or for ``'layerwise'``)."""

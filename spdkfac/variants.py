@@ -12,6 +12,7 @@ import torch.nn as nn
 from .config import HYPERPARAMETER_CHECKS, SCHEDULE_CHECKS, KFACConfig
 from .dho2 import DHO2Optimizer
 from .optimizer import SPDKFACOptimizer
+from .step.adaptive_damping import ADAPTIVE
 from .update.adamw import DistributedAdamW
 
 __all__ = ["OTHER_OPTIMIZERS", "VARIANTS", "make_optimizer", "optimizer_config", "variant_argv", "variant_config", "variant_keys"]
@@ -64,6 +65,8 @@ def _check_value(key: str, value: Any) -> Any:
     """The value a spec gives ``key``, checked by the optimizer's own rule (TypeError/ValueError naming ``key``)."""
     if key in HYPERPARAMETER_CHECKS:
         return HYPERPARAMETER_CHECKS[key](key, value)
+    if key == "damping" and value == ADAPTIVE:  # the Levenberg-Marquardt rule (its loss closure is the caller's)
+        return value
     if key in SCHEDULE_CHECKS:
         return SCHEDULE_CHECKS[key](key, value)
     if key == "skip_layers":  # one module or class name (a list would need the ',' that separates changes)

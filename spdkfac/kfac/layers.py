@@ -41,13 +41,14 @@ from typing import Any, Union
 import torch
 import torch.nn as nn
 
-from .factor_shape import FactorShape
+from .factor_shape import FactorKind, FactorShape
 from .layer_types import LayerHelper, make_helper
-from .methods import DecompositionMethod, get_method
+from .methods import DecompositionMethod, MethodState, get_method
 
 __all__ = [
     "FACTOR_KINDS",
     "FactorKey",
+    "FactorKind",
     "KFACLayer",
     "LayerHelper",
     "factor_list",
@@ -57,7 +58,8 @@ __all__ = [
     "preconditioned_layers",
 ]
 
-FACTOR_KINDS = ("A", "G")
+#: Both kinds' names, in the order every rank handles them.
+FACTOR_KINDS: tuple[str, ...] = FactorKind.choices()
 #: A factor by (kind 'A' | 'G', layer name), the same on every rank.
 FactorKey = tuple[str, str]
 
@@ -95,7 +97,7 @@ class KFACLayer:
         self._packed: dict[str, torch.Tensor | None] = {"A": None, "G": None}
         self._decomposed: dict[str, Any] = {"A": None, "G": None}
         #: The method's own per-layer state (EKFAC's scaling; empty for the others), :meth:`DecompositionMethod.commit`.
-        self.method_state: dict[str, Any] = {}
+        self.method_state: MethodState = self.method.new_state()
         #: Samples per worker in the last batch the factor hooks saw (EKFAC scales its statistic by the global batch).
         self.local_samples = 1
 
@@ -306,9 +308,12 @@ def skipped(name: str, module: nn.Module, skip: Sequence[LayerFilter]) -> bool:
 
 
 def kfac_layers(
-    model: nn.Module, compute_method: str | DecompositionMethod = "inverse", skip: Sequence[LayerFilter] = ()
+    model: nn.Module, compute_method: str | DecompositionMethod = "inverse", skip: Sequence[LayerFilter] = (), norm_layers: bool = False
 ) -> list[KFACLayer]:
     """A :class:`KFACLayer` for every supported layer with a trainable weight, in module order.
+
+    With ``norm_layers`` the normalisation layers' affine parameters too
+    (:mod:`spdkfac.kfac.layer_types.norm`).
 
     Left out (plain momentum SGD): modules matched by ``skip`` (a module name,
     a class name, or a class) and layers used without their ``forward()``
@@ -336,7 +341,7 @@ def kfac_layers(
         weight = getattr(module, "weight", None)
         if weight is None or not weight.requires_grad or name in functional or skipped(name, module, skip):
             continue
-        helper = make_helper(module)
+        helper = make_helper(module, norm_layers)
         if helper is None:
             continue
         layer_name = name or type(module).__name__
@@ -355,12 +360,14 @@ def factor_list(layers: list[KFACLayer]) -> list[tuple[tuple[str, str], int]]:
     return [((kind, layer.name), layer.dim(kind)) for layer in layers for kind in FACTOR_KINDS]
 
 
-def preconditioned_layers(model: nn.Module, compute_method: str | DecompositionMethod, skip: Sequence[LayerFilter] = ()) -> list[KFACLayer]:
+def preconditioned_layers(
+    model: nn.Module, compute_method: str | DecompositionMethod, skip: Sequence[LayerFilter] = (), norm_layers: bool = False
+) -> list[KFACLayer]:
     """:func:`kfac_layers`, with a notice naming the layers used without ``forward()``; at least one layer, or an error."""
     functional = functional_submodules(model)
     if functional:  # a notice, once: these layers are not preconditioned
         warnings.warn(f"these layers get the plain momentum-SGD update, without K-FAC: {functional}", stacklevel=3)
-    layers = kfac_layers(model, compute_method, skip)
+    layers = kfac_layers(model, compute_method, skip, norm_layers)
     if not layers:
         raise ValueError(
             "model has no layer SPDKFACOptimizer can precondition (nn.Linear, nn.Conv1d, nn.Conv2d or a dense "

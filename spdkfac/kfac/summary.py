@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch.nn as nn
 
-from .layer_types import helper_class, unsupported_reason
+from .layer_types import NORM_HELPERS, NormHelper, helper_class, unsupported_reason
 from .layers import KFACLayer, LayerFilter, functional_submodules, skipped
 
 __all__ = ["kfac_summary"]
@@ -16,6 +16,8 @@ __all__ = ["kfac_summary"]
 def _kind(layer: KFACLayer) -> str:
     """The layer's type, with how its factors are shaped where that is not plain."""
     name = type(layer.module).__name__
+    if isinstance(layer.helper, NormHelper):
+        return f"{name} (scale and shift, 2x2 blocks)"
     a = layer.shape("A")
     if a.diagonal:
         return f"{name} (diagonal A)"
@@ -25,7 +27,9 @@ def _kind(layer: KFACLayer) -> str:
     return name
 
 
-def kfac_summary(model: nn.Module, layers: Sequence[KFACLayer], skip: Sequence[LayerFilter], precondition: bool) -> str:
+def kfac_summary(
+    model: nn.Module, layers: Sequence[KFACLayer], skip: Sequence[LayerFilter], precondition: bool, norm_layers: bool = False
+) -> str:
     """Lines saying which modules K-FAC preconditions, how many parameters that is, and which get plain SGD and why."""
     covered = {id(p) for layer in layers for p in layer.params()}
     trainable = {id(p): p.numel() for p in model.parameters() if p.requires_grad}
@@ -49,10 +53,12 @@ def kfac_summary(model: nn.Module, layers: Sequence[KFACLayer], skip: Sequence[L
             why = "weight used without the module's forward()"
         elif skipped(name, module, skip):
             why = "listed in skip_layers"
-        elif helper_class(module) is None:
+        elif helper_class(module, norm_layers) is None and type(module) in NORM_HELPERS:
+            why = "normalisation layer: norm_layers='plain' (norm_layers='kfac' gives it scale-and-shift curvature)"
+        elif helper_class(module, norm_layers) is None:
             why = "no K-FAC factors for this type (normalisation layers, ...)"
         else:
-            why = f"not supported: {unsupported_reason(module) or 'weight frozen'}"
+            why = f"not supported: {unsupported_reason(module, norm_layers) or 'weight frozen'}"
         reasons.setdefault(why, Counter())[cls] += 1
         params_by_reason[why] += sum(p.numel() for p in own)
     if reasons:

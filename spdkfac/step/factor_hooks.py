@@ -78,6 +78,8 @@ class FactorCollector:
         self._stash = []
         self._a_taken = set()
         self._micro = {}
+        for layer in self.layers:
+            layer.helper.forget()  # inputs a forward pass kept for a backward pass that never came
 
     def _a_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         def hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:

@@ -33,11 +33,20 @@ import torch
 import torch.nn as nn
 
 from ..kfac.layers import KFACLayer, functional_submodules
+from ..options import Option
 from ..step.grad_sync import GradientSync
 from ..step.nonfinite import non_finite
 from .base_update import sgd_param_update
 
-__all__ = ["BackwardFusion", "ForwardFusion", "update_owners"]
+__all__ = ["BackwardFusion", "ForwardFusion", "UpdateFusion", "update_owners"]
+
+
+class UpdateFusion(Option):
+    """Where the parameter update runs (``update_fusion``)."""
+
+    NONE = "none"  # in step()
+    FORWARD = "forward"  # each module's parameters just before its next forward pass (ForwardFusion)
+    BACKWARD = "backward"  # each layer as soon as its averaged gradient exists, in backward() (BackwardFusion)
 
 
 def update_owners(model: nn.Module, params: Iterable[torch.Tensor]) -> dict[nn.Module, list[torch.Tensor]]:

@@ -4,19 +4,35 @@ Adding a layer type is one file (a :class:`LayerHelper` subclass) and one
 line in :data:`HELPERS`. A module is matched by its class or the nearest
 registered base class; the helper may still refuse it
 (:meth:`LayerHelper.unsupported`, e.g. a sparse embedding), and it then gets
-the plain momentum-SGD update.
+the plain momentum-SGD update. :data:`NORM_HELPERS` holds the types that are
+preconditioned only on request (``norm_layers='kfac'``): normalisation
+layers' scale and shift.
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
 
+from ...options import Option
 from .base import LayerHelper
 from .conv import ConvHelper
 from .embedding import EmbeddingHelper
 from .linear import LinearHelper
+from .norm import NORM_TYPES, NormHelper
 
-__all__ = ["HELPERS", "ConvHelper", "EmbeddingHelper", "LayerHelper", "LinearHelper", "helper_class", "make_helper", "unsupported_reason"]
+__all__ = [
+    "HELPERS",
+    "NORM_HELPERS",
+    "ConvHelper",
+    "EmbeddingHelper",
+    "LayerHelper",
+    "LinearHelper",
+    "NormHelper",
+    "NormLayers",
+    "helper_class",
+    "make_helper",
+    "unsupported_reason",
+]
 
 HELPERS: dict[type[nn.Module], type[LayerHelper]] = {
     nn.Linear: LinearHelper,
@@ -26,23 +42,37 @@ HELPERS: dict[type[nn.Module], type[LayerHelper]] = {
 }
 
 
-def helper_class(module: nn.Module) -> type[LayerHelper] | None:
-    """The helper registered for the module's class or its nearest registered base class."""
+class NormLayers(Option):
+    """What normalisation layers' affine parameters get: the plain base update, or their scale-and-shift curvature."""
+
+    PLAIN = "plain"
+    KFAC = "kfac"
+
+
+#: Preconditioned only with ``norm_layers='kfac'`` (off by default: they get the plain update).
+NORM_HELPERS: dict[type[nn.Module], type[LayerHelper]] = dict.fromkeys(NORM_TYPES, NormHelper)
+
+
+def helper_class(module: nn.Module, norm_layers: bool = False) -> type[LayerHelper] | None:
+    """The helper registered for the module's class or its nearest registered base class (with ``norm_layers``,
+    :data:`NORM_HELPERS` too)."""
     for cls in type(module).__mro__:
         if cls in HELPERS:
             return HELPERS[cls]
+        if norm_layers and cls in NORM_HELPERS:
+            return NORM_HELPERS[cls]
     return None
 
 
-def unsupported_reason(module: nn.Module) -> str | None:
+def unsupported_reason(module: nn.Module, norm_layers: bool = False) -> str | None:
     """Why a module of a registered type cannot be preconditioned; None when it can, or is of no registered type."""
-    cls = helper_class(module)
+    cls = helper_class(module, norm_layers)
     return None if cls is None else cls.unsupported(module)
 
 
-def make_helper(module: nn.Module) -> LayerHelper | None:
+def make_helper(module: nn.Module, norm_layers: bool = False) -> LayerHelper | None:
     """The helper of a supported module, or None (the module then gets plain SGD)."""
-    cls = helper_class(module)
+    cls = helper_class(module, norm_layers)
     if cls is None or cls.unsupported(module) is not None:
         return None
     return cls(module)

@@ -67,6 +67,9 @@ class LayerHelper(abc.ABC):
     def output_gram(self, g: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``rows^T rows`` of the output-gradient rows (``g_shape``'s full form) and the row count."""
 
+    def forget(self) -> None:  # noqa: B027  (optional: most types keep nothing)
+        """Drop what the hooks kept between a forward and a backward pass (a new step starts; most types keep nothing)."""
+
     def positions(self, rows: int, batch: int) -> int:
         """Output positions per sample that share the weight (``S``; 1 unless a convolution)."""
         return 1

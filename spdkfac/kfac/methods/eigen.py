@@ -17,20 +17,39 @@ residual that decided this one (-1 where none was measured), which
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
+from ...options import Option
 from ...perfmodels.models import BatchedModel, PerfModel
 from ..eigenbasis import EIGEN_CLAMP, Eigen, eigen_payload, eigen_precondition, unpack_eigen
 from ..factor_shape import FactorShape
-from .base import DecompositionMethod
+from .base import DecompositionMethod, MethodState
 from .warm import WarmRefresh, descending_eigh
 
-__all__ = ["EigenMethod", "EigenRefresh"]
+__all__ = ["EigenMethod", "EigenOptions", "EigenRefresh"]
 
-EigenRefresh = Literal["exact", "warm"]
-EIGEN_REFRESHES: tuple[str, ...] = ("exact", "warm")
+
+class EigenRefresh(Option):
+    """How ``'eigen'`` and ``'ekfac'`` refresh a basis (``eigen_refresh``)."""
+
+    EXACT = "exact"  # a full eigh every time
+    WARM = "warm"  # one subspace-iteration step from the previous basis (spdkfac.kfac.methods.warm)
+
+
+@dataclass(frozen=True)
+class EigenOptions:
+    """The eigenbasis methods' options as one value: ``eigen_refresh`` and ``eigen_full_every`` (validated)."""
+
+    refresh: EigenRefresh = EigenRefresh.EXACT
+    full_every: int = 10
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "refresh", EigenRefresh.parse("eigen_refresh", self.refresh))
+        if isinstance(self.full_every, bool) or not isinstance(self.full_every, int) or self.full_every < 1:
+            raise ValueError(f"eigen_full_every must be a positive integer, got {self.full_every!r}")
 
 
 class EigenMethod(DecompositionMethod):
@@ -39,19 +58,18 @@ class EigenMethod(DecompositionMethod):
     suffix = "_eigen"
     precondition_products = 2  # Q_G^T grad Q_A, then Q_G (...) Q_A^T
 
-    def __init__(self, refresh: EigenRefresh = "exact", full_every: int = 10, tolerance: float | None = None) -> None:
-        if refresh not in EIGEN_REFRESHES:
-            raise ValueError(f"eigen_refresh must be one of {EIGEN_REFRESHES}, got {refresh!r}")
-        self.refresh = refresh
+    def __init__(self, refresh: EigenRefresh | str = EigenRefresh.EXACT, full_every: int = 10, tolerance: float | None = None) -> None:
+        self.refresh = EigenRefresh.parse("eigen_refresh", refresh)
         self.warm: WarmRefresh | None = None
-        if refresh == "warm":
+        if self.refresh is EigenRefresh.WARM:
             self.warm = WarmRefresh(full_every) if tolerance is None else WarmRefresh(full_every, tolerance)
 
     @classmethod
     def from_options(cls, options: Any = None) -> DecompositionMethod:
         if options is None:
             return cls()
-        return cls(options.eigen_refresh, options.eigen_full_every)
+        eigen: EigenOptions = options.eigen
+        return cls(eigen.refresh, eigen.full_every)
 
     def __repr__(self) -> str:
         if self.warm is None:
@@ -128,7 +146,7 @@ class EigenMethod(DecompositionMethod):
         dimension = f"dimension {shape.dim}" if shape.blocks == 1 else shape.describe()
         return f"the eigendecomposition of {what} ({dimension}) failed at step {step}; compute_method='inverse' does not need one. ({exc})"
 
-    def precondition(self, grad: torch.Tensor, a: Any, g: Any, damping: float, state: dict[str, Any] | None = None) -> torch.Tensor:
+    def precondition(self, grad: torch.Tensor, a: Any, g: Any, damping: float, state: MethodState | None = None) -> torch.Tensor:
         return eigen_precondition(grad, a, g, damping)
 
     def tensors(self, kept: Any) -> list[torch.Tensor]:

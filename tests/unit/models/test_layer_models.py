@@ -50,6 +50,6 @@ def test_kfac_summary_names_what_gets_plain_sgd():
     assert "1 x Conv2d (depthwise, block-diagonal)" in summary
     assert "1 x Conv2d (grouped, block-diagonal)" in summary
     assert "1 x Embedding (diagonal A)" in summary
-    assert "1 x GroupNorm, 1 x LayerNorm: no K-FAC factors for this type" in summary
+    assert "1 x GroupNorm, 1 x LayerNorm: normalisation layer: norm_layers='plain'" in summary
     assert "1 x Embedding: not supported: sparse gradients" in summary
     assert "1 x Linear: listed in skip_layers" in summary

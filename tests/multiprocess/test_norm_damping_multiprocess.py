@@ -1,0 +1,44 @@
+"""``norm_layers='kfac'`` with ``damping='adaptive'`` over real workers (torchrun and horovodrun, gloo): 2 workers
+give one process's parameters and dampings on the whole batch, and both ranks hold bitwise the same."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from launch import ROOT, require_horovod, run_workers
+from nets import assert_bitwise_equal
+
+from spdkfac.comm import SingleProcessBackend
+
+WORKER = ROOT / "tests" / "workers" / "norm_damping_check.py"
+
+
+def _worker_module():
+    spec = importlib.util.spec_from_file_location("norm_damping_check", WORKER)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("engine", ["torch", "horovod"])
+def test_two_workers_equal_one_with_the_same_damping(engine, tmp_path):
+    if engine == "horovod":
+        require_horovod()
+    run_workers(engine, 2, [str(WORKER), "--backend", engine, "--out", str(tmp_path)])
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    old = torch.get_default_dtype()
+    try:
+        ref = _worker_module().run(SingleProcessBackend())
+    finally:
+        torch.set_default_dtype(old)
+    assert ranks[0]["dampings"] == ranks[1]["dampings"]
+    assert ranks[0]["dampings"] == pytest.approx(ref["dampings"], rel=1e-9)
+    assert len(set(ref["dampings"])) > 1  # the rule acted
+    for key, value in ref["params"].items():
+        torch.testing.assert_close(ranks[0]["params"][key], value, rtol=1e-9, atol=1e-11)
+    assert_bitwise_equal(ranks[0]["params"], ranks[1]["params"], "params")
