@@ -638,6 +638,16 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """
         return memory_usage(self.layers, self.method)
 
+    def refresh_statistics(self) -> dict[str, Any]:
+        """How each eigenbasis was refreshed so far (``eigen_refresh='warm'``; empty otherwise), the same on every rank.
+
+        ``{'totals': {'warm', 'full_scheduled', 'full_drift', 'refreshes', 'warm_share', 'fell_back'}, 'factors':
+        {'layer/A': {'dim', 'warm', 'full_scheduled', 'full_drift', 'drift', 'max_drift'}}}``: ``full_scheduled``
+        counts the first refresh and every ``eigen_full_every``-th, ``full_drift`` those where the previous basis's
+        residual on the new factor (``drift``, ``max_drift``) exceeded the tolerance.
+        """
+        return self.kfac_step.decompositions.refreshes.as_dict()
+
     def kfac_summary(self) -> str:
         """Which modules K-FAC preconditions (by type, with how many parameters), which get plain SGD and why."""
         return kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition, self.config.norm_layers is NormLayers.KFAC)

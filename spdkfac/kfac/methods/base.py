@@ -135,6 +135,12 @@ class DecompositionMethod(abc.ABC):
         """
         return False
 
+    def refresh_record(self, kept: Any) -> tuple[int, float] | None:
+        """``(age, residual)`` of a decomposition started from the previous one, for
+        :class:`~spdkfac.kfac.methods.warm.RefreshStatistics` (age 0: made from scratch; residual -1: not
+        measured); None where the method always decomposes from scratch."""
+        return None
+
     # -- per-layer state (empty but for methods that learn from every gradient) -------
     #: Whether a layer's state changes on every preconditioning (then only every rank preconditioning every layer
     #: keeps it identical everywhere: distributed preconditioning is refused).

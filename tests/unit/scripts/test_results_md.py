@@ -756,6 +756,17 @@ def test_warm_step_section_gives_each_dimension_its_ratios_and_the_model_total(t
     assert "benchmarks.warm_step --model resnet50 --repeats 3" in section
 
 
+def test_warm_accuracy_section_gives_each_iterations_errors_per_step(tmp_path: Path):
+    res = tmp_path / "results"
+    step = {"relative_error": 0.02, "worst_layer_error": 0.05, "worst_layer": "layers.8.conv1", "max_drift": 0.1, "max_residual": 0.01}
+    row = {"iteration": 9, "loss": 0.3, "subspace": {**step, "relative_error": 0.118, "worst_layer_error": 0.42}, "ritz": step}
+    args = {"model": "cifar_resnet20", "resolution": 32, "batch_size": 8, "lr": 0.1, "damping": 0.003, "iters": 20}
+    _write(res, "warm_accuracy.json", {"args": args, "machine": MACHINE, "rows": [row]})
+    section = _section(results_md.build(res, tmp_path / "RESULTS.md"), "Warm eigenbasis refresh: its preconditioned gradient")
+    assert "| 9 | 11.80% (42.0%, layers.8.conv1) | 0.010 | 2.00% (5.0%, layers.8.conv1) | 0.010 |" in section
+    assert "SGD learning rate 0.1" in section
+
+
 def test_kaisa_fraction_sections_one_per_run_with_rounds_and_every_step_runs(tmp_path: Path):
     res = tmp_path / "results"
     row = {
