@@ -16,7 +16,7 @@ ARMS = {
 }
 
 
-@renders("compile_cost.json", "torch.compile: step time compiled vs eager, graph breaks and recompilations", order=95)
+@renders("compile_cost.json", "torch.compile: step time compiled vs eager, graph breaks and recompilations", order=95, optional=True)
 def compile_cost(path: Path, d: dict[str, Any]) -> list[str]:
     """Per model: each arm's step (median: no factor update; mean: amortised), first steps, graph breaks, graphs."""
     need(d, path, "models", "args")
