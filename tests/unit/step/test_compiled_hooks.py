@@ -39,9 +39,9 @@ def dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
-def _run(net: nn.Module, mode: str, steps: int = 5, accumulate: int = 1, backend: str = "inductor") -> SPDKFACOptimizer:
+def _run(net: nn.Module, mode: str, steps: int = 5, accumulate: int = 1, backend: str = "inductor", **options) -> SPDKFACOptimizer:
     model: nn.Module = torch.compile(net, backend=backend) if mode == "wrap" else net
-    opt = SPDKFACOptimizer(model, accumulation_steps=accumulate, **OPTIONS)
+    opt = SPDKFACOptimizer(model, accumulation_steps=accumulate, **{**OPTIONS, **options})
     if mode == "after":
         model = torch.compile(net, backend=backend)
     x, y = batch(8)
@@ -72,6 +72,18 @@ def test_every_layer_type_and_accumulation(float64, dynamo):
     for a, b in zip(eager.model.parameters(), compiled.model.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
     assert sum(counters["graph_break"].values()) == 0
+
+
+def test_forward_update_fusion_runs_its_hooks_eagerly(float64, dynamo):
+    """update_fusion='forward' updates parameters in pre-hooks: graph breaks there, the same training."""
+    eager = _run(small_net(), "eager", update_fusion="forward", kl_clip=None)
+    compiled = _run(small_net(), "wrap", backend="aot_eager", update_fusion="forward", kl_clip=None)
+    eager.flush()
+    compiled.flush()
+    for a, b in zip(eager.model.parameters(), compiled.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+    assert compiled._forward_fusion is not None
+    assert compiled._forward_fusion.applied_in_forward > 0
 
 
 def test_preconditioner_on_a_compiled_model_equals_eager(float64, dynamo):
