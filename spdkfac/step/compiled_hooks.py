@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["TAPS_AVAILABLE", "register_factor_pre_hook", "register_output_grad_hook", "run_eagerly"]
+__all__ = ["TAPS_AVAILABLE", "compiling", "register_factor_pre_hook", "register_output_grad_hook", "run_eagerly"]
 
 #: Whether this torch has what a tap needs (custom ops, effect registration); without it the hooks are plain hooks
 #: (read when a hook is registered).
@@ -72,6 +72,12 @@ if TAPS_AVAILABLE:
 
 def _tap(tensors: list[torch.Tensor], tap: _Tap) -> None:
     torch.ops.spdkfac.hook_tap(tensors, tap.id)
+
+
+def compiling() -> bool:
+    """Whether Dynamo is tracing this call (False on a torch without ``torch.compiler.is_compiling``)."""
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
 
 
 def run_eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .compiled_hooks import compiling
+
 __all__ = ["ModelWrapping", "bare_model", "refuse_wrapped_optimizer"]
 
 _FIX = "pass the model (or its DistributedDataParallel wrapper) to SPDKFACOptimizer, which averages the gradients itself"
@@ -155,7 +157,7 @@ class ModelWrapping:
                 "the optimizer would both average the gradients; pass the wrapper, SPDKFACOptimizer(ddp_model, ...), "
                 "and the optimizer lets DDP average them"
             )
-        if not torch.compiler.is_compiling():  # (traced: the check stays in the graph, a guard on DDP's class attribute)
+        if not compiling():  # (traced: the check stays in the graph, a guard on DDP's class attribute)
             self.remove_hooks()  # checked at the first forward pass: a model is wrapped before it is run
 
     def check_synchronized(self, caller: str) -> None:
