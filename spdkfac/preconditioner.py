@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
 
 from .comm import CommBackend
 from .config import EigenOptions, EigenRefresh, EKFACOptions, EKFACUpdate, FusionPolicy, Placement, check_number
@@ -30,6 +29,7 @@ from .perfmodels import PerfModel
 from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES
 from .schedules import Scheduled
 from .step.adaptive_damping import AdaptiveDamping
+from .step.data_parallel import bare_model
 
 __all__ = ["KAISA_STRATEGIES", "KFACPreconditioner", "kaisa_grad_workers", "kaisa_skip_layers"]
 
@@ -263,7 +263,7 @@ class KFACPreconditioner:
             grad_scaler=grad_scaler,
             accumulation_steps=accumulation_steps,
             skip_nonfinite=skip_nonfinite,
-            skip_layers=kaisa_skip_layers(model.module if isinstance(model, DistributedDataParallel) else model, skip_layers),
+            skip_layers=kaisa_skip_layers(bare_model(model), skip_layers),
         )
 
     def _lr_at(self, step: int) -> float:

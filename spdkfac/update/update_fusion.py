@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from ..kfac.layers import KFACLayer, functional_submodules
 from ..options import Option
+from ..step.compiled_hooks import run_eagerly
 from ..step.grad_sync import GradientSync
 from ..step.nonfinite import non_finite
 from .base_update import sgd_param_update
@@ -95,7 +96,7 @@ class ForwardFusion:
         params = [p for group in param_groups for p in group["params"]]
         self._handles: list[Any] = []
         for module, owned in update_owners(model, params).items():
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(owned)))
+            self._handles.append(module.register_forward_pre_hook(run_eagerly(self._pre_hook(owned))))  # compiled: a graph break
             # (torch leaves these two unannotated)
             self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.flush()))  # type: ignore[no-untyped-call]
             self._handles.append(module.register_load_state_dict_pre_hook(lambda *_: self.flush()))  # type: ignore[no-untyped-call]

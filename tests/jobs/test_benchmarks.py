@@ -425,3 +425,17 @@ def test_warm_accuracy_compares_each_warm_step_with_eigh_along_the_exact_run(tmp
     for r in rows[1:]:
         assert 0.0 < r["ritz"]["relative_error"] < r["subspace"]["relative_error"]
         assert r["ritz"]["worst_layer"]
+
+
+@pytest.mark.slow
+def test_compile_cost_compiles_each_arm_once(tmp_path):
+    """benchmarks/compile_cost.py for real on the digits CNN: the compiled K-FAC arm is one graph, compiled once."""
+    out = tmp_path / "compile.json"
+    args = ["--models", "digits_cnn", "--batch-size", "4", "--iters", "2", "--out", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.compile_cost", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    model = json.loads(out.read_text())["models"]["digits_cnn"]
+    assert model["kfac-compiled"]["graph_breaks"] == 0
+    assert model["kfac-compiled"]["graphs"] == 1
+    assert model["graphs_compiled_while_measuring"] == 0
+    assert model["kfac-compiled-plain-hooks"]["graph_breaks"] > 0

@@ -829,3 +829,39 @@ def test_every_report_module_registers_its_sections_each_in_its_own_place():
     registering = {getattr(s, "render", type(s)).__module__.rpartition(".")[2] for s in found}
     assert registering == modules  # each benchmark's module registers, found without a list to edit
     assert len({s.order for s in found}) == len(found)  # the order is chosen, not left to the patterns
+
+
+def test_compile_cost_section_gives_each_arm_and_the_compiled_over_eager_ratios(tmp_path: Path):
+    res = tmp_path / "results"
+
+    def arm(median: float, breaks: int, graphs: int, **extra) -> dict:
+        stats = {"median": median, "mean": median * 1.5, "min": median, "max": median, "stdev": 0.0, "n": 4}
+        return {
+            "warmup_seconds": [10.0, 0.5, 0.5],
+            "graph_breaks": breaks,
+            "graphs": graphs,
+            "times": [median] * 4,
+            "stats": stats,
+            **extra,
+        }
+
+    model = {
+        "sgd-eager": arm(0.010, 0, 0),
+        "sgd-compiled": arm(0.005, 0, 1),
+        "kfac-eager": arm(0.020, 0, 0),
+        "kfac-compiled": arm(0.016, 0, 1),
+        "kfac-compiled-plain-hooks": arm(0.030, 38, 31, graphs_compiled_while_measuring=5),
+        "sgd_compiled_over_eager_median": 0.5,
+        "sgd_compiled_over_eager_mean": 0.5,
+        "kfac_compiled_over_eager_median": 0.8,
+        "kfac_compiled_over_eager_mean": 0.8,
+        "graphs_compiled_while_measuring": 0,
+    }
+    _write(
+        res, "compile_cost.json", {"args": {"batch_size": 32, "iters": 4, "freq": 10}, "machine": MACHINE, "models": {"mnist_cnn": model}}
+    )
+    section = results_md.build(res, tmp_path / "RESULTS.md").split("## torch.compile: step time compiled vs eager")[1]
+    assert "K-FAC 0.80x median" in section
+    assert "| K-FAC, compiled | 16 ms | 24 ms | 11.0 s | 0 | 1 |" in section
+    assert "| K-FAC, compiled, hooks as before (alone) | 30 ms | 45 ms | 11.0 s | 38 | 31 (+5 while timed) |" in section
+    assert "benchmarks.compile_cost" in section
