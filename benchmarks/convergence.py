@@ -321,13 +321,16 @@ def train_epochs(
     steps = len(train_loader)
     epochs: list[dict[str, Any]] = []
     run: dict[str, Any] = {"seed": seed, "epochs": epochs, "diverged": None, "steps_per_epoch": steps, "model": model_name}
+    admm = opt.admm if dho2 else None
+    if admm is not None:
+        run["outer_steps"] = []  # test loss and accuracy just before and just after each ADMM outer step
     seconds = 0.0
     diverged = None
     for epoch in range(args.epochs):
         train_loader.seed = seed  # the split stays fixed; initialisation and order change with the seed
         train_loader.set_epoch(epoch)
         model.train()
-        loss_sum = count = fwdbwd = step_s = refresh_s = 0.0
+        loss_sum = count = fwdbwd = step_s = refresh_s = probe_s = 0.0
         failed = 0.0
         t_epoch = time.perf_counter()
         for it, (x, y) in enumerate(train_loader):
@@ -353,9 +356,13 @@ def train_epochs(
             step_s += t2 - t1
             if dho2:
                 refresh_s += opt.last_step_times.get("refresh", 0.0)
+            if admm is not None and opt.last_step_times and opt.steps % opt.config.admm_period == 0:
+                t_probe = time.perf_counter()
+                run["outer_steps"].append(outer_step_probe(model, opt, test_loader, backend, device, epoch + (it + 1) / steps))
+                probe_s += time.perf_counter() - t_probe
             loss_sum += float(loss.detach()) * len(y)
             count += len(y)
-        epoch_s = time.perf_counter() - t_epoch
+        epoch_s = time.perf_counter() - t_epoch - probe_s  # the outer-step probe's evaluations are not training
         loss_sum, count, epoch_s, fwdbwd, step_s, refresh_s, failed = average_over_workers(
             backend, [loss_sum, count, epoch_s, fwdbwd, step_s, refresh_s, failed], "convergence.train", device
         )
@@ -395,6 +402,26 @@ def train_epochs(
     if diverged:
         log(rank, f"    {label}diverged: {diverged}")
     yield run
+
+
+def outer_step_probe(model: nn.Module, opt: DHO2Optimizer, test_loader, backend, device, epoch: float) -> dict[str, Any]:
+    """Test loss and accuracy at ``w_a`` (the inner loop's end, just before the ADMM outer step) and at the parameters the
+    outer step left (just after; the same point with ``admm_rule='proximal'``). The model ends as the step left it."""
+    assert opt.admm is not None
+    after_params = torch.nn.utils.parameters_to_vector(opt.params).detach().clone()
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(opt.admm.centre().to(after_params.dtype), opt.params)
+    before = evaluate(model, test_loader, backend, device)
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(after_params, opt.params)
+    after = evaluate(model, test_loader, backend, device)
+    model.train()
+    return {
+        "step": opt.steps,
+        "epoch": epoch,
+        "before": {"test_loss": before[0], "test_acc": before[1]},
+        "after": {"test_loss": after[0], "test_acc": after[1]},
+    }
 
 
 def replicas_identical(model: nn.Module, backend, device) -> bool:

@@ -31,7 +31,7 @@ import torch.nn as nn
 from spdkfac import SPDKFACOptimizer
 from spdkfac.kfac.linalg import triangle_size
 from spdkfac.models import get_model
-from spdkfac.plan.factor_fusion import FUSION_POLICIES
+from spdkfac.plan.factor_fusion import FusionPolicy
 
 from .common import bar_chart, log, machine, save_json, start, stats, workload_parser
 
@@ -61,7 +61,7 @@ def _comm_alone(opt: SPDKFACOptimizer, repeats: int) -> float:
 def main() -> None:
     ap = workload_parser(__doc__, iters=6, out_name="fusion_policies.json")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--policies", nargs="*", default=list(FUSION_POLICIES))
+    ap.add_argument("--policies", nargs="*", default=list(FusionPolicy.choices()))
     args = ap.parse_args()
     backend = start(args)
     rank = backend.rank

@@ -24,7 +24,7 @@ from spdkfac.kfac.layers import factor_list, kfac_layers
 from spdkfac.kfac.linalg import invert_spd, triangle_size
 from spdkfac.models import get_model
 from spdkfac.perfmodels import PerfModel
-from spdkfac.plan.placement import PLACEMENTS, place
+from spdkfac.plan.placement import Placement, place
 from spdkfac.step.decomposition_stage import compute_inverses
 
 from .common import bar_chart, log, machine, ratio_interval, save_json, start, stats, workload_parser
@@ -83,10 +83,10 @@ def main() -> None:
                 reps.append(time.perf_counter() - t0)
             bcast[d] = max(gather(backend, float(np.median(reps[1:]))))
 
-    plans = {s: place(s, dims, size, model.inverse, model.broadcast) for s in PLACEMENTS}
-    stage: dict[str, list[float]] = {s: [] for s in PLACEMENTS}
+    plans = {s: place(s, dims, size, model.inverse, model.broadcast) for s in Placement.choices()}
+    stage: dict[str, list[float]] = {s: [] for s in Placement.choices()}
     for rnd in range(args.rounds):
-        for s in PLACEMENTS:
+        for s in Placement.choices():
             backend.barrier()
             t0 = time.perf_counter()
             compute_inverses(plans[s], factors, args.damping, backend)
@@ -100,7 +100,7 @@ def main() -> None:
             "predicted_s": plans[s].makespan,
             "local_factors": sum(a.is_local for a in plans[s].assignments),
         }
-        for s in PLACEMENTS
+        for s in Placement.choices()
     }
     inv_err = [abs(model.inverse(d) - t) / t for d, t in single.items()]
     bc_err = [abs(model.broadcast(d) - t) / t for d, t in bcast.items()]
@@ -124,7 +124,7 @@ def main() -> None:
     }
     if rank == 0:
         print(f"\n{'placement':<22} {'measured':>9} {'predicted':>10} {'local':>6}")
-        for s in PLACEMENTS:
+        for s in Placement.choices():
             print(f"{LABELS[s]:<22} {res[s]['median_s']:8.3f}s {res[s]['predicted_s']:9.3f}s {res[s]['local_factors']:>6}")
         print(f"lower bound max(largest, total/P) = {lower:.3f} s; LBP is {summary['lbp_over_lower_bound']:.2f}x of it")
         print(f"LBP speed-up: {summary['lbp_speedup_vs_seq']:.2f}x vs Seq-Dist, {summary['lbp_speedup_vs_local']:.2f}x vs Non-Dist")
@@ -149,8 +149,8 @@ def main() -> None:
         path = save_json(out, Path(args.out).name, Path(args.out).parent)
         png = bar_chart(
             Path(args.out).with_suffix(".png"),
-            [LABELS[s] for s in PLACEMENTS],
-            {"measured": [res[s]["median_s"] for s in PLACEMENTS]},
+            [LABELS[s] for s in Placement.choices()],
+            {"measured": [res[s]["median_s"] for s in Placement.choices()]},
             f"Fig. 12: time to hold every inverse ({args.model}, {size} workers)",
             "seconds",
         )

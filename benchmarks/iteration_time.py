@@ -100,7 +100,8 @@ class VariantRun:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         self.kfac = variant_config(variant).get("precondition", True)
-        self.opt = make_optimizer(variant, self.model, lr=1e-4, momentum=0.9, backend=backend, **optimizer_kwargs(variant, args))
+        lr = getattr(args, "lr", 0.1)
+        self.opt = make_optimizer(variant, self.model, lr=lr, momentum=0.9, backend=backend, **optimizer_kwargs(variant, args))
         self.it = 0
         self.total: list[float] = []
         self.fwdbwd: list[float] = []
@@ -239,6 +240,13 @@ def main(argv: list[str] | None = None) -> None:
         "(e.g. spdkfac:overlap_preconditioning=false)",
     )
     ap.add_argument("--update-freq", type=int, nargs=2, default=[1, 1], metavar=("FACTOR", "INVERSE"))
+    ap.add_argument(
+        "--lr",
+        type=float,
+        default=0.1,
+        help="SGD's rate for ResNet-50; the warm eigenbasis refresh's work depends on how far the weights move "
+        "(runs before this option: 1e-4)",
+    )
     ap.add_argument(
         "--update-fusions",
         nargs="+",

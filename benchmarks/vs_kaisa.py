@@ -31,7 +31,16 @@ system's K-FAC state is in memory at a time. Warm refresh makes a full
 ``eigh`` every ``--eigen-full-every`` refreshes: ``--iters`` should be a
 multiple of it, so every measured window holds its share of full ones (the
 mean is then the amortised cost; the median of such a window is a warm
-iteration's).
+iteration's). For each of this project's warm systems the JSON records, per
+measured iteration, how many factors were refreshed warm, in full by
+schedule and in full because the residual check failed
+(:meth:`~spdkfac.SPDKFACOptimizer.refresh_statistics`), and the share of
+warm refreshes over the window.
+
+The learning rate is the one the model trains with (SGD's 0.1, momentum
+0.9): the factors, and so the warm refresh's work, depend on how far the
+weights move. ``--lr 1e-4`` keeps them almost still (the earlier published
+setting; label such a run as such).
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import torch
 import torch.nn as nn
 
 from spdkfac import make_optimizer
+from spdkfac.kfac.methods.warm import REFRESH_KINDS
 from spdkfac.models import get_model
 from spdkfac.runtime.host_memory import release_freed_memory
 from spdkfac.runtime.output_path import output_file
@@ -157,6 +167,14 @@ class System:
         self.step()
         return time.perf_counter() - t0
 
+    def refresh_totals(self) -> dict[str, int] | None:
+        """This project's refresh counts so far (warm, full by schedule, full on drift); None for KAISA."""
+        opt = getattr(self, "opt", None)
+        if opt is None:
+            return None
+        totals = opt.refresh_statistics()["totals"]
+        return {kind: int(totals.get(kind, 0)) for kind in REFRESH_KINDS}
+
 
 def round_order(systems: list[str], rnd: int) -> list[str]:
     """The systems of round ``rnd`` (0-based): the list rotated by ``rnd``, so none always runs first."""
@@ -164,15 +182,32 @@ def round_order(systems: list[str], rnd: int) -> list[str]:
     return systems[k:] + systems[:k]
 
 
-def measure(name: str, args: Any, backend: Any, x: torch.Tensor, y: torch.Tensor) -> list[float]:
-    """One system built, warmed up, measured and freed; its measured iterations' seconds."""
+def measure(name: str, args: Any, backend: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[list[float], list[dict[str, Any]] | None]:
+    """One system built, warmed up, measured and freed; its measured iterations' seconds, and per measured iteration
+    the refreshes of each kind it made (None for a system without warm refresh counts)."""
     system = System(name, args, backend)
-    secs = [system.iteration(x, y) for _ in range(args.warmup + args.iters)][args.warmup :]
+    for _ in range(args.warmup):
+        system.iteration(x, y)
+    secs: list[float] = []
+    refreshes: list[dict[str, Any]] | None = [] if system.refresh_totals() is not None else None
+    for _ in range(args.iters):
+        before = system.refresh_totals()
+        secs.append(system.iteration(x, y))
+        after = system.refresh_totals()
+        if refreshes is not None and before is not None and after is not None:
+            refreshes.append({kind: after[kind] - before[kind] for kind in REFRESH_KINDS})
+            factors = system.opt.refresh_statistics()["factors"]
+            drifts = {name: f["drift"] for name, f in factors.items() if f["drift"] is not None}
+            if drifts and refreshes[-1]["warm"] + refreshes[-1]["full_drift"]:  # measured this iteration (each factor refreshed)
+                worst = max(drifts, key=lambda name: drifts[name])
+                refreshes[-1]["max_drift"], refreshes[-1]["max_drift_factor"] = drifts[worst], worst
+    if refreshes is not None and not any(sum(r[kind] for kind in REFRESH_KINDS) for r in refreshes):
+        refreshes = None  # an exact method (no warm refresh to count)
     system.cleanup()
     del system
     gc.collect()
     release_freed_memory()  # the next system starts from the same footprint
-    return secs
+    return secs, refreshes
 
 
 def summarise(samples: dict[str, list[float]]) -> list[dict[str, Any]]:
@@ -198,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--eigen-full-every", type=int, default=5, help="eigen_full_every of spdkfac-eigen-warm")
     ap.add_argument("--update-freq", type=int, nargs=2, default=[1, 1], metavar=("FACTOR", "DECOMPOSITION"))
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=0.1, help="SGD's rate for ResNet-50 (a lower one keeps the factors still)")
     ap.add_argument("--damping", type=float, default=0.003)
     ap.add_argument("--factor-decay", type=float, default=0.95)
     ap.add_argument("--kl-clip", type=float, default=0.001, help="KAISA cannot switch KL-clip off, so both systems use it")
@@ -222,29 +257,65 @@ def main(argv: list[str] | None = None) -> None:
     x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=g)
     y = torch.randint(0, 10, (args.batch_size,), generator=g)
     samples: dict[str, list[float]] = {s: [] for s in args.systems}
+    refreshes: dict[str, list[dict[str, Any]]] = {}  # warm systems: refresh counts per measured iteration
     rounds: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
         rounds.append({"order": round_order(args.systems, rnd), "seconds": {}})
         for name in rounds[-1]["order"]:
-            secs = measure(name, args, backend, x, y)
-            log(rank, f"  round {rnd + 1}/{args.rounds} {name:<20} " + " ".join(f"{s:.2f}" for s in secs) + " s")
+            secs, counts = measure(name, args, backend, x, y)
+            warm = (
+                ""
+                if counts is None
+                else "  full refreshes per iteration: " + " ".join(str(c["full_scheduled"] + c["full_drift"]) for c in counts)
+            )
+            log(rank, f"  round {rnd + 1}/{args.rounds} {name:<20} " + " ".join(f"{s:.2f}" for s in secs) + " s" + warm)
             samples[name] += secs
             rounds[-1]["seconds"][name] = secs
+            if counts is not None:
+                refreshes.setdefault(name, []).extend(counts)
+                rounds[-1].setdefault("refreshes", {})[name] = counts
             if rank == 0:  # what is measured so far, in case the run is stopped before the end
-                save(args, backend, samples, rounds, partial=True)
+                save(args, backend, samples, rounds, refreshes, partial=True)
     if rank == 0:
-        table = save(args, backend, samples, rounds, partial=False)
+        table = save(args, backend, samples, rounds, refreshes, partial=False)
         print(f"\n{'system':<20} {'median (s)':>11} {'mean (s)':>9}  {'KAISA eigen / row (median, mean)':>34}")
         for row in table:
             vs = f"{row[f'vs_{BASELINE}_median']:.2f}x, {row[f'vs_{BASELINE}_mean']:.2f}x" if f"vs_{BASELINE}_median" in row else "-"
-            print(f"{row['system']:<20} {row['median']:11.2f} {row['mean']:9.2f}  {vs:>34}")
+            share = row.get("refreshes", {}).get("warm_share")
+            warm = "" if share is None else f"  warm refreshes {100 * share:.0f}%"
+            print(f"{row['system']:<20} {row['median']:11.2f} {row['mean']:9.2f}  {vs:>34}{warm}")
         print(f"wrote {args.out}")
 
 
-def save(args: Any, backend: Any, samples: dict[str, list[float]], rounds: list[dict[str, Any]], partial: bool) -> list[dict[str, Any]]:
+def refresh_summary(counts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A warm system's refreshes over its measured iterations: totals per kind, the warm share, and how many
+    iterations made at least one full ``eigh`` (by schedule, or because the residual check failed)."""
+    totals = {kind: sum(c[kind] for c in counts) for kind in REFRESH_KINDS}
+    total = sum(totals.values())
+    return {
+        **totals,
+        "refreshes": total,
+        "warm_share": totals["warm"] / total if total else None,
+        "iterations": len(counts),
+        "iterations_with_full": sum(1 for c in counts if c["full_scheduled"] + c["full_drift"]),
+        "iterations_with_drift_fallback": sum(1 for c in counts if c["full_drift"]),
+    }
+
+
+def save(
+    args: Any,
+    backend: Any,
+    samples: dict[str, list[float]],
+    rounds: list[dict[str, Any]],
+    refreshes: dict[str, list[dict[str, Any]]],
+    partial: bool,
+) -> list[dict[str, Any]]:
     """Write the JSON (``partial``: some systems or rounds still to come); the table it holds."""
     done = {name: xs for name, xs in samples.items() if len(xs) >= 2}
     table = summarise(done)
+    for row in table:
+        if row["system"] in refreshes:
+            row["refreshes"] = refresh_summary(refreshes[row["system"]])
     save_json(
         {
             "args": vars(args),

@@ -16,36 +16,32 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from numbers import Integral, Real
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
+from .kfac.layer_types import NormLayers
 from .kfac.layers import LayerFilter
-from .kfac.methods import METHODS
-from .kfac.methods.ekfac import EKFAC_UPDATES, EKFACUpdate
-from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES, FUSION_POLICIES
-from .plan.placement import PLACEMENTS
-from .update.base_update import BASE_OPTIMIZERS, BaseOptimizer
+from .kfac.methods import METHODS, ComputeMethod, EigenOptions, EigenRefresh, EKFACOptions, EKFACUpdate
+from .options import Option
+from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES, FusionPolicy
+from .plan.placement import Placement
+from .update.base_update import BaseOptimizer
+from .update.update_fusion import UpdateFusion
 
-#: The choices of the enumerated options (checked at run time too: the values often come from a command line).
-FusionPolicy = Literal["optimal", "threshold", "layerwise", "naive"]
-Placement = Literal["lbp", "seq", "local"]
-ComputeMethod = Literal["inverse", "eigen", "ekfac"]
-EigenRefresh = Literal["exact", "warm"]
-UpdateFusion = Literal["none", "forward", "backward"]
-UPDATE_FUSIONS: tuple[str, ...] = get_args(UpdateFusion)
-NormLayers = Literal["plain", "kfac"]
-NORM_LAYERS: tuple[str, ...] = get_args(NormLayers)
-
+# The enumerated options' types (each declared beside the code that chooses among its values, gathered here):
+# string enums, so a user passes 'lbp' or Placement.LBP alike, and a bad value raises naming the choices.
 __all__ = [
     "HYPERPARAMETER_CHECKS",
-    "NORM_LAYERS",
     "SCHEDULE_CHECKS",
-    "UPDATE_FUSIONS",
+    "BaseOptimizer",
     "ComputeMethod",
+    "EKFACOptions",
     "EKFACUpdate",
+    "EigenOptions",
     "EigenRefresh",
     "FusionPolicy",
     "KFACConfig",
     "NormLayers",
+    "Option",
     "Placement",
     "UpdateFusion",
     "check_hyperparameters",
@@ -118,9 +114,11 @@ SCHEDULE_CHECKS = dict(
 )
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+def _compute_method(value: Any) -> ComputeMethod | str:
+    """A built-in method as its :class:`ComputeMethod`, a method registered at run time as its name."""
+    if not isinstance(value, str) or value not in METHODS:  # the registry as it is now
+        raise ValueError(f"compute_method must be one of {tuple(METHODS)}, got {value!r}")
+    return ComputeMethod(value) if value in ComputeMethod.choices() else value
 
 
 def _check_bool(name: str, value: Any) -> None:
@@ -128,11 +126,38 @@ def _check_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+#: The enumerated options, in the order they are checked (compute_method: by the registry of methods).
+_ENUMERATED: tuple[tuple[str, type[Option] | None], ...] = (
+    ("fusion", FusionPolicy),
+    ("placement", Placement),
+    ("base", BaseOptimizer),
+    ("compute_method", None),
+    ("update_fusion", UpdateFusion),
+    ("eigen_refresh", EigenRefresh),
+    ("ekfac_update", EKFACUpdate),
+    ("norm_layers", NormLayers),
+)
+
+#: The grouped per-method options: keyword -> (type, its attribute -> the flat field it stands for).
+_GROUPS: dict[str, tuple[type[Any], dict[str, str]]] = {
+    "eigen": (EigenOptions, {"refresh": "eigen_refresh", "full_every": "eigen_full_every"}),
+    "ekfac": (EKFACOptions, {"decay": "ekfac_decay", "update": "ekfac_update"}),
+}
+
+
 @dataclass(frozen=True)
 class KFACConfig:
     """How the K-FAC step is computed and communicated (invalid values raise, naming the option).
 
-    The optimizer takes each of these as a keyword argument.
+    The optimizer takes each of these as a keyword argument. An enumerated
+    option takes its string or its enum member (``placement='lbp'`` or
+    ``Placement.LBP``: :class:`FusionPolicy`, :class:`Placement`,
+    :class:`ComputeMethod`, :class:`EigenRefresh`, :class:`EKFACUpdate`,
+    :class:`UpdateFusion`, :class:`BaseOptimizer`) and is stored as the
+    member, which is its string. The per-method options may also be passed
+    grouped, ``eigen=EigenOptions(refresh, full_every)`` and
+    ``ekfac=EKFACOptions(decay, update)`` (:meth:`from_options`), and are
+    read grouped as :attr:`eigen` and :attr:`ekfac`.
 
     Attributes:
         fusion: factor all-reduce fusion policy: ``'optimal'`` (Eq. 15),
@@ -257,14 +282,14 @@ class KFACConfig:
             checkpoint resumes only with the same base (its state differs).
     """
 
-    fusion: FusionPolicy = "optimal"
+    fusion: FusionPolicy = FusionPolicy.OPTIMAL
     pipelining: bool = True
-    placement: Placement = "lbp"
-    compute_method: ComputeMethod = "inverse"
-    eigen_refresh: EigenRefresh = "exact"
+    placement: Placement = Placement.LBP
+    compute_method: ComputeMethod | str = ComputeMethod.INVERSE
+    eigen_refresh: EigenRefresh = EigenRefresh.EXACT
     eigen_full_every: int = 10
     ekfac_decay: float = 0.95
-    ekfac_update: EKFACUpdate = "natural"
+    ekfac_update: EKFACUpdate = EKFACUpdate.NATURAL
     distribute_preconditioning: bool = False
     grad_worker_fraction: float | Literal["auto"] | None = None
     memory_budget: int | None = None
@@ -277,20 +302,16 @@ class KFACConfig:
     accumulation_steps: int = 1
     skip_nonfinite: int = 0
     skip_layers: tuple[LayerFilter, ...] = ()
-    update_fusion: UpdateFusion = "none"
-    base: BaseOptimizer = "sgd"
-    norm_layers: NormLayers = "plain"
+    update_fusion: UpdateFusion = UpdateFusion.NONE
+    base: BaseOptimizer = BaseOptimizer.SGD
+    norm_layers: NormLayers = NormLayers.PLAIN
 
     def __post_init__(self) -> None:
-        _check_choice("fusion", self.fusion, FUSION_POLICIES)
-        _check_choice("placement", self.placement, PLACEMENTS)
-        _check_choice("base", self.base, BASE_OPTIMIZERS)
-        _check_choice("compute_method", self.compute_method, tuple(METHODS))  # the registry as it is now
-        _check_choice("update_fusion", self.update_fusion, UPDATE_FUSIONS)
-        _check_choice("norm_layers", self.norm_layers, NORM_LAYERS)
-        _check_choice("eigen_refresh", self.eigen_refresh, ("exact", "warm"))
-        _check_choice("ekfac_update", self.ekfac_update, EKFAC_UPDATES)
-        if self.ekfac_update == "adam" and (self.compute_method != "ekfac" or self.base != "adamw"):
+        # Each enumerated option stored as its enum member (a string: command lines, repr and files see no change).
+        for name, option in _ENUMERATED:
+            value = _compute_method(self.compute_method) if option is None else option.parse(name, getattr(self, name))
+            object.__setattr__(self, name, value)
+        if self.ekfac_update is EKFACUpdate.ADAM and (self.compute_method != ComputeMethod.EKFAC or self.base is not BaseOptimizer.ADAMW):
             raise ValueError(
                 "ekfac_update='adam' is Adam in EKFAC's eigenbasis: it needs compute_method='ekfac' and base='adamw' "
                 f"(got compute_method={self.compute_method!r}, base={self.base!r})"
@@ -299,9 +320,9 @@ class KFACConfig:
             _check_bool(name, getattr(self, name))
         object.__setattr__(self, "eigen_full_every", check_positive_int("eigen_full_every", self.eigen_full_every))
         object.__setattr__(self, "ekfac_decay", check_number("ekfac_decay", self.ekfac_decay, 0.0, 1.0))
-        if self.eigen_refresh == "warm" and self.compute_method == "inverse":
+        if self.eigen_refresh is EigenRefresh.WARM and self.compute_method == ComputeMethod.INVERSE:
             raise ValueError("eigen_refresh='warm' refreshes an eigenbasis: it needs compute_method='eigen' or 'ekfac'")
-        if self.compute_method == "ekfac" and self.distribute_preconditioning:
+        if self.compute_method == ComputeMethod.EKFAC and self.distribute_preconditioning:
             raise ValueError(
                 "compute_method='ekfac' updates each layer's scaling whenever the layer is preconditioned, so every "
                 "worker must precondition every layer: distribute_preconditioning=True is not supported with it"
@@ -314,7 +335,7 @@ class KFACConfig:
         object.__setattr__(self, "skip_nonfinite", check_non_negative_int("skip_nonfinite", self.skip_nonfinite))
         self._check_grad_workers()
         fraction = self.grad_worker_fraction
-        if fraction is not None and fraction != 1 and self.compute_method == "ekfac":
+        if fraction is not None and fraction != 1 and self.compute_method == ComputeMethod.EKFAC:
             raise ValueError(
                 "compute_method='ekfac' updates each layer's scaling on every worker; "
                 f"grad_worker_fraction={fraction!r} preconditions a layer on its gradient workers only: "
@@ -346,17 +367,44 @@ class KFACConfig:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> KFACConfig:
-        """The config of the entries of ``options`` named like its fields (e.g. a constructor's ``locals()``)."""
+        """The config of the entries of ``options`` named like its fields (e.g. a constructor's ``locals()``).
+
+        A grouped entry (``eigen=EigenOptions(...)``, ``ekfac=EKFACOptions(...)``)
+        gives its flat fields; those must then be left at their defaults.
+        """
         names = {f.name for f in fields(cls)}
-        return cls(**{name: value for name, value in options.items() if name in names})
+        flat = {name: value for name, value in options.items() if name in names}
+        for group, (kind, members) in _GROUPS.items():
+            value = options.get(group)
+            if value is None:
+                continue
+            if not isinstance(value, kind):
+                raise TypeError(f"{group} must be a {kind.__name__}, got {type(value).__name__}")
+            defaults = kind()
+            for attr, name in members.items():
+                if name in flat and flat[name] != getattr(defaults, attr):
+                    raise ValueError(f"pass {group}={kind.__name__}(...) or {name}={flat[name]!r}, not both")
+                flat[name] = getattr(value, attr)
+        return cls(**flat)
 
     @property
     def replans(self) -> bool:
         """Whether the fusion plan is re-profiled during training (``'optimal'`` pipelined fusion only)."""
-        return self.replan_interval is not None and self.fusion == "optimal" and self.pipelining
+        return self.replan_interval is not None and self.fusion is FusionPolicy.OPTIMAL and self.pipelining
+
+    @property
+    def eigen(self) -> EigenOptions:
+        """The eigenbasis methods' options (``eigen_refresh``, ``eigen_full_every``) as one value."""
+        return EigenOptions(self.eigen_refresh, self.eigen_full_every)
+
+    @property
+    def ekfac(self) -> EKFACOptions:
+        """EKFAC's options (``ekfac_decay``, ``ekfac_update``) as one value."""
+        return EKFACOptions(self.ekfac_decay, self.ekfac_update)
 
     def as_dict(self) -> dict[str, Any]:
-        """The options as plain values (``skip_layers`` classes by name), as saved in ``state_dict``."""
-        out = asdict(self)
+        """The options as plain values (enum members as their strings, ``skip_layers`` classes by name), as saved
+        in ``state_dict`` (``torch.load(weights_only=True)`` reads them)."""
+        out = {name: value.plain() if isinstance(value, Option) else value for name, value in asdict(self).items()}
         out["skip_layers"] = [f if isinstance(f, str) else getattr(f, "__name__", repr(f)) for f in self.skip_layers]
         return out

@@ -18,8 +18,11 @@ import torch.nn as nn
 from .comm import CommBackend, get_backend
 from .config import (
     SCHEDULE_CHECKS,
+    BaseOptimizer,
     ComputeMethod,
+    EigenOptions,
     EigenRefresh,
+    EKFACOptions,
     EKFACUpdate,
     FusionPolicy,
     KFACConfig,
@@ -52,7 +55,7 @@ from .step.grad_sync import collective_names
 from .step.kfac_step import KFACStep, StepHyper
 from .step.nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
 from .step.timeline import Timeline
-from .update.base_update import BaseOptimizer, apply_base_update, base_defaults
+from .update.base_update import apply_base_update, base_defaults
 from .update.update_fusion import BackwardFusion, ForwardFusion
 
 __all__ = ["NonFiniteError", "NonFiniteFactorError", "SPDKFACOptimizer"]
@@ -121,6 +124,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         distribute_preconditioning, grad_worker_fraction, memory_budget, overlap_preconditioning,
         fusion_threshold_bytes, profile_steps, replan_interval, timeline, precondition, accumulation_steps,
         skip_nonfinite, skip_layers: how the step is computed: :class:`~spdkfac.config.KFACConfig`.
+            The enumerated ones take their strings or enum members (``Placement.LBP``).
+        eigen, ekfac: the per-method options grouped, ``EigenOptions(refresh,
+            full_every)`` and ``EKFACOptions(decay, update)``, in place of
+            their flat keywords (:meth:`~spdkfac.config.KFACConfig.from_options`).
         update_fusion: ``'none'``, ``'forward'`` or ``'backward'``: where the
             parameter update runs (:mod:`spdkfac.update.update_fusion`; same results).
         norm_layers: ``'plain'`` (the default: normalisation layers get the
@@ -146,14 +153,14 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         factor_update_freq: Scheduled[int] = 1,
         inv_update_freq: Scheduled[int] = 1,
         backend: str | CommBackend = "auto",
-        fusion: FusionPolicy = "optimal",
+        fusion: FusionPolicy | str = FusionPolicy.OPTIMAL,
         pipelining: bool = True,
-        placement: Placement = "lbp",
-        compute_method: ComputeMethod = "inverse",
-        eigen_refresh: EigenRefresh = "exact",
+        placement: Placement | str = Placement.LBP,
+        compute_method: ComputeMethod | str = ComputeMethod.INVERSE,
+        eigen_refresh: EigenRefresh | str = EigenRefresh.EXACT,
         eigen_full_every: int = 10,
         ekfac_decay: float = 0.95,
-        ekfac_update: EKFACUpdate = "natural",
+        ekfac_update: EKFACUpdate | str = EKFACUpdate.NATURAL,
         distribute_preconditioning: bool = False,
         grad_worker_fraction: GradWorkerFraction | None = None,
         memory_budget: int | None = None,
@@ -168,11 +175,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         accumulation_steps: int = 1,
         skip_nonfinite: int = 0,
         skip_layers: Sequence[LayerFilter] = (),
-        update_fusion: UpdateFusion = "none",
-        base: BaseOptimizer = "sgd",
+        update_fusion: UpdateFusion | str = UpdateFusion.NONE,
+        base: BaseOptimizer | str = BaseOptimizer.SGD,
         betas: tuple[float, float] | None = None,
         eps: float | None = None,
-        norm_layers: NormLayers = "plain",
+        norm_layers: NormLayers | str = NormLayers.PLAIN,
+        eigen: EigenOptions | None = None,
+        ekfac: EKFACOptions | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -192,7 +201,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         base_options = base_defaults(base, momentum, betas, eps)  # momentum, or betas and eps
         momentum_now = base_options.get("momentum", 0.0)
         hyper = check_hyperparameters(lr=lr, momentum=momentum_now, weight_decay=weight_decay, factor_decay=factor_decay)  # plain floats
-        if base != "sgd":
+        if base != BaseOptimizer.SGD:
             del hyper["momentum"]
         scheduled = dict(damping=damping, kl_clip=kl_clip, factor_update_freq=factor_update_freq, inv_update_freq=inv_update_freq)
         self.schedule = StepSchedule(scheduled, SCHEDULE_CHECKS)
@@ -200,12 +209,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.config = KFACConfig.from_options(locals())  # the options named like its fields
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "unscale_")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
-        if update_fusion != "none" and base != "sgd":
+        update_fusion = self.config.update_fusion
+        if update_fusion is not UpdateFusion.NONE and self.config.base is not BaseOptimizer.SGD:
             raise ValueError(
-                f"update_fusion={update_fusion!r} holds and rolls back momentum-SGD updates only; with base={base!r} "
+                f"update_fusion={update_fusion!r} holds and rolls back momentum-SGD updates only; with base={self.config.base!r} "
                 "use update_fusion='none'"
             )
-        if update_fusion == "backward":
+        if update_fusion is UpdateFusion.BACKWARD:
             _check_backward_fusion(precondition, initial["kl_clip"], grad_scaler, self.config.splits_preconditioning)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
@@ -216,10 +226,12 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.model, self.grad_scaler, self.steps = model, grad_scaler, 0
         self.factor_update_freq: int = initial["factor_update_freq"]  # in force (see _step_kind)
         self.inv_update_freq: int = initial["inv_update_freq"]
-        self.compute_method, self.precondition = compute_method, precondition
-        self.method = get_method(compute_method, self.config)  # chosen once: the decomposition, payload, state and costs
+        self.compute_method, self.precondition = self.config.compute_method, precondition
+        self.method = get_method(self.config.compute_method, self.config)  # chosen once: the decomposition, payload, state and costs
         self.layers: list[KFACLayer] = (
-            preconditioned_layers(model, self.method, self.config.skip_layers, self.config.norm_layers == "kfac") if precondition else []
+            preconditioned_layers(model, self.method, self.config.skip_layers, self.config.norm_layers is NormLayers.KFAC)
+            if precondition
+            else []
         )
         #: Parameters whose preconditioned gradient is the step's direction (EKFAC's Adam update): the base steps along it.
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
@@ -277,13 +289,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.grad_scaler,
             self._collecting,
             self._loss_scale,
-            self._final_grad if update_fusion == "backward" else None,
+            self._final_grad if update_fusion is UpdateFusion.BACKWARD else None,
             self.wrapping,
         )
-        self._forward_fusion = ForwardFusion(self.model, self.param_groups, self.state) if update_fusion == "forward" else None
+        self._forward_fusion = ForwardFusion(self.model, self.param_groups, self.state) if update_fusion is UpdateFusion.FORWARD else None
         self._backward_fusion = (
             BackwardFusion(self.param_groups, self.state, self.layers, self.kfac_step.grads, self.param_names, self._fusable_step)
-            if update_fusion == "backward"
+            if update_fusion is UpdateFusion.BACKWARD
             else None
         )
 
@@ -444,7 +456,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         (:class:`~spdkfac.preconditioner.KFACPreconditioner`). Returns False for
         a step skipped over NaN/Inf (nothing changed), True otherwise.
         """
-        if not base_update and self.config.update_fusion != "none":
+        if not base_update and self.config.update_fusion is not UpdateFusion.NONE:
             raise ValueError(f"update_fusion={self.config.update_fusion!r} updates the parameters itself; it needs the base update")
         self.flush()  # the previous step's updates the forward pass did not reach, before this step's
         self.kfac_step.grads.check_accumulated("step()")
@@ -626,9 +638,19 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """
         return memory_usage(self.layers, self.method)
 
+    def refresh_statistics(self) -> dict[str, Any]:
+        """How each eigenbasis was refreshed so far (``eigen_refresh='warm'``; empty otherwise), the same on every rank.
+
+        ``{'totals': {'warm', 'full_scheduled', 'full_drift', 'refreshes', 'warm_share', 'fell_back'}, 'factors':
+        {'layer/A': {'dim', 'warm', 'full_scheduled', 'full_drift', 'drift', 'max_drift'}}}``: ``full_scheduled``
+        counts the first refresh and every ``eigen_full_every``-th, ``full_drift`` those where the previous basis's
+        residual on the new factor (``drift``, ``max_drift``) exceeded the tolerance.
+        """
+        return self.kfac_step.decompositions.refreshes.as_dict()
+
     def kfac_summary(self) -> str:
         """Which modules K-FAC preconditions (by type, with how many parameters), which get plain SGD and why."""
-        return kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition, self.config.norm_layers == "kfac")
+        return kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition, self.config.norm_layers is NormLayers.KFAC)
 
     def fusion_plan(self) -> dict[str, list[list[FactorKey]] | None]:
         """Current fusion groups per pass (None while profiling, or for ``'layerwise'``)."""

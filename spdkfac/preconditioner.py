@@ -20,17 +20,16 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
 
 from .comm import CommBackend
-from .config import EigenRefresh, FusionPolicy, Placement, check_number
+from .config import EigenOptions, EigenRefresh, EKFACOptions, EKFACUpdate, FusionPolicy, Placement, check_number
 from .kfac.layers import FactorKey, KFACLayer, LayerFilter
-from .kfac.methods.ekfac import EKFACUpdate
 from .optimizer import SPDKFACOptimizer
 from .perfmodels import PerfModel
 from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES
 from .schedules import Scheduled
 from .step.adaptive_damping import AdaptiveDamping
+from .step.data_parallel import bare_model
 
 __all__ = ["KAISA_STRATEGIES", "KFACPreconditioner", "kaisa_grad_workers", "kaisa_skip_layers"]
 
@@ -162,7 +161,7 @@ class KFACPreconditioner:
         grad_scaler: the ``torch.amp.GradScaler`` of a float16 loop; call
             ``scaler.unscale_(optimizer)`` before :meth:`step`, and allow
             overflowing steps with ``skip_nonfinite`` (``docs/preconditioner.md``).
-        backend, fusion, placement, eigen_refresh, eigen_full_every, ekfac_decay, ekfac_update, memory_budget,
+        backend, fusion, placement, eigen_refresh, eigen_full_every, ekfac_decay, ekfac_update, eigen, ekfac, memory_budget,
         overlap_preconditioning, perf_model, fusion_threshold_bytes, profile_steps, replan_interval, timeline,
         skip_nonfinite: as :class:`~spdkfac.SPDKFACOptimizer`.
 
@@ -190,12 +189,14 @@ class KFACPreconditioner:
         symmetry_aware: bool = False,
         grad_scaler: Any | None = None,
         backend: str | CommBackend = "auto",
-        fusion: FusionPolicy = "optimal",
-        placement: Placement = "lbp",
-        eigen_refresh: EigenRefresh = "exact",
+        fusion: FusionPolicy | str = FusionPolicy.OPTIMAL,
+        placement: Placement | str = Placement.LBP,
+        eigen_refresh: EigenRefresh | str = EigenRefresh.EXACT,
         eigen_full_every: int = 10,
         ekfac_decay: float = 0.95,
-        ekfac_update: EKFACUpdate = "natural",
+        ekfac_update: EKFACUpdate | str = EKFACUpdate.NATURAL,
+        eigen: EigenOptions | None = None,
+        ekfac: EKFACOptions | None = None,
         memory_budget: int | None = None,
         overlap_preconditioning: bool = True,
         perf_model: str | PerfModel | None = None,
@@ -223,7 +224,7 @@ class KFACPreconditioner:
             raise TypeError("update_factors_in_hook and symmetry_aware must be bools")
         if grad_scaler is not None and callable(grad_scaler) and not hasattr(grad_scaler, "get_scale"):
             raise ValueError("grad_scaler must be a torch.amp.GradScaler (a callable returning the scale is not supported)")
-        if ekfac_update == "adam":
+        if EKFACUpdate.ADAM in (ekfac_update, None if ekfac is None else ekfac.update):
             raise ValueError(
                 "ekfac_update='adam' makes the step's direction, not a gradient for another optimizer; "
                 "use SPDKFACOptimizer(model, compute_method='ekfac', ekfac_update='adam', base='adamw')"
@@ -248,6 +249,8 @@ class KFACPreconditioner:
             eigen_full_every=eigen_full_every,
             ekfac_decay=ekfac_decay,
             ekfac_update=ekfac_update,
+            eigen=eigen,
+            ekfac=ekfac,
             distribute_preconditioning=distribute,
             grad_worker_fraction=fraction,  # type: ignore[arg-type]  # checked by KFACConfig
             memory_budget=memory_budget,
@@ -260,7 +263,7 @@ class KFACPreconditioner:
             grad_scaler=grad_scaler,
             accumulation_steps=accumulation_steps,
             skip_nonfinite=skip_nonfinite,
-            skip_layers=kaisa_skip_layers(model.module if isinstance(model, DistributedDataParallel) else model, skip_layers),
+            skip_layers=kaisa_skip_layers(bare_model(model), skip_layers),
         )
 
     def _lr_at(self, step: int) -> float:

@@ -16,7 +16,7 @@ PACKAGE = ROOT / "spdkfac"
 DESIGN = ROOT / "docs" / "design.md"
 
 #: The top level keeps the public API only; everything else lives in a folder with one job.
-TOP_LEVEL = {"__init__.py", "config.py", "optimizer.py", "preconditioner.py", "schedules.py", "variants.py"}
+TOP_LEVEL = {"__init__.py", "config.py", "optimizer.py", "options.py", "preconditioner.py", "schedules.py", "variants.py"}
 
 #: Imports a function may make: optional dependencies, loaded only where used.
 OPTIONAL = ("horovod", "torch.distributed", "torch._C._distributed_c10d", "torch.utils.dlpack", "cupy", "cupyx", "mpi4py")

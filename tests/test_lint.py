@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PATHS = ["spdkfac", "tests", "benchmarks", "scripts"]
+PATHS = ["spdkfac", "tests", "benchmarks", "scripts", "examples"]
 
 
 def _tool(name: str) -> str:

@@ -85,7 +85,7 @@ def eigenbasis_iteration(path: Path, d: dict[str, Any]) -> list[str]:
     exact = next((r for v, r in by_variant.items() if "compute_method=eigen" in v and "eigen_refresh=warm" not in v), None)
     lines = [
         f"{a.get('model', '?')} at {a.get('resolution', '?')}×{a.get('resolution', '?')}, batch {a.get('batch_size', '?')} per "
-        f"worker, factors and decompositions every iteration; {a.get('warmup', '?')} warm-up and {a.get('iters', '?')} measured "
+        f"worker, SGD learning rate {a.get('lr', 1e-4):g}, factors and decompositions every iteration; {a.get('warmup', '?')} warm-up and {a.get('iters', '?')} measured "
         f"iterations per variant{', interleaved' if a.get('interleave') else ''}. `eigen_refresh='warm'` makes a full `eigh` "
         "every `eigen_full_every` refreshes (10 unless the variant says), so a measured window that long holds one. "
         "Exact eigen / row: the speed-up over the exact "

@@ -8,9 +8,22 @@ from typing import Any
 from benchmarks.report.common import command_block, need, ratio, renders, table
 
 
+def warm_refreshes(counts: dict[str, Any] | None) -> str:
+    """``92% warm; full eigh in 1 of 10 iterations (1 scheduled, 0 on drift)`` for a warm system, else blank."""
+    if not counts or counts.get("warm_share") is None:
+        return ""
+    scheduled = counts["iterations_with_full"] - counts["iterations_with_drift_fallback"]
+    return (
+        f"{100 * counts['warm_share']:.0f}% warm; full `eigh` in {counts['iterations_with_full']} of {counts['iterations']} "
+        f"iterations ({scheduled} by schedule only, {counts['iterations_with_drift_fallback']} on the residual check)"
+    )
+
+
 def title(rel: Path) -> str:
     """``vs_kaisa_<suffix>.json``'s title."""
     suffix = rel.stem.removeprefix("vs_kaisa").strip("_")
+    if suffix.startswith("lr"):  # an extra run at another learning rate than the training one
+        suffix = f"at learning rate {suffix[2:]}"
     return "Eigen and inverse methods beside KAISA's, in one run" + (f": {suffix}" if suffix else "")
 
 
@@ -27,10 +40,10 @@ def vs_kaisa(path: Path, d: dict[str, Any]) -> list[str]:
     rows = []
     for r in d["table"]:
         ratios = [ratio(r.get(f"vs_{b}_{s}"), *(r.get(f"vs_{b}_{s}_interval") or (None, None))) for b, s in bases]
-        rows.append([f"`{r['system']}`", f"{r['median']:.2f}", f"{r['mean']:.2f}", *ratios])
+        rows.append([f"`{r['system']}`", f"{r['median']:.2f}", f"{r['mean']:.2f}", *ratios, warm_refreshes(r.get("refreshes"))])
     lines = [
         f"{a.get('model', '?')} at {a.get('resolution', '?')}×{a.get('resolution', '?')}, batch {a.get('batch_size', '?')} per "
-        f"worker, factors every {a['update_freq'][0]} and decompositions every {a['update_freq'][1]} iteration(s), damping "
+        f"worker, SGD learning rate {a.get('lr', 1e-4):g} (momentum 0.9), factors every {a['update_freq'][0]} and decompositions every {a['update_freq'][1]} iteration(s), damping "
         f"{a.get('damping')}, factor decay {a.get('factor_decay')}, KL-clip {a.get('kl_clip')} for every system. "
         f"{a.get('rounds', '?')} round(s); in each, every system in turn (the order rotates) is built, warmed up "
         f"({a.get('warmup', '?')} iterations) and measured ({a.get('iters', '?')} iterations). KAISA: `kfac` "
@@ -42,10 +55,18 @@ def vs_kaisa(path: Path, d: dict[str, Any]) -> list[str]:
         "(95% bootstrap interval); the machine was shared with other jobs, so compare the ratios, not the seconds.",
         "",
     ]
+    if d.get("note"):
+        lines += [f"_{d['note']}_", ""]
     if d.get("partial"):
         lines += ["_The run was stopped before its end: the systems and rounds measured until then._", ""]
     names = {"kaisa-eigen": "KAISA eigen", "kaisa-eigen-memopt": "KAISA eigen MEM-OPT", "kaisa-inverse": "KAISA inverse"}
-    lines += table(["system", "median (s)", "mean (s)", *(f"{names[b]} / row ({s})" for b, s in bases)], rows)
+    header = ["system", "median (s)", "mean (s)", *(f"{names[b]} / row ({s})" for b, s in bases), "warm refreshes"]
+    lines += table(header, rows)
+    lines += [
+        "Warm refreshes: the share of factor refreshes over the measured iterations that were warm, and how many "
+        "of those iterations made a full `eigh` of some factor (by schedule; on the residual check).",
+        "",
+    ]
     measured = {r["system"] for r in d["table"]}
     if specs:
         lines += ["Systems: " + "; ".join(f"`{k}` = `{v}`" for k, v in specs.items() if k in measured) + ".", ""]

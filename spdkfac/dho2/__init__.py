@@ -14,13 +14,14 @@ iteration. The parts, each usable alone:
 without the ADMM outer iteration (:data:`spdkfac.variants.OTHER_OPTIMIZERS`).
 """
 
-from .config import DHO2Config, default_lanczos_steps
+from .config import ADMMRule, DHO2Config, default_lanczos_steps
 from .hvp import HessianVectorProduct
 from .lanczos import RowSplit, distributed_lanczos, extreme_eigenpairs
 from .optimizer import DHO2Optimizer
 from .update import ADMMState, EigenBasis, hybrid_delta
 
 __all__ = [
+    "ADMMRule",
     "ADMMState",
     "DHO2Config",
     "DHO2Optimizer",

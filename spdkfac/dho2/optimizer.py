@@ -12,8 +12,9 @@ import torch.nn as nn
 from ..comm import CommBackend, get_backend
 from ..step.grad_sync import GradientSync, collective_names
 from ..step.nonfinite import NonFiniteError, NonFiniteGuard, SkipStep
+from ..update.base_update import BaseOptimizer
 from ..update.rules import adamw_delta, momentum_direction
-from .config import BaseOptimizer, DHO2Config
+from .config import ADMMRule, DHO2Config
 from .hvp import HessianVectorProduct, flatten
 from .lanczos import RowSplit, distributed_lanczos, extreme_eigenpairs, lanczos_memory, start_vector
 from .update import ADMMState, EigenBasis, hybrid_delta
@@ -36,9 +37,11 @@ class DHO2Optimizer(torch.optim.Optimizer):
     n × m basis split by rows across the workers (Algorithm 2). With
     ``admm=True`` (``'dho2'``) the steps run on the augmented Lagrangian of
     ``min f(w_a) s.t. w_a = w``: the gradient is shifted by the multiplier
-    π, the Newton step uses ``(A + σI)⁻¹``, and every ``admm_period`` steps
-    the multiplier is updated and the parameters move to ``w_a + π/σ``
-    (Algorithm 3); ``admm=False`` (``'dho2-wa'``) is plain distributed FOSI.
+    π (and, with ``admm_rule`` ``'lagrangian'`` or ``'proximal'``, by
+    σ(w_a − w)), the Newton step uses ``(A + σI)⁻¹``, and every
+    ``admm_period`` steps the multiplier is updated and (except
+    ``'proximal'``) the parameters move to ``w_a + π/σ`` (Algorithm 3);
+    ``admm=False`` (``'dho2-wa'``) is plain distributed FOSI.
 
     **Loop.** As with any optimizer, with one addition: pass a closure that
     returns the loss of this worker's current batch, computed with
@@ -74,7 +77,12 @@ class DHO2Optimizer(torch.optim.Optimizer):
             schedule, α as in the paper). Without this, the Newton step would stay at full size while the
             base step decays, and as training converges the curvature (its divisor) shrinks.
         admm: the ADMM-like outer iteration (Algorithm 3); False gives DHO2-WA.
-        sigma: σ, the augmented Lagrangian's penalty (5e-4, the paper's ResNet-101 value).
+        admm_rule: its form (:class:`~spdkfac.dho2.update.ADMMState`): ``'code'`` (the authors' code, also
+            Algorithm 3 as printed), ``'lagrangian'`` (the inner loop on Eq. 11's subproblem, the parameters
+            moved to ``w = w_a + π/σ``) or ``'proximal'`` (the same, the parameters left at ``w_a``); default
+            :data:`~spdkfac.dho2.config.DEFAULT_ADMM_RULE`, the best measured (docs/dho2.md). ``admm=True`` only.
+        sigma: σ, the augmented Lagrangian's penalty; default by rule
+            (:data:`~spdkfac.dho2.config.DEFAULT_SIGMA`: the authors' code's 5e-9 for ``'code'``). ``admm=True`` only.
         admm_period: steps per outer iteration (the paper: P = 4 epochs; the training job passes 4 epochs of steps).
         eigenvalue_floor: eigenpairs with ``|a|`` at most this are dropped (see above).
         seed: seeds the Lanczos start vectors (the same on every worker).
@@ -88,7 +96,7 @@ class DHO2Optimizer(torch.optim.Optimizer):
         model: nn.Module,
         lr: float = 1e-3,
         *,
-        base: BaseOptimizer = "adamw",
+        base: BaseOptimizer | str = BaseOptimizer.ADAMW,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.05,
@@ -99,7 +107,8 @@ class DHO2Optimizer(torch.optim.Optimizer):
         lanczos_steps: int | None = None,
         alpha: float = 0.1,
         admm: bool = True,
-        sigma: float = 5e-4,
+        admm_rule: ADMMRule | None = None,
+        sigma: float | None = None,
         admm_period: int = 400,
         eigenvalue_floor: float = 1e-6,
         seed: int = 0,
@@ -110,7 +119,7 @@ class DHO2Optimizer(torch.optim.Optimizer):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"DHO2Optimizer takes the model (an nn.Module), got {type(model).__name__}")
-        if momentum is not None and base != "sgd":
+        if momentum is not None and base != BaseOptimizer.SGD:
             raise ValueError(f"momentum applies to base='sgd' only; the {base!r} base uses betas")
         if grad_scaler is not None:
             raise ValueError("DHO2Optimizer does not support a GradScaler (float16 loss scaling); use bfloat16 autocast or float32")
@@ -127,6 +136,7 @@ class DHO2Optimizer(torch.optim.Optimizer):
             lanczos_steps=lanczos_steps,
             alpha=alpha,
             admm=admm,
+            admm_rule=admm_rule,
             sigma=sigma,
             admm_period=admm_period,
             eigenvalue_floor=eigenvalue_floor,
@@ -154,7 +164,7 @@ class DHO2Optimizer(torch.optim.Optimizer):
         self.refreshes = 0
         self.basis: EigenBasis | None = None
         self.base_state: dict[str, Any] = {}
-        self.admm = ADMMState(self._flat_params(), self.config.sigma) if self.config.admm else None
+        self.admm = ADMMState(self._flat_params(), self.config.shift, str(self.config.admm_rule)) if self.config.admm else None
         self._lanczos_bytes = 0
         #: seconds of the last step: ``{'refresh': HVPs + Lanczos + eigenpairs, 'update': the rest}`` (gradient averaging excluded)
         self.last_step_times: dict[str, float] = {}
@@ -198,8 +208,8 @@ class DHO2Optimizer(torch.optim.Optimizer):
             t1 = time.perf_counter()
             assert basis is not None  # step 0 refreshes
             w = self._flat_params()
-            g = self.admm.gradient(grad) if self.admm is not None else grad
-            shift = self.config.sigma if self.admm is not None else 0.0
+            g = self.admm.gradient(grad, w) if self.admm is not None else grad
+            shift = self.config.shift
             alpha = self.config.alpha * float(self.param_groups[0]["lr"]) / self.config.lr  # follows the LR schedule
             delta = hybrid_delta(g, basis, alpha, shift, self._base_update(w))
             if not bool(torch.isfinite(delta).all()):  # identical on every worker (the base state has advanced)
@@ -222,7 +232,7 @@ class DHO2Optimizer(torch.optim.Optimizer):
     def _base_update(self, w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """The base optimizer as a map from a flat gradient to the change of the parameters (state kept in ``base_state``)."""
         cfg, lr = self.config, float(self.param_groups[0]["lr"])
-        if cfg.base == "adamw":
+        if cfg.base == BaseOptimizer.ADAMW:
             return lambda x: adamw_delta(x, w, self.base_state, lr, cfg.betas, cfg.eps, cfg.weight_decay)
         return lambda x: momentum_direction(x, w, self.base_state, cfg.momentum, cfg.weight_decay) * -lr
 
@@ -281,6 +291,13 @@ class DHO2Optimizer(torch.optim.Optimizer):
             raise ValueError(f"checkpoint is for a model of {dho2['n']} parameters, this one has {self.n}")
         if (dho2["admm"] is None) != (self.admm is None):
             raise ValueError(f"checkpoint made with admm={dho2['admm'] is not None}, this optimizer has admm={self.admm is not None}")
+        if self.admm is not None:  # checkpoints from before admm_rule ran the 'code' rule
+            saved = (dho2["config"].get("admm_rule") or "code", dho2["config"]["sigma"])
+            if saved != (self.config.admm_rule, self.config.sigma):
+                raise ValueError(
+                    f"checkpoint made with admm_rule={saved[0]!r}, sigma={saved[1]!r}; this optimizer has "
+                    f"admm_rule={self.config.admm_rule!r}, sigma={self.config.sigma!r}: pass the checkpoint's"
+                )
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "dho2"})
         device = self.params[0].device
         self.steps, self.refreshes = int(dho2["steps"]), int(dho2["refreshes"])

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import ADMMRule
+
 __all__ = ["ADMMState", "EigenBasis", "hybrid_delta"]
 
 
@@ -75,28 +77,50 @@ def hybrid_delta(
 
 
 class ADMMState:
-    """The ADMM-like outer iteration of Algorithm 3 over the model's parameters ``w_a``.
+    """The ADMM-like outer iteration (Eq. 11, Algorithm 3) over the model's parameters ``w_a``, in one of three forms.
 
-    Each outer iteration runs ``period`` ordinary steps on the augmented
-    Lagrangian (the gradient shifted by the multiplier, :meth:`gradient`,
-    Eq. 13); :meth:`end_period` then closes it (line 16:
-    ``π ← π + σ(w_a - w)``, where ``w`` is the point the iteration started
-    from) and starts the next (line 5: ``w ← w_a + π/σ``; line 6: the
-    parameters continue from ``w``). ``π⁰ = 0`` and ``w¹ = w_a⁰``, so the
-    first outer iteration starts where training does.
+    It keeps the multiplier ``π`` and ``w`` (``anchor``: where the current
+    outer iteration started). Each outer iteration runs ``period`` ordinary
+    steps on a gradient :meth:`gradient` shifts; :meth:`end_period` closes it
+    (line 16: ``π ← π + σ(w_a - w)``), computes the next ``w`` (line 5:
+    ``w ← w_a + π/σ``) and returns where the parameters continue from.
+    ``π⁰ = 0`` and ``w¹ = w_a⁰``: the first outer iteration starts where
+    training does. The forms (``rule``):
+
+    - ``'code'``: the authors' code (and Algorithm 3 as printed): gradient
+      ``g + π``; the parameters move to ``w`` (line 6).
+    - ``'lagrangian'``: gradient ``g + π + σ(w_a - w)``, the gradient of
+      Eq. 10 in ``w_a`` (the inner loop descends Eq. 11's subproblem); the
+      parameters move to ``w``.
+    - ``'proximal'``: the same gradient; the parameters stay at ``w_a``.
+
+    Whatever the form, ``π/σ`` after line 16 equals ``w_a^{k+1} - w_a^k``
+    (the displacement between the ends of the last two outer iterations), so
+    moving to ``w`` extrapolates by it; and ``w - π/σ = w_a^k``, so the
+    ``'lagrangian'`` gradient is ``g + σ(w_a - w_a^k)``: a proximal pull
+    towards the previous outer iteration's end (docs/dho2.md).
     """
 
-    def __init__(self, params: torch.Tensor, sigma: float) -> None:
+    def __init__(self, params: torch.Tensor, sigma: float, rule: str = "code") -> None:
         self.sigma = sigma
+        self.rule = rule
         self.multiplier = torch.zeros_like(params)  # π
         self.anchor = params.clone()  # w^{k+1}: where the current outer iteration started
 
-    def gradient(self, grad: torch.Tensor) -> torch.Tensor:
-        """``g + π``: the gradient of the augmented Lagrangian's ``f(w_a) + ⟨w_a - w, π⟩`` part."""
-        return grad + self.multiplier
+    def gradient(self, grad: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        """The inner loop's gradient at ``params`` (= w_a): ``g + π``, or ``g + π + σ(w_a - w)`` (``'lagrangian'``, ``'proximal'``)."""
+        shifted = grad + self.multiplier
+        if self.rule == ADMMRule.CODE:
+            return shifted
+        return shifted.add_(params - self.anchor, alpha=self.sigma)
+
+    def centre(self) -> torch.Tensor:
+        """``w - π/σ``: the end of the last closed outer iteration, ``w_a^k`` (the proximal centre; the start before any)."""
+        return self.anchor - self.multiplier / self.sigma
 
     def end_period(self, params: torch.Tensor) -> torch.Tensor:
-        """Close the outer iteration ending at ``params`` (= w_a^{k+1}); return the next one's start ``w^{k+2}``."""
+        """Close the outer iteration ending at ``params`` (= w_a^{k+1}); return where the parameters continue from
+        (``w^{k+2}``, or ``params`` itself with ``'proximal'``)."""
         self.multiplier.add_(params - self.anchor, alpha=self.sigma)
         self.anchor = params + self.multiplier / self.sigma
-        return self.anchor.clone()
+        return params if self.rule == ADMMRule.PROXIMAL else self.anchor.clone()

@@ -51,6 +51,9 @@ class Eigen:
     #: Warm-started refreshes since the last full ``eigh`` (a one-element view into the same buffer), or None
     #: where the basis is always exact (``eigen_refresh='exact'``, :mod:`spdkfac.kfac.methods.warm`).
     age: torch.Tensor | None = None
+    #: The previous basis's residual on this factor when the refresh started from it (a one-element view; -1 where
+    #: none was measured: a scheduled full ``eigh``), or None where the basis is always exact.
+    drift: torch.Tensor | None = None
 
 
 def eigen_payload(matrix: torch.Tensor) -> torch.Tensor:

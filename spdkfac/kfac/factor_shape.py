@@ -5,7 +5,8 @@ elements): a dense ``d x d`` factor as its upper triangle, a block-diagonal one
 (a grouped convolution: one ``d x d`` block per group) as the blocks' upper
 triangles one after the other, a diagonal one (an embedding's ``A``: token
 counts) as its diagonal. The "full" form a layer hands out is ``(d, d)``,
-``(blocks, d, d)`` or ``(d,)``.
+``(blocks, d, d)`` or ``(d,)``. A layer has two factors, of the
+:class:`FactorKind` ``A`` and ``G``.
 """
 
 from __future__ import annotations
@@ -14,9 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
+from ..options import Option
 from .linalg import pack_upper, triangle_size, unpack_upper
 
-__all__ = ["FactorShape"]
+__all__ = ["FactorKind", "FactorShape"]
+
+
+class FactorKind(Option):
+    """A layer's two Kronecker factors: ``A`` of its inputs (ready in the forward pass), ``G`` of its output
+    gradients (ready in the backward pass)."""
+
+    A = "A"
+    G = "G"
 
 
 @dataclass(frozen=True)

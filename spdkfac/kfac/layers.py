@@ -41,13 +41,14 @@ from typing import Any, Union
 import torch
 import torch.nn as nn
 
-from .factor_shape import FactorShape
+from .factor_shape import FactorKind, FactorShape
 from .layer_types import LayerHelper, make_helper, split_helpers
-from .methods import DecompositionMethod, get_method
+from .methods import DecompositionMethod, MethodState, get_method
 
 __all__ = [
     "FACTOR_KINDS",
     "FactorKey",
+    "FactorKind",
     "KFACLayer",
     "LayerHelper",
     "factor_list",
@@ -59,7 +60,8 @@ __all__ = [
     "unhooked_submodules",
 ]
 
-FACTOR_KINDS = ("A", "G")
+#: Both kinds' names, in the order every rank handles them.
+FACTOR_KINDS: tuple[str, ...] = FactorKind.choices()
 #: A factor by (kind 'A' | 'G', layer name), the same on every rank.
 FactorKey = tuple[str, str]
 
@@ -97,7 +99,7 @@ class KFACLayer:
         self._packed: dict[str, torch.Tensor | None] = {"A": None, "G": None}
         self._decomposed: dict[str, Any] = {"A": None, "G": None}
         #: The method's own per-layer state (EKFAC's scaling; empty for the others), :meth:`DecompositionMethod.commit`.
-        self.method_state: dict[str, Any] = {}
+        self.method_state: MethodState = self.method.new_state()
         #: Samples per worker in the last batch the factor hooks saw (EKFAC scales its statistic by the global batch).
         self.local_samples = 1
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from .layers import FACTOR_KINDS, KFACLayer
 from .methods import DecompositionMethod, get_method
 
@@ -121,7 +119,5 @@ def memory_usage(layers: Sequence[KFACLayer], method: DecompositionMethod) -> di
             if kept is not None:
                 out[key] += sum(t.numel() * t.element_size() for t in method.tensors(kept))
     if method.stateful:  # EKFAC's per-layer scaling
-        out["method_state"] = sum(
-            t.numel() * t.element_size() for layer in layers for t in layer.method_state.values() if isinstance(t, torch.Tensor)
-        )
+        out["method_state"] = sum(t.numel() * t.element_size() for layer in layers for t in layer.method_state.tensors())
     return out

@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Callable
 
+from ..options import Option
+
 __all__ = [
     "DEFAULT_THRESHOLD_BYTES",
-    "FUSION_POLICIES",
+    "FusionPolicy",
     "plan_groups",
     "plan_layerwise",
     "plan_naive",
@@ -24,7 +26,16 @@ __all__ = [
     "simulate_plan",
 ]
 
-FUSION_POLICIES = ("optimal", "threshold", "layerwise", "naive")
+
+class FusionPolicy(Option):
+    """How the factor all-reduces are grouped (``fusion``)."""
+
+    OPTIMAL = "optimal"  # Eq. (15), from measured ready times
+    THRESHOLD = "threshold"  # fill a buffer of fusion_threshold_bytes
+    LAYERWISE = "layerwise"  # no fusion
+    NAIVE = "naive"  # one all-reduce per pass
+
+
 #: The ``'threshold'`` policy's buffer size unless configured (the optimizer's and the simulator's default).
 DEFAULT_THRESHOLD_BYTES = 64 * 1024 * 1024
 
@@ -120,16 +131,15 @@ def plan_groups(
     threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
     element_size: int = 4,
 ) -> Plan:
-    """Dispatch to the planner of ``policy`` (one of :data:`FUSION_POLICIES`)."""
-    if policy == "optimal":
+    """Dispatch to the planner of ``policy`` (a :class:`FusionPolicy` or its string)."""
+    policy = FusionPolicy.parse("fusion", policy)
+    if policy is FusionPolicy.OPTIMAL:
         return plan_optimal(ready_times, sizes, alpha, beta)
-    if policy == "threshold":
+    if policy is FusionPolicy.THRESHOLD:
         return plan_threshold(sizes, threshold_bytes, element_size)
-    if policy == "layerwise":
+    if policy is FusionPolicy.LAYERWISE:
         return plan_layerwise(len(sizes))
-    if policy == "naive":
-        return plan_naive(len(sizes))
-    raise ValueError(f"fusion must be one of {FUSION_POLICIES}, got {policy!r}")
+    return plan_naive(len(sizes))
 
 
 def serve_in_order(launches: Sequence[tuple[float, int]], cost: Callable[[int], float]) -> list[float]:

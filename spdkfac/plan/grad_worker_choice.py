@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..kfac.layers import FACTOR_KINDS
 from ..kfac.methods import DecompositionMethod, get_method
 from ..perfmodels import PerfModel
 from .grad_workers import grad_worker_count
@@ -110,10 +111,10 @@ def plan_seconds(
 def plan_memory(plan: WorkPlan, method: str | DecompositionMethod, element_size: int = 4) -> list[int]:
     """Bytes of K-FAC state on each rank: every running factor, and the decompositions of the layers it holds."""
     m = get_method(method)
-    factors = sum(s.factor_shape(kind).packed_size for s in plan.layers for kind in ("A", "G"))
+    factors = sum(s.factor_shape(kind).packed_size for s in plan.layers for kind in FACTOR_KINDS)
     out = []
     for r in range(plan.workers):
-        kept = sum(m.kept_size(s.factor_shape(kind)) for s in plan.layers if plan.holds(r, s.name) for kind in ("A", "G"))
+        kept = sum(m.kept_size(s.factor_shape(kind)) for s in plan.layers if plan.holds(r, s.name) for kind in FACTOR_KINDS)
         out.append((factors + kept) * element_size)
     return out
 

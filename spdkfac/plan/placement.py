@@ -28,10 +28,12 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Callable
 
+from ..options import Option
+
 __all__ = [
     "ALL",
-    "PLACEMENTS",
     "Assignment",
+    "Placement",
     "PlacementPlan",
     "balance_by_cost",
     "place",
@@ -42,7 +44,15 @@ __all__ = [
 ]
 
 ALL = -1  # owner value of a factor every rank inverts
-PLACEMENTS = ("lbp", "seq", "local")
+
+
+class Placement(Option):
+    """Who decomposes each factor (``placement``)."""
+
+    LBP = "lbp"  # Algorithm 1: load-balanced owners, or every rank where broadcasting costs more
+    SEQ = "seq"  # MPD-KFAC's Eq. (22): owners in turn
+    LOCAL = "local"  # D-KFAC: every rank decomposes every factor
+
 
 CostFn = Callable[[int], float]
 #: Modelled (decomposition, broadcast) seconds per factor key, where the costs depend on more than the dimension.
@@ -224,16 +234,18 @@ def place(
     t_comm: CostFn | None = None,
     costs: Costs | None = None,
 ) -> PlacementPlan:
-    """Dispatch to ``place_<strategy>`` (one of :data:`PLACEMENTS`).
+    """Dispatch to ``place_<strategy>`` (a :class:`Placement` or its string).
 
     Costs come from ``t_comp(dim)`` / ``t_comm(dim)``, or from ``costs`` by
     factor key (a block-diagonal or diagonal factor costs more, or less,
     than its block dimension says).
     """
-    solvers: dict[str, Callable[..., PlacementPlan]] = {"lbp": place_lbp, "seq": place_seq, "local": place_local}
-    if strategy not in solvers:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {strategy!r}")
-    return solvers[strategy](factors, world_size, t_comp, t_comm, costs)
+    solvers: dict[Placement, Callable[..., PlacementPlan]] = {
+        Placement.LBP: place_lbp,
+        Placement.SEQ: place_seq,
+        Placement.LOCAL: place_local,
+    }
+    return solvers[Placement.parse("placement", strategy)](factors, world_size, t_comp, t_comm, costs)
 
 
 def preconditioning_cost(a_dim: int, g_dim: int) -> float:

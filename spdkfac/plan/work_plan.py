@@ -20,8 +20,8 @@ import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
-from ..kfac.factor_shape import FactorShape
-from ..kfac.layers import KFACLayer
+from ..kfac.factor_shape import FactorKind, FactorShape
+from ..kfac.layers import FACTOR_KINDS, KFACLayer
 from ..kfac.methods import DecompositionMethod, get_method
 from ..perfmodels import PerfModel
 from .factor_fusion import Plan, plan_groups
@@ -110,10 +110,10 @@ class LayerShape:
         return cls(layer.name, a.dim, g.dim, max(a.blocks, g.blocks), a.diagonal)
 
     def dim(self, kind: str) -> int:
-        return self.a_dim if kind == "A" else self.g_dim
+        return self.a_dim if kind == FactorKind.A else self.g_dim
 
     def factor_shape(self, kind: str) -> FactorShape:
-        if kind == "A" and self.a_diagonal:
+        if kind == FactorKind.A and self.a_diagonal:
             return FactorShape(self.a_dim, diagonal=True)
         return FactorShape(self.dim(kind), blocks=self.blocks)
 
@@ -134,7 +134,7 @@ def preconditioning_seconds(perf: PerfModel, method: DecompositionMethod, shape:
 def layer_seconds(perf: PerfModel, method: DecompositionMethod, shape: LayerShape, inv_update_freq: int) -> float:
     """Modelled seconds per step a layer's gradient workers spend on it: its two decompositions, once per
     ``inv_update_freq`` steps, and its preconditioning, every step (what the layer groups are balanced by)."""
-    decompositions = sum(method.cost(perf, shape.factor_shape(kind)) for kind in ("A", "G"))
+    decompositions = sum(method.cost(perf, shape.factor_shape(kind)) for kind in FACTOR_KINDS)
     return decompositions / inv_update_freq + preconditioning_seconds(perf, method, shape)
 
 
@@ -308,7 +308,7 @@ def _place_factors(
     factors: list[tuple[Hashable, int]] = []
     costs: dict[Hashable, tuple[float, float]] = {}
     for s in layers:
-        for kind in ("A", "G"):
+        for kind in FACTOR_KINDS:
             shape = s.factor_shape(kind)
             factors.append(((kind, s.name), shape.dim))
             costs[(kind, s.name)] = (method.cost(perf, shape), method.broadcast_cost(perf, shape))

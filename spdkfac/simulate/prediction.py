@@ -17,7 +17,8 @@ from dataclasses import replace
 from typing import Any
 
 from ..config import KFACConfig
-from ..kfac.methods import get_method
+from ..kfac.factor_shape import FactorKind
+from ..kfac.methods import ComputeMethod, get_method
 from ..perfmodels import PerfModel
 from ..plan.factor_fusion import DEFAULT_THRESHOLD_BYTES, serve_in_order
 from ..plan.grad_worker_choice import GradWorkerProblem, plan_memory, result_broadcast_seconds
@@ -330,7 +331,7 @@ def _layer_shapes(profile: Profile) -> list[LayerShape]:
     same for the models profiled so far).
     """
     shapes = {f.key: f.shape for f in profile.factors}
-    names = [f.layer for f in profile.factors if f.kind == "A"]
+    names = [f.layer for f in profile.factors if f.kind == FactorKind.A]
     recorded = [p.layer for p in profile.precondition]
     if sorted(recorded) == sorted(names):
         names = recorded
@@ -362,7 +363,7 @@ def _blocked_communication(
     """
     fwd, bwd = profile.forward, profile.backward
     kfac = cfg.get("precondition", True)
-    launches: list[tuple[float, int, str]] = [(fwd + f.ready, f.grad_numel, "grad") for f in profile.factors if f.kind == "G"]
+    launches: list[tuple[float, int, str]] = [(fwd + f.ready, f.grad_numel, "grad") for f in profile.factors if f.kind == FactorKind.G]
     launches.append((fwd + bwd, profile.other_grad_numel, "grad"))
     threshold = int(cfg.get("fusion_threshold_bytes", DEFAULT_THRESHOLD_BYTES))  # the variant's, as the optimizer plans
     if kfac:
@@ -502,7 +503,7 @@ def _conversions(
     eigendecomposition's owner keeps views into the buffer it sends (no
     second unpacking).
     """
-    kept_copy = method == "inverse"
+    kept_copy = method == ComputeMethod.INVERSE
     comp, recv = [0.0] * workers, [0.0] * workers
     times: dict[Hashable, FactorProfile] = {f.key: f for f in facs}
     for a in plan.assignments:

@@ -13,12 +13,12 @@ import math
 from numbers import Integral, Real
 from typing import Any, Callable, Optional
 
+from ..kfac.factor_shape import FactorKind
+
 __all__ = ["ProfileValueError", "check_profile"]
 
 #: Integer fields that may be 0 (element counts); every other integer is a dimension or a count >= 1.
 NON_NEGATIVE_INTS = frozenset({"grad_numel", "other_grad_numel"})
-#: The factor kinds: 'A' (ready during forward), 'G' (ready during backward).
-FACTOR_KINDS = ("A", "G")
 
 
 class ProfileValueError(ValueError):
@@ -43,8 +43,8 @@ def _integer(name: str, value: Any) -> str | None:
 def _text(name: str, value: Any) -> str | None:
     if not isinstance(value, str):
         return "must be a string"
-    if name == "kind" and value not in FACTOR_KINDS:
-        return f"must be one of {FACTOR_KINDS}"
+    if name == "kind" and value not in FactorKind.choices():
+        return f"must be one of {FactorKind.choices()}"
     return None
 
 

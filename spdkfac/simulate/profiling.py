@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 
 from ..comm import CommBackend
+from ..kfac.factor_shape import FactorKind
+from ..kfac.layers import FACTOR_KINDS
 from ..models import get_model
 from ..optimizer import SPDKFACOptimizer
 from ..step.timeline import Timeline
@@ -76,7 +78,7 @@ def measure_profile(
         for key, ev in rec.factors.items():
             start = rec.t0 + ev.compute_start
             end = rec.t0 + ev.compute_end
-            base = t0 if ev.kind == "A" else t1
+            base = t0 if ev.kind == FactorKind.A else t1
             run_events[key] = (end - base, end - start)
         events.append(run_events)
         runs.append(
@@ -97,7 +99,7 @@ def measure_profile(
     _barrier(comm)  # every rank inverts at once, as in the inversion stage
     per_factor: dict[str, tuple[float, float, float]] = {}  # factor -> (unpack, pack, invert) seconds
     for layer in opt.layers:
-        for kind in ("A", "G"):
+        for kind in FACTOR_KINDS:
             t0 = Timeline.now()
             full = layer.factor(kind)
             t1 = Timeline.now()
@@ -129,7 +131,7 @@ def measure_profile(
     for key in events[0]:  # the order the factors became ready
         kind, name = key.split(":", 1)
         layer = by_name[name]
-        fresh = [p for p in layer.params() if p.requires_grad and id(p) not in counted] if kind == "G" else []
+        fresh = [p for p in layer.params() if p.requires_grad and id(p) not in counted] if kind == FactorKind.G else []
         counted.update(id(p) for p in fresh)
         factors.append(
             FactorProfile(

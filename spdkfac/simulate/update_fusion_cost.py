@@ -56,10 +56,10 @@ import torch
 
 from ..step.nonfinite import non_finite
 from ..update.base_update import sgd_param_update
+from ..update.update_fusion import UpdateFusion
 from .kernel_trace import Kernel, StepTrace, trace_kernels
 
 __all__ = [
-    "MODES",
     "RECIPES",
     "Device",
     "Recipe",
@@ -69,9 +69,7 @@ __all__ = [
     "stream_seconds",
 ]
 
-Mode = Literal["none", "forward", "backward"]
 SyncPoint = Literal["backward", "step"]
-MODES: tuple[Mode, ...] = ("none", "forward", "backward")
 ELEMENT_BYTES = 4  # float32 parameters and gradients
 
 
@@ -170,11 +168,14 @@ def _less_traffic(k: Kernel, nbytes: float) -> Kernel:
     return replace(k, bytes=max(0.0, k.bytes - nbytes)) if nbytes else k
 
 
-def iteration_kernels(trace: StepTrace, mode: Mode, recipe: Recipe, device: Device, sync_after: SyncPoint = "backward") -> list[Kernel]:
+def iteration_kernels(
+    trace: StepTrace, mode: UpdateFusion | str, recipe: Recipe, device: Device, sync_after: SyncPoint = "backward"
+) -> list[Kernel]:
     """One iteration's kernels in issue order, with the loop's sync after ``backward()`` or after ``step()``."""
     params = trace.params
     updates = {i: recipe.update(n) for i, n in enumerate(params)}
-    if mode == "forward":
+    mode = UpdateFusion.parse("update_fusion", mode)
+    if mode is UpdateFusion.FORWARD:
         forward: list[Kernel] = []
         for j, k in enumerate(trace.forward):
             held = trace.forward_slots.get(j, [])
@@ -183,7 +184,7 @@ def iteration_kernels(trace: StepTrace, mode: Mode, recipe: Recipe, device: Devi
             forward.append(_less_traffic(k, sum(_cached(params[i], device) for i in held)))  # reads what was just written
     else:
         forward = list(trace.forward)
-    if mode == "backward":
+    if mode is UpdateFusion.BACKWARD:
         backward: list[Kernel] = []
         for j, k in enumerate(trace.backward):
             backward.append(k)
@@ -194,19 +195,21 @@ def iteration_kernels(trace: StepTrace, mode: Mode, recipe: Recipe, device: Devi
         step: list[Kernel] = []
     else:
         backward = list(trace.backward)
-        step = recipe.check(params) + ([k for i in range(len(params)) for k in updates[i]] if mode == "none" else [])
+        step = recipe.check(params) + ([k for i in range(len(params)) for k in updates[i]] if mode is UpdateFusion.NONE else [])
     read_loss = Kernel("read loss", sync=True)
     if sync_after == "backward":
         return [*forward, *backward, read_loss, *step]
     return [*forward, *backward, *step, read_loss]
 
 
-def iteration_seconds(trace: StepTrace, mode: Mode, recipe: Recipe, device: Device, sync_after: SyncPoint = "backward") -> float:
+def iteration_seconds(
+    trace: StepTrace, mode: UpdateFusion | str, recipe: Recipe, device: Device, sync_after: SyncPoint = "backward"
+) -> float:
     """Predicted seconds per iteration with update fusion ``mode`` (the next iteration starts with the device idle)."""
     return stream_seconds(iteration_kernels(trace, mode, recipe, device, sync_after), device)
 
 
 def predicted_gains(trace: StepTrace, recipe: Recipe, device: Device, sync_after: SyncPoint = "backward") -> dict[str, float]:
     """Seconds per iteration for each mode, and the throughput gain (unfused time over fused) of each fused mode."""
-    t = {mode: iteration_seconds(trace, mode, recipe, device, sync_after) for mode in MODES}
-    return {**{f"{m}_s": t[m] for m in MODES}, "forward": t["none"] / t["forward"], "backward": t["none"] / t["backward"]}
+    t = {mode.plain(): iteration_seconds(trace, mode, recipe, device, sync_after) for mode in UpdateFusion}
+    return {**{f"{m}_s": t[m] for m in t}, "forward": t["none"] / t["forward"], "backward": t["none"] / t["backward"]}

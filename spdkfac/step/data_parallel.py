@@ -11,6 +11,10 @@ backward pass before ``step()`` ran outside ``no_sync()`` (else nothing was
 averaged), that DDP averages over the optimizer's workers, and that the
 parameters are not updated inside ``backward()`` before DDP has averaged them.
 
+A ``torch.compile`` wrapper (``OptimizedModule``, around the model or the
+DDP, or inside the DDP) is looked through the same way: the layers, names,
+``skip_layers`` and checkpoint keys are the bare model's.
+
 Wrappers that average or shard the gradients some other way (``nn.DataParallel``,
 FSDP, a DDP inside the model, Horovod's ``DistributedOptimizer`` around the
 optimizer) and a bare model run inside a DDP the optimizer was not given are
@@ -25,7 +29,9 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["ModelWrapping", "refuse_wrapped_optimizer"]
+from .compiled_hooks import compiling
+
+__all__ = ["ModelWrapping", "bare_model", "refuse_wrapped_optimizer"]
 
 _FIX = "pass the model (or its DistributedDataParallel wrapper) to SPDKFACOptimizer, which averages the gradients itself"
 
@@ -39,6 +45,30 @@ def refuse_wrapped_optimizer(optimizer_class: type) -> None:
         )
 
 
+def _compiled_inner(model: nn.Module) -> nn.Module | None:
+    """The module a ``torch.compile(module)`` wrapper (``OptimizedModule``) runs, or None for any other module."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module) else None
+
+
+def _unwrap(model: nn.Module) -> tuple[nn.Module, DistributedDataParallel | None]:
+    """The bare model inside any ``torch.compile`` wrappers and at most one ``DistributedDataParallel``, and that DDP."""
+    ddp = None
+    while True:
+        inner = _compiled_inner(model)
+        if inner is not None:
+            model = inner
+        elif isinstance(model, DistributedDataParallel) and ddp is None:
+            ddp, model = model, model.module
+        else:
+            return model, ddp
+
+
+def bare_model(model: nn.Module) -> nn.Module:
+    """The model inside its ``DistributedDataParallel`` and ``torch.compile`` wrappers (the model itself if none)."""
+    return _unwrap(model)[0]
+
+
 def _refuse_other_wrappers(model: nn.Module) -> None:
     """Raise ValueError for a wrapper whose gradient averaging or sharding the optimizer cannot work with."""
     for name, module in model.named_modules():
@@ -48,9 +78,10 @@ def _refuse_other_wrappers(model: nn.Module) -> None:
                 f"{where} an nn.DataParallel: it runs replicas on several GPUs of one process, whose factors the "
                 f"optimizer never sees; start one process per GPU (torchrun) and {_FIX}"
             )
-        if name and isinstance(module, DistributedDataParallel):
+        if isinstance(module, DistributedDataParallel):  # (the outermost DDP is unwrapped before this check)
+            inside = "the model" if name else "another DistributedDataParallel"
             raise ValueError(
-                f"{where} a DistributedDataParallel inside the model: wrap the whole model instead, "
+                f"{where} a DistributedDataParallel inside {inside}: wrap the whole model once instead, "
                 "SPDKFACOptimizer(DistributedDataParallel(model), ...), or pass the bare model"
             )
         if type(module).__name__ in ("FullyShardedDataParallel", "FSDPModule") or any(
@@ -70,14 +101,13 @@ class ModelWrapping:
             (other data-parallel wrappers raise ValueError).
 
     Attributes:
-        module: the bare model: the optimizer's layers, names and hooks are its.
+        module: the bare model (inside DDP and ``torch.compile``): the optimizer's layers, names and hooks are its.
         ddp: the wrapper, or None; when set, DDP averages the gradients.
     """
 
     def __init__(self, model: nn.Module) -> None:
-        _refuse_other_wrappers(model)
-        self.ddp: DistributedDataParallel | None = model if isinstance(model, DistributedDataParallel) else None
-        self.module: nn.Module = self.ddp.module if self.ddp is not None else model
+        self.module, self.ddp = _unwrap(model)
+        _refuse_other_wrappers(self.module)
         self._last_pass_synced = True  # whether the latest forward pass under autograd will have DDP average its gradients
         self._hook: Any = None
 
@@ -127,7 +157,8 @@ class ModelWrapping:
                 "the optimizer would both average the gradients; pass the wrapper, SPDKFACOptimizer(ddp_model, ...), "
                 "and the optimizer lets DDP average them"
             )
-        self.remove_hooks()  # checked at the first forward pass: a model is wrapped before it is run
+        if not compiling():  # (traced: the check stays in the graph, a guard on DDP's class attribute)
+            self.remove_hooks()  # checked at the first forward pass: a model is wrapped before it is run
 
     def check_synchronized(self, caller: str) -> None:
         """Raise RuntimeError when the last backward pass ran inside ``no_sync()``: its gradients were not averaged."""

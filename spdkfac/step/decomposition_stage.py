@@ -37,6 +37,7 @@ from ..kfac.factor_shape import FactorShape
 from ..kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer
 from ..kfac.linalg import invert_spd, pack_upper, triangle_size, unpack_upper
 from ..kfac.methods import DecompositionFallbackWarning, LinAlgError
+from ..kfac.methods.warm import RefreshStatistics
 from ..plan.placement import ALL, PlacementPlan
 from .timeline import IterationRecord, Timeline
 
@@ -195,6 +196,7 @@ class DecompositionStage:
         self.method = layers[0].method if layers else None
         self.step = 0  # for the messages
         self.fallen_back: set[Hashable] = set()  # factors the method's fallback was used for (each warned about once)
+        self.refreshes = RefreshStatistics()  # how each eigenbasis was refreshed (eigen_refresh='warm'; else empty)
 
     def _shape(self, key: Hashable) -> FactorShape:
         kind, name = cast(FactorKey, key)
@@ -242,6 +244,9 @@ class DecompositionStage:
         for key, value in results.items():
             kind, name = cast(FactorKey, key)
             self.layers[name].set_decomposition(kind, value)
+            refresh = method.refresh_record(value)
+            if refresh is not None:
+                self.refreshes.record(f"{name}/{kind}", self._shape(key).dim, *refresh)
         self._warn_fallbacks(fell_back, damping)
 
     def _previous(self, key: Hashable) -> Any:

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ..kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer
 from ..kfac.linalg import non_finite_indices
+from .compiled_hooks import register_factor_pre_hook, register_output_grad_hook
 from .factor_allreduce import TensorFusionController
 from .factor_profiler import FusionProfiler
 from .nonfinite import NonFiniteFactorError, NonFiniteGuard
@@ -67,8 +68,9 @@ class FactorCollector:
         self._micro: dict[FactorKey, tuple[int, torch.Tensor | None]] = {}  # micro-batches so far: (count, sum)
         self._hook_handles: list[Any] = []
         for layer in layers:
-            self._hook_handles.append(layer.module.register_forward_pre_hook(self._a_hook(layer)))
-            self._hook_handles.append(layer.module.register_forward_hook(self._g_hook(layer)))
+            # (registered so that a torch.compile'd forward calls them without a graph break: compiled_hooks)
+            self._hook_handles.append(register_factor_pre_hook(layer.module, self._a_hook(layer)))
+            self._hook_handles.append(register_output_grad_hook(layer.module, *self._g_hook(layer)))
 
     def reset(self, record: IterationRecord | None) -> None:
         """Start a new step: nothing computed, nothing kept back."""
@@ -88,14 +90,16 @@ class FactorCollector:
 
         return hook
 
-    def _g_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
-        """Forward hook that attaches a gradient hook to the layer output.
+    def _g_hook(self, layer: KFACLayer) -> tuple[Callable[[], bool], Callable[[torch.Tensor], None]]:
+        """When the layer's output gradient is wanted (its A was taken this step), and what computes G from it.
 
-        The output's gradient hook fires in the backward pass as soon as the
-        gradient with respect to this layer's output is known, like a full
-        backward hook, but it also works when the next operation modifies the
-        output in place (``ReLU(inplace=True)``) and for a first layer whose
-        input needs no gradient.
+        Registered as a hook on the layer output's gradient
+        (:func:`~spdkfac.step.compiled_hooks.register_output_grad_hook`): it
+        fires in the backward pass as soon as the gradient with respect to
+        this layer's output is known, like a full backward hook, but it also
+        works when the next operation modifies the output in place
+        (``ReLU(inplace=True)``) and for a first layer whose input needs no
+        gradient.
         """
 
         def g_ready(grad_output: torch.Tensor) -> None:
@@ -103,11 +107,7 @@ class FactorCollector:
             scale = self.loss_scale() / self.accumulation_steps
             self._submit(layer, "G", lambda: layer.compute_g(grad_output, scale))
 
-        def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-            if layer.name in self._a_taken and isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(g_ready)  # type: ignore[no-untyped-call]  # torch leaves Tensor.register_hook unannotated
-
-        return hook
+        return (lambda: layer.name in self._a_taken), g_ready
 
     def _submit(self, layer: KFACLayer, kind: str, compute: Callable[[], torch.Tensor]) -> None:
         t_enter = Timeline.now() if self.record is not None else 0.0
@@ -170,7 +170,9 @@ class FactorCollector:
         if not factors:
             raise RuntimeError(
                 "step() was called on a factor-update step but no Kronecker factor was computed: run the "
-                "forward and backward pass in training mode (model.train()) with gradients enabled before step()"
+                "forward and backward pass in training mode (model.train()) with gradients enabled before step(); "
+                "a torch.compile'd model must first run after the optimizer is built (Dynamo does not see hooks added "
+                "to a model, or to another instance of its class, it has already compiled; torch._dynamo.reset() forgets those)"
             )
         expected = {(kind, layer.name) for layer in self.layers for kind in FACTOR_KINDS}
         missing = sorted(expected - factors.keys())

@@ -20,6 +20,7 @@ from ..comm import CommBackend
 from ..config import KFACConfig
 from ..kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer
 from ..perfmodels import PerfModel
+from ..plan.factor_fusion import FusionPolicy
 from ..plan.work_plan import fusion_groups
 from .factor_allreduce import TensorFusionController
 
@@ -44,7 +45,7 @@ class FusionProfiler:
         self.perf_model = perf_model
         self.plans_made = 0  # plans made so far (the first, then one per re-profile)
         self.plan_changes = 0  # re-profiles that changed the plan
-        self._planned = config.fusion == "layerwise" or not config.precondition
+        self._planned = config.fusion == FusionPolicy.LAYERWISE or not config.precondition
         self._samples: dict[str, list[list[float]]] = {"A": [], "G": []}
         self._ready: dict[str, list[float]] = {"A": [], "G": []}
         self._pass_t0: dict[str, float | None] = {"A": None, "G": None}
@@ -80,7 +81,7 @@ class FusionProfiler:
         if self._factor_steps > self._sample_after:
             for kind in FACTOR_KINDS:
                 self._samples[kind].append(list(self._ready[kind]))
-        needed = self.config.profile_steps if self.config.fusion == "optimal" else 0
+        needed = self.config.profile_steps if self.config.fusion == FusionPolicy.OPTIMAL else 0
         if self._factor_steps < self._sample_after + needed:
             return
         dims = {layer.name: layer for layer in self.layers}

@@ -132,14 +132,10 @@ class KFACStep:
 
         Raises :class:`~spdkfac.step.nonfinite.SkipStep` for a skipped step.
         """
-        if factor_step:  # the global batch the hooks just saw, before either order preconditions (EKFAC scales by it)
-            for layer in self.layers:
-                layer.method_state["samples"] = layer.local_samples * self.workers * self.config.accumulation_steps
         group = self.param_groups[0]
-        if "betas" in group:  # Adam's hyperparameters in force, for a method running Adam in its basis (EKFAC's 'adam')
-            for layer in self.layers:
-                if layer.method.gives_direction:  # the only methods that read them
-                    layer.method_state["betas"], layer.method_state["eps"] = group["betas"], group["eps"]
+        for layer in self.layers:  # before either order preconditions: the global batch the hooks just saw, the base's hyper
+            samples = layer.local_samples * self.workers * self.config.accumulation_steps if factor_step else None
+            layer.method.begin_step(layer.method_state, samples, group)
         if self._overlapping(inverse_step):
             self.grads.start_missing()  # every all-reduce in flight before waiting on any
             if factor_step:

@@ -8,6 +8,8 @@ import math
 import torch
 
 from ..comm import DEFAULT_COLLECTIVE_TIMEOUT_S, DEVICE_CHOICES
+from ..config import BaseOptimizer, ComputeMethod, EigenRefresh, EKFACUpdate, UpdateFusion
+from ..dho2.config import DEFAULT_ADMM_RULE, ADMMRule
 from ..models import MODELS
 from ..runtime.affinity import add_bind_cores_option
 
@@ -52,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--base",
         default="sgd",
-        choices=("sgd", "adamw", "lamb"),
+        choices=BaseOptimizer.choices(),
         help="K-FAC optimizers: the update after preconditioning: momentum SGD, AdamW or LAMB (betas 0.9, 0.999; "
         "decoupled weight decay, default 0.05, and lr default 1e-3 for adamw/lamb)",
     )
@@ -80,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--update-fusion",
         default="none",
-        choices=("none", "forward", "backward"),
+        choices=UpdateFusion.choices(),
         help="where the parameter update runs (SGD and K-FAC optimizers): in step(), in the next forward pass, or in "
         "backward as each gradient is ready (K-FAC: needs --kl-clip 0; not with --amp fp16); same results",
     )
@@ -107,14 +109,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--compute-method",
         default="inverse",
-        choices=("inverse", "eigen", "ekfac"),
+        choices=ComputeMethod.choices(),
         help="precondition with damped inverses of each factor, with their eigendecompositions "
         "(damping added to the eigenvalues of A⊗G), or EKFAC (the eigenbasis with a scaling re-estimated every step)",
     )
     p.add_argument(
         "--eigen-refresh",
         default="exact",
-        choices=("exact", "warm"),
+        choices=EigenRefresh.choices(),
         help="eigen/ekfac: refresh each eigenbasis with a full eigh, or warm-started from the previous one",
     )
     p.add_argument(
@@ -123,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--ekfac-update",
         default="natural",
-        choices=("natural", "adam"),
+        choices=EKFACUpdate.choices(),
         help="ekfac: divide by the damped scaling, or run Adam in the eigenbasis (SOAP's update with K-FAC's basis; needs --base adamw)",
     )
     p.add_argument(
@@ -138,7 +140,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     dho2.add_argument("--dho2-l", type=int, default=0, help="smallest Hessian eigenpairs in the Newton subspace")
     dho2.add_argument("--refresh-every", type=int, default=100, help="steps between Lanczos refreshes of the eigenpairs (T)")
     dho2.add_argument("--alpha", type=float, default=0.1, help="scale of the Newton step")
-    dho2.add_argument("--sigma", type=float, default=5e-4, help="ADMM penalty σ (dho2)")
+    dho2.add_argument(
+        "--admm-rule",
+        choices=ADMMRule.choices(),
+        default=None,
+        help=f"form of the ADMM outer iteration (dho2; default {DEFAULT_ADMM_RULE})",
+    )
+    dho2.add_argument("--sigma", type=float, default=None, help="ADMM penalty σ (dho2; default by --admm-rule)")
     dho2.add_argument("--admm-epochs", type=float, default=4.0, help="epochs per ADMM outer iteration (the paper's P = 4; dho2)")
     p.add_argument("--perf-model", default=None, help="fitted performance-model JSON (perfmodels/*.json)")
     p.add_argument(
@@ -229,11 +237,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--factor-update-freq": args.factor_update_freq != 1,
             "--inv-update-freq": args.inv_update_freq != 1,
             "--distribute-preconditioning": args.distribute_preconditioning,
-            "--compute-method": args.compute_method != "inverse",
-            "--eigen-refresh": args.eigen_refresh != "exact",
+            "--compute-method": args.compute_method != ComputeMethod.INVERSE,
+            "--eigen-refresh": args.eigen_refresh != EigenRefresh.EXACT,
             "--ekfac-decay": args.ekfac_decay != 0.95,
-            "--ekfac-update": args.ekfac_update != "natural",
-            "--base": args.base != "sgd",
+            "--ekfac-update": args.ekfac_update != EKFACUpdate.NATURAL,
+            "--base": args.base != BaseOptimizer.SGD,
             "--damping-decay": args.damping_decay != 1.0,
             "--damping-decay-epochs": bool(args.damping_decay_epochs),
             "--freq-scale": args.freq_scale != 1.0,
@@ -242,16 +250,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         given = [flag for flag, set_ in kfac_only.items() if set_]
         if given:
             p.error(f"{', '.join(given)} only apply to the K-FAC optimizers, not --optimizer {args.optimizer}")
-    if args.update_fusion != "none" and args.optimizer in DHO2_OPTIMIZERS:
+    if args.update_fusion != UpdateFusion.NONE and args.optimizer in DHO2_OPTIMIZERS:
         p.error(f"--update-fusion applies to --optimizer sgd and the K-FAC optimizers, not {args.optimizer}")
-    if args.update_fusion == "backward":
+    if args.update_fusion == UpdateFusion.BACKWARD:
         if args.amp == "fp16":
             p.error("--update-fusion backward cannot be used with --amp fp16 (the loss scaler checks every gradient before any update)")
         if args.optimizer in KFAC_OPTIMIZERS and args.kl_clip != 0:
             p.error("--update-fusion backward needs --kl-clip 0 with a K-FAC optimizer (the KL clip needs every gradient first)")
-    if args.base != "sgd" and args.momentum != 0.9:
+    if args.base != BaseOptimizer.SGD and args.momentum != 0.9:
         p.error(f"--momentum does not apply to --base {args.base} (it uses Adam's betas)")
-    if args.update_fusion != "none" and args.base != "sgd":
+    if args.update_fusion != UpdateFusion.NONE and args.base != BaseOptimizer.SGD:
         p.error(f"--update-fusion {args.update_fusion} needs --base sgd (it holds momentum-SGD updates), not --base {args.base}")
     if args.optimizer in DHO2_OPTIMIZERS:
         if args.momentum != 0.9:
@@ -260,13 +268,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--optimizer {args.optimizer} does not support --amp fp16 (loss scaling); use --amp bf16")
         if args.admm_epochs <= 0:
             p.error("--admm-epochs must be > 0")
+        if args.optimizer == "dho2-wa" and (args.admm_rule is not None or args.sigma is not None):
+            p.error("--admm-rule and --sigma apply to --optimizer dho2 (the ADMM outer iteration), not dho2-wa")
     else:
-        dho2_defaults = {"--dho2-k": 5, "--dho2-l": 0, "--refresh-every": 100, "--alpha": 0.1, "--sigma": 5e-4, "--admm-epochs": 4.0}
-        values = (args.dho2_k, args.dho2_l, args.refresh_every, args.alpha, args.sigma, args.admm_epochs)
+        dho2_defaults = {
+            "--dho2-k": 5,
+            "--dho2-l": 0,
+            "--refresh-every": 100,
+            "--alpha": 0.1,
+            "--admm-rule": None,
+            "--sigma": None,
+            "--admm-epochs": 4.0,
+        }
+        values = (args.dho2_k, args.dho2_l, args.refresh_every, args.alpha, args.admm_rule, args.sigma, args.admm_epochs)
         given = [flag for (flag, default), value in zip(dho2_defaults.items(), values) if value != default]
         if given:
             p.error(f"{', '.join(given)} only apply to --optimizer dho2 / dho2-wa, not --optimizer {args.optimizer}")
-    adam_type = args.optimizer in DHO2_OPTIMIZERS or args.base != "sgd"
+    adam_type = args.optimizer in DHO2_OPTIMIZERS or args.base != BaseOptimizer.SGD
     if args.lr is None:
         args.lr = 1e-3 if adam_type else 0.05
     if args.weight_decay is None:
@@ -283,9 +301,11 @@ def kl_clip_option(args: argparse.Namespace) -> float | None:
     return None if args.kl_clip == 0 else float(args.kl_clip)
 
 
-def dho2_options(args: argparse.Namespace, steps_per_epoch: int) -> dict[str, int | float]:
+def dho2_options(args: argparse.Namespace, steps_per_epoch: int) -> dict[str, int | float | str | None]:
     """Keyword arguments of the DHO2 optimizer from the command line (the ADMM period converted from epochs to steps)."""
-    options: dict[str, int | float] = dict(k=args.dho2_k, l=args.dho2_l, refresh_every=args.refresh_every, alpha=args.alpha, seed=args.seed)
+    options: dict[str, int | float | str | None] = dict(
+        k=args.dho2_k, l=args.dho2_l, refresh_every=args.refresh_every, alpha=args.alpha, seed=args.seed
+    )
     if args.optimizer == "dho2":
-        options.update(sigma=args.sigma, admm_period=max(1, round(args.admm_epochs * steps_per_epoch)))
+        options.update(admm_rule=args.admm_rule, sigma=args.sigma, admm_period=max(1, round(args.admm_epochs * steps_per_epoch)))
     return options

@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from ..comm import CommBackend, get_backend, leaving_on_error, worker_device
+from ..config import BaseOptimizer
 from ..models import get_model
 from ..runtime.affinity import bind_cores_if_asked
 from ..runtime.host_memory import retain_freed_memory
@@ -193,7 +194,7 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
     model_name = args.model or default_model
     model = get_model(model_name, num_classes=num_classes).to(device)
     base_lr = args.lr * size
-    optimizer_kwargs: dict[str, Any] = dict(momentum=args.momentum) if args.base == "sgd" else dict(base=args.base)
+    optimizer_kwargs: dict[str, Any] = dict(momentum=args.momentum) if args.base == BaseOptimizer.SGD else dict(base=args.base)
     if args.optimizer not in DHO2_OPTIMIZERS:
         optimizer_kwargs["update_fusion"] = args.update_fusion
     if args.optimizer in KFAC_OPTIMIZERS:

@@ -15,35 +15,40 @@ the layer-wise trust ratio, as LAMB's paper.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from ..options import Option
 from .rules import adamw_delta, lamb_delta, momentum_direction
 
-__all__ = ["BASE_OPTIMIZERS", "BaseOptimizer", "apply_base_update", "base_defaults", "sgd_param_update"]
-
-BaseOptimizer = Literal["sgd", "adamw", "lamb"]
-BASE_OPTIMIZERS: tuple[BaseOptimizer, ...] = ("sgd", "adamw", "lamb")
+__all__ = ["BaseOptimizer", "apply_base_update", "base_defaults", "sgd_param_update"]
 
 
-def base_defaults(base: str, momentum: float | None, betas: Any, eps: Any) -> dict[str, Any]:
+class BaseOptimizer(Option):
+    """The update after preconditioning (``base``)."""
+
+    SGD = "sgd"  # momentum SGD
+    ADAMW = "adamw"
+    LAMB = "lamb"
+
+
+def base_defaults(base: BaseOptimizer | str, momentum: float | None, betas: Any, eps: Any) -> dict[str, Any]:
     """The ``param_groups`` entries of ``base`` beside ``lr`` and ``weight_decay`` (ValueError for a bad or foreign one).
 
     ``'sgd'`` keeps ``momentum`` (default 0.9); ``'adamw'`` and ``'lamb'`` keep
     ``betas`` (default (0.9, 0.999)) and ``eps`` (default 1e-8, 1e-6 for LAMB
     as its paper) and refuse a momentum (they have ``betas[0]``).
     """
-    if base not in BASE_OPTIMIZERS:
-        raise ValueError(f"base must be one of {BASE_OPTIMIZERS}, got {base!r}")
-    if base == "sgd":
+    base = BaseOptimizer.parse("base", base)
+    if base is BaseOptimizer.SGD:
         if betas is not None or eps is not None:
             raise ValueError("betas and eps apply to base='adamw' or 'lamb'; momentum SGD (base='sgd') takes momentum")
         return {"momentum": 0.9 if momentum is None else momentum}
     if momentum is not None:
         raise ValueError(f"momentum applies to base='sgd' only; the {base!r} base uses betas")
     betas = (0.9, 0.999) if betas is None else tuple(betas)
-    eps = (1e-6 if base == "lamb" else 1e-8) if eps is None else eps
+    eps = (1e-6 if base is BaseOptimizer.LAMB else 1e-8) if eps is None else eps
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
@@ -75,14 +80,14 @@ def apply_base_update(
             if p.grad is None:
                 continue
             if p in direct:
-                if base != "adamw":
+                if base != BaseOptimizer.ADAMW:
                     raise ValueError(f"a preconditioned direction steps with base='adamw' only, not {base!r}")
                 delta = p.grad.mul(-lr)
                 if wd != 0:
                     delta.add_(p.detach(), alpha=-lr * wd)
                 p.add_(delta)
-            elif base == "sgd":
+            elif base == BaseOptimizer.SGD:
                 sgd_param_update(p, p.grad, state[p], lr, group["momentum"], wd)
             else:
-                rule = adamw_delta if base == "adamw" else lamb_delta
+                rule = adamw_delta if base == BaseOptimizer.ADAMW else lamb_delta
                 p.add_(rule(p.grad, p, state[p], lr, group["betas"], group["eps"], wd))

@@ -33,11 +33,21 @@ import torch
 import torch.nn as nn
 
 from ..kfac.layers import KFACLayer, functional_submodules
+from ..options import Option
+from ..step.compiled_hooks import run_eagerly
 from ..step.grad_sync import GradientSync
 from ..step.nonfinite import non_finite
 from .base_update import sgd_param_update
 
-__all__ = ["BackwardFusion", "ForwardFusion", "update_owners"]
+__all__ = ["BackwardFusion", "ForwardFusion", "UpdateFusion", "update_owners"]
+
+
+class UpdateFusion(Option):
+    """Where the parameter update runs (``update_fusion``)."""
+
+    NONE = "none"  # in step()
+    FORWARD = "forward"  # each module's parameters just before its next forward pass (ForwardFusion)
+    BACKWARD = "backward"  # each layer as soon as its averaged gradient exists, in backward() (BackwardFusion)
 
 
 def update_owners(model: nn.Module, params: Iterable[torch.Tensor]) -> dict[nn.Module, list[torch.Tensor]]:
@@ -86,7 +96,7 @@ class ForwardFusion:
         params = [p for group in param_groups for p in group["params"]]
         self._handles: list[Any] = []
         for module, owned in update_owners(model, params).items():
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(owned)))
+            self._handles.append(module.register_forward_pre_hook(run_eagerly(self._pre_hook(owned))))  # compiled: a graph break
             # (torch leaves these two unannotated)
             self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.flush()))  # type: ignore[no-untyped-call]
             self._handles.append(module.register_load_state_dict_pre_hook(lambda *_: self.flush()))  # type: ignore[no-untyped-call]

@@ -339,6 +339,11 @@ def test_vs_kaisa_alternates_this_projects_systems_and_renders(tmp_path):
     assert "## Eigen and inverse methods beside KAISA's, in one run" in text
     assert "| `spdkfac-eigen-warm` |" in text
     assert "torchrun --nproc_per_node 2 -m benchmarks.vs_kaisa" in text
+    warm = next(r for r in data["table"] if r["system"] == "spdkfac-eigen-warm")["refreshes"]  # counted per iteration
+    assert warm["iterations"] == 4
+    assert warm["warm"] + warm["full_scheduled"] + warm["full_drift"] == warm["refreshes"] > 0
+    assert f"{100 * warm['warm_share']:.0f}% warm; full `eigh` in {warm['iterations_with_full']} of 4 iterations" in text
+    assert "SGD learning rate 0.1 (momentum 0.9)" in text
 
 
 @pytest.mark.multiprocess
@@ -405,3 +410,32 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
     model = stages["perfmodel"]["model"]
     assert "inverse" in model
     assert "eigen" in model
+
+
+@pytest.mark.slow
+def test_warm_accuracy_compares_each_warm_step_with_eigh_along_the_exact_run(tmp_path):
+    """benchmarks/warm_accuracy.py for real: rounding only before the first refresh, more after, Rayleigh–Ritz's the lower."""
+    out = tmp_path / "warm_accuracy.json"
+    args = ["--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "8", "--iters", "4", "--out", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.warm_accuracy", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
+    assert rows[0]["subspace"]["relative_error"] == rows[0]["ritz"]["relative_error"] < 1e-5  # both start from eigh (reordered)
+    for r in rows[1:]:
+        assert 0.0 < r["ritz"]["relative_error"] < r["subspace"]["relative_error"]
+        assert r["ritz"]["worst_layer"]
+
+
+@pytest.mark.slow
+def test_compile_cost_compiles_each_arm_once(tmp_path):
+    """benchmarks/compile_cost.py for real on the digits CNN: the compiled K-FAC arm is one graph, compiled once."""
+    out = tmp_path / "compile.json"
+    args = ["--models", "digits_cnn", "--batch-size", "4", "--iters", "2", "--out", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.compile_cost", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    model = json.loads(out.read_text())["models"]["digits_cnn"]
+    assert model["kfac-compiled"]["graph_breaks"] == 0
+    assert model["kfac-compiled"]["graphs"] == 1
+    assert model["graphs_compiled_while_measuring"] == 0
+    assert model["kfac-compiled-plain-hooks"]["graph_breaks"] > 0

@@ -27,13 +27,13 @@ def _worker_module():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("engine", ["torch", "horovod"])
-def test_two_workers_equal_one_and_agree_bitwise(engine, tmp_path):
-    run_workers(engine, 2, [str(WORKER), "--backend", engine, "--out", str(tmp_path)])
+@pytest.mark.parametrize(("engine", "rule"), [("torch", "code"), ("horovod", "code"), ("torch", "lagrangian"), ("horovod", "proximal")])
+def test_two_workers_equal_one_and_agree_bitwise(engine, rule, tmp_path):
+    run_workers(engine, 2, [str(WORKER), "--backend", engine, "--out", str(tmp_path), "--admm-rule", rule])
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     old = torch.get_default_dtype()
     try:
-        ref = _worker_module().run(SingleProcessBackend())
+        ref = _worker_module().run(SingleProcessBackend(), admm_rule=rule)
     finally:
         torch.set_default_dtype(old)
     for key in ("values", "vectors", "tridiagonal", "params"):

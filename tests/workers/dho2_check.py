@@ -31,8 +31,9 @@ GLOBAL_BATCH = 24
 OPTIONS = dict(k=2, l=1, refresh_every=3, alpha=0.3, sigma=0.05, admm_period=4, lr=1e-2)
 
 
-def run(backend: CommBackend, steps: int = 7) -> dict[str, Any]:
-    """The Lanczos results and the parameters after ``steps`` DHO2 steps, on this rank's shard."""
+def run(backend: CommBackend, steps: int = 7, admm_rule: str = "code") -> dict[str, Any]:
+    """The Lanczos results and the parameters after ``steps`` DHO2 steps (ADMM in form ``admm_rule``; outer steps
+    after steps 4), on this rank's shard."""
     torch.set_default_dtype(torch.float64)
     x, y = dho2_batch(GLOBAL_BATCH)
     b = GLOBAL_BATCH // backend.size
@@ -44,7 +45,7 @@ def run(backend: CommBackend, steps: int = 7) -> dict[str, Any]:
     hvp = HessianVectorProduct(nn.functional.cross_entropy(model(x), y), params, backend)
     result = distributed_lanczos(hvp, split, backend, 20, start_vector(n, 0, torch.float64, torch.device("cpu")))
     values, vectors = extreme_eigenpairs(result, split, backend, 3, 1)
-    opt = DHO2Optimizer(model, backend=backend, **OPTIONS)
+    opt = DHO2Optimizer(model, backend=backend, admm_rule=admm_rule, **OPTIONS)
     for s in range(steps):
         xs = x + 0.1 * s
         opt.zero_grad()
@@ -65,9 +66,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--admm-rule", default="code")
     args = ap.parse_args()
     backend = get_backend(args.backend)
-    torch.save(run(backend), Path(args.out) / f"rank{backend.rank}.pt")
+    torch.save(run(backend, admm_rule=args.admm_rule), Path(args.out) / f"rank{backend.rank}.pt")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from ...options import Option
 from .attention import AttentionSplit
 from .base import LayerHelper, SplitHelper
 from .conv import ConvHelper
@@ -31,6 +32,7 @@ __all__ = [
     "LayerHelper",
     "LinearHelper",
     "NormHelper",
+    "NormLayers",
     "SplitHelper",
     "helper_class",
     "make_helper",
@@ -45,6 +47,15 @@ HELPERS: dict[type[nn.Module], type[LayerHelper]] = {
     nn.Conv2d: ConvHelper,
     nn.Embedding: EmbeddingHelper,
 }
+
+
+class NormLayers(Option):
+    """What normalisation layers' affine parameters get: the plain base update, or their scale-and-shift curvature."""
+
+    PLAIN = "plain"
+    KFAC = "kfac"
+
+
 #: Preconditioned only with ``norm_layers='kfac'`` (off by default: they get the plain update).
 NORM_HELPERS: dict[type[nn.Module], type[LayerHelper]] = dict.fromkeys(NORM_TYPES, NormHelper)
 

@@ -1,40 +1,53 @@
 """The compute methods, one class each, registered here: ``compute_method`` name -> class.
 
-Adding a method is one file (a :class:`DecompositionMethod` subclass) and one
-line in :data:`METHODS`.
+Adding a method is one file (a :class:`DecompositionMethod` subclass) and, in
+this file, its name in :class:`ComputeMethod` and its class in :data:`METHODS`.
+A class registered at run time (``METHODS['mine'] = Mine``) is accepted by
+its plain string name too.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from ...options import Option
 from ...perfmodels import PerfModel
 from ..factor_shape import FactorShape
-from .base import DecompositionFallbackWarning, DecompositionMethod, LinAlgError
-from .eigen import EigenMethod
-from .ekfac import EKFACMethod
+from .base import DecompositionFallbackWarning, DecompositionMethod, LinAlgError, MethodState
+from .eigen import EigenMethod, EigenOptions, EigenRefresh
+from .ekfac import EKFACMethod, EKFACOptions, EKFACUpdate
 from .inverse import InverseMethod
 
 __all__ = [
-    "COMPUTE_METHODS",
     "METHODS",
+    "ComputeMethod",
     "DecompositionFallbackWarning",
     "DecompositionMethod",
     "EKFACMethod",
+    "EKFACOptions",
+    "EKFACUpdate",
     "EigenMethod",
+    "EigenOptions",
+    "EigenRefresh",
     "InverseMethod",
     "LinAlgError",
+    "MethodState",
     "get_method",
     "payload_size",
     "stage_costs",
 ]
 
-METHODS: dict[str, type[DecompositionMethod]] = {
-    InverseMethod.name: InverseMethod,
-    EigenMethod.name: EigenMethod,
-    EKFACMethod.name: EKFACMethod,
-}
-COMPUTE_METHODS = tuple(METHODS)
+
+class ComputeMethod(Option):
+    """The built-in compute methods (``compute_method``)."""
+
+    INVERSE = "inverse"  # the paper's damped inverses
+    EIGEN = "eigen"  # KAISA's eigendecompositions
+    EKFAC = "ekfac"  # George et al.'s eigenvalue-corrected K-FAC
+
+
+#: ``compute_method`` -> class (a class whose name is not a :class:`ComputeMethod` fails here, at import).
+METHODS: dict[str, type[DecompositionMethod]] = {ComputeMethod(cls.name): cls for cls in (InverseMethod, EigenMethod, EKFACMethod)}
 
 
 def get_method(method: str | DecompositionMethod, options: Any = None) -> DecompositionMethod:

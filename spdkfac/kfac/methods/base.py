@@ -11,6 +11,7 @@ buffer, and a diagonal one (an embedding's ``A``) elementwise.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from ...perfmodels.models import BatchedModel, PerfModel
 from ..factor_shape import FactorShape
 
-__all__ = ["DecompositionFallbackWarning", "DecompositionMethod", "LinAlgError"]
+__all__ = ["DecompositionFallbackWarning", "DecompositionMethod", "LinAlgError", "MethodState"]
 
 #: torch's error for a failed factorization (torch's stubs do not re-export it from torch.linalg).
 LinAlgError: type[RuntimeError] = torch.linalg.LinAlgError  # type: ignore[attr-defined]
@@ -30,6 +31,16 @@ class DecompositionFallbackWarning(RuntimeWarning):
     ``warnings.simplefilter("error", DecompositionFallbackWarning)`` turns it
     into an error on the rank that decomposed the factor.
     """
+
+
+@dataclass
+class MethodState:
+    """A layer's own state under a compute method (``KFACLayer.method_state``): empty but for the methods that
+    learn from every gradient, which subclass it (EKFAC's scaling, :mod:`spdkfac.kfac.methods.ekfac_updates`)."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors held (for :meth:`~spdkfac.SPDKFACOptimizer.memory_usage`)."""
+        return []
 
 
 class DecompositionMethod(abc.ABC):
@@ -101,7 +112,7 @@ class DecompositionMethod(abc.ABC):
 
     # -- preconditioning ---------------------------------------------------------------
     @abc.abstractmethod
-    def precondition(self, grad: torch.Tensor, a: Any, g: Any, damping: float, state: dict[str, Any] | None = None) -> torch.Tensor:
+    def precondition(self, grad: torch.Tensor, a: Any, g: Any, damping: float, state: MethodState | None = None) -> torch.Tensor:
         """The update of a ``g x a`` gradient (``blocks x g x a`` for block-diagonal factors).
 
         ``state`` is the layer's own method state (:meth:`commit`), which a
@@ -124,6 +135,12 @@ class DecompositionMethod(abc.ABC):
         """
         return False
 
+    def refresh_record(self, kept: Any) -> tuple[int, float] | None:
+        """``(age, residual)`` of a decomposition started from the previous one, for
+        :class:`~spdkfac.kfac.methods.warm.RefreshStatistics` (age 0: made from scratch; residual -1: not
+        measured); None where the method always decomposes from scratch."""
+        return None
+
     # -- per-layer state (empty but for methods that learn from every gradient) -------
     #: Whether a layer's state changes on every preconditioning (then only every rank preconditioning every layer
     #: keeps it identical everywhere: distributed preconditioning is refused).
@@ -139,17 +156,27 @@ class DecompositionMethod(abc.ABC):
         """
         return False
 
-    def commit(self, state: dict[str, Any]) -> None:
-        """Make the state staged by this step's :meth:`precondition` current (a skipped step never commits)."""
-        state.pop("pending", None)  # stateless methods stage nothing
+    def new_state(self) -> MethodState:
+        """A layer's fresh state (the stateless methods' is empty)."""
+        return MethodState()
 
-    def save_state(self, state: dict[str, Any]) -> dict[str, Any] | None:
+    def begin_step(self, state: MethodState, samples: int | None, group: dict[str, Any]) -> None:
+        """Hand a layer's state what the step knows before preconditioning: ``samples``, the global batch the
+        factor hooks just saw (None on a step that does not update the factors), and the optimizer's first
+        ``param_group`` (the base's hyperparameters in force)."""
+        return  # the stateless methods need none of it
+
+    def commit(self, state: MethodState) -> None:
+        """Make the state staged by this step's :meth:`precondition` current (a skipped step never commits)."""
+        return  # the stateless methods stage nothing
+
+    def save_state(self, state: MethodState) -> dict[str, Any] | None:
         """Plain tensors / values of a layer's state for a checkpoint (None: nothing to save)."""
         return None
 
-    def load_state(self, saved: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
+    def load_state(self, saved: dict[str, Any] | None, device: torch.device) -> MethodState:
         """A layer's state from what :meth:`save_state` wrote (None: a fresh state)."""
-        return {}
+        return self.new_state()
 
     @abc.abstractmethod
     def tensors(self, kept: Any) -> list[torch.Tensor]:

@@ -48,22 +48,39 @@ update; its default 0.95 is SOAP's), ``β1`` and ``ε`` the AdamW base's
 AdamW as usual (with ``betas[1]``). ``damping`` is not used by this update.
 ``v`` is kept across a basis refresh (as SOAP keeps it) and ``m``, in the
 layer's coordinates, needs no change.
+
+The two updates are strategies chosen once at construction, each with its
+own typed per-layer state (:mod:`spdkfac.kfac.methods.ekfac_updates`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..eigenbasis import Eigen, eigen_outer, eigen_project, eigen_unproject
-from .base import DecompositionMethod
+from ..eigenbasis import Eigen
+from .base import DecompositionMethod, MethodState
 from .eigen import EigenMethod, EigenRefresh
+from .ekfac_updates import UPDATES, EKFACUpdate
 
-__all__ = ["EKFAC_UPDATES", "EKFACMethod", "EKFACUpdate"]
+__all__ = ["EKFACMethod", "EKFACOptions", "EKFACUpdate"]
 
-EKFACUpdate = Literal["natural", "adam"]
-EKFAC_UPDATES: tuple[str, ...] = get_args(EKFACUpdate)
+
+@dataclass(frozen=True)
+class EKFACOptions:
+    """EKFAC's own options as one value: ``ekfac_decay`` (β) and ``ekfac_update`` (validated)."""
+
+    decay: float = 0.95
+    update: EKFACUpdate = EKFACUpdate.NATURAL
+
+    def __post_init__(self) -> None:
+        decay = self.decay
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
+            raise ValueError(f"ekfac_decay must be in [0, 1), got {decay!r}")
+        object.__setattr__(self, "decay", float(decay))
+        object.__setattr__(self, "update", EKFACUpdate.parse("ekfac_update", self.update))
 
 
 class EKFACMethod(EigenMethod):
@@ -74,99 +91,54 @@ class EKFACMethod(EigenMethod):
 
     def __init__(
         self,
-        refresh: EigenRefresh = "exact",
+        refresh: EigenRefresh | str = EigenRefresh.EXACT,
         full_every: int = 10,
         decay: float = 0.95,
         tolerance: float | None = None,
-        update: EKFACUpdate = "natural",
+        update: EKFACUpdate | str = EKFACUpdate.NATURAL,
     ) -> None:
         super().__init__(refresh, full_every, tolerance)
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
-            raise ValueError(f"ekfac_decay must be in [0, 1), got {decay!r}")
-        if update not in EKFAC_UPDATES:
-            raise ValueError(f"ekfac_update must be one of {EKFAC_UPDATES}, got {update!r}")
-        self.decay = float(decay)
-        self.update = update
+        options = EKFACOptions(decay, update)  # type: ignore[arg-type]  # a string is parsed
+        self.decay = options.decay
+        self.update = options.update
+        self.rule = UPDATES[options.update](options.decay)  # the update's strategy, chosen once
 
     @classmethod
     def from_options(cls, options: Any = None) -> DecompositionMethod:
         if options is None:
             return cls()
-        return cls(options.eigen_refresh, options.eigen_full_every, options.ekfac_decay, update=options.ekfac_update)
+        eigen, ekfac = options.eigen, options.ekfac
+        return cls(eigen.refresh, eigen.full_every, ekfac.decay, update=ekfac.update)
 
     def __repr__(self) -> str:
         refresh = "" if self.warm is None else f"refresh='warm', full_every={self.warm.full_every}, "
-        if self.update == "adam":
-            return f"{type(self).__name__}({refresh}decay={self.decay:g}, update='adam')"
-        return f"{type(self).__name__}({refresh}decay={self.decay:g})"
+        update = "" if self.update is EKFACUpdate.NATURAL else f", update={self.update!r}"
+        return f"{type(self).__name__}({refresh}decay={self.decay:g}{update})"
 
     @property
     def gives_direction(self) -> bool:
         """Whether the update is the step's whole direction (Adam's), which the base must not normalise again."""
-        return self.update == "adam"
+        return self.rule.gives_direction
 
-    def precondition(self, grad: torch.Tensor, a: Any, g: Any, damping: float, state: dict[str, Any] | None = None) -> torch.Tensor:
-        """The update with this step's scaling (staged in ``state['pending']`` until :meth:`commit`)."""
+    def precondition(self, grad: torch.Tensor, a: Any, g: Any, damping: float, state: MethodState | None = None) -> torch.Tensor:
+        """The update with this step's scaling (staged in ``state.pending`` until :meth:`commit`)."""
         if state is None:
             raise ValueError("compute_method='ekfac' preconditions with the layer's scaling: pass its state")
         a_eig: Eigen = a
         g_eig: Eigen = g
-        if self.update == "adam":
-            return self._adam(grad, a_eig, g_eig, state)
-        v = eigen_project(grad, a_eig, g_eig)
-        scale = state.get("scale")
-        if scale is None:
-            scale = eigen_outer(a_eig, g_eig)
-        samples = float(state.get("samples", 1))
-        new = torch.mul(v, v).mul_((1.0 - self.decay) * samples).add_(scale.to(v.dtype), alpha=self.decay)
-        state["pending"] = new
-        v.div_(new + damping)
-        return eigen_unproject(v, a_eig, g_eig)
+        return self.rule.direction(grad, a_eig, g_eig, damping, state)
 
-    def _adam(self, grad: torch.Tensor, a: Eigen, g: Eigen, state: dict[str, Any]) -> torch.Tensor:
-        """Adam's direction in the eigenbasis (the moments staged in ``state['pending']``)."""
-        if "betas" not in state:
-            raise ValueError("ekfac_update='adam' takes Adam's betas and eps from the optimizer: it needs base='adamw'")
-        beta1, beta2 = state["betas"][0], self.decay
-        eps = float(state["eps"])
-        step = int(state.get("step", 0)) + 1
-        exp_avg = state.get("exp_avg")
-        exp_avg = grad.mul(1.0 - beta1) if exp_avg is None else exp_avg.to(grad.dtype).mul(beta1).add_(grad, alpha=1.0 - beta1)
-        projected = eigen_project(grad, a, g)
-        exp_avg_sq = state.get("exp_avg_sq")
-        square = torch.mul(projected, projected).mul_(1.0 - beta2)
-        exp_avg_sq = square if exp_avg_sq is None else square.add_(exp_avg_sq.to(square.dtype), alpha=beta2)
-        state["pending"] = (exp_avg, exp_avg_sq, step)
-        denom = exp_avg_sq.div(1.0 - beta2**step).sqrt_().add_(eps)
-        direction = eigen_project(exp_avg, a, g).div_(1.0 - beta1**step).div_(denom)
-        return eigen_unproject(direction, a, g)
+    def new_state(self) -> MethodState:
+        return self.rule.new_state()
 
-    def commit(self, state: dict[str, Any]) -> None:
-        pending = state.pop("pending", None)
-        if pending is None:
-            return
-        if self.update == "adam":
-            state["exp_avg"], state["exp_avg_sq"], state["step"] = pending
-        else:
-            state["scale"] = pending
+    def begin_step(self, state: MethodState, samples: int | None, group: dict[str, Any]) -> None:
+        self.rule.begin_step(state, samples, group)
 
-    def save_state(self, state: dict[str, Any]) -> dict[str, Any] | None:
-        if self.update == "adam":
-            return {"exp_avg": state.get("exp_avg"), "exp_avg_sq": state.get("exp_avg_sq"), "step": int(state.get("step", 0))}
-        return {"scale": state.get("scale"), "samples": int(state.get("samples", 1))}
+    def commit(self, state: MethodState) -> None:
+        self.rule.commit(state)
 
-    def load_state(self, saved: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
-        if saved is None:
-            return {}
-        if self.update == "adam":
-            if "exp_avg_sq" not in saved:
-                raise ValueError("this checkpoint's EKFAC state is the natural update's; resume with ekfac_update='natural'")
-            out: dict[str, Any] = {"step": int(saved.get("step", 0))}
-            for key in ("exp_avg", "exp_avg_sq"):
-                t = saved.get(key)
-                out[key] = None if t is None else t.detach().clone().to(device)
-            return out
-        if "scale" not in saved:
-            raise ValueError("this checkpoint's EKFAC state is Adam's; resume with ekfac_update='adam'")
-        scale = saved.get("scale")
-        return {"scale": None if scale is None else scale.detach().clone().to(device), "samples": int(saved.get("samples", 1))}
+    def save_state(self, state: MethodState) -> dict[str, Any] | None:
+        return self.rule.save(state)
+
+    def load_state(self, saved: dict[str, Any] | None, device: torch.device) -> MethodState:
+        return self.new_state() if saved is None else self.rule.load(saved, device)

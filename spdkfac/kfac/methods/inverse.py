@@ -20,7 +20,7 @@ import torch
 from ...perfmodels import PerfModel
 from ..factor_shape import FactorShape
 from ..linalg import invert_clamped_eigh, invert_spd, mirrored_upper
-from .base import DecompositionMethod
+from .base import DecompositionMethod, MethodState
 
 __all__ = ["InverseMethod", "invert_blocks"]
 
@@ -85,7 +85,7 @@ class InverseMethod(DecompositionMethod):
             f"instead. ({exc})"
         )
 
-    def precondition(self, grad: torch.Tensor, a: Any, g: Any, damping: float, state: dict[str, Any] | None = None) -> torch.Tensor:
+    def precondition(self, grad: torch.Tensor, a: Any, g: Any, damping: float, state: MethodState | None = None) -> torch.Tensor:
         """``G_inv @ grad @ A_inv`` (per block; a diagonal ``A_inv`` scales the columns); the damping is in the inverses."""
         g_inv: torch.Tensor = g
         a_inv: torch.Tensor = a

@@ -30,6 +30,7 @@ from spdkfac.dho2 import (
     extreme_eigenpairs,
     hybrid_delta,
 )
+from spdkfac.dho2.config import DEFAULT_ADMM_RULE, DEFAULT_SIGMA
 from spdkfac.dho2.lanczos import start_vector
 from spdkfac.step.nonfinite import NonFiniteError
 
@@ -215,26 +216,61 @@ def test_base_output_is_projected_off_the_newton_subspace():
     assert torch.allclose(delta, torch.tensor([-0.5, -2.0, -3.0]))
 
 
-def test_admm_state_follows_algorithm_3():
+@pytest.mark.parametrize("rule", ["code", "lagrangian", "proximal"])
+def test_admm_state_follows_equation_11_in_each_form(rule):
+    sigma = 0.5
     w0 = torch.tensor([1.0, 2.0])
-    admm = ADMMState(w0, sigma=0.5)
-    assert torch.equal(admm.gradient(torch.ones(2)), torch.ones(2))  # π⁰ = 0
-    wa = torch.tensor([1.5, 1.0])  # end of the first inner loop
+    admm = ADMMState(w0, sigma=sigma, rule=rule)
+    g = torch.ones(2)
+    wa = torch.tensor([1.5, 1.0])  # end of the first inner loop (started at w¹ = w0)
+    expected = g + sigma * (wa - w0) if rule != "code" else g  # π⁰ = 0; σ(w_a - w¹) unless 'code'
+    assert torch.allclose(admm.gradient(g, wa), expected)
     start = admm.end_period(wa)
-    pi = 0.5 * (wa - w0)
+    pi = sigma * (wa - w0)  # line 16
+    w2 = wa + pi / sigma  # line 5
     assert torch.allclose(admm.multiplier, pi)
-    assert torch.allclose(start, wa + pi / 0.5)
-    assert torch.allclose(admm.gradient(torch.ones(2)), 1 + pi)
+    assert torch.allclose(admm.anchor, w2)
+    assert torch.allclose(start, wa if rule == "proximal" else w2)  # line 6, or the parameters left at w_a
+    assert torch.allclose(admm.centre(), wa)
     wa2 = torch.tensor([0.0, 0.0])
+    expected = g + pi + (sigma * (wa2 - w2) if rule != "code" else 0)
+    assert torch.allclose(admm.gradient(g, wa2), expected)
+    if rule != "code":  # π + σ(w_a - w) = σ(w_a - w_a^k): the pull towards the last outer end
+        assert torch.allclose(admm.gradient(g, wa2), g + sigma * (wa2 - wa))
     start2 = admm.end_period(wa2)
-    pi2 = pi + 0.5 * (wa2 - start)
+    pi2 = pi + sigma * (wa2 - w2)
     assert torch.allclose(admm.multiplier, pi2)
-    assert torch.allclose(start2, wa2 + pi2 / 0.5)
+    assert torch.allclose(admm.multiplier / sigma, wa2 - wa)  # π/σ: the displacement between the last two outer ends
+    assert torch.allclose(start2, wa2 if rule == "proximal" else wa2 + pi2 / sigma)
 
 
 # ------------------------------------------------------------ against a reference
-def reference_dho2(model, x, y, steps, *, k, l, T, alpha, lr, wd, betas, eps, admm, sigma, period, floor, base="adamw", momentum=0.9):  # noqa: E741
-    """Eqs. 2-4 (FOSI) and Eq. 13 / Algorithm 3 (ADMM) in float64, with exact eigenpairs of the explicit Hessian."""
+def reference_dho2(
+    model,
+    x,
+    y,
+    steps,
+    *,
+    k,
+    l,  # noqa: E741 the paper's name
+    T,
+    alpha,
+    lr,
+    wd,
+    betas,
+    eps,
+    admm,
+    sigma,
+    period,
+    floor,
+    rule="code",
+    base="adamw",
+    momentum=0.9,
+):
+    """Eqs. 2-4 (FOSI) and Eqs. 10, 11, 13 / Algorithm 3 (ADMM) in float64, with exact eigenpairs of the explicit Hessian.
+
+    ``rule``: 'code' (gradient g + π), 'lagrangian' (g + π + σ(w_a - w), Eq. 10's gradient in w_a), 'proximal'
+    (the same; the parameters are not moved to w at the outer step)."""
     w = flat(model).clone()
     m1, m2, t, buf = torch.zeros_like(w), torch.zeros_like(w), 0, None
     pi, anchor = torch.zeros_like(w), w.clone()
@@ -249,6 +285,8 @@ def reference_dho2(model, x, y, steps, *, k, l, T, alpha, lr, wd, betas, eps, ad
             keep = [i for i in idx if abs(float(evals[i])) > floor]
             a, V = evals[keep], evecs[:, keep]
         gt = g + pi if admm else g
+        if admm and rule != "code":
+            gt = gt + sigma * (w - anchor)
         shift = sigma if admm else 0.0
         g1 = V @ (V.T @ gt)
         d1 = -alpha * V @ torch.diag(1 / (a.abs() + shift)) @ V.T @ gt
@@ -268,7 +306,8 @@ def reference_dho2(model, x, y, steps, *, k, l, T, alpha, lr, wd, betas, eps, ad
         if admm and (s + 1) % period == 0:
             pi = pi + sigma * (w - anchor)
             anchor = w + pi / sigma
-            w = anchor.clone()
+            if rule != "proximal":
+                w = anchor.clone()
     return w
 
 
@@ -280,11 +319,22 @@ def run_dho2(opt: DHO2Optimizer, model: nn.Module, x, y, steps: int, start: int 
         opt.step(lambda xs=xs: nn.functional.cross_entropy(model(xs), y))
 
 
-OPTIONS = dict(k=2, l=1, refresh_every=3, alpha=0.3, sigma=0.05, admm_period=4, eigenvalue_floor=1e-6)
+OPTIONS = dict(k=2, l=1, refresh_every=3, alpha=0.3, admm_period=4, eigenvalue_floor=1e-6)
+RULES = ["code", "lagrangian", "proximal"]
+
+
+def admm_options(rule: str | None) -> dict[str, object]:
+    """``admm=False`` (DHO2-WA) for None, else the ADMM outer iteration in form ``rule`` with σ = 0.05."""
+    return dict(admm=False) if rule is None else dict(admm=True, admm_rule=rule, sigma=0.05)
 
 
 @pytest.mark.parametrize(
-    "variant", [dict(admm=True), dict(admm=False), dict(admm=True, base="sgd", momentum=0.8, weight_decay=1e-3, lr=0.05)]
+    "variant",
+    [
+        *(admm_options(rule) for rule in RULES),
+        admm_options(None),
+        dict(**admm_options("lagrangian"), base="sgd", momentum=0.8, weight_decay=1e-3, lr=0.05),
+    ],
 )
 def test_optimizer_matches_the_reference_over_refreshes_and_admm_periods(variant):
     x, y = data()
@@ -310,6 +360,7 @@ def test_optimizer_matches_the_reference_over_refreshes_and_admm_periods(variant
         sigma=0.05,
         period=4,
         floor=1e-6,
+        rule=options.get("admm_rule", "code"),
         base=options.get("base", "adamw"),
         momentum=options.get("momentum", 0.9),
     )
@@ -318,18 +369,18 @@ def test_optimizer_matches_the_reference_over_refreshes_and_admm_periods(variant
 
 
 # ------------------------------------------------------------- N workers vs one
-@pytest.mark.parametrize("size", [2, 3])
-def test_n_workers_equal_one_worker_on_the_global_batch_with_bitwise_replicas(size):
+@pytest.mark.parametrize(("size", "rule"), [(2, "code"), (3, "code"), (2, "lagrangian"), (3, "proximal")])
+def test_n_workers_equal_one_worker_on_the_global_batch_with_bitwise_replicas(size, rule):
     x, y = data(24)
     model = tiny_net()
-    opt = DHO2Optimizer(model, lr=1e-2, backend="single", **OPTIONS)
+    opt = DHO2Optimizer(model, lr=1e-2, backend="single", **OPTIONS, **admm_options(rule))
     run_dho2(opt, model, x, y, 7)
 
     models = [tiny_net() for _ in range(size)]  # built here: the ranks' threads share torch's random generator
 
     def fn(backend):
         local = models[backend.rank]
-        o = DHO2Optimizer(local, lr=1e-2, backend=backend, **OPTIONS)
+        o = DHO2Optimizer(local, lr=1e-2, backend=backend, **OPTIONS, **admm_options(rule))
         b = 24 // backend.size
         shard = slice(backend.rank * b, (backend.rank + 1) * b)
         run_dho2(o, local, x[shard], y[shard], 7)
@@ -366,21 +417,21 @@ def test_memory_of_the_lanczos_basis_shrinks_with_the_workers():
 
 
 # ------------------------------------------------------------------ checkpoints
-@pytest.mark.parametrize("admm", [True, False])
-def test_state_dict_resumes_bit_for_bit(admm):
+@pytest.mark.parametrize("rule", [*RULES, None])
+def test_state_dict_resumes_bit_for_bit_across_an_outer_iteration(rule):
     x, y = data()
     model = tiny_net()
-    opt = DHO2Optimizer(model, lr=1e-2, backend="single", admm=admm, **OPTIONS)
-    run_dho2(opt, model, x, y, 10)
+    opt = DHO2Optimizer(model, lr=1e-2, backend="single", **OPTIONS, **admm_options(rule))
+    run_dho2(opt, model, x, y, 10)  # outer steps after steps 4 and 8
 
     first = tiny_net()
-    o1 = DHO2Optimizer(first, lr=1e-2, backend="single", admm=admm, **OPTIONS)
-    run_dho2(o1, first, x, y, 5)
+    o1 = DHO2Optimizer(first, lr=1e-2, backend="single", **OPTIONS, **admm_options(rule))
+    run_dho2(o1, first, x, y, 5)  # saved inside the second outer iteration
     saved_model, saved_opt = first.state_dict(), o1.state_dict()
     del first, o1
     resumed = tiny_net(seed=7)  # other weights: everything comes from the checkpoint
     resumed.load_state_dict(saved_model)
-    o2 = DHO2Optimizer(resumed, lr=1e-2, backend="single", admm=admm, **OPTIONS)
+    o2 = DHO2Optimizer(resumed, lr=1e-2, backend="single", **OPTIONS, **admm_options(rule))
     o2.load_state_dict(saved_opt)
     run_dho2(o2, resumed, x, y, 5, start=5)
     assert torch.equal(flat(resumed), flat(model))
@@ -393,6 +444,14 @@ def test_load_state_dict_refuses_another_model_or_setting():
         opt.load_state_dict(other.state_dict())
     with pytest.raises(ValueError, match="admm"):
         opt.load_state_dict(DHO2Optimizer(tiny_net(), backend="single", admm=False, **OPTIONS).state_dict())
+    code = DHO2Optimizer(tiny_net(), backend="single", **OPTIONS, **admm_options("code")).state_dict()
+    lagrangian = DHO2Optimizer(tiny_net(), backend="single", **OPTIONS, **admm_options("lagrangian"))
+    with pytest.raises(ValueError, match=r"admm_rule='code', sigma=0\.05; this optimizer has admm_rule='lagrangian'"):
+        lagrangian.load_state_dict(code)
+    with pytest.raises(ValueError, match=r"sigma=0\.05; this optimizer has admm_rule='code', sigma=0\.1"):
+        DHO2Optimizer(tiny_net(), backend="single", **OPTIONS, admm_rule="code", sigma=0.1).load_state_dict(
+            DHO2Optimizer(tiny_net(), backend="single", **OPTIONS, **admm_options("code")).state_dict()
+        )
     with pytest.raises(ValueError, match="not a DHO2"):
         opt.load_state_dict(torch.optim.SGD(tiny_net().parameters(), lr=0.1).state_dict())
 
@@ -443,6 +502,10 @@ def test_nonfinite_hessian_products_skip_the_refresh_and_keep_the_parameters():
         (dict(k=-1), "k must"),
         (dict(refresh_every=0), "refresh_every"),
         (dict(sigma=0.0), "sigma"),
+        (dict(sigma=float("inf")), "sigma"),
+        (dict(admm_rule="augmented"), "admm_rule must be one of"),
+        (dict(admm=False, sigma=0.1), "admm_rule and sigma apply to the ADMM outer iteration only"),
+        (dict(admm=False, admm_rule="code"), "pass admm=True"),
         (dict(admm_period=0), "admm_period"),
         (dict(base="lamb"), "base"),
         (dict(momentum=0.9), "momentum applies to base='sgd'"),
@@ -495,6 +558,11 @@ def test_make_optimizer_builds_both_configurations():
     assert not wa.config.admm
     assert wa.admm is None
     assert "admm=False" in repr(wa)
+    assert "admm_rule=None, sigma=None" in repr(wa)
+    assert (dho2.config.admm_rule, dho2.config.sigma) == (DEFAULT_ADMM_RULE, DEFAULT_SIGMA[DEFAULT_ADMM_RULE])
+    code = make_optimizer("dho2:admm_rule=code", tiny_net(), lr=1e-3, backend="single")
+    assert (code.config.admm_rule, code.config.sigma) == ("code", 5e-9)  # the authors' code's σ
+    assert make_optimizer("dho2:admm_rule=lagrangian,sigma=0.5", tiny_net(), backend="single").admm.sigma == 0.5
     with pytest.raises(ValueError, match="fixes"):
         make_optimizer("dho2", tiny_net(), lr=1e-3, admm=False)
 
@@ -505,7 +573,11 @@ def test_training_job_options(capsys):
 
     args = parse_args(["--optimizer", "dho2", "--refresh-every", "10", "--admm-epochs", "2"])
     assert (args.lr, args.weight_decay) == (1e-3, 0.05)  # the paper's AdamW defaults
-    assert dho2_options(args, steps_per_epoch=30) == dict(k=5, l=0, refresh_every=10, alpha=0.1, seed=42, sigma=5e-4, admm_period=60)
+    assert dho2_options(args, steps_per_epoch=30) == dict(
+        k=5, l=0, refresh_every=10, alpha=0.1, seed=42, admm_rule=None, sigma=None, admm_period=60
+    )
+    args = parse_args(["--optimizer", "dho2", "--admm-rule", "code", "--sigma", "5e-4"])
+    assert (dho2_options(args, 30)["admm_rule"], dho2_options(args, 30)["sigma"]) == ("code", 5e-4)
     assert "sigma" not in dho2_options(parse_args(["--optimizer", "dho2-wa"]), 30)
     assert parse_args(["--optimizer", "sgd"]).lr == 0.05
     for argv, match in [
@@ -513,6 +585,9 @@ def test_training_job_options(capsys):
         (["--optimizer", "dho2", "--momentum", "0.5"], "--momentum does not apply"),
         (["--optimizer", "dho2", "--damping", "0.1"], "--damping only apply to the K-FAC optimizers"),
         (["--optimizer", "dho2", "--amp", "fp16"], "fp16"),
+        (["--optimizer", "dho2-wa", "--admm-rule", "code"], "--admm-rule and --sigma apply to --optimizer dho2"),
+        (["--optimizer", "sgd", "--admm-rule", "code"], "--admm-rule only apply to --optimizer dho2"),
+        (["--optimizer", "dho2", "--admm-rule", "printed"], "invalid choice"),
     ]:
         with pytest.raises(SystemExit):
             parse_args(argv)
@@ -563,9 +638,7 @@ def test_a_learning_rate_schedule_scales_the_newton_step_too():
     steps = []
     for lr_now in (1e-2, 5e-3):
         model = tiny_net()
-        opt = DHO2Optimizer(
-            model, lr=1e-2, backend="single", admm=False, weight_decay=0.0, **{k: v for k, v in OPTIONS.items() if k != "sigma"}
-        )
+        opt = DHO2Optimizer(model, lr=1e-2, backend="single", admm=False, weight_decay=0.0, **OPTIONS)
         opt.param_groups[0]["lr"] = lr_now
         before = flat(model)
         run_dho2(opt, model, x, y, 1)  # the first AdamW step is ±lr per coordinate: both parts scale with lr
@@ -576,7 +649,7 @@ def test_a_learning_rate_schedule_scales_the_newton_step_too():
 def test_a_nonfinite_update_is_refused_and_leaves_the_parameters(monkeypatch):
     x, y = data()
     model = tiny_net()
-    options = {k: v for k, v in OPTIONS.items() if k not in ("eigenvalue_floor", "sigma")}
+    options = {k: v for k, v in OPTIONS.items() if k != "eigenvalue_floor"}
     opt = DHO2Optimizer(model, backend="single", admm=False, eigenvalue_floor=0.0, **options)
     # A curvature so small that α/|a| overflows: the Newton step is infinite.
     monkeypatch.setattr(EigenBasis, "keep_curvature", lambda self, floor: EigenBasis(torch.full_like(self.values, 1e-320), self.vectors))

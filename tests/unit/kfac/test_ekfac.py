@@ -96,7 +96,7 @@ def test_ekfac_takes_the_reference_step(freqs, float64):
     opt = SPDKFACOptimizer(net, backend="single", compute_method="ekfac", ekfac_decay=0.8, **hyper)
     step_beside_reference(net, opt, ref_net, reference)  # bases refreshed at steps 0, 3, 6 (or 0, 2, 4, 6)
     for layer, module in zip(opt.layers, reference.layers):
-        torch.testing.assert_close(layer.method_state["scale"], reference.scale[module], rtol=1e-7, atol=1e-12)
+        torch.testing.assert_close(layer.method_state.scale, reference.scale[module], rtol=1e-7, atol=1e-12)
     moved = max(float((net.state_dict()[k] - v).abs().max()) for k, v in init.items())
     assert moved > 1e-4
 
@@ -110,12 +110,12 @@ def test_ekfac_differs_from_the_eigen_method_and_a_skipped_step_keeps_its_scalin
     opt = SPDKFACOptimizer(ekfac, compute_method="ekfac", **kw)
     train(ekfac, opt, x, y, 3)
     assert any(not torch.allclose(a, b) for a, b in zip(eigen.parameters(), ekfac.parameters()))
-    scales = {layer.name: layer.method_state["scale"].clone() for layer in opt.layers}
-    assert {layer.method_state["samples"] for layer in opt.layers} == {8}
+    scales = {layer.name: layer.method_state.scale.clone() for layer in opt.layers}
+    assert {layer.method_state.samples for layer in opt.layers} == {8}
     assert opt.memory_usage()["method_state"] == 8 * sum(p.numel() for p in ekfac.parameters())  # a float64 scale per weight and bias
     train(ekfac, opt, x, y, 1, poisoned={0: torch.ones(8, dtype=torch.bool)})  # NaN everywhere: skipped
     for layer in opt.layers:
-        assert torch.equal(layer.method_state["scale"], scales[layer.name]), layer.name
+        assert torch.equal(layer.method_state.scale, scales[layer.name]), layer.name
 
 
 def test_ekfac_refuses_distributed_preconditioning():
@@ -129,7 +129,10 @@ def test_only_a_method_running_adam_in_its_basis_is_handed_adams_hyperparameters
     opt = SPDKFACOptimizer(net, lr=0.01, base="adamw", compute_method="ekfac", ekfac_update=update, kl_clip=None, backend="single")
     x, y = batch(8)
     train(net, opt, x, y, steps=1)
-    handed = [("betas" in layer.method_state, "eps" in layer.method_state) for layer in opt.layers]
+    handed = [
+        (getattr(layer.method_state, "betas", None) is not None, getattr(layer.method_state, "eps", None) is not None)
+        for layer in opt.layers
+    ]
     assert handed == [(update == "adam", update == "adam")] * len(opt.layers)
 
 
@@ -196,7 +199,7 @@ def _train(backend, config: dict, global_batch: int, model: nn.Module) -> dict:
         for kind in "AG"
         if layer.decomposition(kind).Q is not None
     }
-    scales = {layer.name: layer.method_state.get("scale", layer.method_state.get("exp_avg_sq")) for layer in opt.layers}
+    scales = {layer.name: getattr(layer.method_state, "scale", getattr(layer.method_state, "exp_avg_sq", None)) for layer in opt.layers}
     owners = {"/".join(a.key): a.owner for a in opt.work_plan.inversion.assignments}
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "bases": state, "scales": scales, "owners": owners}
 

@@ -113,9 +113,9 @@ def test_adam_in_the_eigenbasis_takes_the_reference_step(freqs, kl_clip, float64
     assert [layer.name for layer in opt.layers] == ["conv1", "conv2", "fc1"]
     step_beside_reference(net, opt, ref_net, reference)  # bases refreshed at 0, 3, 6 (or 0, 2, 4, 6); the second moment kept
     for layer, module in zip(opt.layers, reference.layers):
-        assert layer.method_state["step"] == 7
-        torch.testing.assert_close(layer.method_state["exp_avg"], reference.m[module], rtol=1e-8, atol=1e-12)
-        torch.testing.assert_close(layer.method_state["exp_avg_sq"], reference.v[module], rtol=1e-7, atol=1e-14)
+        assert layer.method_state.step == 7
+        torch.testing.assert_close(layer.method_state.exp_avg, reference.m[module], rtol=1e-8, atol=1e-12)
+        torch.testing.assert_close(layer.method_state.exp_avg_sq, reference.v[module], rtol=1e-7, atol=1e-14)
     assert not any(p in opt.state and opt.state[p] for layer in opt.layers for p in layer.params())  # no AdamW state of their own
     moved = max(float((net.state_dict()[k] - v).abs().max()) for k, v in init.items())
     assert moved > 1e-3
@@ -137,12 +137,12 @@ def test_adam_in_the_eigenbasis_skips_and_resumes_bitwise(float64):
     net = small_net()
     opt = SPDKFACOptimizer(net, **kw)
     train(net, opt, x, y, 3)
-    moments = {layer.name: (layer.method_state["exp_avg"].clone(), layer.method_state["exp_avg_sq"].clone()) for layer in opt.layers}
+    moments = {layer.name: (layer.method_state.exp_avg.clone(), layer.method_state.exp_avg_sq.clone()) for layer in opt.layers}
     train(net, opt, x, y, 1, poisoned={0: torch.ones(16, dtype=torch.bool)})  # NaN everywhere: skipped
     for layer in opt.layers:
-        assert layer.method_state["step"] == 3
-        assert torch.equal(layer.method_state["exp_avg"], moments[layer.name][0]), layer.name
-        assert torch.equal(layer.method_state["exp_avg_sq"], moments[layer.name][1]), layer.name
+        assert layer.method_state.step == 3
+        assert torch.equal(layer.method_state.exp_avg, moments[layer.name][0]), layer.name
+        assert torch.equal(layer.method_state.exp_avg_sq, moments[layer.name][1]), layer.name
     saved_model, saved_opt = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
     train(net, opt, x, y, 2)
     resumed = small_net()

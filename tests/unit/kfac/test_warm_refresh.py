@@ -13,7 +13,7 @@ from spdkfac import SPDKFACOptimizer
 from spdkfac.kfac.eigenbasis import eigen_precondition
 from spdkfac.kfac.factor_shape import FactorShape
 from spdkfac.kfac.methods import EigenMethod, get_method
-from spdkfac.kfac.methods.warm import WarmRefresh, descending_eigh
+from spdkfac.kfac.methods.warm import WARM_TOLERANCE, RefreshStatistics, WarmRefresh, descending_eigh
 from spdkfac.perfmodels import PerfModel
 
 DAMPING = 1e-3
@@ -49,7 +49,7 @@ def test_warm_refresh_follows_a_slowly_drifting_factor(float64):
     worst = 0.0
     for t, factor in enumerate(_walk(24, 40)):
         previous, payload = method.owned(shape, factor, DAMPING, previous)
-        assert payload.numel() == 24 * 24 + 24 + 1
+        assert payload.numel() == 24 * 24 + 24 + 2  # Q, d, age, residual
         assert int(previous.age) == t  # never a fall-back eigh on this walk
         if t < 5:
             continue  # the first steps leave the identity fast
@@ -74,7 +74,66 @@ def test_a_jump_of_the_factor_triggers_a_full_eigh(float64):
     jumped = walk[-1] + 5.0 * x.T @ x / 40
     kept, _ = method.owned(shape, jumped, DAMPING, previous)
     assert int(kept.age) == 0  # the residual check chose a full decomposition
+    assert float(kept.drift) > WARM_TOLERANCE  # the residual that decided it travels with the basis
     torch.testing.assert_close(kept.Q @ torch.diag(kept.d) @ kept.Q.T, jumped, rtol=1e-10, atol=1e-10)
+
+
+def test_rayleigh_ritz_follows_a_low_rank_factor_where_one_subspace_step_cannot(float64):
+    """A rank-deficient factor (rank 48, as a wide layer's factor early in training at a small batch) jumps by a
+    new low-rank batch: the previous basis is far off (residual > 0.3), one subspace step alone stays off, and the
+    step with Rayleigh–Ritz on the leading 64 columns recovers eigh's eigenpairs on the factor's range (the rest
+    of the basis spans its null space, with eigenvalue 0), so it stays warm."""
+    gen = torch.Generator().manual_seed(4)
+    dim = 256
+    x = torch.randn(40, dim, generator=gen, dtype=torch.float64)
+    before = x.T @ x / 40
+    new = torch.randn(8, dim, generator=gen, dtype=torch.float64)
+    factor = 0.95 * before + 0.05 * 4.0 * new.T @ new / 8
+    basis = descending_eigh(before)[1]
+    plain = WarmRefresh(ritz=False).step(factor, basis)
+    assert plain.drift > 0.3
+    assert plain.refreshed is None
+    d_plain, _q_plain = WarmRefresh(tolerance=float("inf"), ritz=False).refine(factor, basis)
+    step = WarmRefresh(ritz=True).step(factor, basis)
+    assert step.refreshed is not None
+    assert step.drift == plain.drift
+    d, q = step.refreshed
+    d_exact = descending_eigh(factor)[0]
+    torch.testing.assert_close(d[:48], d_exact[:48], rtol=1e-9, atol=0)
+    assert float((d_plain[:48] - d_exact[:48]).abs().max()) > 1e-3 * float(d_exact[0])  # one step alone is off
+    torch.testing.assert_close(q @ torch.diag(d) @ q.T, factor, rtol=0, atol=1e-9)
+    torch.testing.assert_close(q.T @ q, torch.eye(dim, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert torch.all(d[:-1] >= d[1:])
+
+
+def test_refresh_statistics_count_warm_scheduled_and_drift_refreshes_the_same_on_every_holder():
+    stats = RefreshStatistics()
+    stats.record("l/A", 8, 0, -1.0)  # first: full by schedule
+    stats.record("l/A", 8, 1, 0.05)
+    stats.record("l/A", 8, 0, 0.4)  # residual above the tolerance: full
+    stats.record("l/G", 4, 0, -1.0)
+    totals = stats.totals()
+    assert (totals["warm"], totals["full_scheduled"], totals["full_drift"], totals["refreshes"]) == (1, 2, 1, 4)
+    assert totals["warm_share"] == 0.25
+    assert totals["fell_back"] == ["l/A"]
+    assert stats.as_dict()["factors"]["l/A"] == {"dim": 8, "warm": 1, "full_scheduled": 1, "full_drift": 1, "drift": 0.4, "max_drift": 0.4}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kw = dict(lr=0.05, damping=0.01, compute_method="eigen", backend="single")
+        x, y = batch(8)
+        warm = SPDKFACOptimizer(small_net(), eigen_refresh="warm", eigen_full_every=3, **kw)
+        exact = SPDKFACOptimizer(small_net(), **kw)
+    train(warm.model, warm, x, y, 7)
+    train(exact.model, exact, x, y, 2)
+    report = warm.refresh_statistics()
+    dense = [f"{layer.name}/{kind}" for layer in warm.layers for kind in "AG" if not layer.shape(kind).diagonal]
+    assert sorted(report["factors"]) == sorted(dense)
+    for name, counts in report["factors"].items():
+        assert counts["warm"] + counts["full_scheduled"] + counts["full_drift"] == 7, name
+        assert counts["full_scheduled"] >= 1 + counts["full_drift"] // 3, name  # the first, and the schedule
+    assert report["totals"]["warm"] > 0
+    assert exact.refresh_statistics()["totals"]["refreshes"] == 0  # the exact method: nothing to count
 
 
 def test_a_full_eigh_every_full_every_refreshes_and_blocks_refresh_together(float64):
@@ -86,7 +145,7 @@ def test_a_full_eigh_every_full_every_refreshes_and_blocks_refresh_together(floa
     for t in range(7):
         stack = torch.stack([walks[0][t], walks[1][t]])
         previous, payload = method.owned(shape, stack, DAMPING, previous)
-        assert payload.numel() == 2 * (64 + 8) + 1
+        assert payload.numel() == 2 * (64 + 8) + 2
         ages.append(int(previous.age))
         rebuilt = previous.Q @ torch.diag_embed(previous.d) @ previous.Q.transpose(-1, -2)
         torch.testing.assert_close(rebuilt, stack, rtol=0, atol=0.1)
@@ -213,7 +272,7 @@ def test_refine_returns_descending_columns_whether_or_not_the_qr_leaves_them_sor
     exact_q = descending_eigh(factor)[1]
     swapped = exact_q[:, [1, 0, *range(2, 12)]]  # two columns out of order: the QR keeps them so
     for previous in (exact_q, swapped):
-        d, q = WarmRefresh(tolerance=float("inf")).refine(factor, previous)
+        d, q = WarmRefresh(tolerance=float("inf"), ritz=False).refine(factor, previous)
         q_ref, r_ref = torch.linalg.qr(factor @ previous)
         sign = torch.where(r_ref.diagonal() < 0, -1.0, 1.0).to(q_ref.dtype)
         d_ref = r_ref.diagonal() * sign
@@ -239,6 +298,6 @@ def test_cholesky_qr2_matches_householder_and_fails_on_a_singular_gram_matrix(fl
     factor = _walk(12, 30)[-1]
     previous = descending_eigh(0.95 * factor + 0.05 * torch.diag(factor.diagonal()))[1]
     d_c, q_c = warm_cholqr2(factor, previous)
-    d_h, q_h = WarmRefresh(tolerance=float("inf")).refine(factor, previous)
+    d_h, q_h = WarmRefresh(tolerance=float("inf"), ritz=False).refine(factor, previous)
     torch.testing.assert_close(d_c, d_h, rtol=1e-10, atol=0)
     torch.testing.assert_close(q_c, q_h, rtol=0, atol=1e-10)

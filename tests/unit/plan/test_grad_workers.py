@@ -227,6 +227,9 @@ def test_warm_refresh_splits_only_the_preconditioning_and_resumes_exactly():
     comm_opt = WorkPlan.make([LayerShape.of(la) for la in opts[0].layers], P, opts[0].perf_model, "lbp", opts[0].method)
     assert plan.inversion.assignments == comm_opt.inversion.assignments
     assert any(int(layer.decomposition("A").age) > 0 for layer in opts[0].layers)  # warm refreshes ran
+    statistics = [opt.refresh_statistics() for opt in opts]  # every rank counts every factor's refreshes alike
+    assert statistics[0]["totals"]["warm"] > 0
+    assert all(s == statistics[0] for s in statistics)
     for rank, opt in enumerate(opts):
         assert all(layer.decomposed for layer in opt.layers)
         assert 0 < len(plan.preconditioned_here(rank, names)) < len(names)

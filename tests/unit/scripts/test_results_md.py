@@ -756,6 +756,17 @@ def test_warm_step_section_gives_each_dimension_its_ratios_and_the_model_total(t
     assert "benchmarks.warm_step --model resnet50 --repeats 3" in section
 
 
+def test_warm_accuracy_section_gives_each_iterations_errors_per_step(tmp_path: Path):
+    res = tmp_path / "results"
+    step = {"relative_error": 0.02, "worst_layer_error": 0.05, "worst_layer": "layers.8.conv1", "max_drift": 0.1, "max_residual": 0.01}
+    row = {"iteration": 9, "loss": 0.3, "subspace": {**step, "relative_error": 0.118, "worst_layer_error": 0.42}, "ritz": step}
+    args = {"model": "cifar_resnet20", "resolution": 32, "batch_size": 8, "lr": 0.1, "damping": 0.003, "iters": 20}
+    _write(res, "warm_accuracy.json", {"args": args, "machine": MACHINE, "rows": [row]})
+    section = _section(results_md.build(res, tmp_path / "RESULTS.md"), "Warm eigenbasis refresh: its preconditioned gradient")
+    assert "| 9 | 11.80% (42.0%, layers.8.conv1) | 0.010 | 2.00% (5.0%, layers.8.conv1) | 0.010 |" in section
+    assert "SGD learning rate 0.1" in section
+
+
 def test_kaisa_fraction_sections_one_per_run_with_rounds_and_every_step_runs(tmp_path: Path):
     res = tmp_path / "results"
     row = {
@@ -818,3 +829,39 @@ def test_every_report_module_registers_its_sections_each_in_its_own_place():
     registering = {getattr(s, "render", type(s)).__module__.rpartition(".")[2] for s in found}
     assert registering == modules  # each benchmark's module registers, found without a list to edit
     assert len({s.order for s in found}) == len(found)  # the order is chosen, not left to the patterns
+
+
+def test_compile_cost_section_gives_each_arm_and_the_compiled_over_eager_ratios(tmp_path: Path):
+    res = tmp_path / "results"
+
+    def arm(median: float, breaks: int, graphs: int, **extra) -> dict:
+        stats = {"median": median, "mean": median * 1.5, "min": median, "max": median, "stdev": 0.0, "n": 4}
+        return {
+            "warmup_seconds": [10.0, 0.5, 0.5],
+            "graph_breaks": breaks,
+            "graphs": graphs,
+            "times": [median] * 4,
+            "stats": stats,
+            **extra,
+        }
+
+    model = {
+        "sgd-eager": arm(0.010, 0, 0),
+        "sgd-compiled": arm(0.005, 0, 1),
+        "kfac-eager": arm(0.020, 0, 0),
+        "kfac-compiled": arm(0.016, 0, 1),
+        "kfac-compiled-plain-hooks": arm(0.030, 38, 31, graphs_compiled_while_measuring=5),
+        "sgd_compiled_over_eager_median": 0.5,
+        "sgd_compiled_over_eager_mean": 0.5,
+        "kfac_compiled_over_eager_median": 0.8,
+        "kfac_compiled_over_eager_mean": 0.8,
+        "graphs_compiled_while_measuring": 0,
+    }
+    _write(
+        res, "compile_cost.json", {"args": {"batch_size": 32, "iters": 4, "freq": 10}, "machine": MACHINE, "models": {"mnist_cnn": model}}
+    )
+    section = results_md.build(res, tmp_path / "RESULTS.md").split("## torch.compile: step time compiled vs eager")[1]
+    assert "K-FAC 0.80x median" in section
+    assert "| K-FAC, compiled | 16 ms | 24 ms | 11.0 s | 0 | 1 |" in section
+    assert "| K-FAC, compiled, hooks as before (alone) | 30 ms | 45 ms | 11.0 s | 38 | 31 (+5 while timed) |" in section
+    assert "benchmarks.compile_cost" in section
