@@ -373,7 +373,12 @@ def _tied_error(layer_name: str, holders: list[str], why: str) -> ValueError:
 
 
 def _check_holders(
-    model: nn.Module, layer_name: str, module: nn.Module, holders: list[str], module_names: dict[int, list[str]], skip: Sequence[LayerFilter]
+    model: nn.Module,
+    layer_name: str,
+    module: nn.Module,
+    holders: list[str],
+    module_names: dict[int, list[str]],
+    skip: Sequence[LayerFilter],
 ) -> None:
     """Refuse a shared weight that is not only the weight of modules K-FAC sees every use of."""
     modules = dict(model.named_modules(remove_duplicate=False))

@@ -105,8 +105,7 @@ class TensorFusionController:
         kind = key[0]
         if key in self._submitted:
             raise RuntimeError(
-                f"factor {key[0]} of layer {key[1]!r} was sent twice in one step (the factor hooks send each "
-                "factor once per step)"
+                f"factor {key[0]} of layer {key[1]!r} was sent twice in one step (the factor hooks send each factor once per step)"
             )
         self._submitted.add(key)
         if self.backend.size == 1:
