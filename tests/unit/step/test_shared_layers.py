@@ -193,12 +193,17 @@ CONFIGS = {
     "optimal": dict(KW, fusion="optimal"),
     "threshold-no-pipelining": dict(KW, fusion="threshold", pipelining=False),
     "naive-eigen-lbp": dict(KW, fusion="naive", compute_method="eigen", placement="lbp"),
+    "update-fusion-forward": dict(KW, update_fusion="forward"),
+    "update-fusion-backward-freq-3": dict(KW, kl_clip=None, update_fusion="backward", inv_update_freq=3),
+    "dp-lbp": dict(KW, placement="lbp", distribute_preconditioning=True),
 }
 
 
 @pytest.mark.parametrize("checkpoint_mode", [None, "non-reentrant", "reentrant"])
 def test_two_workers_equal_one_with_shared_checkpointed_and_skipped_layers(checkpoint_mode, float64):
     for name, config in CONFIGS.items():
+        if checkpoint_mode is not None and name not in ("optimal", "threshold-no-pipelining"):
+            continue  # (the other configurations do not meet the recomputation; one model is enough for them)
         ref = _train_shared("single", shared_net(checkpoint_mode=checkpoint_mode), 12, 6, config)
         models = [shared_net(checkpoint_mode=checkpoint_mode) for _ in range(2)]
         ranks = run_ranks(2, lambda b, config=config, models=models: _train_shared(b, models[b.rank], 12, 6, config))
