@@ -11,7 +11,9 @@ upper triangles (views into the fused buffers; the layers keep their running
 averages packed, so nothing is unpacked here).
 
 Without a plan for a pass (the first iterations, while the per-layer times
-are being profiled) every factor is launched alone, in arrival order.
+are being profiled) every factor is launched alone, in arrival order; so is
+a factor the plan does not hold (a layer that did not run in the profiled
+steps).
 """
 
 from __future__ import annotations
@@ -112,9 +114,7 @@ class TensorFusionController:
             self._local[key] = factor  # nothing to average: keep the reference
             return
         group = None if alone else self._group_of.get(key)
-        if group is None:
-            if self._plans[kind] is not None and not alone:
-                raise RuntimeError(f"factor {key} is not in the fusion plan (the model's layers changed?)")
+        if group is None:  # no plan yet, or a factor the plan does not hold (a layer that did not run while it was made)
             group = _Group(members=[key], gid=self._next_gid)
             self._next_gid += 1
             self._groups.append(group)

@@ -112,7 +112,7 @@ class FactorCollector:
         self.expected: dict[FactorKey, int] = {}
         #: Layers whose factors the last factor step did not fold in (they did not run).
         self.skipped: list[str] = []
-        #: Whether the last factor step was the common one: every layer ran, every factor took its expected calls.
+        #: Whether every factor of the last factor step took its expected calls (sent from its hook, in the usual order).
         self.regular = True
         self._by_name = {layer.name: layer for layer in layers}
         self._stash: list[tuple[FactorKey, torch.Tensor]] = []
@@ -297,7 +297,7 @@ class FactorCollector:
         if self.skipped:
             kept = set(ran)
             factors = {key: mat for key, mat in factors.items() if key[1] in kept}
-        self.regular = not unexpected and not self.skipped
+        self.regular = not unexpected
         keys = list(factors)
         bad = [keys[i] for i in non_finite_indices([factors[key] for key in keys])]
         if bad:

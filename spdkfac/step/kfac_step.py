@@ -192,7 +192,7 @@ class KFACStep:
             for kind in FACTOR_KINDS:
                 if layer.packed_factor(kind) is None:
                     layer.set_factor(kind, layer.shape(kind).identity(layer.factor_dtype, layer.helper.weight.device))
-        if self.factors.regular:  # (an irregular step's arrival order and times would mislead the fusion plan)
+        if self.factors.regular:  # (a step that sent factors at step() has arrival times that would mislead the plan)
             self.profiler.factor_step_done(self.factors.arrived)
 
     def update_decompositions(self, hyper: StepHyper, step: int) -> None:
