@@ -104,7 +104,6 @@ class TensorFusionController:
 
     def submit(self, key: FactorKey, factor: torch.Tensor, alone: bool = False) -> None:
         """Hand over a freshly computed batch factor; may launch an all-reduce (``alone``: at once, outside the plan)."""
-        kind = key[0]
         if key in self._submitted:
             raise RuntimeError(
                 f"factor {key[0]} of layer {key[1]!r} was sent twice in one step (the factor hooks send each factor once per step)"
