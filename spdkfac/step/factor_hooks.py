@@ -17,8 +17,9 @@ How the hooks count (docs/shared-layers.md):
   step: ``A`` the mean of its uses' ``A``, ``G`` their sum (the "expand"
   setting of Eschenhagen et al., 2023). The number of calls a factor takes per
   step is learned from the last step (one per pass to start with), so the
-  common case sends from the hook that completes it, as before; a call beyond
-  the expected number is sent on its own and folded in at ``step()``;
+  common case sends from the hook that completes it, as before; the calls
+  beyond the expected number are summed apart, sent at ``step()`` and folded
+  in, and a factor that took fewer is sent at ``step()``;
 * the forward pass an activation checkpoint recomputes during backward is not
   counted (:func:`recomputing`);
 * a layer that did not run in a step (on every worker) keeps its running
