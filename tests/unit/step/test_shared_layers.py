@@ -65,25 +65,33 @@ def _reference(module: nn.Module, uses: list[tuple[torch.Tensor, list[torch.Tens
     return torch.stack(a_terms).mean(0), torch.stack(g_terms).sum(0)
 
 
-def test_factors_of_layers_used_k_times_are_the_expand_factors(float64):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_factors_of_layers_used_k_times_are_the_expand_factors(accumulate, float64):
+    """With micro-batches the factors are the mean of each micro-batch's (its loss's 1/accumulate divided out of g)."""
     model = shared_net()
-    opt = SPDKFACOptimizer(model, backend="single", **dict(KW, factor_decay=0.0))  # the running averages are the batch factors
+    config = dict(KW, factor_decay=0.0, accumulation_steps=accumulate)  # the running averages are the batch factors
+    opt = SPDKFACOptimizer(model, backend="single", **config)
     names = {layer.name: layer for layer in opt.layers}
     assert len(names["trunk.1"].modules) == 2  # the tied modules are one layer
     assert "trunk.3" not in names
     seen = _capture(model)
     x, y = batch(8)
+    uses = {"conv": 2, "proj": 2, "trunk.0.cell": 3, "trunk.1": 2, "head": 1}
     for step in range(3):  # step 0 learns the uses (calls beyond one folded in at step()), the next ones expect them
-        seen.clear()
         opt.zero_grad()
-        _loss(model, x, y, step).backward()
+        refs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {name: [] for name in uses}
+        for xm, ym in zip(x.chunk(accumulate), y.chunk(accumulate)):
+            seen.clear()
+            (_loss(model, xm, ym, step) / accumulate).backward()
+            for name, k in uses.items():
+                layer = names[name]
+                captured = [(a, [g * accumulate for g in gs]) for module in layer.modules for a, gs in seen[id(module)]]
+                assert len(captured) == k, name
+                refs[name].append(_reference(layer.module, captured))
         opt.step()
-        uses = {"conv": 2, "proj": 2, "trunk.0.cell": 3, "trunk.1": 2, "head": 1}
-        for name, k in uses.items():
+        for name, pairs in refs.items():
             layer = names[name]
-            captured = [use for module in layer.modules for use in seen[id(module)]]
-            assert len(captured) == k, name
-            a_ref, g_ref = _reference(layer.module, captured)
+            a_ref, g_ref = (torch.stack([pair[i] for pair in pairs]).mean(0) for i in (0, 1))
             torch.testing.assert_close(layer.A, a_ref, rtol=1e-12, atol=1e-13, msg=lambda m, n=name, s=step: f"A of {n}, step {s}: {m}")
             torch.testing.assert_close(layer.G, g_ref, rtol=1e-12, atol=1e-13, msg=lambda m, n=name, s=step: f"G of {n}, step {s}: {m}")
         assert opt.kfac_step.factors.regular == (step > 0), step  # step 0 learns the uses
