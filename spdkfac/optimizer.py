@@ -192,33 +192,48 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         #: Parameters whose preconditioned gradient is the step's direction (EKFAC's Adam update): the base steps along it.
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         self.backend = get_backend(backend)
-        wrapping.check(self.backend.size, update_fusion)
         self.wrapping = wrapping
-        self.perf_model = load_perf_model(perf_model).for_world_size(self.backend.size)  # as the simulator plans
+        self._measured_perf_model = load_perf_model(perf_model)  # scaled to the run's worker count by _plan_for_workers
+        self.timeline: Timeline | None = Timeline() if timeline else None
+        self.param_names = collective_names(model, self.param_groups)
+        self._forward_fusion: ForwardFusion | None = None
+        self._backward_fusion: BackwardFusion | None = None
+        self._plan_for_workers()
+        wrapping.attach()
+        self._begin_iteration()
+
+    def _plan_for_workers(self) -> None:
+        """Plan and wire what depends on the number of workers: fusion, placement, gradient workers and the step's parts.
+
+        Construction and :meth:`replan` run this one implementation, so a job
+        re-planned at a new size plans as a job started at that size.
+        """
+        workers = self.backend.size
+        self.wrapping.check(workers, self.config.update_fusion)
+        self.perf_model = self._measured_perf_model.for_world_size(workers)  # as the simulator plans
         shapes = [LayerShape.of(la) for la in self.layers]
         grad_workers, self.grad_worker_choice = GradWorkerProblem(
             shapes,
-            self.backend.size,
+            workers,
             self.perf_model,
-            placement,
+            self.config.placement,
             self.method,
             self.backend.native_subgroups,
             self.layers[0].helper.weight.element_size() if self.layers else 4,
             self.inv_update_freq,
             self.config.overlap_preconditioning,
-        ).resolve(self.config.grad_worker_fraction, distribute_preconditioning, self.config.memory_budget)
+        ).resolve(self.config.grad_worker_fraction, self.config.distribute_preconditioning, self.config.memory_budget)
         self.work_plan: WorkPlan = (
             self.grad_worker_choice.plan
             if self.grad_worker_choice is not None
             else WorkPlan.make(
-                shapes, self.backend.size, self.perf_model, placement, self.method,
+                shapes, workers, self.perf_model, self.config.placement, self.method,
                 grad_workers=grad_workers, native_subgroups=self.backend.native_subgroups, inv_update_freq=self.inv_update_freq,
             )
         )  # fmt: skip
         if self.grad_worker_choice is not None and self.backend.rank == 0:
             print(f"spdkfac: grad_worker_fraction='auto' chose {self.grad_worker_choice.describe()}", flush=True)
-        self.timeline: Timeline | None = Timeline() if timeline else None
-        self.param_names = collective_names(model, self.param_groups)
+        update_fusion = self.config.update_fusion
         self.kfac_step = KFACStep(
             self.config,
             self.layers,
@@ -227,19 +242,44 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.work_plan,
             self.param_groups,
             self.param_names,
-            grad_scaler,
+            self.grad_scaler,
             self._collecting,
             self._loss_scale,
             self._final_grad if update_fusion == "backward" else None,
-            wrapping,
+            self.wrapping,
         )
-        self._forward_fusion = ForwardFusion(model, self.param_groups, self.state) if update_fusion == "forward" else None
+        self._forward_fusion = ForwardFusion(self.model, self.param_groups, self.state) if update_fusion == "forward" else None
         self._backward_fusion = (
             BackwardFusion(self.param_groups, self.state, self.layers, self.kfac_step.grads, self.param_names, self._fusable_step)
             if update_fusion == "backward"
             else None
         )
-        wrapping.attach()
+
+    def replan(self) -> None:
+        """Plan fusion, placement and gradient workers anew for the engine's current size and rank.
+
+        For Horovod's elastic mode, whose ``hvd.elastic.run`` re-initialises
+        Horovod at another size in the same process
+        (:class:`spdkfac.train.elastic.ElasticState` calls this after every
+        reset): the plan is the one a job started at that size makes, and the
+        ``'optimal'`` fusion plan is profiled again. The step in progress, if
+        any, is dropped (its collectives are not waited for: after a lost
+        worker they never complete); the factors, decompositions, base state
+        and step counter are kept. Then load the committed ``state_dict()``
+        (with ``grad_worker_fraction`` < 1 this also recomputes the
+        decompositions this worker now holds). A ``DistributedDataParallel``
+        model is refused: its process group cannot change size in place.
+        """
+        if self.wrapping.ddp is not None:
+            raise ValueError(
+                "replan() re-plans for Horovod's elastic mode; a DistributedDataParallel model's process group cannot "
+                "change size in place: restart the job under torchrun (spdkfac.train --resume auto) instead"
+            )
+        self._begin_iteration(abandon=True)  # under backward fusion: rolls back what an unfinished step wrote
+        self.kfac_step.remove_hooks()
+        if self._forward_fusion is not None:
+            self._forward_fusion.remove_hooks()  # the held updates are applied first
+        self._plan_for_workers()
         self._begin_iteration()
 
     # ------------------------------------------------------------------ per step

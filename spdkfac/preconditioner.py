@@ -329,6 +329,11 @@ class KFACPreconditioner:
         """Current fusion groups of the factor all-reduces per pass (None while profiling, or for ``'layerwise'``)."""
         return self.kfac.fusion_plan()
 
+    def replan(self) -> None:
+        """Plan fusion, placement and gradient workers anew at the engine's current size (Horovod elastic resets):
+        :meth:`SPDKFACOptimizer.replan <spdkfac.SPDKFACOptimizer.replan>`."""
+        self.kfac.replan()
+
     def remove_hooks(self) -> None:
         """Detach every hook from the model (the preconditioner is unusable afterwards)."""
         self.kfac.remove_hooks()

@@ -60,6 +60,41 @@ def launcher_command(engine: str, nproc: int, script: Sequence[str]) -> list[str
     raise ValueError(engine)
 
 
+def discovery_script(hosts: Path) -> Path:
+    """A Horovod host discovery script beside ``hosts`` that prints it (``host:slots`` lines; edit the file to resize)."""
+    discovery = hosts.with_name(hosts.name + ".discover.sh")
+    discovery.write_text(f"#!/bin/sh\ncat '{hosts}'\n")
+    discovery.chmod(0o755)
+    return discovery
+
+
+def elastic_horovod_command(hosts: Path, min_np: int, max_np: int, script: Sequence[str]) -> list[str]:
+    """``horovodrun`` in elastic mode on this machine: the host discovery script prints ``hosts`` (edit it to add hosts).
+
+    Every host name in the file must resolve to a local address ('localhost', '127.0.0.1'): Horovod starts workers
+    on those without ssh, and blacklists a host whose worker failed, so a test that loses a worker names two hosts.
+    """
+    discovery = discovery_script(hosts)
+    np = sum(int(line.rpartition(":")[2]) for line in hosts.read_text().split())
+    hvdrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    return [
+        str(hvdrun),
+        "-np",
+        str(np),
+        "--min-np",
+        str(min_np),
+        "--max-np",
+        str(max_np),
+        "--host-discovery-script",
+        str(discovery),
+        "--network-interface",
+        "lo",  # the driver and the workers on loopback: one machine
+        "--gloo",
+        sys.executable,
+        *script,
+    ]
+
+
 TRANSIENT = ("Address already in use", "EADDRINUSE", "address already in use", "Connection refused", "rendezvous")
 
 

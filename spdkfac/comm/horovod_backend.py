@@ -20,6 +20,7 @@ from .watchdog import WaitWatchdog
 __all__ = ["HorovodBackend"]
 
 _GLOO_TIMEOUT_VAR = "HOROVOD_GLOO_TIMEOUT_SECONDS"
+_ELASTIC_VAR = "HOROVOD_ELASTIC"  # "1" under horovodrun's elastic mode
 _HOROVOD_DEFAULT_GLOO_TIMEOUT_S = 30  # what hvd.init() uses when the variable is not set
 #: The longest a worker tries to reach the heartbeat store on rank 0 before going without naming ranks.
 _STORE_CONNECT_S = 30.0
@@ -79,6 +80,13 @@ class HorovodBackend(CommBackend):
     issues the collective is not noticed by Horovod: a watchdog ends a worker
     whose wait lasts longer than ``collective_timeout`` (exit status 1, the
     error printed first).
+
+    Under ``horovodrun --min-np/--max-np`` (``HOROVOD_ELASTIC=1``) a failed
+    collective raises Horovod's ``HorovodInternalError`` instead, the error
+    ``hvd.elastic.run`` restores the committed state from (no heartbeats:
+    their store lives on a rank 0 that may leave); :attr:`rank` and
+    :attr:`size` are read from Horovod each time, so they follow its
+    re-initialisations (:mod:`spdkfac.train.elastic`).
     """
 
     name = "horovod"
@@ -99,8 +107,13 @@ class HorovodBackend(CommBackend):
         self._hvd = hvd
         self._timeout_s = float(os.environ.get(_GLOO_TIMEOUT_VAR, _HOROVOD_DEFAULT_GLOO_TIMEOUT_S))
         self._collective_timeout_s = timeout_s
-        self._liveness = _start_liveness(hvd, timeout_s) if self.size > 1 else None
-        self._watchdog = WaitWatchdog(timeout_s, self._overdue, interval_s=min(1.0, timeout_s / 10)) if self.size > 1 else None
+        #: Under ``horovodrun --min-np/--max-np`` Horovod is re-initialised at other sizes in the same process.
+        self.elastic = os.environ.get(_ELASTIC_VAR) == "1"
+        # Elastic: no heartbeat store (it lives on a rank 0 that may leave), and a failed collective stays a
+        # HorovodInternalError, the error hvd.elastic.run recovers from.
+        self._liveness = _start_liveness(hvd, timeout_s) if self.size > 1 and not self.elastic else None
+        watch = self.size > 1 or self.elastic  # an elastic job may grow
+        self._watchdog = WaitWatchdog(timeout_s, self._overdue, interval_s=min(1.0, timeout_s / 10)) if watch else None
 
     @property
     def rank(self) -> int:
@@ -133,6 +146,12 @@ class HorovodBackend(CommBackend):
         and waiting on one issued before may raise ValueError (its handle was
         cleared): any error qualifies, the heartbeats decide.
         """
+        if self.elastic:
+            from horovod.common.exceptions import HorovodInternalError
+
+            if not isinstance(exc, HorovodInternalError):  # e.g. a handle Horovod cleared when it shut down
+                raise HorovodInternalError(f"collective {collective!r} failed: {type(exc).__name__}: {exc}") from exc
+            return
         if self._liveness is None:
             return
         silent = self._liveness.silent_ranks()
