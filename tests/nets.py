@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 
 def small_net(seed: int = 0) -> nn.Module:
@@ -72,6 +73,67 @@ class MixedNet(nn.Module):
 def mixed_net(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return MixedNet()
+
+
+#: How :class:`SharedNet` checkpoints its trunk: not at all, ``checkpoint`` or ``checkpoint_sequential``, each reentrant or not.
+CHECKPOINTS = (None, "reentrant", "non-reentrant", "sequential-reentrant", "sequential")
+
+
+class Recurrent(nn.Module):
+    """``h <- tanh(cell(h))``, ``steps`` times: one Linear cell used at every step."""
+
+    def __init__(self, cell: nn.Module, steps: int) -> None:
+        super().__init__()
+        self.cell, self.steps = cell, steps
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.steps):
+            h = torch.tanh(self.cell(h))
+        return h
+
+
+class SharedNet(nn.Module):
+    """Layers used several times per step, an optional checkpointed trunk and a head that runs on some steps only.
+
+    Two views of the 2x6x6 input (the image and its mirror) go through one
+    convolutional encoder (a siamese pair); their sum through a trunk that
+    applies one Linear cell three times (a recurrent cell) and then two
+    ``nn.Linear`` modules tied to one weight and bias; a Linear head gives 5
+    classes. With ``aux=True`` an auxiliary head on the first view's features
+    joins (a layer that does not run in the other steps).
+    """
+
+    def __init__(self, checkpoint_mode: str | None = None) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.proj = nn.Linear(3 * 3 * 3, 6)
+        up, tied = nn.Linear(6, 6), nn.Linear(6, 6)
+        tied.weight, tied.bias = up.weight, up.bias
+        # (each module once: checkpoint_sequential runs a Sequential's children(), which lists a repeated module once)
+        self.trunk = nn.Sequential(Recurrent(nn.Linear(6, 6), 3), up, nn.Tanh(), tied, nn.Tanh())
+        self.head = nn.Linear(6, 5)
+        self.aux = nn.Linear(6, 5)
+        self.checkpoint_mode = checkpoint_mode
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(nn.functional.avg_pool2d(torch.tanh(self.conv(x)), 2).flatten(1))
+
+    def forward(self, x: torch.Tensor, aux: bool = False) -> torch.Tensor:
+        f1, f2 = self.encode(x), self.encode(x.flip(-1))
+        h, mode = f1 + f2, self.checkpoint_mode
+        if mode is None:
+            h = self.trunk(h)
+        elif mode.startswith("sequential"):
+            h = checkpoint_sequential(self.trunk, 2, h, use_reentrant=mode.endswith("-reentrant"))
+        else:
+            h = checkpoint(self.trunk, h, use_reentrant=mode == "reentrant")
+        out = self.head(h)
+        return out + self.aux(f1) if aux else out
+
+
+def shared_net(seed: int = 0, checkpoint_mode: str | None = None) -> SharedNet:
+    torch.manual_seed(seed)
+    return SharedNet(checkpoint_mode)
 
 
 def batch(n: int, seed: int = 1):

@@ -137,25 +137,21 @@ def test_step_without_backward_is_an_error():
         opt.step()
 
 
-def test_weight_sharing_is_an_error():
+def test_weight_sharing_is_one_layer_counted_per_use():
+    """A module registered twice, or called twice in one forward pass, is one layer (tests/unit/step/test_shared_layers.py
+    checks its factors); a second forward/backward pass without step() is still refused."""
     lin = nn.Linear(4, 4)
-    # Registered twice: refused when the optimizer is built (tests/unit/kfac/test_layer_selection.py has the tied-weight case).
-    with pytest.raises(ValueError, match=r"shared by \['0.weight', '2.weight'\]"):
-        SPDKFACOptimizer(nn.Sequential(lin, nn.Tanh(), lin), lr=0.1, backend="single")
-
-    class Twice(nn.Module):  # registered once, called twice in one forward pass: refused at the second call
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = lin
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.lin(torch.tanh(self.lin(x)))
-
-    model = Twice()
+    model = nn.Sequential(lin, nn.Tanh(), lin)
     opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
-    with pytest.raises(RuntimeError, match="computed twice"):
-        model(torch.randn(2, 4))
-    assert opt.steps == 0
+    assert [layer.name for layer in opt.layers] == ["0"]
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    opt.step()
+    assert opt.kfac_step.factors.expected[("A", "0")] == 2
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="computed twice in one step, but accumulation_steps is 1"):
+        model(x)
+    assert opt.steps == 1
 
 
 def test_non_factor_steps_do_no_factor_work():

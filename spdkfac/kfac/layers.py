@@ -91,6 +91,8 @@ class KFACLayer:
         self.name = name
         self.method = get_method(method)
         self.module = helper.module
+        #: Every module whose forward uses the weight (more than one for tied modules): each use is counted.
+        self.modules: list[nn.Module] = [helper.module]
         self.helper = helper
         self.has_bias = helper.has_bias
         self.shapes: dict[str, FactorShape] = {"A": helper.a_shape, "G": helper.g_shape}
@@ -344,9 +346,14 @@ def kfac_layers(
     (:func:`unhooked_submodules`). A split module (:func:`split_layers`)
     gives a layer per block, named ``<module>.<suffix>`` (``attn.q_proj``).
 
+    Modules that share one weight (tied weights) become one layer whose
+    factors count the uses of every one of them, when they are of one type
+    and configuration with one shared bias (or none); a module registered
+    at several places is one layer too.
+
     Raises:
-        ValueError: two preconditioned layers share a weight (tied weights):
-            each would precondition it with half of the statistics.
+        ValueError: a shared weight that cannot be one layer (different
+            layer types, separate biases, a holder left out by ``skip``).
     """
     for entry in skip:
         if not isinstance(entry, (str, type)):
@@ -362,7 +369,11 @@ def kfac_layers(
     holders: dict[int, list[str]] = {}
     for pname, param in model.named_parameters(remove_duplicate=False):
         holders.setdefault(id(param), []).append(pname)
+    module_names: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        module_names.setdefault(id(module), []).append(name)
     layers: list[KFACLayer] = []
+    by_weight: dict[int, KFACLayer] = {}
     for name, module in model.named_modules():
         for suffix, part in split.get(name, []):
             layers.append(KFACLayer(f"{name or type(module).__name__}.{suffix}", part, method))
@@ -374,13 +385,52 @@ def kfac_layers(
             continue
         layer_name = name or type(module).__name__
         if len(holders.get(id(weight), [])) > 1:
-            raise ValueError(
-                f"the weight of layer {layer_name!r} is shared by {holders[id(weight)]} (tied weights): its gradient "
-                f"sums every use, but its factors would describe only this layer's; exclude the layers that share it "
-                f"with skip_layers (they then get the plain update)"
-            )
-        layers.append(KFACLayer(layer_name, helper, method))
+            tied = by_weight.get(id(weight))
+            if tied is not None:
+                _check_tied(tied, layer_name, module, holders[id(weight)])
+                tied.modules.append(module)
+                continue
+            _check_holders(model, layer_name, module, holders[id(weight)], module_names, skip)
+        layer = KFACLayer(layer_name, helper, method)
+        by_weight[id(weight)] = layer
+        layers.append(layer)
     return layers
+
+
+def _tied_error(layer_name: str, holders: list[str], why: str) -> ValueError:
+    return ValueError(
+        f"the weight of layer {layer_name!r} is shared by {holders} (tied weights) and {why}: its gradient sums "
+        f"every use, but its factors would describe only some of them; exclude the layers that share it with "
+        f"skip_layers (they then get the plain update)"
+    )
+
+
+def _check_holders(
+    model: nn.Module,
+    layer_name: str,
+    module: nn.Module,
+    holders: list[str],
+    module_names: dict[int, list[str]],
+    skip: Sequence[LayerFilter],
+) -> None:
+    """Refuse a shared weight that is not only the weight of modules K-FAC sees every use of."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for holder in holders:
+        owner_name, _, leaf = holder.rpartition(".")
+        owner = modules.get(owner_name)
+        if leaf != "weight" or owner is None or make_helper(owner) is None:
+            raise _tied_error(layer_name, holders, f"{holder!r} is not the weight of a layer K-FAC preconditions")
+        if owner is not module and any(skipped(n, owner, skip) for n in module_names[id(owner)]):
+            raise _tied_error(layer_name, holders, f"{owner_name!r} is in skip_layers but {layer_name!r} is not")
+
+
+def _check_tied(layer: KFACLayer, name: str, module: nn.Module, holders: list[str]) -> None:
+    """Tied modules are one layer when they compute alike: the same type and configuration, and the same bias."""
+    first = layer.module
+    if type(module) is not type(first) or module.extra_repr() != first.extra_repr():
+        raise _tied_error(layer.name, holders, f"{name!r} is a different layer ({module} against {first})")
+    if getattr(module, "bias", None) is not getattr(first, "bias", None):
+        raise _tied_error(layer.name, holders, f"{name!r} has its own bias (one shared bias, or none, makes them one layer)")
 
 
 def factor_list(layers: list[KFACLayer]) -> list[tuple[tuple[str, str], int]]:

@@ -11,7 +11,9 @@ upper triangles (views into the fused buffers; the layers keep their running
 averages packed, so nothing is unpacked here).
 
 Without a plan for a pass (the first iterations, while the per-layer times
-are being profiled) every factor is launched alone, in arrival order.
+are being profiled) every factor is launched alone, in arrival order; so is
+a factor the plan does not hold (a layer that did not run in the profiled
+steps).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class TensorFusionController:
         self._groups: list[_Group] = []
         self._in_flight: list[_InFlight] = []
         self._local: dict[FactorKey, torch.Tensor] = {}
-        self._submitted: set[FactorKey] = set()  # this iteration's keys (a layer runs once per pass)
+        self._submitted: set[FactorKey] = set()  # this iteration's keys (each factor is sent once per step)
         self._next_gid = 0
 
     # -- configuration -------------------------------------------------------------
@@ -100,28 +102,28 @@ class TensorFusionController:
                 for key in members:
                     self._group_of[key] = group
 
-    def submit(self, key: FactorKey, factor: torch.Tensor) -> None:
-        """Hand over a freshly computed batch factor; may launch an all-reduce."""
-        kind = key[0]
+    def submit(self, key: FactorKey, factor: torch.Tensor, alone: bool = False) -> None:
+        """Hand over a freshly computed batch factor; may launch an all-reduce (``alone``: at once, outside the plan)."""
         if key in self._submitted:
             raise RuntimeError(
-                f"factor {key[0]} of layer {key[1]!r} was computed twice in one step; a preconditioned "
-                "layer must run exactly once per forward/backward (no weight sharing)"
+                f"factor {key[0]} of layer {key[1]!r} was sent twice in one step (the factor hooks send each factor once per step)"
             )
         self._submitted.add(key)
         if self.backend.size == 1:
             self._local[key] = factor  # nothing to average: keep the reference
             return
-        group = self._group_of.get(key)
-        if group is None:
-            if self._plans[kind] is not None:
-                raise RuntimeError(f"factor {key} is not in the fusion plan (the model's layers changed?)")
+        group = None if alone else self._group_of.get(key)
+        if group is None:  # no plan yet, or a factor the plan does not hold (a layer that did not run while it was made)
             group = _Group(members=[key], gid=self._next_gid)
             self._next_gid += 1
             self._groups.append(group)
         group.arrived[key] = factor
         if len(group.arrived) == len(group.members):
             self._launch(group)
+
+    def incomplete(self) -> list[FactorKey]:
+        """The factors missing from fused groups that others have joined, in launch order (the same on every rank)."""
+        return [k for g in self._groups if g.arrived for k in g.members if k not in g.arrived]
 
     def _launch(self, group: _Group) -> None:
         first = group.arrived[group.members[0]]

@@ -9,10 +9,26 @@ only the k-th is sent, as their mean. While a fusion plan is being made, or a
 timeline recorded, each factor's computation is timed, and the hook's own
 work beyond it (bookkeeping, packing into a fusion buffer, launching the
 all-reduce).
+
+How the hooks count (docs/shared-layers.md):
+
+* a layer used ``k`` times in a pass (one module at several places, two views
+  through one encoder, a recurrent cell, tied modules) sends one factor per
+  step: ``A`` the mean of its uses' ``A``, ``G`` their sum (the "expand"
+  setting of Eschenhagen et al., 2023). The number of calls a factor takes per
+  step is learned from the last step (one per pass to start with), so the
+  common case sends from the hook that completes it, as before; the calls
+  beyond the expected number are summed apart, sent at ``step()`` and folded
+  in, and a factor that took fewer is sent at ``step()``;
+* the forward pass an activation checkpoint recomputes during backward is not
+  counted (:func:`recomputing`);
+* a layer that did not run in a step (on every worker) keeps its running
+  averages and decompositions; its gradient, if any, gets the plain update.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -26,7 +42,38 @@ from .factor_profiler import FusionProfiler
 from .nonfinite import NonFiniteFactorError, NonFiniteGuard
 from .timeline import IterationRecord, Timeline
 
-__all__ = ["FactorCollector"]
+__all__ = ["FactorCollector", "recomputing"]
+
+#: The autograd node of a reentrant ``torch.utils.checkpoint`` segment: its backward re-runs the forward, counted.
+_REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
+#: Suffix of the name under which a layer's calls beyond those expected travel (no module name holds '#').
+_MORE = "#more"
+
+
+def recomputing() -> bool:
+    """Whether a forward pass runs inside a backward pass to recompute checkpointed activations, already counted.
+
+    A non-reentrant checkpoint (``use_reentrant=False``) recomputes its
+    segment from inside the autograd node that unpacks a saved tensor; the
+    segment's first forward pass ran with gradients on and was counted. A
+    reentrant checkpoint ran its first forward without gradients (nothing
+    counted), so its recomputation, inside ``CheckpointFunctionBackward``, is
+    the pass that counts.
+    """
+    if torch._C._current_graph_task_id() == -1:  # not in a backward pass: the common case, one cheap call
+        return False
+    node = torch._C._current_autograd_node()
+    return node is None or type(node).__name__ != _REENTRANT_CHECKPOINT_NODE
+
+
+@dataclass
+class _Tally:
+    """One factor's calls in this step: their local sum until sent, and the calls beyond those expected."""
+
+    calls: int = 0
+    total: torch.Tensor | None = None
+    sent: int = 0  # calls in the factor sent under the layer's key (0: not sent yet)
+    extra: torch.Tensor | None = None  # the sum of the calls after it, sent at step() and folded in
 
 
 class FactorCollector:
@@ -63,14 +110,24 @@ class FactorCollector:
         self.record: IterationRecord | None = None
         self.arrived: dict[str, list[FactorKey]] = {"A": [], "G": []}
         self.backward_seen = False  # a G factor was computed since reset()
+        #: Calls each factor takes per step, learned from the last factor step that ran the layer.
+        self.expected: dict[FactorKey, int] = {}
+        #: Layers whose factors the last factor step did not fold in (they did not run).
+        self.skipped: list[str] = []
+        #: Whether every factor of the last factor step took its expected calls (sent from its hook, in the usual order).
+        self.regular = True
+        self._by_name = {layer.name: layer for layer in layers}
         self._stash: list[tuple[FactorKey, torch.Tensor]] = []
         self._a_taken: set[str] = set()
-        self._micro: dict[FactorKey, tuple[int, torch.Tensor | None]] = {}  # micro-batches so far: (count, sum)
+        self._tally: dict[FactorKey, _Tally] = {}
+        self._passes = 0  # forward passes that computed a factor this step
+        self._g_since_a = True  # a G hook ran since the last A hook (the next A hook starts a pass)
         self._hook_handles: list[Any] = []
         for layer in layers:
             # (registered so that a torch.compile'd forward calls them without a graph break: compiled_hooks)
-            self._hook_handles.append(register_factor_pre_hook(layer.module, self._a_hook(layer)))
-            self._hook_handles.append(register_output_grad_hook(layer.module, *self._g_hook(layer)))
+            for module in layer.modules:
+                self._hook_handles.append(register_factor_pre_hook(module, self._a_hook(layer)))
+                self._hook_handles.append(register_output_grad_hook(module, *self._g_hook(layer)))
 
     def reset(self, record: IterationRecord | None) -> None:
         """Start a new step: nothing computed, nothing kept back."""
@@ -79,18 +136,20 @@ class FactorCollector:
         self.backward_seen = False
         self._stash = []
         self._a_taken = set()
-        self._micro = {}
+        self._tally = {}
+        self._passes = 0
+        self._g_since_a = True
         for layer in self.layers:
             layer.helper.forget()  # inputs a forward pass kept for a backward pass that never came
 
     def _a_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         def hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
-            if self.collecting(module):
+            if self.collecting(module) and not recomputing():
                 self._submit(layer, "A", lambda: layer.compute_a(inputs[0]))
 
         return hook
 
-    def _g_hook(self, layer: KFACLayer) -> tuple[Callable[[], bool], Callable[[torch.Tensor], None]]:
+    def _g_hook(self, layer: KFACLayer) -> tuple[Callable[[], bool], Callable[[torch.Tensor], None], Callable[[], bool]]:
         """When the layer's output gradient is wanted (its A was taken this step), and what computes G from it.
 
         Registered as a hook on the layer output's gradient
@@ -99,7 +158,10 @@ class FactorCollector:
         this layer's output is known, like a full backward hook, but it also
         works when the next operation modifies the output in place
         (``ReLU(inplace=True)``) and for a first layer whose input needs no
-        gradient.
+        gradient. Each use of the layer attaches its own; a checkpoint's
+        recomputation attaches none (asked in the forward pass, eagerly; a
+        compiled graph asks when the gradient arrives, where only the A taken
+        counts).
         """
 
         def g_ready(grad_output: torch.Tensor) -> None:
@@ -107,29 +169,51 @@ class FactorCollector:
             scale = self.loss_scale() / self.accumulation_steps
             self._submit(layer, "G", lambda: layer.compute_g(grad_output, scale))
 
-        return (lambda: layer.name in self._a_taken), g_ready
+        def wanted() -> bool:
+            return layer.name in self._a_taken and not recomputing()
+
+        return wanted, g_ready, (lambda: layer.name in self._a_taken)
+
+    def _new_pass(self, layer: KFACLayer) -> None:
+        """An A hook after backward began: the next forward pass (micro-batch); refused beyond accumulation_steps."""
+        self._passes += 1
+        self._g_since_a = False
+        if self._passes > self.accumulation_steps:
+            times = "twice" if self._passes == 2 else f"{self._passes} times"
+            raise RuntimeError(
+                f"factor A of layer {layer.name!r} was computed {times} in one step, but accumulation_steps is "
+                f"{self.accumulation_steps}: call step() after every {self.accumulation_steps} forward/backward pass(es); "
+                "to skip a batch after its forward pass, decide with optimizer.finite_everywhere(loss), which drops "
+                "its factors on every worker"
+            )
+
+    def _divisor(self, kind: str, calls: int) -> int:
+        """What a factor's sum over ``calls`` calls is divided by: A is the mean of its uses, G their sum per pass."""
+        return calls if kind == "A" else self.accumulation_steps
 
     def _submit(self, layer: KFACLayer, kind: str, compute: Callable[[], torch.Tensor]) -> None:
         t_enter = Timeline.now() if self.record is not None else 0.0
         key = (kind, layer.name)
-        self.backward_seen |= kind == "G"
-        if kind == "A":
+        if kind == "G":
+            self.backward_seen = self._g_since_a = True
+        else:
+            if self._g_since_a and torch._C._current_graph_task_id() == -1:  # (a reentrant recomputation is no pass)
+                self._new_pass(layer)
             self._a_taken.add(layer.name)
-        count, total = self._micro.get(key, (0, None))
-        if count + 1 > self.accumulation_steps:
-            times = "twice" if count + 1 == 2 else f"{count + 1} times"
-            raise RuntimeError(
-                f"factor {kind} of layer {layer.name!r} was computed {times} in one step, but accumulation_steps is "
-                f"{self.accumulation_steps}: call step() after every {self.accumulation_steps} forward/backward pass(es), "
-                "and run each preconditioned layer once per pass (no weight sharing); to skip a batch after its "
-                "forward pass, decide with optimizer.finite_everywhere(loss), which drops its factors on every worker"
-            )
-        if count + 1 < self.accumulation_steps:  # an early micro-batch: sum locally, communicate nothing
+        tally = self._tally.get(key)
+        if tally is None:
+            tally = self._tally[key] = _Tally()
+        tally.calls += 1
+        expected = self.expected.get(key, self.accumulation_steps)
+        if tally.sent:  # a call beyond those expected: summed apart, sent at step() and folded in
             factor = compute()
-            self._micro[key] = (count + 1, factor if total is None else total.add_(factor))
+            tally.extra = factor if tally.extra is None else tally.extra.add_(factor)
             return
-        self._micro[key] = (count + 1, None)
-        # The last micro-batch (the only one with k=1): timed and pipelined with the communication as usual.
+        if tally.calls < expected:  # an early call: sum locally, communicate nothing
+            factor = compute()
+            tally.total = factor if tally.total is None else tally.total.add_(factor)
+            return
+        # The call that completes the factor (the only one in the common case): timed and pipelined as usual.
         profiling = self.profiler.active
         timed = self.record is not None or profiling
         t_start = t_end = 0.0
@@ -138,8 +222,10 @@ class FactorCollector:
                 torch.cuda.synchronize()
             t_start = Timeline.now()
         factor = compute()
-        if total is not None:  # the mean over the micro-batches
-            factor = total.add_(factor).div_(self.accumulation_steps)
+        if tally.total is not None:  # the mean over the calls (G: their sum per pass)
+            factor = tally.total.add_(factor).div_(self._divisor(kind, tally.calls))
+            tally.total = None
+        tally.sent = tally.calls
         if timed:
             if profiling and factor.is_cuda:
                 torch.cuda.synchronize()
@@ -148,13 +234,16 @@ class FactorCollector:
             if self.record is not None:
                 self.record.factor_computed(key, t_start, t_end)
                 self.controller.poll()
+        self._send(key, factor)
+        if self.record is not None:  # the hook's own cost: all but the factor's computation (a cost model charges it apart)
+            self.record.hooks += Timeline.now() - t_enter - (t_end - t_start)
+
+    def _send(self, key: FactorKey, factor: torch.Tensor) -> None:
         if self.pipelining:
-            self.arrived[kind].append(key)
+            self.arrived[key[0]].append(key)
             self.controller.submit(key, factor)
         else:
             self._stash.append((key, factor))
-        if self.record is not None:  # the hook's own cost: all but the factor's computation (a cost model charges it apart)
-            self.record.hooks += Timeline.now() - t_enter - (t_end - t_start)
 
     def send_stashed(self) -> None:
         """Without pipelining, send the factors the hooks kept back (D-KFAC: all at once after backward)."""
@@ -163,9 +252,43 @@ class FactorCollector:
             self.controller.submit(key, factor)
         self._stash = []
 
+    def _send_unexpected(self) -> bool:
+        """Send, at ``step()``, the factors that took fewer calls than expected and the sums of the calls beyond
+        them (in layer order: the same on every worker); whether there were any."""
+        unexpected = False
+        for layer in self.layers:
+            for kind in FACTOR_KINDS:
+                tally = self._tally.get((kind, layer.name))
+                if tally is None:
+                    continue
+                if not tally.sent:
+                    assert tally.total is not None  # a call was made
+                    divisor = self._divisor(kind, tally.calls)
+                    factor = tally.total.div_(divisor) if divisor != 1 else tally.total
+                    tally.total, tally.sent = None, tally.calls
+                    self.controller.submit((kind, layer.name), factor)
+                    unexpected = True
+                if tally.extra is not None:
+                    self.controller.submit((kind, f"{layer.name}{_MORE}"), tally.extra, alone=True)
+                    unexpected = True
+        return unexpected
+
+    def _fill_missing(self) -> None:
+        """Zeros for the factors of layers that did not run, so every fused all-reduce they belong to starts."""
+        for key in self.controller.incomplete():
+            layer = self._by_name[key[1]]
+            self.controller.submit(key, layer.shape(key[0]).identity(layer.factor_dtype, layer.helper.weight.device).zero_())
+
     def take(self, nonfinite: NonFiniteGuard, step: int) -> dict[FactorKey, torch.Tensor]:
-        """Wait for this step's averaged factors (packed); raise if one is missing or non-finite."""
+        """Wait for this step's averaged factors (packed) of the layers that ran; raise if one is non-finite.
+
+        A layer that did not run in this step (on every worker alike) is left
+        out and named in :attr:`skipped`; a factor whose calls were not the
+        expected number is completed here.
+        """
         self.send_stashed()
+        unexpected = self._send_unexpected()
+        self._fill_missing()
         factors = self.controller.wait_all()
         if not factors:
             raise RuntimeError(
@@ -174,10 +297,18 @@ class FactorCollector:
                 "a torch.compile'd model must first run after the optimizer is built (Dynamo does not see hooks added "
                 "to a model, or to another instance of its class, it has already compiled; torch._dynamo.reset() forgets those)"
             )
-        expected = {(kind, layer.name) for layer in self.layers for kind in FACTOR_KINDS}
-        missing = sorted(expected - factors.keys())
-        if missing:
-            raise RuntimeError(f"no factor was computed for {missing} in this step; every preconditioned layer must run")
+        for key, tally in self._tally.items():
+            extra = factors.pop((key[0], f"{key[1]}{_MORE}"), None)
+            if extra is not None:  # the sum over every call, then the mean as usual
+                total = factors[key].mul(self._divisor(key[0], tally.sent)).add_(extra)
+                factors[key] = total.div_(self._divisor(key[0], tally.calls))
+            self.expected[key] = tally.calls
+        ran = [layer.name for layer in self.layers if all((kind, layer.name) in self._tally for kind in FACTOR_KINDS)]
+        self.skipped = [layer.name for layer in self.layers if layer.name not in set(ran)]
+        if self.skipped:
+            kept = set(ran)
+            factors = {key: mat for key, mat in factors.items() if key[1] in kept}
+        self.regular = not unexpected
         keys = list(factors)
         bad = [keys[i] for i in non_finite_indices([factors[key] for key in keys])]
         if bad:

@@ -183,7 +183,13 @@ class KFACStep:
         factors = self.factors.take(self.nonfinite, step)
         for (kind, name), mat in factors.items():
             self._by_name[name].update_factor(kind, mat, hyper.factor_decay)
-        self.profiler.factor_step_done(self.factors.arrived)
+        for name in self.factors.skipped:  # did not run: keeps its factors (the identity the averages start from, if none)
+            layer = self._by_name[name]
+            for kind in FACTOR_KINDS:
+                if layer.packed_factor(kind) is None:
+                    layer.set_factor(kind, layer.shape(kind).identity(layer.factor_dtype, layer.helper.weight.device))
+        if self.factors.regular:  # (a step that sent factors at step() has arrival times that would mislead the plan)
+            self.profiler.factor_step_done(self.factors.arrived)
 
     def update_decompositions(self, hyper: StepHyper, step: int) -> None:
         """Recompute the inverses (or eigendecompositions) where the work plan says; every rank gets all."""

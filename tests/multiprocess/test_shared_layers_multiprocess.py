@@ -1,0 +1,46 @@
+"""Shared, checkpointed and skipped layers over real workers (torchrun, gloo): 2 workers give the parameters of one
+process on the whole batch, and both ranks hold bitwise the same parameters and K-FAC state."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from launch import ROOT, run_workers
+from nets import assert_bitwise_equal, shared_net
+
+from spdkfac.comm import SingleProcessBackend
+
+WORKER = ROOT / "tests" / "workers" / "shared_layers_check.py"
+
+
+def _worker_module():
+    spec = importlib.util.spec_from_file_location("shared_layers_check", WORKER)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.multiprocess
+def test_two_workers_equal_one_with_shared_checkpointed_and_skipped_layers(tmp_path):
+    run_workers("torch", 2, [str(WORKER), "--backend", "torch", "--out", str(tmp_path)])
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    module = _worker_module()
+    old = torch.get_default_dtype()
+    try:
+        ref = module.run(SingleProcessBackend())
+    finally:
+        torch.set_default_dtype(old)
+    init = shared_net().state_dict()
+    for name in module.CONFIGS:
+        assert ranks[0][name]["skipped"] == ["aux"], name  # the last factor step (4) ran without the aux head
+        for key, value in ref[name]["params"].items():
+            assert not torch.allclose(value, init[key].to(value.dtype)), f"{name}/{key} did not train"
+            torch.testing.assert_close(
+                ranks[0][name]["params"][key], value, rtol=1e-9, atol=1e-11, msg=lambda m, k=key, n=name: f"{n}/{k}: {m}"
+            )
+        assert_bitwise_equal(ranks[0][name]["params"], ranks[1][name]["params"], f"{name}/params")
+        assert_bitwise_equal(ranks[0][name]["kfac"], ranks[1][name]["kfac"], f"{name}/kfac")

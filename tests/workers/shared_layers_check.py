@@ -1,0 +1,81 @@
+"""Multi-process worker: layers used several times per step, checkpointed, and a head that runs on odd steps only.
+
+Each rank saves its parameters and K-FAC state per configuration to
+``<out>/rank<r>.pt``; the test compares the ranks with each other (bitwise)
+and with one process on the whole batch.
+
+    torchrun --nproc_per_node 2 tests/workers/shared_layers_check.py --backend torch --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nets import batch, shared_net
+
+from spdkfac import SPDKFACOptimizer
+from spdkfac.comm import CommBackend, get_backend
+
+warnings.filterwarnings("ignore", message="no perf_model given")
+
+GLOBAL_BATCH = 12
+STEPS = 5  # the last step (4) runs without the aux head
+BASE = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.01, factor_decay=0.9, kl_clip=0.01, profile_steps=2)
+#: name -> (the trunk's checkpointing, optimizer options)
+CONFIGS: dict[str, tuple[str | None, dict[str, Any]]] = {
+    "plain-optimal": (None, dict(BASE, fusion="optimal")),
+    "non-reentrant-threshold": ("non-reentrant", dict(BASE, fusion="threshold", fusion_threshold_bytes=300)),
+    "reentrant-no-pipelining": ("reentrant", dict(BASE, fusion="optimal", pipelining=False)),
+    "sequential-eigen-lbp": ("sequential", dict(BASE, compute_method="eigen", placement="lbp")),
+    "plain-accumulate-2": (None, dict(BASE, accumulation_steps=2, factor_update_freq=2, inv_update_freq=2)),
+}
+
+
+def run(backend: CommBackend) -> dict[str, Any]:
+    """Every configuration trained for ``STEPS`` steps on this rank's shard: parameters and K-FAC state."""
+    torch.set_default_dtype(torch.float64)
+    x, y = batch(GLOBAL_BATCH)
+    local = GLOBAL_BATCH // backend.size
+    x, y = x[backend.rank * local : (backend.rank + 1) * local], y[backend.rank * local : (backend.rank + 1) * local]
+    results: dict[str, Any] = {}
+    for name, (mode, options) in CONFIGS.items():
+        model = shared_net(checkpoint_mode=mode)
+        opt = SPDKFACOptimizer(model, backend=backend, **options)
+        accumulate = opt.config.accumulation_steps
+        for s in range(STEPS):
+            opt.zero_grad()
+            for xm, ym in zip((x + 0.1 * s).chunk(accumulate), y.chunk(accumulate)):
+                (nn.functional.cross_entropy(model(xm, aux=s % 2 == 1), ym) / accumulate).backward()
+            opt.step()
+        results[name] = {
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "kfac": opt.state_dict()["kfac"],
+            "skipped": list(opt.kfac_step.factors.skipped),
+        }
+        opt.remove_hooks()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    backend = get_backend(args.backend)
+    torch.save(run(backend), Path(args.out) / f"rank{backend.rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
