@@ -25,7 +25,8 @@ from spdkfac.step.compiled_hooks import register_factor_pre_hook, register_outpu
 
 warnings.filterwarnings("ignore", message="no perf_model given")
 
-pytestmark = pytest.mark.skipif(not compiled_hooks.TAPS_AVAILABLE, reason="this torch has no custom ops with effects")
+# slow: Dynamo's compiles cost ~13 s together, a fifth of the fast loop (CI runs them, scripts/test.sh).
+pytestmark = [pytest.mark.skipif(not compiled_hooks.TAPS_AVAILABLE, reason="this torch has no custom ops with effects"), pytest.mark.slow]
 
 OPTIONS = dict(lr=0.05, momentum=0.9, damping=0.01, factor_update_freq=2, inv_update_freq=2, backend="single")
 
