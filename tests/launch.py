@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -141,3 +143,13 @@ def assert_params_match(ref: dict, dist: dict, names: Sequence[str], rtol: float
     for name in names:
         for key, value in ref[name]["params"].items():
             torch.testing.assert_close(dist[name]["params"][key], value, rtol=rtol, atol=atol, msg=lambda m, k=key, n=name: f"{n}/{k}: {m}")
+
+
+def worker_module(script: Path) -> ModuleType:
+    """A worker script of tests/workers/ imported as a module, to run its ``run()`` in this process (the reference)."""
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

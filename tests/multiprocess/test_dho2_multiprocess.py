@@ -6,24 +6,13 @@ and equal (to rounding) to one process on the whole batch.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
-from launch import ROOT, run_workers
+from launch import ROOT, run_workers, worker_module
 
 from spdkfac.comm import SingleProcessBackend
 
 WORKER = ROOT / "tests" / "workers" / "dho2_check.py"
-
-
-def _worker_module():
-    spec = importlib.util.spec_from_file_location("dho2_check", WORKER)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.multiprocess
@@ -33,7 +22,7 @@ def test_two_workers_equal_one_and_agree_bitwise(engine, rule, tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     old = torch.get_default_dtype()
     try:
-        ref = _worker_module().run(SingleProcessBackend(), admm_rule=rule)
+        ref = worker_module(WORKER).run(SingleProcessBackend(), admm_rule=rule)
     finally:
         torch.set_default_dtype(old)
     for key in ("values", "vectors", "tridiagonal", "params"):

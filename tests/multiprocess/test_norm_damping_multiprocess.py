@@ -3,25 +3,14 @@ give one process's parameters and dampings on the whole batch, and both ranks ho
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
-from launch import ROOT, require_horovod, run_workers
+from launch import ROOT, require_horovod, run_workers, worker_module
 from nets import assert_bitwise_equal
 
 from spdkfac.comm import SingleProcessBackend
 
 WORKER = ROOT / "tests" / "workers" / "norm_damping_check.py"
-
-
-def _worker_module():
-    spec = importlib.util.spec_from_file_location("norm_damping_check", WORKER)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.multiprocess
@@ -33,7 +22,7 @@ def test_two_workers_equal_one_with_the_same_damping(engine, tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     old = torch.get_default_dtype()
     try:
-        ref = _worker_module().run(SingleProcessBackend())
+        ref = worker_module(WORKER).run(SingleProcessBackend())
     finally:
         torch.set_default_dtype(old)
     assert ranks[0]["dampings"] == ranks[1]["dampings"]

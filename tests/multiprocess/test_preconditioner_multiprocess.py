@@ -3,25 +3,14 @@ one process on the whole batch, and both ranks hold bitwise the same parameters,
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
-from launch import ROOT, run_workers
+from launch import ROOT, run_workers, worker_module
 from nets import assert_bitwise_equal, small_net
 
 from spdkfac.comm import SingleProcessBackend
 
 WORKER = ROOT / "tests" / "workers" / "preconditioner_check.py"
-
-
-def _worker_module():
-    spec = importlib.util.spec_from_file_location("preconditioner_check", WORKER)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _held_everywhere(kfac: dict) -> dict:
@@ -34,7 +23,7 @@ def _held_everywhere(kfac: dict) -> dict:
 def test_two_workers_equal_one_and_replicas_are_bitwise_identical(tmp_path):
     run_workers("torch", 2, [str(WORKER), "--backend", "torch", "--out", str(tmp_path)])
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    module = _worker_module()
+    module = worker_module(WORKER)
     old = torch.get_default_dtype()
     try:
         ref = module.run(SingleProcessBackend())

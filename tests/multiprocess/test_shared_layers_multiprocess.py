@@ -3,11 +3,9 @@ process on the whole batch, and both ranks hold bitwise the same parameters and 
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
-from launch import ROOT, run_workers
+from launch import ROOT, run_workers, worker_module
 from nets import assert_bitwise_equal, shared_net
 
 from spdkfac.comm import SingleProcessBackend
@@ -15,20 +13,11 @@ from spdkfac.comm import SingleProcessBackend
 WORKER = ROOT / "tests" / "workers" / "shared_layers_check.py"
 
 
-def _worker_module():
-    spec = importlib.util.spec_from_file_location("shared_layers_check", WORKER)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.multiprocess
 def test_two_workers_equal_one_with_shared_checkpointed_and_skipped_layers(tmp_path):
     run_workers("torch", 2, [str(WORKER), "--backend", "torch", "--out", str(tmp_path)])
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    module = _worker_module()
+    module = worker_module(WORKER)
     old = torch.get_default_dtype()
     try:
         ref = module.run(SingleProcessBackend())

@@ -10,20 +10,21 @@ whole batch is the reference) trained with the adaptive damping adjusted every
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rank_results import save_rank_results
 
 from spdkfac import AdaptiveDamping, SPDKFACOptimizer
-from spdkfac.comm import CommBackend, get_backend
+from spdkfac.comm import CommBackend
 
 warnings.filterwarnings("ignore", message="no perf_model given")
 
@@ -64,15 +65,5 @@ def run(backend: CommBackend) -> dict[str, Any]:
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "dampings": dampings}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    backend = get_backend(args.backend)
-    torch.save(run(backend), Path(args.out) / f"rank{backend.rank}.pt")
-
-
 if __name__ == "__main__":
-    main()
+    save_rank_results(run)

@@ -9,11 +9,9 @@ with each other (bitwise) and with one process on the whole batch.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,9 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nets import batch, small_net
+from rank_results import save_rank_results
 
 from spdkfac import KFACPreconditioner
-from spdkfac.comm import CommBackend, get_backend
+from spdkfac.comm import CommBackend
 
 warnings.filterwarnings("ignore", message="no perf_model given")
 
@@ -91,15 +90,5 @@ def run(backend: CommBackend) -> dict[str, Any]:
     return results
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    backend = get_backend(args.backend)
-    torch.save(run(backend), Path(args.out) / f"rank{backend.rank}.pt")
-
-
 if __name__ == "__main__":
-    main()
+    save_rank_results(run)
