@@ -291,6 +291,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self._loss_scale,
             self._final_grad if update_fusion is UpdateFusion.BACKWARD else None,
             self.wrapping,
+            lambda: self._step_kind()[0],
         )
         self._forward_fusion = ForwardFusion(self.model, self.param_groups, self.state) if update_fusion is UpdateFusion.FORWARD else None
         self._backward_fusion = (
