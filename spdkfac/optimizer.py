@@ -295,7 +295,15 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         )
         self._forward_fusion = ForwardFusion(self.model, self.param_groups, self.state) if update_fusion is UpdateFusion.FORWARD else None
         self._backward_fusion = (
-            BackwardFusion(self.param_groups, self.state, self.layers, self.kfac_step.grads, self.param_names, self._fusable_step)
+            BackwardFusion(
+                self.param_groups,
+                self.state,
+                self.layers,
+                self.kfac_step.grads,
+                self.param_names,
+                self._fusable_step,
+                lambda layer: self.kfac_step.begin_fused_layer(layer, self._step_kind()[0]),
+            )
             if update_fusion is UpdateFusion.BACKWARD
             else None
         )

@@ -277,6 +277,10 @@ class FactorCollector:
             self.controller.submit(key, factor)
         self._stash = []
 
+    def computed(self, key: FactorKey) -> bool:
+        """Whether this worker computed factor ``key`` in this step (so far)."""
+        return key in self._tally
+
     def _zeros(self, key: FactorKey) -> torch.Tensor:
         layer = self._by_name[key[1]]
         return layer.shape(key[0]).identity(layer.factor_dtype, layer.helper.weight.device).zero_()

@@ -171,11 +171,19 @@ class KFACStep:
         for layer in self.layers:  # the step stands: what the method learned from it becomes its state
             layer.method.commit(layer.method_state)
 
+    def begin_fused_layer(self, layer: KFACLayer, factor_step: bool) -> None:
+        """Before ``layer`` is preconditioned in backward (update fusion): its method takes the step's global batch
+        (this worker's, times the workers and micro-batches, where the layer ran here) and the base's hyper."""
+        ran = factor_step and self.factors.computed(("G", layer.name))
+        samples = layer.local_samples * self.workers * self.config.accumulation_steps if ran else None
+        layer.method.begin_step(layer.method_state, samples, self.param_groups[0])
+
     def run_after_fused(self, factor_step: bool, hyper: StepHyper, step: int, bad: list[str]) -> None:
         """The rest of a step whose layers were preconditioned and updated in backward (update fusion).
 
         Folds in the factors on a factor step; ``bad`` (non-empty: backward met
-        NaN/Inf and wrote nothing) makes the step skipped or refused as usual.
+        NaN/Inf and wrote nothing) makes the step skipped or refused as usual;
+        else what the methods learned in backward becomes their state.
         Raises :class:`~spdkfac.step.nonfinite.SkipStep` for a skipped step.
         """
         self.grads.synchronize()  # (done at the end of backward; idempotent; settles the order)
@@ -183,6 +191,8 @@ class KFACStep:
             self.update_factors(hyper, step)
         if bad:
             self._check_finite(step)
+        for layer in self.layers:  # the step stands (as at the end of run())
+            layer.method.commit(layer.method_state)
 
     def _overlapping(self, inverse_step: bool) -> bool:
         if not overlaps_preconditioning(self.config.overlap_preconditioning, self.config.precondition, self.workers, inverse_step):
