@@ -33,7 +33,7 @@ from .config import (
 )
 from .kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, preconditioned_layers
 from .kfac.methods import get_method
-from .kfac.state import check_kfac_state, load_kfac_state, memory_usage, save_kfac_state
+from .kfac.state import check_kfac_state, load_kfac_state, memory_usage, save_kfac_state, saved_uses
 from .kfac.summary import kfac_summary
 from .perfmodels import PerfModel, load_perf_model
 from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES
@@ -573,7 +573,12 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.flush()
         sd = super().state_dict()
         sd["kfac"] = save_kfac_state(
-            self.layers, self.steps, (self.factor_update_freq, self.inv_update_freq), self.method, self.config.as_dict()
+            self.layers,
+            self.steps,
+            (self.factor_update_freq, self.inv_update_freq),
+            self.method,
+            self.config.as_dict(),
+            self.kfac_step.factors.expected,
         )
         sd["kfac"]["grad_workers"] = self._grad_worker_record()
         return sd
@@ -602,6 +607,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             )
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kfac"})
         load_kfac_state(kfac, self.layers)
+        self.kfac_step.factors.expected.clear()  # the checkpoint's (none in older ones: learned again)
+        self.kfac_step.factors.expected.update(saved_uses(kfac))
         self._keep_held_decompositions(kfac)
         saved = kfac.get("grad_workers")
         here = (self.work_plan.workers, self.work_plan.grad_workers)
