@@ -1,4 +1,4 @@
-"""A layer skipped on one real worker only (torchrun, gloo): the ranks stay bitwise replicas after every step,
+"""A layer skipped on one real worker only (torchrun/gloo, horovodrun): the ranks stay bitwise replicas after every step,
 the aux head gets the mean of the factors of the ranks that ran it, and the result is the in-process engine's."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ WORKER = ROOT / "tests" / "workers" / "partial_skip_check.py"
 
 
 @pytest.mark.multiprocess
-def test_a_layer_skipped_on_one_gloo_worker_trains_alike_on_both(tmp_path):
-    run_workers("torch", 2, [str(WORKER), "--backend", "torch", "--out", str(tmp_path)])
+@pytest.mark.parametrize("engine", ["torch", "horovod"])
+def test_a_layer_skipped_on_one_real_worker_trains_alike_on_both(tmp_path, engine):
+    run_workers(engine, 2, [str(WORKER), "--backend", engine, "--out", str(tmp_path)])
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     module = worker_module(WORKER)
     check_partial_skip(ranks, module)
