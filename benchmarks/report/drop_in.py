@@ -43,7 +43,7 @@ def drop_in(path: Path, d: dict[str, Any]) -> list[str]:
     f_t, i_t = a.get("target", ["?", "?"])
     kaisa = d.get("kaisa") or {}
     lines = [
-        f"{a.get('model', '?')}, batch {a.get('batch_size', '?')} per worker, {d.get('world_size', '?')} workers ({d.get('engine', '?')}), "
+        f"{a.get('model', '?')} at {a.get('resolution', '?')}×{a.get('resolution', '?')}, batch {a.get('batch_size', '?')} per worker, {d.get('world_size', '?')} workers ({d.get('engine', '?')}), "
         f"SGD learning rate {a.get('lr')} (momentum 0.9); K-FAC: `compute_method='{a.get('compute_method')}'`, damping "
         f"{a.get('damping')}, factor decay {a.get('factor_decay')}, KL-clip {a.get('kl_clip')} for every system"
         + (f", KAISA `kfac` {kaisa.get('version')}" if kaisa else "")
