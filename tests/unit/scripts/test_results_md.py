@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import benchmarks.report as report
+from benchmarks.report import common
 
 ROOT = Path(__file__).resolve().parents[3]
 _spec = importlib.util.spec_from_file_location("results_md", ROOT / "scripts" / "results_md.py")
@@ -890,3 +891,13 @@ def test_kfac_pairs_compare_attention_skipped_and_adamw_seed_by_seed():
     assert "`sgd`" not in text
     del st["optimizers"]["spdkfac:skip_layers=MultiheadAttention"]  # no configuration skips a layer: no table
     assert kfac_pairs(st) == []
+
+
+def test_common_table_helpers_keep_the_labels_order_and_show_unrecorded_arguments():
+    rows = common.labelled_rows({"b": "B", "a": "A", "c": "C"}, {"a": 1, "b": 2, "c": None}, lambda key, v: [f"{key}={v}"])
+    assert rows == [["B", "b=2"], ["A", "a=1"]]  # labels' order; a None value is no row
+    a = common.recorded_args({"args": {"model": "resnet50", "batch_size": None}, "rows": []}, Path("x.json"), "rows")
+    assert (a["model"], a["batch_size"], a["iters"]) == ("resnet50", None, "?")
+    assert common.model_at(a) == "resnet50 at ?×?"
+    with pytest.raises(common.ResultsError, match=r"x\.json: missing 'rows', 'args'"):
+        common.recorded_args({}, Path("x.json"), "rows")

@@ -38,10 +38,13 @@ def test_a_step_is_sgd_on_the_mean_loss_of_its_micro_batches() -> None:
     step = TrainingStep(model, torch.optim.SGD(model.parameters(), lr=0.1), 0.1, accumulation_steps=2)
     totals = EpochTotals()
     losses = list(train_epoch(step, batches, lambda i: 0.1, totals))
-    assert len(losses) == 3 and totals.count == 24 and len(totals.iter_s) == 3
+    assert len(losses) == 3
+    assert totals.count == 24
+    assert len(totals.iter_s) == 3
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
-    assert 0 <= totals.correct <= 24 and totals.loss_sum > 0
+    assert 0 <= totals.correct <= 24
+    assert totals.loss_sum > 0
 
 
 def test_the_lr_follows_the_schedule_and_other_groups_in_proportion() -> None:
@@ -105,9 +108,13 @@ def test_the_job_maps_its_arguments_to_the_optimizer() -> None:
     args = parse_args(["--optimizer", "spdkfac", "--data", "mnist5k", "--compute-method", "eigen", "--kl-clip", "0"])
     kfac = optimizer_options("spdkfac", args)
     assert set(kfac) == {"weight_decay", "momentum", "update_fusion", *KFAC_ARGUMENTS}
-    assert kfac["compute_method"] == "eigen" and kfac["kl_clip"] is None and kfac["damping"] == 0.003
+    assert kfac["compute_method"] == "eigen"
+    assert kfac["kl_clip"] is None
+    assert kfac["damping"] == 0.003
     adam = optimizer_options("spdkfac", parse_args(["--optimizer", "spdkfac", "--base", "adamw"]))
-    assert adam["base"] == "adamw" and adam["weight_decay"] == 0.05 and "momentum" not in adam
+    assert adam["base"] == "adamw"
+    assert adam["weight_decay"] == 0.05
+    assert "momentum" not in adam
     dho2_args = parse_args(["--optimizer", "dho2", "--refresh-every", "20"])
     dho2 = optimizer_options("dho2", dho2_args, dho2={"refresh_every": 20, "seed": 42})
     assert dho2 == {"weight_decay": 0.05, "refresh_every": 20, "seed": 42}
@@ -117,8 +124,11 @@ def test_the_benchmark_uses_the_same_mapping_and_a_spec_wins_over_the_flags() ->
     """benchmarks.convergence gets the job's K-FAC flags; an entry's own option wins; Adam types take --adamw-weight-decay."""
     args = convergence.parse_args(["--optimizers", "spdkfac", "--compute-method", "eigen", "--out", "/tmp/spdkfac-test-loop"])
     kfac = convergence.optimizer_kwargs("spdkfac", args, "digits")
-    assert kfac["compute_method"] == "eigen" and kfac["kl_clip"] == 1e-4 and kfac["momentum"] == 0.9
+    assert kfac["compute_method"] == "eigen"
+    assert kfac["kl_clip"] == 1e-4
+    assert kfac["momentum"] == 0.9
     assert kfac == optimizer_options("spdkfac", argparse.Namespace(**{**vars(args), "kl_clip": 1e-4}), adam_weight_decay=0.05)
     spec = convergence.optimizer_kwargs("spdkfac:compute_method=inverse,base=adamw", args, "mnist5k")
-    assert "compute_method" not in spec and "base" not in spec and "momentum" not in spec
-    assert spec["weight_decay"] == args.adamw_weight_decay and spec["kl_clip"] == 1e-3
+    assert not {"compute_method", "base", "momentum"} & set(spec)
+    assert spec["weight_decay"] == args.adamw_weight_decay
+    assert spec["kl_clip"] == 1e-3
