@@ -62,16 +62,16 @@ from spdkfac.dho2 import DHO2Optimizer
 from spdkfac.models import MODELS, get_model
 from spdkfac.optimizer import NonFiniteError
 from spdkfac.runtime.affinity import add_bind_cores_option
-from spdkfac.train.job import average_over_workers, evaluate, lr_at, make_loaders
-from spdkfac.variants import OTHER_OPTIMIZERS, make_optimizer, optimizer_config, variant_argv
+from spdkfac.train.job import make_loaders
+from spdkfac.train.loop import EpochTotals, TrainingStep, average_over_workers, evaluate, lr_at, train_epoch
+from spdkfac.train.optimizer_options import add_kfac_arguments, optimizer_options
+from spdkfac.variants import make_optimizer, optimizer_config, variant_argv
 
 from .common import RESULTS, log, machine, save_json, start
 from .external_optimizers import EXTERNAL_OPTIMIZERS, external_options, make_external, require_heavyball
 
 DATA = ("digits", "mnist5k")
 DEFAULT_LR_GRID = (0.025, 0.05, 0.1)
-#: Keyword arguments of the K-FAC optimizers that --damping etc. set (a variant spec may override them).
-KFAC_KEYS = ("damping", "kl_clip", "factor_decay", "factor_update_freq", "inv_update_freq")
 #: Optimizer options this benchmark passes itself, so a variant spec cannot set them (and where they come from).
 #: A spec may set its own ``weight_decay`` (over --weight-decay / --adamw-weight-decay): each optimizer at its best decay.
 SET_BY_BENCHMARK = {"lr": "--lr-grid", "momentum": "--momentum", "backend": "the launcher"}
@@ -132,6 +132,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--kl-clip", type=float, default=None, help="KL-clip bound (default as spdkfac.train: 1e-4 on digits, the paper's 1e-3 otherwise)"
     )
     ap.add_argument("--factor-decay", type=float, default=0.95)
+    add_kfac_arguments(ap)  # --base, --update-fusion, --compute-method, ... as spdkfac.train spells them
     ap.add_argument("--factor-update-freq", type=int, default=1)
     ap.add_argument("--inv-update-freq", type=int, default=1)
     ap.add_argument(
@@ -218,12 +219,6 @@ def spec_config(spec: str) -> dict[str, Any]:
     return {**external_options(name, given), **decay}
 
 
-def adam_type(spec: str, config: dict[str, Any]) -> bool:
-    """Whether ``spec`` is an Adam-type optimizer: decoupled weight decay, no momentum option."""
-    name = spec.partition(":")[0]
-    return name in OTHER_OPTIMIZERS or name in EXTERNAL_OPTIMIZERS or config.get("base", "sgd") != "sgd"
-
-
 def lr_grids(entries: Sequence[str], optimizers: Sequence[str]) -> dict[str, list[float]]:
     """Each optimizer's base LRs from ``--lr-grid`` entries.
 
@@ -256,23 +251,13 @@ def lr_grids(entries: Sequence[str], optimizers: Sequence[str]) -> dict[str, lis
 
 
 def optimizer_kwargs(spec: str, args: argparse.Namespace, data: str) -> dict[str, Any]:
-    """Keyword arguments for make_optimizer beyond the variant's own (which a spec's changes override)."""
-    config = spec_config(spec)
-    name = spec.partition(":")[0]
-    adam = adam_type(spec, config)
-    decay = args.adamw_weight_decay if adam else args.weight_decay
-    kw0: dict[str, Any] = {} if "weight_decay" in config else {"weight_decay": decay}
-    if name in OTHER_OPTIMIZERS or name in EXTERNAL_OPTIMIZERS:  # AdamW-based: its decay, no momentum
-        return kw0
-    if not adam:  # K-FAC with momentum SGD (an AdamW or LAMB base has no momentum option)
-        kw0["momentum"] = args.momentum
-    if not config.get("precondition", True):
-        return kw0
-    kw = {k: getattr(args, k) for k in KFAC_KEYS}
-    if kw["kl_clip"] is None:
-        kw["kl_clip"] = 1e-4 if data == "digits" else 1e-3
-    kw["perf_model"] = args.perf_model
-    return {**kw0, **{k: v for k, v in kw.items() if k not in config}}
+    """Keyword arguments for make_optimizer beyond the variant's own (which a spec's changes override): spdkfac.train's
+    mapping (:func:`~spdkfac.train.optimizer_options.optimizer_options`) with ``--adamw-weight-decay`` for the Adam types and
+    the KL clip's default by data set; an external optimizer (``soap``, ``muon``) takes only its decay."""
+    if spec.partition(":")[0] in EXTERNAL_OPTIMIZERS:  # AdamW-based: its decay, no momentum
+        return {} if "weight_decay" in spec_config(spec) else {"weight_decay": args.adamw_weight_decay}
+    kl_clip = args.kl_clip if args.kl_clip is not None else (1e-4 if data == "digits" else 1e-3)
+    return optimizer_options(spec, argparse.Namespace(**{**vars(args), "kl_clip": kl_clip}), adam_weight_decay=args.adamw_weight_decay)
 
 
 def schedule(args: argparse.Namespace) -> argparse.Namespace:
@@ -305,7 +290,6 @@ def train_epochs(
     torch.manual_seed(seed)
     model = get_model(model_name, num_classes=num_classes).to(device)
     peak = base_lr * size
-    lr = peak
     name = spec.partition(":")[0]
     opt: Any
     if name in EXTERNAL_OPTIMIZERS:
@@ -313,10 +297,8 @@ def train_epochs(
         opt = make_external(name, model, lr=peak, backend=backend, workers=size, **options)
     else:
         opt = make_optimizer(spec, model, lr=peak, backend=backend, **optimizer_kwargs(spec, args, data))
-    peaks = [group["lr"] for group in opt.param_groups]  # a group with another base LR (Muon's AdamW part) follows the schedule
     dho2 = isinstance(opt, DHO2Optimizer)
-    # DHO2 and K-FAC's adaptive damping evaluate the loss of the step's batch themselves
-    loss_closure = dho2 or getattr(opt, "adaptive_damping", None) is not None
+    training_step = TrainingStep(model, opt, peak, device)
     sched = schedule(args)
     steps = len(train_loader)
     epochs: list[dict[str, Any]] = []
@@ -330,41 +312,26 @@ def train_epochs(
         train_loader.seed = seed  # the split stays fixed; initialisation and order change with the seed
         train_loader.set_epoch(epoch)
         model.train()
-        loss_sum = count = fwdbwd = step_s = refresh_s = probe_s = 0.0
-        failed = 0.0
+        totals = EpochTotals()
+        probe_s = failed = 0.0
         t_epoch = time.perf_counter()
-        for it, (x, y) in enumerate(train_loader):
-            lr = lr_at(sched, peak, epoch + it / steps, size)
-            for group, group_peak in zip(opt.param_groups, peaks):
-                group["lr"] = lr if group_peak == peak else group_peak * (lr / peak)
-            t0 = time.perf_counter()
-            x, y = x.to(device), y.to(device)
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            t1 = time.perf_counter()
-            try:
-                opt.step((lambda x=x, y=y: nn.functional.cross_entropy(model(x), y)) if loss_closure else None)
-            except NonFiniteError as exc:  # raised on every worker alike (averaged gradients and factors)
-                diverged = f"epoch {epoch + 1}: {exc}"
-                failed = 1.0
-                break
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t2 = time.perf_counter()
-            fwdbwd += t1 - t0
-            step_s += t2 - t1
-            if dho2:
-                refresh_s += opt.last_step_times.get("refresh", 0.0)
-            if admm is not None and opt.last_step_times and opt.steps % opt.config.admm_period == 0:
-                t_probe = time.perf_counter()
-                run["outer_steps"].append(outer_step_probe(model, opt, test_loader, backend, device, epoch + (it + 1) / steps))
-                probe_s += time.perf_counter() - t_probe
-            loss_sum += float(loss.detach()) * len(y)
-            count += len(y)
+        try:
+            for it, _ in enumerate(
+                train_epoch(training_step, train_loader, lambda i, e=epoch: lr_at(sched, peak, e + i / steps, size), totals)
+            ):
+                if admm is not None and opt.last_step_times and opt.steps % opt.config.admm_period == 0:
+                    t_probe = time.perf_counter()
+                    run["outer_steps"].append(outer_step_probe(model, opt, test_loader, backend, device, epoch + (it + 1) / steps))
+                    probe_s += time.perf_counter() - t_probe
+        except NonFiniteError as exc:  # raised on every worker alike (averaged gradients and factors)
+            diverged = f"epoch {epoch + 1}: {exc}"
+            failed = 1.0
         epoch_s = time.perf_counter() - t_epoch - probe_s  # the outer-step probe's evaluations are not training
         loss_sum, count, epoch_s, fwdbwd, step_s, refresh_s, failed = average_over_workers(
-            backend, [loss_sum, count, epoch_s, fwdbwd, step_s, refresh_s, failed], "convergence.train", device
+            backend,
+            [totals.loss_sum, totals.count, epoch_s, totals.fwdbwd_s, totals.step_s, totals.refresh_s, failed],
+            "convergence.train",
+            device,
         )
         if failed:
             diverged = diverged or f"epoch {epoch + 1}: non-finite values on a worker"
@@ -381,7 +348,7 @@ def train_epochs(
             "fwdbwd_s": fwdbwd,
             "step_s": step_s,
             "refresh_s": refresh_s,
-            "lr": lr,
+            "lr": training_step.lr,
         }
         epochs.append(row)
         log(

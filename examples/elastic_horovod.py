@@ -61,6 +61,7 @@ def main() -> None:
             # Rank and size are read at every (re)start; the loader resumes the epoch where the commit left it.
             loader = ShardedLoader(train, args.batch_size, hvd.rank(), hvd.size(), shuffle=True, seed=0)
             loader.set_epoch(state.epoch, start=state.samples)
+            loss = None  # a restart near the epoch's end may leave no batch of it to this worker count
             for step, (x, y) in enumerate(loader, start=1):
                 optimizer.zero_grad()
                 loss = nn.functional.cross_entropy(model(x), y)
@@ -72,7 +73,8 @@ def main() -> None:
             state.epoch, state.samples = state.epoch + 1, 0
             accuracy = evaluate(model, test)
             if hvd.rank() == 0:
-                print(f"epoch {state.epoch - 1}: loss {float(loss):.4f}, test accuracy {accuracy:.3f}, {hvd.size()} workers", flush=True)
+                last = f"loss {float(loss):.4f}" if loss is not None else "no step after the restart"
+                print(f"epoch {state.epoch - 1}: {last}, test accuracy {accuracy:.3f}, {hvd.size()} workers", flush=True)
             state.commit()
 
     run(state)

@@ -3,7 +3,8 @@
 The optimizer is wiring: it validates the options (:class:`~spdkfac.config.KFACConfig`),
 builds the parts (factor hooks, gradient averaging, fusion controller and profiler,
 work plan, decomposition stage, preconditioner), fixes each step's hyperparameters
-and leaves the order of the K-FAC work to :class:`~spdkfac.step.kfac_step.KFACStep`;
+and leaves the order of the K-FAC work to :class:`~spdkfac.step.kfac_step.KFACStep`
+(and ``damping='adaptive'``'s measured step to :class:`~spdkfac.step.adaptive_damping.DampingStep`);
 then it takes the base optimizer's step (momentum SGD, AdamW or LAMB). See ``docs/design.md``.
 """
 
@@ -33,30 +34,22 @@ from .config import (
 )
 from .kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, preconditioned_layers
 from .kfac.methods import get_method
-from .kfac.state import check_kfac_state, load_kfac_state, memory_usage, save_kfac_state, saved_uses
+from .kfac.state import check_kfac_state, keep_held_decompositions, load_kfac_state, memory_usage, save_kfac_state, saved_uses
 from .kfac.summary import kfac_summary
 from .perfmodels import PerfModel, load_perf_model
 from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES
-from .plan.grad_worker_choice import GradWorkerProblem
+from .plan.grad_worker_choice import GradWorkerProblem, grad_worker_record, rechosen_note
 from .plan.grad_workers import GradWorkerFraction
 from .plan.work_plan import LayerShape, WorkPlan
 from .schedules import Scheduled, StepSchedule
-from .step.adaptive_damping import (
-    CLOSURE_WITH_BACKWARD,
-    NEEDS_CLOSURE,
-    AdaptiveDamping,
-    damping_rule,
-    levenberg_marquardt,
-    quadratic_model,
-    reduction_ratio,
-)
+from .step.adaptive_damping import AdaptiveDamping, DampingStep, damping_rule
 from .step.data_parallel import ModelWrapping, refuse_wrapped_optimizer
 from .step.grad_sync import collective_names
 from .step.kfac_step import KFACStep, StepHyper
 from .step.nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
 from .step.timeline import Timeline
 from .update.base_update import apply_base_update, base_defaults
-from .update.update_fusion import BackwardFusion, ForwardFusion
+from .update.update_fusion import NO_KL_CLIP, BackwardFusion, ForwardFusion, check_update_fusion
 
 __all__ = ["NonFiniteError", "NonFiniteFactorError", "SPDKFACOptimizer"]
 
@@ -188,16 +181,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         wrapping = ModelWrapping(model)  # a DDP model: its bare module is preconditioned, DDP averages the gradients
         model = wrapping.module
         #: The Levenberg-Marquardt damping rule (``damping='adaptive'``), or None; the damping in force is the group's.
-        self.adaptive_damping = damping_rule(damping)
+        self.adaptive_damping = damping_rule(damping, update_fusion, grad_scaler)
         if self.adaptive_damping is not None:
             damping = self.adaptive_damping.initial
-            if update_fusion != "none" or grad_scaler is not None:
-                raise ValueError(
-                    "damping='adaptive' evaluates the loss after the update inside step(): it needs update_fusion='none' "
-                    "and no grad_scaler (GradScaler.step does not pass a closure); use a fixed or scheduled damping"
-                )
-        #: ρ of the last damping adjustment (``damping='adaptive'``), for the record.
-        self.last_reduction_ratio: float | None = None
         base_options = base_defaults(base, momentum, betas, eps)  # momentum, or betas and eps
         momentum_now = base_options.get("momentum", 0.0)
         hyper = check_hyperparameters(lr=lr, momentum=momentum_now, weight_decay=weight_decay, factor_decay=factor_decay)  # plain floats
@@ -209,14 +195,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.config = KFACConfig.from_options(locals())  # the options named like its fields
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "unscale_")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
-        update_fusion = self.config.update_fusion
-        if update_fusion is not UpdateFusion.NONE and self.config.base is not BaseOptimizer.SGD:
-            raise ValueError(
-                f"update_fusion={update_fusion!r} holds and rolls back momentum-SGD updates only; with base={self.config.base!r} "
-                "use update_fusion='none'"
-            )
-        if update_fusion is UpdateFusion.BACKWARD:
-            _check_backward_fusion(precondition, initial["kl_clip"], grad_scaler, self.config.splits_preconditioning)
+        check_update_fusion(
+            self.config.update_fusion, self.config.base, precondition, initial["kl_clip"], grad_scaler, self.config.splits_preconditioning
+        )
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
@@ -236,6 +217,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         #: Parameters whose preconditioned gradient is the step's direction (EKFAC's Adam update): the base steps along it.
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         self.backend = get_backend(backend)
+        self._damping_step = (
+            DampingStep(self.adaptive_damping, model, self.layers, self.backend) if self.adaptive_damping is not None else None
+        )
         self.wrapping = wrapping
         self._measured_perf_model = load_perf_model(perf_model)  # scaled to the run's worker count by _plan_for_workers
         self.timeline: Timeline | None = Timeline() if timeline else None
@@ -353,7 +337,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             freqs = self.schedule.fix_step(self.steps, self.param_groups, (self.factor_update_freq, self.inv_update_freq))
             self.factor_update_freq, self.inv_update_freq = freqs
             if self._backward_fusion is not None and self.precondition and self.param_groups[0]["kl_clip"] is not None:
-                raise ValueError(_NO_KL_CLIP)
+                raise ValueError(NO_KL_CLIP)
             first = any(not layer.decomposed for layer in self._held_layers())
             self._kind = (
                 self.precondition and (first or self.steps % freqs[0] == 0),
@@ -394,8 +378,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         before and after the update on the steps that adjust the damping
         (whose loss before the update is returned; None on the others).
         """
-        if self.adaptive_damping is not None:
-            return self._adaptive_step(self.adaptive_damping, closure)
+        if self._damping_step is not None:
+            due = self.precondition and self._damping_step.rule.due(self.steps)
+            return self._damping_step.step(
+                closure, self.param_groups, due, self.kfac_step.grads.synchronize, lambda: self.run_step(base_update=True)
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -403,57 +390,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.run_step(base_update=True)
         return loss
 
-    def _adaptive_step(self, rule: AdaptiveDamping, closure: Callable[[], Any] | None) -> Any:
-        """A step that, every ``rule.interval`` steps, compares the loss change with the model's and adjusts the damping."""
-        if closure is None:
-            raise ValueError(NEEDS_CLOSURE)
-        if not (self.precondition and rule.due(self.steps)):
-            self.run_step(base_update=True)
-            return None
-        self.kfac_step.grads.synchronize()  # the averaged gradient ∇h (the plain order then preconditions: same result)
-        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        grads = [p.grad.detach().clone() for p in params if p.grad is not None]
-        before = [p.detach().clone() for p in params]
-        damping = float(self.param_groups[0]["damping"])  # in force for this step (a number: not scheduled)
-        loss_before = self._loss_only(closure)
-        if not self.run_step(base_update=True):  # skipped over NaN/Inf: nothing moved, nothing to measure
-            return loss_before
-        losses = torch.tensor([float(loss_before), float(self._loss_only(closure))], dtype=torch.float64)
-        if self.backend.size > 1:
-            self.backend.allreduce_async(losses, "spdkfac.adaptive_damping").wait()
-        deltas = [p.detach() - b for p, b in zip(params, before)]
-        predicted = quadratic_model(self.layers, self._layer_deltas(params, deltas), grads, deltas, damping)
-        rho = reduction_ratio(float(losses[0]), float(losses[1]), predicted)
-        new = levenberg_marquardt(damping, rho, rule.factor, rule.low, rule.high)
-        for group in self.param_groups:
-            group["damping"] = new
-        self.last_reduction_ratio = rho
-        return loss_before
-
-    def _loss_only(self, closure: Callable[[], Any]) -> Any:
-        """The closure's loss under ``torch.no_grad()``, the model's buffers (BatchNorm's statistics) left as they were."""
-        buffers = [b.detach().clone() for b in self.model.buffers()]
-        try:
-            with torch.no_grad():
-                return closure()
-        except RuntimeError as exc:
-            if "does not require grad" in str(exc):
-                raise RuntimeError(CLOSURE_WITH_BACKWARD) from exc
-            raise
-        finally:
-            for b, saved in zip(self.model.buffers(), buffers):
-                b.copy_(saved)
-
-    def _layer_deltas(self, params: list[torch.Tensor], deltas: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Each preconditioned layer's parameter change in its gradient layout (read through its helper)."""
-        held = [p.grad for p in params]
-        try:
-            for p, d in zip(params, deltas):
-                p.grad = d
-            return {layer.name: m.clone() for layer in self.layers if (m := layer.grad_matrix()) is not None}
-        finally:
-            for p, g in zip(params, held):
-                p.grad = g
+    @property
+    def last_reduction_ratio(self) -> float | None:
+        """ρ of the last damping adjustment (``damping='adaptive'``; None before the first), for the record."""
+        return None if self._damping_step is None else self._damping_step.last_reduction_ratio
 
     @torch.no_grad()
     def run_step(self, base_update: bool) -> bool:
@@ -580,20 +520,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.config.as_dict(),
             self.kfac_step.factors.expected,
         )
-        sd["kfac"]["grad_workers"] = self._grad_worker_record()
+        sd["kfac"]["grad_workers"] = grad_worker_record(self.work_plan, self.grad_worker_choice)
         return sd
-
-    def _grad_worker_record(self) -> dict[str, Any]:
-        """The gradient workers in use (and for ``'auto'`` the modelled time and memory), as saved in ``state_dict``."""
-        choice = self.grad_worker_choice
-        return {
-            "workers": self.work_plan.workers,
-            "grad_workers": self.work_plan.grad_workers,
-            "fraction": self.work_plan.grad_worker_fraction,
-            "auto": choice is not None,
-            "predicted_seconds": None if choice is None else choice.seconds,
-            "predicted_memory_bytes": None if choice is None else choice.memory,
-        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a checkpoint made by :meth:`state_dict` for the same model and compute method."""
@@ -609,18 +537,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         load_kfac_state(kfac, self.layers)
         self.kfac_step.factors.expected.clear()  # the checkpoint's (none in older ones: learned again)
         self.kfac_step.factors.expected.update(saved_uses(kfac))
-        self._keep_held_decompositions(kfac)
-        saved = kfac.get("grad_workers")
-        here = (self.work_plan.workers, self.work_plan.grad_workers)
-        rechosen = self.grad_worker_choice is not None and saved is not None and (saved["workers"], saved["grad_workers"]) != here
-        if rechosen and self.backend.rank == 0:
-            assert saved is not None
-            assert self.grad_worker_choice is not None
-            print(
-                f"spdkfac: grad_worker_fraction='auto': the checkpoint ran {saved['grad_workers']}/{saved['workers']} "
-                f"gradient workers; re-chosen for {self.work_plan.workers} workers: {self.grad_worker_choice.describe()}",
-                flush=True,
-            )
+        keep_held_decompositions(kfac, self.layers, {layer.name for layer in self._held_layers()}, self.method)
+        note = rechosen_note(kfac.get("grad_workers"), self.work_plan, self.grad_worker_choice)
+        if note is not None and self.backend.rank == 0:
+            print(note, flush=True)
         for fusion in (self._forward_fusion, self._backward_fusion):
             if fusion is not None:
                 fusion.bind(self.param_groups, self.state)  # (replaced by the load)
@@ -628,23 +548,6 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if "update_freqs" in kfac:  # (absent from checkpoints made before schedules existed)
             self.factor_update_freq, self.inv_update_freq = (int(f) for f in kfac["update_freqs"])
         self._begin_iteration()
-
-    def _keep_held_decompositions(self, kfac: dict[str, Any]) -> None:
-        """Drop the loaded decompositions this worker does not hold; all of them if the checkpoint lacks any.
-
-        A checkpoint saved with ``grad_worker_fraction`` < 1 holds only the
-        saving worker's decompositions. Every worker reads the same file, so
-        all decide alike to recompute every decomposition at the next step
-        (from the saved running factors): bit for bit the uninterrupted run
-        when decompositions are updated every step, one early refresh
-        otherwise.
-        """
-        complete = all(entry.get(f"{kind}{self.method.suffix}") is not None for entry in kfac["layers"].values() for kind in FACTOR_KINDS)
-        held = {layer.name for layer in self._held_layers()}
-        for layer in self.layers:
-            if not complete or layer.name not in held:
-                for kind in FACTOR_KINDS:
-                    layer.set_decomposition(kind, None)
 
     # ------------------------------------------------------------ reporting
     def memory_usage(self) -> dict[str, int]:
@@ -688,27 +591,4 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             f"SPDKFACOptimizer(layers={len(self.layers)}, {hyper}, factor_update_freq={self.factor_update_freq}, "
             f"inv_update_freq={self.inv_update_freq}, backend={self.backend.name}(rank {self.backend.rank}/"
             f"{self.backend.size}), {options}, perf_model={self.perf_model.source!r})"
-        )
-
-
-_NO_KL_CLIP = (
-    "update_fusion='backward' needs kl_clip=None: the KL clip scales every layer's update by one number computed "
-    "from all of them, so no layer can be updated before the last gradient; use update_fusion='forward'"
-)
-
-
-def _check_backward_fusion(precondition: bool, kl_clip: float | None, grad_scaler: Any | None, distributed: bool) -> None:
-    """Refuse the options that need every gradient before any update (ValueError naming the option and the way out)."""
-    if precondition and kl_clip is not None:
-        raise ValueError(_NO_KL_CLIP)
-    if grad_scaler is not None:
-        raise ValueError(
-            "update_fusion='backward' cannot be used with a grad_scaler: the scaler unscales and checks all gradients "
-            "for Inf before any update; use update_fusion='forward'"
-        )
-    if precondition and distributed:
-        raise ValueError(
-            "update_fusion='backward' cannot be used with distribute_preconditioning or grad_worker_fraction < 1: "
-            "the preconditioned gradients of another worker's layers arrive in broadcasts after the backward pass; "
-            "use update_fusion='forward'"
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import command_block, machine_line, ms, need, renders, table
+from benchmarks.report.common import command_block, labelled_rows, machine_line, model_at, ms, recorded_args, renders, table
 
 ROWS = {
     "sgd": "SGD (torch's attention forward)",
@@ -17,8 +17,7 @@ ROWS = {
 @renders("attention_cost.json", "Cost of preconditioning nn.MultiheadAttention", order=92, optional=True)
 def attention_cost(path: Path, d: dict[str, Any]) -> list[str]:
     """Forward+backward and whole iterations, with and without a factor update, per configuration."""
-    need(d, path, "times", "args")
-    a, times = d["args"], d["times"]
+    a, times = recorded_args(d, path, "times"), d["times"]
     skipped = times.get("kfac-attention-skipped", {})
 
     def cell(name: str, key: str) -> str:
@@ -28,19 +27,18 @@ def attention_cost(path: Path, d: dict[str, Any]) -> list[str]:
         ref = skipped.get(key, {}).get("median")
         return f"{ms(value)} ms" + (f" ({value / ref:.2f}x)" if ref and name == "kfac-attention-preconditioned" else "")
 
-    rows = [
-        [label, cell(n, "fb"), cell(n, "iter"), cell(n, "fb_factor"), cell(n, "iter_factor"), str(d.get("layers", {}).get(n, ""))]
-        for n, label in ROWS.items()
-        if n in times
-    ]
+    def cells(n: str, _: Any) -> list[str]:
+        return [cell(n, "fb"), cell(n, "iter"), cell(n, "fb_factor"), cell(n, "iter_factor"), str(d.get("layers", {}).get(n, ""))]
+
     lines = [
-        f"{a.get('model', '?')} at {a.get('resolution', '?')}×{a.get('resolution', '?')}, batch {a.get('batch_size', '?')}, "
-        f"one process, factors and inverses every {a.get('freq', '?')} iterations; medians of {a.get('iters', '?')} "
+        f"{model_at(a)}, batch {a['batch_size']}, one process, factors and inverses every {a['freq']} iterations; "
+        f"medians of {a['iters']} "
         "interleaved iterations (x: against attention skipped).",
         "",
     ]
     lines += table(
-        ["configuration", "fwd+bwd", "iteration", "fwd+bwd, factor step", "iteration, factor step", "preconditioned layers"], rows
+        ["configuration", "fwd+bwd", "iteration", "fwd+bwd, factor step", "iteration, factor step", "preconditioned layers"],
+        labelled_rows(ROWS, times, cells),
     )
     lines += ["", machine_line(d), ""]
     return lines + command_block(

@@ -12,7 +12,7 @@ import glob
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -146,6 +146,31 @@ def table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return [*lines, ""]
+
+
+def labelled_rows(labels: Mapping[str, str], data: Mapping[str, Any], cells: Callable[[str, Any], list[str]]) -> list[list[str]]:
+    """A table's rows, one per key of ``labels`` that ``data`` records (not None), in ``labels``' order: the key's
+    label, then ``cells(key, data[key])``."""
+    return [[label, *cells(key, data[key])] for key, label in labels.items() if data.get(key) is not None]
+
+
+class Args(dict[str, Any]):
+    """A benchmark's recorded arguments: an argument it did not record reads as '?' (older files lack newer ones)."""
+
+    def __missing__(self, key: str) -> str:
+        return "?"
+
+
+def recorded_args(data: dict[str, Any], path: Path, *keys: str) -> Args:
+    """The JSON's ``args``, after :func:`need` found ``keys`` and ``args`` in it."""
+    need(data, path, *keys, "args")
+    return Args(data["args"])
+
+
+def model_at(a: Mapping[str, Any]) -> str:
+    """``<model> at <resolution>×<resolution>`` from the recorded arguments ('?' for one not recorded)."""
+    resolution = a.get("resolution", "?")
+    return f"{a.get('model', '?')} at {resolution}×{resolution}"
 
 
 class Writer:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import command_block, machine_line, ms, need, renders, table
+from benchmarks.report.common import command_block, labelled_rows, machine_line, ms, recorded_args, renders, table
 
 ARMS = {
     "sgd-eager": "SGD, eager",
@@ -19,11 +19,10 @@ ARMS = {
 @renders("compile_cost.json", "torch.compile: step time compiled vs eager, graph breaks and recompilations", order=95, optional=True)
 def compile_cost(path: Path, d: dict[str, Any]) -> list[str]:
     """Per model: each arm's step (median: no factor update; mean: amortised), first steps, graph breaks, graphs."""
-    need(d, path, "models", "args")
-    a = d["args"]
+    a = recorded_args(d, path, "models")
     lines = [
-        f"One process, batch {a.get('batch_size', '?')}, K-FAC factors and inverses every {a.get('freq', '?')} steps, "
-        f"{a.get('iters', '?')} interleaved rounds after {3} compiling steps; a step is zero_grad, forward, backward "
+        f"One process, batch {a['batch_size']}, K-FAC factors and inverses every {a['freq']} steps, "
+        f"{a['iters']} interleaved rounds after {3} compiling steps; a step is zero_grad, forward, backward "
         "and the optimizer's step. Median: a step without a factor update; mean: the amortised step. "
         f"{machine_line(d)}",
         "",
@@ -36,18 +35,17 @@ def compile_cost(path: Path, d: dict[str, Any]) -> list[str]:
             f"{m['graphs_compiled_while_measuring']})",
             "",
         ]
-        rows = []
-        for arm, label in ARMS.items():
-            r = m.get(arm)
-            if r is None:
-                continue
-            during = r.get("graphs_compiled_while_measuring", "")
-            rows.append(
-                [label, f"{ms(r['stats']['median'])} ms", f"{ms(r['stats']['mean'])} ms", f"{sum(r['warmup_seconds']):.1f} s",
-                 str(r["graph_breaks"]), str(r["graphs"]) + (f" (+{during} while timed)" if during != "" else "")]
-            )  # fmt: skip
-        lines += table(["arm", "median step", "mean step", "first 3 steps", "graph breaks", "graphs"], rows)
+        lines += table(["arm", "median step", "mean step", "first 3 steps", "graph breaks", "graphs"], labelled_rows(ARMS, m, _arm_cells))
         lines.append("")
     return lines + command_block(
         d, "benchmarks.compile_cost", ".venv/bin/python -m benchmarks.compile_cost --models mnist_cnn cifar_resnet20"
     )
+
+
+def _arm_cells(arm: str, r: dict[str, Any]) -> list[str]:
+    """One arm's step times, first steps, graph breaks and graphs."""
+    during = r.get("graphs_compiled_while_measuring", "")
+    return [
+        f"{ms(r['stats']['median'])} ms", f"{ms(r['stats']['mean'])} ms", f"{sum(r['warmup_seconds']):.1f} s",
+        str(r["graph_breaks"]), str(r["graphs"]) + (f" (+{during} while timed)" if during != "" else ""),
+    ]  # fmt: skip

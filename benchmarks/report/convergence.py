@@ -223,18 +223,23 @@ PAIRED_KEYS = (
 
 def kfac_pairs(st: dict[str, Any]) -> list[str]:
     """In a run that leaves layers out of K-FAC in some configuration (``skip_layers=``: attention, depthwise
-    convolutions), each later K-FAC configuration against the first, seed by seed (same seed: same initialisation
-    and data order): the mean difference ± its standard error over the seeds where both have a value."""
+    convolutions), each later K-FAC configuration against the first, and each K-FAC configuration against the
+    run's first ``adamw`` entry when it has one, seed by seed (same seed: same initialisation and data order): the
+    mean difference ± its standard error over the seeds where both have a value."""
     kfac = {spec: r for spec, r in st["optimizers"].items() if spec.partition(":")[0] == "spdkfac" and r.get("per_seed")}
     if len(kfac) < 2 or not any("skip_layers=" in spec for spec in kfac):
         return []
-    (base_spec, base), *others = kfac.items()
+    base_spec = next(iter(kfac))
+    pairs = [(spec, base_spec) for spec in list(kfac)[1:]]
+    adamw = next((spec for spec, r in st["optimizers"].items() if spec.partition(":")[0] == "adamw" and r.get("per_seed")), None)
+    if adamw is not None:
+        pairs += [(spec, adamw) for spec in kfac]
     rows = []
-    for spec, r in others:
-        mine, theirs = r["per_seed"], base["per_seed"]
+    for spec, other in pairs:
+        mine, theirs = st["optimizers"][spec]["per_seed"], st["optimizers"][other]["per_seed"]
         if mine.get("seeds") != theirs.get("seeds"):
             continue
-        row = [f"`{spec}`"]
+        row = [f"`{spec}` − `{other}`"]
         for key, _, scale, fmt in PAIRED_KEYS:
             diffs = [scale * (a - b) for a, b in zip(mine.get(key) or [], theirs.get(key) or []) if a is not None and b is not None]
             if not diffs:
@@ -248,9 +253,11 @@ def kfac_pairs(st: dict[str, Any]) -> list[str]:
         return []
     return [
         "",
-        f"K-FAC configurations against `{base_spec}`, seed by seed (the mean difference ± its standard error):",
+        "K-FAC configurations against each other"
+        + (f" and against `{adamw}`" if adamw is not None else "")
+        + ", seed by seed (the row's value minus the other's: the mean difference ± its standard error):",
         "",
-        *table(["configuration", *(label for _, label, _, _ in PAIRED_KEYS)], rows),
+        *table(["pair", *(label for _, label, _, _ in PAIRED_KEYS)], rows),
     ]
 
 

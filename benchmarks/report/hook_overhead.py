@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import command_block, ms, need, renders, table
+from benchmarks.report.common import command_block, model_at, ms, need, renders, table
 
 
 @renders("hook_overhead.json", "Cost of the hooks on steps without a factor update", order=90)
@@ -15,8 +15,7 @@ def hook_overhead(path: Path, d: dict[str, Any]) -> list[str]:
     a = d.get("args", {})
     lines = [
         f"Forward+backward with and without the optimizer's hooks on a step that updates no factor "
-        f"({a.get('model', '?')} at {a.get('resolution', '?')}×{a.get('resolution', '?')}, batch {a.get('batch_size', '?')}; "
-        "medians).",
+        f"({model_at(a)}, batch {a.get('batch_size', '?')}; medians).",
         "",
     ]
     lines += table(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.common import command_block, need, renders, table
+from benchmarks.report.common import command_block, model_at, need, recorded_args, renders, table
 
 
 def title(rel: Path) -> str:
@@ -20,13 +20,12 @@ STEPS = {"subspace": "one subspace step (the default)", "ritz": "with Rayleighâ€
 @renders("warm_accuracy*.json", title, order=111, optional=True)
 def warm_accuracy(path: Path, d: dict[str, Any]) -> list[str]:
     """Per iteration: each warm step's relative error over the model and its worst layer, and the residuals."""
-    need(d, path, "rows", "args")
-    a = d["args"]
+    a = recorded_args(d, path, "rows")
     lines = [
-        f"{a.get('model', '?')} at {a.get('resolution', '?')}Ã—{a.get('resolution', '?')}, one process, one fixed batch of "
-        f"{a.get('batch_size', '?')}, SGD learning rate {a.get('lr', '?')} (momentum 0.9), damping {a.get('damping', '?')}, "
-        "trained with the exact eigen method; each warm step keeps its own chain of bases, refreshed every iteration "
-        "and never replaced by an `eigh` (iteration t: t refreshes after one). Relative error of the preconditioned "
+        f"{model_at(a)}, one process, one fixed batch of {a['batch_size']}, SGD learning rate {a['lr']} (momentum 0.9), "
+        f"damping {a['damping']}, trained with the exact eigen method; each warm step keeps its own chain of bases, "
+        "refreshed every iteration and never replaced by an `eigh` (iteration t: t refreshes after one). Relative "
+        "error of the preconditioned "
         "gradient against the exact one over the model (worst layer), and the largest residual of the refreshed "
         "bases (the shipped check's tolerance: 0.15).",
         "",

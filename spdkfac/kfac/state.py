@@ -8,13 +8,13 @@ same layers with the same factor dimensions) before anything is changed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from .layers import FACTOR_KINDS, KFACLayer
 from .methods import DecompositionMethod, get_method
 
-__all__ = ["check_kfac_state", "load_kfac_state", "memory_usage", "save_kfac_state", "saved_uses"]
+__all__ = ["check_kfac_state", "keep_held_decompositions", "load_kfac_state", "memory_usage", "save_kfac_state", "saved_uses"]
 
 
 def save_kfac_state(
@@ -124,6 +124,24 @@ def load_kfac_state(kfac: dict[str, Any], layers: Sequence[KFACLayer]) -> None:
             except ValueError as exc:
                 raise ValueError(f"checkpoint was saved for a different model: layer {layer.name!r}: {exc}") from None
         layer.method_state = method.load_state(entry.get("method_state"), device)
+
+
+def keep_held_decompositions(kfac: dict[str, Any], layers: Sequence[KFACLayer], held: Collection[str], method: DecompositionMethod) -> None:
+    """After :func:`load_kfac_state`: drop the decompositions of the layers not in ``held``; all of them if the
+    checkpoint lacks any.
+
+    A checkpoint saved with ``grad_worker_fraction`` < 1 holds only the
+    saving worker's decompositions. Every worker reads the same file, so
+    all decide alike to recompute every decomposition at the next step
+    (from the saved running factors): bit for bit the uninterrupted run
+    when decompositions are updated every step, one early refresh
+    otherwise.
+    """
+    complete = all(entry.get(f"{kind}{method.suffix}") is not None for entry in kfac["layers"].values() for kind in FACTOR_KINDS)
+    for layer in layers:
+        if not complete or layer.name not in held:
+            for kind in FACTOR_KINDS:
+                layer.set_decomposition(kind, None)
 
 
 def memory_usage(layers: Sequence[KFACLayer], method: DecompositionMethod) -> dict[str, int]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..kfac.layers import FACTOR_KINDS
 from ..kfac.methods import DecompositionMethod, get_method
@@ -39,8 +40,10 @@ from .work_plan import LayerShape, WorkPlan, overlaps_preconditioning, precondit
 __all__ = [
     "GradWorkerOption",
     "GradWorkerProblem",
+    "grad_worker_record",
     "plan_memory",
     "plan_seconds",
+    "rechosen_note",
     "result_broadcast_seconds",
 ]
 
@@ -184,3 +187,26 @@ class GradWorkerProblem:
         if fraction is not None:
             return grad_worker_count(float(fraction), self.workers), None
         return (1 if distribute_preconditioning else self.workers), None
+
+
+def grad_worker_record(plan: WorkPlan, choice: GradWorkerOption | None) -> dict[str, Any]:
+    """The gradient workers in use (and for ``'auto'`` the modelled time and memory), as a ``state_dict`` saves them."""
+    return {
+        "workers": plan.workers,
+        "grad_workers": plan.grad_workers,
+        "fraction": plan.grad_worker_fraction,
+        "auto": choice is not None,
+        "predicted_seconds": None if choice is None else choice.seconds,
+        "predicted_memory_bytes": None if choice is None else choice.memory,
+    }
+
+
+def rechosen_note(saved: Mapping[str, Any] | None, plan: WorkPlan, choice: GradWorkerOption | None) -> str | None:
+    """The line that says ``'auto'`` chose other gradient workers than the checkpoint's record ``saved`` (None when it
+    did not, or the fraction is not ``'auto'``)."""
+    if choice is None or saved is None or (saved["workers"], saved["grad_workers"]) == (plan.workers, plan.grad_workers):
+        return None
+    return (
+        f"spdkfac: grad_worker_fraction='auto': the checkpoint ran {saved['grad_workers']}/{saved['workers']} "
+        f"gradient workers; re-chosen for {plan.workers} workers: {choice.describe()}"
+    )

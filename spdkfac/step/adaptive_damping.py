@@ -19,7 +19,8 @@ with.
 
 Every rank computes ``ρ`` from the averaged losses and from values that are
 bitwise equal on every rank (averaged gradients, averaged factors, the
-parameters), so every rank takes the same damping.
+parameters), so every rank takes the same damping. :class:`DampingStep` is
+what ``SPDKFACOptimizer.step(closure)`` does under this rule.
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+import torch.nn as nn
 
+from ..comm import CommBackend
 from ..kfac.layers import KFACLayer
 
 __all__ = [
@@ -37,6 +41,7 @@ __all__ = [
     "CLOSURE_WITH_BACKWARD",
     "NEEDS_CLOSURE",
     "AdaptiveDamping",
+    "DampingStep",
     "damping_rule",
     "kronecker_quadratic",
     "levenberg_marquardt",
@@ -135,15 +140,26 @@ def quadratic_model(
 ADAPTIVE = "adaptive"
 
 
-def damping_rule(damping: object) -> AdaptiveDamping | None:
-    """The rule a ``damping`` option asks for (None: a number or a schedule, checked elsewhere)."""
+def damping_rule(damping: object, update_fusion: str = "none", grad_scaler: Any | None = None) -> AdaptiveDamping | None:
+    """The rule a ``damping`` option asks for (None: a number or a schedule, checked elsewhere).
+
+    The rule evaluates the loss after the update inside ``step()``, so it refuses ``update_fusion`` and a
+    ``grad_scaler`` (ValueError naming the way out).
+    """
     if isinstance(damping, AdaptiveDamping):
-        return damping
-    if isinstance(damping, str):
+        rule = damping
+    elif isinstance(damping, str):
         if damping != ADAPTIVE:
             raise ValueError(f"damping must be a number, a function of the step, 'adaptive' or an AdaptiveDamping, got {damping!r}")
-        return AdaptiveDamping()
-    return None
+        rule = AdaptiveDamping()
+    else:
+        return None
+    if update_fusion != "none" or grad_scaler is not None:
+        raise ValueError(
+            "damping='adaptive' evaluates the loss after the update inside step(): it needs update_fusion='none' "
+            "and no grad_scaler (GradScaler.step does not pass a closure); use a fixed or scheduled damping"
+        )
+    return rule
 
 
 NEEDS_CLOSURE = (
@@ -158,3 +174,83 @@ CLOSURE_WITH_BACKWARD = (
     "backward()): the optimizer evaluates it under torch.no_grad() before and after the update; run the "
     "backward pass before step() as usual"
 )
+
+
+class DampingStep:
+    """``step(closure)`` under ``damping='adaptive'``: on the steps that end an interval, the loss before and after
+    the update, the quadratic model's prediction, ``ρ`` and the new damping of every parameter group.
+
+    Args:
+        rule: the rule's settings.
+        model: the preconditioned (bare) model, whose buffers the closure's passes leave as they were.
+        layers: the preconditioned layers (their running factors are the model's curvature).
+        backend: the engine that averages the two losses over the workers.
+    """
+
+    def __init__(self, rule: AdaptiveDamping, model: nn.Module, layers: Sequence[KFACLayer], backend: CommBackend) -> None:
+        self.rule, self.model, self.layers, self.backend = rule, model, layers, backend
+        #: ρ of the last damping adjustment, for the record.
+        self.last_reduction_ratio: float | None = None
+
+    def step(
+        self,
+        closure: Callable[[], Any] | None,
+        param_groups: list[dict[str, Any]],
+        due: bool,
+        synchronize: Callable[[], None],
+        run_step: Callable[[], bool],
+    ) -> Any:
+        """``run_step()`` (the K-FAC step and the base update; False when skipped over NaN/Inf); when ``due``, measured
+        around it and the damping adjusted. Returns the loss before the update on the steps that measure, else None.
+
+        ``synchronize`` waits for the averaged gradients ``∇h`` (the plain order then preconditions: same result).
+        """
+        if closure is None:
+            raise ValueError(NEEDS_CLOSURE)
+        if not due:
+            run_step()
+            return None
+        synchronize()
+        params = [p for group in param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad.detach().clone() for p in params if p.grad is not None]
+        before = [p.detach().clone() for p in params]
+        damping = float(param_groups[0]["damping"])  # in force for this step (a number: not scheduled)
+        loss_before = self._loss_only(closure)
+        if not run_step():  # skipped over NaN/Inf: nothing moved, nothing to measure
+            return loss_before
+        losses = torch.tensor([float(loss_before), float(self._loss_only(closure))], dtype=torch.float64)
+        if self.backend.size > 1:
+            self.backend.allreduce_async(losses, "spdkfac.adaptive_damping").wait()
+        deltas = [p.detach() - b for p, b in zip(params, before)]
+        predicted = quadratic_model(self.layers, self._layer_deltas(params, deltas), grads, deltas, damping)
+        rho = reduction_ratio(float(losses[0]), float(losses[1]), predicted)
+        new = levenberg_marquardt(damping, rho, self.rule.factor, self.rule.low, self.rule.high)
+        for group in param_groups:
+            group["damping"] = new
+        self.last_reduction_ratio = rho
+        return loss_before
+
+    def _loss_only(self, closure: Callable[[], Any]) -> Any:
+        """The closure's loss under ``torch.no_grad()``, the model's buffers (BatchNorm's statistics) left as they were."""
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        try:
+            with torch.no_grad():
+                return closure()
+        except RuntimeError as exc:
+            if "does not require grad" in str(exc):
+                raise RuntimeError(CLOSURE_WITH_BACKWARD) from exc
+            raise
+        finally:
+            for b, saved in zip(self.model.buffers(), buffers):
+                b.copy_(saved)
+
+    def _layer_deltas(self, params: list[torch.Tensor], deltas: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each preconditioned layer's parameter change in its gradient layout (read through its helper)."""
+        held = [p.grad for p in params]
+        try:
+            for p, d in zip(params, deltas):
+                p.grad = d
+            return {layer.name: m.clone() for layer in self.layers if (m := layer.grad_matrix()) is not None}
+        finally:
+            for p, g in zip(params, held):
+                p.grad = g

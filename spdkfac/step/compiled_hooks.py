@@ -116,23 +116,19 @@ def _call_with_grad(hook: Callable[[nn.Module, tuple[Any, ...]], None], module: 
         hook(module, tuple(tensors))
 
 
-def register_output_grad_hook(
-    module: nn.Module,
-    wanted: Callable[[], bool],
-    on_grad: Callable[[torch.Tensor], None],
-    wanted_at_grad: Callable[[], bool] | None = None,
-) -> RemovableHandle:
+def register_output_grad_hook(module: nn.Module, wanted: Callable[[], bool], on_grad: Callable[[torch.Tensor], None]) -> RemovableHandle:
     """A forward hook that calls ``on_grad`` with the gradient of ``module``'s output in the backward pass.
 
     Eagerly: when ``wanted()`` in the forward pass, a gradient hook on the
     output (it fires as soon as that gradient is known, also when the next
     operation modifies the output in place, and for a first layer whose input
     needs no gradient). Compiled: always a tap in the backward graph, which
-    asks ``wanted_at_grad()`` (default ``wanted``) when the gradient arrives.
+    asks ``wanted()`` when the gradient arrives. So ``wanted`` must give the
+    same answer at both times: it may depend on the step's state, not on
+    whether a backward pass is running.
     """
     tapped = TAPS_AVAILABLE
-    at_grad = wanted if wanted_at_grad is None else wanted_at_grad
-    tap = _Tap(lambda tensors: on_grad(tensors[0]) if at_grad() else None)
+    tap = _Tap(lambda tensors: on_grad(tensors[0]) if wanted() else None)
 
     def grad_tap(grad: torch.Tensor) -> None:
         _tap([grad], tap)

@@ -174,7 +174,7 @@ class FactorCollector:
 
         return hook
 
-    def _g_hook(self, layer: KFACLayer) -> tuple[Callable[[], bool], Callable[[torch.Tensor], None], Callable[[], bool]]:
+    def _g_hook(self, layer: KFACLayer) -> tuple[Callable[[], bool], Callable[[torch.Tensor], None]]:
         """When the layer's output gradient is wanted (its A was taken this step), and what computes G from it.
 
         Registered as a hook on the layer output's gradient
@@ -183,10 +183,11 @@ class FactorCollector:
         this layer's output is known, like a full backward hook, but it also
         works when the next operation modifies the output in place
         (``ReLU(inplace=True)``) and for a first layer whose input needs no
-        gradient. Each use of the layer attaches its own; a checkpoint's
-        recomputation attaches none (asked in the forward pass, eagerly; a
-        compiled graph asks when the gradient arrives, where only the A taken
-        counts).
+        gradient. Each use of the layer attaches its own. A non-reentrant
+        checkpoint's recomputation attaches one too, to an output that no
+        backward pass goes through (the recomputed tensors only replace the
+        saved ones), so it never fires: G needs no recomputation check, only
+        A does (:func:`recomputing`).
         """
 
         def g_ready(grad_output: torch.Tensor) -> None:
@@ -194,10 +195,7 @@ class FactorCollector:
             scale = self.loss_scale() / self.accumulation_steps
             self._submit(layer, "G", lambda: layer.compute_g(grad_output, scale))
 
-        def wanted() -> bool:
-            return layer.name in self._a_taken and not recomputing()
-
-        return wanted, g_ready, (lambda: layer.name in self._a_taken)
+        return (lambda: layer.name in self._a_taken), g_ready
 
     def _new_pass(self, layer: KFACLayer) -> None:
         """An A hook after backward began: the next forward pass (micro-batch); refused beyond accumulation_steps."""

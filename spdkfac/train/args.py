@@ -5,20 +5,19 @@ from __future__ import annotations
 import argparse
 import math
 
-import torch
-
 from ..comm import DEFAULT_COLLECTIVE_TIMEOUT_S, DEVICE_CHOICES
 from ..config import BaseOptimizer, ComputeMethod, EigenRefresh, EKFACUpdate, UpdateFusion
 from ..dho2.config import DEFAULT_ADMM_RULE, ADMMRule
 from ..models import MODELS
 from ..runtime.affinity import add_bind_cores_option
+from .loop import AMP_DTYPES
+from .optimizer_options import add_kfac_arguments
 
 __all__ = ["AMP_DTYPES", "DHO2_OPTIMIZERS", "KFAC_OPTIMIZERS", "OPTIMIZERS", "dho2_options", "parse_args"]
 
 KFAC_OPTIMIZERS = ("spdkfac", "dkfac", "mpdkfac")
 DHO2_OPTIMIZERS = ("dho2", "dho2-wa")
 OPTIMIZERS = ("sgd", *KFAC_OPTIMIZERS, *DHO2_OPTIMIZERS)
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: The paper's Tikhonov damping, the default of --damping.
 PAPER_DAMPING = 0.003
 #: The default on --data digits (README, "The main job before": measured over seeds against SGD, benchmarks/main_job_seeds.py).
@@ -48,17 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32, help="per-worker batch size")
     p.add_argument(
-        "--lr", type=float, default=None, help="base learning rate, scaled by the number of workers (default 0.05; DHO2's AdamW: 1e-3)"
+        "--lr",
+        type=float,
+        default=None,
+        help="base learning rate, scaled by the number of workers (default 0.05; 1e-3 for DHO2 and --base adamw/lamb)",
     )
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (SGD, and K-FAC optimizers with --base sgd)")
-    p.add_argument(
-        "--base",
-        default="sgd",
-        choices=BaseOptimizer.choices(),
-        help="K-FAC optimizers: the update after preconditioning: momentum SGD, AdamW or LAMB (betas 0.9, 0.999; "
-        "decoupled weight decay, default 0.05, and lr default 1e-3 for adamw/lamb)",
-    )
-    p.add_argument("--weight-decay", type=float, default=None, help="default 5e-4; DHO2's AdamW: 0.05 (decoupled)")
+    p.add_argument("--weight-decay", type=float, default=None, help="default 5e-4; 0.05 (decoupled) for DHO2 and --base adamw/lamb")
     p.add_argument("--warmup-epochs", type=float, default=1.0)
     p.add_argument("--schedule", default="cosine", choices=("cosine", "step"))
     p.add_argument("--lr-decay-epochs", type=int, nargs="*", default=[], help="epochs where --schedule step divides the LR by 10")
@@ -79,13 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="KL-clip bound, 0 for none (default: the paper's 0.001; 1e-4 for --data digits, whose tiny CNN "
         "overfits with the ImageNet value: final test loss 0.14 against 0.055)",
     )
-    p.add_argument(
-        "--update-fusion",
-        default="none",
-        choices=UpdateFusion.choices(),
-        help="where the parameter update runs (SGD and K-FAC optimizers): in step(), in the next forward pass, or in "
-        "backward as each gradient is ready (K-FAC: needs --kl-clip 0; not with --amp fp16); same results",
-    )
+    add_kfac_arguments(p)  # --base, --update-fusion, --compute-method, --eigen-refresh, --ekfac-*, --distribute-preconditioning
     p.add_argument("--factor-update-freq", type=int, default=1)
     p.add_argument("--inv-update-freq", type=int, default=1)
     p.add_argument(
@@ -105,28 +94,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="split each per-worker batch into this many micro-batches (gradient accumulation: one step, the memory of one micro-batch)",
-    )
-    p.add_argument(
-        "--compute-method",
-        default="inverse",
-        choices=ComputeMethod.choices(),
-        help="precondition with damped inverses of each factor, with their eigendecompositions "
-        "(damping added to the eigenvalues of A⊗G), or EKFAC (the eigenbasis with a scaling re-estimated every step)",
-    )
-    p.add_argument(
-        "--eigen-refresh",
-        default="exact",
-        choices=EigenRefresh.choices(),
-        help="eigen/ekfac: refresh each eigenbasis with a full eigh, or warm-started from the previous one",
-    )
-    p.add_argument(
-        "--ekfac-decay", type=float, default=0.95, help="ekfac: decay of the running scaling (Adam's beta2 with --ekfac-update adam)"
-    )
-    p.add_argument(
-        "--ekfac-update",
-        default="natural",
-        choices=EKFACUpdate.choices(),
-        help="ekfac: divide by the damped scaling, or run Adam in the eigenbasis (SOAP's update with K-FAC's basis; needs --base adamw)",
     )
     p.add_argument(
         "--skip-nonfinite",
@@ -149,11 +116,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     dho2.add_argument("--sigma", type=float, default=None, help="ADMM penalty σ (dho2; default by --admm-rule)")
     dho2.add_argument("--admm-epochs", type=float, default=4.0, help="epochs per ADMM outer iteration (the paper's P = 4; dho2)")
     p.add_argument("--perf-model", default=None, help="fitted performance-model JSON (perfmodels/*.json)")
-    p.add_argument(
-        "--distribute-preconditioning",
-        action="store_true",
-        help="precondition each layer on one worker and broadcast the result (K-FAC optimizers)",
-    )
     p.add_argument("--synthetic-size", type=int, default=512)
     p.add_argument("--synthetic-shape", type=int, nargs="+", default=[3, 32, 32])
     p.add_argument(
@@ -294,11 +256,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.kl_clip is None:
         args.kl_clip = 1e-4 if args.data == "digits" else 0.001
     return args
-
-
-def kl_clip_option(args: argparse.Namespace) -> float | None:
-    """The optimizer's ``kl_clip`` from ``--kl-clip`` (0: none)."""
-    return None if args.kl_clip == 0 else float(args.kl_clip)
 
 
 def dho2_options(args: argparse.Namespace, steps_per_epoch: int) -> dict[str, int | float | str | None]:

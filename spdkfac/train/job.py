@@ -16,38 +16,35 @@ import contextlib
 import csv
 import io
 import itertools
-import math
 import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Union
+from typing import Union
 
 import torch
-import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from ..comm import CommBackend, get_backend, leaving_on_error, worker_device
-from ..config import BaseOptimizer
 from ..models import get_model
 from ..runtime.affinity import bind_cores_if_asked
 from ..runtime.host_memory import retain_freed_memory
 from ..schedules import KFACParamScheduler
 from ..variants import make_optimizer
-from .args import AMP_DTYPES, DHO2_OPTIMIZERS, KFAC_OPTIMIZERS, dho2_options, kl_clip_option, parse_args
+from .args import KFAC_OPTIMIZERS, dho2_options, parse_args
 from .checkpoint import LATEST, CheckpointError, save_rotating
 from .data import ShardedLoader, load_digits, load_mnist5k, synthetic
 from .imagefolder import ImageFolder, ImageFolderError, make_loader
+from .loop import Batch, EpochTotals, TrainingStep, average_over_workers, evaluate, lr_at, train_epoch
+from .optimizer_options import optimizer_options
 from .run import Position, prepare_run_dir, restore, start_log
 from .run_dir import append_text
 
 __all__ = ["average_over_workers", "evaluate", "lr_at", "main", "make_loaders", "parse_args"]
 
-#: A batch of inputs and labels.
-Batch = tuple[torch.Tensor, torch.Tensor]
 #: The in-memory data sets' loader, or a DataLoader over an image directory (``--data DIR``).
 Loader = Union[ShardedLoader, DataLoader[tuple[torch.Tensor, int]]]
 
@@ -101,52 +98,6 @@ def _set_epoch(loader: Loader, epoch: int) -> None:
         set_sampler_epoch(epoch)
 
 
-def lr_at(args: argparse.Namespace, base_lr: float, epoch_float: float, workers: int = 1) -> float:
-    """Linear warm-up from the single-worker LR to ``base_lr`` (Goyal et al.), then cosine or step decay.
-
-    Warming up from the single-worker LR rather than from zero matters for
-    K-FAC: a near-zero LR disables the KL clip, and the unclipped first
-    preconditioned update would stay in the momentum buffer while the LR grows.
-    """
-    warmup: float = args.warmup_epochs
-    if warmup > 0 and epoch_float < warmup:
-        start = base_lr / workers
-        return start + (base_lr - start) * epoch_float / warmup
-    if args.schedule == "cosine":
-        progress = (epoch_float - args.warmup_epochs) / max(args.epochs - args.warmup_epochs, 1e-9)
-        return base_lr * (0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0))))
-    decays: int = sum(epoch_float >= e for e in args.lr_decay_epochs)
-    return base_lr * 0.1**decays
-
-
-def average_over_workers(backend: CommBackend, values: list[float], name: str, device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
-    backend.allreduce_async(t, name).wait()
-    return t.tolist()
-
-
-def _autocast(device: torch.device, amp: str | None) -> torch.autocast:
-    return torch.autocast(device.type, dtype=AMP_DTYPES.get(amp or "bf16"), enabled=amp is not None)
-
-
-def evaluate(
-    model: nn.Module, loader: Iterable[Batch], backend: CommBackend, device: torch.device = _CPU, amp: str | None = None
-) -> tuple[float, float]:
-    model.eval()
-    loss_sum = correct = count = 0.0
-    with torch.no_grad():
-        for x, y in loader:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with _autocast(device, amp):
-                out = model(x)
-            loss_sum += float(nn.functional.cross_entropy(out, y, reduction="sum"))
-            correct += float((out.argmax(1) == y).sum())
-            count += len(y)
-    loss_sum, correct, count = average_over_workers(backend, [loss_sum, correct, count], "train.eval", device)
-    model.train()
-    return loss_sum / max(count, 1), correct / max(count, 1)
-
-
 def _progress(epoch: int, it: int, total: int, loss: float, width: int = 24) -> None:
     done = int(width * it / total)
     sys.stdout.write(f"\r  epoch {epoch:3d} [{'#' * done}{'.' * (width - done)}] {it}/{total} loss {loss:.4f}")
@@ -194,36 +145,26 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
     model_name = args.model or default_model
     model = get_model(model_name, num_classes=num_classes).to(device)
     base_lr = args.lr * size
-    optimizer_kwargs: dict[str, Any] = dict(momentum=args.momentum) if args.base == BaseOptimizer.SGD else dict(base=args.base)
-    if args.optimizer not in DHO2_OPTIMIZERS:
-        optimizer_kwargs["update_fusion"] = args.update_fusion
-    if args.optimizer in KFAC_OPTIMIZERS:
-        optimizer_kwargs.update(
-            damping=args.damping,
-            factor_decay=args.factor_decay,
-            kl_clip=kl_clip_option(args),
-            factor_update_freq=args.factor_update_freq,
-            inv_update_freq=args.inv_update_freq,
-            perf_model=args.perf_model,
-            compute_method=args.compute_method,
-            eigen_refresh=args.eigen_refresh,
-            ekfac_decay=args.ekfac_decay,
-            ekfac_update=args.ekfac_update,
-            distribute_preconditioning=args.distribute_preconditioning,
-        )
-    elif args.optimizer in DHO2_OPTIMIZERS:  # AdamW base (no momentum); its Hessian comes from a closure (below)
-        optimizer_kwargs = dict(dho2_options(args, len(train_loader)))
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     optimizer = make_optimizer(
         args.optimizer,
         model,
         lr=base_lr,
-        weight_decay=args.weight_decay,
         backend=backend,
         grad_scaler=scaler,
         accumulation_steps=args.accumulation_steps,
         skip_nonfinite=args.skip_nonfinite,
-        **optimizer_kwargs,
+        **optimizer_options(args.optimizer, args, dho2=dho2_options(args, len(train_loader))),
+    )
+    training_step = TrainingStep(
+        model,
+        optimizer,
+        base_lr,
+        device,
+        amp=args.amp,
+        scaler=scaler,
+        accumulation_steps=args.accumulation_steps,
+        label_smoothing=args.label_smoothing,
     )
     # The per-epoch damping decay / update-frequency scaling of Pauloski et al. (K-FAC optimizers only).
     kfac_scheduler = None
@@ -301,6 +242,11 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
     steps_per_epoch = len(train_loader)
     samples_per_epoch = steps_per_epoch * args.batch_size * size
     row: dict[str, float] = {}
+
+    def lr_now(_: int) -> float:
+        """The schedule's LR at the samples done so far (a resumed run starts mid-epoch)."""
+        return lr_at(args, base_lr, position.epoch + position.samples / samples_per_epoch, size)
+
     last_epoch = args.epochs if args.stop_after is None else min(args.epochs, position.epoch + args.stop_after)
     while position.epoch < last_epoch:
         epoch = position.epoch
@@ -309,49 +255,28 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
         t_epoch = time.perf_counter()
         # A mid-epoch checkpoint's partial sums, averaged over its workers: each worker carries its share on.
         loss_sum, correct, count = position.metrics
+        totals = EpochTotals(loss_sum, correct, count)
         position.metrics = (0.0, 0.0, 0.0)
-        iter_times: list[float] = []
-        lr = lr_at(args, base_lr, epoch, size)
-        for x, y in batches:
-            lr = lr_at(args, base_lr, epoch + position.samples / samples_per_epoch, size)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            t0 = time.perf_counter()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            optimizer.zero_grad()
-            k = args.accumulation_steps
-            for xm, ym in zip(x.chunk(k), y.chunk(k)):  # k equal micro-batches (k divides the batch size)
-                with _autocast(device, args.amp):
-                    out = model(xm)
-                    loss = nn.functional.cross_entropy(out, ym, label_smoothing=args.label_smoothing)
-                (loss / k if scaler is None else scaler.scale(loss / k)).backward()
-                loss_sum += float(loss.detach()) * len(ym)
-                correct += float((out.argmax(1) == ym).sum())
-                count += len(ym)
-            if scaler is None:
-                optimizer.step(_loss_closure(model, x, y, args, device) if args.optimizer in DHO2_OPTIMIZERS else None)
-            else:
-                scaler.step(optimizer)
-                scaler.update()
-            iter_times.append(time.perf_counter() - t0)
+        training_step.set_lr(lr_at(args, base_lr, epoch, size))
+        for loss in train_epoch(training_step, batches, lr_now, totals):
             position.step += 1
             position.samples += args.batch_size * size
             if is_root and not args.quiet and sys.stdout.isatty():
                 _progress(epoch, position.samples // (args.batch_size * size), steps_per_epoch, float(loss))
             if args.checkpoint_every and position.step % args.checkpoint_every == 0 and position.samples < samples_per_epoch:
-                checkpoint([loss_sum, correct, count])
+                checkpoint([totals.loss_sum, totals.correct, totals.count])
         if is_root and not args.quiet and sys.stdout.isatty():
             sys.stdout.write("\r" + " " * 70 + "\r")
-        loss_sum, correct, count = average_over_workers(backend, [loss_sum, correct, count], "train.metrics", device)
+        loss_sum, correct, count = average_over_workers(backend, [totals.loss_sum, totals.correct, totals.count], "train.metrics", device)
         test_loss, test_acc = evaluate(model, test_loader, backend, device, args.amp)
-        warm = iter_times[1:] or iter_times or [0.0]
+        warm = totals.iter_s[1:] or totals.iter_s or [0.0]
         row = {
             "epoch": epoch,
             "train_loss": loss_sum / max(count, 1),
             "train_acc": correct / max(count, 1),
             "test_loss": test_loss,
             "test_acc": test_acc,
-            "lr": lr,
+            "lr": training_step.lr,
             "epoch_s": time.perf_counter() - t_epoch,
             "iter_ms": 1e3 * sum(warm) / len(warm),
         }
@@ -359,7 +284,7 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
         if is_root:
             print(
                 f"epoch {epoch:3d}  train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f}  "
-                f"test loss {row['test_loss']:.4f} acc {row['test_acc']:.4f}  lr {lr:.4g}  "
+                f"test loss {row['test_loss']:.4f} acc {row['test_acc']:.4f}  lr {row['lr']:.4g}  "
                 f"iter {row['iter_ms']:.1f} ms  epoch {row['epoch_s']:.1f} s",
                 flush=True,
             )
@@ -376,18 +301,6 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
     if is_root:
         print(f"done: log {log_path}, checkpoint {out_dir / LATEST}")
     return row
-
-
-def _loss_closure(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace, device: torch.device
-) -> Callable[[], torch.Tensor]:
-    """The batch's loss recomputed with its graph: DHO2 takes Hessian-vector products from it on the steps that refresh its eigenpairs."""
-
-    def closure() -> torch.Tensor:
-        with _autocast(device, args.amp):
-            return nn.functional.cross_entropy(model(x), y, label_smoothing=args.label_smoothing)
-
-    return closure
 
 
 def _epoch_batches(loader: Loader, epoch: int, samples_done: int, batch_size: int, size: int) -> Iterable[Batch]:

@@ -37,9 +37,9 @@ from ..options import Option
 from ..step.compiled_hooks import run_eagerly
 from ..step.grad_sync import GradientSync
 from ..step.nonfinite import non_finite
-from .base_update import sgd_param_update
+from .base_update import BaseOptimizer, sgd_param_update
 
-__all__ = ["BackwardFusion", "ForwardFusion", "UpdateFusion", "update_owners"]
+__all__ = ["NO_KL_CLIP", "BackwardFusion", "ForwardFusion", "UpdateFusion", "check_update_fusion", "update_owners"]
 
 
 class UpdateFusion(Option):
@@ -48,6 +48,38 @@ class UpdateFusion(Option):
     NONE = "none"  # in step()
     FORWARD = "forward"  # each module's parameters just before its next forward pass (ForwardFusion)
     BACKWARD = "backward"  # each layer as soon as its averaged gradient exists, in backward() (BackwardFusion)
+
+
+NO_KL_CLIP = (
+    "update_fusion='backward' needs kl_clip=None: the KL clip scales every layer's update by one number computed "
+    "from all of them, so no layer can be updated before the last gradient; use update_fusion='forward'"
+)
+
+
+def check_update_fusion(
+    update_fusion: UpdateFusion, base: BaseOptimizer, precondition: bool, kl_clip: float | None, grad_scaler: Any | None, distributed: bool
+) -> None:
+    """Refuse the options fusion cannot keep: another base than momentum SGD, and for ``'backward'`` those that need
+    every gradient before any update (ValueError naming the option and the way out)."""
+    if update_fusion is not UpdateFusion.NONE and base is not BaseOptimizer.SGD:
+        raise ValueError(
+            f"update_fusion={update_fusion!r} holds and rolls back momentum-SGD updates only; with base={base!r} use update_fusion='none'"
+        )
+    if update_fusion is not UpdateFusion.BACKWARD:
+        return
+    if precondition and kl_clip is not None:
+        raise ValueError(NO_KL_CLIP)
+    if grad_scaler is not None:
+        raise ValueError(
+            "update_fusion='backward' cannot be used with a grad_scaler: the scaler unscales and checks all gradients "
+            "for Inf before any update; use update_fusion='forward'"
+        )
+    if precondition and distributed:
+        raise ValueError(
+            "update_fusion='backward' cannot be used with distribute_preconditioning or grad_worker_fraction < 1: "
+            "the preconditioned gradients of another worker's layers arrive in broadcasts after the backward pass; "
+            "use update_fusion='forward'"
+        )
 
 
 def update_owners(model: nn.Module, params: Iterable[torch.Tensor]) -> dict[nn.Module, list[torch.Tensor]]:

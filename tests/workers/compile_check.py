@@ -21,8 +21,6 @@ optimizer was built on it).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import warnings
@@ -36,10 +34,11 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nets import batch, small_net
+from nets import small_net
+from rank_results import save_config_results
 
 from spdkfac import KFACPreconditioner, SPDKFACOptimizer
-from spdkfac.comm import get_backend
+from spdkfac.comm import CommBackend
 
 warnings.filterwarnings("ignore", message="no perf_model given")
 warnings.filterwarnings("ignore", message="performance model")
@@ -82,28 +81,15 @@ def train(model: nn.Module, kfac: Any, opt: torch.optim.Optimizer, x: torch.Tens
     return graphs
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--configs", required=True, help="JSON object: name -> {'api', 'ddp', 'compile'}")
-    ap.add_argument("--global-batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
-    backend = get_backend(args.backend)
-    rank, size = backend.rank, backend.size
-    local = args.global_batch // size
-    x, y = batch(args.global_batch)
-    x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch.Tensor, steps: int) -> dict[str, Any]:
+    """Every configuration trained for ``steps`` steps on this rank's shard: parameters, states, layers, Dynamo's counts."""
     results = {}
-    for name, cfg in json.loads(args.configs).items():
+    for name, cfg in configs.items():
         torch._dynamo.reset()
         counters.clear()
         net = small_net()
         model, kfac, opt = build(cfg, net, backend)
-        graphs = train(model, kfac, opt, x, y, args.steps)
+        graphs = train(model, kfac, opt, x, y, steps)
         results[name] = {
             "params": {k: v.detach().clone() for k, v in net.state_dict().items()},
             "optimizer_state": opt.state_dict(),
@@ -113,9 +99,9 @@ def main() -> None:
             "graphs": graphs,
         }
         kfac.remove_hooks()
-        print(f"rank {rank}/{size}: {name} done, graphs {graphs}", flush=True)
-    torch.save(results, f"{args.out}.rank{rank}")
+        print(f"rank {backend.rank}/{backend.size}: {name} done, graphs {graphs}", flush=True)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    save_config_results(run, "JSON object: name -> {'api', 'ddp', 'compile'}", steps=6)

@@ -19,12 +19,11 @@ all-reduces are counted always.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import sys
 import warnings
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -34,10 +33,11 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nets import batch, small_net
+from nets import small_net
+from rank_results import save_config_results
 
 from spdkfac import SPDKFACOptimizer
-from spdkfac.comm import get_backend
+from spdkfac.comm import CommBackend
 
 warnings.filterwarnings("ignore", message="no perf_model given")
 warnings.filterwarnings("ignore", message="performance model")
@@ -64,21 +64,8 @@ def train(
             scaler.update()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--configs", required=True, help="JSON object: name -> optimizer kwargs + 'ddp' (kwargs or null) + 'no_sync'")
-    ap.add_argument("--global-batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
-    backend = get_backend(args.backend)
-    rank, size = backend.rank, backend.size
-    local = args.global_batch // size
-    x, y = batch(args.global_batch)
-    x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch.Tensor, steps: int) -> dict[str, Any]:
+    """Every configuration trained for ``steps`` steps on this rank's shard: parameters, state, layers, bytes sent."""
     sent = {"optimizer": 0, "ddp": 0}  # gradient bytes all-reduced by the optimizer, by DDP
     allreduce = backend.allreduce_async
 
@@ -93,17 +80,17 @@ def main() -> None:
 
     backend.allreduce_async = counted  # type: ignore[method-assign]
     results = {}
-    for name, cfg in json.loads(args.configs).items():
+    for name, cfg in configs.items():
         cfg = dict(cfg)
         ddp_options, no_sync, count = cfg.pop("ddp", None), cfg.pop("no_sync", False), cfg.pop("count", False)
         net = small_net()
-        model: nn.Module = DistributedDataParallel(net, **ddp_options) if ddp_options is not None and size > 1 else net
+        model: nn.Module = DistributedDataParallel(net, **ddp_options) if ddp_options is not None and backend.size > 1 else net
         scaler = cfg["grad_scaler"] = torch.amp.GradScaler("cpu", init_scale=1024.0) if cfg.pop("amp", False) else None
         if count and isinstance(model, DistributedDataParallel):
             model.register_comm_hook(None, ddp_hook)
         opt = SPDKFACOptimizer(model, backend=backend, **cfg)
         sent.update(optimizer=0, ddp=0)
-        train(model, opt, x, y, args.steps, cfg.get("accumulation_steps", 1), no_sync, scaler)
+        train(model, opt, x, y, steps, cfg.get("accumulation_steps", 1), no_sync, scaler)
         state = opt.state_dict()
         results[name] = {
             "params": {k: v.detach().clone() for k, v in net.state_dict().items()},
@@ -113,9 +100,9 @@ def main() -> None:
             "gradient_bytes": dict(sent),
         }
         opt.remove_hooks()
-        print(f"rank {rank}/{size}: {name} done", flush=True)
-    torch.save(results, f"{args.out}.rank{rank}")
+        print(f"rank {backend.rank}/{backend.size}: {name} done", flush=True)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    save_config_results(run, "JSON object: name -> optimizer kwargs + 'ddp' (kwargs or null) + 'no_sync'", steps=8)

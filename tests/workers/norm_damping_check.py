@@ -21,7 +21,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rank_results import save_rank_results
+from rank_results import rank_shard, save_rank_results
 
 from spdkfac import AdaptiveDamping, SPDKFACOptimizer
 from spdkfac.comm import CommBackend
@@ -48,11 +48,7 @@ def norm_net() -> nn.Module:
 
 def run(backend: CommBackend) -> dict[str, Any]:
     """The net trained for ``STEPS`` steps on this rank's shard: parameters and the damping after each step."""
-    torch.set_default_dtype(torch.float64)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(GLOBAL_BATCH, 2, 6, 6, generator=g), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)
-    local = GLOBAL_BATCH // backend.size
-    x, y = x[backend.rank * local : (backend.rank + 1) * local], y[backend.rank * local : (backend.rank + 1) * local]
+    x, y = rank_shard(backend, GLOBAL_BATCH)
     model = norm_net()
     opt = SPDKFACOptimizer(model, lr=0.2, backend=backend, norm_layers="kfac", damping=AdaptiveDamping(initial=0.05, interval=2))
     dampings = []

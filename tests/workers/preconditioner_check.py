@@ -20,8 +20,8 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nets import batch, small_net
-from rank_results import save_rank_results
+from nets import small_net
+from rank_results import rank_shard, save_rank_results
 
 from spdkfac import KFACPreconditioner
 from spdkfac.comm import CommBackend
@@ -59,10 +59,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 
 def run(backend: CommBackend) -> dict[str, Any]:
     """Every configuration trained for ``STEPS`` steps on this rank's shard: parameters and states."""
-    torch.set_default_dtype(torch.float64)
-    x, y = batch(GLOBAL_BATCH)
-    local = GLOBAL_BATCH // backend.size
-    x, y = x[backend.rank * local : (backend.rank + 1) * local], y[backend.rank * local : (backend.rank + 1) * local]
+    x, y = rank_shard(backend, GLOBAL_BATCH)
     results: dict[str, Any] = {}
     for name, (kind, options, kfac_options) in CONFIGS.items():
         net = small_net()

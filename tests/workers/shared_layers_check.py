@@ -14,14 +14,13 @@ import sys
 import warnings
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nets import batch, shared_net
-from rank_results import save_rank_results
+from nets import shared_net
+from rank_results import rank_shard, save_rank_results
 
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm import CommBackend
@@ -43,10 +42,7 @@ CONFIGS: dict[str, tuple[str | None, dict[str, Any]]] = {
 
 def run(backend: CommBackend) -> dict[str, Any]:
     """Every configuration trained for ``STEPS`` steps on this rank's shard: parameters and K-FAC state."""
-    torch.set_default_dtype(torch.float64)
-    x, y = batch(GLOBAL_BATCH)
-    local = GLOBAL_BATCH // backend.size
-    x, y = x[backend.rank * local : (backend.rank + 1) * local], y[backend.rank * local : (backend.rank + 1) * local]
+    x, y = rank_shard(backend, GLOBAL_BATCH)
     results: dict[str, Any] = {}
     for name, (mode, options) in CONFIGS.items():
         model = shared_net(checkpoint_mode=mode)

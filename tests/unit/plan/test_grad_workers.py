@@ -389,6 +389,7 @@ def test_auto_state_dict_and_restart_at_another_worker_count(capsys):
 
     resumed = run_ranks(2, resume, timeout=120)
     assert resumed[0][1].state_dict()["kfac"]["grad_workers"]["workers"] == 2
+    assert f"the checkpoint ran {record['grad_workers']}/{P} gradient workers; re-chosen for 2 workers" in capsys.readouterr().out
     _assert_matches(resumed, _reference(cfg, steps=6))
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import benchmarks.report as report
+from benchmarks.report import common
 
 ROOT = Path(__file__).resolve().parents[3]
 _spec = importlib.util.spec_from_file_location("results_md", ROOT / "scripts" / "results_md.py")
@@ -865,3 +866,38 @@ def test_compile_cost_section_gives_each_arm_and_the_compiled_over_eager_ratios(
     assert "| K-FAC, compiled | 16 ms | 24 ms | 11.0 s | 0 | 1 |" in section
     assert "| K-FAC, compiled, hooks as before (alone) | 30 ms | 45 ms | 11.0 s | 38 | 31 (+5 while timed) |" in section
     assert "benchmarks.compile_cost" in section
+
+
+def test_kfac_pairs_compare_attention_skipped_and_adamw_seed_by_seed():
+    from benchmarks.report.convergence import kfac_pairs
+
+    def run(acc: list[float], loss: list[float]) -> dict:
+        n = len(acc)
+        return {"per_seed": {"seeds": [0, 1, 2][:n], "best_test_acc": acc, "final_test_loss": loss, "epochs_to_second": [None] * n}}
+
+    st = {
+        "optimizers": {
+            "sgd": run([0.90, 0.91, 0.92], [0.3, 0.3, 0.3]),
+            "adamw": run([0.95, 0.96, 0.94], [0.20, 0.22, 0.21]),
+            "spdkfac:skip_layers=MultiheadAttention": run([0.94, 0.95, 0.95], [0.25, 0.24, 0.23]),
+            "spdkfac": run([0.96, 0.97, 0.96], [0.20, 0.20, 0.20]),
+        }
+    }
+    text = "\n".join(kfac_pairs(st))
+    # spdkfac minus skip: +2, +2, +1 points (mean 1.67, standard error 0.33); minus adamw: +1, +1, +2
+    assert "| `spdkfac` − `spdkfac:skip_layers=MultiheadAttention` | +1.67 ± 0.33 (3 seeds) | -0.0400 ± 0.0058 (3 seeds) | – |" in text
+    assert "| `spdkfac` − `adamw` | +1.33 ± 0.33 (3 seeds) |" in text
+    assert "| `spdkfac:skip_layers=MultiheadAttention` − `adamw` |" in text
+    assert "`sgd`" not in text
+    del st["optimizers"]["spdkfac:skip_layers=MultiheadAttention"]  # no configuration skips a layer: no table
+    assert kfac_pairs(st) == []
+
+
+def test_common_table_helpers_keep_the_labels_order_and_show_unrecorded_arguments():
+    rows = common.labelled_rows({"b": "B", "a": "A", "c": "C"}, {"a": 1, "b": 2, "c": None}, lambda key, v: [f"{key}={v}"])
+    assert rows == [["B", "b=2"], ["A", "a=1"]]  # labels' order; a None value is no row
+    a = common.recorded_args({"args": {"model": "resnet50", "batch_size": None}, "rows": []}, Path("x.json"), "rows")
+    assert (a["model"], a["batch_size"], a["iters"]) == ("resnet50", None, "?")
+    assert common.model_at(a) == "resnet50 at ?×?"
+    with pytest.raises(common.ResultsError, match=r"x\.json: missing 'rows', 'args'"):
+        common.recorded_args({}, Path("x.json"), "rows")

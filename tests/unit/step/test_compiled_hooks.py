@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from nets import batch, mixed_net, small_net, train
+from nets import batch, mixed_net, shared_net, small_net, train
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel
 
@@ -103,6 +103,31 @@ def test_preconditioner_on_a_compiled_model_equals_eager(float64, dynamo):
 
     for a, b in zip(run(False).parameters(), run(True).parameters()):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("checkpoint_mode", [None, "reentrant", "non-reentrant"])
+def test_shared_and_checkpointed_layers_compiled_train_as_eager(checkpoint_mode, float64, dynamo):
+    """A siamese encoder, a recurrent cell, tied modules, a head on odd steps only, the trunk checkpointed: the taps
+    ask whether G is wanted when the gradient arrives (inside the backward pass), and count as the eager hooks do."""
+
+    def run(compile_it: bool) -> tuple[nn.Module, SPDKFACOptimizer]:
+        torch._dynamo.reset()
+        net = shared_net(checkpoint_mode=checkpoint_mode)
+        model = torch.compile(net, backend="aot_eager") if compile_it else net
+        opt = SPDKFACOptimizer(model, **OPTIONS)
+        x, y = batch(8)
+        for s in range(5):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x + 0.1 * s, aux=s % 2 == 1), y).backward()
+            opt.step()
+        return net, opt
+
+    (eager, eager_opt), (compiled, compiled_opt) = run(False), run(True)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    for la, lb in zip(eager_opt.layers, compiled_opt.layers):
+        torch.testing.assert_close(lb.G, la.G, rtol=1e-10, atol=1e-12, msg=lambda m, n=la.name: f"G of {n}: {m}")
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
 
 
 def test_names_skip_layers_and_checkpoints_are_the_bare_models():

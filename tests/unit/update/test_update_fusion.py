@@ -370,9 +370,11 @@ def test_training_job_refuses_unsupported_fusion_flags(flags, error, capsys):
 
 
 def test_training_job_passes_the_fusion_and_kl_clip_zero_as_none():
-    from spdkfac.train.args import kl_clip_option, parse_args
+    from spdkfac.train.args import parse_args
+    from spdkfac.train.optimizer_options import optimizer_options
 
     args = parse_args(["--optimizer", "spdkfac", "--update-fusion", "backward", "--kl-clip", "0"])
-    assert args.update_fusion == "backward"
-    assert kl_clip_option(args) is None
-    assert kl_clip_option(parse_args(["--optimizer", "spdkfac", "--kl-clip", "0.002"])) == 0.002
+    options = optimizer_options("spdkfac", args)
+    assert options["update_fusion"] == "backward"
+    assert options["kl_clip"] is None
+    assert optimizer_options("spdkfac", parse_args(["--optimizer", "spdkfac", "--kl-clip", "0.002"]))["kl_clip"] == 0.002
