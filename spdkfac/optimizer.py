@@ -34,7 +34,7 @@ from .config import (
 )
 from .kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, preconditioned_layers
 from .kfac.methods import get_method
-from .kfac.state import check_kfac_state, keep_held_decompositions, load_kfac_state, memory_usage, save_kfac_state
+from .kfac.state import check_kfac_state, keep_held_decompositions, load_kfac_state, memory_usage, save_kfac_state, saved_uses
 from .kfac.summary import kfac_summary
 from .perfmodels import PerfModel, load_perf_model
 from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES
@@ -275,10 +275,19 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self._loss_scale,
             self._final_grad if update_fusion is UpdateFusion.BACKWARD else None,
             self.wrapping,
+            lambda: self._step_kind()[0],
         )
         self._forward_fusion = ForwardFusion(self.model, self.param_groups, self.state) if update_fusion is UpdateFusion.FORWARD else None
         self._backward_fusion = (
-            BackwardFusion(self.param_groups, self.state, self.layers, self.kfac_step.grads, self.param_names, self._fusable_step)
+            BackwardFusion(
+                self.param_groups,
+                self.state,
+                self.layers,
+                self.kfac_step.grads,
+                self.param_names,
+                self._fusable_step,
+                lambda layer: self.kfac_step.begin_fused_layer(layer, self._step_kind()[0]),
+            )
             if update_fusion is UpdateFusion.BACKWARD
             else None
         )
@@ -504,7 +513,12 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.flush()
         sd = super().state_dict()
         sd["kfac"] = save_kfac_state(
-            self.layers, self.steps, (self.factor_update_freq, self.inv_update_freq), self.method, self.config.as_dict()
+            self.layers,
+            self.steps,
+            (self.factor_update_freq, self.inv_update_freq),
+            self.method,
+            self.config.as_dict(),
+            self.kfac_step.factors.expected,
         )
         sd["kfac"]["grad_workers"] = grad_worker_record(self.work_plan, self.grad_worker_choice)
         return sd
@@ -521,6 +535,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             )
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kfac"})
         load_kfac_state(kfac, self.layers)
+        self.kfac_step.factors.expected.clear()  # the checkpoint's (none in older ones: learned again)
+        self.kfac_step.factors.expected.update(saved_uses(kfac))
         keep_held_decompositions(kfac, self.layers, {layer.name for layer in self._held_layers()}, self.method)
         note = rechosen_note(kfac.get("grad_workers"), self.work_plan, self.grad_worker_choice)
         if note is not None and self.backend.rank == 0:

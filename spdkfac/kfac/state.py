@@ -14,11 +14,16 @@ from typing import Any
 from .layers import FACTOR_KINDS, KFACLayer
 from .methods import DecompositionMethod, get_method
 
-__all__ = ["check_kfac_state", "keep_held_decompositions", "load_kfac_state", "memory_usage", "save_kfac_state"]
+__all__ = ["check_kfac_state", "keep_held_decompositions", "load_kfac_state", "memory_usage", "save_kfac_state", "saved_uses"]
 
 
 def save_kfac_state(
-    layers: Sequence[KFACLayer], steps: int, update_freqs: tuple[int, int], method: DecompositionMethod, config: dict[str, Any]
+    layers: Sequence[KFACLayer],
+    steps: int,
+    update_freqs: tuple[int, int],
+    method: DecompositionMethod,
+    config: dict[str, Any],
+    uses: dict[tuple[str, str], int] | None = None,
 ) -> dict[str, Any]:
     """The ``'kfac'`` entry of a state dict (tensors by reference, as ``torch.optim`` does).
 
@@ -28,8 +33,12 @@ def save_kfac_state(
     ``A<suffix>`` / ``G<suffix>`` (``A_inv``: a tensor; ``A_eigen``:
     ``{'Q', 'd'}``, with ``'age'`` for a warm-started refresh), and the
     method's per-layer state under ``method_state`` where it has one (EKFAC:
-    ``{'scale', 'samples'}``). Plain tensors, numbers, strings, lists and dicts only.
+    ``{'scale', 'samples'}``), and ``uses``, the calls per step each factor
+    was last seen to take (``{'A': k, 'G': k}``, a layer used ``k`` times;
+    absent until the layer ran), so a resumed run sends its factors as the
+    uninterrupted run does. Plain tensors, numbers, strings, lists and dicts only.
     """
+    uses = uses or {}
     return {
         "steps": steps,
         "update_freqs": list(update_freqs),
@@ -45,6 +54,7 @@ def save_kfac_state(
                     for kind in FACTOR_KINDS
                 },
                 **_method_state(layer, method),
+                **_uses(layer, uses),
             }
             for layer in layers
         },
@@ -55,6 +65,17 @@ def _method_state(layer: KFACLayer, method: DecompositionMethod) -> dict[str, An
     """``{'method_state': ...}`` of a method with per-layer state, else nothing."""
     saved = method.save_state(layer.method_state)
     return {} if saved is None else {"method_state": saved}
+
+
+def _uses(layer: KFACLayer, uses: dict[tuple[str, str], int]) -> dict[str, Any]:
+    """``{'uses': {kind: calls}}`` for the factors whose calls per step were learned, else nothing."""
+    known = {kind: int(uses[(kind, layer.name)]) for kind in FACTOR_KINDS if (kind, layer.name) in uses}
+    return {"uses": known} if known else {}
+
+
+def saved_uses(kfac: dict[str, Any]) -> dict[tuple[str, str], int]:
+    """The calls per step of each factor a checked ``'kfac'`` entry holds (none from checkpoints made before)."""
+    return {(kind, name): int(calls) for name, entry in kfac["layers"].items() for kind, calls in entry.get("uses", {}).items()}
 
 
 def check_kfac_state(state_dict: Any, layers: Sequence[KFACLayer], method: DecompositionMethod) -> dict[str, Any]:

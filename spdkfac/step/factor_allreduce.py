@@ -13,7 +13,9 @@ averages packed, so nothing is unpacked here).
 Without a plan for a pass (the first iterations, while the per-layer times
 are being profiled) every factor is launched alone, in arrival order; so is
 a factor the plan does not hold (a layer that did not run in the profiled
-steps).
+steps). With a :class:`~spdkfac.step.collective_order.CollectiveOrder` the
+launches are issued in the order every rank agrees on (a layer may run on
+some ranks only).
 """
 
 from __future__ import annotations
@@ -26,9 +28,15 @@ import torch
 from ..comm.base import CommBackend, Handle
 from ..kfac.layers import FactorKey
 from ..kfac.linalg import pack_upper, triangle_size
+from .collective_order import CollectiveOrder, DeferredHandle
 from .timeline import IterationRecord, Timeline
 
-__all__ = ["FactorKey", "TensorFusionController"]
+__all__ = ["FactorKey", "TensorFusionController", "group_name"]
+
+
+def group_name(members: Sequence[FactorKey]) -> str:
+    """The collective name of a fused group (the same on every rank): its kind, first member and size."""
+    return f"spdkfac.factor.{members[0][0]}.{members[0][1]}.{len(members)}"
 
 
 @dataclass
@@ -50,8 +58,9 @@ class _InFlight:
 class TensorFusionController:
     """Fuses and all-reduces Kronecker factors as they become ready."""
 
-    def __init__(self, backend: CommBackend) -> None:
+    def __init__(self, backend: CommBackend, order: CollectiveOrder | None = None) -> None:
         self.backend = backend
+        self.order = order  # None: each all-reduce issued when its group is complete
         self.record: IterationRecord | None = None
         self._plans: dict[str, list[list[FactorKey]] | None] = {"A": None, "G": None}
         self._group_of: dict[FactorKey, _Group] = {}
@@ -125,6 +134,10 @@ class TensorFusionController:
         """The factors missing from fused groups that others have joined, in launch order (the same on every rank)."""
         return [k for g in self._groups if g.arrived for k in g.members if k not in g.arrived]
 
+    def submitted(self, key: FactorKey) -> bool:
+        """Whether ``key`` was handed over in this iteration."""
+        return key in self._submitted
+
     def _launch(self, group: _Group) -> None:
         first = group.arrived[group.members[0]]
         total = sum(_flat_size(group.arrived[k]) for k in group.members)
@@ -142,7 +155,7 @@ class TensorFusionController:
             offset += n
         group.arrived.clear()
         kind = group.members[0][0]
-        name = f"spdkfac.factor.{kind}.{group.members[0][1]}.{len(group.members)}"
+        name = group_name(group.members)
         rec = self.record
         if rec is not None:
             t = rec.rel(Timeline.now())
@@ -151,7 +164,7 @@ class TensorFusionController:
                 if ev is not None:
                     ev.comm_start = t
                     ev.group = group.gid
-        handle = self.backend.allreduce_async(buffer, name)
+        handle: Handle = self.backend.allreduce_async(buffer, name) if self.order is None else self.order.allreduce(buffer, name)
         self._in_flight.append(_InFlight(handle, buffer, layout, group.gid, kind))
 
     def poll(self) -> None:
@@ -170,9 +183,13 @@ class TensorFusionController:
 
     def discard(self) -> None:
         """Drop this iteration's factors: wait for the launched all-reduces (so every
-        worker's collectives stay matched), release the buffers, forget the rest."""
+        worker's collectives stay matched: with an order, every rank's are settled first), release the buffers,
+        forget the rest."""
+        if self.order is not None:
+            self.order.settle()
         for job in self._in_flight:
-            job.handle.wait()
+            if not isinstance(job.handle, DeferredHandle) or job.handle.handle is not None:
+                job.handle.wait()
         self._forget()
         self._submitted = set()
 
@@ -190,6 +207,8 @@ class TensorFusionController:
         buffer), factors that needed no averaging (one worker) as the hooks
         submitted them.
         """
+        if self.order is not None:
+            self.order.settle()
         missing = [k for g in self._groups for k in g.members if g.arrived and k not in g.arrived]
         if missing:
             self._forget()

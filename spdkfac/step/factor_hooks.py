@@ -22,8 +22,12 @@ How the hooks count (docs/shared-layers.md):
   in, and a factor that took fewer is sent at ``step()``;
 * the forward pass an activation checkpoint recomputes during backward is not
   counted (:func:`recomputing`);
-* a layer that did not run in a step (on every worker) keeps its running
-  averages and decompositions; its gradient, if any, gets the plain update.
+* a layer that did not run in a step keeps its running averages and
+  decompositions; its gradient, if any, gets the plain update. A layer that
+  ran on some workers only gets the mean of their factors: the workers agree
+  on who ran what through the step's
+  :class:`~spdkfac.step.collective_order.CollectiveOrder`, which also keeps
+  the all-reduces paired.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ import torch.nn as nn
 
 from ..kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer
 from ..kfac.linalg import non_finite_indices
+from .collective_order import CollectiveOrder, Slot
 from .compiled_hooks import register_factor_pre_hook, register_output_grad_hook
-from .factor_allreduce import TensorFusionController
+from .factor_allreduce import TensorFusionController, group_name
 from .factor_profiler import FusionProfiler
 from .nonfinite import NonFiniteFactorError, NonFiniteGuard
 from .timeline import IterationRecord, Timeline
@@ -88,6 +93,8 @@ class FactorCollector:
         collecting: whether a forward pass of this module computes factors
             (training mode, gradients on, a factor step).
         loss_scale: the loss scale of this backward pass (GradScaler; 1 without).
+        factor_step: whether this step computes factors (fixed for the step, the same on every rank).
+        order: the step's all-reduce order (None: the controller's; then every rank must run the same layers).
     """
 
     def __init__(
@@ -99,8 +106,16 @@ class FactorCollector:
         accumulation_steps: int,
         collecting: Callable[[nn.Module], bool],
         loss_scale: Callable[[], float],
+        factor_step: Callable[[], bool] = lambda: True,
+        order: CollectiveOrder | None = None,
     ) -> None:
         self.layers = layers
+        self.factor_step = factor_step
+        self.workers = controller.backend.size
+        #: Per factor: how many workers computed it in the last factor step (agreed through the order).
+        self.ranks_ran: dict[FactorKey, int] = {}
+        #: Per layer: the samples its G saw in the last factor step, summed over the workers that ran it.
+        self.samples: dict[str, int] = {}
         self.controller = controller
         self.profiler = profiler
         self.pipelining = pipelining
@@ -117,6 +132,13 @@ class FactorCollector:
         #: Whether every factor of the last factor step took its expected calls (sent from its hook, in the usual order).
         self.regular = True
         self._by_name = {layer.name: layer for layer in layers}
+        self._names: dict[str, list[FactorKey]] = {}  # this step's factor all-reduces (the order's universe)
+        #: (calls, calls sent under the key, calls expected), every rank alike.
+        self._agreed: dict[FactorKey, tuple[int, int, int]] = {}
+        self._more: set[FactorKey] = set()  # factors some worker sent extra calls for (folded in at take())
+        self._order = order
+        if order is not None:
+            order.add(self)
         self._stash: list[tuple[FactorKey, torch.Tensor]] = []
         self._a_taken: set[str] = set()
         self._tally: dict[FactorKey, _Tally] = {}
@@ -139,6 +161,9 @@ class FactorCollector:
         self._tally = {}
         self._passes = 0
         self._g_since_a = True
+        self._names = {}
+        self._agreed = {}
+        self._more = set()
         for layer in self.layers:
             layer.helper.forget()  # inputs a forward pass kept for a backward pass that never came
 
@@ -250,63 +275,143 @@ class FactorCollector:
             self.controller.submit(key, factor)
         self._stash = []
 
-    def _send_unexpected(self) -> bool:
-        """Send, at ``step()``, the factors that took fewer calls than expected and the sums of the calls beyond
-        them (in layer order: the same on every worker); whether there were any."""
-        unexpected = False
+    def computed(self, key: FactorKey) -> bool:
+        """Whether this worker computed factor ``key`` in this step (so far)."""
+        return key in self._tally
+
+    def _zeros(self, key: FactorKey) -> torch.Tensor:
+        layer = self._by_name[key[1]]
+        return layer.shape(key[0]).identity(layer.factor_dtype, layer.helper.weight.device).zero_()
+
+    # -- the step's all-reduce order (OrderParticipant) ------------------------------------
+    def universe(self) -> list[Slot]:
+        """Every factor all-reduce of this step: the fusion plan's groups, the other factors alone (A, then G).
+
+        Guessed places: A at its layer's first parameter (forward order), G
+        just before its layer's last parameter's gradient (reverse order), a
+        group at its last member's.
+        """
+        self._names = {}
+        if not self.factor_step() or self._order is None:
+            return []
+        position, end = self._order.position, 2 * len(self._order.position)
+
+        def guess(key: FactorKey) -> float:
+            places = [position.get(p, 0) for p in self._by_name[key[1]].params()] or [0]
+            return float(min(places)) if key[0] == "A" else end - max(places) - 0.5
+
+        slots = []
+        for kind in FACTOR_KINDS:
+            planned = self.controller.plan(kind) or []
+            held = {key for members in planned for key in members}
+            for members in planned:
+                name = group_name(members)
+                self._names[name] = list(members)
+                slots.append(Slot(name, max(guess(k) for k in members), tuple(group_name([k]) for k in members)))
+            for layer in self.layers:
+                key = (kind, layer.name)
+                if key not in held:
+                    self._names[group_name([key])] = [key]
+                    slots.append(Slot(group_name([key]), guess(key)))
+        return slots
+
+    def send_held(self) -> None:
+        """Send what waits for ``step()``: the stash (no pipelining), the factors that took fewer calls than
+        expected (in layer order), and zeros for the members of fused groups missing here."""
+        self.send_stashed()
         for layer in self.layers:
             for kind in FACTOR_KINDS:
                 tally = self._tally.get((kind, layer.name))
-                if tally is None:
-                    continue
-                if not tally.sent:
+                if tally is not None and not tally.sent:
                     assert tally.total is not None  # a call was made
                     divisor = self._divisor(kind, tally.calls)
                     factor = tally.total.div_(divisor) if divisor != 1 else tally.total
                     tally.total, tally.sent = None, tally.calls
                     self.controller.submit((kind, layer.name), factor)
-                    unexpected = True
-                if tally.extra is not None:
-                    self.controller.submit((kind, f"{layer.name}{_MORE}"), tally.extra, alone=True)
-                    unexpected = True
-        return unexpected
-
-    def _fill_missing(self) -> None:
-        """Zeros for the factors of layers that did not run, so every fused all-reduce they belong to starts."""
         for key in self.controller.incomplete():
-            layer = self._by_name[key[1]]
-            self.controller.submit(key, layer.shape(key[0]).identity(layer.factor_dtype, layer.helper.weight.device).zero_())
+            self.controller.submit(key, self._zeros(key))
+
+    def fill(self, name: str) -> None:
+        """Zeros for the factors of ``name`` this worker did not compute (its layers did not run here)."""
+        for key in self._names[name]:
+            if not self.controller.submitted(key):
+                self.controller.submit(key, self._zeros(key))
+
+    def report(self) -> list[float]:
+        """Per layer and factor: computed here (0/1), its calls and their square, extra calls sent apart (0/1);
+        then the samples its G saw."""
+        values: list[float] = []
+        for layer in self.layers:
+            for kind in FACTOR_KINDS:
+                tally = self._tally.get((kind, layer.name))
+                calls = 0 if tally is None else tally.calls
+                extra = tally is not None and tally.extra is not None
+                values += [float(calls > 0), float(calls), float(calls * calls), float(extra)]
+            values.append(float(layer.local_samples if ("G", layer.name) in self._tally else 0))
+        return values
+
+    def agreed(self, present: dict[str, int], summed: list[int], workers: int) -> None:
+        """Fix, alike on every worker, which layers ran where, their calls, and send the extra calls' sums."""
+        for i, layer in enumerate(self.layers):
+            row = summed[9 * i : 9 * i + 9]
+            for j, kind in enumerate(FACTOR_KINDS):
+                key = (kind, layer.name)
+                ran, calls, squares, extra = row[4 * j : 4 * j + 4]
+                self.ranks_ran[key] = ran
+                if ran == 0:
+                    continue
+                if ran * squares != calls * calls:
+                    raise RuntimeError(
+                        f"layer {layer.name!r} ran a different number of times on different workers in this step "
+                        f"(factor {kind}: {calls} calls over {ran} workers): a layer used several times must be used "
+                        "the same number of times on every worker that runs it (draw data-dependent choices from a seed "
+                        "shared by the workers)"
+                    )
+                calls //= ran
+                expected = self.expected.get(key, self.accumulation_steps)
+                self._agreed[key] = (calls, min(calls, expected), expected)
+                self.expected[key] = calls
+                if extra:  # some worker used the layer more often than expected: every worker sends the sum apart
+                    tally = self._tally.get(key)
+                    local = tally.extra if tally is not None and tally.extra is not None else self._zeros(key)
+                    self.controller.submit((kind, f"{layer.name}{_MORE}"), local, alone=True)
+                    self._more.add(key)
+            self.samples[layer.name] = row[8]
 
     def take(self, nonfinite: NonFiniteGuard, step: int) -> dict[FactorKey, torch.Tensor]:
         """Wait for this step's averaged factors (packed) of the layers that ran; raise if one is non-finite.
 
-        A layer that did not run in this step (on every worker alike) is left
-        out and named in :attr:`skipped`; a factor whose calls were not the
-        expected number is completed here.
+        A layer that did not run in this step (on any worker) is left out and
+        named in :attr:`skipped`; one that ran on some workers only gets the
+        mean of their factors. A factor whose calls were not the expected
+        number is completed here.
         """
-        self.send_stashed()
-        unexpected = self._send_unexpected()
-        self._fill_missing()
-        factors = self.controller.wait_all()
-        if not factors:
+        if self._order is None:  # (the settling an order does at step())
+            self.send_held()
+            report = self.report()
+            self.agreed({}, [round(v) for v in report], 1)
+        factors = self.controller.wait_all()  # (an order settles first: send_held, the agreement, agreed())
+        ran = [layer.name for layer in self.layers if all(self.ranks_ran.get((kind, layer.name), 0) for kind in FACTOR_KINDS)]
+        if not ran:
             raise RuntimeError(
                 "step() was called on a factor-update step but no Kronecker factor was computed: run the "
                 "forward and backward pass in training mode (model.train()) with gradients enabled before step(); "
                 "a torch.compile'd model must first run after the optimizer is built (Dynamo does not see hooks added "
                 "to a model, or to another instance of its class, it has already compiled; torch._dynamo.reset() forgets those)"
             )
-        for key, tally in self._tally.items():
-            extra = factors.pop((key[0], f"{key[1]}{_MORE}"), None)
-            if extra is not None:  # the sum over every call, then the mean as usual
-                total = factors[key].mul(self._divisor(key[0], tally.sent)).add_(extra)
-                factors[key] = total.div_(self._divisor(key[0], tally.calls))
-            self.expected[key] = tally.calls
-        ran = [layer.name for layer in self.layers if all((kind, layer.name) in self._tally for kind in FACTOR_KINDS)]
-        self.skipped = [layer.name for layer in self.layers if layer.name not in set(ran)]
-        if self.skipped:
-            kept = set(ran)
-            factors = {key: mat for key, mat in factors.items() if key[1] in kept}
-        self.regular = not unexpected
+        for key in self._more:  # the sum over every call, then the mean as usual
+            calls, sent, _ = self._agreed[key]
+            extra = factors.pop((key[0], f"{key[1]}{_MORE}"))
+            total = factors[key].mul(self._divisor(key[0], sent)).add_(extra)
+            factors[key] = total.div_(self._divisor(key[0], calls))
+        partial = {key: n for key, n in self.ranks_ran.items() if 0 < n < self.workers}
+        for key, n in partial.items():  # the mean over the workers that ran it (the all-reduce averaged over all)
+            if key in factors:
+                factors[key] = factors[key].mul(self.workers / n)
+        kept = set(ran)
+        self.skipped = [layer.name for layer in self.layers if layer.name not in kept]
+        factors = {key: mat for key, mat in factors.items() if key[1] in kept}
+        self.regular = not partial and all(calls == expected for calls, _, expected in self._agreed.values())
         keys = list(factors)
         bad = [keys[i] for i in non_finite_indices([factors[key] for key in keys])]
         if bad:

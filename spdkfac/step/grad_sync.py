@@ -8,7 +8,10 @@ hook counts the backward passes and sends at the k-th. With a GradScaler the
 wait is queued at the end of ``backward()``, because the scaler reads the
 gradients before ``step()``. On a ``DistributedDataParallel`` model DDP
 averages the gradients (:mod:`spdkfac.step.data_parallel`): the hooks only
-count the passes.
+count the passes. With a :class:`~spdkfac.step.collective_order.CollectiveOrder`
+the all-reduces are issued in the order every rank agrees on, and a
+parameter with a gradient on some ranks only gets the average with zeros
+for the others (the gradient of the mean loss over all the workers' samples).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import CommBackend, Handle
+from .collective_order import CollectiveOrder, DeferredHandle, Slot
 from .data_parallel import ModelWrapping
 from .timeline import IterationRecord, Timeline
 
@@ -52,6 +56,8 @@ class GradientSync:
             all-reduce started), from its hook: backward update fusion.
         wrapping: the model's data-parallel wrapping; when DDP averages the
             gradients, no all-reduce is started here.
+        order: the step's all-reduce order (None: each all-reduce issued from its hook; then every rank must
+            produce the same gradients).
     """
 
     def __init__(
@@ -63,8 +69,10 @@ class GradientSync:
         grad_scaler: Any | None,
         on_final: Callable[[torch.Tensor], None] | None = None,
         wrapping: ModelWrapping | None = None,
+        order: CollectiveOrder | None = None,
     ) -> None:
         self.backend = backend
+        self.order = order
         self.param_groups = param_groups
         self.names = names
         self.accumulation_steps = accumulation_steps
@@ -78,7 +86,11 @@ class GradientSync:
         self.synchronized = False
         self.backward_seen = False  # a gradient hook fired since reset()
         self._sync_queued = False
+        self._by_name: dict[str, torch.Tensor] = {}
+        self._zeroed: list[torch.Tensor] = []  # parameters given a zero gradient for the all-reduce (no gradient here)
         self._hook_handles: list[Any] = []
+        if order is not None and self._reduces:
+            order.add(self)
         if backend.size > 1 or accumulation_steps > 1 or on_final is not None:  # all-reduce, count the passes, or fuse
             self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_hook) for group in param_groups for p in group["params"]]
 
@@ -90,6 +102,7 @@ class GradientSync:
         self.synchronized = False
         self.backward_seen = False
         self._sync_queued = False
+        self._zeroed = []
 
     @property
     def pending(self) -> int:
@@ -119,7 +132,8 @@ class GradientSync:
 
     def _start(self, p: torch.Tensor) -> None:
         assert p.grad is not None  # called for parameters whose gradient is set
-        self._handles[p] = self.backend.allreduce_async(p.grad, f"spdkfac.grad.{self.names[p]}")
+        name = f"spdkfac.grad.{self.names[p]}"
+        self._handles[p] = self.backend.allreduce_async(p.grad, name) if self.order is None else self.order.allreduce(p.grad, name)
 
     def start_missing(self) -> None:
         """Start the all-reduce of every gradient whose hook did not (set outside autograd's accumulation)."""
@@ -129,8 +143,51 @@ class GradientSync:
             if p.grad is not None and p not in self._handles:
                 self._start(p)
 
+    def _settle(self) -> None:
+        """Before waiting: with an order, every rank's all-reduces issued alike (the step's agreement), else the
+        gradients set outside autograd started."""
+        if self.order is not None:
+            self.order.settle()
+        else:
+            self.start_missing()
+
+    # -- the step's all-reduce order (OrderParticipant) ------------------------------------
+    def universe(self) -> list[Slot]:
+        """Every gradient all-reduce this step may start: one per trainable parameter (guessed in reverse order)."""
+        assert self.order is not None
+        self._by_name = {f"spdkfac.grad.{self.names[p]}": p for group in self.param_groups for p in group["params"] if p.requires_grad}
+        end = 2 * len(self.order.position)
+        return [Slot(name, end - self.order.position.get(p, 0)) for name, p in self._by_name.items()]
+
+    def send_held(self) -> None:
+        """Start the gradients set outside autograd's accumulation."""
+        self.start_missing()
+
+    def fill(self, name: str) -> None:
+        """A zero gradient for a parameter that has none here (its layer did not run on this worker), all-reduced."""
+        p = self._by_name[name]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+            self._zeroed.append(p)
+        self._start(p)
+
+    def report(self) -> list[float]:
+        return []
+
+    def agreed(self, present: dict[str, int], summed: list[int], workers: int) -> None:
+        """A parameter no worker had a gradient for keeps none (it is not updated), as on one worker."""
+        for p in self._zeroed:
+            if present[f"spdkfac.grad.{self.names[p]}"] == 0:
+                self._handles.pop(p).wait()
+                p.grad = None
+        self._zeroed = []
+
     def wait(self, params: Iterable[torch.Tensor]) -> None:
         """Block until these parameters' gradients are averaged (timed as non-overlapped GradComm)."""
+        if self.order is not None and not self.order.settled:
+            params = list(params)  # (settling may change the handles of this iterable's source)
+            if any(isinstance(h, DeferredHandle) and h.handle is None for h in (self._handles.get(p) for p in params)):
+                self.order.settle()
         t0 = Timeline.now() if self.record is not None else 0.0
         for p in params:
             handle = self._handles.get(p)
@@ -160,10 +217,12 @@ class GradientSync:
         if not self.synchronized:
             self.check_accumulated("synchronize()")
         if self.synchronized or not self._reduces:
+            if self.order is not None:  # (the factors' order, under DDP)
+                self.order.settle()
             self.synchronized = True
             return
-        self.start_missing()
-        self.wait(self._handles)
+        self._settle()
+        self.wait(list(self._handles))
         self.synchronized = True
 
     def remove_hooks(self) -> None:

@@ -35,6 +35,7 @@ from ..kfac.layers import FACTOR_KINDS, KFACLayer
 from ..kfac.linalg import all_finite, non_finite_indices
 from ..perfmodels import PerfModel
 from ..plan.work_plan import WorkPlan, overlaps_preconditioning
+from .collective_order import CollectiveOrder
 from .data_parallel import ModelWrapping
 from .decomposition_stage import DecompositionStage
 from .factor_allreduce import TensorFusionController
@@ -92,6 +93,7 @@ class KFACStep:
         loss_scale: Callable[[], float],
         on_final_grad: Callable[[torch.Tensor], None] | None = None,
         wrapping: ModelWrapping | None = None,
+        factor_step: Callable[[], bool] = lambda: True,
     ) -> None:
         self.config = config
         self.layers = layers
@@ -102,12 +104,24 @@ class KFACStep:
         self.param_groups = param_groups
         self.param_names = param_names
         self.nonfinite = NonFiniteGuard(config.skip_nonfinite)
-        self.controller = TensorFusionController(backend)
+        params = [p for group in param_groups for p in group["params"]]
+        self.order = CollectiveOrder(backend, params)  # the hooks' all-reduces, paired alike on every rank
+        self.controller = TensorFusionController(backend, self.order)
         self.profiler = FusionProfiler(config, backend, layers, self.controller, perf_model)
         self.factors = FactorCollector(
-            layers, self.controller, self.profiler, config.pipelining, config.accumulation_steps, collecting, loss_scale
+            layers,
+            self.controller,
+            self.profiler,
+            config.pipelining,
+            config.accumulation_steps,
+            collecting,
+            loss_scale,
+            factor_step,
+            self.order,
         )
-        self.grads = GradientSync(backend, param_groups, param_names, config.accumulation_steps, grad_scaler, on_final_grad, wrapping)
+        self.grads = GradientSync(
+            backend, param_groups, param_names, config.accumulation_steps, grad_scaler, on_final_grad, wrapping, self.order
+        )
         self.decompositions = DecompositionStage(layers, work_plan.inversion, backend)
         self.preconditioner = Preconditioner(layers, backend, work_plan, self.grads.wait)
         self.record: IterationRecord | None = None
@@ -117,6 +131,7 @@ class KFACStep:
     def begin(self, record: IterationRecord | None, abandon: bool = False) -> None:
         """Forget the finished (skipped, abandoned) step's state in every part."""
         self.record = record
+        self.order.begin()
         self.profiler.begin_iteration()
         self.factors.reset(record)
         self.grads.reset(record)
@@ -133,13 +148,11 @@ class KFACStep:
         Raises :class:`~spdkfac.step.nonfinite.SkipStep` for a skipped step.
         """
         group = self.param_groups[0]
+        self.order.settle()  # every all-reduce in flight, alike on every rank (which layers ran where agreed)
         for layer in self.layers:  # before either order preconditions: the global batch the hooks just saw, the base's hyper
-            samples = layer.local_samples * self.workers * self.config.accumulation_steps if factor_step else None
+            samples = self.factors.samples.get(layer.name, 0) * self.config.accumulation_steps if factor_step else None
             layer.method.begin_step(layer.method_state, samples, group)
         if self._overlapping(inverse_step):
-            self.grads.start_missing()  # every all-reduce in flight before waiting on any
-            if factor_step:
-                self.factors.send_stashed()
             self._precondition(hyper, wait_for_grads=True)
             self.grads.synchronize()  # the parameters outside the preconditioned layers
             if factor_step:  # (after synchronize: a bad factor raises with no all-reduce left pending)
@@ -158,19 +171,28 @@ class KFACStep:
         for layer in self.layers:  # the step stands: what the method learned from it becomes its state
             layer.method.commit(layer.method_state)
 
+    def begin_fused_layer(self, layer: KFACLayer, factor_step: bool) -> None:
+        """Before ``layer`` is preconditioned in backward (update fusion): its method takes the step's global batch
+        (this worker's, times the workers and micro-batches, where the layer ran here) and the base's hyper."""
+        ran = factor_step and self.factors.computed(("G", layer.name))
+        samples = layer.local_samples * self.workers * self.config.accumulation_steps if ran else None
+        layer.method.begin_step(layer.method_state, samples, self.param_groups[0])
+
     def run_after_fused(self, factor_step: bool, hyper: StepHyper, step: int, bad: list[str]) -> None:
         """The rest of a step whose layers were preconditioned and updated in backward (update fusion).
 
         Folds in the factors on a factor step; ``bad`` (non-empty: backward met
-        NaN/Inf and wrote nothing) makes the step skipped or refused as usual.
+        NaN/Inf and wrote nothing) makes the step skipped or refused as usual;
+        else what the methods learned in backward becomes their state.
         Raises :class:`~spdkfac.step.nonfinite.SkipStep` for a skipped step.
         """
-        self.grads.synchronize()  # (done at the end of backward; idempotent)
+        self.grads.synchronize()  # (done at the end of backward; idempotent; settles the order)
         if factor_step:
-            self.factors.send_stashed()
             self.update_factors(hyper, step)
         if bad:
             self._check_finite(step)
+        for layer in self.layers:  # the step stands (as at the end of run())
+            layer.method.commit(layer.method_state)
 
     def _overlapping(self, inverse_step: bool) -> bool:
         if not overlaps_preconditioning(self.config.overlap_preconditioning, self.config.precondition, self.workers, inverse_step):
@@ -227,8 +249,8 @@ class KFACStep:
     def finite_everywhere(self, value: torch.Tensor, backend: CommBackend) -> bool:
         """Whether ``value`` is finite on every worker (one tiny all-reduce); if not, drop this step's factors."""
         flag = torch.tensor([1.0 if all_finite(value.detach()) else 0.0], dtype=torch.float64, device=value.device)
-        if backend.size > 1:
-            backend.allreduce_async(flag, "spdkfac.finite_everywhere").wait()
+        if backend.size > 1:  # (after the factors A this step's order expects before it)
+            self.order.sync_allreduce(flag, "spdkfac.finite_everywhere")
         finite = bool(flag.item() == 1.0)
         if not finite:
             self.controller.discard()

@@ -216,6 +216,8 @@ class BackwardFusion:
         names: parameter -> name, for the non-finite report.
         fused_step: whether this step's update may be fused (it keeps the
             decompositions); asked at the step's first final gradient.
+        begin_layer: called with each layer before it is preconditioned in
+            backward (what ``step()`` hands its method first: the step's batch).
     """
 
     def __init__(
@@ -226,8 +228,10 @@ class BackwardFusion:
         grads: GradientSync,
         names: dict[torch.Tensor, str],
         fused_step: Callable[[], bool],
+        begin_layer: Callable[[KFACLayer], None] | None = None,
     ) -> None:
         self.grads = grads
+        self.begin_layer = begin_layer
         self.names = names
         self.fused_step = fused_step
         self.bind(param_groups, state)
@@ -326,6 +330,8 @@ class BackwardFusion:
             if grad is None:
                 return
             group = self._group[unit.params[0]]
+            if self.begin_layer is not None:
+                self.begin_layer(layer)
             layer.write_grad(layer.precondition(grad, float(group["damping"])))
         for p in unit.params:
             if p.grad is None:

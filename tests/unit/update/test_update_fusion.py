@@ -87,6 +87,24 @@ def test_fused_parameters_equal_unfused_bitwise(float64, kind, fusion, flush_eac
         assert opt._backward_fusion.fused_steps == (STEPS if kind == "sgd" else STEPS - 2)  # inverse steps 0 and 4
 
 
+@pytest.mark.parametrize("fusion", ["forward", "backward"])
+def test_ekfac_natural_update_fused_equals_unfused(float64, fusion):
+    """EKFAC's scaling learns from every step's gradient, also on the steps backward fusion updates in
+    ``backward()``: those must take the step's batch and commit the scaling as ``step()`` does."""
+    x, y = batch(8)
+    kw = dict(compute_method="ekfac", ekfac_update="natural", factor_update_freq=1, inv_update_freq=3)
+    ref_model, ref_opt = _run("inverse", "none", x, y, **kw)
+    ref = _train(ref_model, ref_opt, x, y, steps=8, flush_each_step=True)
+    model, opt = _run("inverse", fusion, x, y, **kw)
+    got = _train(model, opt, x, y, steps=8, flush_each_step=True)
+    _assert_bitwise(ref, got)
+    for a, b in zip(ref_opt.layers, opt.layers):  # the scaling itself (refreshed bases at steps 0, 3, 6)
+        assert torch.equal(a.method_state.scale, b.method_state.scale), a.name
+    if fusion == "backward":
+        assert opt._backward_fusion is not None
+        assert opt._backward_fusion.fused_steps == 5  # all but steps 0, 3, 6 (new bases)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fusion", ["forward", "backward"])
 @pytest.mark.parametrize("extra", [dict(accumulation_steps=2), dict(factor_update_freq=1, inv_update_freq=3, pipelining=False)])
