@@ -116,6 +116,7 @@ class CollectiveOrder:
         self._learned: dict[tuple[str, ...], list[str]] = {}
         self._last: list[str] = []  # the order learned last (the guess for a set not met before)
         self.agreements = 0  # agreement all-reduces issued (one per step with several workers)
+        self.agreement_entries = 0  # float64 values in the last agreement (its size)
         self.begin()
 
     def add(self, participant: OrderParticipant) -> None:
@@ -234,6 +235,7 @@ class CollectiveOrder:
         h1, h2 = _hashes(self._real)
         values = present + [float(h1), float(h1 * h1), float(h2), float(h2 * h2)] + [v for r in reports for v in r]
         mask = torch.tensor(values, dtype=torch.float64)
+        self.agreement_entries = len(values)
         if workers > 1:
             self.backend.allreduce_async(mask, AGREEMENT).wait()
             self.agreements += 1

@@ -141,6 +141,20 @@ def test_hook_overhead_times_non_factor_steps(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_agreement_cost_times_the_agreement_of_every_step(tmp_path):
+    """benchmarks/agreement_cost.py for real (2 workers, a few steps): one agreement per step, its size and share recorded."""
+    out = tmp_path / "agreement.json"
+    args = ["--model", "mnist_cnn", "--batch-size", "4", "--iters", "3", "--warmup", "2", "--repeats", "2", "--out", str(out)]
+    run_workers("torch", 2, ["-m", "benchmarks.agreement_cost", *args])
+    result = json.loads(out.read_text())
+    assert result["workers"] == 2
+    assert result["agreements_per_step"] == 1.0
+    assert result["agreement_entries"] > 4  # the presence flags, the two order hashes and their squares, the parts' reports
+    assert result["step"]["n"] == 3
+    assert result["share"]["min"] <= result["share"]["median"] <= result["share"]["max"]
+
+
+@pytest.mark.multiprocess
 def test_soak_keeps_replicas_identical_with_a_delayed_worker(tmp_path):
     """benchmarks/soak.py for real (2 workers, a short run): bitwise replicas, nothing left pending after step()."""
     out = tmp_path / "soak.json"
