@@ -56,7 +56,7 @@ import torch
 import torch.nn as nn
 
 from spdkfac import make_optimizer
-from spdkfac.kfac.methods.warm import REFRESH_KINDS
+from spdkfac.kfac.methods.warm import REFRESH_KINDS, WarmRefresh
 from spdkfac.models import get_model
 from spdkfac.runtime.host_memory import release_freed_memory
 from spdkfac.runtime.output_path import output_file
@@ -203,11 +203,46 @@ def measure(name: str, args: Any, backend: Any, x: torch.Tensor, y: torch.Tensor
                 refreshes[-1]["max_drift"], refreshes[-1]["max_drift_factor"] = drifts[worst], worst
     if refreshes is not None and not any(sum(r[kind] for kind in REFRESH_KINDS) for r in refreshes):
         refreshes = None  # an exact method (no warm refresh to count)
+    if refreshes:  # which factors fell back, over the whole run (warm-up included): where the check fails
+        refreshes[-1]["factors"] = system.opt.refresh_statistics()["factors"]
     system.cleanup()
     del system
     gc.collect()
     release_freed_memory()  # the next system starts from the same footprint
     return secs, refreshes
+
+
+def iteration_kind(step: int, update_freq: list[int], counts: dict[str, Any] | None) -> str:
+    """What iteration ``step`` (0-based, warm-up included) does: ``decomposition`` (``decomposition_full`` /
+    ``decomposition_warm`` where a warm system's refresh counts tell which), ``factor`` or ``plain``.
+
+    Both KAISA and this project update factors where ``step % factor_freq == 0`` and decompose where
+    ``step % decomposition_freq == 0``.
+    """
+    if step % update_freq[1] == 0:
+        if counts is None:
+            return "decomposition"
+        return "decomposition_full" if counts["full_scheduled"] else "decomposition_warm"
+    return "factor" if step % update_freq[0] == 0 else "plain"
+
+
+def amortised(kinds: dict[str, dict[str, Any]], update_freq: list[int], full_every: int) -> float | None:
+    """Mean seconds per iteration over a whole schedule, from the per-kind means: per ``decomposition_freq``
+    iterations one decomposition (a warm system's: a full ``eigh`` once in ``full_every``, warm the other times),
+    ``decomposition_freq / factor_freq - 1`` factor iterations, the rest plain. None where a kind was not measured."""
+    factor_freq, decomposition_freq = update_freq
+    mean = {kind: k["mean"] for kind, k in kinds.items()}
+    if "decomposition" in mean:
+        decomposition = mean["decomposition"]
+    elif "decomposition_full" in mean and "decomposition_warm" in mean:
+        decomposition = (mean["decomposition_full"] + (full_every - 1) * mean["decomposition_warm"]) / full_every
+    else:
+        return None
+    factors = decomposition_freq // factor_freq - 1
+    plain = decomposition_freq - 1 - factors
+    if (factors and "factor" not in mean) or (plain and "plain" not in mean):
+        return None
+    return (decomposition + factors * mean.get("factor", 0.0) + plain * mean.get("plain", 0.0)) / decomposition_freq
 
 
 def summarise(samples: dict[str, list[float]]) -> list[dict[str, Any]]:
@@ -284,6 +319,11 @@ def main(argv: list[str] | None = None) -> None:
             share = row.get("refreshes", {}).get("warm_share")
             warm = "" if share is None else f"  warm refreshes {100 * share:.0f}%"
             print(f"{row['system']:<20} {row['median']:11.2f} {row['mean']:9.2f}  {vs:>34}{warm}")
+            if "amortised_s" in row:
+                kinds = ", ".join(f"{kind} {k['mean']:.2f} s (n={k['n']})" for kind, k in sorted(row["kinds"].items()))
+                vs_amortised = row.get(f"vs_{BASELINE}_amortised")
+                vs = "" if vs_amortised is None else f"  KAISA eigen / row {vs_amortised:.2f}x"
+                print(f"{'':<20} amortised over the schedule {row['amortised_s']:.2f} s{vs}  ({kinds})")
         print(f"wrote {args.out}")
 
 
@@ -316,6 +356,13 @@ def save(
     for row in table:
         if row["system"] in refreshes:
             row["refreshes"] = refresh_summary(refreshes[row["system"]])
+        if list(args.update_freq) != [1, 1]:
+            row.update(per_kind(row["system"], args, rounds))
+    if list(args.update_freq) != [1, 1] and any("amortised_s" in r for r in table):
+        base = next((r for r in table if r["system"] == BASELINE and "amortised_s" in r), None)
+        for row in table:
+            if base is not None and "amortised_s" in row:
+                row[f"vs_{BASELINE}_amortised"] = base["amortised_s"] / row["amortised_s"]
     save_json(
         {
             "args": vars(args),
@@ -333,6 +380,25 @@ def save(
         Path(args.out).parent,
     )
     return table
+
+
+def per_kind(name: str, args: Any, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A system's seconds per kind of iteration (:func:`iteration_kind`) over its rounds, and the schedule's
+    amortised mean from them (:func:`amortised`; a warm system: a full ``eigh`` every ``WarmRefresh().full_every``
+    refreshes, the optimizer's default, whatever ``--eigen-full-every`` the run used to measure one)."""
+    by_kind: dict[str, list[float]] = {}
+    for rnd in rounds:
+        secs = rnd["seconds"].get(name, [])
+        counts = rnd.get("refreshes", {}).get(name)
+        for i, s in enumerate(secs):
+            kind = iteration_kind(args.warmup + i, list(args.update_freq), None if counts is None else counts[i])
+            by_kind.setdefault(kind, []).append(s)
+    kinds = {kind: stats(xs) if len(xs) >= 2 else {"mean": xs[0], "median": xs[0], "n": 1} for kind, xs in by_kind.items()}
+    out: dict[str, Any] = {"kinds": kinds}
+    cost = amortised(kinds, list(args.update_freq), WarmRefresh().full_every)
+    if cost is not None:
+        out["amortised_s"] = cost
+    return out
 
 
 def describe(name: str, args: Any) -> str:
