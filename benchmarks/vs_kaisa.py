@@ -126,8 +126,8 @@ class System:
             damping=args.damping,
             factor_decay=args.factor_decay,
             kl_clip=args.kl_clip,
-            factor_update_freq=args.update_freq[0],
-            inv_update_freq=args.update_freq[1],
+            factor_update_freq=update_freq(args, 0),
+            inv_update_freq=update_freq(args, 1),
             profile_steps=1,
         )
         self.forward = self.model
@@ -142,8 +142,8 @@ class System:
         sgd = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
         pre = kfac.preconditioner.KFACPreconditioner(
             self.forward,
-            factor_update_steps=args.update_freq[0],
-            inv_update_steps=args.update_freq[1],
+            factor_update_steps=update_freq(args, 0),
+            inv_update_steps=update_freq(args, 1),
             damping=args.damping,
             factor_decay=args.factor_decay,
             kl_clip=args.kl_clip,
@@ -174,6 +174,26 @@ class System:
             return None
         totals = opt.refresh_statistics()["totals"]
         return {kind: int(totals.get(kind, 0)) for kind in REFRESH_KINDS}
+
+
+class WarmupSchedule:
+    """``f(step)``: the warm-up's update frequency before step ``switch``, the measured one from it (both systems
+    take the update frequencies as a function of the step)."""
+
+    def __init__(self, warmup: int, measured: int, switch: int) -> None:
+        self.warmup, self.measured, self.switch = warmup, measured, switch
+
+    def __call__(self, step: int) -> int:
+        return self.warmup if step < self.switch else self.measured
+
+
+def update_freq(args: Any, which: int) -> int | WarmupSchedule:
+    """The factor (``which=0``) or decomposition (1) update frequency both systems are given: ``--update-freq``, or
+    with ``--warmup-update-freq`` a schedule that runs the warm-up's frequency until the last warm-up iteration,
+    which already runs ``--update-freq`` (so the decomposition after the warm-up's long gap is not measured)."""
+    if args.warmup_update_freq is None:
+        return int(args.update_freq[which])
+    return WarmupSchedule(int(args.warmup_update_freq[which]), int(args.update_freq[which]), args.warmup - 1)
 
 
 def round_order(systems: list[str], rnd: int) -> list[str]:
@@ -268,6 +288,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--eigen-full-every", type=int, default=5, help="eigen_full_every of spdkfac-eigen-warm")
     ap.add_argument("--update-freq", type=int, nargs=2, default=[1, 1], metavar=("FACTOR", "DECOMPOSITION"))
+    ap.add_argument(
+        "--warmup-update-freq",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("FACTOR", "DECOMPOSITION"),
+        help="update frequencies of the warm-up (e.g. 10 100: a cheap way to the steady state of training before "
+        "measuring --update-freq; the last warm-up iteration already runs --update-freq)",
+    )
     ap.add_argument("--lr", type=float, default=0.1, help="SGD's rate for ResNet-50 (a lower one keeps the factors still)")
     ap.add_argument("--damping", type=float, default=0.003)
     ap.add_argument("--factor-decay", type=float, default=0.95)
@@ -276,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if args.warmup < 1 or args.iters < 2:
         ap.error("--warmup must be >= 1 and --iters >= 2 (a ratio interval needs two samples)")
+    for freqs, flag in ((args.update_freq, "--update-freq"), (args.warmup_update_freq, "--warmup-update-freq")):
+        if freqs is not None and (min(freqs) < 1 or freqs[1] % freqs[0]):
+            ap.error(f"{flag}: both positive, the decomposition frequency a multiple of the factor one; got {freqs}")
     if any(s in KAISA_SYSTEMS for s in args.systems):
         require_kaisa()  # before any worker starts measuring
     backend = start(args)
@@ -286,7 +318,12 @@ def main(argv: list[str] | None = None) -> None:
         rank,
         f"vs KAISA: {args.model} @ {args.resolution}px, batch {args.batch_size}/worker, {backend.size} workers, "
         f"factors every {args.update_freq[0]}, decompositions every {args.update_freq[1]} iterations; "
-        f"{args.rounds} round(s) of {args.warmup} warm-up + {args.iters} measured iterations per system",
+        f"{args.rounds} round(s) of {args.warmup} warm-up + {args.iters} measured iterations per system"
+        + (
+            ""
+            if args.warmup_update_freq is None
+            else " (warm-up at factors every {}, decompositions every {})".format(*args.warmup_update_freq)
+        ),
     )
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=g)

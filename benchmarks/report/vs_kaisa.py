@@ -82,6 +82,15 @@ def vs_kaisa(path: Path, d: dict[str, Any]) -> list[str]:
         "(95% bootstrap interval); the machine was shared with other jobs, so compare the ratios, not the seconds.",
         "",
     ]
+    if a.get("warmup_update_freq"):
+        f, i = a["warmup_update_freq"]
+        lines += [
+            f"**Measured after {a['warmup']} iterations of training**: the warm-up ran factors every {f} and "
+            f"decompositions every {i} iterations (a cheap way past the first iterations of training, where the "
+            "factors move most), its last iteration already on the measured schedule, so the measured window starts "
+            "one iteration after a decomposition, as every window of a long run does.",
+            "",
+        ]
     if d.get("note"):
         lines += [f"_{d['note']}_", ""]
     if d.get("partial"):

@@ -378,6 +378,21 @@ def test_vs_kaisa_measures_kaisa_beside_spdkfac(tmp_path):
     assert data["kaisa"]["version"]
 
 
+def test_vs_kaisa_warms_up_on_its_own_schedule_and_measures_on_the_given_one():
+    from types import SimpleNamespace
+
+    from benchmarks.vs_kaisa import update_freq
+
+    args = SimpleNamespace(update_freq=[1, 1], warmup_update_freq=None, warmup=101)
+    assert update_freq(args, 0) == update_freq(args, 1) == 1
+    args.warmup_update_freq = [10, 100]
+    factor, decomposition = update_freq(args, 0), update_freq(args, 1)
+    assert callable(factor)
+    assert callable(decomposition)
+    assert [factor(s) for s in (0, 99, 100, 101, 500)] == [10, 10, 1, 1, 1]  # the last warm-up step (100) is measured's
+    assert [decomposition(s) for s in (0, 99, 100, 101)] == [100, 100, 1, 1]
+
+
 def test_vs_kaisa_amortises_each_kind_of_iteration_over_the_schedule():
     from benchmarks.vs_kaisa import amortised, iteration_kind
 
