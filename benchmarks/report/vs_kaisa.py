@@ -36,8 +36,9 @@ def amortised_table(rows: list[dict[str, Any]], a: dict[str, Any]) -> list[str]:
         body.append([f"`{r['system']}`", *cells, amortised, "" if vs is None else f"{vs:.2f}x"])
     f, i = a["update_freq"]
     return [
-        f"Per kind of iteration (mean seconds): plain, factors only, decomposition (a warm system's: warm — the "
-        f"residual check's fallbacks included — or a full `eigh` by schedule). The schedule's amortised mean per "
+        f"Per kind of iteration (mean seconds): plain, factors only, decomposition (a warm system's: `warm` where no "
+        f"factor was due a full `eigh` by schedule, the residual check's fallbacks included; `full` where some "
+        f"were). The schedule's amortised mean per "
         f"iteration is built from them: per {i} iterations one decomposition, {i // f - 1} factor iterations and "
         f"{i - i // f} plain ones, the warm system's decompositions a full `eigh` once in 10 (the optimizer's "
         "default) whatever `--eigen-full-every` measured one.",
@@ -49,8 +50,9 @@ def amortised_table(rows: list[dict[str, Any]], a: dict[str, Any]) -> list[str]:
 def title(rel: Path) -> str:
     """``vs_kaisa_<suffix>.json``'s title."""
     suffix = rel.stem.removeprefix("vs_kaisa").strip("_")
-    if suffix.startswith("lr"):  # an extra run at another learning rate than the training one
-        suffix = f"at learning rate {suffix[2:]}"
+    if suffix.startswith("lr"):  # vs_kaisa_lr<rate>[_<what else>]: the rate, then the rest in words
+        rate, _, rest = suffix[2:].partition("_")
+        suffix = f"at learning rate {rate}" + (f", {rest.replace('_', ' ')}" if rest else "")
     return "Eigen and inverse methods beside KAISA's, in one run" + (f": {suffix}" if suffix else "")
 
 
