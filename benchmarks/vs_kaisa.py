@@ -56,7 +56,7 @@ import torch
 import torch.nn as nn
 
 from spdkfac import make_optimizer
-from spdkfac.kfac.methods.warm import REFRESH_KINDS
+from spdkfac.kfac.methods.warm import REFRESH_KINDS, WarmRefresh
 from spdkfac.models import get_model
 from spdkfac.runtime.host_memory import release_freed_memory
 from spdkfac.runtime.output_path import output_file
@@ -126,8 +126,8 @@ class System:
             damping=args.damping,
             factor_decay=args.factor_decay,
             kl_clip=args.kl_clip,
-            factor_update_freq=args.update_freq[0],
-            inv_update_freq=args.update_freq[1],
+            factor_update_freq=update_freq(args, 0),
+            inv_update_freq=update_freq(args, 1),
             profile_steps=1,
         )
         self.forward = self.model
@@ -142,8 +142,8 @@ class System:
         sgd = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
         pre = kfac.preconditioner.KFACPreconditioner(
             self.forward,
-            factor_update_steps=args.update_freq[0],
-            inv_update_steps=args.update_freq[1],
+            factor_update_steps=update_freq(args, 0),
+            inv_update_steps=update_freq(args, 1),
             damping=args.damping,
             factor_decay=args.factor_decay,
             kl_clip=args.kl_clip,
@@ -176,6 +176,26 @@ class System:
         return {kind: int(totals.get(kind, 0)) for kind in REFRESH_KINDS}
 
 
+class WarmupSchedule:
+    """``f(step)``: the warm-up's update frequency before step ``switch``, the measured one from it (both systems
+    take the update frequencies as a function of the step)."""
+
+    def __init__(self, warmup: int, measured: int, switch: int) -> None:
+        self.warmup, self.measured, self.switch = warmup, measured, switch
+
+    def __call__(self, step: int) -> int:
+        return self.warmup if step < self.switch else self.measured
+
+
+def update_freq(args: Any, which: int) -> int | WarmupSchedule:
+    """The factor (``which=0``) or decomposition (1) update frequency both systems are given: ``--update-freq``, or
+    with ``--warmup-update-freq`` a schedule that runs the warm-up's frequency until the last warm-up iteration,
+    which already runs ``--update-freq`` (so the decomposition after the warm-up's long gap is not measured)."""
+    if args.warmup_update_freq is None:
+        return int(args.update_freq[which])
+    return WarmupSchedule(int(args.warmup_update_freq[which]), int(args.update_freq[which]), args.warmup - 1)
+
+
 def round_order(systems: list[str], rnd: int) -> list[str]:
     """The systems of round ``rnd`` (0-based): the list rotated by ``rnd``, so none always runs first."""
     k = rnd % len(systems)
@@ -203,11 +223,46 @@ def measure(name: str, args: Any, backend: Any, x: torch.Tensor, y: torch.Tensor
                 refreshes[-1]["max_drift"], refreshes[-1]["max_drift_factor"] = drifts[worst], worst
     if refreshes is not None and not any(sum(r[kind] for kind in REFRESH_KINDS) for r in refreshes):
         refreshes = None  # an exact method (no warm refresh to count)
+    if refreshes:  # which factors fell back, over the whole run (warm-up included): where the check fails
+        refreshes[-1]["factors"] = system.opt.refresh_statistics()["factors"]
     system.cleanup()
     del system
     gc.collect()
     release_freed_memory()  # the next system starts from the same footprint
     return secs, refreshes
+
+
+def iteration_kind(step: int, update_freq: list[int], counts: dict[str, Any] | None) -> str:
+    """What iteration ``step`` (0-based, warm-up included) does: ``decomposition`` (``decomposition_full`` /
+    ``decomposition_warm`` where a warm system's refresh counts tell which), ``factor`` or ``plain``.
+
+    Both KAISA and this project update factors where ``step % factor_freq == 0`` and decompose where
+    ``step % decomposition_freq == 0``.
+    """
+    if step % update_freq[1] == 0:
+        if counts is None:
+            return "decomposition"
+        return "decomposition_full" if counts["full_scheduled"] else "decomposition_warm"
+    return "factor" if step % update_freq[0] == 0 else "plain"
+
+
+def amortised(kinds: dict[str, dict[str, Any]], update_freq: list[int], full_every: int) -> float | None:
+    """Mean seconds per iteration over a whole schedule, from the per-kind means: per ``decomposition_freq``
+    iterations one decomposition (a warm system's: a full ``eigh`` once in ``full_every``, warm the other times),
+    ``decomposition_freq / factor_freq - 1`` factor iterations, the rest plain. None where a kind was not measured."""
+    factor_freq, decomposition_freq = update_freq
+    mean = {kind: k["mean"] for kind, k in kinds.items()}
+    if "decomposition" in mean:
+        decomposition = mean["decomposition"]
+    elif "decomposition_full" in mean and "decomposition_warm" in mean:
+        decomposition = (mean["decomposition_full"] + (full_every - 1) * mean["decomposition_warm"]) / full_every
+    else:
+        return None
+    factors = decomposition_freq // factor_freq - 1
+    plain = decomposition_freq - 1 - factors
+    if (factors and "factor" not in mean) or (plain and "plain" not in mean):
+        return None
+    return (decomposition + factors * mean.get("factor", 0.0) + plain * mean.get("plain", 0.0)) / decomposition_freq
 
 
 def summarise(samples: dict[str, list[float]]) -> list[dict[str, Any]]:
@@ -233,6 +288,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--eigen-full-every", type=int, default=5, help="eigen_full_every of spdkfac-eigen-warm")
     ap.add_argument("--update-freq", type=int, nargs=2, default=[1, 1], metavar=("FACTOR", "DECOMPOSITION"))
+    ap.add_argument(
+        "--warmup-update-freq",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("FACTOR", "DECOMPOSITION"),
+        help="update frequencies of the warm-up (e.g. 10 100: a cheap way to the steady state of training before "
+        "measuring --update-freq; the last warm-up iteration already runs --update-freq)",
+    )
     ap.add_argument("--lr", type=float, default=0.1, help="SGD's rate for ResNet-50 (a lower one keeps the factors still)")
     ap.add_argument("--damping", type=float, default=0.003)
     ap.add_argument("--factor-decay", type=float, default=0.95)
@@ -241,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if args.warmup < 1 or args.iters < 2:
         ap.error("--warmup must be >= 1 and --iters >= 2 (a ratio interval needs two samples)")
+    for freqs, flag in ((args.update_freq, "--update-freq"), (args.warmup_update_freq, "--warmup-update-freq")):
+        if freqs is not None and (min(freqs) < 1 or freqs[1] % freqs[0]):
+            ap.error(f"{flag}: both positive, the decomposition frequency a multiple of the factor one; got {freqs}")
     if any(s in KAISA_SYSTEMS for s in args.systems):
         require_kaisa()  # before any worker starts measuring
     backend = start(args)
@@ -251,7 +318,12 @@ def main(argv: list[str] | None = None) -> None:
         rank,
         f"vs KAISA: {args.model} @ {args.resolution}px, batch {args.batch_size}/worker, {backend.size} workers, "
         f"factors every {args.update_freq[0]}, decompositions every {args.update_freq[1]} iterations; "
-        f"{args.rounds} round(s) of {args.warmup} warm-up + {args.iters} measured iterations per system",
+        f"{args.rounds} round(s) of {args.warmup} warm-up + {args.iters} measured iterations per system"
+        + (
+            ""
+            if args.warmup_update_freq is None
+            else " (warm-up at factors every {}, decompositions every {})".format(*args.warmup_update_freq)
+        ),
     )
     x, y = rank_batch(rank, args.batch_size, args.resolution)
     samples: dict[str, list[float]] = {s: [] for s in args.systems}
@@ -282,6 +354,11 @@ def main(argv: list[str] | None = None) -> None:
             share = row.get("refreshes", {}).get("warm_share")
             warm = "" if share is None else f"  warm refreshes {100 * share:.0f}%"
             print(f"{row['system']:<20} {row['median']:11.2f} {row['mean']:9.2f}  {vs:>34}{warm}")
+            if "amortised_s" in row:
+                kinds = ", ".join(f"{kind} {k['mean']:.2f} s (n={k['n']})" for kind, k in sorted(row["kinds"].items()))
+                vs_amortised = row.get(f"vs_{BASELINE}_amortised")
+                vs = "" if vs_amortised is None else f"  KAISA eigen / row {vs_amortised:.2f}x"
+                print(f"{'':<20} amortised over the schedule {row['amortised_s']:.2f} s{vs}  ({kinds})")
         print(f"wrote {args.out}")
 
 
@@ -314,6 +391,13 @@ def save(
     for row in table:
         if row["system"] in refreshes:
             row["refreshes"] = refresh_summary(refreshes[row["system"]])
+        if list(args.update_freq) != [1, 1]:
+            row.update(per_kind(row["system"], args, rounds))
+    if list(args.update_freq) != [1, 1] and any("amortised_s" in r for r in table):
+        base = next((r for r in table if r["system"] == BASELINE and "amortised_s" in r), None)
+        for row in table:
+            if base is not None and "amortised_s" in row:
+                row[f"vs_{BASELINE}_amortised"] = base["amortised_s"] / row["amortised_s"]
     save_json(
         {
             "args": vars(args),
@@ -331,6 +415,25 @@ def save(
         Path(args.out).parent,
     )
     return table
+
+
+def per_kind(name: str, args: Any, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A system's seconds per kind of iteration (:func:`iteration_kind`) over its rounds, and the schedule's
+    amortised mean from them (:func:`amortised`; a warm system: a full ``eigh`` every ``WarmRefresh().full_every``
+    refreshes, the optimizer's default, whatever ``--eigen-full-every`` the run used to measure one)."""
+    by_kind: dict[str, list[float]] = {}
+    for rnd in rounds:
+        secs = rnd["seconds"].get(name, [])
+        counts = rnd.get("refreshes", {}).get(name)
+        for i, s in enumerate(secs):
+            kind = iteration_kind(args.warmup + i, list(args.update_freq), None if counts is None else counts[i])
+            by_kind.setdefault(kind, []).append(s)
+    kinds = {kind: stats(xs) if len(xs) >= 2 else {"mean": xs[0], "median": xs[0], "n": 1} for kind, xs in by_kind.items()}
+    out: dict[str, Any] = {"kinds": kinds}
+    cost = amortised(kinds, list(args.update_freq), WarmRefresh().full_every)
+    if cost is not None:
+        out["amortised_s"] = cost
+    return out
 
 
 def describe(name: str, args: Any) -> str:

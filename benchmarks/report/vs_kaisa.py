@@ -19,6 +19,33 @@ def warm_refreshes(counts: dict[str, Any] | None) -> str:
     )
 
 
+KIND_ORDER = ("plain", "factor", "decomposition", "decomposition_warm", "decomposition_full")
+
+
+def amortised_table(rows: list[dict[str, Any]], a: dict[str, Any]) -> list[str]:
+    """Where factors and decompositions are not every iteration: each kind of iteration's mean and the schedule's
+    amortised mean built from them (empty for an every-iteration run)."""
+    if not any("amortised_s" in r for r in rows):
+        return []
+    kinds = [k for k in KIND_ORDER if any(k in r.get("kinds", {}) for r in rows)]
+    body = []
+    for r in rows:
+        cells = [f"{r['kinds'][k]['mean']:.2f} (n={r['kinds'][k]['n']})" if k in r.get("kinds", {}) else "" for k in kinds]
+        vs = r.get("vs_kaisa-eigen_amortised")
+        amortised = f"{r['amortised_s']:.2f}" if "amortised_s" in r else "not all kinds measured"
+        body.append([f"`{r['system']}`", *cells, amortised, "" if vs is None else f"{vs:.2f}x"])
+    f, i = a["update_freq"]
+    return [
+        f"Per kind of iteration (mean seconds): plain, factors only, decomposition (a warm system's: warm — the "
+        f"residual check's fallbacks included — or a full `eigh` by schedule). The schedule's amortised mean per "
+        f"iteration is built from them: per {i} iterations one decomposition, {i // f - 1} factor iterations and "
+        f"{i - i // f} plain ones, the warm system's decompositions a full `eigh` once in 10 (the optimizer's "
+        "default) whatever `--eigen-full-every` measured one.",
+        "",
+        *table(["system", *(k.replace("_", " ") for k in kinds), "amortised (s)", "KAISA eigen / row (amortised)"], body),
+    ]
+
+
 def title(rel: Path) -> str:
     """``vs_kaisa_<suffix>.json``'s title."""
     suffix = rel.stem.removeprefix("vs_kaisa").strip("_")
@@ -55,6 +82,15 @@ def vs_kaisa(path: Path, d: dict[str, Any]) -> list[str]:
         "(95% bootstrap interval); the machine was shared with other jobs, so compare the ratios, not the seconds.",
         "",
     ]
+    if a.get("warmup_update_freq"):
+        f, i = a["warmup_update_freq"]
+        lines += [
+            f"**Measured after {a['warmup']} iterations of training**: the warm-up ran factors every {f} and "
+            f"decompositions every {i} iterations (a cheap way past the first iterations of training, where the "
+            "factors move most), its last iteration already on the measured schedule, so the measured window starts "
+            "one iteration after a decomposition, as every window of a long run does.",
+            "",
+        ]
     if d.get("note"):
         lines += [f"_{d['note']}_", ""]
     if d.get("partial"):
@@ -67,6 +103,7 @@ def vs_kaisa(path: Path, d: dict[str, Any]) -> list[str]:
         "of those iterations made a full `eigh` of some factor (by schedule; on the residual check).",
         "",
     ]
+    lines += amortised_table(d["table"], a)
     measured = {r["system"] for r in d["table"]}
     if specs:
         lines += ["Systems: " + "; ".join(f"`{k}` = `{v}`" for k, v in specs.items() if k in measured) + ".", ""]

@@ -401,6 +401,39 @@ def test_vs_kaisa_measures_kaisa_beside_spdkfac(tmp_path):
     assert data["kaisa"]["version"]
 
 
+def test_vs_kaisa_warms_up_on_its_own_schedule_and_measures_on_the_given_one():
+    from types import SimpleNamespace
+
+    from benchmarks.vs_kaisa import update_freq
+
+    args = SimpleNamespace(update_freq=[1, 1], warmup_update_freq=None, warmup=101)
+    assert update_freq(args, 0) == update_freq(args, 1) == 1
+    args.warmup_update_freq = [10, 100]
+    factor, decomposition = update_freq(args, 0), update_freq(args, 1)
+    assert callable(factor)
+    assert callable(decomposition)
+    assert [factor(s) for s in (0, 99, 100, 101, 500)] == [10, 10, 1, 1, 1]  # the last warm-up step (100) is measured's
+    assert [decomposition(s) for s in (0, 99, 100, 101)] == [100, 100, 1, 1]
+
+
+def test_vs_kaisa_amortises_each_kind_of_iteration_over_the_schedule():
+    from benchmarks.vs_kaisa import amortised, iteration_kind
+
+    kinds = [iteration_kind(step, [10, 100], None) for step in range(200)]
+    assert (kinds.count("decomposition"), kinds.count("factor"), kinds.count("plain")) == (2, 18, 180)
+    assert (kinds[0], kinds[100], kinds[10], kinds[11]) == ("decomposition", "decomposition", "factor", "plain")
+    counts = {"warm": 5, "full_scheduled": 0, "full_drift": 1}
+    assert iteration_kind(100, [10, 100], counts) == "decomposition_warm"  # a fallback on the check is still a warm try
+    assert iteration_kind(100, [10, 100], {**counts, "full_scheduled": 3}) == "decomposition_full"
+    # per 100 iterations: 1 decomposition, 9 factor, 90 plain
+    exact = {"decomposition": {"mean": 50.0}, "factor": {"mean": 5.0}, "plain": {"mean": 1.0}}
+    assert amortised(exact, [10, 100], 10) == pytest.approx((50 + 9 * 5 + 90 * 1) / 100)
+    warm = {"decomposition_full": {"mean": 50.0}, "decomposition_warm": {"mean": 20.0}, "factor": {"mean": 5.0}, "plain": {"mean": 1.0}}
+    assert amortised(warm, [10, 100], 10) == pytest.approx(((50 + 9 * 20) / 10 + 9 * 5 + 90) / 100)
+    assert amortised({"plain": {"mean": 1.0}, "factor": {"mean": 5.0}}, [10, 100], 10) is None  # no decomposition measured
+    assert amortised({"decomposition": {"mean": 1.0}}, [1, 1], 10) == 1.0  # every iteration: the decomposition's
+
+
 @pytest.mark.skipif(_kaisa_installed(), reason="KAISA is installed: the missing-dependency message cannot be shown")
 def test_vs_kaisa_says_how_to_install_kaisa_when_missing():
     cmd = [sys.executable, "-m", "benchmarks.vs_kaisa", "--systems", "kaisa-eigen"]
