@@ -25,7 +25,7 @@ import torch.nn as nn
 from spdkfac import SPDKFACOptimizer
 from spdkfac.models import get_model
 
-from .common import log, machine, save_json, start, stats, workload_parser
+from .common import log, machine, rank_batch, save_json, start, stats, workload_parser
 
 
 def main() -> None:
@@ -44,11 +44,12 @@ def main() -> None:
     torch.manual_seed(0)
     model = get_model(args.model)
     channels = 1 if args.model.startswith("mnist") else 3
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch_size, channels, args.resolution, args.resolution, generator=g)
-    with torch.no_grad():
-        classes = model(x).shape[1]
-    y = torch.randint(0, classes, (args.batch_size,), generator=g)
+
+    def classes(inputs: torch.Tensor) -> int:
+        with torch.no_grad():
+            return int(model(inputs).shape[1])
+
+    x, y = rank_batch(rank, args.batch_size, args.resolution, channels, classes)
     opt = SPDKFACOptimizer(
         model, lr=0.01, backend=backend, factor_update_freq=1, inv_update_freq=args.inv_update_freq, perf_model=args.perf_model
     )

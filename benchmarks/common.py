@@ -1,4 +1,4 @@
-"""Shared helpers of the benchmark programs: engine, output folder, summary statistics."""
+"""Shared helpers of the benchmark programs: engine, output folder, synthetic batch, summary statistics."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import platform
 import statistics
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,24 @@ def start(args: argparse.Namespace, distributed: bool = True):
     from spdkfac.comm import get_backend
 
     return get_backend("auto")
+
+
+def rank_batch(
+    rank: int, batch_size: int, resolution: int, channels: int = 3, classes: int | Callable[[torch.Tensor], int] = 10
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's synthetic batch: ``batch_size`` images ``channels x resolution x resolution`` and class labels.
+
+    Drawn from a generator seeded with the rank (inputs first, then labels),
+    so each rank's batch is the same in every run and differs between ranks,
+    without touching the global random state the models are made with.
+    ``classes``: the number of classes, or a function of the inputs that
+    gives it (the width of a model's output, read before the labels are drawn).
+    """
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch_size, channels, resolution, resolution, generator=g)
+    n = classes(x) if callable(classes) else classes
+    y = torch.randint(0, n, (batch_size,), generator=g)
+    return x, y
 
 
 def machine() -> dict[str, Any]:

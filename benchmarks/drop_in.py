@@ -58,7 +58,7 @@ import torch.nn as nn
 from spdkfac import KFACPreconditioner, SPDKFACOptimizer
 from spdkfac.models import get_model
 
-from .common import log, machine, save_json, start, stats, workload_parser
+from .common import log, machine, rank_batch, save_json, start, stats, workload_parser
 from .vs_kaisa import kaisa_source, require_kaisa
 
 #: system name -> what it runs (the JSON's ``specs``)
@@ -226,9 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.compute_method} method, factors every {f_s} and decompositions every {i_s} steps; "
         f"{args.warmup} warm-up + {args.iters} measured cycles, systems interleaved step by step",
     )
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=g)
-    y = torch.randint(0, 10, (args.batch_size,), generator=g)
+    x, y = rank_batch(rank, args.batch_size, args.resolution)
     systems = [System(name, args) for name in args.systems]
     own: dict[str, list[float]] = {s.name: [] for s in systems}
     kinds: list[str] = []

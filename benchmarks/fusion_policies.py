@@ -33,7 +33,7 @@ from spdkfac.kfac.linalg import triangle_size
 from spdkfac.models import get_model
 from spdkfac.plan.factor_fusion import FusionPolicy
 
-from .common import bar_chart, log, machine, save_json, start, stats, workload_parser
+from .common import bar_chart, log, machine, rank_batch, save_json, start, stats, workload_parser
 
 
 def _comm_alone(opt: SPDKFACOptimizer, repeats: int) -> float:
@@ -70,9 +70,7 @@ def main() -> None:
         f"fusion policies on {args.model} @ {args.resolution}px, batch {args.batch_size}/worker, {backend.size} workers ({backend.name})",
     )
 
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=g)
-    y = torch.randint(0, 1000, (args.batch_size,), generator=g)
+    x, y = rank_batch(rank, args.batch_size, args.resolution, classes=1000)
     warm = 5  # 1 warm-up + 3 profiled factor steps + 1 on the new plan
     samples: dict[str, dict[str, list[float]]] = {p: {"compute": [], "wait": [], "iter": [], "alone": []} for p in ["sgd", *args.policies]}
     plans: dict[str, dict[str, int]] = {}

@@ -45,7 +45,19 @@ from spdkfac.runtime.output_path import output_file
 from spdkfac.step.kfac_step import StepHyper
 from spdkfac.variants import variant_argv, variant_config
 
-from .common import RESULTS, bar_chart, log, machine, ratio_interval, save_json, split_by_factor_step, start, stats, workload_parser
+from .common import (
+    RESULTS,
+    bar_chart,
+    log,
+    machine,
+    rank_batch,
+    ratio_interval,
+    save_json,
+    split_by_factor_step,
+    start,
+    stats,
+    workload_parser,
+)
 
 VARIANTS = ["sgd", "dkfac", "mpdkfac", "spdkfac", "-pipe-lbp", "+pipe-lbp", "-pipe+lbp", "+pipe+lbp", "spdkfac-dp"]
 PARTS = ["FF&BP", "GradComm", "FactorComp", "FactorComm", "InverseComp", "InverseComm", "Other"]
@@ -279,9 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         f"iteration time: {args.model} @ {args.resolution}px, batch {args.batch_size}/worker, {backend.size} workers ({backend.name}), "
         f"factors every {args.update_freq[0]}, inverses every {args.update_freq[1]} iterations",
     )
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=g)
-    y = torch.randint(0, 10, (args.batch_size,), generator=g)
+    x, y = rank_batch(rank, args.batch_size, args.resolution)
     device = worker_device(args.device)
     x, y = x.to(device), y.to(device)
     results: dict[str, dict[str, object]] = {}

@@ -61,7 +61,7 @@ from spdkfac.models import get_model
 from spdkfac.runtime.host_memory import release_freed_memory
 from spdkfac.runtime.output_path import output_file
 
-from .common import RESULTS, log, machine, ratio_interval, save_json, start, stats, workload_parser
+from .common import RESULTS, log, machine, rank_batch, ratio_interval, save_json, start, stats, workload_parser
 
 INSTALL = "pip install --no-deps kfac-pytorch   (KAISA, module kfac; torch is its only run-time need)"
 
@@ -325,9 +325,7 @@ def main(argv: list[str] | None = None) -> None:
             else " (warm-up at factors every {}, decompositions every {})".format(*args.warmup_update_freq)
         ),
     )
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=g)
-    y = torch.randint(0, 10, (args.batch_size,), generator=g)
+    x, y = rank_batch(rank, args.batch_size, args.resolution)
     samples: dict[str, list[float]] = {s: [] for s in args.systems}
     refreshes: dict[str, list[dict[str, Any]]] = {}  # warm systems: refresh counts per measured iteration
     rounds: list[dict[str, Any]] = []

@@ -391,6 +391,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         return loss
 
     @property
+    def needs_loss_closure(self) -> bool:
+        """Whether :meth:`step` must get a closure returning the batch's loss: under ``damping='adaptive'``
+        it evaluates the loss itself, before and after the update, to adjust the damping (a training loop
+        reads this instead of the optimizer's type or options)."""
+        return self._damping_step is not None
+
+    @property
     def last_reduction_ratio(self) -> float | None:
         """ρ of the last damping adjustment (``damping='adaptive'``; None before the first), for the record."""
         return None if self._damping_step is None else self._damping_step.last_reduction_ratio

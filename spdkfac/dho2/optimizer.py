@@ -178,6 +178,13 @@ class DHO2Optimizer(torch.optim.Optimizer):
             p.copy_(piece.view_as(p))
 
     @property
+    def needs_loss_closure(self) -> bool:
+        """Always True: :meth:`step` evaluates the loss itself (the Hessian-vector products of its eigenpair
+        refreshes differentiate the closure's loss), so a training loop passes ``step(closure)`` on every step;
+        it is called on the refresh steps only (:attr:`refresh_due`)."""
+        return True
+
+    @property
     def refresh_due(self) -> bool:
         """True when the next ``step()`` recomputes the eigenpairs (and so calls its closure)."""
         return self.steps % self.config.refresh_every == 0

@@ -65,12 +65,14 @@ class DeferredHandle:
 
 
 class Slot(NamedTuple):
-    """One all-reduce a part may start in a step: its name, its place in the fixed guess, and the names whose
-    place it takes in an order learned before it existed (a fused group: its members sent alone)."""
+    """One all-reduce a part may start in a step: its name, its place in the fixed guess, the names whose
+    place it takes in an order learned before it existed (a fused group: its members sent alone), and whether
+    the forward pass starts it (the factors ``A``: a blocking all-reduce between the passes comes after it)."""
 
     name: str
     guess: float
     anchors: tuple[str, ...] = ()
+    forward: bool = False
 
 
 class OrderParticipant(Protocol):
@@ -127,6 +129,7 @@ class CollectiveOrder:
         """Start a step: nothing issued, nothing held."""
         self._universe: tuple[str, ...] | None = None
         self._owner: dict[str, OrderParticipant] = {}
+        self._forward: set[str] = set()  # the all-reduces of this step's universe that the forward pass starts
         self._expected: list[str] = []
         self._pos = 0
         self._held: dict[str, _Held] = {}
@@ -140,6 +143,8 @@ class CollectiveOrder:
         for part in self.participants:
             for slot in part.universe():
                 self._owner[slot.name] = part
+                if slot.forward:
+                    self._forward.add(slot.name)
                 slots.append(slot)
         self._universe = tuple(slot.name for slot in slots)
         learned = self._learned.get(self._universe)
@@ -204,9 +209,9 @@ class CollectiveOrder:
         if not self.settled:
             if name in self._expected:
                 until = self._expected.index(name)
-            else:  # not called in the step this order was learned from: the factors A expected before any other
+            else:  # not called in the step this order was learned from: the forward pass's ones expected next
                 until = self._pos
-                while until < len(self._expected) and self._expected[until].startswith("spdkfac.factor.A."):
+                while until < len(self._expected) and self._expected[until] in self._forward:
                     until += 1
             self._issue_expected(until)
             if name in self._expected and self._expected.index(name) == self._pos:

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer
+from ..kfac.layers import FACTOR_KINDS, FactorKey, FactorKind, KFACLayer
 from ..kfac.linalg import non_finite_indices
 from .collective_order import CollectiveOrder, Slot
 from .compiled_hooks import register_factor_pre_hook, register_output_grad_hook
@@ -302,17 +302,18 @@ class FactorCollector:
 
         slots = []
         for kind in FACTOR_KINDS:
+            forward = kind == FactorKind.A  # the forward hooks compute A; G comes with the backward pass
             planned = self.controller.plan(kind) or []
             held = {key for members in planned for key in members}
             for members in planned:
                 name = group_name(members)
                 self._names[name] = list(members)
-                slots.append(Slot(name, max(guess(k) for k in members), tuple(group_name([k]) for k in members)))
+                slots.append(Slot(name, max(guess(k) for k in members), tuple(group_name([k]) for k in members), forward))
             for layer in self.layers:
                 key = (kind, layer.name)
                 if key not in held:
                     self._names[group_name([key])] = [key]
-                    slots.append(Slot(group_name([key]), guess(key)))
+                    slots.append(Slot(group_name([key]), guess(key), forward=forward))
         return slots
 
     def send_held(self) -> None:

@@ -257,6 +257,8 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
         loss_sum, correct, count = position.metrics
         totals = EpochTotals(loss_sum, correct, count)
         position.metrics = (0.0, 0.0, 0.0)
+        # Each step sets its own LR (lr_now); this one is the LR logged and checkpointed for an epoch with no
+        # step left (a mid-epoch checkpoint resumed on more workers can leave none), not the peak LR.
         training_step.set_lr(lr_at(args, base_lr, epoch, size))
         for loss in train_epoch(training_step, batches, lr_now, totals):
             position.step += 1

@@ -97,11 +97,6 @@ class EpochTotals:
     iter_s: list[float] = field(default_factory=list)  # each step's seconds
 
 
-def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step`` evaluates the loss itself: DHO2's Hessian-vector products, K-FAC's adaptive damping."""
-    return isinstance(optimizer, DHO2Optimizer) or getattr(optimizer, "adaptive_damping", None) is not None
-
-
 class TrainingStep:
     """One optimizer step on a batch: zero the gradients, forward and backward over ``accumulation_steps`` equal
     micro-batches under autocast, then the optimizer's step (through the fp16 loss scaler when there is one).
@@ -129,7 +124,8 @@ class TrainingStep:
         self.peak_lr = peak_lr
         self.lr = peak_lr
         self._group_peaks = [group["lr"] for group in optimizer.param_groups]
-        self._closure = scaler is None and _needs_closure(optimizer)
+        # Optimizers that evaluate the loss themselves say so (DHO2, K-FAC's adaptive damping); torch's do not.
+        self._closure = scaler is None and bool(getattr(optimizer, "needs_loss_closure", False))
 
     def set_lr(self, lr: float) -> None:
         """The LR of the next steps (the schedule's value at this point of training)."""

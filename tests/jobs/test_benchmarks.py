@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from launch import require_horovod, run_workers
 
 from benchmarks.main_job_seeds import main_job_kfac
@@ -102,6 +103,28 @@ def test_split_by_factor_step():
     assert split_by_factor_step([2.0, 3.0], warmup=1, iters=2, factor_freq=10) == {"other_steps": {"mean": 2.5, "n": 2}}
     with pytest.raises(ValueError, match="whole rounds"):
         split_by_factor_step([1.0] * 5, warmup=0, iters=2, factor_freq=2)
+
+
+def test_rank_batch_is_the_same_per_rank_and_differs_between_ranks():
+    from benchmarks.common import rank_batch
+
+    state = torch.get_rng_state()
+    x, y = rank_batch(1, 16, 8, channels=2, classes=5)
+    assert torch.equal(torch.get_rng_state(), state)  # the global random state (models, dropout) is left alone
+    assert (x.shape, x.dtype, y.shape, y.dtype) == ((16, 2, 8, 8), torch.float32, (16,), torch.int64)
+    assert set(y.tolist()) <= set(range(5))
+    again_x, again_y = rank_batch(1, 16, 8, channels=2, classes=5)
+    assert torch.equal(again_x, x)
+    assert torch.equal(again_y, y)
+    other_x, other_y = rank_batch(0, 16, 8, channels=2, classes=5)
+    assert not torch.equal(other_x, x)
+    assert not torch.equal(other_y, y)
+    seen: list[torch.Tensor] = []
+    # classes as a function of the inputs (a model's output width): the same draws, the labels after the inputs
+    width_x, width_y = rank_batch(1, 16, 8, channels=2, classes=lambda inputs: seen.append(inputs) or 5)
+    assert torch.equal(seen[0], x)
+    assert torch.equal(width_x, x)
+    assert torch.equal(width_y, y)
 
 
 def test_ratio_interval():

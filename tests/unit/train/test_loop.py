@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 
 from benchmarks import convergence
+from spdkfac import SPDKFACOptimizer
+from spdkfac.dho2 import DHO2Optimizer
 from spdkfac.train.args import parse_args
 from spdkfac.train.loop import EpochTotals, TrainingStep, lr_at, train_epoch
 from spdkfac.train.optimizer_options import KFAC_ARGUMENTS, optimizer_options
@@ -66,9 +68,9 @@ def test_the_lr_follows_the_schedule_and_other_groups_in_proportion() -> None:
 
 
 class _ClosureOptimizer(torch.optim.SGD):
-    """Stands for an optimizer that evaluates the loss itself (K-FAC's adaptive damping exposes ``adaptive_damping``)."""
+    """Stands for an optimizer that evaluates the loss itself (DHO2, K-FAC's adaptive damping: ``needs_loss_closure``)."""
 
-    adaptive_damping = object()
+    needs_loss_closure = True
 
     def __init__(self, params: object) -> None:
         super().__init__(params, lr=0.1)  # type: ignore[arg-type]
@@ -89,6 +91,21 @@ def test_an_optimizer_that_evaluates_the_loss_gets_the_whole_batch_as_its_closur
     step = TrainingStep(model, opt, 0.1, accumulation_steps=3, label_smoothing=0.1)
     step(x, y, EpochTotals())
     assert opt.closure_losses == [pytest.approx(expected, rel=1e-12)]
+
+
+def test_the_optimizers_that_evaluate_the_loss_say_so_and_get_the_closure() -> None:
+    """``needs_loss_closure``: K-FAC under adaptive damping and DHO2 evaluate the loss in step() (and refuse a step
+    without the closure); fixed damping and torch's optimizers do not."""
+    assert not SPDKFACOptimizer(_model(), lr=0.1).needs_loss_closure
+    assert not hasattr(torch.optim.SGD(_model().parameters(), lr=0.1), "needs_loss_closure")
+    x, y = _batches(1)[0]
+    for make in (lambda m: SPDKFACOptimizer(m, lr=0.1, damping="adaptive"), lambda m: DHO2Optimizer(m, refresh_every=1)):
+        model = _model()
+        opt = make(model)
+        assert opt.needs_loss_closure
+        before = [p.detach().clone() for p in model.parameters()]
+        TrainingStep(model, opt, 0.1)(x, y, EpochTotals())
+        assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
 def test_lr_at_warms_up_from_the_single_worker_lr_then_decays() -> None:
