@@ -2,7 +2,7 @@
 
     python -m benchmarks.dho2_admm \\
         --set mnist5k_b256=benchmarks/results/convergence/mnist5k_b256_admm/convergence.json,benchmarks/results/convergence/mnist5k_b256_dho2/convergence.json \\
-        --set digits_b32=benchmarks/results/convergence/digits_b32_admm/convergence.json,benchmarks/results/convergence/digits_b32_race/convergence.json \\
+        --set digits_b32_2w=benchmarks/results/convergence/digits_b32_admm_2w_wide/convergence.json,benchmarks/results/convergence/digits_b32_admm_2w/convergence.json \\
         --out benchmarks/results/dho2_admm.json
 
 Each ``--set`` names one setting (data set and per-worker batch) and the
