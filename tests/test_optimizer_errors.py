@@ -183,6 +183,11 @@ def test_timeline_export_and_summary():
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert len(records[0]["factors"]) == 2 * len(opt.layers)
     assert records[1]["factors"] == {}
+    # one worker decomposes every factor itself, at the decomposition steps only, inside the stage's time
+    assert set(records[0]["decompositions"]) == {f"{kind}.{layer.name}" for layer in opt.layers for kind in ("A", "G")}
+    assert all(t >= 0 for t in records[0]["decompositions"].values())
+    assert sum(records[0]["decompositions"].values()) <= records[0]["inverse_stage"]
+    assert records[1]["decompositions"] == {}
     summary = opt.timeline.summary()
     assert summary["iterations"] == 4
     assert summary["factor_compute"] > 0

@@ -147,7 +147,10 @@ def _stage(
         ref = factors[a.key]
         name = f"spdkfac.{method}.{_collective_name(a.key)}"
         if a.owner == rank:
+            started = Timeline.now() if record is not None else 0.0
             out[a.key], payload = owned(a.key, full(a.key, ref, a.dim))
+            if record is not None:
+                record.decompositions[_collective_name(a.key)] = Timeline.now() - started
         else:  # a non-holder posts an empty buffer, or without sub-group broadcasts receives one to drop
             size = payload_size(a.key, a.dim) if a.holds(rank) or not backend.native_subgroups else 0
             payload = torch.empty(size, dtype=ref.dtype, device=ref.device)
@@ -158,7 +161,10 @@ def _stage(
         pending.append((handle, payload, a.key, a.owner != rank and a.holds(rank), a.dim))
     for a in plan.assignments:
         if a.owner == ALL and a.holds(rank):
+            started = Timeline.now() if record is not None else 0.0
             out[a.key] = local(a.key, full(a.key, factors[a.key], a.dim))
+            if record is not None:
+                record.decompositions[_collective_name(a.key)] = Timeline.now() - started
     t_wait = Timeline.now() if record is not None else 0.0
     for handle, payload, key, keep, dim in pending:
         handle.wait()

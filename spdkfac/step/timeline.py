@@ -54,6 +54,9 @@ class IterationRecord:
     precondition_wait: float = 0.0  # blocked on broadcasts of preconditioned gradients (distribute_preconditioning)
     hooks: float = 0.0  # in the factor hooks beyond computing the factors (Python, packing, launching all-reduces)
     update: float = 0.0  # the base optimizer's update of the parameters (in step())
+    #: Seconds of each decomposition this rank computed (by factor, ``'A.layer1'``), inside ``inverse_stage``:
+    #: which rank's share sets the stage's length, and which factors make it.
+    decompositions: dict[str, float] = field(default_factory=dict)
 
     def rel(self, t: float) -> float:
         return t - self.t0

@@ -226,6 +226,7 @@ def _assert_timeline_consistent(iterations: list, n_layers: int) -> None:
             assert members[0]["comm_start"] >= max(ev["compute_end"] for ev in members)
         assert rec["factor_wait"] >= 0
         assert rec["inverse_stage"] >= rec["inverse_wait"] >= 0
+        assert sum(rec["decompositions"].values()) <= rec["inverse_stage"]  # this rank's share, inside the stage
     # After profiling, the big-alpha plan fuses: fewer groups than factors in the last iteration.
     assert len({ev["group"] for ev in iterations[-1]["factors"].values()}) < 2 * n_layers
 
