@@ -41,6 +41,14 @@ The learning rate is the one the model trains with (SGD's 0.1, momentum
 0.9): the factors, and so the warm refresh's work, depend on how far the
 weights move. ``--lr 1e-4`` keeps them almost still (the earlier published
 setting; label such a run as such).
+
+``--update-freq 10 100`` (the amortised schedule) adds, per system, the
+seconds of each kind of iteration (plain, factors only, decomposition: a warm
+system's warm tries and scheduled full ``eigh`` apart) and the schedule's
+amortised mean built from them. ``--warmup-update-freq 10 100`` with a long
+``--warmup`` (e.g. 101) trains both systems past the first iterations, where
+the factors move most, on that cheap schedule before measuring
+``--update-freq`` (its last warm-up iteration already runs the measured one).
 """
 
 from __future__ import annotations
