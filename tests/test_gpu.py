@@ -194,6 +194,32 @@ def test_bf16_autocast(device: torch.device) -> None:
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("module", ["conv3x3", "conv1x1", "linear"])
+def test_half_precision_factors_are_exact_products(device: torch.device, module: str) -> None:
+    """Factors of bf16/fp16 inputs (autocast) use TF32 tensor cores on a GPU, which multiplies such values exactly:
+    they equal the float64 Gram of the same values to float32 summation, as float32 inputs do without TF32; a loss
+    scale that is not a power of two keeps full float32 products. TF32 is off again afterwards. (64 rows of
+    positive inputs, as after a ReLU: TF32's rounding of float32 values would leave about 5e-5.)"""
+    from spdkfac.kfac.layers import KFACLayer, make_helper
+
+    torch.manual_seed(0)
+    net = {"conv3x3": nn.Conv2d(32, 48, 3, padding=1), "conv1x1": nn.Conv2d(32, 48, 1), "linear": nn.Linear(32, 48)}[module]
+    x = (torch.randn(4, 32, 4, 4) if module.startswith("conv") else torch.randn(64, 32)).abs() + 0.1
+    g = torch.randn_like(net(x).detach())
+    ref = KFACLayer("ref", make_helper(net.double()))  # float64 on the CPU
+    layer = KFACLayer("dev", make_helper(copy.deepcopy(net).float().to(device)))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        xs, gs = x.to(dtype), g.to(dtype)  # the values both sides multiply
+        for kind, got, want in (
+            ("A", layer.compute_a(xs.to(device)), ref.compute_a(xs.double())),
+            ("G", layer.compute_g(gs.to(device), loss_scale=2.0**10), ref.compute_g(gs.double(), loss_scale=2.0**10)),
+            ("G", layer.compute_g(gs.to(device), loss_scale=3.0), ref.compute_g(gs.double(), loss_scale=3.0)),
+        ):
+            error = float((got.double().cpu() - want).norm() / want.norm())
+            assert error < 3e-6, f"{module} {kind} from {dtype}: relative error {error:.1e}"
+        assert not torch.backends.cuda.matmul.allow_tf32
+
+
 def test_grad_scaler_on_device(device: torch.device) -> None:
     """The float16 loop's GradScaler on the device: a loss scale changes nothing (float64), a NaN step is skipped,
     and float16 autocast trains."""

@@ -33,7 +33,9 @@ space by ``1/damping``.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Union
@@ -44,6 +46,7 @@ import torch.nn as nn
 from .factor_shape import FactorKind, FactorShape
 from .layer_types import LayerHelper, make_helper, split_helpers
 from .methods import DecompositionMethod, MethodState, get_method
+from .tensor_cores import half_precision_products
 
 __all__ = [
     "FACTOR_KINDS",
@@ -135,7 +138,8 @@ class KFACLayer:
     def compute_a(self, x: torch.Tensor) -> torch.Tensor:
         """Batch factor ``A = Σ (a/S)(a/S)^T / n`` from the layer input, in flat form."""
         batch = x.shape[0]
-        with torch.autocast(x.device.type, enabled=False):  # under AMP the input may be half precision
+        exact = half_precision_products(x) if self.helper.grams_of_raw_values else contextlib.nullcontext()
+        with torch.autocast(x.device.type, enabled=False), exact:  # under AMP the input may be half precision
             gram, count = self.helper.input_gram(x.detach(), self.factor_dtype)
             # count = n*S rows: Σ (a/S)(a/S)^T / n = gram / (count * S).
             return self.shapes["A"].pack(gram.div_(count * self.helper.positions(count, batch)))
@@ -148,7 +152,9 @@ class KFACLayer:
         """
         batch = grad_output.shape[0]
         self.local_samples = batch
-        with torch.autocast(grad_output.device.type, enabled=False):
+        raw = self.helper.grams_of_raw_values and math.frexp(loss_scale)[0] == 0.5  # (dividing by 2^k is exact)
+        exact = half_precision_products(grad_output) if raw else contextlib.nullcontext()
+        with torch.autocast(grad_output.device.type, enabled=False), exact:
             g = grad_output.detach().to(self.factor_dtype)
             if loss_scale != 1.0:
                 g = g / loss_scale

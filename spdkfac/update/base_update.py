@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..options import Option
-from .rules import adamw_delta, lamb_delta, momentum_direction
+from .rules import adamw_delta, lamb_delta, momentum_direction, momentum_directions
 
 __all__ = ["BaseOptimizer", "apply_base_update", "base_defaults", "sgd_param_update"]
 
@@ -76,6 +76,7 @@ def apply_base_update(
     """
     for group in param_groups:
         lr, wd = group["lr"], group["weight_decay"]
+        batched: list[torch.Tensor] = []  # momentum SGD's parameters, stepped together (multi-tensor kernels)
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -87,7 +88,14 @@ def apply_base_update(
                     delta.add_(p.detach(), alpha=-lr * wd)
                 p.add_(delta)
             elif base == BaseOptimizer.SGD:
-                sgd_param_update(p, p.grad, state[p], lr, group["momentum"], wd)
+                if p.grad.is_sparse:  # (no multi-tensor kernels for sparse gradients)
+                    sgd_param_update(p, p.grad, state[p], lr, group["momentum"], wd)
+                else:
+                    batched.append(p)
             else:
                 rule = adamw_delta if base == BaseOptimizer.ADAMW else lamb_delta
                 p.add_(rule(p.grad, p, state[p], lr, group["betas"], group["eps"], wd))
+        if batched:
+            grads = [p.grad for p in batched if p.grad is not None]  # (all of them: checked above)
+            directions = momentum_directions(grads, batched, [state[p] for p in batched], group["momentum"], wd)
+            torch._foreach_add_(batched, directions, alpha=-lr)

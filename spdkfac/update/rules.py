@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["adamw_delta", "lamb_delta", "momentum_direction"]
+__all__ = ["adamw_delta", "lamb_delta", "momentum_direction", "momentum_directions"]
 
 
 def momentum_direction(
@@ -35,6 +35,34 @@ def momentum_direction(
     else:
         buf.mul_(momentum).add_(d_p)
     return buf
+
+
+def momentum_directions(
+    grads: list[torch.Tensor], params: list[torch.Tensor], states: list[dict[str, Any]], momentum: float, weight_decay: float
+) -> list[torch.Tensor]:
+    """:func:`momentum_direction` of many parameters at once, with multi-tensor (``foreach``) kernels.
+
+    The same arithmetic per element as the one-parameter rule (bitwise on
+    the CPU, where each ``foreach`` call runs the per-tensor kernels), but a
+    handful of kernel launches in all instead of three per parameter: on a
+    GPU a step over ResNet-50's 161 parameters was otherwise bound by the
+    launches (10 ms against SGD's 1.5 ms on an H200).
+    """
+    d_p = list(grads) if weight_decay == 0 else list(torch._foreach_add(grads, params, alpha=weight_decay))
+    if momentum == 0:
+        return d_p
+    out = list(d_p)
+    kept = [i for i, state in enumerate(states) if state.get("momentum_buffer") is not None]
+    for i, state in enumerate(states):
+        if state.get("momentum_buffer") is None:
+            out[i] = state["momentum_buffer"] = d_p[i].detach().clone()
+    if kept:
+        bufs = [states[i]["momentum_buffer"] for i in kept]
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, [d_p[i] for i in kept])
+        for i, buf in zip(kept, bufs):
+            out[i] = buf
+    return out
 
 
 def adamw_delta(

@@ -61,6 +61,7 @@ def _pair(values: tuple[int, ...], one_d: bool) -> tuple[int, int]:
 
 class ConvHelper(LayerHelper):
     module: Conv
+    grams_of_raw_values = True  # (the input rows and output gradients as they came)
 
     def __init__(self, module: Conv) -> None:
         super().__init__(module)

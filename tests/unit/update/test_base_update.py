@@ -8,6 +8,7 @@ written here from the paper in float64.
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 
@@ -262,3 +263,44 @@ def test_training_job_defaults_follow_the_base():
     assert (args.lr, args.weight_decay) == (1e-3, 0.05)
     args = parse_args([])
     assert (args.lr, args.weight_decay) == (0.05, 5e-4)
+
+
+@pytest.mark.parametrize(("momentum", "weight_decay"), [(0.9, 1e-3), (0.9, 0.0), (0.0, 1e-3), (0.0, 0.0)])
+def test_batched_momentum_rule_is_the_one_parameter_rule_bitwise(momentum, weight_decay):
+    """The multi-tensor form (fresh and kept buffers mixed, as when a parameter first gets a gradient later) gives
+    each parameter the one-parameter rule's direction and buffer, bit for bit."""
+    from spdkfac.update.rules import momentum_direction, momentum_directions
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3, 4), (5,), (2, 3, 3), (7,)]
+    params = [torch.randn(s, generator=gen) for s in shapes]
+    one: list[dict] = [{} for _ in shapes]
+    many: list[dict] = [{} for _ in shapes]
+    for step in range(3):
+        present = range(len(shapes)) if step else [0, 2]  # parameters 1 and 3 start with the second step
+        grads = {i: torch.randn(shapes[i], generator=gen) for i in present}
+        want = [momentum_direction(grads[i], params[i], one[i], momentum, weight_decay).clone() for i in present]
+        got = momentum_directions(
+            [grads[i] for i in present], [params[i] for i in present], [many[i] for i in present], momentum, weight_decay
+        )
+        for w, g in zip(want, got):
+            assert torch.equal(w, g)
+        for i in present:
+            assert torch.equal(one[i].get("momentum_buffer", torch.empty(0)), many[i].get("momentum_buffer", torch.empty(0)))
+
+
+def test_base_sgd_steps_a_sparse_gradient_beside_dense_ones():
+    """A sparse Embedding (no K-FAC layer, the base update only) steps beside the dense parameters as torch's SGD."""
+    torch.manual_seed(0)
+    ours = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 3))
+    ref = copy.deepcopy(ours)
+    x, y = torch.randint(0, 10, (6, 2)), torch.randint(0, 3, (6,))
+    opt = _no_kfac(ours, lr=0.05, momentum=0.9, weight_decay=0.0)
+    torch_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for model, o in ((ours, opt), (ref, torch_opt)):
+        for _ in range(3):
+            o.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            o.step()
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
