@@ -196,12 +196,15 @@ def test_bf16_autocast(device: torch.device) -> None:
 
 @pytest.mark.parametrize("module", ["conv3x3", "conv1x1", "linear"])
 def test_half_precision_factors_are_exact_products(device: torch.device, module: str) -> None:
-    """Factors of bf16/fp16 inputs (autocast) use TF32 tensor cores on a GPU, which multiplies such values exactly:
-    they equal the float64 Gram of the same values to float32 summation, as float32 inputs do without TF32; a loss
-    scale that is not a power of two keeps full float32 products. TF32 is off again afterwards. (64 rows of
-    positive inputs, as after a ReLU: TF32's rounding of float32 values would leave about 5e-5.)"""
+    """Factors of bf16/fp16 inputs (autocast) keep the rows in half precision on a GPU, multiplied into float32 on
+    the tensor cores: exact products, so they equal the float64 Gram of the same values to float32 summation,
+    as float32 inputs do (with or without a loss scale, divided out afterwards). (64 rows of positive inputs,
+    as after a ReLU: rounding the inputs to TF32 or bf16 would leave about 5e-5.)"""
     from spdkfac.kfac.layers import KFACLayer, make_helper
+    from spdkfac.kfac.tensor_cores import keeps_half_rows
 
+    if device.type == "cuda":  # the fast path is the one under test
+        assert keeps_half_rows(torch.zeros(1, device=device, dtype=torch.bfloat16), torch.float32)
     torch.manual_seed(0)
     net = {"conv3x3": nn.Conv2d(32, 48, 3, padding=1), "conv1x1": nn.Conv2d(32, 48, 1), "linear": nn.Linear(32, 48)}[module]
     x = (torch.randn(4, 32, 4, 4) if module.startswith("conv") else torch.randn(64, 32)).abs() + 0.1
@@ -217,7 +220,6 @@ def test_half_precision_factors_are_exact_products(device: torch.device, module:
         ):
             error = float((got.double().cpu() - want).norm() / want.norm())
             assert error < 3e-6, f"{module} {kind} from {dtype}: relative error {error:.1e}"
-        assert not torch.backends.cuda.matmul.allow_tf32
 
 
 def test_grad_scaler_on_device(device: torch.device) -> None:

@@ -33,9 +33,7 @@ space by ``1/damping``.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Union
@@ -46,7 +44,7 @@ import torch.nn as nn
 from .factor_shape import FactorKind, FactorShape
 from .layer_types import LayerHelper, make_helper, split_helpers
 from .methods import DecompositionMethod, MethodState, get_method
-from .tensor_cores import half_precision_products
+from .tensor_cores import keeps_half_rows
 
 __all__ = [
     "FACTOR_KINDS",
@@ -138,9 +136,9 @@ class KFACLayer:
     def compute_a(self, x: torch.Tensor) -> torch.Tensor:
         """Batch factor ``A = Σ (a/S)(a/S)^T / n`` from the layer input, in flat form."""
         batch = x.shape[0]
-        exact = half_precision_products(x) if self.helper.grams_of_raw_values else contextlib.nullcontext()
-        with torch.autocast(x.device.type, enabled=False), exact:  # under AMP the input may be half precision
-            gram, count = self.helper.input_gram(x.detach(), self.factor_dtype)
+        half = self.helper.half_rows and keeps_half_rows(x, self.factor_dtype)  # (exact float32 Grams of half rows)
+        with torch.autocast(x.device.type, enabled=False):  # under AMP the input may be half precision
+            gram, count = self.helper.input_gram(x.detach(), x.dtype if half else self.factor_dtype)
             # count = n*S rows: Σ (a/S)(a/S)^T / n = gram / (count * S).
             return self.shapes["A"].pack(gram.div_(count * self.helper.positions(count, batch)))
 
@@ -152,13 +150,14 @@ class KFACLayer:
         """
         batch = grad_output.shape[0]
         self.local_samples = batch
-        raw = self.helper.grams_of_raw_values and math.frexp(loss_scale)[0] == 0.5  # (dividing by 2^k is exact)
-        exact = half_precision_products(grad_output) if raw else contextlib.nullcontext()
-        with torch.autocast(grad_output.device.type, enabled=False), exact:
-            g = grad_output.detach().to(self.factor_dtype)
-            if loss_scale != 1.0:
+        half = self.helper.half_rows and keeps_half_rows(grad_output, self.factor_dtype)
+        with torch.autocast(grad_output.device.type, enabled=False):
+            g = grad_output.detach() if half else grad_output.detach().to(self.factor_dtype)
+            if loss_scale != 1.0 and not half:
                 g = g / loss_scale
             gram, rows = self.helper.output_gram(g)
+            if loss_scale != 1.0 and half:  # (out of the float32 Gram: dividing fp16 values could underflow)
+                gram.div_(loss_scale * loss_scale)
             return self.shapes["G"].pack(gram.mul_(batch * self.helper.positions(rows, batch)))
 
     # -- running averages and decompositions --------------------------------------

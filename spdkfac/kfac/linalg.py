@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .tensor_cores import HALF_DTYPES, gram_of_half_rows
+
 __all__ = [
     "all_finite",
     "channel_gram",
@@ -82,6 +84,8 @@ def symmetric_gram(rows: torch.Tensor) -> torch.Tensor:
     """
     dim = rows.shape[1]
     if rows.device.type != "cpu":  # a GPU: one product (measured on an H200: strips cost launches, not flops)
+        if rows.dtype in HALF_DTYPES:  # half-precision rows (autocast): exact products into float32
+            return mirror_upper_(gram_of_half_rows(rows))
         return mirror_upper_(rows.transpose(0, 1) @ rows)
     block = 128 if dim <= 768 else _BLOCK
     if dim < 2 * block:  # one strip: a full GEMM, made exactly symmetric

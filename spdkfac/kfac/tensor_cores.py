@@ -1,60 +1,55 @@
-"""Factor products on a GPU's tensor cores where that is exact: inputs that were half precision.
+"""Factor products of half-precision inputs on a GPU's tensor cores, exactly: bf16/fp16 rows into a float32 Gram.
 
-Under autocast a layer's input and output gradient are bf16 or fp16. The
-factor hooks widen them to float32 before the Gram products, and a float32
-product runs on the GPU's plain float32 units unless TF32 is allowed: on an
-H200 those products were 70 of the 114 ms of a ResNet-50 factor step
-(224x224, batch 64). TF32 rounds each input to 10 mantissa bits, which loses
-nothing for values that came from bf16 (7 bits) or fp16 (10 bits), possibly
-scaled by a power of two (a GradScaler's scale); the products of two such
-values fit a float32 exactly and are summed in float32. So, for those inputs
-only, TF32 changes the summation order and nothing else. Float32 inputs (a
-model trained without autocast, the first layer's images) keep full float32
-products.
+Under autocast a layer's input and output gradient are bf16 or fp16. Widening
+them to float32 before the Gram products (the general path) costs a copy of
+every row block and runs the products on the GPU's plain float32 units: on an
+H200 those were 70 of the 114 ms of a ResNet-50 factor step (224x224, batch
+64). Kept in their half precision and multiplied with float32 accumulation
+and a float32 result (``torch.mm(..., out_dtype=torch.float32)``), the rows
+take 0.21 ms where float32 took 2.5-3.2 ms and TF32 0.56-1.0 ms at
+ResNet-50's 3x3 shapes. Nothing is rounded that the float32 path keeps: the
+product of two bf16 (8-bit) or fp16 (11-bit significand) values fits a
+float32 exactly, and the sums are float32 sums, so only their order changes.
+
+Only Gram matrices of the values as they came qualify (a helper says so with
+``half_rows``); a loss scale is divided out of the float32 Gram afterwards.
+Float32 inputs (no autocast, the first layer's images), the CPU, and torch
+versions without ``out_dtype`` keep the float32 path.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import functools
 
 import torch
 
-__all__ = ["exact_on_tensor_cores", "half_precision_products"]
+__all__ = ["HALF_DTYPES", "gram_of_half_rows", "keeps_half_rows"]
 
-#: Input dtypes whose values TF32 holds exactly (at most 10 explicit mantissa bits).
-_EXACT_IN_TF32 = (torch.bfloat16, torch.float16)
-
-
-def exact_on_tensor_cores(source: torch.Tensor) -> bool:
-    """Whether the factor products of ``source`` (before widening) may run on TF32 tensor cores without a change:
-    a CUDA tensor in bf16 or fp16."""
-    return source.device.type == "cuda" and source.dtype in _EXACT_IN_TF32
+#: Input dtypes whose pairwise products a float32 holds exactly.
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-@contextlib.contextmanager
-def half_precision_products(source: torch.Tensor) -> Iterator[None]:
-    """Allow TF32 for the float32 matrix products inside, where :func:`exact_on_tensor_cores` holds for ``source``.
-
-    The setting is process-wide: the block must only multiply values taken
-    from ``source`` by exact operations. Leaving restores it exactly as it
-    was (torch's old and new TF32 settings alike; torch refuses a matmul
-    whose two settings disagree). Where the user already allows TF32 (or
-    lower) for float32 products, nothing changes.
-    """
-    matmul = torch.backends.cuda.matmul
-    new_setting = getattr(matmul, "fp32_precision", None)  # torch >= 2.9 ("none": the global one's)
-    if new_setting is None:
-        reduced = torch.get_float32_matmul_precision() != "highest"
-    else:
-        reduced = (torch.backends.fp32_precision if new_setting == "none" else new_setting) not in ("none", "ieee")
-    if reduced or not exact_on_tensor_cores(source):
-        yield
-        return
-    matmul.allow_tf32 = True  # (sets both: the old precision "high", the new "tf32")
+@functools.cache
+def _multiplies_half_into_float32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch multiplies ``dtype`` matrices on ``device`` into a float32 result (``mm``'s ``out_dtype``)."""
+    one = torch.ones(1, 1, device=device, dtype=dtype)
     try:
-        yield
-    finally:
-        matmul.allow_tf32 = False  # (the old "highest", the new "ieee")
-        if new_setting is not None:
-            matmul.fp32_precision = new_setting  # (as it was: "none" inherits, "ieee")
+        return torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def keeps_half_rows(source: torch.Tensor, factor_dtype: torch.dtype) -> bool:
+    """Whether the Gram rows of ``source`` may stay in its own half precision: a CUDA bf16/fp16 tensor, float32
+    factors, and a torch that multiplies such matrices into float32."""
+    return (
+        source.device.type == "cuda"
+        and source.dtype in HALF_DTYPES
+        and factor_dtype == torch.float32
+        and _multiplies_half_into_float32(source.device, source.dtype)
+    )
+
+
+def gram_of_half_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows^T rows`` of bf16/fp16 rows as float32: exact products, float32 sums, on the tensor cores."""
+    return torch.mm(rows.transpose(0, 1), rows, out_dtype=torch.float32)

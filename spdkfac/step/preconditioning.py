@@ -21,23 +21,47 @@ from ..kfac.layers import KFACLayer
 from ..plan.work_plan import WorkPlan
 from .timeline import IterationRecord, Timeline
 
-__all__ = ["Preconditioner", "kl_clip_scale"]
+__all__ = ["Preconditioner", "kl_clip_scale", "scale_updates_"]
 
 #: Blocks until the given parameters' averaged gradients are in place.
 GradWaiter = Callable[[list[torch.Tensor]], None]
 
 
-def kl_clip_scale(grads: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], lr: float, kl_clip: float | None) -> float:
-    """The factor every update is multiplied by: ``min(1, sqrt(kl_clip / |Σ lr² v·grad|))`` (1 without a clip)."""
+def kl_clip_scale(grads: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], lr: float, kl_clip: float | None) -> torch.Tensor | None:
+    """The factor every update is multiplied by, ``min(1, sqrt(kl_clip / |Σ lr² v·grad|)))``, as a float64 scalar
+    tensor on the updates' device (None without a clip).
+
+    Computed where the updates are, so that a GPU step needs no host
+    synchronisation for it (the host would otherwise wait for the whole
+    preconditioning before issuing the rest of the step). The arithmetic is
+    the float64 one of summing the layers' float32 products in order (a
+    sequential cumulative sum), then the square root and the clamp.
+    """
     if kl_clip is None:
-        return 1.0
-    # One host sync for all layers (a GPU waits at every float(tensor)); summed in Python, in order, as before.
+        return None
+    if not updates:
+        return torch.ones((), dtype=torch.float64)
+    home = updates[0].device
     # The products in one multi-tensor call (the same per-element products as ``update * grad``: fewer launches).
-    products = [product.sum() for product in torch._foreach_mul(list(updates), list(grads))] if updates else []
-    same = len({(p.dtype, p.device) for p in products}) == 1
-    values = torch.stack(products).tolist() if products and same else [float(p) for p in products]
-    vg_sum = abs(sum(values) * lr**2)
-    return min(1.0, math.sqrt(kl_clip / vg_sum)) if vg_sum > 0 else 1.0
+    products = [product.sum() for product in torch._foreach_mul(list(updates), list(grads))]
+    if len({(p.dtype, p.device) for p in products}) == 1:
+        per_layer = torch.stack(products).to(torch.float64)
+    else:
+        per_layer = torch.stack([p.to(home, torch.float64) for p in products])
+    vg_sum = per_layer.cumsum(0)[-1].mul(lr**2).abs()
+    scale = torch.sqrt(torch.div(kl_clip, vg_sum)).clamp_(max=1.0)
+    return torch.where(vg_sum > 0, scale, torch.ones_like(scale))  # (NaN or no product: 1; the NaN check follows)
+
+
+def scale_updates_(updates: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply every update by the clip's ``scale`` in place, as ``update.mul_(float(scale))`` would (the scale
+    rounded to the update's arithmetic precision), with one multi-tensor call per dtype."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for update in updates:
+        groups.setdefault((update.dtype, update.device), []).append(update)
+    for (dtype, device), group in groups.items():
+        factor = scale.to(device, torch.float64 if dtype == torch.float64 else torch.float32)
+        torch._foreach_mul_(group, factor)
 
 
 class Preconditioner:
@@ -71,8 +95,8 @@ class Preconditioner:
             grads = [found[i][0] for i in range(len(layers))]
             updates = [found[i][1] for i in range(len(layers))]
         scale = kl_clip_scale(grads, updates, lr, kl_clip)
-        if scale != 1.0 and updates:
-            torch._foreach_mul_(updates, scale)  # (one multi-tensor call: each update's mul_(scale))
+        if scale is not None:
+            scale_updates_(updates, scale)
         for layer, update in zip(layers, updates):
             layer.write_grad(update)
         if record is not None:

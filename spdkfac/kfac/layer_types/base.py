@@ -30,10 +30,10 @@ class LayerHelper(abc.ABC):
 
     #: What the start-up summary calls these layers (None: the module's class name).
     kind: str | None = None
-    #: Whether the Gram matrices multiply the input and output-gradient values as they came (widened and
-    #: rearranged, never computed on): then half-precision values multiply exactly on TF32 tensor cores
-    #: (:mod:`spdkfac.kfac.tensor_cores`). False for types whose Grams multiply values they computed.
-    grams_of_raw_values: bool = False
+    #: Whether ``input_gram`` and ``output_gram`` take bf16/fp16 rows on a GPU (``dtype``, the output gradient's
+    #: dtype) and return their float32 Gram (:mod:`spdkfac.kfac.tensor_cores`): types whose Grams multiply the
+    #: values as they came, rearranged but never computed on, by :func:`~spdkfac.kfac.linalg.symmetric_gram`.
+    half_rows: bool = False
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module

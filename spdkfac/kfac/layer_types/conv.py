@@ -61,7 +61,6 @@ def _pair(values: tuple[int, ...], one_d: bool) -> tuple[int, int]:
 
 class ConvHelper(LayerHelper):
     module: Conv
-    grams_of_raw_values = True  # (the input rows and output gradients as they came)
 
     def __init__(self, module: Conv) -> None:
         super().__init__(module)
@@ -69,6 +68,7 @@ class ConvHelper(LayerHelper):
         self.one_d = isinstance(m, nn.Conv1d)
         self.kernel_size = _pair(m.kernel_size, self.one_d)
         self.stride = _pair(m.stride, self.one_d)
+        self.half_rows = m.groups == 1  # (the grouped and depthwise Grams are batched products and sums)
         self.dilation = _pair(m.dilation, self.one_d)
         self.groups = int(m.groups)
         zero = _symmetric_zero_padding(m)
@@ -251,7 +251,7 @@ def _with_bias_row(gram: torch.Tensor, x: torch.Tensor, with_bias: bool) -> tupl
     c = gram.shape[0]
     out = gram.new_empty(c + 1, c + 1)
     out[:c, :c] = gram
-    sums = x.sum(dim=[0, *range(2, x.dim())])
+    sums = x.sum(dim=[0, *range(2, x.dim())], dtype=gram.dtype)  # (float32 sums of half-precision rows)
     out[c, :c] = sums
     out[:c, c] = sums
     out[c, c] = count

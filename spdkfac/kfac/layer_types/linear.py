@@ -14,7 +14,7 @@ __all__ = ["LinearHelper"]
 
 class LinearHelper(LayerHelper):
     module: nn.Linear
-    grams_of_raw_values = True  # (the input rows and output gradients as they came)
+    half_rows = True
 
     @property
     def a_shape(self) -> FactorShape:

@@ -15,7 +15,7 @@ from spdkfac.kfac.layers import kfac_layers
 from spdkfac.kfac.linalg import invert_spd
 from spdkfac.perfmodels import load_perf_model
 from spdkfac.plan.work_plan import LayerShape, WorkPlan
-from spdkfac.step.preconditioning import Preconditioner, kl_clip_scale
+from spdkfac.step.preconditioning import Preconditioner, kl_clip_scale, scale_updates_
 
 DAMPING = 0.01
 
@@ -92,9 +92,32 @@ def test_kl_clip_binds_and_scales_every_layer_alike():
 def test_kl_clip_scale_formula():
     grads = [torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0]])]
     updates = [torch.tensor([[2.0, 1.0]]), torch.tensor([[-1.0]])]  # Σ v·g = 2 + 2 - 3 = 1
-    assert kl_clip_scale(grads, updates, lr=0.5, kl_clip=None) == 1.0
-    assert kl_clip_scale(grads, updates, lr=0.5, kl_clip=1.0) == 1.0  # sqrt(1 / 0.25) > 1
-    assert math.isclose(kl_clip_scale(grads, updates, lr=0.5, kl_clip=0.01), math.sqrt(0.01 / 0.25))
+    assert kl_clip_scale(grads, updates, lr=0.5, kl_clip=None) is None
+    assert float(kl_clip_scale(grads, updates, lr=0.5, kl_clip=1.0)) == 1.0  # sqrt(1 / 0.25) > 1
+    assert float(kl_clip_scale(grads, updates, lr=0.5, kl_clip=0.01)) == math.sqrt(0.01 / 0.25)
+    zero = [torch.zeros(1, 2), torch.zeros(1, 1)]
+    assert float(kl_clip_scale(grads, zero, lr=0.5, kl_clip=0.01)) == 1.0  # no product: no clip
+    nan = [torch.tensor([[float("nan"), 1.0]]), torch.tensor([[1.0]])]
+    assert float(kl_clip_scale(grads, nan, lr=0.5, kl_clip=0.01)) == 1.0  # (the non-finite check then skips the step)
+
+
+def test_kl_clip_scale_is_the_float64_sum_in_layer_order_and_scales_as_a_python_float():
+    """The device-side scale equals, bitwise, the float64 arithmetic on the host (products summed in layer order)
+    that it replaces, and scaling by it equals ``mul_`` by that Python float, in float32 and float64."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, 7, generator=gen) for _ in range(30)]
+    updates = [torch.randn(5, 7, generator=gen) * 1e-3 for _ in range(30)]
+    values = [float((u * g).sum()) for g, u in zip(grads, updates)]
+    vg = abs(sum(values) * 0.3**2)
+    want = min(1.0, math.sqrt(1e-4 / vg))
+    scale = kl_clip_scale(grads, updates, lr=0.3, kl_clip=1e-4)
+    assert scale.dtype == torch.float64
+    assert float(scale) == want < 1.0
+    for dtype in (torch.float32, torch.float64):
+        mine = [u.to(dtype) for u in updates]
+        theirs = [u.to(dtype).mul_(want) for u in updates]
+        scale_updates_(mine, scale)
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
