@@ -25,7 +25,9 @@ from nets import assert_bitwise_equal, batch, mixed_net, small_net, train
 from unit.kfac.test_reference_kfac import ConvLinearNet, ReferenceKFAC
 
 from spdkfac import SPDKFACOptimizer
+from spdkfac.kfac.layers import KFACLayer, make_helper
 from spdkfac.kfac.linalg import cupy_available, invert_spd
+from spdkfac.kfac.tensor_cores import keeps_half_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -200,9 +202,6 @@ def test_half_precision_factors_are_exact_products(device: torch.device, module:
     the tensor cores: exact products, so they equal the float64 Gram of the same values to float32 summation,
     as float32 inputs do (with or without a loss scale, divided out afterwards). (64 rows of positive inputs,
     as after a ReLU: rounding the inputs to TF32 or bf16 would leave about 5e-5.)"""
-    from spdkfac.kfac.layers import KFACLayer, make_helper
-    from spdkfac.kfac.tensor_cores import keeps_half_rows
-
     if device.type == "cuda":  # the fast path is the one under test
         assert keeps_half_rows(torch.zeros(1, device=device, dtype=torch.bfloat16), torch.float32)
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ import torch.nn as nn
 from nets import batch, small_net
 
 from spdkfac import SPDKFACOptimizer
-from spdkfac.update.rules import lamb_delta
+from spdkfac.update.rules import lamb_delta, momentum_direction, momentum_directions
 from spdkfac.variants import make_optimizer, variant_config
 
 STEPS = 5
@@ -269,8 +269,6 @@ def test_training_job_defaults_follow_the_base():
 def test_batched_momentum_rule_is_the_one_parameter_rule_bitwise(momentum, weight_decay):
     """The multi-tensor form (fresh and kept buffers mixed, as when a parameter first gets a gradient later) gives
     each parameter the one-parameter rule's direction and buffer, bit for bit."""
-    from spdkfac.update.rules import momentum_direction, momentum_directions
-
     gen = torch.Generator().manual_seed(0)
     shapes = [(3, 4), (5,), (2, 3, 3), (7,)]
     params = [torch.randn(s, generator=gen) for s in shapes]
