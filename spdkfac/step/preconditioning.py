@@ -28,7 +28,7 @@ GradWaiter = Callable[[list[torch.Tensor]], None]
 
 
 def kl_clip_scale(grads: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], lr: float, kl_clip: float | None) -> torch.Tensor | None:
-    """The factor every update is multiplied by, ``min(1, sqrt(kl_clip / |Σ lr² v·grad|)))``, as a float64 scalar
+    """The factor every update is multiplied by, ``min(1, sqrt(kl_clip / |Σ lr² v·grad|))``, as a float64 scalar
     tensor on the updates' device (None without a clip).
 
     Computed where the updates are, so that a GPU step needs no host
