@@ -20,7 +20,9 @@ runs out of its time is recorded with its error, and the next one runs):
    (factors every 10, decompositions every 100, a window holding one
    decomposition step), each as a ratio to SGD's time; then the every-step
    configurations' phases from the optimizer's timeline (a separate,
-   synchronised run). Later batch sizes repeat SGD and amortised K-FAC.
+   synchronised run). Later batch sizes repeat SGD and amortised K-FAC. Then
+   ViT-S/16 at the first batch size (a transformer, whose usual optimizer is
+   AdamW): SGD, AdamW, and amortised K-FAC on an SGD and on an AdamW base.
 4. ``perfmodel``: ``python -m spdkfac.perfmodels benchmark`` on the device:
    the decomposition curves placement and ``grad_worker_fraction='auto'``
    plan with (one device: no communication curves).
@@ -37,6 +39,7 @@ benchmark: the time per iteration does not depend on the values.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -47,7 +50,7 @@ import time
 import traceback
 import warnings
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +88,8 @@ class Setting:
     decomposition_repeats: int = 5
     profile_batch: int = 64
     workers: tuple[int, ...] = (8, 16, 32, 64)
+    #: Further models timed at the first batch size, amortised configurations only: (zoo name, resolution).
+    other_models: tuple[tuple[str, int], ...] = (("vit_s16", 224),)
     budget_s: dict[str, float] = field(
         default_factory=lambda: {"tests": 90, "decompositions": 25, "timing": 200, "perfmodel": 45, "simulate": 90}
     )
@@ -102,7 +107,9 @@ QUICK = Setting(
     decomposition_repeats=2,
     profile_batch=8,
     workers=(8, 16),
-    budget_s={"tests": 600, "decompositions": 300, "timing": 600, "perfmodel": 300, "simulate": 300},  # (a busy CI machine)
+    other_models=(("vit_s16_32", 32),),
+    # (A busy CI machine: generous, so that no iteration is cut and the test of the script sees every one.)
+    budget_s={"tests": 600, "decompositions": 300, "timing": 1800, "perfmodel": 300, "simulate": 300},
 )
 
 #: name -> (spdkfac variant or torch optimizer, options, every step?)
@@ -118,7 +125,15 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {
 }
 #: What later batch sizes repeat (the largest batch costs the most memory and time).
 LARGE_BATCH_CONFIGS = ("sgd", "kfac-inverse-amortised")
+#: What the other models (a transformer: AdamW is its usual optimizer) time, amortised.
+OTHER_MODEL_CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "sgd": CONFIGS["sgd"],
+    "adamw": CONFIGS["adamw"],
+    "kfac-inverse-amortised": CONFIGS["kfac-inverse-amortised"],
+    "kfac-adamw-amortised": ("spdkfac", dict(base="adamw", factor_update_freq=10, inv_update_freq=100), False),
+}
 HYPER = dict(lr=0.1, momentum=0.9, weight_decay=5e-5)  # ResNet-50's ImageNet setting (Pauloski et al.), damping as default
+ADAMW_HYPER = dict(lr=1e-3, weight_decay=0.05)  # torch's AdamW beside it, and K-FAC on an AdamW base
 
 
 def log(*msg: Any) -> None:
@@ -258,20 +273,21 @@ def decompositions(setting: Setting, device: torch.device, budget: float) -> dic
 class Run:
     """One configuration's model and optimizer, stepped one iteration at a time so that configurations interleave."""
 
-    def __init__(self, name: str, setting: Setting, device: torch.device, channels_last: bool) -> None:
-        kind, options, self.every_step = CONFIGS[name]
+    def __init__(self, name: str, model_name: str, device: torch.device, channels_last: bool) -> None:
+        kind, options, self.every_step = {**CONFIGS, **OTHER_MODEL_CONFIGS}[name]
         self.name = name
         torch.manual_seed(0)
-        model = get_model(setting.model).to(device)
+        model = get_model(model_name).to(device)
         self.model = model.to(memory_format=torch.channels_last) if channels_last else model
         self.kfac = kind == "spdkfac"
         self.opt: Any
         if kind == "torch.sgd":
             self.opt = torch.optim.SGD(self.model.parameters(), **HYPER)
         elif kind == "torch.adamw":
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.05)
+            self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW_HYPER)
         else:
-            self.opt = make_optimizer(kind, self.model, backend="single", **HYPER, **options)
+            hyper = ADAMW_HYPER if options.get("base") == "adamw" else HYPER
+            self.opt = make_optimizer(kind, self.model, backend="single", **hyper, **options)
         self.seconds: list[float] = []
 
     def _timed(self, x: torch.Tensor, y: torch.Tensor, wait_after_backward: bool) -> tuple[float, float]:
@@ -326,8 +342,8 @@ class Run:
         del self.opt, self.model
 
 
-def _interleaved(names: list[str], setting: Setting, device: torch.device, x, y, warmup: int, iters: int, deadline: float, label: str):
-    runs = [Run(n, setting, device, channels_last=device.type == "cuda") for n in names]
+def _interleaved(names: list[str], model: str, device: torch.device, x, y, warmup: int, iters: int, deadline: float, label: str):
+    runs = [Run(n, model, device, channels_last=device.type == "cuda") for n in names]
     for it in range(warmup + iters):
         if time.perf_counter() > deadline:
             log(f"{label}: out of time after {it} iterations")
@@ -347,54 +363,94 @@ def _summary(run: Run, base: Run | None) -> dict[str, Any]:
     return row
 
 
+def _inputs(batch: int, resolution: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed random images (channels-last on a GPU) and labels: an iteration's time does not depend on the values."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, resolution, resolution, generator=g).to(device)
+    y = torch.randint(0, 10, (batch,), generator=g).to(device)
+    return (x.contiguous(memory_format=torch.channels_last) if device.type == "cuda" else x), y
+
+
+def _summarise(runs: list[Run], rows: dict[str, Any], suffix: Callable[[str], str] = lambda name: "") -> None:
+    """Each run's row (ratios to the first run's, SGD's) into ``rows``."""
+    base = runs[0]
+    for r in runs:
+        rows[r.name + suffix(r.name)] = _summary(r, base)
+
+
+@contextlib.contextmanager
+def _measured(rows: dict[str, Any], device: torch.device, label: str) -> Iterator[None]:
+    """Around filling ``rows``: running out of device memory is recorded in ``rows`` (and the check goes on), as is
+    the peak memory; the rows are logged."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as exc:
+        rows["error"] = f"out of memory: {str(exc)[:200]}"
+        log(f"{label}: out of memory")
+    finally:
+        if device.type == "cuda":
+            rows["cuda_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        for name, row in rows.items():
+            if isinstance(row, dict) and "median" in row:
+                ratio = f", {row['vs_sgd_median']:.2f}x SGD (median)" if "vs_sgd_median" in row else ""
+                log(f"{label} {name:<28} median {row['median'] * 1e3:8.1f} ms, mean {row['mean'] * 1e3:8.1f} ms{ratio}")
+
+
 def timing(setting: Setting, device: torch.device, budget: float, emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """Interleaved iteration times per batch size: SGD, AdamW and K-FAC amortised together, then every step with SGD."""
+    """Interleaved iteration times per batch size: SGD, AdamW and K-FAC amortised together, then every step with SGD;
+    then each other model (a transformer) at the first batch size, amortised, with an AdamW-based K-FAC beside."""
     torch.backends.cudnn.benchmark = True
     deadline = time.perf_counter() + budget
-    result: dict[str, Any] = {"setting": {k: v for k, v in vars(setting).items() if k != "budget_s"}, "hyper": HYPER, "batches": {}}
+    settings = {k: v for k, v in vars(setting).items() if k != "budget_s"}
+    result: dict[str, Any] = {"setting": settings, "hyper": HYPER, "adamw_hyper": ADAMW_HYPER, "batches": {}, "models": {}}
     for bi, batch in enumerate(setting.batch_sizes):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(batch, 3, setting.resolution, setting.resolution, generator=g).to(device)
-        y = torch.randint(0, 10, (batch,), generator=g).to(device)
-        if device.type == "cuda":
-            x = x.contiguous(memory_format=torch.channels_last)
+        x, y = _inputs(batch, setting.resolution, device)
         rows: dict[str, Any] = {}
         result["batches"][str(batch)] = rows
         amortised = [n for n, c in CONFIGS.items() if not c[2]] if bi == 0 else list(LARGE_BATCH_CONFIGS)
-        try:
-            runs = _interleaved(amortised, setting, device, x, y, setting.warmup, setting.amortised_iters, deadline, f"batch {batch}")
-            base = runs[0]
+        with _measured(rows, device, f"batch {batch}"):
+            runs = _interleaved(amortised, setting.model, device, x, y, setting.warmup, setting.amortised_iters, deadline, f"batch {batch}")
+            _summarise(runs, rows)
             for r in runs:
-                rows[r.name] = _summary(r, base)
                 r.close()
             del runs
             if bi == 0:
                 every = ["sgd"] + [n for n, c in CONFIGS.items() if c[2]]
-                # At most half of what is left, so that the larger batch still gets its turn.
-                share = time.perf_counter() + (deadline - time.perf_counter()) / 2 if len(setting.batch_sizes) > 1 else deadline
+                # At most half of what is left, so that the larger batch and the other models still get their turn.
+                share = time.perf_counter() + (deadline - time.perf_counter()) / 2
                 runs = _interleaved(
-                    every, setting, device, x, y, setting.every_step_warmup, setting.every_step_iters, share, f"batch {batch} every step"
+                    every,
+                    setting.model,
+                    device,
+                    x,
+                    y,
+                    setting.every_step_warmup,
+                    setting.every_step_iters,
+                    share,
+                    f"batch {batch} every step",
                 )
-                base = runs[0]
+                _summarise(runs, rows, suffix=lambda name: "@every-step-window" if name == "sgd" else "")
                 for r in runs:
-                    rows[r.name + ("@every-step-window" if r.name == "sgd" else "")] = _summary(r, base)
                     if r.kfac and time.perf_counter() < share:
                         rows[r.name]["phases_s"] = r.phases(x, y, setting.phase_iters)
                     r.close()
                 del runs
-        except torch.cuda.OutOfMemoryError as exc:
-            rows["error"] = f"out of memory: {str(exc)[:200]}"
-            log(f"batch {batch}: out of memory")
-        finally:
-            if device.type == "cuda":
-                rows["cuda_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
         emit(result)
-        for name, row in rows.items():
-            if isinstance(row, dict) and "median" in row:
-                ratio = f", {row['vs_sgd_median']:.2f}x SGD (median)" if "vs_sgd_median" in row else ""
-                log(f"batch {batch} {name:<28} median {row['median'] * 1e3:8.1f} ms, mean {row['mean'] * 1e3:8.1f} ms{ratio}")
+    batch = setting.batch_sizes[0]
+    for model, resolution in setting.other_models:
+        x, y = _inputs(batch, resolution, device)
+        rows = {}
+        result["models"][model] = {"resolution": resolution, "batches": {str(batch): rows}}
+        with _measured(rows, device, f"{model} batch {batch}"):
+            names = list(OTHER_MODEL_CONFIGS)
+            runs = _interleaved(names, model, device, x, y, setting.warmup, setting.amortised_iters, deadline, f"{model} batch {batch}")
+            _summarise(runs, rows)
+            for r in runs:
+                r.close()
+            del runs
+        emit(result)
     return result
 
 

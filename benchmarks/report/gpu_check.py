@@ -38,39 +38,13 @@ def gpu_check(path: Path, d: dict[str, Any]) -> list[str]:
         bad = [t for t in tests["tests"] if t["outcome"] != "passed"]
         if bad:
             lines += table(["test", "outcome", "message"], [[t["name"], t["outcome"], t["message"].replace("|", "/")[:160]] for t in bad])
-    timing = stages.get("timing")
-    for batch, rows in (timing or {}).get("batches", {}).items():
-        st = timing["setting"]
-        lines += [
-            f"**Iteration time**, {st['model']} {st['resolution']}x{st['resolution']}, batch {batch}, bf16 autocast, channels-last, "
-            f"one process; interleaved; ratio to SGD's median with its 95% interval (peak memory {rows.get('cuda_peak_gib', 0):.1f} GiB):",
-            "",
-        ]
-        body = []
-        for name, row in rows.items():
-            if not isinstance(row, dict) or "median" not in row:
-                continue
-            body.append(
-                [
-                    name,
-                    str(row["n"]),
-                    ms(row["median"]),
-                    ms(row["mean"]),
-                    ratio(row.get("vs_sgd_median"), *(row.get("vs_sgd_median_95") or (None, None))),
-                    ratio(row.get("vs_sgd_mean")),
-                ]
-            )
-        lines += table(["configuration", "iterations", "median ms", "mean ms", "x SGD (median)", "x SGD (mean)"], body)
-        phased = {n: r["phases_s"] for n, r in rows.items() if isinstance(r, dict) and r.get("phases_s")}
-        if phased:
-            phases = ["forward+backward", "factors", "decompositions", "preconditioning", "update", "other"]
-            lines += ["Every-step K-FAC per phase (ms; a separate run with the timeline, which waits for the GPU at each phase):", ""]
-            lines += table(
-                ["configuration", *phases, "iteration"],
-                [[n, *(ms(p.get(k)) for k in phases), ms(p.get("iteration"))] for n, p in phased.items()],
-            )
-        if "error" in rows:
-            lines += [f"Batch {batch}: {rows['error']}", ""]
+    timing = stages.get("timing") or {}
+    st = timing.get("setting", {})
+    for batch, rows in timing.get("batches", {}).items():
+        lines += _iteration_times(st["model"], st["resolution"], batch, rows)
+    for model, entry in timing.get("models", {}).items():
+        for batch, rows in entry["batches"].items():
+            lines += _iteration_times(model, entry["resolution"], batch, rows)
     dec = stages.get("decompositions")
     if dec and "stage_s" in dec:
         names = sorted(dec["stage_s"])
@@ -104,4 +78,39 @@ def gpu_check(path: Path, d: dict[str, Any]) -> list[str]:
                 row.append(f"{it * 1e3:.0f}" + (f" ({it / sgd:.2f}x)" if sgd and v != "sgd" else ""))
             body.append(row)
         lines += table(["variant", *(f"{w} GPUs" for w in workers)], body)
+    return lines
+
+
+def _iteration_times(model: str, resolution: int, batch: str, rows: dict[str, Any]) -> list[str]:
+    """One model and batch size's interleaved iteration times against SGD's, and every-step K-FAC's phases if measured."""
+    lines = [
+        f"**Iteration time**, {model} {resolution}x{resolution}, batch {batch}, bf16 autocast, channels-last, "
+        f"one process; interleaved; ratio to SGD's median with its 95% interval (peak memory {rows.get('cuda_peak_gib', 0):.1f} GiB):",
+        "",
+    ]
+    body = []
+    for name, row in rows.items():
+        if not isinstance(row, dict) or "median" not in row:
+            continue
+        body.append(
+            [
+                name,
+                str(row["n"]),
+                ms(row["median"]),
+                ms(row["mean"]),
+                ratio(row.get("vs_sgd_median"), *(row.get("vs_sgd_median_95") or (None, None))),
+                ratio(row.get("vs_sgd_mean")),
+            ]
+        )
+    lines += table(["configuration", "iterations", "median ms", "mean ms", "x SGD (median)", "x SGD (mean)"], body)
+    phased = {n: r["phases_s"] for n, r in rows.items() if isinstance(r, dict) and r.get("phases_s")}
+    if phased:
+        phases = ["forward+backward", "factors", "decompositions", "preconditioning", "update", "other"]
+        lines += ["Every-step K-FAC per phase (ms; a separate run with the timeline, which waits for the GPU at each phase):", ""]
+        lines += table(
+            ["configuration", *phases, "iteration"],
+            [[n, *(ms(p.get(k)) for k in phases), ms(p.get("iteration"))] for n, p in phased.items()],
+        )
+    if "error" in rows:
+        lines += [f"Batch {batch}: {rows['error']}", ""]
     return lines

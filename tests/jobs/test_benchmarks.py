@@ -474,6 +474,11 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
         assert phases["decompositions"] > 0
         assert phases["factors"] > 0
         assert phases["iteration"] >= sum(v for k, v in phases.items() if k != "iteration") - 1e-9
+    vit = stages["timing"]["models"]["vit_s16_32"]  # the transformer, with K-FAC on an AdamW base beside
+    assert vit["resolution"] == 32
+    rows = vit["batches"]["8"]
+    assert set(rows) >= {"sgd", "adamw", "kfac-inverse-amortised", "kfac-adamw-amortised"}
+    assert all(rows[n]["n"] == 4 and rows[n]["vs_sgd_median"] > 0 for n in ("adamw", "kfac-adamw-amortised"))
     predictions = stages["simulate"]["predictions"]
     assert set(predictions) == {f"{w}:{v}" for w in (8, 16) for v in ("sgd", "dkfac", "mpdkfac", "spdkfac")}
     assert all(p["iteration"] > 0 for p in predictions.values())
