@@ -78,6 +78,8 @@ def gpu_check(path: Path, d: dict[str, Any]) -> list[str]:
                 row.append(f"{it * 1e3:.0f}" + (f" ({it / sgd:.2f}x)" if sgd and v != "sgd" else ""))
             body.append(row)
         lines += table(["variant", *(f"{w} GPUs" for w in workers)], body)
+        if sim.get("note"):
+            lines += [f"({sim['note']}.)", ""]
     return lines
 
 

@@ -111,7 +111,13 @@ def predict_phases(
     if plain is None:
         plain = passes
     scale = communication_scale(profile, perf) if contention else 1.0
+    # Factor steps send the factor all-reduces beside the gradients'; the other steps send the gradients' alone
+    # (with pipelining the factor groups go out during backward and can hold back the gradients behind them).
     grad_blocked, factor_blocked, grad_stretch, factor_stretch = _blocked_communication(profile, cfg, m, contention, scale)
+    if kfac and f_share < 1.0:
+        plain_blocked, _, plain_stretch, _ = _blocked_communication(profile, cfg, m, contention, scale, factors=False)
+        grad_blocked = plain_blocked * (1.0 - f_share) + grad_blocked * f_share
+        grad_stretch = plain_stretch * (1.0 - f_share) + grad_stretch * f_share
     plan = _work_plan(profile, cfg, m, i_freq) if kfac else None
     inverse_comp = inverse_comm = concurrent_inversions = 0.0
     if plan is not None:
@@ -342,9 +348,11 @@ def _layer_shapes(profile: Profile) -> list[LayerShape]:
 
 
 def _blocked_communication(
-    profile: Profile, cfg: Mapping[str, Any], m: ScaledModels, contention: bool, scale: float = 1.0
+    profile: Profile, cfg: Mapping[str, Any], m: ScaledModels, contention: bool, scale: float = 1.0, factors: bool = True
 ) -> tuple[float, float, float, float]:
     """Seconds of (gradient, factor) all-reduces the step waits for after backward, and that ran during the passes.
+
+    ``factors=False``: a step that sends no factors (between factor steps), the gradients' all-reduces alone.
 
     Gradients are launched as each layer's backward finishes (the rest after
     backward); factor groups are the optimizer's (:func:`fusion_groups`,
@@ -366,7 +374,7 @@ def _blocked_communication(
     launches: list[tuple[float, int, str]] = [(fwd + f.ready, f.grad_numel, "grad") for f in profile.factors if f.kind == FactorKind.G]
     launches.append((fwd + bwd, profile.other_grad_numel, "grad"))
     threshold = int(cfg.get("fusion_threshold_bytes", DEFAULT_THRESHOLD_BYTES))  # the variant's, as the optimizer plans
-    if kfac:
+    if kfac and factors:
         for kind, offset in (("A", 0.0), ("G", fwd)):
             fs = [f for f in profile.factors if f.kind == kind]
             ready = [offset + f.ready for f in fs]

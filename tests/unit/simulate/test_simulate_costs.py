@@ -13,6 +13,7 @@ from test_simulate import _perf, _profile, _with_preconditioning
 
 from spdkfac.comm.inprocess import InProcessGroup, run_ranks
 from spdkfac.models import get_model
+from spdkfac.perfmodels import PerfModel
 from spdkfac.plan.placement import ALL
 from spdkfac.simulate import FORMAT_VERSION, Profile, average_profiles, load_profiles, measure_profile, predict, profile_from_dict
 from spdkfac.simulate.prediction import communication_scale, expected_max_normal, iteration_lag_share, rank_lag, simulated_work_plan
@@ -190,6 +191,20 @@ def test_factors_are_packed_on_factor_steps_by_the_hooks_with_pipelining():
         assert plain["Other"] - amortised["Other"] == pytest.approx(packing - (packing / 10 - in_passes))
     # Never more than the rest of step() the profile measured.
     assert predict(_timed(pack=1.0), perf, 2, "spdkfac")["Other"] == 0.0
+
+
+def test_steps_between_factor_steps_send_the_gradients_alone():
+    """Only factor steps send factors: the amortised gradient wait is a factor step's (with pipelining its factor
+    groups go out during backward, ahead of the last gradients) for their share, plain SGD's for the rest."""
+    prof, slow = _typed(), _perf().to_dict()
+    slow["allreduce"] = {"alpha": 1e-3, "beta": 1e-7}  # a network slow enough for the factors to matter
+    perf = PerfModel.from_dict(slow)
+    sgd = predict(prof, perf, 4, "sgd")["GradComm"]
+    for variant in ("spdkfac", "dkfac"):
+        every = predict(prof, perf, 4, variant)["GradComm"]
+        amortised = predict(prof, perf, 4, variant, update_freq=(10, 100))["GradComm"]
+        assert amortised == pytest.approx(0.9 * sgd + 0.1 * every), variant
+    assert predict(prof, perf, 4, "spdkfac")["GradComm"] > 10 * sgd  # (the pipelined factors do hold them back here)
 
 
 # ----------------------------------------------------------------- the per-rank totals in the profile file
