@@ -361,7 +361,13 @@ def test_plain_sgd_has_no_work_plan(small_profile):
     assert simulated_work_plan(small_profile, _perf(), 4, "sgd") is None
 
 
-@pytest.mark.parametrize("variant", ["spdkfac", "dkfac", "mpdkfac:fusion_threshold_bytes=4096"])
+#: The core variant in the fast loop; the others (a second of two in-process ranks each) in the whole suite.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "variant", ["spdkfac", pytest.param("dkfac", marks=SLOW), pytest.param("mpdkfac:fusion_threshold_bytes=4096", marks=SLOW)]
+)
 def test_the_simulator_fuses_with_the_optimizers_inputs(small_profile, variant, monkeypatch, tmp_path):
     """Two in-process ranks train until the optimizer has planned its fusion; the simulator plans each pass with the
     same policy, pipelining, factor order and sizes, all-reduce model and threshold (the plan is then the same for
@@ -418,7 +424,16 @@ def test_the_simulator_fuses_with_the_optimizers_inputs(small_profile, variant, 
         assert [[order[i] for i in g] for g in o_groups] == plans[0][kind]
 
 
-@pytest.mark.parametrize("variant", ["spdkfac", "dkfac", "mpdkfac", "spdkfac:overlap_preconditioning=false", "spdkfac-dp"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "spdkfac",
+        pytest.param("dkfac", marks=SLOW),
+        pytest.param("mpdkfac", marks=SLOW),
+        "spdkfac:overlap_preconditioning=false",
+        pytest.param("spdkfac-dp", marks=SLOW),
+    ],
+)
 def test_the_simulator_overlaps_the_steps_the_optimizer_overlaps(variant):
     """Two in-process ranks, factors every 2 and inverses every 4 steps: the share of steps the optimizer preconditioned
     while gradients were still averaged (and of factor steps before waiting for the factors) is the share the
