@@ -25,8 +25,9 @@ error names the factor and the step.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, Callable, cast
 
 import torch
@@ -125,6 +126,15 @@ def compute_eigen(
     )
 
 
+@contextlib.contextmanager
+def _timed(record: IterationRecord | None, key: Hashable) -> Iterator[None]:
+    """Around one decomposition: its seconds recorded under the factor's name in ``record.decompositions``."""
+    started = Timeline.now() if record is not None else 0.0
+    yield
+    if record is not None:
+        record.decompositions[_collective_name(key)] = Timeline.now() - started
+
+
 def _stage(
     plan: PlacementPlan,
     factors: dict[Hashable, torch.Tensor],
@@ -147,10 +157,8 @@ def _stage(
         ref = factors[a.key]
         name = f"spdkfac.{method}.{_collective_name(a.key)}"
         if a.owner == rank:
-            started = Timeline.now() if record is not None else 0.0
-            out[a.key], payload = owned(a.key, full(a.key, ref, a.dim))
-            if record is not None:
-                record.decompositions[_collective_name(a.key)] = Timeline.now() - started
+            with _timed(record, a.key):
+                out[a.key], payload = owned(a.key, full(a.key, ref, a.dim))
         else:  # a non-holder posts an empty buffer, or without sub-group broadcasts receives one to drop
             size = payload_size(a.key, a.dim) if a.holds(rank) or not backend.native_subgroups else 0
             payload = torch.empty(size, dtype=ref.dtype, device=ref.device)
@@ -161,10 +169,8 @@ def _stage(
         pending.append((handle, payload, a.key, a.owner != rank and a.holds(rank), a.dim))
     for a in plan.assignments:
         if a.owner == ALL and a.holds(rank):
-            started = Timeline.now() if record is not None else 0.0
-            out[a.key] = local(a.key, full(a.key, factors[a.key], a.dim))
-            if record is not None:
-                record.decompositions[_collective_name(a.key)] = Timeline.now() - started
+            with _timed(record, a.key):
+                out[a.key] = local(a.key, full(a.key, factors[a.key], a.dim))
     t_wait = Timeline.now() if record is not None else 0.0
     for handle, payload, key, keep, dim in pending:
         handle.wait()

@@ -52,10 +52,12 @@ def momentum_directions(
     if momentum == 0:
         return d_p
     out = list(d_p)
-    kept = [i for i, state in enumerate(states) if state.get("momentum_buffer") is not None]
+    kept = []  # parameters with a buffer; the others start theirs from this step's direction
     for i, state in enumerate(states):
         if state.get("momentum_buffer") is None:
             out[i] = state["momentum_buffer"] = d_p[i].detach().clone()
+        else:
+            kept.append(i)
     if kept:
         bufs = [states[i]["momentum_buffer"] for i in kept]
         torch._foreach_mul_(bufs, momentum)
