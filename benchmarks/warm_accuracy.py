@@ -7,9 +7,11 @@ One process trains ``--model`` with the exact eigen method (SGD, momentum
 iteration, one fixed random batch as ``vs_kaisa`` uses). Beside it, each warm
 step keeps its own chain of bases, refreshed every iteration from its own
 previous one and never replaced by a full ``eigh`` (so iteration ``t`` shows
-the error ``t`` refreshes after an ``eigh``): ``subspace`` (one subspace
-step, the default) and ``ritz`` (``ritz=True``, the
-Rayleigh–Ritz variant of :class:`~spdkfac.kfac.methods.warm.WarmRefresh`). Per iteration and step it
+the error ``t`` refreshes after an ``eigh``), one chain per
+:class:`~spdkfac.kfac.methods.warm.WarmStepKind`: ``block`` (the default: a
+subspace and a Rayleigh–Ritz step on the leading columns, the rest kept
+orthonormal to them), ``subspace`` (one subspace step on every column, the
+earlier default) and ``ritz`` (that step followed by Rayleigh–Ritz). Per iteration and step it
 records the relative error of the preconditioned gradient against the exact
 one over the whole model and for the worst layer, and the largest residual of
 the previous basis on the new factor (the drift) and of the refreshed basis
@@ -29,23 +31,20 @@ import torch.nn as nn
 
 from spdkfac import make_optimizer
 from spdkfac.kfac.eigenbasis import Eigen, eigen_precondition
-from spdkfac.kfac.methods.warm import WarmRefresh, drift, rayleigh_ritz, ritz_columns
+from spdkfac.kfac.methods.warm import WarmRefresh, WarmStepKind, drift
 from spdkfac.models import get_model
 
 from .common import machine, save_json, start, workload_parser
 
-STEPS = ("subspace", "ritz")
+STEPS = tuple(kind.value for kind in WarmStepKind)
 
 
 def refresh(step: str, factor: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """``(d, Q, residual of the refreshed basis)`` of one warm step, never falling back."""
-    refreshed = WarmRefresh(tolerance=float("inf"), ritz=False).refine(factor, q)  # never None at this tolerance
-    assert refreshed is not None
-    d, q = refreshed
-    if step == "subspace":
-        y = factor @ q
-        return d, q, drift(q, y)
-    return rayleigh_ritz(factor, d, q, ritz_columns(q.shape[-1]))
+    refreshed = WarmRefresh(tolerance=float("inf"), kind=step).step(factor, q)
+    assert refreshed.refreshed is not None  # never None at this tolerance (a block step's overlap check aside)
+    d, q = refreshed.refreshed
+    return d, q, drift(q, factor @ q) if refreshed.refined is None else refreshed.refined
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,8 +16,9 @@ it was::
     python scripts/add_eigen_curve.py perfmodels/reference-cpu-gloo-2.json
     python scripts/add_eigen_curve.py --curve eigen_warm perfmodels/reference-cpu-gloo-2.json
 
-``eigen_warm`` times one warm refresh (``eigen_refresh='warm'``: a product
-and a QR from a nearby basis, :func:`~spdkfac.perfmodels.bench.warm_refresh_call`).
+``eigen_warm`` times one warm refresh as shipped (``eigen_refresh='warm'``
+from a nearby basis, :func:`~spdkfac.perfmodels.bench.warm_refresh_call`):
+rerun it on a file whose warm curve an earlier warm step measured.
 """
 
 from __future__ import annotations

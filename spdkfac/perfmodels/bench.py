@@ -169,7 +169,7 @@ def run_benchmark(cfg: BenchmarkConfig, engine: CommBackend | None = None) -> Pe
     curves: dict[str, Callable[[torch.Tensor], Callable[[], Any]]] = {"inverse": lambda spd: lambda: invert_spd(spd, cfg.damping)}
     if cfg.eigen:
         curves["eigen"] = lambda spd: lambda: eigen_payload(spd)  # eigh and the [Q, d] buffer, as the stage runs it
-        curves["eigen_warm"] = warm_refresh_call  # eigen_refresh='warm': one subspace step from a nearby basis
+        curves["eigen_warm"] = warm_refresh_call  # eigen_refresh='warm': the shipped warm step from a nearby basis
     times: dict[str, list[float]] = {name: [] for name in curves}
     for name, prepare in curves.items():
         gen = torch.Generator(device="cpu").manual_seed(0)

@@ -489,17 +489,21 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_warm_accuracy_compares_each_warm_step_with_eigh_along_the_exact_run(tmp_path):
-    """benchmarks/warm_accuracy.py for real: rounding only before the first refresh, more after, Rayleigh–Ritz's the lower."""
+    """benchmarks/warm_accuracy.py for real: rounding only before the first refresh, more after, the steps with
+    Rayleigh–Ritz (the block step and 'ritz') the lower."""
     out = tmp_path / "warm_accuracy.json"
     args = ["--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "8", "--iters", "4", "--out", str(out)]
     proc = subprocess.run([sys.executable, "-m", "benchmarks.warm_accuracy", *args], cwd=ROOT, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
-    assert rows[0]["subspace"]["relative_error"] == rows[0]["ritz"]["relative_error"] < 1e-5  # both start from eigh (reordered)
+    # all start from eigh (reordered)
+    assert rows[0]["subspace"]["relative_error"] == rows[0]["ritz"]["relative_error"] == rows[0]["block"]["relative_error"] < 1e-5
     for r in rows[1:]:
         assert 0.0 < r["ritz"]["relative_error"] < r["subspace"]["relative_error"]
+        assert 0.0 < r["block"]["relative_error"] < r["subspace"]["relative_error"]
         assert r["ritz"]["worst_layer"]
+        assert r["block"]["worst_layer"]
 
 
 @pytest.mark.slow

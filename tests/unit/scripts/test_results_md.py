@@ -747,14 +747,15 @@ def test_update_fusion_model_section_puts_the_prediction_beside_the_measurement(
 
 def test_warm_step_section_gives_each_dimension_its_ratios_and_the_model_total(tmp_path: Path):
     res = tmp_path / "results"
-    seconds = {"eigh": 9.0, "warm": 4.5, "warm_cholqr2": 6.3, "qr": 3.0, "cholqr2": 6.0}
-    row = {"dim": 4608, "seconds": seconds, "warm_over_eigh": 0.5, "warm_cholqr2_over_warm": 1.4, "cholqr2_over_qr": 2.0}
+    seconds = {"eigh": 9.0, "warm": 4.5, "subspace": 6.3, "warm_cholqr2": 7.0, "qr": 3.0, "cholqr2": 6.0}
+    row = {"dim": 4608, "seconds": seconds, "warm_over_eigh": 0.5, "subspace_over_eigh": 0.7, "warm_cholqr2_over_subspace": 1.11}
+    row["cholqr2_over_qr"] = 2.0
     row.update(cholqr2_on_plain_factor="cholesky failed", cholqr2_on_rank_deficient_factor="cholesky failed")
     totals = {"model": "resnet50", "factors": {"4608": 3}, "seconds": {k: 3 * v for k, v in seconds.items()}}
     _write(res, "warm_step.json", {"args": {"model": "resnet50", "repeats": 3}, "machine": MACHINE, "rows": [row], "model_totals": totals})
     section = _section(results_md.build(res, tmp_path / "RESULTS.md"), "Warm eigenbasis step per dimension")
-    assert "| 4608 | 9000.0 | 4500.0 | 0.50x | 6300.0 | 1.40x | 2.00x | cholesky failed | cholesky failed |" in section
-    assert "resnet50, every dense factor once: `eigh` 27.00 s, warm 13.50 s (0.50x)" in section
+    assert "| 4608 | 9000.0 | 4500.0 | 0.50x | 6300.0 | 0.70x | 7000.0 | 1.11x | 2.00x | cholesky failed | cholesky failed |" in section
+    assert "resnet50, every dense factor once: `eigh` 27.00 s, warm 13.50 s (0.50x), subspace 18.90 s (0.70x)" in section
     assert "benchmarks.warm_step --model resnet50 --repeats 3" in section
 
 
@@ -762,10 +763,14 @@ def test_warm_accuracy_section_gives_each_iterations_errors_per_step(tmp_path: P
     res = tmp_path / "results"
     step = {"relative_error": 0.02, "worst_layer_error": 0.05, "worst_layer": "layers.8.conv1", "max_drift": 0.1, "max_residual": 0.01}
     row = {"iteration": 9, "loss": 0.3, "subspace": {**step, "relative_error": 0.118, "worst_layer_error": 0.42}, "ritz": step}
+    row["block"] = {**step, "relative_error": 0.03}
     args = {"model": "cifar_resnet20", "resolution": 32, "batch_size": 8, "lr": 0.1, "damping": 0.003, "iters": 20}
     _write(res, "warm_accuracy.json", {"args": args, "machine": MACHINE, "rows": [row]})
     section = _section(results_md.build(res, tmp_path / "RESULTS.md"), "Warm eigenbasis refresh: its preconditioned gradient")
-    assert "| 9 | 11.80% (42.0%, layers.8.conv1) | 0.010 | 2.00% (5.0%, layers.8.conv1) | 0.010 |" in section
+    assert (
+        "| 9 | 3.00% (5.0%, layers.8.conv1) | 0.010 | 11.80% (42.0%, layers.8.conv1) | 0.010 | 2.00% (5.0%, layers.8.conv1) | 0.010 |"
+        in section
+    )
     assert "SGD learning rate 0.1" in section
 
 
