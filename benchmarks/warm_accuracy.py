@@ -4,7 +4,9 @@
 
 One process trains ``--model`` with the exact eigen method (SGD, momentum
 0.9, damping 0.003, KL-clip 0.001, factors and decompositions every
-iteration, one fixed random batch as ``vs_kaisa`` uses). Beside it, each warm
+iteration, one fixed random batch as ``vs_kaisa`` uses, or with
+``--fresh-batches`` a new one every iteration, so that the factors also move
+with the sampling noise as in training). Beside it, each warm
 step keeps its own chain of bases, refreshed every iteration from its own
 previous one and never replaced by a full ``eigh`` (so iteration ``t`` shows
 the error ``t`` refreshes after an ``eigh``), one chain per
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = workload_parser(__doc__, iters=20, out_name="warm_accuracy.json", model="cifar_resnet20")
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--damping", type=float, default=0.003)
+    ap.add_argument(
+        "--fresh-batches", action="store_true", help="a new random batch every iteration (default: one fixed batch, as vs_kaisa)"
+    )
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     start(args, distributed=False)
     torch.manual_seed(0)
@@ -71,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     chains: dict[str, dict[tuple[str, str], Eigen]] = {step: {} for step in STEPS}
     rows: list[dict[str, Any]] = []
     for it in range(args.iters):
+        if args.fresh_batches and it > 0:
+            x = torch.randn(args.batch_size, 3, args.resolution, args.resolution, generator=gen)
+            y = torch.randint(0, 10, (args.batch_size,), generator=gen)
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()

@@ -26,7 +26,13 @@ def warm_accuracy(path: Path, d: dict[str, Any]) -> list[str]:
     """Per iteration: each warm step's relative error over the model and its worst layer, and the residuals."""
     a = recorded_args(d, path, "rows")
     lines = [
-        f"{model_at(a)}, one process, one fixed batch of {a['batch_size']}, SGD learning rate {a['lr']} (momentum 0.9), "
+        f"{model_at(a)}, one process, "
+        + (
+            f"a new random batch of {a['batch_size']} every iteration"
+            if a.get("fresh_batches")
+            else f"one fixed batch of {a['batch_size']}"
+        )
+        + f", SGD learning rate {a['lr']} (momentum 0.9), "
         f"damping {a['damping']}, trained with the exact eigen method; each warm step keeps its own chain of bases, "
         "refreshed every iteration and never replaced by an `eigh` (iteration t: t refreshes after one). Relative "
         "error of the preconditioned "
