@@ -2,8 +2,8 @@
 
     python -m benchmarks.warm_step --model resnet50
 
-``eigen_refresh='warm'`` refreshes a basis with one subspace-iteration step,
-``Q <- qr(F Q)`` (:meth:`spdkfac.kfac.methods.warm.WarmRefresh.refine`). For every
+``eigen_refresh='warm'`` refreshes a basis from the previous one
+(:meth:`spdkfac.kfac.methods.warm.WarmRefresh.refine`). For every
 distinct factor dimension of ``--model`` this times, alternately in one
 process on one thread (median *thread CPU time*, so other jobs on the cores
 inflate it less):

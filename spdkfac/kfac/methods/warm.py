@@ -18,16 +18,19 @@ previous basis, made orthonormal to the new leading block exactly:
 inverse square root is ``I + Cᵀ U g(S²) Uᵀ C`` from the ``k``-wide
 eigendecomposition ``C Cᵀ = U S² Uᵀ`` of the overlap ``C = Q_kᵀ Q_rest``,
 with their eigenvalues the Rayleigh quotients. Beside the one ``d x d``
-product everything is ``O(d² k)``: on one CPU thread the step takes 0.4–0.5
-of an ``eigh`` from d = 512 to 4608, and its preconditioned gradient is
-10x closer to ``eigh``'s than one subspace step's on every column at a
-training learning rate (docs/experiments/eigenbasis.md). A full ``eigh``
-is made instead when the refreshed basis's residual (the Ritz block's own,
-and the kept columns' from ``Y``) exceeds ``tolerance``, or when a kept
+product everything is ``O(d² k)``: on one CPU thread the step takes
+0.43–0.56 of an ``eigh`` from d = 512 to 4608 (more than an ``eigh`` below
+256 wide, where the leading block is most of the factor), and on ResNet-20 at
+a training learning rate its preconditioned gradient is 3–10x closer to
+``eigh``'s than one subspace step's on every column (docs/experiments/eigenbasis.md,
+which also shows where it is not: a broad spectrum whose small eigenvalues
+all count against the damping). A full ``eigh`` is made instead when the
+refreshed basis's own residual (the Ritz block's, and the kept columns'
+computed from ``Y`` and ``F Q_k``) exceeds ``tolerance``, or when a kept
 column lies in the new block's span (``S² > 0.99``).
 
 ``'subspace'`` is one subspace-iteration step on every column, ``Q <-
-qr(F Q)`` (one ``d x d`` QR, 0.7–0.9 of an ``eigh``), the eigenvalues the
+qr(F Q)`` (one ``d x d`` QR, 0.66–0.73 of an ``eigh``), the eigenvalues the
 diagonal of ``Q_newᵀ F Q_old = R`` (equal to ``diag(Qᵀ F Q)`` to first order
 in the basis change); it decides on the drift before its QR. Within the
 leading eigenvalues, which are close to one another, subspace iteration

@@ -772,6 +772,16 @@ def test_warm_accuracy_section_gives_each_iterations_errors_per_step(tmp_path: P
         in section
     )
     assert "SGD learning rate 0.1" in section
+    assert "one fixed batch of 8" in section
+    # a run from before the block step (no column for it), with a new batch every iteration
+    del row["block"]
+    _write(res, "warm_accuracy_fresh.json", {"args": {**args, "fresh_batches": True}, "machine": MACHINE, "rows": [row]})
+    section = _section(
+        results_md.build(res, tmp_path / "RESULTS.md"), "Warm eigenbasis refresh: its preconditioned gradient against eigh's, fresh"
+    )
+    assert "a new random batch of 8 every iteration" in section
+    assert "| 9 | 11.80% (42.0%, layers.8.conv1) | 0.010 | 2.00% (5.0%, layers.8.conv1) | 0.010 |" in section
+    assert "block step" not in section  # no column for it
 
 
 def test_kaisa_fraction_sections_one_per_run_with_rounds_and_every_step_runs(tmp_path: Path):
