@@ -21,8 +21,8 @@ with their eigenvalues the Rayleigh quotients. Beside the one ``d x d``
 product everything is ``O(d² k)``: on one CPU thread the step takes
 0.43–0.56 of an ``eigh`` from d = 512 to 4608 (more than an ``eigh`` below
 256 wide, where the leading block is most of the factor), and on ResNet-20 at
-a training learning rate its preconditioned gradient is 3–10x closer to
-``eigh``'s than one subspace step's on every column (docs/experiments/eigenbasis.md,
+a training learning rate its preconditioned gradient is 6–40x closer to
+``eigh``'s (between full ones) than one subspace step's on every column (docs/experiments/eigenbasis.md,
 which also shows where it is not: a broad spectrum whose small eigenvalues
 all count against the damping). A full ``eigh`` is made instead when the
 refreshed basis's own residual (the Ritz block's, and the kept columns'
