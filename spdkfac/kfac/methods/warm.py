@@ -174,14 +174,11 @@ def rayleigh_ritz(factor: torch.Tensor, d: torch.Tensor, q: torch.Tensor, k: int
     theta, v = theta.flip(-1), v.flip(-1)
     y[..., :k] = yk @ v  # F (Q_k V), from the product already made (each right side is made before the copy)
     q[..., :k] = qk @ v  # q is the QR's own output, rotated in place
-    d = (q * y).sum(-2)  # Rayleigh quotients: the Ritz values on the block, diag(Qᵀ F Q) behind it
+    d = rayleigh_quotients(q, y)  # the Ritz values on the block, diag(Qᵀ F Q) behind it
     d[..., :k] = theta
     scale = torch.linalg.vector_norm(d, dim=-1).clamp_min(torch.finfo(d.dtype).tiny)
     residual = float((torch.linalg.vector_norm(y.sub_(q * d.unsqueeze(-2)), dim=(-2, -1)) / scale).max())
-    if not bool((d[..., :-1] >= d[..., 1:]).all()):
-        order = torch.argsort(d, dim=-1, descending=True, stable=True)
-        d, q = d.gather(-1, order), q.gather(-1, order.unsqueeze(-2).expand_as(q))
-    return d, q, residual
+    return (*_descending(d, q), residual)
 
 
 def block_refresh(factor: torch.Tensor, q: torch.Tensor, y: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, float] | None:
@@ -207,8 +204,7 @@ def block_refresh(factor: torch.Tensor, q: torch.Tensor, y: torch.Tensor, k: int
     sign = torch.where((q[..., :k] * head).sum(-2) < 0, -1.0, 1.0).to(head.dtype)  # the previous columns' signs
     head.mul_(sign.unsqueeze(-2))
     f_head.mul_(sign.unsqueeze(-2))
-    head_residual = torch.linalg.vector_norm(f_head, dim=(-2, -1)) ** 2 - (theta * theta).sum(-1)
-    d, basis, residual_sq = theta, head, head_residual.clamp_min(0.0)
+    d, basis, residual_sq = theta, head, _squared_residual(f_head, theta)
     if k < dim:
         kept = q[..., k:]
         overlap = head.mT @ kept  # C = Q_kᵀ Q_rest
@@ -225,17 +221,13 @@ def block_refresh(factor: torch.Tensor, q: torch.Tensor, y: torch.Tensor, k: int
         f_rest = _add_product(f_projected, f_projected @ overlap.mT, inv_sqrt)
         del f_projected
         quotients = rayleigh_quotients(rest, f_rest)
-        rest_residual = torch.linalg.vector_norm(f_rest, dim=(-2, -1)) ** 2 - (quotients * quotients).sum(-1)
+        residual_sq = residual_sq + _squared_residual(f_rest, quotients)
         del f_rest
         d, basis = torch.cat([theta, quotients], -1), torch.cat([head, rest], -1)
-        residual_sq = residual_sq + rest_residual.clamp_min(0.0)
         del rest
     scale = torch.linalg.vector_norm(d, dim=-1).clamp_min(torch.finfo(d.dtype).tiny)
     residual = float((residual_sq.sqrt() / scale).max())
-    if not bool((d[..., :-1] >= d[..., 1:]).all()):
-        order = torch.argsort(d, dim=-1, descending=True, stable=True)
-        d, basis = d.gather(-1, order), basis.gather(-1, order.unsqueeze(-2).expand_as(basis))
-    return d, basis, residual
+    return (*_descending(d, basis), residual)
 
 
 def _add_product(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
@@ -253,7 +245,11 @@ def _orthonormalise(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r_diag = r.diagonal(dim1=-2, dim2=-1)
     sign = torch.where(r_diag < 0, -1.0, 1.0).to(q.dtype)
     q.mul_(sign.unsqueeze(-2))  # q is the QR's own output: scaled in place, no second d x d buffer
-    d = r_diag * sign
+    return _descending(r_diag * sign, q)
+
+
+def _descending(d: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d, Q)`` with the eigenvalues (and their columns) in descending order, per block."""
     if bool((d[..., :-1] >= d[..., 1:]).all()):
         return d, q  # already descending (the usual case): no d x d gather
     order = torch.argsort(d, dim=-1, descending=True, stable=True)
@@ -268,14 +264,18 @@ def rayleigh_quotients(q: torch.Tensor, fq: torch.Tensor) -> torch.Tensor:
 def drift(q: torch.Tensor, fq: torch.Tensor, quotients: torch.Tensor | None = None) -> float:
     """``max |F Q - Q diag(d)|_F / |d|`` over blocks, ``d = diag(Qᵀ F Q)``, from ``fq = F Q``: 0 for an exact basis.
 
-    For an orthonormal ``Q`` the square of the numerator is ``|F Q|² - |d|²`` (each column's residual is
-    orthogonal to it): two reductions, no ``d x d`` temporary.
+    For an orthonormal ``Q``, two reductions (:func:`_squared_residual`).
     """
     d = rayleigh_quotients(q, fq) if quotients is None else quotients
-    square = (d * d).sum(-1)
-    scale = square.sqrt().clamp_min(torch.finfo(d.dtype).tiny)
-    numerator = (torch.linalg.vector_norm(fq, dim=(-2, -1)) ** 2 - square).clamp_min(0.0).sqrt()
-    return float((numerator / scale).max())
+    scale = (d * d).sum(-1).sqrt().clamp_min(torch.finfo(d.dtype).tiny)
+    return float((_squared_residual(fq, d).sqrt() / scale).max())
+
+
+def _squared_residual(fq: torch.Tensor, quotients: torch.Tensor) -> torch.Tensor:
+    """``|F Q - Q diag(d)|_F²`` per block for orthonormal columns ``Q`` with their Rayleigh quotients ``d``:
+    ``|F Q|² - |d|²`` (each column's residual is orthogonal to it), no ``d x d`` temporary."""
+    norm: torch.Tensor = torch.linalg.vector_norm(fq, dim=(-2, -1))
+    return (norm**2 - (quotients * quotients).sum(-1)).clamp_min(0.0)
 
 
 #: The kinds of refresh :class:`RefreshStatistics` counts.
