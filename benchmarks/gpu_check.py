@@ -342,16 +342,27 @@ class Run:
         del self.opt, self.model
 
 
-def _interleaved(names: list[str], model: str, device: torch.device, x, y, warmup: int, iters: int, deadline: float, label: str):
-    runs = [Run(n, model, device, channels_last=device.type == "cuda") for n in names]
-    for it in range(warmup + iters):
-        if time.perf_counter() > deadline:
-            log(f"{label}: out of time after {it} iterations")
-            break
-        secs = [r.iteration(x, y, keep=it >= warmup) for r in runs]
-        if it in (0, warmup - 1) or (it + 1) % 25 == 0 or it == warmup + iters - 1:
-            log(f"{label} iteration {it + 1}/{warmup + iters}: " + ", ".join(f"{r.name} {s * 1e3:.0f} ms" for r, s in zip(runs, secs)))
-    return runs
+@contextlib.contextmanager
+def _interleaved(
+    names: list[str], model: str, device: torch.device, x, y, warmup: int, iters: int, deadline: float, label: str
+) -> Iterator[list[Run]]:
+    """The configurations' runs, stepped in turn until ``iters`` are measured or ``deadline``; every run built is
+    closed on leaving (out of memory too, so that its hooks and tensors do not outlive the measurement)."""
+    runs: list[Run] = []
+    try:
+        for n in names:
+            runs.append(Run(n, model, device, channels_last=device.type == "cuda"))
+        for it in range(warmup + iters):
+            if time.perf_counter() > deadline:
+                log(f"{label}: out of time after {it} iterations")
+                break
+            secs = [r.iteration(x, y, keep=it >= warmup) for r in runs]
+            if it in (0, warmup - 1) or (it + 1) % 25 == 0 or it == warmup + iters - 1:
+                log(f"{label} iteration {it + 1}/{warmup + iters}: " + ", ".join(f"{r.name} {s * 1e3:.0f} ms" for r, s in zip(runs, secs)))
+        yield runs
+    finally:
+        for r in runs:
+            r.close()
 
 
 def _summary(run: Run, base: Run | None) -> dict[str, Any]:
@@ -410,46 +421,31 @@ def timing(setting: Setting, device: torch.device, budget: float, emit: Callable
         rows: dict[str, Any] = {}
         result["batches"][str(batch)] = rows
         amortised = [n for n, c in CONFIGS.items() if not c[2]] if bi == 0 else list(LARGE_BATCH_CONFIGS)
-        with _measured(rows, device, f"batch {batch}"):
-            runs = _interleaved(amortised, setting.model, device, x, y, setting.warmup, setting.amortised_iters, deadline, f"batch {batch}")
-            _summarise(runs, rows)
-            for r in runs:
-                r.close()
-            del runs
+        label = f"batch {batch}"
+        with _measured(rows, device, label):
+            with _interleaved(amortised, setting.model, device, x, y, setting.warmup, setting.amortised_iters, deadline, label) as runs:
+                _summarise(runs, rows)
             if bi == 0:
                 every = ["sgd"] + [n for n, c in CONFIGS.items() if c[2]]
                 # At most half of what is left, so that the larger batch and the other models still get their turn.
                 share = time.perf_counter() + (deadline - time.perf_counter()) / 2
-                runs = _interleaved(
-                    every,
-                    setting.model,
-                    device,
-                    x,
-                    y,
-                    setting.every_step_warmup,
-                    setting.every_step_iters,
-                    share,
-                    f"batch {batch} every step",
-                )
-                _summarise(runs, rows, suffix=lambda name: "@every-step-window" if name == "sgd" else "")
-                for r in runs:
-                    if r.kfac and time.perf_counter() < share:
-                        rows[r.name]["phases_s"] = r.phases(x, y, setting.phase_iters)
-                    r.close()
-                del runs
+                iters = (setting.every_step_warmup, setting.every_step_iters)
+                with _interleaved(every, setting.model, device, x, y, *iters, share, f"{label} every step") as runs:
+                    _summarise(runs, rows, suffix=lambda name: "@every-step-window" if name == "sgd" else "")
+                    for r in runs:
+                        if r.kfac and time.perf_counter() < share:
+                            rows[r.name]["phases_s"] = r.phases(x, y, setting.phase_iters)
         emit(result)
     batch = setting.batch_sizes[0]
     for model, resolution in setting.other_models:
         x, y = _inputs(batch, resolution, device)
         rows = {}
         result["models"][model] = {"resolution": resolution, "batches": {str(batch): rows}}
-        with _measured(rows, device, f"{model} batch {batch}"):
+        label = f"{model} batch {batch}"
+        with _measured(rows, device, label):
             names = list(OTHER_MODEL_CONFIGS)
-            runs = _interleaved(names, model, device, x, y, setting.warmup, setting.amortised_iters, deadline, f"{model} batch {batch}")
-            _summarise(runs, rows)
-            for r in runs:
-                r.close()
-            del runs
+            with _interleaved(names, model, device, x, y, setting.warmup, setting.amortised_iters, deadline, label) as runs:
+                _summarise(runs, rows)
         emit(result)
     return result
 
