@@ -45,8 +45,10 @@ class MixedNet(nn.Module):
 
     Embedding (tokens derived from the input), Conv2d with reflect padding,
     grouped Conv2d (no bias), depthwise Conv2d with channel multiplier 2,
-    Conv1d with circular padding, and a Linear head; a GroupNorm and a
-    LayerNorm stay on plain SGD (per-sample normalisations, so N workers equal one).
+    Conv1d with circular padding, a grouped ConvTranspose2d (stride 2) and a
+    ConvTranspose1d (output padding, no bias) on side branches, and a Linear
+    head; a GroupNorm and a LayerNorm stay on plain SGD (per-sample
+    normalisations, so N workers equal one).
     """
 
     def __init__(self) -> None:
@@ -57,8 +59,10 @@ class MixedNet(nn.Module):
         self.grouped = nn.Conv2d(4, 6, 3, padding=1, groups=2, bias=False)
         self.depthwise = nn.Conv2d(6, 12, 3, stride=2, padding=1, groups=6)
         self.conv1d = nn.Conv1d(12, 4, 3, padding=1, padding_mode="circular")
+        self.up = nn.ConvTranspose2d(12, 4, 3, stride=2, padding=1, output_padding=1, groups=2)
+        self.up1d = nn.ConvTranspose1d(4, 2, 3, stride=2, padding=1, output_padding=1, bias=False)
         self.ln = nn.LayerNorm(4 * 9)
-        self.head = nn.Linear(4 * 9 + 3, 5)
+        self.head = nn.Linear(4 * 9 + 3 + 4 + 2, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = (x[:, 0, 0, :].detach().abs() * 3).long().clamp(max=9)  # (n, 6) indices, some 0 (padding)
@@ -66,8 +70,10 @@ class MixedNet(nn.Module):
         h = torch.tanh(self.norm(self.conv(x)))
         h = torch.tanh(self.grouped(h))
         h = torch.tanh(self.depthwise(h))  # (n, 12, 3, 3)
+        u = torch.tanh(self.up(h)).mean(dim=(2, 3))  # (n, 4, 6, 6) -> (n, 4)
         h = torch.tanh(self.conv1d(h.flatten(2)))  # (n, 4, 9)
-        return self.head(torch.cat([self.ln(h.flatten(1)), e], dim=1))
+        v = torch.tanh(self.up1d(h)).mean(dim=2)  # (n, 2, 18) -> (n, 2)
+        return self.head(torch.cat([self.ln(h.flatten(1)), e, u, v], dim=1))
 
 
 def mixed_net(seed: int = 0) -> nn.Module:

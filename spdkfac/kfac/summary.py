@@ -22,7 +22,7 @@ def _kind(layer: KFACLayer) -> str:
     if a.diagonal:
         return f"{name} (diagonal A)"
     if a.blocks > 1:
-        depthwise = isinstance(layer.module, (nn.Conv1d, nn.Conv2d)) and layer.module.groups == layer.module.in_channels
+        depthwise = isinstance(layer.module, nn.modules.conv._ConvNd) and layer.module.groups == layer.module.in_channels
         return f"{name} ({'depthwise' if depthwise else 'grouped'}, block-diagonal)"
     return name
 

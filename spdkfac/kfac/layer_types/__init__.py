@@ -19,6 +19,7 @@ from ...options import Option
 from .attention import AttentionSplit
 from .base import LayerHelper, SplitHelper
 from .conv import ConvHelper
+from .conv_transpose import ConvTransposeHelper
 from .embedding import EmbeddingHelper
 from .linear import LinearHelper
 from .norm import NORM_TYPES, NormHelper
@@ -28,6 +29,7 @@ __all__ = [
     "NORM_HELPERS",
     "SPLITTERS",
     "ConvHelper",
+    "ConvTransposeHelper",
     "EmbeddingHelper",
     "LayerHelper",
     "LinearHelper",
@@ -45,6 +47,8 @@ HELPERS: dict[type[nn.Module], type[LayerHelper]] = {
     nn.Linear: LinearHelper,
     nn.Conv1d: ConvHelper,
     nn.Conv2d: ConvHelper,
+    nn.ConvTranspose1d: ConvTransposeHelper,
+    nn.ConvTranspose2d: ConvTransposeHelper,
     nn.Embedding: EmbeddingHelper,
 }
 

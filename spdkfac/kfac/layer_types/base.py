@@ -15,6 +15,7 @@ convolution: one block per group).
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -129,8 +130,17 @@ def with_bias_column(weight_part: torch.Tensor, bias: torch.Tensor | None) -> to
     return torch.cat([weight_part, bias_grad.reshape(*weight_part.shape[:-1], 1)], dim=-1)
 
 
-def split_bias_column(update: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """Write ``update`` (``(..., g, a)``, bias as the last column if ``bias``) into the gradients."""
+def split_bias_column(
+    update: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    as_weight: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Write ``update`` (``(..., g, a)``, bias as the last column if ``bias``) into the gradients.
+
+    ``as_weight`` puts the weight part into the weight's layout where a
+    reshape does not (a transposed convolution's swapped channels).
+    """
     if bias is not None:
         w_part, b_part = update[..., :-1], update[..., -1]
         if bias.grad is None:
@@ -139,4 +149,4 @@ def split_bias_column(update: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     else:
         w_part = update
     assert weight.grad is not None  # the caller preconditioned grad(), which needs it
-    weight.grad.copy_(w_part.reshape(weight.shape))
+    weight.grad.copy_(w_part.reshape(weight.shape) if as_weight is None else as_weight(w_part))

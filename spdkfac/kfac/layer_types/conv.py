@@ -18,7 +18,6 @@ convolution has ``k x k`` (+1 with a bias) ``A`` blocks and
 from __future__ import annotations
 
 import math
-from typing import Union
 
 import torch
 import torch.nn as nn
@@ -31,7 +30,8 @@ from .base import LayerHelper, split_bias_column, with_bias_column
 
 __all__ = ["ConvHelper"]
 
-Conv = Union[nn.Conv1d, nn.Conv2d]
+#: Any convolution module (the transposed ones' helper reuses this one's geometry).
+Conv = nn.modules.conv._ConvNd
 
 #: Bytes of kernel-offset rows a depthwise Gram copies at a time (a few channels; at least one).
 DEPTHWISE_ROWS_BYTES = 8 << 20
@@ -54,8 +54,8 @@ def _symmetric_zero_padding(m: Conv) -> tuple[int, ...] | None:
     return tuple(int(p) for p in m.padding)
 
 
-def _pair(values: tuple[int, ...], one_d: bool) -> tuple[int, int]:
-    """A per-dimension value as the (height, width) pair of a Conv2d (a Conv1d's is of height 1)."""
+def spatial_pair(values: tuple[int, ...], one_d: bool) -> tuple[int, int]:
+    """A per-dimension value as the (height, width) pair of a 2-D convolution (a 1-D one's is of height 1)."""
     return (1, int(values[0])) if one_d else (int(values[0]), int(values[1]))
 
 
@@ -65,11 +65,11 @@ class ConvHelper(LayerHelper):
     def __init__(self, module: Conv) -> None:
         super().__init__(module)
         m = module
-        self.one_d = isinstance(m, nn.Conv1d)
-        self.kernel_size = _pair(m.kernel_size, self.one_d)
-        self.stride = _pair(m.stride, self.one_d)
+        self.one_d = len(m.kernel_size) == 1
+        self.kernel_size = spatial_pair(m.kernel_size, self.one_d)
+        self.stride = spatial_pair(m.stride, self.one_d)
         self.half_rows = m.groups == 1  # (the grouped and depthwise Grams are batched products and sums)
-        self.dilation = _pair(m.dilation, self.one_d)
+        self.dilation = spatial_pair(m.dilation, self.one_d)
         self.groups = int(m.groups)
         zero = _symmetric_zero_padding(m)
         # Zero padding the fast Gram paths handle themselves; any other padding is applied to the input first.

@@ -1,0 +1,137 @@
+"""ConvTranspose1d/2d: factors and update against a float64 reference written from the transposed convolution's definition.
+
+The reference builds, per output position, the row of input values each
+weight entry multiplies there: ``y[o, p] = Σ_{i,k} W[i, o, k] x[i, q]`` with
+``p = q s - padding + k d``, so entry ``(i, k)`` of position ``p``'s row is
+``x[i, (p + padding - k d) / s]`` where that is a whole input index, else 0
+(explicit loops, no zero insertion and no spdkfac code). K-FAC of those rows
+and the output-gradient rows is then that of a convolution
+(:mod:`layer_reference`); the rows reproduce autograd's weight gradient.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+from layer_reference import conv_grad_rows, factors, update
+
+from spdkfac import SPDKFACOptimizer
+from spdkfac.kfac.layer_types import ConvTransposeHelper, make_helper
+
+DAMPING, DECAY = 0.05, 0.5
+
+CASES = {
+    "stride2-output-padding": lambda bias: nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1, output_padding=1, bias=bias),
+    "k4-s2-p1": lambda bias: nn.ConvTranspose2d(4, 2, 4, stride=2, padding=1, bias=bias),  # DCGAN's and U-Net's up-sampling
+    "grouped-dilated": lambda bias: nn.ConvTranspose2d(4, 6, 3, stride=2, dilation=2, padding=1, groups=2, bias=bias),
+    "depthwise": lambda bias: nn.ConvTranspose2d(3, 3, 3, padding=1, groups=3, bias=bias),
+    "padding-beyond-kernel": lambda bias: nn.ConvTranspose2d(2, 3, 2, stride=3, padding=2, output_padding=1, bias=bias),
+    "rectangular": lambda bias: nn.ConvTranspose2d(2, 3, (3, 2), stride=(2, 1), padding=(0, 1), bias=bias),
+    "1x1-stride": lambda bias: nn.ConvTranspose2d(3, 2, 1, stride=2, bias=bias),
+    "1d-stride-output-padding": lambda bias: nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1, bias=bias),
+    "1d-grouped": lambda bias: nn.ConvTranspose1d(4, 2, 4, stride=2, padding=1, groups=2, bias=bias),
+}
+
+
+def transposed_rows(module: nn.ConvTranspose1d | nn.ConvTranspose2d, x: torch.Tensor, out_size: tuple[int, ...]) -> list[torch.Tensor]:
+    """Per group: one row ``(C_in/groups * prod(k))`` per sample and output position, ordered (channel, kernel offset)."""
+    spatial = x.shape[2:]
+    dims = len(spatial)
+    cg = module.in_channels // module.groups
+    groups = []
+    for grp in range(module.groups):
+        rows = []
+        for b in range(x.shape[0]):
+            for p in itertools.product(*(range(s) for s in out_size)):
+                row = torch.zeros(cg, *module.kernel_size, dtype=x.dtype)
+                for k in itertools.product(*(range(s) for s in module.kernel_size)):
+                    q = []
+                    for axis in range(dims):
+                        num = p[axis] + module.padding[axis] - k[axis] * module.dilation[axis]
+                        if num % module.stride[axis] or not 0 <= num // module.stride[axis] < spatial[axis]:
+                            break
+                        q.append(num // module.stride[axis])
+                    else:
+                        row[(slice(None), *k)] = x[(b, slice(grp * cg, (grp + 1) * cg), *q)]
+                rows.append(row.reshape(-1))
+        groups.append(torch.stack(rows))
+    return groups
+
+
+def _step(module: nn.Module, x: torch.Tensor, method: str):
+    torch.manual_seed(3)
+    opt = SPDKFACOptimizer(
+        module, lr=1.0, momentum=0.0, damping=DAMPING, factor_decay=DECAY, kl_clip=None, backend="single", compute_method=method
+    )
+    out = module(x)
+    out.retain_grad()
+    weights = torch.randn(out.shape, dtype=out.dtype)
+    ((out * weights).sum() / x.shape[0]).backward()  # a batch-mean loss
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    grads = {name: p.grad.detach().clone() for name, p in module.named_parameters()}
+    opt.step()
+    change = {name: before[name] - p.detach() for name, p in module.named_parameters()}
+    return out.grad, grads, change, opt
+
+
+@pytest.mark.parametrize("method", ["inverse", "eigen"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("case", list(CASES))
+def test_transposed_conv_factors_and_update_match_the_reference(case, bias, method, float64):
+    torch.manual_seed(0)
+    module = CASES[case](bias).double()
+    one_d = isinstance(module, nn.ConvTranspose1d)
+    x = torch.randn(2, module.in_channels, 5) if one_d else torch.randn(2, module.in_channels, 4, 5)
+    grad_out, grads, change, opt = _step(module, x, method)
+    (layer,) = opt.layers
+    assert isinstance(layer.helper, ConvTransposeHelper)
+    groups, cg = module.groups, module.in_channels // module.groups
+    og = module.out_channels // groups
+    a_rows, g_rows = transposed_rows(module, x, tuple(grad_out.shape[2:])), conv_grad_rows(module, grad_out)
+    # The weight (in, out/groups, *k) as per-group g x a matrices: rows the output channels, columns (in channel, offset).
+    as_matrix = grads["weight"].reshape(groups, cg, og, -1).transpose(1, 2).reshape(groups, og, -1)
+    A_blocks, G_blocks, expected_w, expected_b = [], [], [], []
+    for grp in range(groups):
+        torch.testing.assert_close(g_rows[grp].T @ a_rows[grp], as_matrix[grp], rtol=1e-10, atol=1e-10)  # Σ g ⊗ a
+        A, G = factors(a_rows[grp], g_rows[grp], x.shape[0], bias)
+        A = DECAY * torch.eye(A.shape[0]) + (1 - DECAY) * A
+        G = DECAY * torch.eye(G.shape[0]) + (1 - DECAY) * G
+        A_blocks.append(A)
+        G_blocks.append(G)
+        grad = as_matrix[grp]
+        if bias:
+            grad = torch.cat([grad, grads["bias"].reshape(groups, og, 1)[grp]], dim=1)
+        u = update(A, G, grad, DAMPING, method)
+        expected_w.append((u[:, :-1] if bias else u).reshape(og, cg, -1).transpose(0, 1))
+        if bias:
+            expected_b.append(u[:, -1])
+    got_a, got_g = layer.A, layer.G
+    if groups == 1:
+        got_a, got_g = got_a.unsqueeze(0), got_g.unsqueeze(0)
+    torch.testing.assert_close(got_a, torch.stack(A_blocks), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got_g, torch.stack(G_blocks), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(change["weight"], torch.cat(expected_w).reshape(module.weight.shape), rtol=1e-8, atol=1e-10)
+    if bias:
+        torch.testing.assert_close(change["bias"], torch.cat(expected_b), rtol=1e-8, atol=1e-10)
+
+
+def test_output_size_the_hooks_cannot_see_is_refused_by_name():
+    module = nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1)
+    opt = SPDKFACOptimizer(module, lr=0.1, backend="single")
+    x = torch.randn(2, 2, 4, 4)
+    module(x, output_size=[7, 7]).sum().backward()  # what output_padding=0 gives: accepted
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(ValueError, match=r"ConvTranspose2d: the output is \(8, 8\) where output_padding=\(0, 0\) gives \(7, 7\)"):
+        module(x, output_size=[8, 8]).sum().backward()
+
+
+def test_a_subclass_gets_the_plain_update():
+    class Up(nn.ConvTranspose2d):
+        pass
+
+    assert make_helper(Up(2, 2, 2)) is None
+    assert isinstance(make_helper(nn.ConvTranspose1d(2, 2, 2)), ConvTransposeHelper)
