@@ -176,9 +176,10 @@ CONFIGS = {
     ),
 }
 
-#: (rtol, atol) where not 1e-9 and 1e-11: Adam in the eigenbasis steps rounding-level coordinates by their rounding
-#: (above): over the steps the parameters of N workers and one drift apart to ~2e-8 relative.
-TOLERANCE = {"ekfac-adam-lbp": (1e-7, 1e-10)}
+#: (rtol, atol) where not 1e-9 and 1e-11. Adam in the eigenbasis depends on the basis itself, and a strided
+#: transposed convolution's A has close eigenvalue pairs (its kernel offsets read the input shifted by one, nearly
+#: the same Gram): N workers' summation order turns the basis there by rounding/gap, ~1e-7 of the parameters.
+TOLERANCE = {"ekfac-adam-lbp": (1e-6, 1e-10)}
 
 
 def _perf() -> PerfModel:
@@ -255,7 +256,8 @@ def test_eigenbasis_options_multiprocess_equal_one_and_replicas_are_bitwise(engi
     run_single(WORKER, [*common, "--out", str(ref_out), "--no-accumulation"])
     run_workers(engine, 2, [WORKER, "--backend", engine, *common, "--out", str(dist_out)])
     ref, dist = torch.load(ref_out, weights_only=False), torch.load(dist_out, weights_only=False)
-    assert_params_match(ref, dist, list(MP_CONFIGS))
+    for name in MP_CONFIGS:
+        assert_params_match(ref, dist, [name], *TOLERANCE.get(name, (1e-9, 1e-11)))
     run_workers(engine, 2, [WORKER, "--backend", engine, *common, "--dtype", "float32", "--every-rank", "--out", str(f32_out)])
     ranks = [torch.load(f"{f32_out}.rank{r}", weights_only=False) for r in range(2)]
     for name in MP_CONFIGS:
