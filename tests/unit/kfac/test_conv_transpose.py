@@ -135,3 +135,29 @@ def test_a_subclass_gets_the_plain_update():
 
     assert make_helper(Up(2, 2, 2)) is None
     assert isinstance(make_helper(nn.ConvTranspose1d(2, 2, 2)), ConvTransposeHelper)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1, output_padding=1),
+        nn.ConvTranspose2d(2, 3, 3, stride=2, dilation=2, padding=1, bias=False),  # gcd(s, d) > 1: classes with no offset
+        nn.ConvTranspose2d(2, 3, 5, stride=3, dilation=2, padding=4, output_padding=1),
+        nn.ConvTranspose2d(2, 2, (4, 1), stride=(3, 2), padding=(2, 0)),
+        nn.ConvTranspose2d(2, 2, 1, stride=3),
+        nn.ConvTranspose1d(3, 2, 4, stride=2, padding=3, output_padding=1),
+    ],
+    ids=["s2", "s2-d2", "s3-d2-k5", "rectangular", "1x1-s3", "1d"],
+)
+def test_the_residue_class_gram_equals_the_whole_patch_gram(module):
+    """Per stride residue class, over its own offsets only: the same A as the Gram of the whole zero-filled patches."""
+    from spdkfac.kfac.layer_types.conv import ConvHelper
+
+    helper = make_helper(module.double())
+    assert isinstance(helper, ConvTransposeHelper)
+    x = torch.randn(3, module.in_channels, *((7,) if isinstance(module, nn.ConvTranspose1d) else (5, 6)), dtype=torch.float64)
+    by_class, count = helper.input_gram(x, torch.float64)
+    whole, whole_count = ConvHelper.input_gram(helper, x, torch.float64)
+    assert count == whole_count
+    torch.testing.assert_close(by_class, whole, rtol=1e-12, atol=1e-12)
+    assert torch.equal(by_class, by_class.T)
