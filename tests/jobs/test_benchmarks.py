@@ -518,3 +518,23 @@ def test_compile_cost_compiles_each_arm_once(tmp_path):
     assert model["kfac-compiled"]["graphs"] == 1
     assert model["graphs_compiled_while_measuring"] == 0
     assert model["kfac-compiled-plain-hooks"]["graph_breaks"] > 0
+
+
+@pytest.mark.slow
+def test_transposed_conv_factor_times_both_grams_and_they_agree(tmp_path):
+    """benchmarks/transposed_conv_factor.py for real (small inputs): both Grams timed per layer, equal to rounding."""
+    out = tmp_path / "tcf.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.transposed_conv_factor", "--quick", "--iters", "2", "--threads", "1", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    layers = json.loads(out.read_text())["layers"]
+    assert len(layers) == 6
+    for row in layers.values():
+        assert row["classes"]["n"] == row["zero_filled"]["n"] == 2
+        assert row["speedup"] == pytest.approx(row["zero_filled"]["median"] / row["classes"]["median"])
+        assert row["max_relative_difference"] < 1e-5

@@ -20,7 +20,7 @@ for the bias). Each class's rows are the patches of an ordinary stride-1
 convolution of the input itself, with the class's offsets as its kernel
 (sub-pixel convolutions), so its Gram takes the convolution helper's fast
 paths; ``stride⁴`` times fewer products than the whole zero-filled patches
-(3-7x faster at stride 2 on the reference CPU; grouped layers keep the whole
+(benchmarks/transposed_conv_factor.py; grouped layers keep the whole
 patches).
 
 The output size follows the module's ``output_padding``; a call with

@@ -1,0 +1,96 @@
+"""A transposed convolution's ``A`` factor: by stride residue class against the Gram of the zero-filled patches.
+
+    python -m benchmarks.transposed_conv_factor
+
+``ConvTransposeHelper.input_gram`` takes ``A`` per residue class of the
+output position modulo the stride, each class the patches of a plain
+stride-1 convolution of the input (:mod:`spdkfac.kfac.layer_types.conv_transpose`).
+This times it, alternately with the convolution helper's Gram of the whole
+zero-filled patches of the equivalent convolution (what the layer would cost
+without the classes), on the up-sampling layers of common decoders, and
+records how far the two factors are apart (rounding only: the same sums,
+reassociated). Medians of ``--iters`` rounds, float32, ``--threads`` threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from spdkfac.kfac.layer_types import ConvTransposeHelper, make_helper
+from spdkfac.kfac.layer_types.conv import ConvHelper
+from spdkfac.runtime.output_path import output_file
+
+from .common import RESULTS, machine, save_json, stats
+
+#: name -> (the layer, its input's shape): the up-sampling steps of a DCGAN generator, a U-Net and a conv decoder.
+LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "DCGAN 4x4 s2, 512->256 at 8x8 (batch 64)": (lambda: nn.ConvTranspose2d(512, 256, 4, 2, 1, bias=False), (64, 512, 8, 8)),
+    "DCGAN 4x4 s2, 128->64 at 32x32 (batch 64)": (lambda: nn.ConvTranspose2d(128, 64, 4, 2, 1, bias=False), (64, 128, 16, 16)),
+    "U-Net 2x2 s2, 512->256 at 56x56 (batch 8)": (lambda: nn.ConvTranspose2d(512, 256, 2, 2), (8, 512, 28, 28)),
+    "U-Net 2x2 s2, 128->64 at 224x224 (batch 8)": (lambda: nn.ConvTranspose2d(128, 64, 2, 2), (8, 128, 112, 112)),
+    "decoder 3x3 s2 p1 op1, 32->16 at 14x14 (batch 128)": (
+        lambda: nn.ConvTranspose2d(32, 16, 3, 2, 1, output_padding=1),
+        (128, 32, 7, 7),
+    ),
+    "1-D 4 s2 p1, 256->128 at 2048 (batch 16)": (lambda: nn.ConvTranspose1d(256, 128, 4, 2, 1), (16, 256, 1024)),
+}
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(iters: int, quick: bool = False) -> dict[str, dict[str, object]]:
+    """Per layer: seconds of both Grams (interleaved rounds), their ratio and the factors' largest relative difference."""
+    rows: dict[str, dict[str, object]] = {}
+    for name, (build, shape) in LAYERS.items():
+        if quick:
+            shape = (2, *shape[1:2], *(max(2, s // 8) for s in shape[2:]))
+        torch.manual_seed(0)
+        helper = make_helper(build())
+        assert isinstance(helper, ConvTransposeHelper)
+        x = torch.randn(shape)
+        by_class, _ = helper.input_gram(x, torch.float32)
+        whole, _ = ConvHelper.input_gram(helper, x, torch.float32)
+        difference = float((by_class - whole).abs().max() / whole.abs().max())
+        classes, zero_filled = [], []
+        for _ in range(iters):
+            classes.append(_seconds(partial(helper.input_gram, x, torch.float32)))
+            zero_filled.append(_seconds(partial(ConvHelper.input_gram, helper, x, torch.float32)))
+            helper.forget()
+        rows[name] = {
+            "input": list(shape),
+            "a_dim": helper.a_shape.dim,
+            "classes": stats(classes),
+            "zero_filled": stats(zero_filled),
+            "speedup": stats(zero_filled)["median"] / stats(classes)["median"],
+            "max_relative_difference": difference,
+        }
+        print(f"{name}: {rows[name]['speedup']:.1f}x, factors apart by {difference:.1e}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=7, help="timed rounds per layer (each times both Grams)")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--quick", action="store_true", help="inputs 8x smaller per side, batch 2 (to test the benchmark)")
+    ap.add_argument("--out", default=str(RESULTS / "transposed_conv_factor.json"), type=output_file(make_parents=True))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    result = {"args": vars(args), "machine": machine(), "layers": measure(args.iters, args.quick)}
+    out = save_json(result, Path(args.out).name, Path(args.out).parent)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
