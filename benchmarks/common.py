@@ -92,6 +92,8 @@ def machine() -> dict[str, Any]:
         # Horovod's background-thread cycle (ms; unset = Horovod's default of 1): costs CPU on small nodes.
         "horovod_cycle_time_ms": os.environ.get("HOROVOD_CYCLE_TIME"),
         "bound_cores": _started.bound_cores,  # this rank's cores with --bind-cores, else None
+        # How busy the machine was (1, 5 and 15 minutes) as the result is written, i.e. over the measurement.
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -109,6 +108,15 @@ def profile_disturbances(paths: Sequence[str]) -> list[str]:
     return notes
 
 
+def machine_load(measured: Sequence[object]) -> dict[str, object]:
+    """The load average to report: the busiest (by its 15-minute average) that the measured files recorded as they
+    were written, else (files that did not record one) the load now, labelled as taken when predicting."""
+    recorded = [load for load in measured if isinstance(load, list) and len(load) == 3]
+    if recorded:
+        return {"load_average": max(recorded, key=lambda load: load[2]), "load_average_when": "measured"}
+    return {"load_average": machine()["load_average"], "load_average_when": "predicted"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("measured", nargs="+", type=Path)
@@ -136,6 +144,7 @@ def main() -> None:
     for note in disturbed:
         print(f"warning: {note}", file=sys.stderr)
     rows = []
+    measured_loads: list[object] = []
     print(f"{'workers':>7} {'variant':<10} {'updates':>8} {'measured':>10} {'predicted':>10} {'error':>7}")
     for path in args.measured:
         data = json.loads(path.read_text())
@@ -147,6 +156,7 @@ def main() -> None:
                 "profile the same workload (python -m spdkfac.simulate profile ...)"
             )
         workers = data["world_size"]
+        measured_loads.append(data.get("machine", {}).get("load_average"))
         freq = tuple(data["args"]["update_freq"])
         for row in data["table"]:
             phases = predict_phases(profile, perf, workers, row["variant"], contention=not args.no_contention, update_freq=freq)
@@ -179,8 +189,8 @@ def main() -> None:
         "contention": not args.no_contention,
         "command": f"python -m benchmarks.simulator_check {shlex.join(sys.argv[1:])}",
         "machine": machine(),
-        # How busy the machine was over the measurement (1, 5 and 15 minutes): a loaded machine's check is indicative.
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        # How busy the machine was (1, 5 and 15 minutes): a loaded machine's check is indicative.
+        **machine_load(measured_loads),
         "profile_disturbances": disturbed,
     }
     if args.script:

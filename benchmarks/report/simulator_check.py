@@ -67,7 +67,8 @@ def simulator_conditions(d: dict[str, Any]) -> list[str]:
     if isinstance(load, list) and len(load) == 3:
         cores = d.get("machine", {}).get("cores", "?")
         busy = "a loaded machine: indicative only" if load[2] > 1.5 * (cores if isinstance(cores, int) else 2) else "a quiet machine"
-        lines += [f"Machine load (1/5/15 min) when predicted: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {cores} cores ({busy}).", ""]
+        when = "when measured" if d.get("load_average_when") == "measured" else "when predicted"
+        lines += [f"Machine load (1/5/15 min) {when}: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {cores} cores ({busy}).", ""]
     for note in d.get("profile_disturbances") or []:
         lines += [f"**Disturbed:** {note}.", ""]
     return lines

@@ -479,7 +479,10 @@ def test_simulator_check_shows_the_whole_checks_command_and_the_machines_load(tm
     (res / "simulator_check.json").write_text(json.dumps(loaded))
     section = _section(results_md.build(res, tmp_path / "RESULTS.md"), "Scale simulator against measurements")
     assert "Made by `bash benchmarks/simulator_check.sh --iters 3` in 25 min." in section
-    assert "9.0 / 8.0 / 7.5 on 2 cores (a loaded machine: indicative only)" in section
+    assert "when predicted: 9.0 / 8.0 / 7.5 on 2 cores (a loaded machine: indicative only)" in section
+    (res / "simulator_check.json").write_text(json.dumps(dict(loaded, load_average_when="measured")))
+    section = _section(results_md.build(res, tmp_path / "RESULTS.md"), "Scale simulator against measurements")
+    assert "Machine load (1/5/15 min) when measured: 9.0 / 8.0 / 7.5" in section
     (res / "simulator_check.json").write_text(json.dumps(dict(data, load_average=[2.1, 2.0, 2.2])))
     section = _section(results_md.build(res, tmp_path / "RESULTS.md"), "Scale simulator against measurements")
     assert "(a quiet machine)" in section

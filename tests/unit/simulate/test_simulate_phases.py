@@ -230,3 +230,13 @@ def test_the_check_reports_profiles_taken_on_a_busy_machine(tmp_path):
     assert "slow.json 0.34 s" in note
     (note,) = profile_disturbances([paths["uneven"]])
     assert "uneven.json: the ranks' K-FAC pass work differs (0.20, 0.40 s)" in note
+
+
+def test_the_check_reports_the_load_the_measurements_recorded_not_the_load_when_reanalysed():
+    from benchmarks.simulator_check import machine_load
+
+    busy, quiet = [3.0, 2.9, 2.7], [0.2, 0.3, 0.4]
+    assert machine_load([quiet, busy, None]) == {"load_average": busy, "load_average_when": "measured"}
+    now = machine_load([None, {"not": "a load"}])
+    assert now["load_average_when"] == "predicted"
+    assert now["load_average"] is None or len(now["load_average"]) == 3
