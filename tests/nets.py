@@ -45,8 +45,9 @@ class MixedNet(nn.Module):
 
     Embedding (tokens derived from the input), Conv2d with reflect padding,
     grouped Conv2d (no bias), depthwise Conv2d with channel multiplier 2,
-    Conv1d with circular padding, a grouped ConvTranspose2d (stride 2) and a
-    ConvTranspose1d (output padding, no bias) on side branches, and a Linear
+    Conv1d with circular padding, a grouped ConvTranspose2d (stride 2), a
+    Conv3d (strided, on the channels as depth) and a ConvTranspose1d (output
+    padding, no bias) on side branches, and a Linear
     head; a GroupNorm and a LayerNorm stay on plain SGD (per-sample
     normalisations, so N workers equal one).
     """
@@ -60,6 +61,7 @@ class MixedNet(nn.Module):
         self.depthwise = nn.Conv2d(6, 12, 3, stride=2, padding=1, groups=6)
         self.conv1d = nn.Conv1d(12, 4, 3, padding=1, padding_mode="circular")
         self.up = nn.ConvTranspose2d(12, 4, 3, stride=2, padding=1, output_padding=1, groups=2)
+        self.volume = nn.Conv3d(1, 4, (3, 2, 2), stride=(2, 1, 1), padding=(1, 0, 0))
         self.up1d = nn.ConvTranspose1d(4, 2, 3, stride=2, padding=1, output_padding=1, bias=False)
         self.ln = nn.LayerNorm(4 * 9)
         self.head = nn.Linear(4 * 9 + 3 + 4 + 2, 5)
@@ -71,6 +73,7 @@ class MixedNet(nn.Module):
         h = torch.tanh(self.grouped(h))
         h = torch.tanh(self.depthwise(h))  # (n, 12, 3, 3)
         u = torch.tanh(self.up(h)).mean(dim=(2, 3))  # (n, 4, 6, 6) -> (n, 4)
+        u = u + torch.tanh(self.volume(h.unsqueeze(1))).mean(dim=(2, 3, 4))  # (n, 1, 12, 3, 3) -> (n, 4, 6, 2, 2) -> (n, 4)
         h = torch.tanh(self.conv1d(h.flatten(2)))  # (n, 4, 9)
         v = torch.tanh(self.up1d(h)).mean(dim=2)  # (n, 2, 18) -> (n, 2)
         return self.head(torch.cat([self.ln(h.flatten(1)), e, u, v], dim=1))

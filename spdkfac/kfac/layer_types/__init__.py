@@ -19,6 +19,7 @@ from ...options import Option
 from .attention import AttentionSplit
 from .base import LayerHelper, SplitHelper
 from .conv import ConvHelper
+from .conv3d import Conv3dHelper
 from .conv_transpose import ConvTransposeHelper
 from .embedding import EmbeddingHelper
 from .linear import LinearHelper
@@ -28,6 +29,7 @@ __all__ = [
     "HELPERS",
     "NORM_HELPERS",
     "SPLITTERS",
+    "Conv3dHelper",
     "ConvHelper",
     "ConvTransposeHelper",
     "EmbeddingHelper",
@@ -47,6 +49,7 @@ HELPERS: dict[type[nn.Module], type[LayerHelper]] = {
     nn.Linear: LinearHelper,
     nn.Conv1d: ConvHelper,
     nn.Conv2d: ConvHelper,
+    nn.Conv3d: Conv3dHelper,
     nn.ConvTranspose1d: ConvTransposeHelper,
     nn.ConvTranspose2d: ConvTransposeHelper,
     nn.Embedding: EmbeddingHelper,

@@ -28,7 +28,7 @@ from ..factor_shape import FactorShape
 from ..linalg import channel_gram, mirrored_upper, symmetric_gram
 from .base import LayerHelper, split_bias_column, with_bias_column
 
-__all__ = ["ConvHelper"]
+__all__ = ["ConvHelper", "block_gram", "conv_output_gram", "spatial_pair", "symmetric_zero_padding", "with_bias_row"]
 
 #: Any convolution module (the transposed ones' helper reuses this one's geometry).
 Conv = nn.modules.conv._ConvNd
@@ -37,7 +37,7 @@ Conv = nn.modules.conv._ConvNd
 DEPTHWISE_ROWS_BYTES = 8 << 20
 
 
-def _symmetric_zero_padding(m: Conv) -> tuple[int, ...] | None:
+def symmetric_zero_padding(m: Conv) -> tuple[int, ...] | None:
     """The per-dimension zero padding when the module pads with zeros symmetrically, else None."""
     if m.padding_mode != "zeros":
         return None
@@ -71,7 +71,7 @@ class ConvHelper(LayerHelper):
         self.half_rows = m.groups == 1  # (the grouped and depthwise Grams are batched products and sums)
         self.dilation = spatial_pair(m.dilation, self.one_d)
         self.groups = int(m.groups)
-        zero = _symmetric_zero_padding(m)
+        zero = symmetric_zero_padding(m)
         # Zero padding the fast Gram paths handle themselves; any other padding is applied to the input first.
         self.padding: tuple[int, int] = (0, 0) if zero is None else ((0, zero[0]) if self.one_d else (zero[0], zero[1]))
         self.pad_mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
@@ -163,7 +163,7 @@ class ConvHelper(LayerHelper):
         rows = windows.reshape(self.groups, count, cg * kh * kw)  # one copy, each group's rows contiguous
         if bias:
             rows = torch.cat([rows, rows.new_ones(self.groups, count, 1)], dim=2)
-        return _block_gram(rows), count
+        return block_gram(rows), count
 
     def _depthwise_gram(self, x: torch.Tensor, out_h: int, out_w: int) -> torch.Tensor:
         """Per-channel Gram of the kernel-offset rows, a few channels at a time: ``(C, k+b, k+b)``.
@@ -206,7 +206,7 @@ class ConvHelper(LayerHelper):
         if self.kernel_size == (1, 1) and self.padding == (0, 0):
             sh, sw = self.stride
             strided = x[:, :, ::sh, ::sw]
-            return _with_bias_row(channel_gram(strided), strided, self.has_bias)
+            return with_bias_row(channel_gram(strided), strided, self.has_bias)
         if self.stride != (1, 1) or x.device.type != "cpu":
             # (On a GPU the im2col rows and one product beat the shared shifts' many small products: ResNet-50's
             # 3x3 factors 2.7 ms against 30-87 ms each at 224x224, batch 64, on an H200.)
@@ -214,16 +214,7 @@ class ConvHelper(LayerHelper):
         return conv_input_gram(x, self.kernel_size, self.padding, self.dilation, self.has_bias)
 
     def output_gram(self, g: torch.Tensor) -> tuple[torch.Tensor, int]:
-        out = g.shape[1]
-        rows = g.numel() // out
-        if self.groups == 1:
-            return channel_gram(g), rows
-        og = out // self.groups
-        if og == 1:  # depthwise without a channel multiplier: 1x1 blocks, the squared sums
-            return g.square().sum(dim=[0, *range(2, g.dim())]).view(self.groups, 1, 1), rows
-        # Each group's rows contiguous ((groups, rows, og), one copy), then one batched product.
-        grouped = g.reshape(g.shape[0], self.groups, og, -1).permute(1, 0, 3, 2).reshape(self.groups, rows, og)
-        return _block_gram(grouped), rows
+        return conv_output_gram(g, self.groups)
 
     def positions(self, rows: int, batch: int) -> int:
         return rows // batch
@@ -238,12 +229,27 @@ class ConvHelper(LayerHelper):
         split_bias_column(update, self.weight, self.bias)
 
 
-def _block_gram(rows: torch.Tensor) -> torch.Tensor:
+def conv_output_gram(g: torch.Tensor, groups: int) -> tuple[torch.Tensor, int]:
+    """``G``'s Gram of a convolution's output gradient ``(n, out, *positions)`` and the row count: one row per sample
+    and position, a ``(groups, og, og)`` stack of the groups' blocks when ``groups > 1``."""
+    out = g.shape[1]
+    rows = g.numel() // out
+    if groups == 1:
+        return channel_gram(g), rows
+    og = out // groups
+    if og == 1:  # depthwise without a channel multiplier: 1x1 blocks, the squared sums
+        return g.square().sum(dim=[0, *range(2, g.dim())]).view(groups, 1, 1), rows
+    # Each group's rows contiguous ((groups, rows, og), one copy), then one batched product.
+    grouped = g.reshape(g.shape[0], groups, og, -1).permute(1, 0, 3, 2).reshape(groups, rows, og)
+    return block_gram(grouped), rows
+
+
+def block_gram(rows: torch.Tensor) -> torch.Tensor:
     """``rows_b^T rows_b`` of every block of a ``(blocks, rows, d)`` stack, exactly symmetric."""
     return mirrored_upper(rows.transpose(1, 2) @ rows)
 
 
-def _with_bias_row(gram: torch.Tensor, x: torch.Tensor, with_bias: bool) -> tuple[torch.Tensor, int]:
+def with_bias_row(gram: torch.Tensor, x: torch.Tensor, with_bias: bool) -> tuple[torch.Tensor, int]:
     """The Gram of ``x``'s channel rows, bordered (``with_bias``) by the Gram terms of a ones column, and the row count."""
     count = math.prod(x.shape[:1] + x.shape[2:])
     if not with_bias:

@@ -46,10 +46,11 @@ def test_kfac_summary_names_what_gets_plain_sgd():
     summary = opt.kfac_summary()
     total = sum(p.numel() for p in model.parameters())
     covered = sum(p.numel() for layer in opt.layers for p in layer.params())
-    assert f"K-FAC preconditions 8 layers: {covered:,} of {total:,}" in summary
+    assert f"K-FAC preconditions 9 layers: {covered:,} of {total:,}" in summary
     assert "1 x Conv2d (depthwise, block-diagonal)" in summary
     assert "1 x Conv2d (grouped, block-diagonal)" in summary
     assert "1 x ConvTranspose1d\n" in summary
+    assert "1 x Conv3d\n" in summary
     assert "1 x ConvTranspose2d (grouped, block-diagonal)" in summary
     assert "1 x Embedding (diagonal A)" in summary
     assert "1 x GroupNorm, 1 x LayerNorm: normalisation layer: norm_layers='plain'" in summary
