@@ -55,7 +55,7 @@ def volume_rows(module: nn.Conv3d, x: torch.Tensor) -> list[torch.Tensor]:
     return groups
 
 
-@pytest.mark.parametrize("method", ["inverse", "eigen"])
+@pytest.mark.parametrize("method", ["inverse", pytest.param("eigen", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("case", list(CASES))
 def test_conv3d_factors_and_update_match_the_reference(case, bias, method, float64):

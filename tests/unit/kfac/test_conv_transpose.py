@@ -77,7 +77,7 @@ def _step(module: nn.Module, x: torch.Tensor, method: str):
     return out.grad, grads, change, opt
 
 
-@pytest.mark.parametrize("method", ["inverse", "eigen"])
+@pytest.mark.parametrize("method", ["inverse", pytest.param("eigen", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("case", list(CASES))
 def test_transposed_conv_factors_and_update_match_the_reference(case, bias, method, float64):

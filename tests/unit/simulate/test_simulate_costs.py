@@ -430,7 +430,7 @@ def test_the_simulator_fuses_with_the_optimizers_inputs(small_profile, variant, 
         "spdkfac",
         pytest.param("dkfac", marks=SLOW),
         pytest.param("mpdkfac", marks=SLOW),
-        "spdkfac:overlap_preconditioning=false",
+        pytest.param("spdkfac:overlap_preconditioning=false", marks=SLOW),
         pytest.param("spdkfac-dp", marks=SLOW),
     ],
 )

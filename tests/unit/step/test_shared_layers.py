@@ -209,7 +209,9 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("checkpoint_mode", [None, "non-reentrant", "reentrant"])
+@pytest.mark.parametrize(
+    "checkpoint_mode", [None, pytest.param("non-reentrant", marks=pytest.mark.slow), pytest.param("reentrant", marks=pytest.mark.slow)]
+)
 def test_two_workers_equal_one_with_shared_checkpointed_and_skipped_layers(checkpoint_mode, float64):
     for name, config in CONFIGS.items():
         if checkpoint_mode is not None and name not in ("optimal", "threshold-no-pipelining"):
