@@ -24,12 +24,11 @@ import torch
 import torch.nn as nn
 
 from spdkfac.kfac.layer_types import ConvTransposeHelper, make_helper
-from spdkfac.kfac.layer_types.conv import ConvHelper
 from spdkfac.runtime.output_path import output_file
 
 from .common import RESULTS, machine, save_json, stats
 
-#: name -> (the layer, its input's shape): the up-sampling steps of a DCGAN generator, a U-Net and a conv decoder.
+#: name -> (the layer, its input's shape): the up-sampling steps of a DCGAN generator, U-Nets and a conv decoder.
 LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "DCGAN 4x4 s2, 512->256 at 8x8 (batch 64)": (lambda: nn.ConvTranspose2d(512, 256, 4, 2, 1, bias=False), (64, 512, 8, 8)),
     "DCGAN 4x4 s2, 128->64 at 32x32 (batch 64)": (lambda: nn.ConvTranspose2d(128, 64, 4, 2, 1, bias=False), (64, 128, 16, 16)),
@@ -40,7 +39,13 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
         (128, 32, 7, 7),
     ),
     "1-D 4 s2 p1, 256->128 at 2048 (batch 16)": (lambda: nn.ConvTranspose1d(256, 128, 4, 2, 1), (16, 256, 1024)),
+    "3-D U-Net 2x2x2 s2, 64->32 at 32^3 (batch 2)": (lambda: nn.ConvTranspose3d(64, 32, 2, 2), (2, 64, 16, 16, 16)),
 }
+
+
+def _zero_filled(helper: ConvTransposeHelper, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The equivalent convolution's Gram of the whole zero-filled patches (with preparing its input)."""
+    return helper.equivalent.input_gram(helper.prepared(x), torch.float32)
 
 
 def _seconds(fn: Callable[[], object]) -> float:
@@ -60,12 +65,12 @@ def measure(iters: int, quick: bool = False) -> dict[str, dict[str, object]]:
         assert isinstance(helper, ConvTransposeHelper)
         x = torch.randn(shape)
         by_class, _ = helper.input_gram(x, torch.float32)
-        whole, _ = ConvHelper.input_gram(helper, x, torch.float32)
+        whole, _ = _zero_filled(helper, x)
         difference = float((by_class - whole).abs().max() / whole.abs().max())
         classes, zero_filled = [], []
         for _ in range(iters):
             classes.append(_seconds(partial(helper.input_gram, x, torch.float32)))
-            zero_filled.append(_seconds(partial(ConvHelper.input_gram, helper, x, torch.float32)))
+            zero_filled.append(_seconds(partial(_zero_filled, helper, x)))
             helper.forget()
         rows[name] = {
             "input": list(shape),

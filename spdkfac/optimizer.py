@@ -69,7 +69,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     Args:
         model: the model, or its ``DistributedDataParallel`` wrapper (other
             data-parallel wrappers are refused); every ``nn.Linear``, ``nn.Conv1d``, ``nn.Conv2d`` (any groups
-            and padding mode), ``nn.Conv3d``, ``nn.ConvTranspose1d/2d`` and dense ``nn.Embedding`` with a trainable
+            and padding mode), ``nn.Conv3d``, ``nn.ConvTranspose1d/2d/3d`` and dense ``nn.Embedding`` with a trainable
             weight is preconditioned (:mod:`spdkfac.kfac.layer_types`); every other
             parameter gets the plain base update
             (:meth:`kfac_summary` lists which, and why).

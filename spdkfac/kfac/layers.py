@@ -453,7 +453,7 @@ def preconditioned_layers(
     layers = kfac_layers(model, compute_method, skip, norm_layers)
     if not layers:
         raise ValueError(
-            "model has no layer SPDKFACOptimizer can precondition (nn.Linear, nn.Conv1d/2d/3d, nn.ConvTranspose1d/2d, a "
+            "model has no layer SPDKFACOptimizer can precondition (nn.Linear, nn.Conv1d/2d/3d, nn.ConvTranspose1d/2d/3d, a "
             "dense nn.Embedding or nn.MultiheadAttention, with a trainable weight); use torch.optim.SGD for this model"
         )
     return layers

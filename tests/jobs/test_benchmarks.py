@@ -533,7 +533,7 @@ def test_transposed_conv_factor_times_both_grams_and_they_agree(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     layers = json.loads(out.read_text())["layers"]
-    assert len(layers) == 6
+    assert len(layers) == 7
     for row in layers.values():
         assert row["classes"]["n"] == row["zero_filled"]["n"] == 2
         assert row["speedup"] == pytest.approx(row["zero_filled"]["median"] / row["classes"]["median"])

@@ -52,6 +52,7 @@ HELPERS: dict[type[nn.Module], type[LayerHelper]] = {
     nn.Conv3d: Conv3dHelper,
     nn.ConvTranspose1d: ConvTransposeHelper,
     nn.ConvTranspose2d: ConvTransposeHelper,
+    nn.ConvTranspose3d: ConvTransposeHelper,
     nn.Embedding: EmbeddingHelper,
 }
 

@@ -1,4 +1,4 @@
-"""``nn.ConvTranspose1d`` and ``nn.ConvTranspose2d``: the factors of the equivalent stride-1 convolution.
+"""``nn.ConvTranspose1d/2d/3d``: the factors of the equivalent stride-1 convolution.
 
 A transposed convolution with stride ``s``, padding ``p``, output padding
 ``op``, dilation ``d`` and kernel ``k`` is the convolution, with stride 1 and
@@ -11,7 +11,9 @@ from the output gradient, ``S`` = the output positions per sample. The
 input is flipped as well, so that a patch's offsets run in the kernel's own
 order: ``A``'s rows are ``(input channel, kernel offset)`` as the weight
 ``(in, out / groups, *k)`` stores them, and the gradient matrix is the weight
-gradient with its first two dimensions swapped (per group).
+gradient with its first two dimensions swapped (per group). The Grams are
+the convolution helpers' (:mod:`.conv`, :mod:`.conv3d`), of a convolution
+module made on the ``meta`` device for the purpose.
 
 With a stride above 1 most of a patch is inserted zeros, and which kernel
 offsets meet an input value depends only on the output position's residue
@@ -19,8 +21,8 @@ modulo the stride: ``A`` is block-diagonal over those residue classes (but
 for the bias). Each class's rows are the patches of an ordinary stride-1
 convolution of the input itself, with the class's offsets as its kernel
 (sub-pixel convolutions), so its Gram takes the convolution helper's fast
-paths; ``stride⁴`` times fewer products than the whole zero-filled patches
-(benchmarks/transposed_conv_factor.py; grouped layers keep the whole
+paths: ``stride^(2·dims)`` times fewer products than the whole zero-filled
+patches (benchmarks/transposed_conv_factor.py; grouped layers keep the whole
 patches).
 
 The output size follows the module's ``output_padding``; a call with
@@ -30,6 +32,8 @@ The output size follows the module's ``output_padding``; a call with
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 from typing import Union
 
@@ -37,109 +41,134 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..factor_shape import FactorShape
 from ..tensor_cores import HALF_DTYPES
-from .base import split_bias_column, with_bias_column
-from .conv import ConvHelper, spatial_pair
+from .base import LayerHelper, split_bias_column, with_bias_column
+from .conv import ConvHelper, conv_output_gram
+from .conv3d import Conv3dHelper
 
 __all__ = ["ConvTransposeHelper"]
 
-ConvTranspose = Union[nn.ConvTranspose1d, nn.ConvTranspose2d]
+ConvTranspose = Union[nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d]
+#: The convolution helper and module class per number of spatial dimensions.
+CONVS: dict[int, tuple[type[nn.Module], type[ConvHelper] | type[Conv3dHelper]]] = {
+    1: (nn.Conv1d, ConvHelper),
+    2: (nn.Conv2d, ConvHelper),
+    3: (nn.Conv3d, Conv3dHelper),
+}
 
 
-class ConvTransposeHelper(ConvHelper):
+def _convolution(dims: int, channels: int, kernel: Sequence[int], dilation: Sequence[int], groups: int, bias: bool) -> LayerHelper:
+    """The helper of a stride-1, unpadded convolution (its module on the ``meta`` device: geometry only)."""
+    conv_type, helper_type = CONVS[dims]
+    conv = conv_type(channels, groups, tuple(kernel), dilation=tuple(dilation), groups=groups, bias=bias, device="meta")
+    return helper_type(conv)  # type: ignore[arg-type]
+
+
+class ConvTransposeHelper(LayerHelper):
+    module: ConvTranspose
+
     def __init__(self, module: ConvTranspose) -> None:
-        super().__init__(module)  # kernel, dilation, groups, channels as the convolution's
-        one_d = self.one_d
-        kernel, dilation = self.kernel_size, self.dilation
-        self.transposed_stride = spatial_pair(module.stride, one_d)
+        super().__init__(module)
         assert not isinstance(module.padding, str)  # (a transposed convolution takes numbers only)
-        # (a 1-D module is the 2-D one of height 1: no padding along the height)
-        padding, output_padding = ((0, int(v[0])) if one_d else (int(v[0]), int(v[1])) for v in (module.padding, module.output_padding))
-        #: Zeros before and after the (dilated) input along height and width, in the module's frame (negative: crop).
-        self.before = tuple(d * (k - 1) - p for k, d, p in zip(kernel, dilation, padding))
-        self.after = tuple(b + o for b, o in zip(self.before, output_padding))
-        # The equivalent convolution runs with stride 1 over the prepared input, which carries every padding.
-        self.stride = (1, 1)
-        self.padding = (0, 0)
-        self.explicit_pad = None
+        self.dims = len(module.kernel_size)
+        self.kernel_size = tuple(int(k) for k in module.kernel_size)
+        self.stride = tuple(int(s) for s in module.stride)
+        self.dilation = tuple(int(d) for d in module.dilation)
+        self.groups = int(module.groups)
+        self.half_rows = self.groups == 1
+        #: Zeros before and after the (spread) input per spatial dimension, in the module's frame (negative: crop).
+        self.before = tuple(d * (k - 1) - int(p) for k, d, p in zip(self.kernel_size, self.dilation, module.padding))
+        self.after = tuple(b + int(o) for b, o in zip(self.before, module.output_padding))
+        #: The equivalent convolution (stride 1, no padding: the prepared input carries it).
+        self.equivalent = _convolution(self.dims, module.in_channels, self.kernel_size, self.dilation, self.groups, self.has_bias)
+        #: Per spatial dimension and residue of the output position modulo the stride: the offsets meeting input values.
+        self._offsets = [self._class_offsets(axis) for axis in range(self.dims)]
+        #: Per residue class: a plain convolution over the (flipped) input with the class's offsets as its kernel.
+        self._classes = {residue: self._class_conv(residue) for residue in itertools.product(*(range(s) for s in self.stride))}
         #: Output sizes the forward passes since :meth:`forget` produce (checked against the output gradients).
         self._expected: list[tuple[int, ...]] = []
-        #: Per axis and residue of the output position modulo the stride: the kernel offsets that meet input values.
-        self._offsets = [self._class_offsets(axis) for axis in range(2)]
-        #: Per residue class: a plain convolution over the (flipped) input with the class's offsets as its kernel.
-        self._classes = {
-            (ry, rx): self._class_conv(offsets_y, offsets_x)
-            for ry, offsets_y in enumerate(self._offsets[0])
-            for rx, offsets_x in enumerate(self._offsets[1])
-        }
 
     @classmethod
     def unsupported(cls, module: nn.Module) -> str | None:
-        if type(module) not in (nn.ConvTranspose1d, nn.ConvTranspose2d):
+        if type(module) not in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
             return f"a subclass of {type(module).__mro__[1].__name__} (its forward may differ)"
         return None
 
+    @property
+    def a_shape(self) -> FactorShape:
+        return self.equivalent.a_shape
+
+    @property
+    def g_shape(self) -> FactorShape:
+        return FactorShape(self.module.out_channels // self.groups, blocks=self.groups)
+
     def input_gram(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-        if self.groups > 1 or self.transposed_stride == (1, 1):
-            return super().input_gram(x, dtype)
-        flipped = (x.unsqueeze(2) if self.one_d else x).to(dtype).flip(2, 3)
-        out_h, out_w = self._output_size(flipped.shape[2:])
-        self._expected.append((out_h, out_w))
-        c = flipped.shape[1]
-        kh, kw = self.kernel_size
-        dim, bias = c * kh * kw, int(self.has_bias)
-        columns = torch.arange(dim, device=x.device).view(c, kh, kw)
+        x = x.to(dtype)
+        self._expected.append(self._output_size(x.shape[2:]))
+        if self.groups > 1 or all(s == 1 for s in self.stride):
+            return self.equivalent.input_gram(self.prepared(x), dtype)
+        flipped = x.flip(list(range(2, x.dim())))
+        out = self._expected[-1]
+        dim, bias = math.prod(self.kernel_size) * x.shape[1], int(self.has_bias)
+        columns = torch.arange(dim, device=x.device).view(x.shape[1], *self.kernel_size)
         gram: torch.Tensor | None = None
-        for (ry, rx), sub in self._classes.items():
-            rows = (len(range(ry, out_h, self.transposed_stride[0])), len(range(rx, out_w, self.transposed_stride[1])))
+        for residue, sub in self._classes.items():
+            rows = tuple(len(range(r, size, s)) for r, size, s in zip(residue, out, self.stride))
             if sub is None or not all(rows):
                 continue  # (positions that meet no input value: zero rows, which only the bias counts)
-            part, _ = sub.input_gram(self._class_input(flipped, (ry, rx), rows, sub), flipped.dtype)
+            part, _ = sub.input_gram(self._class_input(flipped, residue, rows, sub), dtype)
             if gram is None:
                 gram = part.new_zeros(dim + bias, dim + bias)
-            index = columns[:, self._offsets[0][ry]][:, :, self._offsets[1][rx]].reshape(-1)
+            grids = torch.meshgrid(*(torch.tensor(self._offsets[a][r], device=x.device) for a, r in enumerate(residue)), indexing="ij")
+            where: tuple[slice | torch.Tensor, ...] = (slice(None), *grids)
+            index = columns[where].reshape(-1)
             if bias:
                 index = torch.cat([index, index.new_tensor([dim])])
             gram[index.unsqueeze(1), index] += part
-        count = flipped.shape[0] * out_h * out_w
+        count = x.shape[0] * math.prod(out)
         if gram is None:
-            gram = flipped.new_zeros(dim + bias, dim + bias, dtype=torch.float32 if flipped.dtype in HALF_DTYPES else None)
+            gram = x.new_zeros(dim + bias, dim + bias, dtype=torch.float32 if x.dtype in HALF_DTYPES else None)
         if bias:
             gram[dim, dim] = count  # (every position's one: the classes' counts and the zero rows')
         return gram, count
 
-    def _class_conv(self, offsets_y: list[int], offsets_x: list[int]) -> ConvHelper | None:
-        """The stride-1 convolution whose patches are a residue class's rows (None: no offset meets a value)."""
-        if not offsets_y or not offsets_x:
-            return None
-        dy, dx = (
-            (offsets[1] - offsets[0]) * self.dilation[axis] // self.transposed_stride[axis] if len(offsets) > 1 else 1
-            for axis, offsets in enumerate((offsets_y, offsets_x))
-        )
-        kernel = (len(offsets_y), len(offsets_x))
-        conv = nn.Conv2d(self.module.in_channels, 1, kernel, dilation=(dy, dx), bias=self.has_bias, device="meta")
-        return ConvHelper(conv)
+    def prepared(self, x: torch.Tensor) -> torch.Tensor:
+        """The flipped input spread out by zeros and padded: the equivalent convolution's input."""
+        spatial = list(range(2, x.dim()))
+        flipped = x.flip(spatial)
+        if any(s > 1 for s in self.stride):
+            spread = x.new_zeros(*x.shape[:2], *((size - 1) * s + 1 for size, s in zip(x.shape[2:], self.stride)))
+            values: tuple[slice, ...] = (slice(None), slice(None), *(slice(None, None, s) for s in self.stride))
+            spread[values] = flipped
+            flipped = spread
+        # Flipped, the zeros after the input come first (F.pad: the last dimension first).
+        return F.pad(flipped, [p for axis in reversed(range(self.dims)) for p in (self.after[axis], self.before[axis])])
 
-    def _class_input(self, flipped: torch.Tensor, residue: tuple[int, int], rows: tuple[int, int], sub: ConvHelper) -> torch.Tensor:
+    def _class_conv(self, residue: tuple[int, ...]) -> LayerHelper | None:
+        """The stride-1 convolution whose patches are a residue class's rows (None: no offset meets a value)."""
+        offsets = [self._offsets[axis][r] for axis, r in enumerate(residue)]
+        if not all(offsets):
+            return None
+        dilation = [(o[1] - o[0]) * self.dilation[axis] // self.stride[axis] if len(o) > 1 else 1 for axis, o in enumerate(offsets)]
+        return _convolution(self.dims, self.module.in_channels, [len(o) for o in offsets], dilation, 1, self.has_bias)
+
+    def _class_input(self, flipped: torch.Tensor, residue: tuple[int, ...], rows: tuple[int, ...], sub: LayerHelper) -> torch.Tensor:
         """The flipped input cropped or zero-padded so that the class's stride-1 windows are its output positions.
 
         Window ``t`` of residue ``r`` (output position ``r + t·s``) reads input
         ``t + (r + a0·d − after)/s + m·d'`` at its ``m``-th offset ``a0 + m·s/g``
         (``g = gcd(s, d)``, ``d' = d/g``, the class convolution's dilation).
         """
+        assert isinstance(sub, (ConvHelper, Conv3dHelper))
+        kernel, dilation = sub.module.kernel_size, sub.module.dilation
         pads = []
-        for axis in (1, 0):  # (F.pad: the last dimension first)
+        for axis in reversed(range(self.dims)):  # (F.pad: the last dimension first)
             r = residue[axis]
-            first = (r + self._offsets[axis][r][0] * self.dilation[axis] - self.after[axis]) // self.transposed_stride[axis]
-            last = first + rows[axis] - 1 + (sub.kernel_size[axis] - 1) * sub.dilation[axis]
+            first = (r + self._offsets[axis][r][0] * self.dilation[axis] - self.after[axis]) // self.stride[axis]
+            last = first + rows[axis] - 1 + (int(kernel[axis]) - 1) * int(dilation[axis])
             pads += [-first, last - (flipped.shape[2 + axis] - 1)]
         return F.pad(flipped, pads)
-
-    def _output_size(self, size: Sequence[int]) -> tuple[int, int]:
-        """The output height and width for an input of ``size`` (with the module's ``output_padding``)."""
-        s, k, d = self.transposed_stride, self.kernel_size, self.dilation
-        height, width = ((size[i] - 1) * s[i] + self.before[i] + self.after[i] - d[i] * (k[i] - 1) + 1 for i in range(2))
-        return height, width
 
     def _class_offsets(self, axis: int) -> list[list[int]]:
         """Per residue of the output position modulo the stride: the kernel offsets that meet an input value.
@@ -149,39 +178,29 @@ class ConvTransposeHelper(ConvHelper):
         a multiple of the stride (the zeros outside the input are values too,
         of the same offsets: the residue alone decides).
         """
-        stride, kernel, dilation = self.transposed_stride[axis], self.kernel_size[axis], self.dilation[axis]
+        stride, kernel, dilation = self.stride[axis], self.kernel_size[axis], self.dilation[axis]
         return [[a for a in range(kernel) if (r + a * dilation - self.after[axis]) % stride == 0] for r in range(stride)]
 
-    def _padded(self, x: torch.Tensor) -> torch.Tensor:
-        """The flipped input with the zeros of the equivalent convolution, as ``(n, C, H, W)``."""
-        x = x.unsqueeze(2) if self.one_d else x
-        n, c, h, w = x.shape
-        sh, sw = self.transposed_stride
-        flipped = x.flip(2, 3)
-        if (sh, sw) == (1, 1):
-            dilated = flipped
-        else:
-            dilated = x.new_zeros(n, c, (h - 1) * sh + 1, (w - 1) * sw + 1)
-            dilated[:, :, ::sh, ::sw] = flipped
-        (top, left), (bottom, right) = self.before, self.after
-        # Flipped, the zeros after the input come first.
-        prepared = F.pad(dilated, (right, left, bottom, top))
-        self._expected.append(self._output_size((h, w)))
-        return prepared
+    def _output_size(self, size: Sequence[int]) -> tuple[int, ...]:
+        """The output's spatial size for an input of ``size`` (with the module's ``output_padding``)."""
+        s, k, d = self.stride, self.kernel_size, self.dilation
+        return tuple((size[i] - 1) * s[i] + self.before[i] + self.after[i] - d[i] * (k[i] - 1) + 1 for i in range(self.dims))
 
     def forget(self) -> None:
         self._expected = []
 
     def output_gram(self, g: torch.Tensor) -> tuple[torch.Tensor, int]:
-        size = (1, g.shape[2]) if self.one_d else (g.shape[2], g.shape[3])
+        size = tuple(g.shape[2:])
         if self._expected and size not in self._expected:
-            expected = self._expected[-1][1:] if self.one_d else self._expected[-1]
             raise ValueError(
-                f"{type(self.module).__name__}: the output is {tuple(g.shape[2:])} where output_padding="
-                f"{tuple(self.module.output_padding)} gives {expected}: called with output_size, which K-FAC's hooks "
+                f"{type(self.module).__name__}: the output is {size} where output_padding="
+                f"{tuple(self.module.output_padding)} gives {self._expected[-1]}: called with output_size, which K-FAC's hooks "
                 "cannot see; set output_padding on the module instead, or list it in skip_layers"
             )
-        return super().output_gram(g)
+        return conv_output_gram(g, self.groups)
+
+    def positions(self, rows: int, batch: int) -> int:
+        return rows // batch
 
     def grad(self) -> torch.Tensor | None:
         grad = self.weight.grad

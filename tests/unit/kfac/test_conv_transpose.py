@@ -33,7 +33,11 @@ CASES = {
     "1x1-stride": lambda bias: nn.ConvTranspose2d(3, 2, 1, stride=2, bias=bias),
     "1d-stride-output-padding": lambda bias: nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1, bias=bias),
     "1d-grouped": lambda bias: nn.ConvTranspose1d(4, 2, 4, stride=2, padding=1, groups=2, bias=bias),
+    "3d-stride-output-padding": lambda bias: nn.ConvTranspose3d(2, 3, 3, stride=2, padding=1, output_padding=1, bias=bias),
+    "3d-grouped-anisotropic": lambda bias: nn.ConvTranspose3d(4, 2, (1, 2, 2), stride=(1, 2, 2), groups=2, bias=bias),
 }
+#: An input's spatial size per number of spatial dimensions.
+SIZES = {1: (5,), 2: (4, 5), 3: (2, 3, 4)}
 
 
 def transposed_rows(module: nn.ConvTranspose1d | nn.ConvTranspose2d, x: torch.Tensor, out_size: tuple[int, ...]) -> list[torch.Tensor]:
@@ -83,8 +87,7 @@ def _step(module: nn.Module, x: torch.Tensor, method: str):
 def test_transposed_conv_factors_and_update_match_the_reference(case, bias, method, float64):
     torch.manual_seed(0)
     module = CASES[case](bias).double()
-    one_d = isinstance(module, nn.ConvTranspose1d)
-    x = torch.randn(2, module.in_channels, 5) if one_d else torch.randn(2, module.in_channels, 4, 5)
+    x = torch.randn(2, module.in_channels, *SIZES[len(module.kernel_size)])
     grad_out, grads, change, opt = _step(module, x, method)
     (layer,) = opt.layers
     assert isinstance(layer.helper, ConvTransposeHelper)
@@ -146,18 +149,17 @@ def test_a_subclass_gets_the_plain_update():
         nn.ConvTranspose2d(2, 2, (4, 1), stride=(3, 2), padding=(2, 0)),
         nn.ConvTranspose2d(2, 2, 1, stride=3),
         nn.ConvTranspose1d(3, 2, 4, stride=2, padding=3, output_padding=1),
+        nn.ConvTranspose3d(2, 2, (2, 3, 3), stride=(1, 2, 3), padding=(0, 1, 1), output_padding=(0, 1, 2), dilation=(1, 1, 2)),
     ],
-    ids=["s2", "s2-d2", "s3-d2-k5", "rectangular", "1x1-s3", "1d"],
+    ids=["s2", "s2-d2", "s3-d2-k5", "rectangular", "1x1-s3", "1d", "3d"],
 )
 def test_the_residue_class_gram_equals_the_whole_patch_gram(module):
     """Per stride residue class, over its own offsets only: the same A as the Gram of the whole zero-filled patches."""
-    from spdkfac.kfac.layer_types.conv import ConvHelper
-
     helper = make_helper(module.double())
     assert isinstance(helper, ConvTransposeHelper)
-    x = torch.randn(3, module.in_channels, *((7,) if isinstance(module, nn.ConvTranspose1d) else (5, 6)), dtype=torch.float64)
+    x = torch.randn(3, module.in_channels, *{1: (7,), 2: (5, 6), 3: (3, 4, 5)}[len(module.kernel_size)], dtype=torch.float64)
     by_class, count = helper.input_gram(x, torch.float64)
-    whole, whole_count = ConvHelper.input_gram(helper, x, torch.float64)
+    whole, whole_count = helper.equivalent.input_gram(helper.prepared(x), torch.float64)
     assert count == whole_count
     torch.testing.assert_close(by_class, whole, rtol=1e-12, atol=1e-12)
     assert torch.equal(by_class, by_class.T)
