@@ -125,7 +125,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             parameter update runs (:mod:`spdkfac.update.update_fusion`; same results).
         norm_layers: ``'plain'`` (the default: normalisation layers get the
             base update unpreconditioned) or ``'kfac'``: the affine
-            parameters of BatchNorm, LayerNorm and GroupNorm preconditioned
+            parameters of BatchNorm, LayerNorm, GroupNorm and RMSNorm preconditioned
             by their per-channel 2x2 scale-and-shift Fisher blocks
             (:mod:`spdkfac.kfac.layer_types.norm`, docs/norm-layers.md).
     """

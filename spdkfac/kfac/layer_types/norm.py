@@ -1,6 +1,6 @@
 """Normalisation layers' affine parameters (``norm_layers='kfac'``): one 2x2 Fisher block per channel.
 
-A BatchNorm, LayerNorm or GroupNorm computes ``y = γ_c x̂ + β_c`` per channel
+A BatchNorm, LayerNorm, GroupNorm or RMSNorm (scale only) computes ``y = γ_c x̂ + β_c`` per channel
 ``c``, so a sample's gradient of channel ``c``'s ``(scale, shift)`` is
 ``u_c = (Σ_s x̂_s g_s, Σ_s g_s)`` over the positions ``s`` the channel covers
 (pixels, sequence positions). Its empirical Fisher is exact per channel and
@@ -39,15 +39,17 @@ from .base import LayerHelper
 
 __all__ = ["NORM_TYPES", "NormHelper", "normalised"]
 
-NormModule = nn.modules.batchnorm._BatchNorm | nn.LayerNorm | nn.GroupNorm
+NormModule = nn.modules.batchnorm._BatchNorm | nn.LayerNorm | nn.GroupNorm | nn.RMSNorm
 #: The classes this helper reads exactly (a subclass may normalise differently: SyncBatchNorm spans the workers).
-NORM_TYPES: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm)
+NORM_TYPES: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 
 def normalised(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x̂``: what ``module`` multiplies by its scale, computed as its forward does (without the affine part)."""
     if isinstance(module, nn.LayerNorm):
         return F.layer_norm(x, module.normalized_shape, None, None, module.eps)
+    if isinstance(module, nn.RMSNorm):
+        return F.rms_norm(x, module.normalized_shape, None, module.eps)
     if isinstance(module, nn.GroupNorm):
         return F.group_norm(x, module.num_groups, None, None, module.eps)
     assert isinstance(module, nn.modules.batchnorm._BatchNorm)
@@ -97,7 +99,7 @@ class NormHelper(LayerHelper):
 
     def _channel_last(self, t: torch.Tensor) -> torch.Tensor:
         """``(n, positions, C)``: the batch first, the channels (the parameters' entries) last."""
-        if isinstance(self.module, nn.LayerNorm):
+        if isinstance(self.module, (nn.LayerNorm, nn.RMSNorm)):
             return t.reshape(t.shape[0], -1, self.channels)
         return t.reshape(t.shape[0], self.channels, -1).transpose(1, 2)
 

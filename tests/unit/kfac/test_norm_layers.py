@@ -36,7 +36,8 @@ class Permute(nn.Module):
 
 
 def per_sample_net(seed: int = 0) -> nn.Module:
-    """GroupNorm on a feature map, LayerNorm on a sequence (no shift), LayerNorm on vectors: each sample normalised alone."""
+    """GroupNorm on a feature map, LayerNorm on a sequence (no shift), LayerNorm and RMSNorm (scale only) on vectors: each
+    sample normalised alone."""
     torch.manual_seed(seed)
     return nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1),
@@ -51,6 +52,7 @@ def per_sample_net(seed: int = 0) -> nn.Module:
         nn.Linear(48, 6),
         nn.LayerNorm(6),
         nn.Tanh(),
+        nn.RMSNorm(6),
         nn.Linear(6, 5),
     )
 
@@ -69,7 +71,7 @@ def batch_norm_net(seed: int = 0) -> nn.Module:
     )
 
 
-NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)
+NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 
 def _data(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +81,11 @@ def _data(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _norms(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, NORMS)}
+
+
+def _bias(module: nn.Module) -> torch.Tensor | None:
+    """The shift, or None (an RMSNorm has no ``bias`` attribute at all)."""
+    return getattr(module, "bias", None)
 
 
 def _stack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -94,7 +101,7 @@ def per_sample_grads_exact(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -
         model.zero_grad()
         F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
         for name, m in norms.items():
-            out[name].append(_stack(m.weight.grad, None if m.bias is None else m.bias.grad).clone())
+            out[name].append(_stack(m.weight.grad, None if _bias(m) is None else _bias(m).grad).clone())
     return {name: torch.stack(grads) for name, grads in out.items()}
 
 
@@ -164,13 +171,13 @@ def test_norm_update_equals_the_float64_reference(net, method, float64):
     for step in range(3):
         xs = x + 0.2 * step
         reference.load_state_dict(model.state_dict())
-        before = {name: _stack(m.weight, m.bias).detach().clone() for name, m in _norms(model).items()}
+        before = {name: _stack(m.weight, _bias(m)).detach().clone() for name, m in _norms(model).items()}
         expected = reference_updates(reference, xs, y, running, method, exact=net == "per_sample")
         opt.zero_grad()
         F.cross_entropy(model(xs), y).backward()
         opt.step()
         for name, m in _norms(model).items():
-            update = (before[name] - _stack(m.weight, m.bias).detach()) / LR
+            update = (before[name] - _stack(m.weight, _bias(m)).detach()) / LR
             torch.testing.assert_close(update, expected[name], rtol=1e-9, atol=1e-12, msg=lambda s, n=name, t=step: f"{n} step {t}: {s}")
 
 
