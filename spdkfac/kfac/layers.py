@@ -40,6 +40,7 @@ from typing import Any, Union
 
 import torch
 import torch.nn as nn
+from torch.nn.utils import parametrize
 
 from .factor_shape import FactorKind, FactorShape
 from .layer_types import LayerHelper, make_helper, split_helpers
@@ -382,8 +383,10 @@ def kfac_layers(
     for name, module in model.named_modules():
         for suffix, part in split.get(name, []):
             layers.append(KFACLayer(f"{name or type(module).__name__}.{suffix}", part, method))
+        if parametrize.is_parametrized(module, "weight"):
+            continue  # (its weight is computed, and reading it runs the parametrization: spectral_norm's power step)
         weight = getattr(module, "weight", None)
-        if weight is None or not weight.requires_grad or name in functional or skipped(name, module, skip):
+        if not isinstance(weight, torch.Tensor) or not weight.requires_grad or name in functional or skipped(name, module, skip):
             continue
         helper = make_helper(module, norm_layers)
         if helper is None:

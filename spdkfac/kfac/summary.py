@@ -6,6 +6,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 import torch.nn as nn
+from torch.nn.utils import parametrize
 
 from .layer_types import NORM_HELPERS, NormHelper, helper_class, splitter_class, unsupported_reason
 from .layers import KFACLayer, LayerFilter, skipped, split_layers, unhooked_submodules
@@ -53,6 +54,8 @@ def kfac_summary(
             why = "weight used without the module's forward()"
         elif skipped(name, module, skip):
             why = "listed in skip_layers"
+        elif isinstance(module, parametrize.ParametrizationList):
+            why = "the parameters of a parametrized weight (weight_norm, spectral_norm, ...)"
         elif helper_class(module, norm_layers) is None and type(module) in NORM_HELPERS:
             why = "normalisation layer: norm_layers='plain' (norm_layers='kfac' gives it scale-and-shift curvature)"
         elif helper_class(module, norm_layers) is None and splitter_class(module) is None:

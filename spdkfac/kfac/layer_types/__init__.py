@@ -14,6 +14,7 @@ itself (``nn.MultiheadAttention``) is a :class:`SplitHelper` in
 from __future__ import annotations
 
 import torch.nn as nn
+from torch.nn.utils import parametrize
 
 from ...options import Option
 from .attention import AttentionSplit
@@ -91,10 +92,20 @@ def splitter_class(module: nn.Module) -> type[SplitHelper] | None:
     return None
 
 
+def _parametrized(module: nn.Module) -> str | None:
+    """Why a module whose weight is computed by a parametrization (``weight_norm``, ``spectral_norm``) is left out."""
+    if parametrize.is_parametrized(module, "weight"):
+        lists = module.parametrizations
+        assert isinstance(lists, nn.ModuleDict)
+        kinds = ", ".join(type(p).__name__ for p in lists["weight"].children())
+        return f"its weight is parametrized ({kinds}): the trained parameters are not the weight the factors describe"
+    return None
+
+
 def unsupported_reason(module: nn.Module, norm_layers: bool = False) -> str | None:
     """Why a module of a registered type cannot be preconditioned; None when it can, or is of no registered type."""
     cls = helper_class(module, norm_layers) or splitter_class(module)
-    return None if cls is None else cls.unsupported(module)
+    return None if cls is None else (_parametrized(module) or cls.unsupported(module))
 
 
 def split_helpers(module: nn.Module) -> list[tuple[str, LayerHelper]] | None:
@@ -108,6 +119,6 @@ def split_helpers(module: nn.Module) -> list[tuple[str, LayerHelper]] | None:
 def make_helper(module: nn.Module, norm_layers: bool = False) -> LayerHelper | None:
     """The helper of a supported module, or None (the module then gets plain SGD)."""
     cls = helper_class(module, norm_layers)
-    if cls is None or cls.unsupported(module) is not None:
+    if cls is None or _parametrized(module) is not None or cls.unsupported(module) is not None:
         return None
     return cls(module)

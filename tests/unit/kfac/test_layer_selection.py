@@ -106,3 +106,32 @@ def test_skip_layers_by_kind_or_wildcard(skip, left):
 def test_skip_layers_unknown_kind_is_refused():
     with pytest.raises(ValueError, match=r"unknown layer kind.*kind:depthwise"):
         SPDKFACOptimizer(_mixed_convs(), lr=0.05, backend="single", skip_layers=["kind:pointwise"])
+
+
+def test_parametrized_weights_get_the_base_update_and_say_why():
+    """weight_norm / spectral_norm compute the weight from other parameters: those get plain SGD, as SGD would move them."""
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            weight_norm(nn.Conv2d(2, 3, 3)), nn.Tanh(), nn.Flatten(), spectral_norm(nn.Linear(48, 6)), nn.Tanh(), nn.Linear(6, 5)
+        )
+
+    model, plain = net(), net()
+    opt = SPDKFACOptimizer(model, lr=0.1, momentum=0.0, backend="single")
+    for (name, ours), theirs in zip(model.named_buffers(), plain.buffers()):  # no weight was read: no power step ran
+        assert torch.equal(ours, theirs), name
+    assert [layer.name for layer in opt.layers] == ["5"]
+    summary = opt.kfac_summary()
+    assert "1 x ParametrizedConv2d: not supported: its weight is parametrized (_WeightNorm)" in summary
+    assert "1 x ParametrizedLinear: not supported: its weight is parametrized (_SpectralNorm)" in summary
+    assert "ParametrizationList: the parameters of a parametrized weight" in summary
+    sgd = torch.optim.SGD([p for name, p in plain.named_parameters() if not name.startswith("5.")], lr=0.1)
+    x, y = batch(8)
+    for o, m in ((opt, model), (sgd, plain)):
+        nn.functional.cross_entropy(m(x), y).backward()
+        o.step()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        if not name.startswith("5."):  # (the K-FAC layer moves differently; the others as SGD, to rounding)
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
