@@ -26,6 +26,7 @@ from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES, FusionPolicy
 from .plan.placement import Placement
 from .update.base_update import BaseOptimizer
 from .update.update_fusion import UpdateFusion
+from .update.weight_decay import check_no_weight_decay
 
 # The enumerated options' types (each declared beside the code that chooses among its values, gathered here):
 # string enums, so a user passes 'lbp' or Placement.LBP alike, and a bad value raises naming the choices.
@@ -280,6 +281,10 @@ class KFACConfig:
         base: the update after preconditioning: ``'sgd'`` (momentum SGD),
             ``'adamw'`` or ``'lamb'`` (:mod:`spdkfac.update.base_update`); a
             checkpoint resumes only with the same base (its state differs).
+        no_weight_decay: the parameters the base update does not decay
+            (parameter-name patterns, ``'kind:bias'``, ``'kind:norm'``,
+            ``'kind:vector'``; :mod:`spdkfac.update.weight_decay`): a second
+            parameter group with ``weight_decay=0``.
     """
 
     fusion: FusionPolicy = FusionPolicy.OPTIMAL
@@ -305,6 +310,7 @@ class KFACConfig:
     update_fusion: UpdateFusion = UpdateFusion.NONE
     base: BaseOptimizer = BaseOptimizer.SGD
     norm_layers: NormLayers = NormLayers.PLAIN
+    no_weight_decay: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Each enumerated option stored as its enum member (a string: command lines, repr and files see no change).
@@ -342,6 +348,7 @@ class KFACConfig:
                 "use grad_worker_fraction=None (1) with it"
             )
         object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+        object.__setattr__(self, "no_weight_decay", check_no_weight_decay(self.no_weight_decay))
 
     @property
     def splits_preconditioning(self) -> bool:
@@ -407,4 +414,5 @@ class KFACConfig:
         in ``state_dict`` (``torch.load(weights_only=True)`` reads them)."""
         out = {name: value.plain() if isinstance(value, Option) else value for name, value in asdict(self).items()}
         out["skip_layers"] = [f if isinstance(f, str) else getattr(f, "__name__", repr(f)) for f in self.skip_layers]
+        out["no_weight_decay"] = list(self.no_weight_decay)
         return out

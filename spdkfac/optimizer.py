@@ -50,6 +50,7 @@ from .step.nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
 from .step.timeline import Timeline
 from .update.base_update import apply_base_update, base_defaults
 from .update.update_fusion import NO_KL_CLIP, BackwardFusion, ForwardFusion, check_update_fusion
+from .update.weight_decay import split_decayed
 
 __all__ = ["NonFiniteError", "NonFiniteFactorError", "SPDKFACOptimizer"]
 
@@ -128,6 +129,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             parameters of BatchNorm, LayerNorm, GroupNorm and RMSNorm preconditioned
             by their per-channel 2x2 scale-and-shift Fisher blocks
             (:mod:`spdkfac.kfac.layer_types.norm`, docs/norm-layers.md).
+        no_weight_decay: parameters the base update does not decay:
+            parameter-name patterns (``'*.bias'``) or ``'kind:bias'``,
+            ``'kind:norm'``, ``'kind:vector'`` (fewer than two dimensions);
+            they form a second parameter group with ``weight_decay=0``
+            (:mod:`spdkfac.update.weight_decay`, docs/base-optimizers.md).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -173,6 +179,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         betas: tuple[float, float] | None = None,
         eps: float | None = None,
         norm_layers: NormLayers | str = NormLayers.PLAIN,
+        no_weight_decay: Sequence[str] | str = (),
         eigen: EigenOptions | None = None,
         ekfac: EKFACOptions | None = None,
     ) -> None:
@@ -198,11 +205,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         check_update_fusion(
             self.config.update_fusion, self.config.base, precondition, initial["kl_clip"], grad_scaler, self.config.splits_preconditioning
         )
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
+        if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("model has no trainable parameters")
+        decayed, undecayed = split_decayed(model, self.config.no_weight_decay)
+        # (param_groups[0] holds the hyperparameters every step reads; the excluded parameters differ only in their decay)
+        groups = [{"params": decayed}] + ([{"params": undecayed, "weight_decay": 0.0}] if undecayed else [])
         super().__init__(
-            params, {**base_options, **hyper, "damping": initial["damping"], "kl_clip": initial["kl_clip"]}
+            groups, {**base_options, **hyper, "damping": initial["damping"], "kl_clip": initial["kl_clip"]}
         )  # checked floats win
         self.model, self.grad_scaler, self.steps = model, grad_scaler, 0
         self.factor_update_freq: int = initial["factor_update_freq"]  # in force (see _step_kind)
@@ -539,6 +548,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"checkpoint was saved with base={saved_base!r} but this optimizer uses base={self.config.base!r}: "
                 f"its optimizer state cannot continue here; construct the optimizer with base={saved_base!r} to resume it"
+            )
+        saved_exclusions = list(kfac.get("config", {}).get("no_weight_decay", []))
+        if saved_exclusions != list(self.config.no_weight_decay):
+            raise ValueError(
+                f"checkpoint was saved with no_weight_decay={saved_exclusions!r} but this optimizer uses "
+                f"no_weight_decay={list(self.config.no_weight_decay)!r}: its parameter groups differ; construct the "
+                "optimizer with the checkpoint's to resume it"
             )
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kfac"})
         load_kfac_state(kfac, self.layers)
