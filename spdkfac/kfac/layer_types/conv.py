@@ -28,7 +28,7 @@ from ..factor_shape import FactorShape
 from ..linalg import channel_gram, mirrored_upper, symmetric_gram
 from .base import LayerHelper, split_bias_column, with_bias_column
 
-__all__ = ["ConvHelper", "block_gram", "conv_output_gram", "spatial_pair", "symmetric_zero_padding", "with_bias_row"]
+__all__ = ["ConvHelper", "GroupedConvolution", "block_gram", "conv_output_gram", "spatial_pair", "symmetric_zero_padding", "with_bias_row"]
 
 #: Any convolution module (the transposed ones' helper reuses this one's geometry).
 Conv = nn.modules.conv._ConvNd
@@ -59,7 +59,43 @@ def spatial_pair(values: tuple[int, ...], one_d: bool) -> tuple[int, int]:
     return (1, int(values[0])) if one_d else (int(values[0]), int(values[1]))
 
 
-class ConvHelper(LayerHelper):
+class GroupedConvolution(LayerHelper):
+    """What every convolution helper shares: ``G`` from the output gradient (block-diagonal per group), ``S`` = the
+    output positions per sample, and the gradient as the weight reshaped (``_as_matrix`` / ``_as_weight`` where a
+    reshape does not do: a transposed convolution's swapped channels)."""
+
+    groups: int
+    module: Conv
+
+    @property
+    def g_shape(self) -> FactorShape:
+        return FactorShape(self.module.out_channels // self.groups, blocks=self.groups)
+
+    def output_gram(self, g: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return conv_output_gram(g, self.groups)
+
+    def positions(self, rows: int, batch: int) -> int:
+        return rows // batch
+
+    def _as_matrix(self, weight_like: torch.Tensor) -> torch.Tensor:
+        """The weight's gradient as :attr:`grad_shape` without the bias column."""
+        return weight_like.reshape(*self.grad_shape[:-1], -1)
+
+    def _as_weight(self, matrix: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`_as_matrix`: the weight's own layout."""
+        return matrix.reshape(self.weight.shape)
+
+    def grad(self) -> torch.Tensor | None:
+        grad = self.weight.grad
+        if grad is None:
+            return None
+        return with_bias_column(self._as_matrix(grad), self.bias)
+
+    def write_grad(self, update: torch.Tensor) -> None:
+        split_bias_column(update, self.weight, self.bias, as_weight=self._as_weight)
+
+
+class ConvHelper(GroupedConvolution):
     module: Conv
 
     def __init__(self, module: Conv) -> None:
@@ -88,10 +124,6 @@ class ConvHelper(LayerHelper):
         m = self.module
         per_group = (m.in_channels // self.groups) * self.kernel_size[0] * self.kernel_size[1]
         return FactorShape(per_group + (1 if self.has_bias else 0), blocks=self.groups)
-
-    @property
-    def g_shape(self) -> FactorShape:
-        return FactorShape(self.module.out_channels // self.groups, blocks=self.groups)
 
     def _padded(self, x: torch.Tensor) -> torch.Tensor:
         """The input as ``(n, C, H, W)``, with any padding the fast paths do not handle applied."""
@@ -212,21 +244,6 @@ class ConvHelper(LayerHelper):
             # 3x3 factors 2.7 ms against 30-87 ms each at 224x224, batch 64, on an H200.)
             return None
         return conv_input_gram(x, self.kernel_size, self.padding, self.dilation, self.has_bias)
-
-    def output_gram(self, g: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return conv_output_gram(g, self.groups)
-
-    def positions(self, rows: int, batch: int) -> int:
-        return rows // batch
-
-    def grad(self) -> torch.Tensor | None:
-        grad = self.weight.grad
-        if grad is None:
-            return None
-        return with_bias_column(grad.reshape(*self.grad_shape[:-1], -1), self.bias)
-
-    def write_grad(self, update: torch.Tensor) -> None:
-        split_bias_column(update, self.weight, self.bias)
 
 
 def conv_output_gram(g: torch.Tensor, groups: int) -> tuple[torch.Tensor, int]:

@@ -18,13 +18,12 @@ import torch.nn.functional as F
 
 from ..factor_shape import FactorShape
 from ..linalg import channel_gram, symmetric_gram
-from .base import LayerHelper, split_bias_column, with_bias_column
-from .conv import block_gram, conv_output_gram, symmetric_zero_padding, with_bias_row
+from .conv import GroupedConvolution, block_gram, symmetric_zero_padding, with_bias_row
 
 __all__ = ["Conv3dHelper"]
 
 
-class Conv3dHelper(LayerHelper):
+class Conv3dHelper(GroupedConvolution):
     module: nn.Conv3d
 
     def __init__(self, module: nn.Conv3d) -> None:
@@ -49,10 +48,6 @@ class Conv3dHelper(LayerHelper):
     def a_shape(self) -> FactorShape:
         per_group = (self.module.in_channels // self.groups) * math.prod(self.kernel_size)
         return FactorShape(per_group + (1 if self.has_bias else 0), blocks=self.groups)
-
-    @property
-    def g_shape(self) -> FactorShape:
-        return FactorShape(self.module.out_channels // self.groups, blocks=self.groups)
 
     def input_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The patches ``(groups, n * voxels, C/groups * kd * kh * kw)`` of the padded input, one copy."""
@@ -81,18 +76,3 @@ class Conv3dHelper(LayerHelper):
         if self.groups == 1:
             return symmetric_gram(rows[0]), count
         return block_gram(rows), count
-
-    def output_gram(self, g: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return conv_output_gram(g, self.groups)
-
-    def positions(self, rows: int, batch: int) -> int:
-        return rows // batch
-
-    def grad(self) -> torch.Tensor | None:
-        grad = self.weight.grad
-        if grad is None:
-            return None
-        return with_bias_column(grad.reshape(*self.grad_shape[:-1], -1), self.bias)
-
-    def write_grad(self, update: torch.Tensor) -> None:
-        split_bias_column(update, self.weight, self.bias)

@@ -43,8 +43,8 @@ import torch.nn.functional as F
 
 from ..factor_shape import FactorShape
 from ..tensor_cores import HALF_DTYPES
-from .base import LayerHelper, split_bias_column, with_bias_column
-from .conv import ConvHelper, conv_output_gram
+from .base import LayerHelper
+from .conv import ConvHelper, GroupedConvolution
 from .conv3d import Conv3dHelper
 
 __all__ = ["ConvTransposeHelper"]
@@ -65,7 +65,7 @@ def _convolution(dims: int, channels: int, kernel: Sequence[int], dilation: Sequ
     return helper_type(conv)  # type: ignore[arg-type]
 
 
-class ConvTransposeHelper(LayerHelper):
+class ConvTransposeHelper(GroupedConvolution):
     module: ConvTranspose
 
     def __init__(self, module: ConvTranspose) -> None:
@@ -98,10 +98,6 @@ class ConvTransposeHelper(LayerHelper):
     @property
     def a_shape(self) -> FactorShape:
         return self.equivalent.a_shape
-
-    @property
-    def g_shape(self) -> FactorShape:
-        return FactorShape(self.module.out_channels // self.groups, blocks=self.groups)
 
     def input_gram(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         x = x.to(dtype)
@@ -197,19 +193,7 @@ class ConvTransposeHelper(LayerHelper):
                 f"{tuple(self.module.output_padding)} gives {self._expected[-1]}: called with output_size, which K-FAC's hooks "
                 "cannot see; set output_padding on the module instead, or list it in skip_layers"
             )
-        return conv_output_gram(g, self.groups)
-
-    def positions(self, rows: int, batch: int) -> int:
-        return rows // batch
-
-    def grad(self) -> torch.Tensor | None:
-        grad = self.weight.grad
-        if grad is None:
-            return None
-        return with_bias_column(self._as_matrix(grad), self.bias)
-
-    def write_grad(self, update: torch.Tensor) -> None:
-        split_bias_column(update, self.weight, self.bias, as_weight=self._as_weight)
+        return super().output_gram(g)
 
     def _as_matrix(self, weight_like: torch.Tensor) -> torch.Tensor:
         """``(in, out/g, *k)`` -> ``(g, out/g, in/g * prod(k))`` (``(out, in * prod(k))`` with one group)."""

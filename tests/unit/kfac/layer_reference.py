@@ -102,3 +102,31 @@ def update(A: torch.Tensor, G: torch.Tensor, grad: torch.Tensor, damping: float,
         fisher = torch.kron(A, G) + damping * torch.eye(A.shape[0] * G.shape[0], dtype=A.dtype)
     sol = torch.linalg.solve(fisher, grad.T.reshape(-1))
     return sol.reshape(grad.shape[1], grad.shape[0]).T
+
+
+def grouped_step(
+    a_rows: list[torch.Tensor],
+    g_rows: list[torch.Tensor],
+    weight_grads: torch.Tensor,
+    bias_grads: torch.Tensor | None,
+    n: int,
+    method: str,
+    damping: float,
+    decay: float,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """One step's running factors (from the identity) and update per group, from the rows.
+
+    ``weight_grads`` is ``(groups, g, a)`` (the autograd gradient as the rows'
+    matrix, which ``Σ g ⊗ a`` must reproduce: checked), ``bias_grads``
+    ``(groups, g)`` or None. Returns the stacked ``A`` and ``G`` blocks and
+    each group's ``g x a`` update (bias as a last column).
+    """
+    a_blocks, g_blocks, updates = [], [], []
+    for grp, (a, g) in enumerate(zip(a_rows, g_rows)):
+        torch.testing.assert_close(g.T @ a, weight_grads[grp], rtol=1e-10, atol=1e-10)  # the rows are the layer's
+        A, G = factors(a, g, n, bias_grads is not None)
+        a_blocks.append(decay * torch.eye(A.shape[0], dtype=A.dtype) + (1 - decay) * A)
+        g_blocks.append(decay * torch.eye(G.shape[0], dtype=G.dtype) + (1 - decay) * G)
+        grad = weight_grads[grp] if bias_grads is None else torch.cat([weight_grads[grp], bias_grads[grp].unsqueeze(1)], dim=1)
+        updates.append(update(a_blocks[-1], g_blocks[-1], grad, damping, method))
+    return torch.stack(a_blocks), torch.stack(g_blocks), updates

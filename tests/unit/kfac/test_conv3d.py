@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from layer_reference import conv_grad_rows, factors, update
+from layer_reference import conv_grad_rows, grouped_step
+from one_step import kfac_step
 
-from spdkfac import SPDKFACOptimizer
 from spdkfac.kfac.layer_types import Conv3dHelper, make_helper
 
 DAMPING, DECAY = 0.05, 0.5
@@ -62,37 +62,19 @@ def test_conv3d_factors_and_update_match_the_reference(case, bias, method, float
     torch.manual_seed(0)
     module = CASES[case](bias).double()
     x = torch.randn(2, module.in_channels, 3, 4, 5)
-    opt = SPDKFACOptimizer(
-        module, lr=1.0, momentum=0.0, damping=DAMPING, factor_decay=DECAY, kl_clip=None, backend="single", compute_method=method
-    )
-    out = module(x)
-    out.retain_grad()
-    ((out * torch.randn(out.shape)).sum() / x.shape[0]).backward()
-    before = {name: p.detach().clone() for name, p in module.named_parameters()}
-    grads = {name: p.grad.detach().clone() for name, p in module.named_parameters()}
-    opt.step()
+    grad_out, grads, change, opt = kfac_step(module, x, method, DAMPING, DECAY)
     (layer,) = opt.layers
     assert isinstance(layer.helper, Conv3dHelper)
     groups, og = module.groups, module.out_channels // module.groups
-    a_rows, g_rows = volume_rows(module, x), conv_grad_rows(module, out.grad)
+    a_rows, g_rows = volume_rows(module, x), conv_grad_rows(module, grad_out)
     weight_grad = grads["weight"].reshape(groups, og, -1)
-    A_blocks, G_blocks, expected_w, expected_b = [], [], [], []
-    for grp in range(groups):
-        torch.testing.assert_close(g_rows[grp].T @ a_rows[grp], weight_grad[grp], rtol=1e-10, atol=1e-10)  # Σ g ⊗ a
-        A, G = factors(a_rows[grp], g_rows[grp], x.shape[0], bias)
-        A_blocks.append(DECAY * torch.eye(A.shape[0]) + (1 - DECAY) * A)
-        G_blocks.append(DECAY * torch.eye(G.shape[0]) + (1 - DECAY) * G)
-        grad = weight_grad[grp]
-        if bias:
-            grad = torch.cat([grad, grads["bias"].reshape(groups, og, 1)[grp]], dim=1)
-        u = update(A_blocks[-1], G_blocks[-1], grad, DAMPING, method)
-        expected_w.append(u[:, :-1] if bias else u)
-        if bias:
-            expected_b.append(u[:, -1])
+    bias_grads = grads["bias"].reshape(groups, og) if bias else None
+    A, G, updates = grouped_step(a_rows, g_rows, weight_grad, bias_grads, x.shape[0], method, DAMPING, DECAY)
+    expected_w = [u[:, :-1] if bias else u for u in updates]
+    expected_b = [u[:, -1] for u in updates] if bias else []
     got_a, got_g = (layer.A, layer.G) if groups > 1 else (layer.A.unsqueeze(0), layer.G.unsqueeze(0))
-    torch.testing.assert_close(got_a, torch.stack(A_blocks), rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(got_g, torch.stack(G_blocks), rtol=1e-10, atol=1e-12)
-    change = {name: before[name] - p.detach() for name, p in module.named_parameters()}
+    torch.testing.assert_close(got_a, A, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got_g, G, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(change["weight"], torch.stack(expected_w).reshape(module.weight.shape), rtol=1e-8, atol=1e-10)
     if bias:
         torch.testing.assert_close(change["bias"], torch.cat(expected_b), rtol=1e-8, atol=1e-10)

@@ -16,7 +16,8 @@ import itertools
 import pytest
 import torch
 import torch.nn as nn
-from layer_reference import conv_grad_rows, factors, update
+from layer_reference import conv_grad_rows, grouped_step
+from one_step import kfac_step
 
 from spdkfac import SPDKFACOptimizer
 from spdkfac.kfac.layer_types import ConvTransposeHelper, make_helper
@@ -66,19 +67,7 @@ def transposed_rows(module: nn.ConvTranspose1d | nn.ConvTranspose2d, x: torch.Te
 
 
 def _step(module: nn.Module, x: torch.Tensor, method: str):
-    torch.manual_seed(3)
-    opt = SPDKFACOptimizer(
-        module, lr=1.0, momentum=0.0, damping=DAMPING, factor_decay=DECAY, kl_clip=None, backend="single", compute_method=method
-    )
-    out = module(x)
-    out.retain_grad()
-    weights = torch.randn(out.shape, dtype=out.dtype)
-    ((out * weights).sum() / x.shape[0]).backward()  # a batch-mean loss
-    before = {name: p.detach().clone() for name, p in module.named_parameters()}
-    grads = {name: p.grad.detach().clone() for name, p in module.named_parameters()}
-    opt.step()
-    change = {name: before[name] - p.detach() for name, p in module.named_parameters()}
-    return out.grad, grads, change, opt
+    return kfac_step(module, x, method, DAMPING, DECAY)
 
 
 @pytest.mark.parametrize("method", ["inverse", pytest.param("eigen", marks=pytest.mark.slow)])
@@ -96,26 +85,15 @@ def test_transposed_conv_factors_and_update_match_the_reference(case, bias, meth
     a_rows, g_rows = transposed_rows(module, x, tuple(grad_out.shape[2:])), conv_grad_rows(module, grad_out)
     # The weight (in, out/groups, *k) as per-group g x a matrices: rows the output channels, columns (in channel, offset).
     as_matrix = grads["weight"].reshape(groups, cg, og, -1).transpose(1, 2).reshape(groups, og, -1)
-    A_blocks, G_blocks, expected_w, expected_b = [], [], [], []
-    for grp in range(groups):
-        torch.testing.assert_close(g_rows[grp].T @ a_rows[grp], as_matrix[grp], rtol=1e-10, atol=1e-10)  # Σ g ⊗ a
-        A, G = factors(a_rows[grp], g_rows[grp], x.shape[0], bias)
-        A = DECAY * torch.eye(A.shape[0]) + (1 - DECAY) * A
-        G = DECAY * torch.eye(G.shape[0]) + (1 - DECAY) * G
-        A_blocks.append(A)
-        G_blocks.append(G)
-        grad = as_matrix[grp]
-        if bias:
-            grad = torch.cat([grad, grads["bias"].reshape(groups, og, 1)[grp]], dim=1)
-        u = update(A, G, grad, DAMPING, method)
-        expected_w.append((u[:, :-1] if bias else u).reshape(og, cg, -1).transpose(0, 1))
-        if bias:
-            expected_b.append(u[:, -1])
+    bias_grads = grads["bias"].reshape(groups, og) if bias else None
+    A, G, updates = grouped_step(a_rows, g_rows, as_matrix, bias_grads, x.shape[0], method, DAMPING, DECAY)
+    expected_w = [(u[:, :-1] if bias else u).reshape(og, cg, -1).transpose(0, 1) for u in updates]
+    expected_b = [u[:, -1] for u in updates] if bias else []
     got_a, got_g = layer.A, layer.G
     if groups == 1:
         got_a, got_g = got_a.unsqueeze(0), got_g.unsqueeze(0)
-    torch.testing.assert_close(got_a, torch.stack(A_blocks), rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(got_g, torch.stack(G_blocks), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got_a, A, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got_g, G, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(change["weight"], torch.cat(expected_w).reshape(module.weight.shape), rtol=1e-8, atol=1e-10)
     if bias:
         torch.testing.assert_close(change["bias"], torch.cat(expected_b), rtol=1e-8, atol=1e-10)

@@ -13,8 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 from layer_reference import conv_grad_rows, conv_rows, factors, one_hot_rows, update
-
-from spdkfac import SPDKFACOptimizer
+from one_step import kfac_step
 
 DAMPING, DECAY = 0.05, 0.5
 
@@ -38,20 +37,7 @@ CONVS = {
 
 
 def _step(module: nn.Module, x: torch.Tensor, method: str):
-    """One K-FAC step; returns the output gradient, the parameter gradients, the change and the optimizer."""
-    torch.manual_seed(3)
-    opt = SPDKFACOptimizer(
-        module, lr=1.0, momentum=0.0, damping=DAMPING, factor_decay=DECAY, kl_clip=None, backend="single", compute_method=method
-    )
-    out = module(x)
-    out.retain_grad()
-    weights = torch.randn(out.shape, dtype=out.dtype)
-    ((out * weights).sum() / x.shape[0]).backward()  # a batch-mean loss
-    before = {name: p.detach().clone() for name, p in module.named_parameters()}
-    grads = {name: p.grad.detach().clone() for name, p in module.named_parameters()}
-    opt.step()
-    change = {name: before[name] - p.detach() for name, p in module.named_parameters()}
-    return out.grad, grads, change, opt
+    return kfac_step(module, x, method, DAMPING, DECAY)
 
 
 @pytest.mark.parametrize("method", ["inverse", "eigen"])
