@@ -93,15 +93,14 @@ def register_factor_pre_hook(module: nn.Module, hook: Callable[[nn.Module, tuple
 
     ``hook`` must only read its inputs (it may not replace them). With
     gradients off or in eval mode a compiled forward calls nothing: the
-    hook's caller then computes no factor anyway. A layer called with its
-    input as a keyword (``linear(input=x)``) passes it to ``hook`` as the
-    first input.
+    hook's caller then computes no factor anyway.
     """
+    if not TAPS_AVAILABLE:
+        return module.register_forward_pre_hook(hook)
     tap = _Tap(lambda tensors: _call_with_grad(hook, module, tensors))
 
-    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        inputs = args or tuple(kwargs.values())[:1]
-        if not TAPS_AVAILABLE or not torch.compiler.is_compiling():
+    def pre_hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
+        if not torch.compiler.is_compiling():
             hook(module, inputs)
         elif module.training and torch.is_grad_enabled() and all(isinstance(x, torch.Tensor) for x in inputs):
             _tap(list(inputs), tap)
@@ -109,7 +108,7 @@ def register_factor_pre_hook(module: nn.Module, hook: Callable[[nn.Module, tuple
             run_eagerly(hook)(module, inputs)  # inputs that are not all tensors: the hook itself, a graph break
 
     pre_hook.tap = tap  # type: ignore[attr-defined]  # kept alive with the hook
-    return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    return module.register_forward_pre_hook(pre_hook)
 
 
 def _call_with_grad(hook: Callable[[nn.Module, tuple[Any, ...]], None], module: nn.Module, tensors: list[torch.Tensor]) -> None:

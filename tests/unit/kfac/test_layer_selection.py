@@ -135,23 +135,3 @@ def test_parametrized_weights_get_the_base_update_and_say_why():
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         if not name.startswith("5."):  # (the K-FAC layer moves differently; the others as SGD, to rounding)
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
-
-
-def test_a_layer_called_with_its_input_as_a_keyword_trains_as_when_called_positionally():
-    class Net(nn.Module):
-        def __init__(self, keyword: bool) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.keyword, self.a, self.b = keyword, nn.Linear(72, 8), nn.Linear(8, 5)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = x.flatten(1)
-            if self.keyword:
-                return self.b(input=torch.tanh(self.a(input=h)))
-            return self.b(torch.tanh(self.a(h)))
-
-    keyword, positional = Net(True), Net(False)
-    _train(keyword, SPDKFACOptimizer(keyword, lr=0.05, backend="single"))
-    _train(positional, SPDKFACOptimizer(positional, lr=0.05, backend="single"))
-    for (name, p), q in zip(keyword.named_parameters(), positional.parameters()):
-        assert torch.equal(p, q), name
