@@ -170,6 +170,12 @@ class FactorCollector:
     def _a_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         def hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
             if self.collecting(module) and not recomputing():
+                if not inputs:  # (a forward pre-hook sees positional arguments only)
+                    raise TypeError(
+                        f"layer {layer.name!r} was called with its input as a keyword argument ({type(module).__name__}"
+                        "(input=x)), which K-FAC's forward hooks cannot see: pass it positionally, or list the layer "
+                        "in skip_layers"
+                    )
                 self._submit(layer, "A", lambda: layer.compute_a(inputs[0]))
 
         return hook

@@ -135,3 +135,19 @@ def test_parametrized_weights_get_the_base_update_and_say_why():
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         if not name.startswith("5."):  # (the K-FAC layer moves differently; the others as SGD, to rounding)
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_layer_called_with_its_input_as_a_keyword_is_refused_by_name():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(72, 8), nn.Linear(8, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(input=x.flatten(1))))
+
+    model = Net()
+    SPDKFACOptimizer(model, lr=0.05, backend="single")
+    x, _ = batch(4)
+    with pytest.raises(TypeError, match=r"layer 'a' was called with its input as a keyword argument .*: pass it positionally"):
+        model(x)
