@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import LayerHelper, SplitHelper
+from .base import LayerHelper, SplitHelper, not_exactly
 from .linear import LinearHelper
 
 __all__ = ["AttentionProjection", "AttentionSplit", "ExplicitAttention", "ProjectionHelper", "explicit_attention"]
@@ -246,9 +246,7 @@ class AttentionSplit(SplitHelper):
 
     @classmethod
     def unsupported(cls, module: nn.Module) -> str | None:
-        if type(module) is not nn.MultiheadAttention:
-            return f"a subclass of {type(module).__mro__[1].__name__} (its forward may differ)"
-        return None
+        return not_exactly(module, (nn.MultiheadAttention,))
 
     @classmethod
     def split(cls, module: nn.Module) -> list[tuple[str, LayerHelper]]:

@@ -23,7 +23,14 @@ import torch.nn as nn
 
 from ..factor_shape import FactorShape
 
-__all__ = ["LayerHelper", "SplitHelper"]
+__all__ = ["LayerHelper", "SplitHelper", "not_exactly"]
+
+
+def not_exactly(module: nn.Module, types: tuple[type[nn.Module], ...], differs: str = "forward") -> str | None:
+    """Why a module of a subclass of ``types`` is refused (its computation may differ from theirs); None for one of them."""
+    if type(module) in types:
+        return None
+    return f"a subclass of {type(module).__mro__[1].__name__} (its {differs} may differ)"
 
 
 class LayerHelper(abc.ABC):

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..conv_gram import conv_input_gram
 from ..factor_shape import FactorShape
 from ..linalg import channel_gram, mirrored_upper, symmetric_gram
-from .base import LayerHelper, split_bias_column, with_bias_column
+from .base import LayerHelper, not_exactly, split_bias_column, with_bias_column
 
 __all__ = ["ConvHelper", "GroupedConvolution", "block_gram", "conv_output_gram", "spatial_pair", "symmetric_zero_padding", "with_bias_row"]
 
@@ -115,9 +115,7 @@ class ConvHelper(GroupedConvolution):
 
     @classmethod
     def unsupported(cls, module: nn.Module) -> str | None:
-        if type(module) not in (nn.Conv1d, nn.Conv2d):
-            return f"a subclass of {type(module).__mro__[1].__name__} (its forward may differ)"
-        return None
+        return not_exactly(module, (nn.Conv1d, nn.Conv2d))
 
     @property
     def a_shape(self) -> FactorShape:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..factor_shape import FactorShape
 from ..linalg import channel_gram, symmetric_gram
+from .base import not_exactly
 from .conv import GroupedConvolution, block_gram, symmetric_zero_padding, with_bias_row
 
 __all__ = ["Conv3dHelper"]
@@ -40,9 +41,7 @@ class Conv3dHelper(GroupedConvolution):
 
     @classmethod
     def unsupported(cls, module: nn.Module) -> str | None:
-        if type(module) is not nn.Conv3d:
-            return f"a subclass of {type(module).__mro__[1].__name__} (its forward may differ)"
-        return None
+        return not_exactly(module, (nn.Conv3d,))
 
     @property
     def a_shape(self) -> FactorShape:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from ..factor_shape import FactorShape
 from ..tensor_cores import HALF_DTYPES
-from .base import LayerHelper
+from .base import LayerHelper, not_exactly
 from .conv import ConvHelper, GroupedConvolution
 from .conv3d import Conv3dHelper
 
@@ -91,9 +91,7 @@ class ConvTransposeHelper(GroupedConvolution):
 
     @classmethod
     def unsupported(cls, module: nn.Module) -> str | None:
-        if type(module) not in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
-            return f"a subclass of {type(module).__mro__[1].__name__} (its forward may differ)"
-        return None
+        return not_exactly(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d))
 
     @property
     def a_shape(self) -> FactorShape:

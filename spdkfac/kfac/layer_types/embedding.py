@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..factor_shape import FactorShape
 from ..linalg import symmetric_gram
-from .base import LayerHelper
+from .base import LayerHelper, not_exactly
 
 __all__ = ["EmbeddingHelper"]
 
@@ -27,8 +27,9 @@ class EmbeddingHelper(LayerHelper):
 
     @classmethod
     def unsupported(cls, module: nn.Module) -> str | None:
-        if type(module) is not nn.Embedding:
-            return f"a subclass of {type(module).__mro__[1].__name__} (its forward may differ)"
+        subclass = not_exactly(module, (nn.Embedding,))
+        if subclass is not None:
+            return subclass
         if module.sparse:
             return "sparse gradients (sparse=True)"
         return None

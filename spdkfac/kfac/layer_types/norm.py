@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..factor_shape import FactorShape
-from .base import LayerHelper
+from .base import LayerHelper, not_exactly
 
 __all__ = ["NORM_TYPES", "NormHelper", "normalised"]
 
@@ -78,9 +78,7 @@ class NormHelper(LayerHelper):
 
     @classmethod
     def unsupported(cls, module: nn.Module) -> str | None:
-        if type(module) not in NORM_TYPES:
-            return f"a subclass of {type(module).__mro__[1].__name__} (its normalisation may differ)"
-        return None
+        return not_exactly(module, NORM_TYPES, "normalisation")
 
     @property
     def a_shape(self) -> FactorShape:
