@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from .layer_types import NORM_HELPERS, NormHelper, helper_class, splitter_class, unsupported_reason
-from .layers import KFACLayer, LayerFilter, skipped, split_layers, unhooked_submodules
+from .layers import LAYER_KINDS, KFACLayer, LayerFilter, skipped, split_layers, unhooked_submodules
 
 __all__ = ["kfac_summary"]
 
@@ -23,8 +23,7 @@ def _kind(layer: KFACLayer) -> str:
     if a.diagonal:
         return f"{name} (diagonal A)"
     if a.blocks > 1:
-        depthwise = isinstance(layer.module, nn.modules.conv._ConvNd) and layer.module.groups == layer.module.in_channels
-        return f"{name} ({'depthwise' if depthwise else 'grouped'}, block-diagonal)"
+        return f"{name} ({'depthwise' if LAYER_KINDS['depthwise'](layer.module) else 'grouped'}, block-diagonal)"
     return name
 
 

@@ -13,7 +13,7 @@ model (``'*.bias'``, ``'encoder.*.norm*'``) or a kind:
 
 * ``'kind:bias'``: parameters named ``bias`` or ``*_bias`` (``in_proj_bias``);
 * ``'kind:norm'``: the parameters of normalisation modules (BatchNorm,
-  InstanceNorm, LayerNorm, GroupNorm, RMSNorm, LocalResponseNorm);
+  InstanceNorm, LayerNorm, GroupNorm, RMSNorm);
 * ``'kind:vector'``: parameters of fewer than two dimensions (biases, norm
   scales and shifts, and any other vector or scalar: nanoGPT's and timm's rule).
 """
@@ -34,7 +34,6 @@ NORM_MODULES: tuple[type[nn.Module], ...] = (
     nn.LayerNorm,
     nn.GroupNorm,
     nn.RMSNorm,
-    nn.LocalResponseNorm,
 )
 
 
