@@ -543,19 +543,18 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """Restore a checkpoint made by :meth:`state_dict` for the same model and compute method."""
         kfac = check_kfac_state(state_dict, self.layers, self.method)
         self.flush()
-        saved_base = kfac.get("config", {}).get("base", "sgd")  # checkpoints from before the option: momentum SGD
-        if saved_base != self.config.base:
-            raise ValueError(
-                f"checkpoint was saved with base={saved_base!r} but this optimizer uses base={self.config.base!r}: "
-                f"its optimizer state cannot continue here; construct the optimizer with base={saved_base!r} to resume it"
-            )
-        saved_exclusions = list(kfac.get("config", {}).get("no_weight_decay", []))
-        if saved_exclusions != list(self.config.no_weight_decay):
-            raise ValueError(
-                f"checkpoint was saved with no_weight_decay={saved_exclusions!r} but this optimizer uses "
-                f"no_weight_decay={list(self.config.no_weight_decay)!r}: its parameter groups differ; construct the "
-                "optimizer with the checkpoint's to resume it"
-            )
+        ours = self.config.as_dict()
+        # The options the base optimizer's state depends on (the value a checkpoint from before the option means).
+        for option, before, why in (
+            ("base", "sgd", "its optimizer state cannot continue here"),
+            ("no_weight_decay", [], "its parameter groups differ"),
+        ):
+            saved = kfac.get("config", {}).get(option, before)
+            if saved != ours[option]:
+                raise ValueError(
+                    f"checkpoint was saved with {option}={saved!r} but this optimizer uses {option}={ours[option]!r}: "
+                    f"{why}; construct the optimizer with {option}={saved!r} to resume it"
+                )
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kfac"})
         load_kfac_state(kfac, self.layers)
         self.kfac_step.factors.expected.clear()  # the checkpoint's (none in older ones: learned again)
