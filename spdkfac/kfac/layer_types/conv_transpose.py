@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Union
+from typing import NamedTuple, Union
 
 import torch
 import torch.nn as nn
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from ..factor_shape import FactorShape
 from ..tensor_cores import HALF_DTYPES
-from .base import LayerHelper, not_exactly
+from .base import not_exactly
 from .conv import ConvHelper, GroupedConvolution
 from .conv3d import Conv3dHelper
 
@@ -58,11 +58,19 @@ CONVS: dict[int, tuple[type[nn.Module], type[ConvHelper] | type[Conv3dHelper]]] 
 }
 
 
-def _convolution(dims: int, channels: int, kernel: Sequence[int], dilation: Sequence[int], groups: int, bias: bool) -> LayerHelper:
+def _convolution(dims: int, channels: int, kernel: Sequence[int], dilation: Sequence[int], groups: int, bias: bool) -> GroupedConvolution:
     """The helper of a stride-1, unpadded convolution (its module on the ``meta`` device: geometry only)."""
     conv_type, helper_type = CONVS[dims]
     conv = conv_type(channels, groups, tuple(kernel), dilation=tuple(dilation), groups=groups, bias=bias, device="meta")
     return helper_type(conv)  # type: ignore[arg-type]
+
+
+class _ResidueClass(NamedTuple):
+    """One residue class of the output positions: the convolution whose patches are its rows, and where its Gram
+    goes in ``A`` (its offsets' columns, channel-major, then the bias's)."""
+
+    conv: GroupedConvolution
+    columns: torch.Tensor
 
 
 class ConvTransposeHelper(GroupedConvolution):
@@ -85,7 +93,7 @@ class ConvTransposeHelper(GroupedConvolution):
         #: Per spatial dimension and residue of the output position modulo the stride: the offsets meeting input values.
         self._offsets = [self._class_offsets(axis) for axis in range(self.dims)]
         #: Per residue class: a plain convolution over the (flipped) input with the class's offsets as its kernel.
-        self._classes = {residue: self._class_conv(residue) for residue in itertools.product(*(range(s) for s in self.stride))}
+        self._classes = {residue: self._residue_class(residue) for residue in itertools.product(*(range(s) for s in self.stride))}
         #: Output sizes the forward passes since :meth:`forget` produce (checked against the output gradients).
         self._expected: list[tuple[int, ...]] = []
 
@@ -105,20 +113,15 @@ class ConvTransposeHelper(GroupedConvolution):
         flipped = x.flip(list(range(2, x.dim())))
         out = self._expected[-1]
         dim, bias = math.prod(self.kernel_size) * x.shape[1], int(self.has_bias)
-        columns = torch.arange(dim, device=x.device).view(x.shape[1], *self.kernel_size)
         gram: torch.Tensor | None = None
-        for residue, sub in self._classes.items():
+        for residue, found in self._classes.items():
             rows = tuple(len(range(r, size, s)) for r, size, s in zip(residue, out, self.stride))
-            if sub is None or not all(rows):
+            if found is None or not all(rows):
                 continue  # (positions that meet no input value: zero rows, which only the bias counts)
-            part, _ = sub.input_gram(self._class_input(flipped, residue, rows, sub), dtype)
+            part, _ = found.conv.input_gram(self._class_input(flipped, residue, rows, found.conv), dtype)
             if gram is None:
                 gram = part.new_zeros(dim + bias, dim + bias)
-            grids = torch.meshgrid(*(torch.tensor(self._offsets[a][r], device=x.device) for a, r in enumerate(residue)), indexing="ij")
-            where: tuple[slice | torch.Tensor, ...] = (slice(None), *grids)
-            index = columns[where].reshape(-1)
-            if bias:
-                index = torch.cat([index, index.new_tensor([dim])])
+            index = found.columns.to(x.device)
             gram[index.unsqueeze(1), index] += part
         count = x.shape[0] * math.prod(out)
         if gram is None:
@@ -139,22 +142,27 @@ class ConvTransposeHelper(GroupedConvolution):
         # Flipped, the zeros after the input come first (F.pad: the last dimension first).
         return F.pad(flipped, [p for axis in reversed(range(self.dims)) for p in (self.after[axis], self.before[axis])])
 
-    def _class_conv(self, residue: tuple[int, ...]) -> LayerHelper | None:
-        """The stride-1 convolution whose patches are a residue class's rows (None: no offset meets a value)."""
+    def _residue_class(self, residue: tuple[int, ...]) -> _ResidueClass | None:
+        """The convolution whose patches are a residue class's rows and their place in ``A`` (None: no offset meets a
+        value)."""
         offsets = [self._offsets[axis][r] for axis, r in enumerate(residue)]
         if not all(offsets):
             return None
         dilation = [(o[1] - o[0]) * self.dilation[axis] // self.stride[axis] if len(o) > 1 else 1 for axis, o in enumerate(offsets)]
-        return _convolution(self.dims, self.module.in_channels, [len(o) for o in offsets], dilation, 1, self.has_bias)
+        conv = _convolution(self.dims, self.module.in_channels, [len(o) for o in offsets], dilation, 1, self.has_bias)
+        dim = self.module.in_channels * math.prod(self.kernel_size)
+        columns = torch.arange(dim).view(self.module.in_channels, *self.kernel_size)
+        where: tuple[slice | torch.Tensor, ...] = (slice(None), *torch.meshgrid(*(torch.tensor(o) for o in offsets), indexing="ij"))
+        index = columns[where].reshape(-1)
+        return _ResidueClass(conv, torch.cat([index, index.new_tensor([dim])]) if self.has_bias else index)
 
-    def _class_input(self, flipped: torch.Tensor, residue: tuple[int, ...], rows: tuple[int, ...], sub: LayerHelper) -> torch.Tensor:
+    def _class_input(self, flipped: torch.Tensor, residue: tuple[int, ...], rows: tuple[int, ...], sub: GroupedConvolution) -> torch.Tensor:
         """The flipped input cropped or zero-padded so that the class's stride-1 windows are its output positions.
 
         Window ``t`` of residue ``r`` (output position ``r + t·s``) reads input
         ``t + (r + a0·d − after)/s + m·d'`` at its ``m``-th offset ``a0 + m·s/g``
         (``g = gcd(s, d)``, ``d' = d/g``, the class convolution's dilation).
         """
-        assert isinstance(sub, (ConvHelper, Conv3dHelper))
         kernel, dilation = sub.module.kernel_size, sub.module.dilation
         pads = []
         for axis in reversed(range(self.dims)):  # (F.pad: the last dimension first)
