@@ -65,6 +65,8 @@ def _rows(layer: Any, x: torch.Tensor, kind: str) -> torch.Tensor:
     """The factor's rows, built once (float32): im2col patches (+ ones) for A, channel vectors for G."""
     helper = layer.helper
     if kind == "G":
+        if isinstance(layer.module, nn.Linear):  # (..., features), any leading dimensions
+            return x.float().reshape(-1, x.shape[-1])
         return x.float().movedim(1, -1).reshape(-1, x.shape[1]) if x.dim() > 2 else x.float()
     rows = x.float().reshape(-1, x.shape[-1]) if isinstance(layer.module, nn.Linear) else helper.input_rows(helper._padded(x.float()))
     if helper.has_bias:
@@ -110,7 +112,7 @@ def factor_costs(model_name: str, batch: int, resolution: int, device: torch.dev
                 "input": list(data.shape),
                 "library": _median(library, device),
             }
-            if groups == 1:
+            if groups == 1 and (isinstance(layer.module, nn.Linear) or hasattr(layer.helper, "input_rows")):
                 rows = _rows(layer, data, kind)
                 row["rows"] = list(rows.shape)
                 row["one_product"] = _median(lambda r=rows: r.T @ r, device)
@@ -195,12 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out-dir", default="/tmp/gpu_profile")
+    ap.add_argument("--model", default=None, help="a zoo model (default resnet50; cifar_resnet20 with --quick)")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--resolution", type=int, default=None)
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore", message="no perf_model given")
     device = torch.device(args.device)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model, batch, res = ("cifar_resnet20", 8, 32) if args.quick else ("resnet50", 64, 224)
+    model, batch, res = args.model or model, args.batch or batch, args.resolution or res
     torch.backends.cudnn.benchmark = True
     report: dict[str, Any] = {"model": model, "batch": batch, "resolution": res}
     t0 = time.perf_counter()

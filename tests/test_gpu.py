@@ -168,13 +168,15 @@ def test_cupy_and_torch_inverses_agree(device: torch.device, dtype: torch.dtype)
             assert torch.equal(got, got.T)  # symmetrised, as packing the upper triangle needs
 
 
-def test_bf16_autocast(device: torch.device) -> None:
-    """Under bf16 autocast the factors stay float32 and match the float32 run's to bf16 rounding; training goes on."""
+@pytest.mark.parametrize("net", [small_net, mixed_net], ids=["small_net", "mixed_net"])
+def test_bf16_autocast(device: torch.device, net) -> None:
+    """Under bf16 autocast the factors stay float32 and match the float32 run's to bf16 rounding; training goes on.
+    (mixed_net: every layer type's half-precision path, transposed and 3-D convolutions included.)"""
     x, y = batch(16)
     x, y = x.to(device), y.to(device)
     runs = {}
     for amp in (False, True):
-        model = small_net().to(device)
+        model = net().to(device)
         opt = SPDKFACOptimizer(model, backend="single", **HYPER)
         losses = []
         for _ in range(8):
@@ -196,7 +198,19 @@ def test_bf16_autocast(device: torch.device) -> None:
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("module", ["conv3x3", "conv1x1", "linear"])
+#: Each layer type's factor path: (module, input shape).
+HALF_PRECISION_LAYERS = {
+    "conv3x3": (lambda: nn.Conv2d(32, 48, 3, padding=1), (4, 32, 4, 4)),
+    "conv1x1": (lambda: nn.Conv2d(32, 48, 1), (4, 32, 4, 4)),
+    "linear": (lambda: nn.Linear(32, 48), (64, 32)),
+    "conv1d": (lambda: nn.Conv1d(32, 48, 3, padding=1), (4, 32, 16)),
+    "conv3d": (lambda: nn.Conv3d(16, 24, 3, padding=1, stride=2), (4, 16, 4, 4, 4)),
+    "conv_transpose2d": (lambda: nn.ConvTranspose2d(32, 48, 4, stride=2, padding=1), (4, 32, 4, 4)),
+    "conv_transpose1d": (lambda: nn.ConvTranspose1d(32, 48, 3, stride=2, padding=1, output_padding=1), (4, 32, 16)),
+}
+
+
+@pytest.mark.parametrize("module", list(HALF_PRECISION_LAYERS))
 def test_half_precision_factors_are_exact_products(device: torch.device, module: str) -> None:
     """Factors of bf16/fp16 inputs (autocast) keep the rows in half precision on a GPU, multiplied into float32 on
     the tensor cores: exact products, so they equal the float64 Gram of the same values to float32 summation,
@@ -205,8 +219,9 @@ def test_half_precision_factors_are_exact_products(device: torch.device, module:
     if device.type == "cuda":  # the fast path is the one under test
         assert keeps_half_rows(torch.zeros(1, device=device, dtype=torch.bfloat16), torch.float32)
     torch.manual_seed(0)
-    net = {"conv3x3": nn.Conv2d(32, 48, 3, padding=1), "conv1x1": nn.Conv2d(32, 48, 1), "linear": nn.Linear(32, 48)}[module]
-    x = (torch.randn(4, 32, 4, 4) if module.startswith("conv") else torch.randn(64, 32)).abs() + 0.1
+    make, shape = HALF_PRECISION_LAYERS[module]
+    net = make()
+    x = torch.randn(shape).abs() + 0.1
     g = torch.randn_like(net(x).detach())
     ref = KFACLayer("ref", make_helper(net.double()))  # float64 on the CPU
     layer = KFACLayer("dev", make_helper(copy.deepcopy(net).float().to(device)))
