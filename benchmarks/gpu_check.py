@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -88,6 +89,8 @@ class Setting:
     decomposition_repeats: int = 5
     profile_batch: int = 64
     workers: tuple[int, ...] = (8, 16, 32, 64)
+    #: Whether ``model`` is timed (off: only the further models, ``--other-models-only``).
+    main_model: bool = True
     #: Further models timed at the first batch size, amortised configurations only: (zoo name, resolution).
     other_models: tuple[tuple[str, int], ...] = (("vit_s16", 224),)
     budget_s: dict[str, float] = field(
@@ -131,6 +134,9 @@ OTHER_MODEL_CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "adamw": CONFIGS["adamw"],
     "kfac-inverse-amortised": CONFIGS["kfac-inverse-amortised"],
     "kfac-adamw-amortised": ("spdkfac", dict(base="adamw", factor_update_freq=10, inv_update_freq=100), False),
+    "spdkfac-sgd": CONFIGS["spdkfac-sgd"],  # what the optimizer costs without K-FAC
+    # The same layers preconditioned one by one: what stacking same-shape layers saves (spdkfac.step.stacked_preconditioning).
+    "kfac-inverse-amortised-per-layer": ("spdkfac", dict(factor_update_freq=10, inv_update_freq=100, per_layer=True), False),
 }
 HYPER = dict(lr=0.1, momentum=0.9, weight_decay=5e-5)  # ResNet-50's ImageNet setting (Pauloski et al.), damping as default
 ADAMW_HYPER = dict(lr=1e-3, weight_decay=0.05)  # torch's AdamW beside it, and K-FAC on an AdamW base
@@ -287,7 +293,11 @@ class Run:
             self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW_HYPER)
         else:
             hyper = ADAMW_HYPER if options.get("base") == "adamw" else HYPER
+            per_layer = options.get("per_layer", False)
+            options = {k: v for k, v in options.items() if k != "per_layer"}
             self.opt = make_optimizer(kind, self.model, backend="single", **hyper, **options)
+            if per_layer:
+                self.opt.kfac_step.preconditioner.stack_groups = False
         self.seconds: list[float] = []
 
     def _timed(self, x: torch.Tensor, y: torch.Tensor, wait_after_backward: bool) -> tuple[float, float]:
@@ -416,7 +426,7 @@ def timing(setting: Setting, device: torch.device, budget: float, emit: Callable
     deadline = time.perf_counter() + budget
     settings = {k: v for k, v in vars(setting).items() if k != "budget_s"}
     result: dict[str, Any] = {"setting": settings, "hyper": HYPER, "adamw_hyper": ADAMW_HYPER, "batches": {}, "models": {}}
-    for bi, batch in enumerate(setting.batch_sizes):
+    for bi, batch in enumerate(setting.batch_sizes if setting.main_model else ()):
         x, y = _inputs(batch, setting.resolution, device)
         rows: dict[str, Any] = {}
         result["batches"][str(batch)] = rows
@@ -528,15 +538,20 @@ def main(argv: list[str] | None = None) -> int:
         default=list(STAGES),
         choices=list(STAGES),
     )
+    ap.add_argument("--other-models-only", action="store_true", help="time only the further models (ViT-S/16), not ResNet-50")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but torch.cuda.is_available() is False (use --device cpu --quick to test the script)")
     setting = QUICK if args.quick else Setting()
+    if args.other_models_only:
+        setting = dataclasses.replace(setting, main_model=False)
     warnings.filterwarnings("ignore", message="no perf_model given")  # one process: no placement or fusion to plan
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"environment": environment(device), "quick": args.quick, "stages": {}}
+    given = list(sys.argv[1:] if argv is None else argv)
+    arguments = [a for i, a in enumerate(given) if a != "--out" and not a.startswith("--out=") and (i == 0 or given[i - 1] != "--out")]
+    report: dict[str, Any] = {"environment": environment(device), "quick": args.quick, "argv": arguments, "stages": {}}
     log("environment:", json.dumps(report["environment"]))
 
     def emit(stage: str, value: Any) -> None:

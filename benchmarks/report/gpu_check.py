@@ -11,6 +11,8 @@ from benchmarks.report.common import ms, need, ratio, renders, table
 def title(rel: Path) -> str:
     """``gpu_check_<card>.json``'s title."""
     card = rel.stem.removeprefix("gpu_check_")
+    if card.endswith("_vit"):  # --stages timing --other-models-only
+        return f"On a GPU: ViT-S/16's iteration time against SGD and AdamW ({card.removesuffix('_vit')})"
     return "On a GPU: the gpu tests, iteration time against SGD and AdamW, decompositions" + (
         f" ({card})" if rel.stem != "gpu_check" else ""
     )
@@ -25,7 +27,7 @@ def gpu_check(path: Path, d: dict[str, Any]) -> list[str]:
         f"{env.get('card', '?')} ({env.get('memory_gib', '?')} GiB), torch {env.get('torch')}, CUDA {env.get('cuda')}, "
         f"cupy {env.get('cupy') or 'absent'}, Python {env.get('python')}; {env.get('date')}"
         + (" — `--quick`: proves the script, measures nothing" if d.get("quick") else "")
-        + ". Command: `bash scripts/gpu_check.sh` (benchmarks/gpu_check.py).",
+        + f". Command: `bash scripts/gpu_check.sh{''.join(' ' + a for a in d.get('argv', []) if not a.startswith('$'))}` (benchmarks/gpu_check.py).",
         "",
     ]
     for stage, value in stages.items():

@@ -102,6 +102,8 @@ class KFACLayer:
         self.g_dim = self.shapes["G"].dim
         self._packed: dict[str, torch.Tensor | None] = {"A": None, "G": None}
         self._decomposed: dict[str, Any] = {"A": None, "G": None}
+        #: Counts the decompositions set, so that what is derived from them can tell it is out of date.
+        self.decomposition_version = 0
         #: The method's own per-layer state (EKFAC's scaling; empty for the others), :meth:`DecompositionMethod.commit`.
         self.method_state: MethodState = self.method.new_state()
         #: Samples per worker in the last batch the factor hooks saw (EKFAC scales its statistic by the global batch).
@@ -225,6 +227,7 @@ class KFACLayer:
 
     def set_decomposition(self, kind: str, value: Any) -> None:
         self._decomposed[kind] = value
+        self.decomposition_version += 1
 
     @property
     def decomposed(self) -> bool:

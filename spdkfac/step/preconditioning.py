@@ -19,6 +19,7 @@ import torch
 from ..comm import CommBackend, Handle
 from ..kfac.layers import KFACLayer
 from ..plan.work_plan import WorkPlan
+from .stacked_preconditioning import StackedDecompositions
 from .timeline import IterationRecord, Timeline
 
 __all__ = ["Preconditioner", "kl_clip_scale", "scale_updates_"]
@@ -72,6 +73,9 @@ class Preconditioner:
         self.backend = backend
         self.plan = plan
         self.wait_grads = wait_grads
+        self.stacks = StackedDecompositions()
+        #: Whether same-shape layers are preconditioned stacked (off: every layer alone, for comparisons).
+        self.stack_groups = True
 
     def run(
         self, damping: float, lr: float, kl_clip: float | None, wait_for_grads: bool = False, record: IterationRecord | None = None
@@ -88,12 +92,7 @@ class Preconditioner:
         if self.plan.groups is not None:
             grads, updates = self._distributed(layers, damping, wait_for_grads, record)
         else:
-            found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            for i in reversed(range(len(layers))) if wait_for_grads else range(len(layers)):
-                grad = self._grad(layers[i], wait_for_grads)
-                found[i] = (grad, layers[i].precondition(grad, damping))
-            grads = [found[i][0] for i in range(len(layers))]
-            updates = [found[i][1] for i in range(len(layers))]
+            grads, updates = self._local(layers, damping, wait_for_grads)
         scale = kl_clip_scale(grads, updates, lr, kl_clip)
         if scale is not None:
             scale_updates_(updates, scale)
@@ -101,6 +100,34 @@ class Preconditioner:
             layer.write_grad(update)
         if record is not None:
             record.precondition += Timeline.now() - t0 - (record.grad_wait - waited0)
+
+    def _local(self, layers: list[KFACLayer], damping: float, wait_for_grads: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer preconditioned here, same-shape layers stacked (:mod:`.stacked_preconditioning`).
+
+        A group is preconditioned stacked when all its layers have a gradient
+        this step (else layer by layer). With ``wait_for_grads`` the groups are
+        taken in the order their gradients complete: the last-sent (first) layer
+        of each last.
+        """
+        present = {layer.name: i for i, layer in enumerate(layers)}
+        units: list[list[int]] = []
+        for group in self.stacks.groups(self.layers) if self.stack_groups else [[j] for j in range(len(self.layers))]:
+            indices = [present[self.layers[j].name] for j in group if self.layers[j].name in present]
+            units += [indices] if len(indices) == len(group) else [[i] for i in indices]
+        found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for unit in sorted(units, key=min, reverse=True) if wait_for_grads else sorted(units, key=min):
+            members = [layers[i] for i in unit]
+            grads = [self._grad(layer, wait_for_grads) for layer in (reversed(members) if wait_for_grads else members)]
+            if wait_for_grads:
+                grads.reverse()
+            if len(unit) == 1:
+                found[unit[0]] = (grads[0], members[0].precondition(grads[0], damping))
+                continue
+            a, g = self.stacks.stacked(members)
+            stacked = members[0].method.precondition(torch.stack(grads), a, g, damping)
+            for i, grad, update in zip(unit, grads, stacked.unbind(0)):
+                found[i] = (grad, update)
+        return [found[i][0] for i in range(len(layers))], [found[i][1] for i in range(len(layers))]
 
     def _grad(self, layer: KFACLayer, wait: bool) -> torch.Tensor:
         """The layer's averaged gradient matrix, first waiting for its all-reduces if ``wait``."""

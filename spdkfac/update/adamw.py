@@ -15,7 +15,7 @@ import torch.nn as nn
 from ..comm import CommBackend, get_backend
 from ..step.grad_sync import GradientSync, collective_names
 from ..step.nonfinite import NonFiniteError, NonFiniteGuard, SkipStep, non_finite
-from .rules import adamw_delta
+from .rules import adamw_deltas
 
 __all__ = ["DistributedAdamW"]
 
@@ -72,9 +72,13 @@ class DistributedAdamW(torch.optim.Optimizer):
                     NonFiniteError(f"non-finite averaged gradient in {len(bad)} parameter(s); no parameter was changed")
                 )
             for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.add_(adamw_delta(p.grad, p, self.state[p], group["lr"], group["betas"], group["eps"], group["weight_decay"]))
+                stepped = [p for p in group["params"] if p.grad is not None]
+                if stepped:
+                    grads = [p.grad for p in stepped if p.grad is not None]
+                    deltas = adamw_deltas(
+                        grads, stepped, [self.state[p] for p in stepped], group["lr"], group["betas"], group["eps"], group["weight_decay"]
+                    )
+                    torch._foreach_add_(stepped, deltas)
             self.nonfinite.good_step()
         except SkipStep:
             pass

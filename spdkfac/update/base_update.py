@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..options import Option
-from .rules import adamw_delta, lamb_delta, momentum_direction, momentum_directions
+from .rules import adamw_deltas, lamb_delta, momentum_direction, momentum_directions
 
 __all__ = ["BaseOptimizer", "apply_base_update", "base_defaults", "sgd_param_update"]
 
@@ -76,7 +76,7 @@ def apply_base_update(
     """
     for group in param_groups:
         lr, wd = group["lr"], group["weight_decay"]
-        batched: list[torch.Tensor] = []  # momentum SGD's parameters, stepped together (multi-tensor kernels)
+        batched: list[torch.Tensor] = []  # momentum SGD's or AdamW's parameters, stepped together (multi-tensor kernels)
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -87,15 +87,17 @@ def apply_base_update(
                 if wd != 0:
                     delta.add_(p.detach(), alpha=-lr * wd)
                 p.add_(delta)
-            elif base == BaseOptimizer.SGD:
-                if p.grad.is_sparse:  # (no multi-tensor kernels for sparse gradients)
-                    sgd_param_update(p, p.grad, state[p], lr, group["momentum"], wd)
-                else:
-                    batched.append(p)
+            elif base == BaseOptimizer.SGD and p.grad.is_sparse:  # (no multi-tensor kernels for sparse gradients)
+                sgd_param_update(p, p.grad, state[p], lr, group["momentum"], wd)
+            elif base == BaseOptimizer.LAMB:  # (its trust ratio reads each parameter's norms: one at a time)
+                p.add_(lamb_delta(p.grad, p, state[p], lr, group["betas"], group["eps"], wd))
             else:
-                rule = adamw_delta if base == BaseOptimizer.ADAMW else lamb_delta
-                p.add_(rule(p.grad, p, state[p], lr, group["betas"], group["eps"], wd))
+                batched.append(p)
         if batched:
             grads = [p.grad for p in batched if p.grad is not None]  # (all of them: checked above)
-            directions = momentum_directions(grads, batched, [state[p] for p in batched], group["momentum"], wd)
-            torch._foreach_add_(batched, directions, alpha=-lr)
+            states = [state[p] for p in batched]
+            if base == BaseOptimizer.SGD:
+                directions = momentum_directions(grads, batched, states, group["momentum"], wd)
+                torch._foreach_add_(batched, directions, alpha=-lr)
+            else:
+                torch._foreach_add_(batched, adamw_deltas(grads, batched, states, lr, group["betas"], group["eps"], wd))

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["adamw_delta", "lamb_delta", "momentum_direction", "momentum_directions"]
+__all__ = ["adamw_delta", "adamw_deltas", "lamb_delta", "momentum_direction", "momentum_directions"]
 
 
 def momentum_direction(
@@ -83,16 +83,58 @@ def adamw_delta(
     and ``v̂`` their bias-corrected values after ``state["step"]`` updates;
     the same arithmetic as ``torch.optim.AdamW`` (bitwise without weight decay,
     which torch applies by scaling the parameter first). ``param`` is not changed.
+    (:func:`adamw_deltas` of one parameter.)
     """
-    exp_avg, exp_avg_sq, step = _adam_moments(grad, state, betas)
+    return adamw_deltas([grad], [param], [state], lr, betas, eps, weight_decay)[0]
+
+
+def adamw_deltas(
+    grads: list[torch.Tensor],
+    params: list[torch.Tensor],
+    states: list[dict[str, Any]],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> list[torch.Tensor]:
+    """:func:`adamw_delta` of many parameters at once, with multi-tensor (``foreach``) kernels.
+
+    The same operations per element as one parameter at a time (bitwise on
+    the CPU, where each ``foreach`` call runs the per-tensor kernels), in about
+    ten launches per group of parameters with the same step count instead of
+    ten per parameter: on a GPU, K-FAC on an AdamW base over ViT-S/16's 150
+    parameters was otherwise 12 ms slower per step than on momentum SGD.
+    """
     beta1, beta2 = betas
-    bias1 = 1 - beta1**step
-    bias2_sqrt = (1 - beta2**step) ** 0.5
-    denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(eps)
-    delta: torch.Tensor = exp_avg.mul(-lr / bias1).div_(denom)  # torch's addcdiv order: (value * m) / denom
-    if weight_decay != 0:
-        delta.add_(param.detach(), alpha=-lr * weight_decay)
-    return delta
+    for grad, state in zip(grads, states):
+        if "exp_avg" not in state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(grad)
+            state["exp_avg_sq"] = torch.zeros_like(grad)
+        state["step"] += 1
+    deltas: list[torch.Tensor] = [grads[0]] * len(grads)  # (placeholders, each replaced below)
+    by_step: dict[int, list[int]] = {}
+    for i, state in enumerate(states):
+        by_step.setdefault(int(state["step"]), []).append(i)
+    for step, members in by_step.items():
+        g = [grads[i] for i in members]
+        exp_avg = [states[i]["exp_avg"] for i in members]
+        exp_avg_sq = [states[i]["exp_avg_sq"] for i in members]
+        torch._foreach_lerp_(exp_avg, g, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sq, beta2)
+        torch._foreach_addcmul_(exp_avg_sq, g, g, value=1 - beta2)
+        bias1 = 1 - beta1**step
+        bias2_sqrt = (1 - beta2**step) ** 0.5
+        denom = torch._foreach_sqrt(exp_avg_sq)
+        torch._foreach_div_(denom, bias2_sqrt)
+        torch._foreach_add_(denom, eps)
+        delta = torch._foreach_mul(exp_avg, -lr / bias1)  # torch's addcdiv order: (value * m) / denom
+        torch._foreach_div_(delta, denom)
+        if weight_decay != 0:
+            torch._foreach_add_(delta, [params[i].detach() for i in members], alpha=-lr * weight_decay)
+        for i, d in zip(members, delta):
+            deltas[i] = d
+    return deltas
 
 
 def lamb_delta(

@@ -81,6 +81,11 @@ FREQ_CONFIGS = {
     # nn.TransformerEncoder: its MultiheadAttention's q, k, v (rows of in_proj_weight) and out_proj through the
     # explicit forward, the feed-forward Linears (on sequence input) and the head are preconditioned.
     "transformer": dict(BASE, model="transformer", placement="seq"),
+    # Its q, k, v projections share one shape: preconditioned stacked (spdkfac.step.stacked_preconditioning), while the
+    # gradients still arrive (steps that keep the inverses) and after inverses owned by one rank arrive by broadcast.
+    "transformer-freq-2-4": dict(
+        BASE, model="transformer", factor_update_freq=2, inv_update_freq=4, placement="lbp", perf_model="expensive-inverse"
+    ),
     # Gradient clipping between backward and step, after synchronize(): clips the averaged gradient.
     "clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05),
 }

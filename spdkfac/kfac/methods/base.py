@@ -120,6 +120,11 @@ class DecompositionMethod(abc.ABC):
         stages its next value in; the others ignore it.
         """
 
+    #: Whether :meth:`precondition` of single-tensor decompositions also takes a stack of same-shape layers
+    #: (gradients ``(n, g, a)``, decompositions ``(n, d, d)``) and gives their updates stacked, as products that
+    #: broadcast over the leading dimension do (:mod:`spdkfac.step.stacked_preconditioning`).
+    stackable: ClassVar[bool] = False
+
     #: Products of the ``g x a`` gradient with each factor's kept ``d x d`` matrix in :meth:`precondition`
     #: (an inverse: one on each side; an eigenbasis: into it and back), for the modelled preconditioning seconds.
     precondition_products: ClassVar[int] = 1

@@ -85,6 +85,8 @@ class InverseMethod(DecompositionMethod):
             f"instead. ({exc})"
         )
 
+    stackable = True  # two matmuls: with (n, d, d) inverses and (n, g, a) gradients, batched products
+
     def precondition(self, grad: torch.Tensor, a: Any, g: Any, damping: float, state: MethodState | None = None) -> torch.Tensor:
         """``G_inv @ grad @ A_inv`` (per block; a diagonal ``A_inv`` scales the columns); the damping is in the inverses."""
         g_inv: torch.Tensor = g

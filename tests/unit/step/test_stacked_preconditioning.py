@@ -1,0 +1,145 @@
+"""Same-shape layers preconditioned stacked (spdkfac.step.stacked_preconditioning) equal the layer-by-layer computation.
+
+The reference is the same optimizer with the grouping switched off (every
+layer alone, the path every other layer takes), which the float64 reference
+tests check against the definition. On the CPU the two must agree bitwise.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+from nets import batch, train
+
+from spdkfac import SPDKFACOptimizer
+from spdkfac.perfmodels import PerfModel
+from spdkfac.step.stacked_preconditioning import StackedDecompositions, stack_key
+
+HYPER = dict(
+    lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.01, factor_decay=0.9, kl_clip=0.01, backend="single", perf_model=PerfModel.default()
+)
+
+
+class RepeatedNet(nn.Module):
+    """Three residual blocks of one shape (two Linears each), an Embedding, a Linear of another shape, a head."""
+
+    def __init__(self, skip_block: int | None = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.inp = nn.Linear(72, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)) for _ in range(3))
+        self.head = nn.Linear(8, 5, bias=False)
+        self.skip_block = skip_block  # run this block on even calls only: a group with a layer absent on some steps
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = (x[:, 0, 0, :].detach().abs() * 3).long().clamp(max=9)
+        h = torch.tanh(self.inp(x.flatten(1))) + self.embed(tokens).mean(1)
+        for i, block in enumerate(self.blocks):
+            if i == self.skip_block and self.calls % 2:
+                continue
+            h = h + block(h)
+        self.calls += 1
+        return self.head(h)
+
+
+def run(stacked: bool, steps: int = 6, dtype=torch.float64, skip_block=None, **options):
+    """Train RepeatedNet; with ``stacked=False`` every layer is preconditioned alone (the reference)."""
+    torch.manual_seed(0)
+    model = RepeatedNet(skip_block).to(dtype)
+    opt = SPDKFACOptimizer(model, **{**HYPER, **options})
+    opt.kfac_step.preconditioner.stack_groups = stacked
+    x, y = batch(16)
+    train(model, opt, x.to(dtype), y, steps)
+    return model, opt
+
+
+def params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(factor_update_freq=2, inv_update_freq=4), dict(kl_clip=None)],
+    ids=["every-step", "freq-2-4", "no-clip"],
+)
+def test_stacked_equals_layer_by_layer(dtype, options):
+    ref_model, _ = run(stacked=False, dtype=dtype, **options)
+    model, opt = run(stacked=True, dtype=dtype, **options)
+    groups = [g for g in StackedDecompositions.group(opt.layers) if len(g) > 1]
+    names = sorted(sorted(opt.layers[i].name for i in g) for g in groups)
+    assert names == [["blocks.0.0", "blocks.1.0", "blocks.2.0"], ["blocks.0.2", "blocks.1.2", "blocks.2.2"]]
+    for name, value in params(ref_model).items():
+        assert torch.equal(params(model)[name], value), name
+    assert any(not torch.equal(p, q) for p, q in zip(params(model).values(), params(RepeatedNet().to(dtype)).values()))
+
+
+def test_a_group_shares_one_stack_and_keeps_no_copy():
+    _, opt = run(stacked=True)
+    by_name = {layer.name: layer for layer in opt.layers}
+    for kind in ("A", "G"):
+        held = [by_name[f"blocks.{b}.0"].decomposition(kind) for b in range(3)]
+        storages = {t.untyped_storage().data_ptr() for t in held}
+        assert len(storages) == 1, "each layer's decomposition is a slice of its group's stack"
+        assert held[0].untyped_storage().nbytes() == 3 * held[0].numel() * held[0].element_size()
+    assert stack_key(by_name["embed"]) is None  # a diagonal A: alone
+    assert stack_key(by_name["inp"]) != stack_key(by_name["blocks.0.0"])
+
+
+def test_new_decompositions_are_restacked():
+    """A decomposition step replaces the inverses: the next preconditioning uses the new ones, not the stack's."""
+    ref_model, _ = run(stacked=False, steps=7, factor_update_freq=1, inv_update_freq=2)
+    model, opt = run(stacked=True, steps=7, factor_update_freq=1, inv_update_freq=2)
+    for name, value in params(ref_model).items():
+        assert torch.equal(params(model)[name], value), name
+    layer = next(layer for layer in opt.layers if layer.name == "blocks.1.2")
+    stack_a, _ = opt.kfac_step.preconditioner.stacks.stacked([next(x for x in opt.layers if x.name == f"blocks.{b}.2") for b in range(3)])
+    assert layer.decomposition("A") is not None
+    assert torch.equal(stack_a[1], layer.decomposition("A"))
+
+
+def test_a_layer_absent_on_some_steps():
+    """A group with a layer that did not run this step is preconditioned layer by layer, and gives the same result."""
+    ref_model, _ = run(stacked=False, steps=6, skip_block=1)
+    model, _ = run(stacked=True, steps=6, skip_block=1)
+    for name, value in params(ref_model).items():
+        assert torch.equal(params(model)[name], value), name
+
+
+def test_checkpoint_of_stacked_decompositions_resumes_bitwise_and_is_not_larger():
+    model, opt = run(stacked=True, steps=4)
+    state = opt.state_dict()
+    stacked_bytes = io.BytesIO()
+    torch.save(state, stacked_bytes)
+    _, plain_opt = run(stacked=False, steps=4)
+    plain_bytes = io.BytesIO()
+    torch.save(plain_opt.state_dict(), plain_bytes)
+    assert stacked_bytes.getbuffer().nbytes <= plain_bytes.getbuffer().nbytes * 1.01
+
+    resumed_model = RepeatedNet().double()
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = SPDKFACOptimizer(resumed_model, **HYPER)
+    stacked_bytes.seek(0)
+    resumed.load_state_dict(torch.load(stacked_bytes))
+    x, y = batch(16, seed=3)
+    for m, o in ((model, opt), (resumed_model, resumed)):
+        train(m, o, x.double(), y, 3)
+    for name, value in params(model).items():
+        assert torch.equal(params(resumed_model)[name], value), name
+
+
+def test_the_grouping_follows_a_changed_decomposition():
+    """The groups are kept between steps; setting a decomposition (here: another dtype) regroups."""
+    _, opt = run(stacked=True, steps=2)
+    stacks = opt.kfac_step.preconditioner.stacks
+    names = lambda: sorted(sorted(opt.layers[i].name for i in g) for g in stacks.groups(opt.layers) if len(g) > 1)  # noqa: E731
+    assert names()[0] == ["blocks.0.0", "blocks.1.0", "blocks.2.0"]
+    assert stacks.groups(opt.layers) is stacks.groups(opt.layers)  # kept
+    layer = next(x for x in opt.layers if x.name == "blocks.1.0")
+    for kind in ("A", "G"):
+        layer.set_decomposition(kind, layer.decomposition(kind).float())
+    assert names()[0] == ["blocks.0.0", "blocks.2.0"]
