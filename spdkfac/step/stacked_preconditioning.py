@@ -9,7 +9,9 @@ the layers that agree in shapes, dtypes and device are stacked and
 preconditioned by one call.
 
 The decompositions are stacked once per decomposition step, and each layer's
-decomposition then *is* its slice of the stack: no second copy is kept. A
+decomposition then *is* its slice of the stack: no second copy is kept (but
+for a moment at that first stacking, when the new decompositions and their
+stack both exist, as any copy would). A
 layer whose decomposition was replaced since (the next decomposition step, a
 checkpoint loaded) no longer holds its slice, which is noticed by identity,
 and its group is stacked again. A group some of whose layers have no
@@ -104,7 +106,7 @@ class StackedDecompositions:
             # before the new stack is allocated.
             for old in [key for key in self._stacks if set(key) & set(names)]:
                 del self._stacks[old]
-            stack = None
+            stack = None  # (the old stack, if any, is freed before the new one is allocated)
             stack = _Stack(
                 torch.stack([layer.decomposition("A") for layer in layers]), torch.stack([layer.decomposition("G") for layer in layers])
             )

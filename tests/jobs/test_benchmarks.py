@@ -450,6 +450,7 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, env=dict(os.environ, PYTHON=sys.executable))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert report["argv"] == ["--device", "cpu", "--quick", "--tests-k", "cupy or bf16"]  # the run's own output path left out
     stages = report["stages"]
     assert set(stages) == {"tests", "decompositions", "timing", "perfmodel", "simulate"}
     assert not [s for s, v in stages.items() if "error" in v]
@@ -458,7 +459,8 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
     assert outcomes == {
         "test_cupy_and_torch_inverses_agree[dtype0]": "skipped",
         "test_cupy_and_torch_inverses_agree[dtype1]": "skipped",
-        "test_bf16_autocast": "passed",
+        "test_bf16_autocast[small_net]": "passed",
+        "test_bf16_autocast[mixed_net]": "passed",
     }
     dec = stages["decompositions"]
     assert dec["dims_measured"] == dec["dims"]
@@ -477,7 +479,14 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
     vit = stages["timing"]["models"]["vit_s16_32"]  # the transformer, with K-FAC on an AdamW base beside
     assert vit["resolution"] == 32
     rows = vit["batches"]["8"]
-    assert set(rows) >= {"sgd", "adamw", "kfac-inverse-amortised", "kfac-adamw-amortised"}
+    assert set(rows) >= {
+        "sgd",
+        "adamw",
+        "kfac-inverse-amortised",
+        "kfac-adamw-amortised",
+        "spdkfac-sgd",
+        "kfac-inverse-amortised-per-layer",
+    }
     assert all(rows[n]["n"] == 4 and rows[n]["vs_sgd_median"] > 0 for n in ("adamw", "kfac-adamw-amortised"))
     predictions = stages["simulate"]["predictions"]
     assert set(predictions) == {f"{w}:{v}" for w in (8, 16) for v in ("sgd", "dkfac", "mpdkfac", "spdkfac")}
