@@ -121,6 +121,7 @@ print("done")
 """
 
 
+@pytest.mark.slow  # (a subprocess's whole start-up and exit: the whole suite's, not the fast loop's)
 def test_heartbeats_stop_before_the_interpreter_finalises():
     """A heartbeat thread left inside a store call at finalisation aborted the finished process (exit 134,
     "terminate called without an active exception"): the beats stop at exit, and the process exits 0."""

@@ -50,6 +50,7 @@ def test_plans_are_remade_every_replan_interval():
     assert made == [0, 1, 1, 2, 2, 2, 3, 3]
 
 
+@pytest.mark.slow  # (many profiled steps: the whole suite's, not the fast loop's)
 def test_drifted_times_change_the_plan():
     """With alpha = 150 ms every A factor is ready within alpha of the first (one group) until a
     600 ms stall appears in the middle of the forward pass; the next profile splits the group there."""
