@@ -1,12 +1,15 @@
 """Same-shape layers preconditioned together: two batched products per group instead of two products per layer.
 
 A transformer repeats one block, so its layers come in few shapes (ViT-S/16:
-74 layers, 6 shapes). On a GPU its preconditioning is then bound by the host
+74 layers, 5 shapes: its 48 attention projections share one). On a GPU its preconditioning is then bound by the host
 issuing kernels layer by layer, not by the arithmetic (docs/experiments/gpu.md).
 For a method whose preconditioning is products that broadcast over a leading
 dimension (:attr:`~spdkfac.kfac.methods.base.DecompositionMethod.stackable`),
 the layers that agree in shapes, dtypes and device are stacked and
-preconditioned by one call.
+preconditioned by one call. By default only on a GPU: on the CPU the
+arithmetic paces the step, and the stacked products and the copies into the
+stack measured slower (:attr:`Preconditioner.stack_groups
+<spdkfac.step.preconditioning.Preconditioner.stack_groups>`).
 
 The decompositions are stacked once per decomposition step, and each layer's
 decomposition then *is* its slice of the stack: no second copy is kept (but

@@ -547,3 +547,22 @@ def test_transposed_conv_factor_times_both_grams_and_they_agree(tmp_path):
         assert row["classes"]["n"] == row["zero_filled"]["n"] == 2
         assert row["speedup"] == pytest.approx(row["zero_filled"]["median"] / row["classes"]["median"])
         assert row["max_relative_difference"] < 1e-5
+
+
+@pytest.mark.slow
+def test_stacked_preconditioning_times_both_arms_on_plain_steps(tmp_path):
+    """benchmarks/stacked_preconditioning.py for real (a small model): both arms timed on the same plain steps."""
+    out = tmp_path / "sp.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.stacked_preconditioning", "--quick", "--steps", "6", "--threads", "1", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = json.loads(out.read_text())["models"].values()
+    assert row["per_layer"]["n"] == row["stacked"]["n"] == 4  # rounds 2-5 (the factor step is round 0)
+    assert row["groups"] >= 2
+    assert row["stacked_layers"] > row["groups"]
+    assert row["ratio"] == pytest.approx(row["stacked"]["median"] / row["per_layer"]["median"])

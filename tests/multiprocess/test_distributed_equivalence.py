@@ -84,7 +84,13 @@ FREQ_CONFIGS = {
     # Its q, k, v projections share one shape: preconditioned stacked (spdkfac.step.stacked_preconditioning), while the
     # gradients still arrive (steps that keep the inverses) and after inverses owned by one rank arrive by broadcast.
     "transformer-freq-2-4": dict(
-        BASE, model="transformer", factor_update_freq=2, inv_update_freq=4, placement="lbp", perf_model="expensive-inverse"
+        BASE,
+        model="transformer",
+        factor_update_freq=2,
+        inv_update_freq=4,
+        placement="lbp",
+        perf_model="expensive-inverse",
+        stack_groups=True,  # (by default on a GPU only)
     ),
     # Gradient clipping between backward and step, after synchronize(): clips the averaged gradient.
     "clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05),

@@ -117,7 +117,9 @@ def main() -> None:
         if local % accumulate:
             raise SystemExit(f"local batch {local} not divisible into {accumulate} micro-batches")
         model = {"transformer": small_transformer, "mixed": mixed_net}.get(cfg.pop("model", None), small_net)().to(device)
+        stack_groups = cfg.pop("stack_groups", None)  # same-shape layers stacked (by default on a GPU only)
         opt = SPDKFACOptimizer(model, backend=backend, perf_model=pm, **cfg)
+        opt.kfac_step.preconditioner.stack_groups = stack_groups
         train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned, clip=clip, accumulate=accumulate, skip_bad_loss=skip_bad_loss)
         results[name] = {
             "steps": opt.steps,

@@ -1,0 +1,32 @@
+"""Same-shape layers stacked or not, on the CPU (``stacked_preconditioning.json``, benchmarks/stacked_preconditioning.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report.common import command_block, ms, need, renders, table
+
+
+@renders("stacked_preconditioning.json", "Stacked preconditioning of same-shape layers on the CPU", order=94, optional=True)
+def stacked_preconditioning(path: Path, d: dict[str, Any]) -> list[str]:
+    """Per model: step()'s median time stacked and layer by layer, and their ratio."""
+    need(d, path, "models")
+    lines = [
+        "`step()` on plain steps (K-FAC amortised 10/100), same-shape layers preconditioned stacked against layer by "
+        "layer, two copies of the model stepped in alternation; medians. Above 1 the stacking is slower, which is "
+        "why it is on by default on a GPU only ([docs/gpu.md](../docs/gpu.md)).",
+        "",
+    ]
+    rows = [
+        [
+            name,
+            f"{r['stacked_layers']} of {r['layers']} in {r['groups']}",
+            f"{ms(r['per_layer']['median'])} ms",
+            f"{ms(r['stacked']['median'])} ms",
+            f"{r['ratio']:.2f}x",
+        ]
+        for name, r in d["models"].items()
+    ]
+    lines += table(["model", "layers stacked (groups)", "layer by layer", "stacked", "stacked / layer by layer"], rows)
+    return lines + command_block(d, "benchmarks.stacked_preconditioning", ".venv/bin/python -m benchmarks.stacked_preconditioning")

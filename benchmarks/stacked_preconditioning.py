@@ -1,0 +1,91 @@
+"""Same-shape layers preconditioned stacked against layer by layer: ``step()``'s time on the machine at hand.
+
+    python -m benchmarks.stacked_preconditioning
+
+:mod:`spdkfac.step.stacked_preconditioning` preconditions the layers of one
+shape with one batched product pair. On a GPU that removes kernel launches,
+which pace a transformer's step there (docs/experiments/gpu.md; timed on the
+card by ``scripts/gpu_check.sh``). This measures whether it pays where the
+arithmetic paces the step, the CPU: two optimizers on two copies of each
+model, one stacking and one not, stepped in alternation (K-FAC amortised:
+factors every 10 steps, inverses every 100); the time of ``step()`` on the
+plain steps (no factors, no decompositions), medians. The default,
+``stack_groups=None``, stacks on a GPU only, from this measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from spdkfac import make_optimizer
+from spdkfac.models import get_model
+from spdkfac.runtime.output_path import output_file
+
+from .common import RESULTS, machine, save_json, stats
+
+#: name -> (zoo model, resolution, batch): a convolutional network with repeated blocks and a transformer.
+MODELS = {"resnet50 32x32, batch 8": ("resnet50", 32, 8), "vit_s16_32 32x32, batch 8": ("vit_s16_32", 32, 8)}
+QUICK_MODELS = {"cifar_resnet20 32x32, batch 4": ("cifar_resnet20", 32, 4)}
+
+
+def measure(model_name: str, resolution: int, batch: int, steps: int) -> dict[str, Any]:
+    """Both arms' ``step()`` seconds on plain steps, and how many layers were stacked in how many groups."""
+    warnings.filterwarnings("ignore", message="no perf_model given")
+    arms: dict[bool, tuple[nn.Module, Any]] = {}
+    for stacked in (False, True):
+        torch.manual_seed(0)
+        model = get_model(model_name)
+        opt = make_optimizer("spdkfac", model, backend="single", lr=0.1, momentum=0.9, factor_update_freq=10, inv_update_freq=100)
+        opt.kfac_step.preconditioner.stack_groups = stacked
+        arms[stacked] = (model, opt)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, resolution, resolution, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    seconds: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(steps):
+        for stacked in (False, True) if i % 2 else (True, False):  # (each arm first in every other round)
+            model, opt = arms[stacked]
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            plain = opt.steps % 10 != 0
+            start = time.perf_counter()
+            opt.step()
+            if plain and i >= 2:
+                seconds[stacked].append(time.perf_counter() - start)
+    opt = arms[True][1]
+    groups = [g for g in opt.kfac_step.preconditioner.stacks.groups(opt.layers) if len(g) > 1]
+    return {
+        "layers": len(opt.layers),
+        "groups": len(groups),
+        "stacked_layers": sum(map(len, groups)),
+        "per_layer": stats(seconds[False]),
+        "stacked": stats(seconds[True]),
+        "ratio": stats(seconds[True])["median"] / stats(seconds[False])["median"],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40, help="rounds (each steps both arms once)")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--quick", action="store_true", help="a small model and few steps (to test the benchmark)")
+    ap.add_argument("--out", default=str(RESULTS / "stacked_preconditioning.json"), type=output_file(make_parents=True))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = {}
+    for label, (name, resolution, batch) in (QUICK_MODELS if args.quick else MODELS).items():
+        rows[label] = measure(name, resolution, batch, args.steps)
+        print(f"{label}: stacked/per-layer step() {rows[label]['ratio']:.2f}x", flush=True)
+    out = save_json({"args": vars(args), "machine": machine(), "models": rows}, Path(args.out).name, Path(args.out).parent)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
