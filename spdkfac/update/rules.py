@@ -106,23 +106,10 @@ def adamw_deltas(
     parameters was otherwise 12 ms slower per step than on momentum SGD.
     """
     beta1, beta2 = betas
-    for grad, state in zip(grads, states):
-        if "exp_avg" not in state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(grad)
-            state["exp_avg_sq"] = torch.zeros_like(grad)
-        state["step"] += 1
     deltas: list[torch.Tensor] = [grads[0]] * len(grads)  # (placeholders, each replaced below)
-    by_step: dict[int, list[int]] = {}
-    for i, state in enumerate(states):
-        by_step.setdefault(int(state["step"]), []).append(i)
-    for step, members in by_step.items():
-        g = [grads[i] for i in members]
+    for step, members in _adam_moments(grads, states, betas).items():
         exp_avg = [states[i]["exp_avg"] for i in members]
         exp_avg_sq = [states[i]["exp_avg_sq"] for i in members]
-        torch._foreach_lerp_(exp_avg, g, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sq, beta2)
-        torch._foreach_addcmul_(exp_avg_sq, g, g, value=1 - beta2)
         bias1 = 1 - beta1**step
         bias2_sqrt = (1 - beta2**step) ** 0.5
         denom = torch._foreach_sqrt(exp_avg_sq)
@@ -155,7 +142,10 @@ def lamb_delta(
     bias, moves by Adam's step at first). The moments are AdamW's
     (:func:`adamw_delta`, same state keys). ``param`` is not changed.
     """
-    exp_avg, exp_avg_sq, step = _adam_moments(grad, state, betas)
+    _adam_moments([grad], [state], betas)
+    exp_avg: torch.Tensor = state["exp_avg"]
+    exp_avg_sq: torch.Tensor = state["exp_avg_sq"]
+    step = int(state["step"])
     beta1, beta2 = betas
     ratio = (exp_avg / (1 - beta1**step)).div_((exp_avg_sq / (1 - beta2**step)).sqrt_().add_(eps))
     if weight_decay != 0:
@@ -166,16 +156,23 @@ def lamb_delta(
     return ratio.mul_(-lr * trust)
 
 
-def _adam_moments(grad: torch.Tensor, state: dict[str, Any], betas: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Advance Adam's running averages of the gradient and its square (in ``state``); returns them and the step count."""
+def _adam_moments(grads: list[torch.Tensor], states: list[dict[str, Any]], betas: tuple[float, float]) -> dict[int, list[int]]:
+    """Advance Adam's running averages of the gradients and their squares (``state["exp_avg"]``,
+    ``state["exp_avg_sq"]``, started at zero) and the step counts, with multi-tensor kernels per step count;
+    returns the positions of the parameters by their step count (the bias corrections' exponent)."""
     beta1, beta2 = betas
-    if "exp_avg" not in state:
-        state["step"] = 0
-        state["exp_avg"] = torch.zeros_like(grad)
-        state["exp_avg_sq"] = torch.zeros_like(grad)
-    state["step"] += 1
-    exp_avg: torch.Tensor = state["exp_avg"]
-    exp_avg_sq: torch.Tensor = state["exp_avg_sq"]
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    return exp_avg, exp_avg_sq, int(state["step"])
+    by_step: dict[int, list[int]] = {}
+    for i, (grad, state) in enumerate(zip(grads, states)):
+        if "exp_avg" not in state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(grad)
+            state["exp_avg_sq"] = torch.zeros_like(grad)
+        state["step"] += 1
+        by_step.setdefault(int(state["step"]), []).append(i)
+    for members in by_step.values():
+        g = [grads[i] for i in members]
+        exp_avg_sq = [states[i]["exp_avg_sq"] for i in members]
+        torch._foreach_lerp_([states[i]["exp_avg"] for i in members], g, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sq, beta2)
+        torch._foreach_addcmul_(exp_avg_sq, g, g, value=1 - beta2)
+    return by_step
