@@ -18,6 +18,12 @@ from benchmarks.main_job_seeds import main_job_kfac
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def run_benchmark(module: str, *args: str) -> None:
+    """``python -m benchmarks.<module> ARGS`` from the repository root; a failure shows its output."""
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("interleave", [False, True])
 def test_iteration_time_measures_every_variant(tmp_path, interleave):
@@ -155,8 +161,7 @@ def test_hook_overhead_times_non_factor_steps(tmp_path):
     """benchmarks/hook_overhead.py for real on a small model: it measures passes on which the hooks compute nothing."""
     out = tmp_path / "hooks.json"
     args = ["--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2", "--iters", "2", "--out", str(out)]
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.hook_overhead", *args], cwd=ROOT, capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_benchmark("hook_overhead", *args)
     result = json.loads(out.read_text())
     assert result["args"]["model"] == "cifar_resnet20"
     assert result["plain"]["median"] > 0
@@ -232,10 +237,7 @@ def test_kaisa_fraction_simulate_and_its_results_section(tmp_path):
 def test_batched_decomposition_compares_one_batched_call_with_a_loop(tmp_path):
     """benchmarks/batched_decomposition.py for real: both timings per shape and the model totals add up."""
     args = ["--models", "resnext50_32x4d", "--methods", "inverse", "--repeats", "1", "--out", str(tmp_path)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.batched_decomposition", *args], cwd=ROOT, capture_output=True, text=True, check=False
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_benchmark("batched_decomposition", *args)
     result = json.loads((tmp_path / "batched_decomposition.json").read_text())
     shapes = {(r["blocks"], r["dim"]) for r in result["rows"]}
     assert shapes == {(32, d) for d in (4, 8, 16, 32, 36, 72, 144, 288)}  # ResNeXt-50's grouped 3x3 factors
@@ -285,8 +287,7 @@ def test_main_job_seeds_runs_the_main_job_per_configuration_and_seed(tmp_path):
     require_horovod()
     out = tmp_path / "seeds.json"
     args = ["--epochs", "1", "--seeds", "3", "--configs", "sgd", "spdkfac", "--out", str(out)]
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.main_job_seeds", *args], cwd=ROOT, capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_benchmark("main_job_seeds", *args)
     result = json.loads(out.read_text())
     assert result["configs"] == {"sgd": ["--optimizer", "sgd"], "spdkfac": main_job_kfac()}
     for name in ("sgd", "spdkfac"):
@@ -502,8 +503,7 @@ def test_warm_accuracy_compares_each_warm_step_with_eigh_along_the_exact_run(tmp
     Rayleigh–Ritz (the block step and 'ritz') the lower."""
     out = tmp_path / "warm_accuracy.json"
     args = ["--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "8", "--iters", "4", "--out", str(out)]
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.warm_accuracy", *args], cwd=ROOT, capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_benchmark("warm_accuracy", *args)
     rows = json.loads(out.read_text())["rows"]
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
     # all start from eigh (reordered)
@@ -520,8 +520,7 @@ def test_compile_cost_compiles_each_arm_once(tmp_path):
     """benchmarks/compile_cost.py for real on the digits CNN: the compiled K-FAC arm is one graph, compiled once."""
     out = tmp_path / "compile.json"
     args = ["--models", "digits_cnn", "--batch-size", "4", "--iters", "2", "--out", str(out)]
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.compile_cost", *args], cwd=ROOT, capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_benchmark("compile_cost", *args)
     model = json.loads(out.read_text())["models"]["digits_cnn"]
     assert model["kfac-compiled"]["graph_breaks"] == 0
     assert model["kfac-compiled"]["graphs"] == 1
@@ -533,14 +532,7 @@ def test_compile_cost_compiles_each_arm_once(tmp_path):
 def test_transposed_conv_factor_times_both_grams_and_they_agree(tmp_path):
     """benchmarks/transposed_conv_factor.py for real (small inputs): both Grams timed per layer, equal to rounding."""
     out = tmp_path / "tcf.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.transposed_conv_factor", "--quick", "--iters", "2", "--threads", "1", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_benchmark("transposed_conv_factor", "--quick", "--iters", "2", "--threads", "1", "--out", str(out))
     layers = json.loads(out.read_text())["layers"]
     assert len(layers) == 7
     for row in layers.values():
@@ -553,14 +545,7 @@ def test_transposed_conv_factor_times_both_grams_and_they_agree(tmp_path):
 def test_stacked_preconditioning_times_both_arms_on_plain_steps(tmp_path):
     """benchmarks/stacked_preconditioning.py for real (a small model): both arms timed on the same plain steps."""
     out = tmp_path / "sp.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.stacked_preconditioning", "--quick", "--steps", "6", "--threads", "1", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_benchmark("stacked_preconditioning", "--quick", "--steps", "6", "--threads", "1", "--out", str(out))
     (row,) = json.loads(out.read_text())["models"].values()
     assert row["per_layer"]["n"] == row["stacked"]["n"] == 4  # rounds 2-5 (the factor step is round 0)
     assert row["groups"] >= 2
