@@ -81,9 +81,11 @@ class Setting:
     model: str = "resnet50"
     resolution: int = 224
     batch_sizes: tuple[int, ...] = (64, 256)
-    warmup: int = 10
+    #: Past the one-time start: cuDNN's autotuning, the first decompositions, and the fusion plan's profiled factor
+    #: steps (KFACConfig.profile_steps = 3 after one warm-up: steps 0-30 here), which wait for the GPU at each factor.
+    warmup: int = 31
     amortised_iters: int = 100  # steps warmup .. warmup+99: one decomposition step (100) and ten factor steps
-    every_step_warmup: int = 2
+    every_step_warmup: int = 4  # (every step a factor step: steps 0-3 are the profiled ones)
     every_step_iters: int = 10  # the warm refresh's full eigh every 10: one in the window
     phase_iters: int = 3
     decomposition_repeats: int = 5
@@ -94,7 +96,7 @@ class Setting:
     #: Further models timed at the first batch size, amortised configurations only: (zoo name, resolution).
     other_models: tuple[tuple[str, int], ...] = (("vit_s16", 224),)
     budget_s: dict[str, float] = field(
-        default_factory=lambda: {"tests": 90, "decompositions": 25, "timing": 200, "perfmodel": 45, "simulate": 90}
+        default_factory=lambda: {"tests": 90, "decompositions": 25, "timing": 270, "perfmodel": 35, "simulate": 60}
     )
 
 
@@ -125,9 +127,13 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "kfac-inverse": ("spdkfac", {}, True),
     "kfac-eigen": ("spdkfac", dict(compute_method="eigen"), True),
     "kfac-eigen-warm": ("spdkfac", dict(compute_method="eigen", eigen_refresh="warm"), True),
+    # With TF32 float32 products (torch.backends.cuda.matmul.allow_tf32, as timm's training script sets): K-FAC's
+    # float32 preconditioning products follow the user's setting; these rows are relative to SGD's under it.
+    "sgd-tf32": ("torch.sgd", dict(tf32=True), False),
+    "kfac-inverse-amortised-tf32": ("spdkfac", dict(factor_update_freq=10, inv_update_freq=100, tf32=True), False),
 }
 #: What later batch sizes repeat (the largest batch costs the most memory and time).
-LARGE_BATCH_CONFIGS = ("sgd", "kfac-inverse-amortised")
+LARGE_BATCH_CONFIGS = ("sgd", "spdkfac-sgd", "kfac-inverse-amortised", "sgd-tf32", "kfac-inverse-amortised-tf32")
 #: What the other models (a transformer: AdamW is its usual optimizer) time, amortised.
 OTHER_MODEL_CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "sgd": CONFIGS["sgd"],
@@ -286,6 +292,7 @@ class Run:
         model = get_model(model_name).to(device)
         self.model = model.to(memory_format=torch.channels_last) if channels_last else model
         self.kfac = kind == "spdkfac"
+        self.tf32 = bool(options.get("tf32", False))
         self.opt: Any
         if kind == "torch.sgd":
             self.opt = torch.optim.SGD(self.model.parameters(), **HYPER)
@@ -294,7 +301,7 @@ class Run:
         else:
             hyper = ADAMW_HYPER if options.get("base") == "adamw" else HYPER
             per_layer = options.get("per_layer", False)
-            options = {k: v for k, v in options.items() if k != "per_layer"}
+            options = {k: v for k, v in options.items() if k not in ("per_layer", "tf32")}
             self.opt = make_optimizer(kind, self.model, backend="single", **hyper, **options)
             if per_layer:
                 self.opt.kfac_step.preconditioner.stack_groups = False
@@ -303,6 +310,7 @@ class Run:
     def _timed(self, x: torch.Tensor, y: torch.Tensor, wait_after_backward: bool) -> tuple[float, float]:
         """One iteration under bf16 autocast: (its seconds, those of forward + backward; 0 unless waited for)."""
         sync(x.device)
+        torch.backends.cuda.matmul.allow_tf32 = self.tf32  # (runs interleave: each sets its own)
         t0 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         with torch.autocast(x.device.type, dtype=torch.bfloat16):
@@ -359,6 +367,7 @@ def _interleaved(
     """The configurations' runs, stepped in turn until ``iters`` are measured or ``deadline``; every run built is
     closed on leaving (out of memory too, so that its hooks and tensors do not outlive the measurement)."""
     runs: list[Run] = []
+    tf32 = torch.backends.cuda.matmul.allow_tf32  # each run sets its own; what the caller had is restored on leaving
     try:
         for n in names:
             runs.append(Run(n, model, device, channels_last=device.type == "cuda"))
@@ -371,6 +380,7 @@ def _interleaved(
                 log(f"{label} iteration {it + 1}/{warmup + iters}: " + ", ".join(f"{r.name} {s * 1e3:.0f} ms" for r, s in zip(runs, secs)))
         yield runs
     finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
         for r in runs:
             r.close()
 
@@ -393,9 +403,10 @@ def _inputs(batch: int, resolution: int, device: torch.device) -> tuple[torch.Te
 
 
 def _summarise(runs: list[Run], rows: dict[str, Any], suffix: Callable[[str], str] = lambda name: "") -> None:
-    """Each run's row (ratios to the first run's, SGD's) into ``rows``."""
-    base = runs[0]
+    """Each run's row (ratios to SGD's: the first run's, or ``sgd-tf32``'s for a TF32 row) into ``rows``."""
+    by_name = {r.name: r for r in runs}
     for r in runs:
+        base = by_name.get("sgd-tf32", runs[0]) if r.name.endswith("-tf32") else runs[0]
         rows[r.name + suffix(r.name)] = _summary(r, base)
 
 

@@ -89,7 +89,9 @@ def _iteration_times(model: str, resolution: int, batch: str, rows: dict[str, An
     """One model and batch size's interleaved iteration times against SGD's, and every-step K-FAC's phases if measured."""
     lines = [
         f"**Iteration time**, {model} {resolution}x{resolution}, batch {batch}, bf16 autocast, channels-last, "
-        f"one process; interleaved; ratio to SGD's median with its 95% interval (peak memory {rows.get('cuda_peak_gib', 0):.1f} GiB):",
+        f"one process; interleaved; ratio to SGD's median with its 95% interval"
+        + (", a `-tf32` row's to `sgd-tf32`'s (float32 products in TF32, as timm's training script sets)" if "sgd-tf32" in rows else "")
+        + f" (peak memory {rows.get('cuda_peak_gib', 0):.1f} GiB):",
         "",
     ]
     body = []

@@ -468,7 +468,9 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
     assert set(dec["stage_s"]) == {"inverse/torch.linalg", "eigh/torch.linalg"}
     first, second = (stages["timing"]["batches"][str(b)] for b in (8, 16))
     assert {"sgd", "adamw", "kfac-inverse-amortised", "kfac-eigen", "kfac-eigen-warm"} <= set(first)
-    assert set(second) >= {"sgd", "kfac-inverse-amortised"}
+    assert set(second) >= {"sgd", "spdkfac-sgd", "kfac-inverse-amortised", "sgd-tf32", "kfac-inverse-amortised-tf32"}
+    tf32, base = second["kfac-inverse-amortised-tf32"], second["sgd-tf32"]  # a TF32 row is relative to SGD under TF32
+    assert tf32["vs_sgd_median"] == pytest.approx(tf32["median"] / base["median"])
     for name in ("kfac-inverse", "kfac-eigen", "kfac-eigen-warm"):
         row = first[name]
         assert row["n"] == 2
