@@ -138,6 +138,7 @@ class KFACLayer:
 
     def compute_a(self, x: torch.Tensor) -> torch.Tensor:
         """Batch factor ``A = Σ (a/S)(a/S)^T / n`` from the layer input, in flat form."""
+        x = x.unsqueeze(0) if self.helper.unbatched(x) else x  # one sample without its batch dimension: n = 1
         batch = x.shape[0]
         half = self.helper.half_rows and keeps_half_rows(x, self.factor_dtype)  # (exact float32 Grams of half rows)
         with torch.autocast(x.device.type, enabled=False):  # under AMP the input may be half precision
@@ -151,6 +152,7 @@ class KFACLayer:
         ``loss_scale`` is the factor a GradScaler multiplied the loss by; it is
         divided out so that ``G`` describes the true gradients.
         """
+        grad_output = grad_output.unsqueeze(0) if self.helper.unbatched(grad_output) else grad_output
         batch = grad_output.shape[0]
         self.local_samples = batch
         half = self.helper.half_rows and keeps_half_rows(grad_output, self.factor_dtype)

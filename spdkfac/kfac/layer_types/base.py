@@ -89,6 +89,12 @@ class LayerHelper(abc.ABC):
         """Output positions per sample that share the weight (``S``; 1 unless a convolution)."""
         return 1
 
+    def unbatched(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (an input or output gradient) is one sample without its batch dimension, as torch's layer
+        accepts it (a Linear's 1-D input, a Conv2d's ``(C, H, W)``): the factors then count one sample, not
+        ``t.shape[0]``. False where the layer has no unbatched form."""
+        return False
+
     @property
     def grad_shape(self) -> tuple[int, ...]:
         """Shape of :meth:`grad`: ``(g, a)`` or ``(blocks, g, a)``."""

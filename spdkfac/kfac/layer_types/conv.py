@@ -77,6 +77,9 @@ class GroupedConvolution(LayerHelper):
     def positions(self, rows: int, batch: int) -> int:
         return rows // batch
 
+    def unbatched(self, t: torch.Tensor) -> bool:
+        return t.dim() == self.weight.dim() - 1  # (C, *spatial): the weight has the two channel dimensions
+
     def _as_matrix(self, weight_like: torch.Tensor) -> torch.Tensor:
         """The weight's gradient as :attr:`grad_shape` without the bias column."""
         return weight_like.reshape(*self.grad_shape[:-1], -1)

@@ -24,6 +24,9 @@ class LinearHelper(LayerHelper):
     def g_shape(self) -> FactorShape:
         return FactorShape(self.module.out_features)
 
+    def unbatched(self, t: torch.Tensor) -> bool:
+        return t.dim() == 1
+
     def input_gram(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         rows = x.to(dtype).reshape(-1, x.shape[-1])
         if self.has_bias:

@@ -88,6 +88,11 @@ class NormHelper(LayerHelper):
     def g_shape(self) -> FactorShape:
         return FactorShape(2 if self.has_bias else 1, blocks=self.channels)
 
+    def unbatched(self, t: torch.Tensor) -> bool:
+        if isinstance(self.module, (nn.LayerNorm, nn.RMSNorm)):  # (batch norms and GroupNorm need the batch dimension)
+            return t.dim() == len(self.module.normalized_shape)
+        return False
+
     def input_gram(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         self._inputs.append(x)
         return torch.ones(1, dtype=dtype, device=x.device), 1
