@@ -141,6 +141,7 @@ class FactorCollector:
             order.add(self)
         self._stash: list[tuple[FactorKey, torch.Tensor]] = []
         self._a_taken: set[str] = set()
+        self.empty_inputs = False  # whether a layer was called with no sample in this step (here)
         self._tally: dict[FactorKey, _Tally] = {}
         self._passes = 0  # forward passes that computed a factor this step
         self._g_since_a = True  # a G hook ran since the last A hook (the next A hook starts a pass)
@@ -157,6 +158,7 @@ class FactorCollector:
         self.arrived = {"A": [], "G": []}
         self.backward_seen = False
         self._stash = []
+        self.empty_inputs = False
         self._a_taken = set()
         self._tally = {}
         self._passes = 0
@@ -176,6 +178,9 @@ class FactorCollector:
                         "(input=x)), which K-FAC's forward hooks cannot see: pass it positionally, or list the layer "
                         "in skip_layers"
                     )
+                if isinstance(inputs[0], torch.Tensor) and inputs[0].numel() == 0:
+                    self.empty_inputs = True  # no sample (an empty batch, a branch nothing was routed to): as if not run
+                    return
                 self._submit(layer, "A", lambda: layer.compute_a(inputs[0]))
 
         return hook
@@ -197,6 +202,8 @@ class FactorCollector:
         """
 
         def g_ready(grad_output: torch.Tensor) -> None:
+            if grad_output.numel() == 0:  # the output of a use with no sample (its A was not taken either)
+                return
             # Each micro-batch loss carries 1/accumulation_steps: dividing it out like a loss scale gives its true G.
             scale = self.loss_scale() / self.accumulation_steps
             self._submit(layer, "G", lambda: layer.compute_g(grad_output, scale))
@@ -400,8 +407,9 @@ class FactorCollector:
         factors = self.controller.wait_all()  # (an order settles first: send_held, the agreement, agreed())
         ran = [layer.name for layer in self.layers if all(self.ranks_ran.get((kind, layer.name), 0) for kind in FACTOR_KINDS)]
         if not ran:
+            empty = " (here the layers were called with no sample: an empty batch)" if self.empty_inputs else ""
             raise RuntimeError(
-                "step() was called on a factor-update step but no Kronecker factor was computed: run the "
+                f"step() was called on a factor-update step but no Kronecker factor was computed{empty}: run the "
                 "forward and backward pass in training mode (model.train()) with gradients enabled before step(); "
                 "a torch.compile'd model must first run after the optimizer is built (Dynamo does not see hooks added "
                 "to a model, or to another instance of its class, it has already compiled; torch._dynamo.reset() forgets those)"

@@ -43,7 +43,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "update-fusion-backward": dict(BASE, kl_clip=None, update_fusion="backward", inv_update_freq=3),
     "accumulate-2": dict(BASE, accumulation_steps=2),
     "dp-lbp": dict(BASE, placement="lbp", distribute_preconditioning=True),
+    # Where the aux head does not run, it is called with no sample (an empty shard): the same as not called.
+    "empty-input": dict(BASE),
 }
+EMPTY_INPUT = {"empty-input"}
 
 
 def _aux_factors(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -62,6 +65,7 @@ def local_factors(calls: list[tuple[torch.Tensor, torch.Tensor]], accumulate: in
     """The aux head's batch factors on this rank, from the definition: A = mean of [x,1][x,1]^T over the rows of
     each micro-batch, averaged over them; G = n g^T g per micro-batch (g the output gradient of the micro-batch
     loss, without its 1/accumulate), averaged over them."""
+    calls = [(x, g) for x, g in calls if x.shape[0] > 0]  # (a call with no sample computes no factor)
     if not calls:
         return None
     a_terms, g_terms = [], []
@@ -93,7 +97,10 @@ def run(backend: CommBackend, models: dict[str, nn.Module] | None = None) -> dic
             calls.clear()
             opt.zero_grad()
             for xm, ym in zip((x + 0.1 * s).chunk(accumulate), y.chunk(accumulate)):
-                (nn.functional.cross_entropy(model(xm, aux=backend.rank in ranks), ym) / accumulate).backward()
+                out = model(xm, aux=backend.rank in ranks)
+                if name in EMPTY_INPUT and backend.rank not in ranks:
+                    out = out + model.aux(xm.new_zeros(0, 6)).sum(0)  # (a zero gradient for the aux head)
+                (nn.functional.cross_entropy(out, ym) / accumulate).backward()
             opt.step()
             steps.append(
                 {
