@@ -11,6 +11,7 @@ or, for any torch optimizer (KAISA's usage)::
     preconditioner = KFACPreconditioner(model, lr=0.1)   # loss.backward(); preconditioner.step(); optimizer.step()
 """
 
+from .kfac.layer_types import register_layer_type
 from .optimizer import NonFiniteError, NonFiniteFactorError, SPDKFACOptimizer
 from .preconditioner import KFACPreconditioner
 from .runtime.host_memory import retain_freed_memory
@@ -30,5 +31,6 @@ __all__ = [
     "SPDKFACOptimizer",
     "__version__",
     "make_optimizer",
+    "register_layer_type",
     "retain_freed_memory",
 ]

@@ -40,6 +40,7 @@ from typing import Any, Union
 
 import torch
 import torch.nn as nn
+from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
 from .factor_shape import FactorKind, FactorShape
@@ -364,8 +365,16 @@ def kfac_layers(
 
     Raises:
         ValueError: a shared weight that cannot be one layer (different
-            layer types, separate biases, a holder left out by ``skip``).
+            layer types, separate biases, a holder left out by ``skip``);
+            a lazy module not initialised yet (its shapes are not known).
     """
+    lazy = [name for name, param in model.named_parameters() if is_lazy(param)]
+    if lazy:
+        raise ValueError(
+            f"the model has uninitialised lazy parameters ({', '.join(lazy[:6])}{' ...' if len(lazy) > 6 else ''}): K-FAC "
+            "plans its factors from every layer's shape when the optimizer is built. Run one forward pass with a batch "
+            "of the right size, dtype and device first (torch's dry run for lazy modules), then build the optimizer."
+        )
     for entry in skip:
         if not isinstance(entry, (str, type)):
             raise TypeError(f"skip_layers entries are module names, class names or classes, got {entry!r}")

@@ -2,7 +2,12 @@
 
 Adding a layer type is one file (a :class:`LayerHelper` subclass) and one
 line in :data:`HELPERS`. A module is matched by its class or the nearest
-registered base class; the helper may still refuse it
+registered base class. A subclass gets that class's helper when it computes
+what that class does (it overrides none of
+:attr:`LayerHelper.computes_with`, e.g. a subclass that only changes the
+initialisation); one with its own ``forward()`` may compute something else
+from the input the hooks see, and is left out unless the user registers it
+(:func:`register_layer_type`). The helper may still refuse a module
 (:meth:`LayerHelper.unsupported`, e.g. a sparse embedding), and it then gets
 the plain momentum-SGD update. :data:`NORM_HELPERS` holds the types that are
 preconditioned only on request (``norm_layers='kfac'``): normalisation
@@ -12,6 +17,9 @@ itself (``nn.MultiheadAttention``) is a :class:`SplitHelper` in
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeVar
 
 import torch.nn as nn
 from torch.nn.utils import parametrize
@@ -41,10 +49,13 @@ __all__ = [
     "SplitHelper",
     "helper_class",
     "make_helper",
+    "register_layer_type",
     "split_helpers",
     "splitter_class",
     "unsupported_reason",
 ]
+
+_Helper = TypeVar("_Helper", type[LayerHelper], type[SplitHelper])
 
 HELPERS: dict[type[nn.Module], type[LayerHelper]] = {
     nn.Linear: LinearHelper,
@@ -73,23 +84,78 @@ SPLITTERS: dict[type[nn.Module], type[SplitHelper]] = {
 }
 
 
+def _nearest(module: nn.Module, registry: Mapping[type[nn.Module], _Helper]) -> tuple[type[nn.Module], _Helper] | None:
+    """The module's class or its nearest base class in ``registry``, and what it is registered with."""
+    for cls in type(module).__mro__:
+        if cls in registry:
+            return cls, registry[cls]
+    return None
+
+
+def _layer_helpers(norm_layers: bool) -> Mapping[type[nn.Module], type[LayerHelper]]:
+    return {**NORM_HELPERS, **HELPERS} if norm_layers else HELPERS
+
+
 def helper_class(module: nn.Module, norm_layers: bool = False) -> type[LayerHelper] | None:
     """The helper registered for the module's class or its nearest registered base class (with ``norm_layers``,
     :data:`NORM_HELPERS` too)."""
-    for cls in type(module).__mro__:
-        if cls in HELPERS:
-            return HELPERS[cls]
-        if norm_layers and cls in NORM_HELPERS:
-            return NORM_HELPERS[cls]
-    return None
+    found = _nearest(module, _layer_helpers(norm_layers))
+    return None if found is None else found[1]
 
 
 def splitter_class(module: nn.Module) -> type[SplitHelper] | None:
     """The splitter registered for the module's class or its nearest registered base class."""
-    for cls in type(module).__mro__:
-        if cls in SPLITTERS:
-            return SPLITTERS[cls]
-    return None
+    found = _nearest(module, SPLITTERS)
+    return None if found is None else found[1]
+
+
+def register_layer_type(cls: type[nn.Module], like: type[nn.Module]) -> None:
+    """Precondition ``cls``, a subclass of ``like`` with a ``forward()`` of its own, as ``like``.
+
+    For a subclass whose own ``forward()`` computes what ``like``'s does from
+    the same input (a dtype cast, a logging call): K-FAC's factors come from
+    the module's input and output gradient, so a forward that computes
+    something else (scales its input, pads it itself, standardises the
+    weight) would get a wrong step. A subclass that does not override
+    ``like``'s computation needs no registration. Holds for the process.
+
+    Raises:
+        TypeError: ``cls`` is not a subclass of ``like``.
+        ValueError: ``like`` is not a layer type K-FAC preconditions.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, like)):
+        raise TypeError(f"register_layer_type: {getattr(cls, '__name__', cls)!r} is not a subclass of {like.__name__}")
+    if like in HELPERS:
+        HELPERS[cls] = HELPERS[like]
+    elif like in NORM_HELPERS:
+        NORM_HELPERS[cls] = NORM_HELPERS[like]
+    elif like in SPLITTERS:
+        SPLITTERS[cls] = SPLITTERS[like]
+    else:
+        known = sorted(c.__name__ for c in (*HELPERS, *NORM_HELPERS, *SPLITTERS))
+        raise ValueError(f"register_layer_type: {like.__name__} is not a layer type K-FAC preconditions (those are: {', '.join(known)})")
+
+
+def _own_computation(module: nn.Module, norm_layers: bool) -> str | None:
+    """Why a subclass that overrides its registered class's computation (:attr:`LayerHelper.computes_with`) is left out."""
+    base: type[nn.Module]
+    helper: type[LayerHelper] | type[SplitHelper]
+    found = _nearest(module, _layer_helpers(norm_layers))
+    if found is not None:
+        base, helper = found
+    else:
+        split = _nearest(module, SPLITTERS)
+        if split is None:
+            return None
+        base, helper = split
+    own = [m for m in helper.computes_with if getattr(type(module), m, None) is not getattr(base, m, None)]
+    if not own:
+        return None
+    name, methods = type(module).__name__, " and ".join(f"{m}()" for m in own)
+    return (
+        f"a subclass of {base.__name__} with its own {methods}, which may compute something else from the input K-FAC sees "
+        f"(if it computes what {base.__name__} does: spdkfac.register_layer_type({name}, nn.{base.__name__}))"
+    )
 
 
 def _parametrized(module: nn.Module) -> str | None:
@@ -105,13 +171,13 @@ def _parametrized(module: nn.Module) -> str | None:
 def unsupported_reason(module: nn.Module, norm_layers: bool = False) -> str | None:
     """Why a module of a registered type cannot be preconditioned; None when it can, or is of no registered type."""
     cls = helper_class(module, norm_layers) or splitter_class(module)
-    return None if cls is None else (_parametrized(module) or cls.unsupported(module))
+    return None if cls is None else (_own_computation(module, norm_layers) or _parametrized(module) or cls.unsupported(module))
 
 
 def split_helpers(module: nn.Module) -> list[tuple[str, LayerHelper]] | None:
     """``(name suffix, helper)`` per block of a supported split module (making them hookable); None for any other module."""
     cls = splitter_class(module)
-    if cls is None or cls.unsupported(module) is not None:
+    if cls is None or _own_computation(module, False) is not None or cls.unsupported(module) is not None:
         return None
     return cls.split(module)
 
@@ -119,6 +185,6 @@ def split_helpers(module: nn.Module) -> list[tuple[str, LayerHelper]] | None:
 def make_helper(module: nn.Module, norm_layers: bool = False) -> LayerHelper | None:
     """The helper of a supported module, or None (the module then gets plain SGD)."""
     cls = helper_class(module, norm_layers)
-    if cls is None or _parametrized(module) is not None or cls.unsupported(module) is not None:
+    if cls is None or unsupported_reason(module, norm_layers) is not None:
         return None
     return cls(module)

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import LayerHelper, SplitHelper, not_exactly
+from .base import LayerHelper, SplitHelper
 from .linear import LinearHelper
 
 __all__ = ["AttentionProjection", "AttentionSplit", "ExplicitAttention", "ProjectionHelper", "explicit_attention"]
@@ -243,10 +243,6 @@ class ExplicitAttention:
 
 class AttentionSplit(SplitHelper):
     """Splits an ``nn.MultiheadAttention`` into its q, k and v projections (``out_proj`` is a Linear layer of its own)."""
-
-    @classmethod
-    def unsupported(cls, module: nn.Module) -> str | None:
-        return not_exactly(module, (nn.MultiheadAttention,))
 
     @classmethod
     def split(cls, module: nn.Module) -> list[tuple[str, LayerHelper]]:

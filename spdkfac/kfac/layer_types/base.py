@@ -23,14 +23,7 @@ import torch.nn as nn
 
 from ..factor_shape import FactorShape
 
-__all__ = ["LayerHelper", "SplitHelper", "not_exactly"]
-
-
-def not_exactly(module: nn.Module, types: tuple[type[nn.Module], ...], differs: str = "forward") -> str | None:
-    """Why a module of a subclass of ``types`` is refused (its computation may differ from theirs); None for one of them."""
-    if type(module) in types:
-        return None
-    return f"a subclass of {type(module).__mro__[1].__name__} (its {differs} may differ)"
+__all__ = ["LayerHelper", "SplitHelper"]
 
 
 class LayerHelper(abc.ABC):
@@ -42,6 +35,10 @@ class LayerHelper(abc.ABC):
     #: dtype) and return their float32 Gram (:mod:`spdkfac.kfac.tensor_cores`): types whose Grams multiply the
     #: values as they came, rearranged but never computed on, by :func:`~spdkfac.kfac.linalg.symmetric_gram`.
     half_rows: bool = False
+    #: The registered class's methods that compute the layer's output: a subclass that overrides none of them
+    #: computes what the registered class does, and gets its helper; one that overrides any is left out unless
+    #: registered itself (:func:`~spdkfac.kfac.layer_types.register_layer_type`).
+    computes_with: tuple[str, ...] = ("forward",)
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -123,6 +120,9 @@ class SplitHelper(abc.ABC):
     then calls as modules (``nn.MultiheadAttention.out_proj``) are layers of
     their own.
     """
+
+    #: As :attr:`LayerHelper.computes_with`.
+    computes_with: tuple[str, ...] = ("forward",)
 
     @classmethod
     def unsupported(cls, module: nn.Module) -> str | None:

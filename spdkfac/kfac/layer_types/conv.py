@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..conv_gram import conv_input_gram
 from ..factor_shape import FactorShape
 from ..linalg import channel_gram, mirrored_upper, symmetric_gram
-from .base import LayerHelper, not_exactly, split_bias_column, with_bias_column
+from .base import LayerHelper, split_bias_column, with_bias_column
 
 __all__ = ["ConvHelper", "GroupedConvolution", "block_gram", "conv_output_gram", "spatial_pair", "symmetric_zero_padding", "with_bias_row"]
 
@@ -116,9 +116,7 @@ class ConvHelper(GroupedConvolution):
         self.pad_mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
         self.explicit_pad: list[int] | None = None if zero is not None else [int(p) for p in m._reversed_padding_repeated_twice]
 
-    @classmethod
-    def unsupported(cls, module: nn.Module) -> str | None:
-        return not_exactly(module, (nn.Conv1d, nn.Conv2d))
+    computes_with = ("forward", "_conv_forward")
 
     @property
     def a_shape(self) -> FactorShape:

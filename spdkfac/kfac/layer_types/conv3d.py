@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from ..factor_shape import FactorShape
 from ..linalg import channel_gram, symmetric_gram
-from .base import not_exactly
 from .conv import GroupedConvolution, block_gram, symmetric_zero_padding, with_bias_row
 
 __all__ = ["Conv3dHelper"]
@@ -39,9 +38,7 @@ class Conv3dHelper(GroupedConvolution):
         self.pad = [p for z in reversed(zero) for p in (z, z)] if zero is not None else list(module._reversed_padding_repeated_twice)
         self.pad_mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
 
-    @classmethod
-    def unsupported(cls, module: nn.Module) -> str | None:
-        return not_exactly(module, (nn.Conv3d,))
+    computes_with = ("forward", "_conv_forward")
 
     @property
     def a_shape(self) -> FactorShape:

@@ -43,7 +43,6 @@ import torch.nn.functional as F
 
 from ..factor_shape import FactorShape
 from ..tensor_cores import HALF_DTYPES
-from .base import not_exactly
 from .conv import ConvHelper, GroupedConvolution
 from .conv3d import Conv3dHelper
 
@@ -97,9 +96,7 @@ class ConvTransposeHelper(GroupedConvolution):
         #: Output sizes the forward passes since :meth:`forget` produce (checked against the output gradients).
         self._expected: list[tuple[int, ...]] = []
 
-    @classmethod
-    def unsupported(cls, module: nn.Module) -> str | None:
-        return not_exactly(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d))
+    computes_with = ("forward", "_output_padding")
 
     @property
     def a_shape(self) -> FactorShape:

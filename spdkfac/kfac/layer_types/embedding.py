@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..factor_shape import FactorShape
 from ..linalg import symmetric_gram
-from .base import LayerHelper, not_exactly
+from .base import LayerHelper
 
 __all__ = ["EmbeddingHelper"]
 
@@ -27,10 +27,7 @@ class EmbeddingHelper(LayerHelper):
 
     @classmethod
     def unsupported(cls, module: nn.Module) -> str | None:
-        subclass = not_exactly(module, (nn.Embedding,))
-        if subclass is not None:
-            return subclass
-        if module.sparse:
+        if getattr(module, "sparse", False):
             return "sparse gradients (sparse=True)"
         return None
 

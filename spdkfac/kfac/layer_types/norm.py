@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..factor_shape import FactorShape
-from .base import LayerHelper, not_exactly
+from .base import LayerHelper
 
 __all__ = ["NORM_TYPES", "NormHelper", "normalised"]
 
@@ -75,10 +75,6 @@ class NormHelper(LayerHelper):
         super().__init__(module)
         self.channels = self.weight.numel()
         self._inputs: list[torch.Tensor] = []  # forward inputs awaiting their backward pass (last in, first out)
-
-    @classmethod
-    def unsupported(cls, module: nn.Module) -> str | None:
-        return not_exactly(module, NORM_TYPES, "normalisation")
 
     @property
     def a_shape(self) -> FactorShape:

@@ -80,9 +80,14 @@ def test_conv3d_factors_and_update_match_the_reference(case, bias, method, float
         torch.testing.assert_close(change["bias"], torch.cat(expected_b), rtol=1e-8, atol=1e-10)
 
 
-def test_a_conv3d_subclass_gets_the_plain_update():
+def test_a_conv3d_subclass_with_its_own_forward_gets_the_plain_update():
     class Mine(nn.Conv3d):
+        def forward(self, x):
+            return super().forward(x.flip(-1))
+
+    class Same(nn.Conv3d):
         pass
 
     assert make_helper(Mine(2, 2, 1)) is None
+    assert isinstance(make_helper(Same(2, 2, 1)), Conv3dHelper)
     assert isinstance(make_helper(nn.Conv3d(2, 2, 1)), Conv3dHelper)

@@ -110,11 +110,16 @@ def test_output_size_the_hooks_cannot_see_is_refused_by_name():
         module(x, output_size=[8, 8]).sum().backward()
 
 
-def test_a_subclass_gets_the_plain_update():
+def test_a_subclass_with_its_own_forward_gets_the_plain_update():
     class Up(nn.ConvTranspose2d):
+        def forward(self, x, output_size=None):
+            return super().forward(x, output_size) * 2
+
+    class Same(nn.ConvTranspose2d):
         pass
 
     assert make_helper(Up(2, 2, 2)) is None
+    assert isinstance(make_helper(Same(2, 2, 2)), ConvTransposeHelper)
     assert isinstance(make_helper(nn.ConvTranspose1d(2, 2, 2)), ConvTransposeHelper)
 
 
