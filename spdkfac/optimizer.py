@@ -10,11 +10,13 @@ then it takes the base optimizer's step (momentum SGD, AdamW or LAMB). See ``doc
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from .comm import CommBackend, get_backend
 from .config import (
@@ -49,6 +51,7 @@ from .step.kfac_step import KFACStep, StepHyper
 from .step.nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
 from .step.timeline import Timeline
 from .update.base_update import apply_base_update, base_defaults
+from .update.unfrozen import outside_groups, regroup
 from .update.update_fusion import NO_KL_CLIP, BackwardFusion, ForwardFusion, check_update_fusion
 from .update.weight_decay import split_decayed
 
@@ -238,6 +241,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._plan_for_workers()
         wrapping.attach()
         self._begin_iteration()
+        self._own_groups = len(self.param_groups)
+        self._unfreeze_hook: RemovableHandle | None = None
+        self._watch_frozen()
 
     def _plan_for_workers(self) -> None:
         """Plan and wire what depends on the number of workers: fusion, placement, gradient workers and the step's parts.
@@ -327,6 +333,69 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self._forward_fusion.remove_hooks()  # the held updates are applied first
         self._plan_for_workers()
         self._begin_iteration()
+
+    # ------------------------------------------------------- unfrozen parameters
+    def _watch_frozen(self) -> None:
+        """Watch the model's parameters outside the groups (frozen so far) from a forward pre-hook on the model:
+        the first forward pass after one is unfrozen takes it in (:meth:`_take_unfrozen`)."""
+        self._outside = outside_groups(self.model, self.param_groups)
+        if self._outside and self._unfreeze_hook is None:
+            self._unfreeze_hook = self.model.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module: nn.Module, inputs: Any) -> None:
+        if not torch.compiler.is_compiling():  # (a compiled model: zero_grad() takes them in, step() refuses them)
+            self._take_unfrozen(strict=True)
+
+    def _take_unfrozen(self, strict: bool) -> None:
+        """Take in the parameters frozen so far that are trainable now, as construction would on the model now.
+
+        The parameter groups hold them in the model's order, their layers
+        become K-FAC layers (factors from the identity, as any layer's, and
+        decomposed at the next step), and the gradient all-reduces, the plan
+        and the hooks are made anew; the factors, decompositions, base state,
+        step counter and hyperparameters are kept (``state_dict()`` is then
+        the one an optimizer built now would save). Between steps only:
+        ``strict`` refuses a change in the middle of a step, else it waits.
+        """
+        if not any(p.requires_grad for p in self._outside):
+            return
+        unfrozen = [name for name, p in self.model.named_parameters() if p.requires_grad and any(p is q for q in self._outside)]
+        if self.wrapping.ddp is not None:
+            raise ValueError(
+                f"parameters {unfrozen} were frozen when the model was wrapped in DistributedDataParallel and the optimizer "
+                "built; DDP averages only the parameters trainable when it wraps the model: after unfreezing, wrap the "
+                "bare model in DDP again and build the optimizer for it"
+            )
+        if self._kind is not None or self.kfac_step.backward_seen:
+            if not strict:
+                return
+            raise RuntimeError(
+                f"parameters {unfrozen} became trainable in the middle of a step (after its first forward pass): change "
+                "requires_grad between step() and the next forward pass"
+            )
+        previous = self.kfac_step
+        previous.remove_hooks()
+        if self._forward_fusion is not None:
+            self._forward_fusion.remove_hooks()  # the held updates are applied first
+        regroup(self.model, self.param_groups, self._own_groups, self.config.no_weight_decay)
+        if self.precondition:
+            with warnings.catch_warnings():  # (the notice of the layers used without forward() was given at construction)
+                warnings.simplefilter("ignore")
+                found = preconditioned_layers(self.model, self.method, self.config.skip_layers, self.config.norm_layers is NormLayers.KFAC)
+            kept = {layer.name: layer for layer in self.layers}
+            self.layers = [kept.get(layer.name, layer) for layer in found]
+        self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
+        if self.adaptive_damping is not None:
+            self._damping_step = DampingStep(self.adaptive_damping, self.model, self.layers, self.backend)
+        self.param_names = collective_names(self.model, self.param_groups)
+        self._plan_for_workers()
+        self.kfac_step.carry_over(previous)
+        if not all(self.work_plan.holds(rank, layer.name) for rank in range(self.backend.size) for layer in self.layers):
+            for layer in self.layers:  # every worker decomposes every layer at the next step, alike (as after a load)
+                for kind in FACTOR_KINDS:
+                    layer.set_decomposition(kind, None)
+        self._begin_iteration()
+        self._outside = outside_groups(self.model, self.param_groups)
 
     # ------------------------------------------------------------------ per step
     def _begin_iteration(self, abandon: bool = False) -> None:
@@ -424,6 +493,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if not base_update and self.config.update_fusion is not UpdateFusion.NONE:
             raise ValueError(f"update_fusion={self.config.update_fusion!r} updates the parameters itself; it needs the base update")
         self.flush()  # the previous step's updates the forward pass did not reach, before this step's
+        self._refuse_unseen_gradients()
         self.kfac_step.grads.check_accumulated("step()")
         try:
             factor_step, inverse_step = self._step_kind()
@@ -452,6 +522,20 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._begin_iteration()
         return True
 
+    def _refuse_unseen_gradients(self) -> None:
+        """A parameter unfrozen after this step's first forward pass has a gradient no hook saw (not averaged
+        over the workers, no factors): refused, before anything changes."""
+        if not any(p.grad is not None for p in self._outside):
+            return
+        outside = {id(p) for p in self._outside}
+        unseen = [name for name, p in self.model.named_parameters() if p.grad is not None and id(p) in outside]
+        if unseen:
+            raise RuntimeError(
+                f"parameters {unseen} have gradients but were frozen when this step began (their requires_grad changed "
+                "after its first forward pass, or under torch.compile after zero_grad()): change requires_grad before "
+                "zero_grad() and the step's forward pass; the optimizer then takes them in"
+            )
+
     def _base_update(self) -> None:
         """The base optimizer's step on the preconditioned gradients (held for the next forward passes under
         ``update_fusion='forward'``)."""
@@ -477,6 +561,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.kfac_step.controller.discard()
             self._begin_iteration()
         super().zero_grad(set_to_none=set_to_none)
+        self._take_unfrozen(strict=False)
 
     def synchronize(self) -> None:
         """Wait until every gradient holds its average (call before reading them, e.g. to clip; ``step()`` does it)."""
@@ -603,6 +688,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self._forward_fusion.remove_hooks()
         self.kfac_step.remove_hooks()
         self.wrapping.remove_hooks()
+        if self._unfreeze_hook is not None:
+            self._unfreeze_hook.remove()
+            self._unfreeze_hook = None
 
     def __repr__(self) -> str:
         g = self.param_groups[0]

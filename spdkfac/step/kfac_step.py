@@ -241,6 +241,14 @@ class KFACStep:
             )
         )
 
+    def carry_over(self, previous: KFACStep) -> None:
+        """Continue the state a replaced step kept across steps: the layers' use counts, the non-finite
+        counter, the eigenbasis refresh statistics and the overlap counts (the plan's parts start anew)."""
+        self.factors.expected.update(previous.factors.expected)
+        self.nonfinite = previous.nonfinite
+        self.decompositions.refreshes = previous.decompositions.refreshes
+        self.overlapped_steps, self.overlapped_factor_steps = previous.overlapped_steps, previous.overlapped_factor_steps
+
     def remove_hooks(self) -> None:
         """Detach the factor and gradient hooks from the model."""
         self.factors.remove_hooks()
