@@ -259,8 +259,9 @@ class KFACConfig:
             (convolutions with ``groups == in_channels > 1``) and
             ``'kind:grouped'`` (any ``groups > 1``). Layers whose weight is used
             without their ``forward()`` (``nn.MultiheadAttention.out_proj``)
-            are left out automatically, with a notice; a weight shared by
-            several modules (tied weights) must be left out here.
+            are left out automatically, with a notice, and so are modules
+            sharing a weight that cannot be one layer (an embedding tied to
+            an output Linear; :func:`~spdkfac.kfac.layers.untied_layers`).
         update_fusion: where the parameter update runs
             (:mod:`spdkfac.update.update_fusion`): ``'none'`` (in ``step()``),
             ``'forward'`` (each module's parameters just before its next

@@ -361,12 +361,11 @@ def kfac_layers(
     Modules that share one weight (tied weights) become one layer whose
     factors count the uses of every one of them, when they are of one type
     and configuration with one shared bias (or none); a module registered
-    at several places is one layer too.
+    at several places is one layer too. Those that cannot be one layer are
+    left out (:func:`untied_layers`).
 
     Raises:
-        ValueError: a shared weight that cannot be one layer (different
-            layer types, separate biases, a holder left out by ``skip``);
-            a lazy module not initialised yet (its shapes are not known).
+        ValueError: a lazy module not initialised yet (its shapes are not known).
     """
     lazy = [name for name, param in model.named_parameters() if is_lazy(param)]
     if lazy:
@@ -389,9 +388,7 @@ def kfac_layers(
     holders: dict[int, list[str]] = {}
     for pname, param in model.named_parameters(remove_duplicate=False):
         holders.setdefault(id(param), []).append(pname)
-    module_names: dict[int, list[str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        module_names.setdefault(id(module), []).append(name)
+    untied = untied_layers(model, skip, norm_layers)
     layers: list[KFACLayer] = []
     by_weight: dict[int, KFACLayer] = {}
     for name, module in model.named_modules():
@@ -402,57 +399,65 @@ def kfac_layers(
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or not weight.requires_grad or name in functional or skipped(name, module, skip):
             continue
+        if name in untied:
+            continue
         helper = make_helper(module, norm_layers)
         if helper is None:
             continue
         layer_name = name or type(module).__name__
-        if len(holders.get(id(weight), [])) > 1:
-            tied = by_weight.get(id(weight))
-            if tied is not None:
-                _check_tied(tied, layer_name, module, holders[id(weight)])
-                tied.modules.append(module)
-                continue
-            _check_holders(model, layer_name, module, holders[id(weight)], module_names, skip)
+        tied = by_weight.get(id(weight)) if len(holders.get(id(weight), [])) > 1 else None
+        if tied is not None:  # (untied_layers() left out the weights whose holders cannot be one layer)
+            tied.modules.append(module)
+            continue
         layer = KFACLayer(layer_name, helper, method)
         by_weight[id(weight)] = layer
         layers.append(layer)
     return layers
 
 
-def _tied_error(layer_name: str, holders: list[str], why: str) -> ValueError:
-    return ValueError(
-        f"the weight of layer {layer_name!r} is shared by {holders} (tied weights) and {why}: its gradient sums "
-        f"every use, but its factors would describe only some of them; exclude the layers that share it with "
-        f"skip_layers (they then get the plain update)"
-    )
+def untied_layers(model: nn.Module, skip: Sequence[LayerFilter] = (), norm_layers: bool = False) -> dict[str, str]:
+    """The layers whose trainable weight is shared (tied) in a way that cannot be one K-FAC layer, and why.
 
-
-def _check_holders(
-    model: nn.Module,
-    layer_name: str,
-    module: nn.Module,
-    holders: list[str],
-    module_names: dict[int, list[str]],
-    skip: Sequence[LayerFilter],
-) -> None:
-    """Refuse a shared weight that is not only the weight of modules K-FAC sees every use of."""
+    Tied modules are one layer when every holder of the weight is the weight
+    of a layer K-FAC preconditions, of one type and configuration, with one
+    shared bias (or none), all in ``skip`` or none. Otherwise the gradient
+    sums every use but the factors would describe only some (a language
+    model's embedding and output layer): those layers are left out, with a
+    notice, and get the base update, as if listed in ``skip``.
+    """
+    holders: dict[int, list[str]] = {}
+    for pname, param in model.named_parameters(remove_duplicate=False):
+        if param.requires_grad:
+            holders.setdefault(id(param), []).append(pname)
     modules = dict(model.named_modules(remove_duplicate=False))
-    for holder in holders:
-        owner_name, _, leaf = holder.rpartition(".")
-        owner = modules.get(owner_name)
-        if leaf != "weight" or owner is None or make_helper(owner) is None:
-            raise _tied_error(layer_name, holders, f"{holder!r} is not the weight of a layer K-FAC preconditions")
-        if owner is not module and any(skipped(n, owner, skip) for n in module_names[id(owner)]):
-            raise _tied_error(layer_name, holders, f"{owner_name!r} is in skip_layers but {layer_name!r} is not")
-
-
-def _check_tied(layer: KFACLayer, name: str, module: nn.Module, holders: list[str]) -> None:
-    """Tied modules are one layer when they compute alike: the same type and configuration, and the same bias."""
-    first = layer.module
-    if type(module) is not type(first) or module.extra_repr() != first.extra_repr():
-        raise _tied_error(layer.name, holders, f"{name!r} is a different layer ({module} against {first})")
-    if getattr(module, "bias", None) is not getattr(first, "bias", None):
-        raise _tied_error(layer.name, holders, f"{name!r} has its own bias (one shared bias, or none, makes them one layer)")
+    out: dict[str, str] = {}
+    for names in (names for names in holders.values() if len(names) > 1):
+        owners: list[tuple[str, nn.Module]] = []
+        why = None
+        for holder in names:
+            owner_name, _, leaf = holder.rpartition(".")
+            owner = modules.get(owner_name)
+            if leaf != "weight" or owner is None or make_helper(owner, norm_layers) is None:
+                why = f"{holder!r} is not the weight of a layer K-FAC preconditions"
+            else:
+                owners.append((owner_name, owner))
+        left = [(n, m) for n, m in owners if skipped(n, m, skip)]
+        if why is None and left and len(left) < len(owners):
+            kept = next(n for n, m in owners if not skipped(n, m, skip))
+            why = f"{left[0][0]!r} is in skip_layers but {kept!r} is not"
+        first = owners[0][1] if owners else None
+        for n, m in owners[1:]:
+            if why is not None:
+                break
+            if type(m) is not type(first) or m.extra_repr() != first.extra_repr():
+                why = f"{n!r} is a different layer ({m} against {first})"
+            elif getattr(m, "bias", None) is not getattr(first, "bias", None):
+                why = f"{n!r} has its own bias (one shared bias, or none, makes them one layer)"
+        if why is not None:
+            for n, m in owners:
+                if not skipped(n, m, skip):
+                    out[n] = f"its weight is shared by {names} (tied weights) and {why}"
+    return out
 
 
 def factor_list(layers: list[KFACLayer]) -> list[tuple[tuple[str, str], int]]:
@@ -467,6 +472,14 @@ def preconditioned_layers(
     functional = unhooked_submodules(model, split_layers(model, skip))
     if functional:  # a notice, once: these layers are not preconditioned
         warnings.warn(f"these layers get the plain momentum-SGD update, without K-FAC: {functional}", stacklevel=3)
+    untied = untied_layers(model, skip, norm_layers)
+    if untied:
+        listed = "; ".join(f"{name!r}: {why}" for name, why in untied.items())
+        warnings.warn(
+            f"these layers get the base update, without K-FAC ({listed}): their gradient sums every use of the weight, "
+            "but their factors would describe only some (skip_layers=[their names] says so and silences this)",
+            stacklevel=3,
+        )
     layers = kfac_layers(model, compute_method, skip, norm_layers)
     if not layers:
         raise ValueError(

@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from .layer_types import NORM_HELPERS, NormHelper, helper_class, splitter_class, unsupported_reason
-from .layers import LAYER_KINDS, KFACLayer, LayerFilter, skipped, split_layers, unhooked_submodules
+from .layers import LAYER_KINDS, KFACLayer, LayerFilter, skipped, split_layers, unhooked_submodules, untied_layers
 
 __all__ = ["kfac_summary"]
 
@@ -40,6 +40,7 @@ def kfac_summary(
     for kind, count in sorted(Counter(_kind(layer) for layer in layers).items()):
         lines.append(f"  {count:>4} x {kind}")
     functional = unhooked_submodules(model, split_layers(model, skip))
+    untied = untied_layers(model, skip, norm_layers)
     reasons: dict[str, Counter[str]] = {}
     params_by_reason: Counter[str] = Counter()
     for name, module in model.named_modules():
@@ -53,6 +54,8 @@ def kfac_summary(
             why = "weight used without the module's forward()"
         elif skipped(name, module, skip):
             why = "listed in skip_layers"
+        elif name in untied:
+            why = untied[name]
         elif isinstance(module, parametrize.ParametrizationList):
             why = "the parameters of a parametrized weight (weight_norm, spectral_norm, ...)"
         elif helper_class(module, norm_layers) is None and type(module) in NORM_HELPERS:

@@ -68,16 +68,28 @@ def test_skip_layers_rejects_names_that_match_nothing():
         SPDKFACOptimizer(small_net(), lr=0.05, backend="single", skip_layers=[3])
 
 
-def test_tied_weights_are_refused_clearly_or_skipped():
-    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
-    model[2].weight = model[0].weight  # tied
-    with pytest.raises(ValueError, match=r"shared by \['0.weight', '2.weight'\] \(tied weights\).*skip_layers"):
-        SPDKFACOptimizer(model, lr=0.05, backend="single")
-    opt = SPDKFACOptimizer(model, lr=0.05, backend="single", skip_layers=["0", "2"])
-    assert [layer.name for layer in opt.layers] == ["4"]
-    x = torch.randn(5, 6)
-    nn.functional.cross_entropy(model(x), torch.zeros(5, dtype=torch.long)).backward()
-    opt.step()
+def test_tied_weights_that_cannot_be_one_layer_are_left_out_as_if_skipped():
+    """Two Linear layers sharing a weight but not a bias: both get the base update, with a notice, and train
+    exactly as when skip_layers names them (before, the optimizer refused the model)."""
+    results = []
+    for skip in ([], ["0", "2"]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+        model[2].weight = model[0].weight  # tied
+        if skip:
+            opt = SPDKFACOptimizer(model, lr=0.05, backend="single", skip_layers=skip)
+        else:
+            with pytest.warns(UserWarning, match=r"'0': its weight is shared by \['0.weight', '2.weight'\] \(tied weights\)"):
+                opt = SPDKFACOptimizer(model, lr=0.05, backend="single")
+            assert "'2' has its own bias" in opt.kfac_summary()
+        assert [layer.name for layer in opt.layers] == ["4"]
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+        for _ in range(2):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), torch.zeros(5, dtype=torch.long)).backward()
+            opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 def _mixed_convs() -> nn.Sequential:

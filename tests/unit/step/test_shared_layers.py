@@ -127,19 +127,24 @@ def test_a_module_called_twice_and_tied_modules_train_alike(float64):
     assert_bitwise_equal(results[0], results[1], "tied vs called twice")
 
 
-def test_tied_weights_that_cannot_be_one_layer_are_refused_naming_the_fix():
+def test_tied_weights_that_cannot_be_one_layer_are_left_out_naming_why():
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
     model[2].weight = model[0].weight  # tied weight, separate biases
-    with pytest.raises(ValueError, match=r"shared by \['0.weight', '2.weight'\] \(tied weights\).*own bias.*skip_layers"):
-        SPDKFACOptimizer(model, lr=0.05, backend="single")
+    with pytest.warns(UserWarning, match=r"shared by \['0.weight', '2.weight'\] \(tied weights\).*own bias"):
+        opt = SPDKFACOptimizer(model, lr=0.05, backend="single")
+    assert [layer.name for layer in opt.layers] == ["4"]
     emb, out = nn.Embedding(6, 4), nn.Linear(4, 6, bias=False)
     out.weight = emb.weight  # a language model's tied embedding and output layer
-    with pytest.raises(ValueError, match=r"different layer.*skip_layers"):
-        SPDKFACOptimizer(nn.Sequential(emb, out), lr=0.05, backend="single")
-    skipped_one = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6))
+    lm = nn.Sequential(emb, nn.Linear(4, 4), out)
+    with pytest.warns(UserWarning, match=r"'2' is a different layer"):
+        opt = SPDKFACOptimizer(lm, lr=0.05, backend="single")
+    assert [layer.name for layer in opt.layers] == ["1"]
+    assert "1 x Embedding, 1 x Linear: its weight is shared by ['0.weight', '2.weight'] (tied weights)" in opt.kfac_summary()
+    skipped_one = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 2))
     skipped_one[1].weight, skipped_one[1].bias = skipped_one[0].weight, skipped_one[0].bias
-    with pytest.raises(ValueError, match=r"'1' is in skip_layers but '0' is not"):
-        SPDKFACOptimizer(skipped_one, lr=0.05, backend="single", skip_layers=["1"])
+    with pytest.warns(UserWarning, match=r"'1' is in skip_layers but '0' is not"):
+        opt = SPDKFACOptimizer(skipped_one, lr=0.05, backend="single", skip_layers=["1"])
+    assert [layer.name for layer in opt.layers] == ["2"]
 
 
 @pytest.mark.parametrize("mode", CHECKPOINTS[1:])
