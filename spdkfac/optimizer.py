@@ -373,6 +373,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 f"parameters {unfrozen} became trainable in the middle of a step (after its first forward pass): change "
                 "requires_grad between step() and the next forward pass"
             )
+        for p in self._outside:
+            if p.requires_grad:
+                p.grad = None  # (a gradient from before it was frozen: zero_grad() never reached it, torch.optim's would have)
         previous = self.kfac_step
         previous.remove_hooks()
         if self._forward_fusion is not None:
@@ -525,10 +528,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     def _refuse_unseen_gradients(self) -> None:
         """A parameter unfrozen after this step's first forward pass has a gradient no hook saw (not averaged
         over the workers, no factors): refused, before anything changes."""
-        if not any(p.grad is not None for p in self._outside):
-            return
+        if not any(p.requires_grad and p.grad is not None for p in self._outside):
+            return  # (a parameter still frozen may hold a stale gradient from before: not this step's)
         outside = {id(p) for p in self._outside}
-        unseen = [name for name, p in self.model.named_parameters() if p.grad is not None and id(p) in outside]
+        unseen = [name for name, p in self.model.named_parameters() if p.requires_grad and p.grad is not None and id(p) in outside]
         if unseen:
             raise RuntimeError(
                 f"parameters {unseen} have gradients but were frozen when this step began (their requires_grad changed "

@@ -92,6 +92,26 @@ def check_workers(ranks: list[list[list[torch.Tensor]]], single: list[list[torch
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m, s=s: f"{config}, step {s}: {m}")
 
 
+def test_a_gradient_from_before_the_freezing_is_not_carried_into_the_unfrozen_layer() -> None:
+    """A layer trained, frozen with its gradient left, then unfrozen: its first step's gradient is that step's alone
+    (``torch.optim`` clears it in every ``zero_grad()``; here it is in no group until taken in)."""
+    results = []
+    for stale in (False, True):
+        net = Net()
+        if stale:
+            F.cross_entropy(net(_batches()[0][0]), _batches()[0][1]).backward()  # gradients left on every parameter
+        net.first.requires_grad_(False)
+        opt = SPDKFACOptimizer(net, lr=0.1, backend="single")
+        for s, (x, y) in enumerate(_batches()[:4]):
+            if s == 2:
+                net.first.requires_grad_(True)
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()  # (the stale gradient of the still-frozen layer is no reason to refuse)
+        results.append([p.detach().clone() for p in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
 def _one_step(net: Net, opt: SPDKFACOptimizer, unfreeze_after_forward: bool) -> None:
     x, y = _batches()[0]
     opt.zero_grad()
