@@ -10,7 +10,6 @@ then it takes the base optimizer's step (momentum SGD, AdamW or LAMB). See ``doc
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -34,7 +33,7 @@ from .config import (
     UpdateFusion,
     check_hyperparameters,
 )
-from .kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, preconditioned_layers
+from .kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, kfac_layers, preconditioned_layers
 from .kfac.methods import get_method
 from .kfac.state import check_kfac_state, keep_held_decompositions, load_kfac_state, memory_usage, save_kfac_state, saved_uses
 from .kfac.summary import kfac_summary
@@ -359,7 +358,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """
         if not any(p.requires_grad for p in self._outside):
             return
-        unfrozen = [name for name, p in self.model.named_parameters() if p.requires_grad and any(p is q for q in self._outside)]
+        outside = {id(p) for p in self._outside}
+        unfrozen = [name for name, p in self.model.named_parameters() if p.requires_grad and id(p) in outside]
         if self.wrapping.ddp is not None:
             raise ValueError(
                 f"parameters {unfrozen} were frozen when the model was wrapped in DistributedDataParallel and the optimizer "
@@ -382,9 +382,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self._forward_fusion.remove_hooks()  # the held updates are applied first
         regroup(self.model, self.param_groups, self._own_groups, self.config.no_weight_decay)
         if self.precondition:
-            with warnings.catch_warnings():  # (the notice of the layers used without forward() was given at construction)
-                warnings.simplefilter("ignore")
-                found = preconditioned_layers(self.model, self.method, self.config.skip_layers, self.config.norm_layers is NormLayers.KFAC)
+            found = kfac_layers(self.model, self.method, self.config.skip_layers, self.config.norm_layers is NormLayers.KFAC)
             kept = {layer.name: layer for layer in self.layers}
             self.layers = [kept.get(layer.name, layer) for layer in found]
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()

@@ -385,9 +385,6 @@ def kfac_layers(
     method = get_method(compute_method)
     split = split_layers(model, skip)
     functional = unhooked_submodules(model, split)
-    holders: dict[int, list[str]] = {}
-    for pname, param in model.named_parameters(remove_duplicate=False):
-        holders.setdefault(id(param), []).append(pname)
     untied = untied_layers(model, skip, norm_layers)
     layers: list[KFACLayer] = []
     by_weight: dict[int, KFACLayer] = {}
@@ -405,8 +402,8 @@ def kfac_layers(
         if helper is None:
             continue
         layer_name = name or type(module).__name__
-        tied = by_weight.get(id(weight)) if len(holders.get(id(weight), [])) > 1 else None
-        if tied is not None:  # (untied_layers() left out the weights whose holders cannot be one layer)
+        tied = by_weight.get(id(weight))
+        if tied is not None:  # a weight another layer holds (untied_layers() left out those that cannot be one layer)
             tied.modules.append(module)
             continue
         layer = KFACLayer(layer_name, helper, method)
@@ -445,14 +442,15 @@ def untied_layers(model: nn.Module, skip: Sequence[LayerFilter] = (), norm_layer
         if why is None and left and len(left) < len(owners):
             kept = next(n for n, m in owners if not skipped(n, m, skip))
             why = f"{left[0][0]!r} is in skip_layers but {kept!r} is not"
-        first = owners[0][1] if owners else None
-        for n, m in owners[1:]:
-            if why is not None:
-                break
-            if type(m) is not type(first) or m.extra_repr() != first.extra_repr():
-                why = f"{n!r} is a different layer ({m} against {first})"
-            elif getattr(m, "bias", None) is not getattr(first, "bias", None):
-                why = f"{n!r} has its own bias (one shared bias, or none, makes them one layer)"
+        if why is None:  # (then every holder is a layer's weight)
+            first = owners[0][1]
+            for n, m in owners[1:]:
+                if type(m) is not type(first) or m.extra_repr() != first.extra_repr():
+                    why = f"{n!r} is a different layer ({m} against {first})"
+                    break
+                if getattr(m, "bias", None) is not getattr(first, "bias", None):
+                    why = f"{n!r} has its own bias (one shared bias, or none, makes them one layer)"
+                    break
         if why is not None:
             for n, m in owners:
                 if not skipped(n, m, skip):

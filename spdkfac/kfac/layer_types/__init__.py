@@ -136,18 +136,9 @@ def register_layer_type(cls: type[nn.Module], like: type[nn.Module]) -> None:
         raise ValueError(f"register_layer_type: {like.__name__} is not a layer type K-FAC preconditions (those are: {', '.join(known)})")
 
 
-def _own_computation(module: nn.Module, norm_layers: bool) -> str | None:
-    """Why a subclass that overrides its registered class's computation (:attr:`LayerHelper.computes_with`) is left out."""
-    base: type[nn.Module]
-    helper: type[LayerHelper] | type[SplitHelper]
-    found = _nearest(module, _layer_helpers(norm_layers))
-    if found is not None:
-        base, helper = found
-    else:
-        split = _nearest(module, SPLITTERS)
-        if split is None:
-            return None
-        base, helper = split
+def _own_computation(module: nn.Module, base: type[nn.Module], helper: type[LayerHelper] | type[SplitHelper]) -> str | None:
+    """Why a subclass that overrides its registered class ``base``'s computation (:attr:`LayerHelper.computes_with`)
+    is left out."""
     own = [m for m in helper.computes_with if getattr(type(module), m, None) is not getattr(base, m, None)]
     if not own:
         return None
@@ -170,14 +161,19 @@ def _parametrized(module: nn.Module) -> str | None:
 
 def unsupported_reason(module: nn.Module, norm_layers: bool = False) -> str | None:
     """Why a module of a registered type cannot be preconditioned; None when it can, or is of no registered type."""
-    cls = helper_class(module, norm_layers) or splitter_class(module)
-    return None if cls is None else (_own_computation(module, norm_layers) or _parametrized(module) or cls.unsupported(module))
+    found: tuple[type[nn.Module], type[LayerHelper] | type[SplitHelper]] | None = _nearest(module, _layer_helpers(norm_layers))
+    if found is None:
+        found = _nearest(module, SPLITTERS)
+    if found is None:
+        return None
+    base, cls = found
+    return _own_computation(module, base, cls) or _parametrized(module) or cls.unsupported(module)
 
 
 def split_helpers(module: nn.Module) -> list[tuple[str, LayerHelper]] | None:
     """``(name suffix, helper)`` per block of a supported split module (making them hookable); None for any other module."""
     cls = splitter_class(module)
-    if cls is None or _own_computation(module, False) is not None or cls.unsupported(module) is not None:
+    if cls is None or unsupported_reason(module) is not None:
         return None
     return cls.split(module)
 
