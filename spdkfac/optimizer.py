@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.utils.hooks import RemovableHandle
 
 from .comm import CommBackend, get_backend
 from .config import (
@@ -47,6 +46,7 @@ from .step.adaptive_damping import AdaptiveDamping, DampingStep, damping_rule
 from .step.data_parallel import ModelWrapping, refuse_wrapped_optimizer
 from .step.grad_sync import collective_names
 from .step.kfac_step import KFACStep, StepHyper
+from .step.module_hooks import HookHandle, claim, register
 from .step.nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
 from .step.timeline import Timeline
 from .update.base_update import apply_base_update, base_defaults
@@ -241,8 +241,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         wrapping.attach()
         self._begin_iteration()
         self._own_groups = len(self.param_groups)
-        self._unfreeze_hook: RemovableHandle | None = None
+        self._unfreeze_hook: HookHandle | None = None
         self._watch_frozen()
+        self._taken_over = False
+        for previous in claim(self, wrapping.module.modules()):  # last: a refused construction leaves the old one working
+            previous._hand_over()
 
     def _plan_for_workers(self) -> None:
         """Plan and wire what depends on the number of workers: fusion, placement, gradient workers and the step's parts.
@@ -339,7 +342,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         the first forward pass after one is unfrozen takes it in (:meth:`_take_unfrozen`)."""
         self._outside = outside_groups(self.model, self.param_groups)
         if self._outside and self._unfreeze_hook is None:
-            self._unfreeze_hook = self.model.register_forward_pre_hook(self._before_forward)
+            self._unfreeze_hook = register(self.model.register_forward_pre_hook, self._before_forward)
 
     def _before_forward(self, module: nn.Module, inputs: Any) -> None:
         if not torch.compiler.is_compiling():  # (a compiled model: zero_grad() takes them in, step() refuses them)
@@ -491,6 +494,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         (:class:`~spdkfac.preconditioner.KFACPreconditioner`). Returns False for
         a step skipped over NaN/Inf (nothing changed), True otherwise.
         """
+        if self._taken_over:
+            raise RuntimeError(
+                "a newer SPDKFACOptimizer (or KFACPreconditioner) was built on this one's model and took its layers over "
+                "(K-FAC's hooks serve one optimizer per module): step the newer one"
+            )
         if not base_update and self.config.update_fusion is not UpdateFusion.NONE:
             raise ValueError(f"update_fusion={self.config.update_fusion!r} updates the parameters itself; it needs the base update")
         self.flush()  # the previous step's updates the forward pass did not reach, before this step's
@@ -682,6 +690,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     def fusion_plan(self) -> dict[str, list[list[FactorKey]] | None]:
         """Current fusion groups per pass (None while profiling, or for ``'layerwise'``)."""
         return {kind: self.kfac_step.controller.plan(kind) for kind in FACTOR_KINDS}
+
+    def _hand_over(self) -> None:
+        """A newer optimizer was built on this one's model: detach (held updates applied first); step() refuses from now on."""
+        self.remove_hooks()
+        self._taken_over = True
 
     def remove_hooks(self) -> None:
         """Detach every hook from the model (held updates applied first; the optimizer is unusable afterwards)."""

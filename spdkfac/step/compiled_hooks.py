@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.utils.hooks import RemovableHandle
+
+from .module_hooks import HookHandle, register
 
 __all__ = ["TAPS_AVAILABLE", "compiling", "register_factor_pre_hook", "register_output_grad_hook", "run_eagerly"]
 
@@ -88,15 +89,15 @@ def run_eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def register_factor_pre_hook(module: nn.Module, hook: Callable[[nn.Module, tuple[Any, ...]], None]) -> RemovableHandle:
-    """``module.register_forward_pre_hook(hook)``; in a compiled forward (training, gradients on) a tap on the inputs.
+def register_factor_pre_hook(module: nn.Module, hook: Callable[[nn.Module, tuple[Any, ...]], None]) -> HookHandle:
+    """``module.register_forward_pre_hook(hook)`` (an optimizer's: :mod:`~spdkfac.step.module_hooks`); in a compiled forward (training, gradients on) a tap on the inputs.
 
     ``hook`` must only read its inputs (it may not replace them). With
     gradients off or in eval mode a compiled forward calls nothing: the
     hook's caller then computes no factor anyway.
     """
     if not TAPS_AVAILABLE:
-        return module.register_forward_pre_hook(hook)
+        return register(module.register_forward_pre_hook, hook)
     tap = _Tap(lambda tensors: _call_with_grad(hook, module, tensors))
 
     def pre_hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
@@ -108,7 +109,7 @@ def register_factor_pre_hook(module: nn.Module, hook: Callable[[nn.Module, tuple
             run_eagerly(hook)(module, inputs)  # inputs that are not all tensors: the hook itself, a graph break
 
     pre_hook.tap = tap  # type: ignore[attr-defined]  # kept alive with the hook
-    return module.register_forward_pre_hook(pre_hook)
+    return register(module.register_forward_pre_hook, pre_hook)
 
 
 def _call_with_grad(hook: Callable[[nn.Module, tuple[Any, ...]], None], module: nn.Module, tensors: list[torch.Tensor]) -> None:
@@ -116,7 +117,7 @@ def _call_with_grad(hook: Callable[[nn.Module, tuple[Any, ...]], None], module: 
         hook(module, tuple(tensors))
 
 
-def register_output_grad_hook(module: nn.Module, wanted: Callable[[], bool], on_grad: Callable[[torch.Tensor], None]) -> RemovableHandle:
+def register_output_grad_hook(module: nn.Module, wanted: Callable[[], bool], on_grad: Callable[[torch.Tensor], None]) -> HookHandle:
     """A forward hook that calls ``on_grad`` with the gradient of ``module``'s output in the backward pass.
 
     Eagerly: when ``wanted()`` in the forward pass, a gradient hook on the
@@ -142,4 +143,4 @@ def register_output_grad_hook(module: nn.Module, wanted: Callable[[], bool], on_
             output.register_hook(on_grad)  # type: ignore[no-untyped-call]
 
     hook.tap = tap  # type: ignore[attr-defined]  # kept alive with the hook
-    return module.register_forward_hook(hook)
+    return register(module.register_forward_hook, hook)

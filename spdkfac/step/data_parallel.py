@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .compiled_hooks import compiling
+from .module_hooks import HookHandle, register
 
 __all__ = ["ModelWrapping", "bare_model", "refuse_wrapped_optimizer"]
 
@@ -109,7 +110,7 @@ class ModelWrapping:
         self.module, self.ddp = _unwrap(model)
         _refuse_other_wrappers(self.module)
         self._last_pass_synced = True  # whether the latest forward pass under autograd will have DDP average its gradients
-        self._hook: Any = None
+        self._hook: HookHandle | None = None
 
     def attach(self) -> None:
         """Hook the forward pass (called last in the optimizer's construction, so a refused one leaves no hook).
@@ -119,9 +120,9 @@ class ModelWrapping:
         was not given runs it.
         """
         self._hook = (
-            self.ddp.register_forward_pre_hook(self._ddp_forward)
+            register(self.ddp.register_forward_pre_hook, self._ddp_forward)
             if self.ddp is not None
-            else self.module.register_forward_pre_hook(self._bare_forward)
+            else register(self.module.register_forward_pre_hook, self._bare_forward)
         )
 
     @property

@@ -36,6 +36,7 @@ from ..kfac.layers import KFACLayer, functional_submodules
 from ..options import Option
 from ..step.compiled_hooks import run_eagerly
 from ..step.grad_sync import GradientSync
+from ..step.module_hooks import HookHandle, register
 from ..step.nonfinite import non_finite
 from .base_update import BaseOptimizer, sgd_param_update
 
@@ -126,12 +127,14 @@ class ForwardFusion:
         self.pending: dict[torch.Tensor, _Pending] = {}
         self.applied_in_forward = 0  # updates applied by pre-hooks (the rest at flush)
         params = [p for group in param_groups for p in group["params"]]
-        self._handles: list[Any] = []
+        self._handles: list[HookHandle] = []
         for module, owned in update_owners(model, params).items():
-            self._handles.append(module.register_forward_pre_hook(run_eagerly(self._pre_hook(owned))))  # compiled: a graph break
-            # (torch leaves these two unannotated)
-            self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.flush()))  # type: ignore[no-untyped-call]
-            self._handles.append(module.register_load_state_dict_pre_hook(lambda *_: self.flush()))  # type: ignore[no-untyped-call]
+            pre_hook = run_eagerly(self._pre_hook(owned))  # compiled: a graph break
+            self._handles.append(register(module.register_forward_pre_hook, pre_hook))
+            self._handles.append(register(module.register_state_dict_pre_hook, self._flush_hook))
+            self._handles.append(register(module.register_load_state_dict_pre_hook, self._flush_hook))
+        # A copy of the model (deepcopy, torch.save(model)) copies its parameters updated: the root's hooks come first.
+        self._handles.append(register(model.register_state_dict_pre_hook, self._flush_hook, self._before_copy))
 
     def bind(self, param_groups: list[dict[str, Any]], state: dict[torch.Tensor, dict[str, Any]]) -> None:
         """Use the optimizer's ``param_groups`` and ``state`` (``load_state_dict`` replaces both)."""
@@ -164,6 +167,27 @@ class ForwardFusion:
         """Apply every update still held (the parameters and momentum then equal the unfused optimizer's)."""
         for p in list(self.pending):
             self._apply(p)
+
+    def _flush_hook(self, *args: Any) -> None:
+        self.flush()
+
+    @torch.no_grad()
+    def _before_copy(self, memo: dict[int, Any] | None) -> None:
+        """The model is being deep-copied (``memo``) or pickled (None): apply what is held first.
+
+        Its children come after the root's hooks, so they are copied updated.
+        A parameter copied before (the root's own) is brought up to date in
+        the deep copy; ``torch.save`` writes tensor data after pickling, so
+        the in-place updates reach it (a plain ``pickle`` would not see them).
+        """
+        held = list(self.pending)
+        self.flush()
+        if memo is None:
+            return
+        for p in held:
+            copy = memo.get(id(p))
+            if isinstance(copy, torch.Tensor):
+                copy.copy_(p)
 
     def remove_hooks(self) -> None:
         """Apply what is held, then detach the hooks."""
