@@ -142,7 +142,8 @@ class GradientSync:
             raise RuntimeError(
                 f"parameter {self.names.get(p, '?')!r} received gradient number {passes} before step(), but "
                 f"accumulation_steps is {self.accumulation_steps}: SPDKFACOptimizer averages gradients once per step, "
-                f"after accumulation_steps backward passes (pass accumulation_steps=k to accumulate k of them)"
+                f"after accumulation_steps backward passes (pass accumulation_steps=k to accumulate k micro-batches; for several "
+                "losses of one forward pass, call backward() once on their sum)"
             )
         self._counts[p] = passes
         self.backward_seen = True
