@@ -90,9 +90,10 @@ def run_eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def register_factor_pre_hook(module: nn.Module, hook: Callable[[nn.Module, tuple[Any, ...]], None]) -> HookHandle:
-    """``module.register_forward_pre_hook(hook)`` (an optimizer's: :mod:`~spdkfac.step.module_hooks`); in a compiled forward (training, gradients on) a tap on the inputs.
+    """``module.register_forward_pre_hook(hook)``; in a compiled forward (training, gradients on) a tap on the inputs.
 
-    ``hook`` must only read its inputs (it may not replace them). With
+    Registered as the optimizer's (:mod:`~spdkfac.step.module_hooks`): keep
+    the returned handle to keep the hook. ``hook`` must only read its inputs (it may not replace them). With
     gradients off or in eval mode a compiled forward calls nothing: the
     hook's caller then computes no factor anyway.
     """
