@@ -51,6 +51,7 @@ def main() -> None:
     else:  # the one-line swap
         optimizer = SPDKFACOptimizer(model, lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)  # Horovod's usual start: it works on SPDKFACOptimizer too
     steps_per_epoch = min(len(train_loader), args.max_steps or len(train_loader))
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch)
     loss_fn = nn.CrossEntropyLoss()

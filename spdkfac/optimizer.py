@@ -501,6 +501,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             )
         if not base_update and self.config.update_fusion is not UpdateFusion.NONE:
             raise ValueError(f"update_fusion={self.config.update_fusion!r} updates the parameters itself; it needs the base update")
+        if self._nothing_to_step():
+            return True
         self.flush()  # the previous step's updates the forward pass did not reach, before this step's
         self._refuse_unseen_gradients()
         self.kfac_step.grads.check_accumulated("step()")
@@ -690,6 +692,20 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     def fusion_plan(self) -> dict[str, list[list[FactorKey]] | None]:
         """Current fusion groups per pass (None while profiling, or for ``'layerwise'``)."""
         return {kind: self.kfac_step.controller.plan(kind) for kind in FACTOR_KINDS}
+
+    def _nothing_to_step(self) -> bool:
+        """A fresh optimizer stepped with no pass run and zero gradients (set by hand): a step that changes nothing.
+
+        Horovod's ``broadcast_optimizer_state`` does this to a new optimizer
+        (every worker alike) so that a ``torch.optim`` optimizer creates its
+        state: here the state stays empty, and Horovod has nothing to
+        broadcast (a new optimizer is the same on every worker). Anything else
+        (a pass run, a gradient, a step taken) goes on to the step and its checks.
+        """
+        if self.steps or self.state or self._kind is not None or self.kfac_step.backward_seen:
+            return False
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        return bool(grads) and not any(bool(g.any()) for g in grads)  # (no gradient at all: the usual error, no backward)
 
     def _hand_over(self) -> None:
         """A newer optimizer was built on this one's model: detach (held updates applied first); step() refuses from now on."""

@@ -137,6 +137,29 @@ def test_step_without_backward_is_an_error():
         opt.step()
 
 
+def test_a_fresh_optimizer_stepped_with_zero_gradients_set_by_hand_changes_nothing():
+    """What Horovod's broadcast_optimizer_state does to a new optimizer (tests/multiprocess/test_horovod_idioms.py runs
+    the real one): no state, no step counted, no parameter moved; after a real step the same call is refused."""
+    model = small_net()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = SPDKFACOptimizer(model, lr=0.1, weight_decay=0.1, backend="single")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert opt.steps == 0
+    assert not opt.state
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    x = torch.randn(4, 2, 6, 6)
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    assert opt.steps == 1
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(RuntimeError, match="no Kronecker factor was computed"):
+        opt.step()
+
+
 def test_weight_sharing_is_one_layer_counted_per_use():
     """A module registered twice, or called twice in one forward pass, is one layer (tests/unit/step/test_shared_layers.py
     checks its factors); a second forward/backward pass without step() is still refused."""
