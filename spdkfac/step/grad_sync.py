@@ -16,7 +16,6 @@ for the others (the gradient of the mean loss over all the workers' samples).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from typing import Any, Callable
 
@@ -26,6 +25,7 @@ import torch.nn as nn
 from ..comm import CommBackend, Handle
 from .collective_order import CollectiveOrder, DeferredHandle, Slot
 from .data_parallel import ModelWrapping
+from .module_hooks import HookHandle, register
 from .timeline import IterationRecord, Timeline
 
 __all__ = ["GradientSync", "collective_names"]
@@ -41,30 +41,6 @@ def collective_names(model: nn.Module, param_groups: list[dict[str, Any]]) -> di
     for i, p in enumerate(p for group in param_groups for p in group["params"]):
         names.setdefault(p, f"param{i}")
     return names
-
-
-def _held_weakly(sync: GradientSync) -> Callable[[torch.Tensor], None]:
-    """``sync``'s gradient hook, holding ``sync`` weakly.
-
-    A parameter keeps its post-accumulate-grad hooks in C++, where the garbage
-    collector cannot see them: a hook holding the optimizer (which holds the
-    parameter) made a cycle that was never freed, so every optimizer with
-    these hooks (N workers, accumulation, backward fusion) kept itself, its
-    factors and the model alive until the process ended.
-    """
-    ref = weakref.ref(sync)
-
-    def hook(p: torch.Tensor) -> None:
-        owner = ref()
-        if owner is not None:
-            owner._grad_hook(p)
-
-    return hook
-
-
-def _remove_all(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
 
 
 class GradientSync:
@@ -113,13 +89,14 @@ class GradientSync:
         self._sync_queued = False
         self._by_name: dict[str, torch.Tensor] = {}
         self._zeroed: list[torch.Tensor] = []  # parameters given a zero gradient for the all-reduce (no gradient here)
-        self._hook_handles: list[Any] = []
+        self._hook_handles: list[HookHandle] = []
         if order is not None and self._reduces:
             order.add(self)
         if backend.size > 1 or accumulation_steps > 1 or on_final is not None:  # all-reduce, count the passes, or fuse
-            hook = _held_weakly(self)
-            self._hook_handles = [p.register_post_accumulate_grad_hook(hook) for group in param_groups for p in group["params"]]
-            weakref.finalize(self, _remove_all, self._hook_handles)  # an optimizer let go leaves no hook behind
+            # Held weakly by the parameters (:mod:`~spdkfac.step.module_hooks`): their hooks live in C++, where the
+            # garbage collector cannot see them, so a hook holding the optimizer would keep it alive for good.
+            hook = self._grad_hook
+            self._hook_handles = [register(p.register_post_accumulate_grad_hook, hook) for group in param_groups for p in group["params"]]
 
     def reset(self, record: IterationRecord | None) -> None:
         """Forget the finished (or abandoned) step's handles and counts."""
@@ -255,5 +232,6 @@ class GradientSync:
 
     def remove_hooks(self) -> None:
         """Detach the parameter hooks."""
-        _remove_all(self._hook_handles)
+        for handle in self._hook_handles:
+            handle.remove()
         self._hook_handles = []

@@ -1,11 +1,13 @@
-"""The hooks an optimizer puts on the user's modules belong to that optimizer, not to the model.
+"""The hooks an optimizer puts on the user's modules (and parameters) belong to that optimizer, not to the model.
 
 Three things follow, each a failure before:
 
 - The model holds them weakly. The hooks are closures over the optimizer's
   state; held strongly, a model the script kept held every optimizer ever
   built on it, with its factors (``del optimizer`` freed nothing), and that
-  optimizer's hooks went on computing factors in every forward pass.
+  optimizer's hooks went on computing factors in every forward pass. A
+  parameter's gradient hooks live in C++, where the garbage collector cannot
+  see them: held strongly there, no optimizer with them was ever freed.
 - A copy of the model gets inert hooks. Scripts copy their model while
   training (``copy.deepcopy`` for the best model so far, an EMA or SWA
   average, a distillation teacher; ``torch.save(model)``). Before, a pickle
