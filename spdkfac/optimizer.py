@@ -686,8 +686,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         return self.kfac_step.decompositions.refreshes.as_dict()
 
     def kfac_summary(self) -> str:
-        """Which modules K-FAC preconditions (by type, with how many parameters), which get plain SGD and why."""
-        return kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition, self.config.norm_layers is NormLayers.KFAC)
+        """Which modules K-FAC preconditions (by type, with how many parameters), which get the base update alone and why."""
+        return self._kfac_summary(self.config.base.display_name)
+
+    def _kfac_summary(self, left_to: str) -> str:
+        """:meth:`kfac_summary`, naming ``left_to`` as the update of the parameters left out."""
+        norm_layers = self.config.norm_layers is NormLayers.KFAC
+        return kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition, norm_layers, left_to)
 
     def fusion_plan(self) -> dict[str, list[list[FactorKey]] | None]:
         """Current fusion groups per pass (None while profiling, or for ``'layerwise'``)."""

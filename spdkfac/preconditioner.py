@@ -332,7 +332,7 @@ class KFACPreconditioner:
 
     def kfac_summary(self) -> str:
         """Which modules K-FAC preconditions, and which it leaves out and why."""
-        return self.kfac.kfac_summary()
+        return self.kfac._kfac_summary("Your optimizer's update")
 
     def fusion_plan(self) -> dict[str, list[list[FactorKey]] | None]:
         """Current fusion groups of the factor all-reduces per pass (None while profiling, or for ``'layerwise'``)."""

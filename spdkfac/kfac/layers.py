@@ -353,7 +353,7 @@ def kfac_layers(
     With ``norm_layers`` the normalisation layers' affine parameters too
     (:mod:`spdkfac.kfac.layer_types.norm`).
 
-    Left out (plain momentum SGD): modules matched by ``skip`` (a module name,
+    Left out (the base update alone): modules matched by ``skip`` (a module name,
     a class name, or a class) and layers used without their ``forward()``
     (:func:`unhooked_submodules`). A split module (:func:`split_layers`)
     gives a layer per block, named ``<module>.<suffix>`` (``attn.q_proj``).
@@ -482,6 +482,6 @@ def preconditioned_layers(
     if not layers:
         raise ValueError(
             "model has no layer SPDKFACOptimizer can precondition (nn.Linear, nn.Conv1d/2d/3d, nn.ConvTranspose1d/2d/3d, a "
-            "dense nn.Embedding or nn.MultiheadAttention, with a trainable weight); use torch.optim.SGD for this model"
+            "dense nn.Embedding, nn.MultiheadAttention or Hugging Face's Conv1D, with a trainable weight); use torch.optim.SGD for this model"
         )
     return layers

@@ -28,9 +28,17 @@ def _kind(layer: KFACLayer) -> str:
 
 
 def kfac_summary(
-    model: nn.Module, layers: Sequence[KFACLayer], skip: Sequence[LayerFilter], precondition: bool, norm_layers: bool = False
+    model: nn.Module,
+    layers: Sequence[KFACLayer],
+    skip: Sequence[LayerFilter],
+    precondition: bool,
+    norm_layers: bool = False,
+    left_to: str = "momentum SGD",
 ) -> str:
-    """Lines saying which modules K-FAC preconditions, how many parameters that is, and which get plain SGD and why."""
+    """Lines saying which modules K-FAC preconditions, how many parameters that is, and which it leaves out and why.
+
+    ``left_to`` names the update the others get (the base update, or the wrapped optimizer's).
+    """
     covered = {id(p) for layer in layers for p in layer.params()}
     trainable = {id(p): p.numel() for p in model.parameters() if p.requires_grad}
     n_covered = sum(n for pid, n in trainable.items() if pid in covered)
@@ -43,6 +51,7 @@ def kfac_summary(
     untied = untied_layers(model, skip, norm_layers)
     reasons: dict[str, Counter[str]] = {}
     params_by_reason: Counter[str] = Counter()
+    counted: set[int] = set()  # a tied weight is one parameter of several modules: counted with the first
     for name, module in model.named_modules():
         own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in covered]
         if not own:
@@ -65,9 +74,10 @@ def kfac_summary(
         else:
             why = f"not supported: {unsupported_reason(module, norm_layers) or 'weight frozen'}"
         reasons.setdefault(why, Counter())[cls] += 1
-        params_by_reason[why] += sum(p.numel() for p in own)
+        params_by_reason[why] += sum(p.numel() for p in own if id(p) not in counted)
+        counted.update(id(p) for p in own)
     if reasons:
-        lines.append(f"plain momentum SGD for {total - n_covered:,} parameters:")
+        lines.append(f"{left_to}, not preconditioned, for {total - n_covered:,} parameters:")
         for why, classes in reasons.items():
             listed = ", ".join(f"{count} x {cls}" for cls, count in sorted(classes.items()))
             lines.append(f"  {listed}: {why} ({params_by_reason[why]:,} parameters)")

@@ -13,7 +13,7 @@ for MobileNetV2 and EfficientNet-B0, a stride-1 second stage; for ResNeXt no
 max-pool), so the last feature map is 4x4 instead of 1x1. K-FAC
 preconditions every convolution (grouped and depthwise ones with
 block-diagonal factors, one block per group) and the classifier; the batch
-norms get plain SGD (``SPDKFACOptimizer.kfac_summary()`` lists them).
+norms get the base update alone (``SPDKFACOptimizer.kfac_summary()`` lists them).
 """
 
 from __future__ import annotations

@@ -32,6 +32,11 @@ class BaseOptimizer(Option):
     ADAMW = "adamw"
     LAMB = "lamb"
 
+    @property
+    def display_name(self) -> str:
+        """The update's name in messages."""
+        return {"sgd": "momentum SGD", "adamw": "AdamW", "lamb": "LAMB"}[self.value]
+
 
 def base_defaults(base: BaseOptimizer | str, momentum: float | None, betas: Any, eps: Any) -> dict[str, Any]:
     """The ``param_groups`` entries of ``base`` beside ``lr`` and ``weight_decay`` (ValueError for a bad or foreign one).

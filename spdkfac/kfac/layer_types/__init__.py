@@ -1,7 +1,9 @@
 """The layer types K-FAC preconditions, one helper each, registered here: module class -> helper.
 
 Adding a layer type is one file (a :class:`LayerHelper` subclass) and one
-line in :data:`HELPERS`. A module is matched by its class or the nearest
+line in :data:`HELPERS` (for a class of another library, one line in
+:data:`TYPES_ELSEWHERE`, by its import path: registered once that library is
+loaded, never imported here). A module is matched by its class or the nearest
 registered base class. A subclass gets that class's helper when it computes
 what that class does (it overrides none of
 :attr:`LayerHelper.computes_with`, e.g. a subclass that only changes the
@@ -9,7 +11,7 @@ initialisation); one with its own ``forward()`` may compute something else
 from the input the hooks see, and is left out unless the user registers it
 (:func:`register_layer_type`). The helper may still refuse a module
 (:meth:`LayerHelper.unsupported`, e.g. a sparse embedding), and it then gets
-the plain momentum-SGD update. :data:`NORM_HELPERS` holds the types that are
+the base update alone. :data:`NORM_HELPERS` holds the types that are
 preconditioned only on request (``norm_layers='kfac'``): normalisation
 layers' scale and shift. A module that computes with several blocks' weights
 itself (``nn.MultiheadAttention``) is a :class:`SplitHelper` in
@@ -18,6 +20,7 @@ itself (``nn.MultiheadAttention``) is a :class:`SplitHelper` in
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import TypeVar
 
@@ -33,11 +36,13 @@ from .conv_transpose import ConvTransposeHelper
 from .embedding import EmbeddingHelper
 from .linear import LinearHelper
 from .norm import NORM_TYPES, NormHelper
+from .transposed_linear import TransposedLinearHelper
 
 __all__ = [
     "HELPERS",
     "NORM_HELPERS",
     "SPLITTERS",
+    "TYPES_ELSEWHERE",
     "Conv3dHelper",
     "ConvHelper",
     "ConvTransposeHelper",
@@ -47,6 +52,7 @@ __all__ = [
     "NormHelper",
     "NormLayers",
     "SplitHelper",
+    "TransposedLinearHelper",
     "helper_class",
     "make_helper",
     "register_layer_type",
@@ -67,6 +73,20 @@ HELPERS: dict[type[nn.Module], type[LayerHelper]] = {
     nn.ConvTranspose3d: ConvTransposeHelper,
     nn.Embedding: EmbeddingHelper,
 }
+
+#: Layer types of other libraries: ``(module, class name) -> helper``, put into :data:`HELPERS` once that module is
+#: loaded (a model can only hold such a layer then), so spdkfac never imports the library.
+TYPES_ELSEWHERE: dict[tuple[str, str], type[LayerHelper]] = {
+    ("transformers.pytorch_utils", "Conv1D"): TransposedLinearHelper,  # GPT-2's and GPT's layers
+}
+
+
+def _register_types_elsewhere() -> None:
+    """Add to :data:`HELPERS` the classes of :data:`TYPES_ELSEWHERE` whose library is loaded (once each)."""
+    for (module_name, class_name), helper in TYPES_ELSEWHERE.items():
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if isinstance(cls, type) and issubclass(cls, nn.Module) and cls not in HELPERS:
+            HELPERS[cls] = helper
 
 
 class NormLayers(Option):
@@ -93,6 +113,7 @@ def _nearest(module: nn.Module, registry: Mapping[type[nn.Module], _Helper]) -> 
 
 
 def _layer_helpers(norm_layers: bool) -> Mapping[type[nn.Module], type[LayerHelper]]:
+    _register_types_elsewhere()
     return {**NORM_HELPERS, **HELPERS} if norm_layers else HELPERS
 
 
@@ -125,6 +146,7 @@ def register_layer_type(cls: type[nn.Module], like: type[nn.Module]) -> None:
     """
     if not (isinstance(cls, type) and issubclass(cls, like)):
         raise TypeError(f"register_layer_type: {getattr(cls, '__name__', cls)!r} is not a subclass of {like.__name__}")
+    _register_types_elsewhere()
     if like in HELPERS:
         HELPERS[cls] = HELPERS[like]
     elif like in NORM_HELPERS:
@@ -179,7 +201,7 @@ def split_helpers(module: nn.Module) -> list[tuple[str, LayerHelper]] | None:
 
 
 def make_helper(module: nn.Module, norm_layers: bool = False) -> LayerHelper | None:
-    """The helper of a supported module, or None (the module then gets plain SGD)."""
+    """The helper of a supported module, or None (the module then gets the base update alone)."""
     cls = helper_class(module, norm_layers)
     if cls is None or unsupported_reason(module, norm_layers) is not None:
         return None

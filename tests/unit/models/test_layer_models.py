@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 from nets import mixed_net
 
-from spdkfac import SPDKFACOptimizer
+from spdkfac import KFACPreconditioner, SPDKFACOptimizer
 from spdkfac.kfac.layers import kfac_layers
 from spdkfac.models import get_model
 
@@ -40,7 +40,7 @@ def test_32x32_variants_train_one_step(name):
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
-def test_kfac_summary_names_what_gets_plain_sgd():
+def test_kfac_summary_names_what_gets_the_base_update():
     model = nn.Sequential(mixed_net(), nn.Embedding(3, 2, sparse=True), nn.Linear(2, 2))
     opt = SPDKFACOptimizer(model, lr=0.1, backend="single", skip_layers=["2"])
     summary = opt.kfac_summary()
@@ -56,3 +56,29 @@ def test_kfac_summary_names_what_gets_plain_sgd():
     assert "1 x GroupNorm, 1 x LayerNorm: normalisation layer: norm_layers='plain'" in summary
     assert "1 x Embedding: not supported: sparse gradients" in summary
     assert "1 x Linear: listed in skip_layers" in summary
+    assert f"momentum SGD, not preconditioned, for {total - covered:,} parameters:" in summary
+
+
+@pytest.mark.parametrize(("base", "left_to"), [("adamw", "AdamW"), ("lamb", "LAMB"), (None, "Your optimizer's update")])
+def test_kfac_summary_names_the_update_the_rest_gets(base, left_to):
+    """The parameters K-FAC leaves out get the base update (AdamW, LAMB) or, under the preconditioner, the user's."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    if base is None:
+        summary = KFACPreconditioner(model, backend="single").kfac_summary()
+    else:
+        summary = SPDKFACOptimizer(model, lr=0.1, base=base, backend="single").kfac_summary()
+    assert f"\n{left_to}, not preconditioned, for 8 parameters:\n  1 x LayerNorm" in summary
+
+
+def test_kfac_summary_counts_a_tied_weight_once():
+    """An embedding tied to its output layer (GPT-2's) is one parameter of two modules: the reasons' counts add up."""
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 10, bias=False))
+    model[3].weight = model[0].weight
+    with pytest.warns(UserWarning, match="tied weights"):
+        summary = SPDKFACOptimizer(model, lr=0.1, backend="single").kfac_summary()
+    assert "momentum SGD, not preconditioned, for 48 parameters:\n" in summary
+    assert "1 x Embedding, 1 x Linear: its weight is shared by ['0.weight', '3.weight'] (tied weights)" in summary
+    assert summary.endswith(
+        "(40 parameters)\n  1 x LayerNorm: normalisation layer: norm_layers='plain' "
+        "(norm_layers='kfac' gives it scale-and-shift curvature) (8 parameters)"
+    )
