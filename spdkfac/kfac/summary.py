@@ -70,7 +70,7 @@ def kfac_summary(
         elif helper_class(module, norm_layers) is None and type(module) in NORM_HELPERS:
             why = "normalisation layer: norm_layers='plain' (norm_layers='kfac' gives it scale-and-shift curvature)"
         elif helper_class(module, norm_layers) is None and splitter_class(module) is None:
-            why = "no K-FAC factors for this type (normalisation layers, ...)"
+            why = "no K-FAC layer type for this class (custom norms, tokens, fused experts: a new type is a plug-in, docs/layers.md)"
         else:
             why = f"not supported: {unsupported_reason(module, norm_layers) or 'weight frozen'}"
         reasons.setdefault(why, Counter())[cls] += 1

@@ -82,3 +82,16 @@ def test_kfac_summary_counts_a_tied_weight_once():
         "(40 parameters)\n  1 x LayerNorm: normalisation layer: norm_layers='plain' "
         "(norm_layers='kfac' gives it scale-and-shift curvature) (8 parameters)"
     )
+
+
+def test_kfac_summary_says_a_class_of_its_own_has_no_layer_type():
+    class Tokens(nn.Module):  # a class token: parameters its own forward() uses
+        def __init__(self) -> None:
+            super().__init__()
+            self.cls = nn.Parameter(torch.zeros(1, 1, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([self.cls.expand(x.shape[0], 1, 4), x], dim=1)
+
+    summary = SPDKFACOptimizer(nn.Sequential(Tokens(), nn.Linear(4, 2)), lr=0.1, backend="single").kfac_summary()
+    assert "\n  1 x Tokens: no K-FAC layer type for this class (custom norms, tokens, fused experts: a new type is a plug-in" in summary
