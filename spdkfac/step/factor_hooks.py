@@ -218,9 +218,11 @@ class FactorCollector:
             times = "twice" if self._passes == 2 else f"{self._passes} times"
             raise RuntimeError(
                 f"factor A of layer {layer.name!r} was computed {times} in one step, but accumulation_steps is "
-                f"{self.accumulation_steps}: call step() after every {self.accumulation_steps} forward/backward pass(es); "
-                "to skip a batch after its forward pass, decide with optimizer.finite_everywhere(loss), which drops "
-                "its factors on every worker"
+                f"{self.accumulation_steps}: a forward pass after {self.accumulation_steps} backward pass(es) with no "
+                "step() between. To accumulate k micro-batches, each backward()ed before one step() (gradient "
+                "accumulation, a trainer's gradient_accumulation_steps, a discriminator's real and fake batches), pass "
+                "accumulation_steps=k; otherwise call step() after every forward/backward pass. To skip a batch after "
+                "its forward pass, decide with optimizer.finite_everywhere(loss), which drops its factors on every worker"
             )
 
     def _divisor(self, kind: str, calls: int) -> int:

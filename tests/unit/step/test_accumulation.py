@@ -149,8 +149,10 @@ def test_second_forward_with_one_accumulation_step_names_the_option():
     model = small_net()
     SPDKFACOptimizer(model, **KW)
     _backward(model, x, y, 1)
-    with pytest.raises(RuntimeError, match=r"computed twice in one step, but accumulation_steps is 1"):
+    with pytest.raises(RuntimeError, match=r"computed twice in one step, but accumulation_steps is 1") as refused:
         _backward(model, x, y, 1)
+    assert "To accumulate k micro-batches, each backward()ed before one step()" in str(refused.value)
+    assert "pass accumulation_steps=k" in str(refused.value)
 
 
 def test_bad_accumulation_steps():
