@@ -238,7 +238,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._forward_fusion: ForwardFusion | None = None
         self._backward_fusion: BackwardFusion | None = None
         self._plan_for_workers()
-        wrapping.attach()
+        wrapping.attach(self._adopt_ddp)
         self._begin_iteration()
         self._own_groups = len(self.param_groups)
         self._unfreeze_hook: HookHandle | None = None
@@ -308,6 +308,18 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             if update_fusion is UpdateFusion.BACKWARD
             else None
         )
+
+    def _adopt_ddp(self) -> None:
+        """A DDP wrapped around the model after construction (accelerate's ``prepare()``, Hugging Face's ``Trainer``)
+        was found at the first training forward pass: re-plan as if the optimizer had been given it, so that DDP
+        averages the gradients and the optimizer starts no all-reduce of its own (ValueError where DDP's process
+        group is not the backend's, or under ``update_fusion='backward'``)."""
+        self.wrapping.check(self.backend.size, self.config.update_fusion)
+        self.kfac_step.remove_hooks()
+        if self._forward_fusion is not None:
+            self._forward_fusion.remove_hooks()
+        self._plan_for_workers()
+        self._begin_iteration()
 
     def replan(self) -> None:
         """Plan fusion, placement and gradient workers anew for the engine's current size and rank.

@@ -15,21 +15,27 @@ A ``torch.compile`` wrapper (``OptimizedModule``, around the model or the
 DDP, or inside the DDP) is looked through the same way: the layers, names,
 ``skip_layers`` and checkpoint keys are the bare model's.
 
+A DDP wrapped around the bare model after the optimizer was built (what
+accelerate's ``prepare()``, and so Hugging Face's ``Trainer``, do with an
+optimizer built on the bare model) is found at the model's first training
+forward pass and adopted: from then on DDP averages the gradients, as if the
+optimizer had been given the wrapper.
+
 Wrappers that average or shard the gradients some other way (``nn.DataParallel``,
-FSDP, a DDP inside the model, Horovod's ``DistributedOptimizer`` around the
-optimizer) and a bare model run inside a DDP the optimizer was not given are
-refused with an error that names the fix.
+FSDP, a DDP inside the model or around a larger one, Horovod's
+``DistributedOptimizer`` around the optimizer) are refused with an error that
+names the fix.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .compiled_hooks import compiling
+from .compiled_hooks import compiling, run_eagerly
 from .module_hooks import HookHandle, register
 
 __all__ = ["ModelWrapping", "bare_model", "refuse_wrapped_optimizer"]
@@ -111,14 +117,18 @@ class ModelWrapping:
         _refuse_other_wrappers(self.module)
         self._last_pass_synced = True  # whether the latest forward pass under autograd will have DDP average its gradients
         self._hook: HookHandle | None = None
+        self._stale: HookHandle | None = None  # the bare model's hook once a DDP is adopted, until the next step()
+        self._adopt: Callable[[], None] = lambda: None
 
-    def attach(self) -> None:
+    def attach(self, adopt: Callable[[], None]) -> None:
         """Hook the forward pass (called last in the optimizer's construction, so a refused one leaves no hook).
 
         On a DDP model: note whether each pass runs inside ``no_sync()``. On a
-        bare model: check at its first forward pass that no DDP the optimizer
-        was not given runs it.
+        bare model: at its first training forward pass, look for a DDP around
+        it; one found becomes :attr:`ddp`, and ``adopt()`` is called (the
+        optimizer then re-plans so that DDP averages the gradients).
         """
+        self._adopt = adopt
         self._hook = (
             register(self.ddp.register_forward_pre_hook, self._ddp_forward)
             if self.ddp is not None
@@ -152,17 +162,34 @@ class ModelWrapping:
             self._last_pass_synced = bool(getattr(module, "require_backward_grad_sync", True))
 
     def _bare_forward(self, module: nn.Module, args: Any) -> None:
-        if DistributedDataParallel._active_ddp_module is not None:
+        active = DistributedDataParallel._active_ddp_module
+        if self.ddp is not None:  # adopted in this pass
+            return
+        if active is not None:
+            run_eagerly(self._take_ddp)(active)  # (compiled: a graph break, once; the graph is traced again after it)
+        elif not compiling() and module.training and torch.is_grad_enabled():
+            # (traced: the check stays in the graph, a guard on DDP's class attribute)
+            self.remove_hooks()  # checked at the first training pass: a model is wrapped before it is trained
+
+    def _take_ddp(self, ddp: DistributedDataParallel) -> None:
+        """Adopt the DDP found around the bare model: watch its ``no_sync()`` and let the optimizer re-plan."""
+        if _unwrap(ddp)[0] is not self.module:
             raise RuntimeError(
-                "the model runs inside a DistributedDataParallel but SPDKFACOptimizer was given the bare model: DDP and "
-                "the optimizer would both average the gradients; pass the wrapper, SPDKFACOptimizer(ddp_model, ...), "
-                "and the optimizer lets DDP average them"
+                "the model runs inside a DistributedDataParallel but SPDKFACOptimizer was given a part of the model "
+                "DDP wraps: DDP and the optimizer would both average the gradients; pass the wrapper, "
+                "SPDKFACOptimizer(ddp_model, ...), and the optimizer lets DDP average them"
             )
-        if not compiling():  # (traced: the check stays in the graph, a guard on DDP's class attribute)
-            self.remove_hooks()  # checked at the first forward pass: a model is wrapped before it is run
+        self._stale = self._hook  # removed at the next step(): a compiled bare model may not change its hooks in its pass
+        self.ddp = ddp
+        self._last_pass_synced = bool(getattr(ddp, "require_backward_grad_sync", True))
+        self._hook = register(ddp.register_forward_pre_hook, self._ddp_forward)
+        self._adopt()
 
     def check_synchronized(self, caller: str) -> None:
         """Raise RuntimeError when the last backward pass ran inside ``no_sync()``: its gradients were not averaged."""
+        if self._stale is not None:
+            self._stale.remove()
+            self._stale = None
         if self.ddp is not None and not self._last_pass_synced:
             raise RuntimeError(
                 f"{caller} after a backward pass run inside DistributedDataParallel.no_sync(): DDP has not averaged the "
@@ -171,10 +198,11 @@ class ModelWrapping:
             )
 
     def remove_hooks(self) -> None:
-        """Detach the forward hook."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        """Detach the forward hooks."""
+        for handle in (self._hook, self._stale):
+            if handle is not None:
+                handle.remove()
+        self._hook = self._stale = None
 
 
 def _group_size(group: Any) -> int:

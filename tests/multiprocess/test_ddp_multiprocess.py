@@ -7,7 +7,9 @@ divide-then-sum and the optimizer's sum-then-divide are the same numbers; to
 1e-12 with 3), both equal one process on the global batch (1e-9), the ranks are bitwise
 replicas (parameters and optimizer state), and the K-FAC layers carry the
 bare model's names (checkpoints interchangeable). ``no_sync()`` accumulation
-equals ``accumulation_steps`` without DDP.
+equals ``accumulation_steps`` without DDP. An optimizer built on the bare model
+that DDP wraps afterwards (accelerate's ``prepare()``) lets DDP average: the
+same numbers, and no gradient all-reduce of its own.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ CONFIGS = {
     "bare-accum": dict(ACCUM, ddp=None),
     "ddp-no-sync": dict(ACCUM, ddp={}, no_sync=True),
     "ddp-accum-every-pass-averaged": dict(ACCUM, ddp={}),  # without no_sync(): DDP averages each micro-batch
+    # The optimizer built on the bare model, DDP wrapped around it afterwards (accelerate's prepare()): adopted.
+    "ddp-after": dict(BASE, ddp={}, ddp_after=True),
+    "ddp-after-no-sync": dict(ACCUM, ddp={}, no_sync=True, ddp_after=True),
+    "ddp-after-forward-fusion": dict(BASE, kl_clip=None, update_fusion="forward", ddp={}, ddp_after=True),
 }
 SAME_AS = {name: "bare" for name in CONFIGS if name.startswith("ddp") and name != "ddp-accum-every-pass-averaged"}
 SAME_AS.update(
@@ -50,6 +56,8 @@ SAME_AS.update(
         "ddp-eigen-dp": "bare-eigen-dp",
         "ddp-forward-fusion": "bare-forward-fusion",
         "ddp-no-sync": "bare-accum",
+        "ddp-after-no-sync": "bare-accum",
+        "ddp-after-forward-fusion": "bare-forward-fusion",
     }
 )
 

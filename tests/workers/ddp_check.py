@@ -9,7 +9,8 @@ global batch and saves, per configuration, its parameters (the bare model's
 A configuration is optimizer options plus ``ddp``: None (bare model) or the
 ``DistributedDataParallel`` keyword arguments, ``no_sync``: run every
 micro-batch but the last inside ``model.no_sync()``, ``amp``: the GradScaler
-loop (scale 1024), and ``count``: count the
+loop (scale 1024), ``ddp_after``: build the optimizer on the bare model and
+wrap it in DDP afterwards (as accelerate's ``prepare()`` does), and ``count``: count the
 bytes DDP all-reduces (through a communication hook that adds the count to
 DDP's own divide-then-all-reduce). The bytes of the optimizer's own gradient
 all-reduces are counted always.
@@ -83,12 +84,13 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
     for name, cfg in configs.items():
         cfg = dict(cfg)
         ddp_options, no_sync, count = cfg.pop("ddp", None), cfg.pop("no_sync", False), cfg.pop("count", False)
+        after = cfg.pop("ddp_after", False)
         net = small_net()
         model: nn.Module = DistributedDataParallel(net, **ddp_options) if ddp_options is not None and backend.size > 1 else net
         scaler = cfg["grad_scaler"] = torch.amp.GradScaler("cpu", init_scale=1024.0) if cfg.pop("amp", False) else None
         if count and isinstance(model, DistributedDataParallel):
             model.register_comm_hook(None, ddp_hook)
-        opt = SPDKFACOptimizer(model, backend=backend, **cfg)
+        opt = SPDKFACOptimizer(net if after else model, backend=backend, **cfg)
         sent.update(optimizer=0, ddp=0)
         train(model, opt, x, y, steps, cfg.get("accumulation_steps", 1), no_sync, scaler)
         state = opt.state_dict()

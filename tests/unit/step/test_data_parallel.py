@@ -63,12 +63,46 @@ def test_last_pass_inside_no_sync_is_refused_at_step(process_group):
     assert opt.steps == 1
 
 
-def test_bare_model_inside_ddp_is_refused_at_its_first_forward(process_group):
-    net = small_net()
-    model = DistributedDataParallel(net)
-    SPDKFACOptimizer(net, lr=0.1, backend="single")
-    with pytest.raises(RuntimeError, match=r"pass the wrapper, SPDKFACOptimizer\(ddp_model"):
+def _steps(model: nn.Module, opt: SPDKFACOptimizer) -> list[torch.Tensor]:
+    for _ in range(3):
+        opt.zero_grad()
         _backward(model)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_ddp_wrapped_around_the_model_after_the_optimizer_is_adopted(process_group):
+    """accelerate's ``prepare()`` (Hugging Face's Trainer) wraps the model after the optimizer is built on it: at the
+    first forward pass the optimizer finds the DDP and lets it average, as if it had been given the wrapper."""
+    given = DistributedDataParallel(small_net())
+    want = _steps(given, SPDKFACOptimizer(given, lr=0.1, backend="single"))
+    net = small_net()
+    opt = SPDKFACOptimizer(net, lr=0.1, backend="single")
+    model = DistributedDataParallel(net)
+    with torch.no_grad():
+        model(batch(4)[0])  # a check before training, through the DDP: adopted here
+    assert opt.wrapping.ddp is model
+    assert opt.kfac_step.grads.wrapping.averages_gradients
+    got = _steps(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    model.zero_grad()
+    with model.no_sync():
+        _backward(model)
+    with pytest.raises(RuntimeError, match=r"no_sync\(\).*outside no_sync\(\)"):  # no_sync() is watched as with the wrapper
+        opt.step()
+
+
+def test_a_ddp_the_optimizer_cannot_adopt_is_refused_at_the_first_forward(process_group):
+    """A DDP around a larger model than the optimizer's, and backward update fusion (which needs the gradients
+    before DDP averages them), are refused at the first forward pass."""
+    net = small_net()
+    SPDKFACOptimizer(net, lr=0.1, backend="single")
+    with pytest.raises(RuntimeError, match=r"a part of the model DDP wraps.*pass the wrapper, SPDKFACOptimizer\(ddp_model"):
+        _backward(DistributedDataParallel(nn.Sequential(net, nn.Tanh())))
+    net = small_net()
+    SPDKFACOptimizer(net, lr=0.1, kl_clip=None, update_fusion="backward", backend="single")
+    with pytest.raises(ValueError, match="before DDP has averaged it; use update_fusion='forward'"):
+        _backward(DistributedDataParallel(net))
 
 
 def test_bare_model_check_runs_once_and_leaves_no_hook():
@@ -144,3 +178,19 @@ def test_horovod_distributed_optimizer_wrapping_is_refused():
 def test_a_non_module_is_still_a_type_error():
     with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module, got list"):
         SPDKFACOptimizer([nn.Parameter(torch.zeros(2))], lr=0.1, backend="single")  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["compile(DDP)", "DDP(compile)"])
+def test_a_compiled_ddp_wrapped_later_is_adopted_as_if_given(process_group, order):
+    """Under ``torch.compile`` the adoption is one graph break at the first pass; the steps are those of the optimizer
+    given the same compiled wrapper (to float32 rounding: the graph traced again after the break may fuse otherwise)."""
+    results = []
+    for given in (True, False):
+        net = small_net()
+        model = torch.compile(DistributedDataParallel(net)) if order == "compile(DDP)" else DistributedDataParallel(torch.compile(net))
+        opt = SPDKFACOptimizer(model if given else net, lr=0.1, backend="single")
+        results.append(_steps(model, opt))
+        assert opt.wrapping.ddp is not None
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
