@@ -47,7 +47,7 @@ from .factor_profiler import FusionProfiler
 from .nonfinite import NonFiniteFactorError, NonFiniteGuard
 from .timeline import IterationRecord, Timeline
 
-__all__ = ["FactorCollector", "recomputing"]
+__all__ = ["FactorCollector", "computes_grad_of", "recomputing"]
 
 #: The autograd node of a reentrant ``torch.utils.checkpoint`` segment: its backward re-runs the forward, counted.
 _REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
@@ -69,6 +69,25 @@ def recomputing() -> bool:
         return False
     node = torch._C._current_autograd_node()
     return node is None or type(node).__name__ != _REENTRANT_CHECKPOINT_NODE
+
+
+def computes_grad_of(weight: torch.Tensor) -> bool:
+    """Whether the backward pass running now computes ``weight``'s gradient (called from a gradient hook).
+
+    Only such passes give a layer's ``G``: the factor describes the
+    gradient the step uses. A ``torch.autograd.grad(out, inputs)`` or
+    ``backward(inputs=...)`` that needs other tensors' gradients only (a
+    gradient penalty's derivative with respect to the input, as WGAN-GP, R1
+    and physics-informed losses take with ``create_graph=True``) still
+    passes through the layer's output, with the output gradient of another
+    scalar than the loss: left out. A ``torch.autograd.grad`` with respect to
+    the weight itself computes it (torch cannot say more there), and so
+    does a compiled backward (which cannot take a penalty's double backward).
+    """
+    try:
+        return bool(torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(weight).node))
+    except (RuntimeError, AttributeError):  # autograd.grad with respect to the weight; a compiled graph's tap
+        return True
 
 
 @dataclass
@@ -203,6 +222,8 @@ class FactorCollector:
 
         def g_ready(grad_output: torch.Tensor) -> None:
             if grad_output.numel() == 0:  # the output of a use with no sample (its A was not taken either)
+                return
+            if not computes_grad_of(layer.helper.weight):  # a gradient penalty's torch.autograd.grad(..., inputs)
                 return
             # Each micro-batch loss carries 1/accumulation_steps: dividing it out like a loss scale gives its true G.
             scale = self.loss_scale() / self.accumulation_steps
