@@ -311,7 +311,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     def _adopt_ddp(self) -> None:
         """A DDP wrapped around the model after construction (accelerate's ``prepare()``, Hugging Face's ``Trainer``)
-        was found at the first training forward pass: re-plan as if the optimizer had been given it, so that DDP
+        was found at the first forward pass it ran: re-plan as if the optimizer had been given it, so that DDP
         averages the gradients and the optimizer starts no all-reduce of its own (ValueError where DDP's process
         group is not the backend's, or under ``update_fusion='backward'``)."""
         self.wrapping.check(self.backend.size, self.config.update_fusion)

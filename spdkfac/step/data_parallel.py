@@ -17,9 +17,9 @@ DDP, or inside the DDP) is looked through the same way: the layers, names,
 
 A DDP wrapped around the bare model after the optimizer was built (what
 accelerate's ``prepare()``, and so Hugging Face's ``Trainer``, do with an
-optimizer built on the bare model) is found at the model's first training
-forward pass and adopted: from then on DDP averages the gradients, as if the
-optimizer had been given the wrapper.
+optimizer built on the bare model) is found at the first forward pass it
+runs (up to the model's first training pass) and adopted: from then on DDP
+averages the gradients, as if the optimizer had been given the wrapper.
 
 Wrappers that average or shard the gradients some other way (``nn.DataParallel``,
 FSDP, a DDP inside the model or around a larger one, Horovod's
@@ -124,9 +124,9 @@ class ModelWrapping:
         """Hook the forward pass (called last in the optimizer's construction, so a refused one leaves no hook).
 
         On a DDP model: note whether each pass runs inside ``no_sync()``. On a
-        bare model: at its first training forward pass, look for a DDP around
-        it; one found becomes :attr:`ddp`, and ``adopt()`` is called (the
-        optimizer then re-plans so that DDP averages the gradients).
+        bare model: at each forward pass up to its first training pass, look
+        for a DDP around it; one found becomes :attr:`ddp`, and ``adopt()`` is
+        called (the optimizer then re-plans so that DDP averages the gradients).
         """
         self._adopt = adopt
         self._hook = (
@@ -162,9 +162,9 @@ class ModelWrapping:
             self._last_pass_synced = bool(getattr(module, "require_backward_grad_sync", True))
 
     def _bare_forward(self, module: nn.Module, args: Any) -> None:
-        active = DistributedDataParallel._active_ddp_module
         if self.ddp is not None:  # adopted in this pass
             return
+        active = DistributedDataParallel._active_ddp_module
         if active is not None:
             run_eagerly(self._take_ddp)(active)  # (compiled: a graph break, once; the graph is traced again after it)
         elif not compiling() and module.training and torch.is_grad_enabled():
