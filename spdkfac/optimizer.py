@@ -314,10 +314,18 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         was found at the first forward pass it ran: re-plan as if the optimizer had been given it, so that DDP
         averages the gradients and the optimizer starts no all-reduce of its own (ValueError where DDP's process
         group is not the backend's, or under ``update_fusion='backward'``)."""
-        self.wrapping.check(self.backend.size, self.config.update_fusion)
+        self.wrapping.check(self.backend.size, self.config.update_fusion)  # (before anything is unhooked)
+        self._wire_anew()
+
+    def _unhook_step(self) -> None:
+        """Detach the step's hooks and forward fusion's (its held updates applied first), to wire them anew."""
         self.kfac_step.remove_hooks()
         if self._forward_fusion is not None:
             self._forward_fusion.remove_hooks()
+
+    def _wire_anew(self) -> None:
+        """Plan and hook the step anew for the workers and the wrapping as they are now (:meth:`_plan_for_workers`)."""
+        self._unhook_step()
         self._plan_for_workers()
         self._begin_iteration()
 
@@ -342,11 +350,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 "change size in place: restart the job under torchrun (spdkfac.train --resume auto) instead"
             )
         self._begin_iteration(abandon=True)  # under backward fusion: rolls back what an unfinished step wrote
-        self.kfac_step.remove_hooks()
-        if self._forward_fusion is not None:
-            self._forward_fusion.remove_hooks()  # the held updates are applied first
-        self._plan_for_workers()
-        self._begin_iteration()
+        self._wire_anew()
 
     # ------------------------------------------------------- unfrozen parameters
     def _watch_frozen(self) -> None:
@@ -392,9 +396,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             if p.requires_grad:
                 p.grad = None  # (a gradient from before it was frozen: zero_grad() never reached it, torch.optim's would have)
         previous = self.kfac_step
-        previous.remove_hooks()
-        if self._forward_fusion is not None:
-            self._forward_fusion.remove_hooks()  # the held updates are applied first
+        self._unhook_step()
         regroup(self.model, self.param_groups, self._own_groups, self.config.no_weight_decay)
         if self.precondition:
             found = kfac_layers(self.model, self.method, self.config.skip_layers, self.config.norm_layers is NormLayers.KFAC)
