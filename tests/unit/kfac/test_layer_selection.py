@@ -159,7 +159,7 @@ def test_a_layer_called_with_its_input_as_a_keyword_is_refused_by_name():
             return self.b(torch.tanh(self.a(input=x.flatten(1))))
 
     model = Net()
-    SPDKFACOptimizer(model, lr=0.05, backend="single")
+    _opt = SPDKFACOptimizer(model, lr=0.05, backend="single")  # kept: the model holds its hooks weakly
     x, _ = batch(4)
     with pytest.raises(TypeError, match=r"layer 'a' was called with its input as a keyword argument .*: pass it positionally"):
         model(x)

@@ -147,7 +147,7 @@ def test_too_many_backward_passes_is_an_error():
 def test_second_forward_with_one_accumulation_step_names_the_option():
     x, y = batch(8)
     model = small_net()
-    SPDKFACOptimizer(model, **KW)
+    _opt = SPDKFACOptimizer(model, **KW)  # kept: the model holds its hooks weakly
     _backward(model, x, y, 1)
     with pytest.raises(RuntimeError, match=r"computed twice in one step, but accumulation_steps is 1") as refused:
         _backward(model, x, y, 1)

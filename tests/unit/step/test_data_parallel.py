@@ -96,18 +96,18 @@ def test_a_ddp_the_optimizer_cannot_adopt_is_refused_at_the_first_forward(proces
     """A DDP around a larger model than the optimizer's, and backward update fusion (which needs the gradients
     before DDP averages them), are refused at the first forward pass."""
     net = small_net()
-    SPDKFACOptimizer(net, lr=0.1, backend="single")
+    _opt = SPDKFACOptimizer(net, lr=0.1, backend="single")  # kept: the model holds its hooks weakly
     with pytest.raises(RuntimeError, match=r"a part of the model DDP wraps.*pass the wrapper, SPDKFACOptimizer\(ddp_model"):
         _backward(DistributedDataParallel(nn.Sequential(net, nn.Tanh())))
     net = small_net()
-    SPDKFACOptimizer(net, lr=0.1, kl_clip=None, update_fusion="backward", backend="single")
+    _opt = SPDKFACOptimizer(net, lr=0.1, kl_clip=None, update_fusion="backward", backend="single")
     with pytest.raises(ValueError, match="before DDP has averaged it; use update_fusion='forward'"):
         _backward(DistributedDataParallel(net))
 
 
 def test_bare_model_check_runs_once_and_leaves_no_hook():
     net = small_net()
-    SPDKFACOptimizer(net, lr=0.1, backend="single")
+    _opt = SPDKFACOptimizer(net, lr=0.1, backend="single")  # kept: the model holds its hooks weakly
     assert len(net._forward_pre_hooks) == 1
     _backward(net)
     assert len(net._forward_pre_hooks) == 0
