@@ -138,6 +138,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             (:mod:`spdkfac.update.weight_decay`, docs/base-optimizers.md).
     """
 
+    #: What drops a batch whose step() never came, when a forward pass finds one (a step a GradScaler skipped, for
+    #: KFACPreconditioner attached to an optimizer); True when it dropped it. None: such a pass is refused.
+    _drop_unstepped: Callable[[], bool] | None = None
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         refuse_wrapped_optimizer(cls)  # hvd.DistributedOptimizer makes a subclass of the optimizer's class
         super().__init_subclass__(**kwargs)
@@ -294,6 +298,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.wrapping,
             lambda: self._step_kind()[0],
         )
+        self.kfac_step.factors.unstepped = lambda: self._drop_unstepped is not None and self._drop_unstepped()
         self._forward_fusion = ForwardFusion(self.model, self.param_groups, self.state) if update_fusion is UpdateFusion.FORWARD else None
         self._backward_fusion = (
             BackwardFusion(

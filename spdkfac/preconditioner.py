@@ -30,6 +30,7 @@ from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES
 from .schedules import Scheduled
 from .step.adaptive_damping import AdaptiveDamping
 from .step.data_parallel import bare_model
+from .update.your_optimizer import OptimizerAttachment, check_attachable
 
 __all__ = ["KAISA_STRATEGIES", "KFACPreconditioner", "kaisa_grad_workers", "kaisa_skip_layers"]
 
@@ -123,6 +124,11 @@ class KFACPreconditioner:
         preconditioner = KFACPreconditioner(model, lr=lambda step: optimizer.param_groups[0]["lr"])
         loss.backward(); preconditioner.step(); optimizer.step(); optimizer.zero_grad()
 
+    or, for a training loop that calls only ``optimizer.step()`` and saves
+    only ``optimizer.state_dict()`` (Lightning, Hugging Face's ``Trainer``)::
+
+        KFACPreconditioner(model, optimizer=optimizer)   # preconditions inside optimizer.step()
+
     After :meth:`step` every gradient holds its average over the workers (the
     loss must be a mean over the local batch; do not also average them) and
     each preconditioned layer's its K-FAC preconditioned, KL-clipped
@@ -142,7 +148,16 @@ class KFACPreconditioner:
         factor_decay: running-average weight of the old factor (a number).
         kl_clip: KL-clip bound (None: no clip), a number or ``f(step)``.
         lr: the learning rate the KL clip assumes (give your optimizer's),
-            a number or ``f(step) -> float``.
+            a number or ``f(step) -> float``; by default the attached
+            ``optimizer``'s (its first parameter group's, read at each step),
+            else KAISA's 0.1.
+        optimizer: your ``torch.optim.Optimizer``, to attach the
+            preconditioner to (not a KAISA option): its ``step()`` then
+            preconditions first (after the closure's backward pass, if it is
+            given one), so :meth:`step` is not called by you; its
+            ``state_dict()`` holds the K-FAC state and its
+            ``load_state_dict()`` restores it; a step its ``GradScaler``
+            skips drops that batch's factors. :mod:`spdkfac.update.your_optimizer`.
         accumulation_steps: backward passes per ``step()``.
         compute_method: ``'eigen'`` (KAISA's default), ``'inverse'`` or
             ``'ekfac'``; KAISA's ``ComputeMethod`` members are taken too.
@@ -180,7 +195,7 @@ class KFACPreconditioner:
         damping: Scheduled[float] = 0.001,
         factor_decay: float = 0.95,
         kl_clip: Scheduled[float | None] = 0.001,
-        lr: Scheduled[float] = 0.1,
+        lr: Scheduled[float] | None = None,
         accumulation_steps: int = 1,
         compute_method: Any = "eigen",
         grad_worker_fraction: Any = None,
@@ -205,6 +220,7 @@ class KFACPreconditioner:
         replan_interval: int | None = None,
         timeline: bool = False,
         skip_nonfinite: int = 0,
+        optimizer: torch.optim.Optimizer | None = None,
         **unsupported: Any,
     ) -> None:
         for name in unsupported:
@@ -229,8 +245,16 @@ class KFACPreconditioner:
                 "ekfac_update='adam' makes the step's direction, not a gradient for another optimizer; "
                 "use SPDKFACOptimizer(model, compute_method='ekfac', ekfac_update='adam', base='adamw')"
             )
+        if isinstance(optimizer, SPDKFACOptimizer):
+            raise TypeError(
+                "optimizer= is your own torch optimizer for KFACPreconditioner to precondition for; an SPDKFACOptimizer "
+                "preconditions its gradients itself (it would be preconditioned twice): use it alone"
+            )
+        if optimizer is not None:
+            check_attachable(optimizer)
         fraction, distribute = kaisa_grad_workers(grad_worker_fraction)
         self._lr = lr
+        self._optimizer = optimizer
         self.kfac = SPDKFACOptimizer(
             model,
             lr=self._lr_at(0),
@@ -265,19 +289,35 @@ class KFACPreconditioner:
             skip_nonfinite=skip_nonfinite,
             skip_layers=kaisa_skip_layers(bare_model(model), skip_layers),
         )
+        self._attachment = None if optimizer is None else OptimizerAttachment(optimizer, self)
+        if self._attachment is not None:
+            self.kfac._drop_unstepped = self._drop_skipped_batch
 
     def _lr_at(self, step: int) -> float:
-        lr = self._lr(step) if callable(self._lr) else self._lr
-        suffix = f" (the lr schedule's value at step {step})" if callable(self._lr) else ""
+        if self._lr is None:  # the attached optimizer's, as it is now (its scheduler's value), else KAISA's default
+            lr: Any = 0.1 if self._optimizer is None else self._optimizer.param_groups[0]["lr"]
+            lr = float(lr) if isinstance(lr, torch.Tensor) else lr
+            suffix = f" (the lr of {type(self._optimizer).__name__}'s first parameter group)" if self._optimizer is not None else ""
+        else:
+            lr = self._lr(step) if callable(self._lr) else self._lr
+            suffix = f" (the lr schedule's value at step {step})" if callable(self._lr) else ""
         try:
             return check_number("lr", lr, 0.0)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{exc}{suffix}") from None
 
-    @torch.no_grad()
     def step(self) -> None:
         """Average every gradient and precondition the K-FAC layers' in place; call between ``backward()`` and your
-        optimizer's ``step()``."""
+        optimizer's ``step()`` (attached to it, ``optimizer=``, its ``step()`` calls this)."""
+        if self._attachment is not None and not self._attachment.in_step:
+            raise RuntimeError(
+                f"this preconditioner is attached to your {type(self._optimizer).__name__} (optimizer=...), whose step() "
+                "preconditions first; calling step() yourself as well would precondition the gradients twice: remove the call"
+            )
+        self._step_from_optimizer()
+
+    @torch.no_grad()
+    def _step_from_optimizer(self) -> None:
         self.kfac.param_groups[0]["lr"] = self._lr_at(self.kfac.steps)  # the KL clip's learning rate this step
         if not self.kfac.run_step(base_update=False):  # skipped over NaN/Inf: the user's optimizer must not step
             for group in self.kfac.param_groups:
@@ -293,6 +333,15 @@ class KFACPreconditioner:
         if kfac_step.backward_seen:
             kfac_step.controller.discard()
         self.kfac._begin_iteration()
+
+    def _drop_skipped_batch(self) -> bool:
+        """Drop the batch whose step the attached optimizer never took because its ``GradScaler`` skipped it (the
+        scaler lowered its scale since the batch's backward pass); False, dropping nothing, for any other reason."""
+        scaler, scale = self.kfac.grad_scaler, self.kfac._scale
+        if scaler is None or scale is None or not float(scaler.get_scale()) < scale:
+            return False
+        self.reset_batch()
+        return True
 
     def synchronize(self) -> None:
         """Wait until every gradient holds its average (before reading them ahead of :meth:`step`)."""
@@ -344,7 +393,9 @@ class KFACPreconditioner:
         self.kfac.replan()
 
     def remove_hooks(self) -> None:
-        """Detach every hook from the model (the preconditioner is unusable afterwards)."""
+        """Detach every hook from the model and the attached optimizer (the preconditioner is unusable afterwards)."""
+        if self._attachment is not None:
+            self._attachment.remove()
         self.kfac.remove_hooks()
 
     def __repr__(self) -> str:

@@ -164,6 +164,10 @@ class FactorCollector:
         self._tally: dict[FactorKey, _Tally] = {}
         self._passes = 0  # forward passes that computed a factor this step
         self._g_since_a = True  # a G hook ran since the last A hook (the next A hook starts a pass)
+        #: Called when a forward pass begins after accumulation_steps backward passes with no step(): True when it
+        #: dropped that batch (a step a GradScaler skipped; KFACPreconditioner attached to an optimizer), which
+        #: makes this pass the step's first; False (the default) refuses the pass.
+        self.unstepped: Callable[[], bool] = lambda: False
         self._hook_handles: list[Any] = []
         for layer in layers:
             # (registered so that a torch.compile'd forward calls them without a graph break: compiled_hooks)
@@ -236,6 +240,9 @@ class FactorCollector:
         self._passes += 1
         self._g_since_a = False
         if self._passes > self.accumulation_steps:
+            if self.unstepped():  # the batch was dropped (reset): this pass is the step's first
+                self._new_pass(layer)
+                return
             times = "twice" if self._passes == 2 else f"{self._passes} times"
             raise RuntimeError(
                 f"factor A of layer {layer.name!r} was computed {times} in one step, but accumulation_steps is "

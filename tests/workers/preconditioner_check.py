@@ -54,6 +54,13 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         dict(lr=0.05, momentum=0.9),
         dict(compute_method="inverse", accumulation_steps=2, factor_update_steps=3, inv_update_steps=3, damping=0.01),
     ),
+    # Attached to the optimizer (optimizer=: its step() preconditions, the KL clip's lr is its), and the model wrapped
+    # in DDP after both were built, as Hugging Face's Trainer and accelerate do: the DDP is adopted.
+    "attached-ddp-after-adamw": (
+        "adamw",
+        dict(lr=0.01, weight_decay=1e-2),
+        dict(compute_method="eigen", factor_update_steps=1, inv_update_steps=2, damping=0.01, kl_clip=0.01),
+    ),
 }
 
 
@@ -63,20 +70,26 @@ def run(backend: CommBackend) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, (kind, options, kfac_options) in CONFIGS.items():
         net = small_net()
-        wrap = name.startswith("ddp") and backend.size > 1
-        model: nn.Module = nn.parallel.DistributedDataParallel(net) if wrap else net
+        wrap = "ddp" in name and backend.size > 1
+        attached = name.startswith("attached")
+        model: nn.Module = nn.parallel.DistributedDataParallel(net) if wrap and not attached else net
         optimizer: torch.optim.Optimizer = (
             torch.optim.SGD(model.parameters(), **options)
             if kind == "sgd"
             else torch.optim.AdamW(model.parameters(), foreach=False, **options)
         )
-        preconditioner = KFACPreconditioner(model, lr=lambda _s, o=optimizer: o.param_groups[0]["lr"], backend=backend, **kfac_options)
+        if attached:
+            preconditioner = KFACPreconditioner(model, optimizer=optimizer, backend=backend, **kfac_options)
+            model = nn.parallel.DistributedDataParallel(net) if wrap else net
+        else:
+            preconditioner = KFACPreconditioner(model, lr=lambda _s, o=optimizer: o.param_groups[0]["lr"], backend=backend, **kfac_options)
         accumulate = preconditioner.kfac.config.accumulation_steps
         for s in range(STEPS):
             optimizer.zero_grad()
             for xm, ym in zip((x + 0.1 * s).chunk(accumulate), y.chunk(accumulate)):
                 (nn.functional.cross_entropy(model(xm), ym) / accumulate).backward()
-            preconditioner.step()
+            if not attached:
+                preconditioner.step()
             optimizer.step()
         results[name] = {
             "params": {k: v.detach().clone() for k, v in net.state_dict().items()},

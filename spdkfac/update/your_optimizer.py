@@ -1,0 +1,122 @@
+"""The preconditioner attached to your optimizer: stepped from its ``step()``, saved in its ``state_dict()``.
+
+``KFACPreconditioner(model, optimizer=opt)`` is for training loops that are
+not yours to edit (Lightning, Hugging Face's ``Trainer``, accelerate): they
+call ``opt.step()`` and checkpoint ``opt.state_dict()``, and nothing else.
+Hooks on the optimizer make those two calls carry the preconditioner:
+
+- ``opt.step()`` preconditions first (a step pre-hook). Given a closure, the
+  closure runs its forward and backward pass inside ``step()``, so the
+  preconditioning goes after it: the closure is wrapped.
+- ``opt.state_dict()`` holds the K-FAC state under :data:`STATE_KEY`, and
+  ``opt.load_state_dict()`` restores it; a checkpoint without it (made before
+  K-FAC was added) loads with a warning, K-FAC starting afresh.
+- A ``GradScaler`` that skips an overflowing step never calls ``opt.step()``:
+  that batch's factors are dropped when the next forward pass begins, which
+  knows the skip by the scale the scaler lowered
+  (``KFACPreconditioner._drop_skipped_batch``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Protocol
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["STATE_KEY", "OptimizerAttachment", "check_attachable"]
+
+#: The key of the K-FAC state in the attached optimizer's ``state_dict()``.
+STATE_KEY = "kfac_preconditioner"
+
+
+class _Preconditioner(Protocol):
+    def _step_from_optimizer(self) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def check_attachable(optimizer: Any) -> None:
+    """Raise TypeError for an object the preconditioner cannot ride on: not a ``torch.optim.Optimizer``."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer= must be a torch.optim.Optimizer (its step and state_dict hooks carry the preconditioner), "
+            f"got {type(optimizer).__name__}; without one, call preconditioner.step() before your optimizer's step()"
+        )
+
+
+class OptimizerAttachment:
+    """The hooks on the user's optimizer that step, save and restore the preconditioner with it.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` (checked by :func:`check_attachable`).
+        preconditioner: what the hooks call; the optimizer holds it (through
+            the hooks) for as long as it lives.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, preconditioner: _Preconditioner) -> None:
+        check_attachable(optimizer)
+        self.optimizer = optimizer
+        self.in_step = False  # whether the optimizer's step() is preconditioning now
+        self._handles: list[RemovableHandle] = [
+            optimizer.register_step_pre_hook(self._before_step(preconditioner)),
+            optimizer.register_state_dict_post_hook(_saving(preconditioner)),
+            optimizer.register_load_state_dict_pre_hook(_loading(preconditioner)),
+        ]
+
+    def _before_step(self, preconditioner: _Preconditioner) -> Callable[..., Any]:
+        def precondition() -> None:
+            self.in_step = True
+            try:
+                preconditioner._step_from_optimizer()
+            finally:
+                self.in_step = False
+
+        def hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+            if closure is None:
+                precondition()
+                return None
+
+            def closure_then_precondition() -> Any:  # the closure's backward pass first
+                loss = closure()
+                precondition()
+                return loss
+
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": closure_then_precondition}
+            return (args[0], closure_then_precondition, *args[2:]), kwargs
+
+        return hook
+
+    def remove(self) -> None:
+        """Detach the hooks from the optimizer."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _saving(preconditioner: _Preconditioner) -> Callable[[torch.optim.Optimizer, dict[str, Any]], dict[str, Any]]:
+    def hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict[STATE_KEY] = preconditioner.state_dict()
+        return state_dict
+
+    return hook
+
+
+def _loading(preconditioner: _Preconditioner) -> Callable[[torch.optim.Optimizer, dict[str, Any]], dict[str, Any]]:
+    def hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict = dict(state_dict)  # (the caller's dict keeps its key)
+        saved = state_dict.pop(STATE_KEY, None)
+        if saved is None:
+            warnings.warn(
+                f"the state_dict loaded into {type(optimizer).__name__} holds no K-FAC state (saved without the "
+                "preconditioner attached): the preconditioner starts afresh (factors from the identity, step 0)",
+                stacklevel=3,
+            )
+        else:
+            preconditioner.load_state_dict(saved)
+        return state_dict
+
+    return hook
