@@ -259,6 +259,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """
         workers = self.backend.size
         self.wrapping.check(workers, self.config.update_fusion)
+        if self.wrapping.leaves_parameters_unused:  # a layer may run on some workers only: DDP's buckets and the
+            self.backend.apart_from_default_group()  # factors, held back there, must not pair with each other
         self.perf_model = self._measured_perf_model.for_world_size(workers)  # as the simulator plans
         shapes = [LayerShape.of(la) for la in self.layers]
         grad_workers, self.grad_worker_choice = GradWorkerProblem(

@@ -138,6 +138,11 @@ class CommBackend(abc.ABC):
         """Block until every worker reaches this point."""
         self.allreduce_async(torch.zeros(1), "spdkfac.barrier").wait()
 
+    def apart_from_default_group(self) -> None:  # noqa: B027  (a default that does nothing, not an abstract method)
+        """Issue this engine's collectives on a process group of their own, apart from those others issue on the
+        default ``torch.distributed`` group (``DistributedDataParallel``'s). Every rank calls it, at the same point.
+        This default does nothing: an engine that is not torch.distributed's never shares its group."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
 

@@ -168,6 +168,7 @@ class TorchDistributedBackend(CommBackend):
         self._timeout_s: float | None = _OWN_GROUP.get("timeout_s")
         self._liveness: Liveness | None = _OWN_GROUP.get("liveness")
         self._subgroups: dict[tuple[int, ...], Any] = {}  # process groups of sub-group broadcasts, by members
+        self._group: Any = None  # the process group of the collectives: None, the default one, unless set apart
         if not dist.is_initialized():
             from torch.distributed.distributed_c10d import PrefixStore
             from torch.distributed.rendezvous import rendezvous
@@ -203,12 +204,29 @@ class TorchDistributedBackend(CommBackend):
         silent = self._liveness.silent_ranks() if self._liveness is not None else None
         return timeout_message(collective, self.rank, self.size, self._timeout_s, silent)
 
+    def apart_from_default_group(self) -> None:
+        """Issue every collective from now on on a process group of this engine's own (the same ranks; made once).
+
+        torch.distributed pairs the collectives of a group by the order each
+        rank issues them in. On the default group, those of a
+        ``DistributedDataParallel(find_unused_parameters=True)`` and the
+        factors' would interleave differently on a worker where a layer did not
+        run (its factors held back while DDP's buckets go out), and pair an
+        all-reduce of one with one of the other: gloo aborts the process, NCCL
+        may hang or mix the data. On a group of their own the factors keep the
+        collective order's pairing (:mod:`spdkfac.step.collective_order`).
+        """
+        if self._group is not None or self.size == 1:
+            return
+        timeout = None if self._timeout_s is None else datetime.timedelta(seconds=self._timeout_s)
+        self._group = dist.new_group(list(range(self.size)), timeout=timeout)
+
     def allreduce_async(self, tensor: torch.Tensor, name: str) -> Handle:
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
         return _TorchHandle(work, tensor, self.size, name, self._timed_out)
 
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> Handle:
-        work = dist.broadcast(tensor, src=root, async_op=True)
+        work = dist.broadcast(tensor, src=root, group=self._group, async_op=True)  # (the group's ranks are the global ones)
         return _TorchHandle(work, tensor, 1, name, self._timed_out)
 
     native_subgroups = True
@@ -234,10 +252,10 @@ class TorchDistributedBackend(CommBackend):
         mine = tensor.new_zeros(width)
         mine[: counts[self.rank]].copy_(tensor[offsets[self.rank] : offsets[self.rank] + counts[self.rank]])
         blocks = [tensor.new_empty(width) for _ in range(self.size)]
-        work = dist.all_gather(blocks, mine, async_op=True)
+        work = dist.all_gather(blocks, mine, group=self._group, async_op=True)
         return _TorchGatherHandle(work, blocks, tensor, offsets, counts, name, self._timed_out)
 
     def barrier(self) -> None:
-        work = dist.barrier(async_op=True)
+        work = dist.barrier(group=self._group, async_op=True)
         if work is not None:
             _wait(work, "spdkfac.barrier", self._timed_out)

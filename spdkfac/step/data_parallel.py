@@ -136,6 +136,13 @@ class ModelWrapping:
         )
 
     @property
+    def leaves_parameters_unused(self) -> bool:
+        """Whether DDP lets a step leave parameters unused on some workers (``find_unused_parameters=True``): a
+        layer may then run on some workers only, and the optimizer's collectives need a process group of their own
+        (:meth:`~spdkfac.comm.base.CommBackend.apart_from_default_group`)."""
+        return self.ddp is not None and bool(getattr(self.ddp, "find_unused_parameters", False))
+
+    @property
     def averages_gradients(self) -> bool:
         """Whether DDP averages the gradients (the optimizer then starts no gradient all-reduce)."""
         return self.ddp is not None

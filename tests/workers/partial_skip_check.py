@@ -45,6 +45,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "dp-lbp": dict(BASE, placement="lbp", distribute_preconditioning=True),
     # Where the aux head does not run, it is called with no sample (an empty shard): the same as not called.
     "empty-input": dict(BASE),
+    # The model in DistributedDataParallel(find_unused_parameters=True) on torchrun workers, given to the optimizer
+    # or wrapped after it was built (adopted): DDP averages the gradients; the bare model elsewhere (the reference).
+    "ddp-optimal": dict(BASE, fusion="optimal"),
+    "ddp-after-threshold": dict(BASE, fusion="threshold", fusion_threshold_bytes=300),
 }
 EMPTY_INPUT = {"empty-input"}
 
@@ -89,7 +93,9 @@ def run(backend: CommBackend, models: dict[str, nn.Module] | None = None) -> dic
     for name, options in CONFIGS.items():
         model = shared_net() if models is None else models[name]
         calls = _aux_factors(model)
-        opt = SPDKFACOptimizer(model, backend=backend, **options)
+        wrap = name.startswith("ddp") and backend.name == "torch" and backend.size > 1
+        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if wrap else model
+        opt = SPDKFACOptimizer(model if "after" in name else ddp, backend=backend, **options)
         aux = next(layer for layer in opt.layers if layer.name == "aux")
         accumulate = opt.config.accumulation_steps
         steps = []
@@ -97,7 +103,7 @@ def run(backend: CommBackend, models: dict[str, nn.Module] | None = None) -> dic
             calls.clear()
             opt.zero_grad()
             for xm, ym in zip((x + 0.1 * s).chunk(accumulate), y.chunk(accumulate)):
-                out = model(xm, aux=backend.rank in ranks)
+                out = ddp(xm, aux=backend.rank in ranks)
                 if name in EMPTY_INPUT and backend.rank not in ranks:
                     out = out + model.aux(xm.new_zeros(0, 6)).sum(0)  # (a zero gradient for the aux head)
                 (nn.functional.cross_entropy(out, ym) / accumulate).backward()
