@@ -118,7 +118,26 @@ def _call_with_grad(hook: Callable[[nn.Module, tuple[Any, ...]], None], module: 
         hook(module, tuple(tensors))
 
 
-def register_output_grad_hook(module: nn.Module, wanted: Callable[[], bool], on_grad: Callable[[torch.Tensor], None]) -> HookHandle:
+def _noting_repeats(on_grad: Callable[[torch.Tensor], Any], on_repeat: Callable[[], None]) -> Callable[[torch.Tensor], None]:
+    """``on_grad`` for one output, then ``on_repeat`` when it takes a gradient there a second time (another pass)."""
+    taken = False
+
+    def hook(grad: torch.Tensor) -> None:
+        nonlocal taken
+        if on_grad(grad):
+            if taken:
+                on_repeat()
+            taken = True
+
+    return hook
+
+
+def register_output_grad_hook(
+    module: nn.Module,
+    wanted: Callable[[], bool],
+    on_grad: Callable[[torch.Tensor], Any],
+    on_repeat: Callable[[], None] | None = None,
+) -> HookHandle:
     """A forward hook that calls ``on_grad`` with the gradient of ``module``'s output in the backward pass.
 
     Eagerly: when ``wanted()`` in the forward pass, a gradient hook on the
@@ -127,7 +146,10 @@ def register_output_grad_hook(module: nn.Module, wanted: Callable[[], bool], on_
     needs no gradient). Compiled: always a tap in the backward graph, which
     asks ``wanted()`` when the gradient arrives. So ``wanted`` must give the
     same answer at both times: it may depend on the step's state, not on
-    whether a backward pass is running.
+    whether a backward pass is running. ``on_repeat`` (eager only) is called
+    when ``on_grad`` takes (returns True for) one output's gradient a second
+    time: a second backward pass through the same forward pass
+    (``backward(retain_graph=True)`` and another).
     """
     tapped = TAPS_AVAILABLE
     tap = _Tap(lambda tensors: on_grad(tensors[0]) if wanted() else None)
@@ -141,7 +163,7 @@ def register_output_grad_hook(module: nn.Module, wanted: Callable[[], bool], on_
         if tapped and torch.compiler.is_compiling():
             output.register_hook(grad_tap)  # type: ignore[no-untyped-call]  # torch leaves Tensor.register_hook unannotated
         elif wanted():
-            output.register_hook(on_grad)  # type: ignore[no-untyped-call]
+            output.register_hook(on_grad if on_repeat is None else _noting_repeats(on_grad, on_repeat))  # type: ignore[no-untyped-call]
 
     hook.tap = tap  # type: ignore[attr-defined]  # kept alive with the hook
     return register(module.register_forward_hook, hook)

@@ -32,6 +32,7 @@ How the hooks count (docs/shared-layers.md):
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -168,12 +169,13 @@ class FactorCollector:
         #: dropped that batch (a step a GradScaler skipped; KFACPreconditioner attached to an optimizer), which
         #: makes this pass the step's first; False (the default) refuses the pass.
         self.unstepped: Callable[[], bool] = lambda: False
+        self._repeat_noted = False  # whether a second backward pass through one forward pass was warned about
         self._hook_handles: list[Any] = []
         for layer in layers:
             # (registered so that a torch.compile'd forward calls them without a graph break: compiled_hooks)
             for module in layer.modules:
                 self._hook_handles.append(register_factor_pre_hook(module, self._a_hook(layer)))
-                self._hook_handles.append(register_output_grad_hook(module, *self._g_hook(layer)))
+                self._hook_handles.append(register_output_grad_hook(module, *self._g_hook(layer), self._repeated_backward))
 
     def reset(self, record: IterationRecord | None) -> None:
         """Start a new step: nothing computed, nothing kept back."""
@@ -208,7 +210,7 @@ class FactorCollector:
 
         return hook
 
-    def _g_hook(self, layer: KFACLayer) -> tuple[Callable[[], bool], Callable[[torch.Tensor], None]]:
+    def _g_hook(self, layer: KFACLayer) -> tuple[Callable[[], bool], Callable[[torch.Tensor], bool]]:
         """When the layer's output gradient is wanted (its A was taken this step), and what computes G from it.
 
         Registered as a hook on the layer output's gradient
@@ -224,16 +226,32 @@ class FactorCollector:
         A does (:func:`recomputing`).
         """
 
-        def g_ready(grad_output: torch.Tensor) -> None:
+        def g_ready(grad_output: torch.Tensor) -> bool:
+            """Compute G from the gradient (True), unless no sample reached the use or this pass computes no weight gradient."""
             if grad_output.numel() == 0:  # the output of a use with no sample (its A was not taken either)
-                return
+                return False
             if not computes_grad_of(layer.helper.weight):  # a gradient penalty's torch.autograd.grad(..., inputs)
-                return
+                return False
             # Each micro-batch loss carries 1/accumulation_steps: dividing it out like a loss scale gives its true G.
             scale = self.loss_scale() / self.accumulation_steps
             self._submit(layer, "G", lambda: layer.compute_g(grad_output, scale))
+            return True
 
         return (lambda: layer.name in self._a_taken), g_ready
+
+    def _repeated_backward(self) -> None:
+        """A layer output got gradients from a second backward pass through one forward pass: say once what G is then."""
+        if self._repeat_noted:
+            return
+        self._repeat_noted = True
+        warnings.warn(
+            "a second backward pass went through the same forward pass before step() (backward(retain_graph=True), "
+            "then another backward()): the gradients add up as for the summed losses, but K-FAC's G then adds each "
+            "pass's own output-gradient products, without the cross terms that one backward() of the summed loss "
+            "gives, so the preconditioner differs from that of (loss1 + loss2).backward(). To precondition for the "
+            "total loss, sum the losses and call backward() once (this is said once)",
+            stacklevel=2,
+        )
 
     def _new_pass(self, layer: KFACLayer) -> None:
         """An A hook after backward began: the next forward pass (micro-batch); refused beyond accumulation_steps."""
