@@ -44,6 +44,7 @@ from .plan.work_plan import LayerShape, WorkPlan
 from .schedules import Scheduled, StepSchedule
 from .step.adaptive_damping import AdaptiveDamping, DampingStep, damping_rule
 from .step.data_parallel import ModelWrapping, refuse_wrapped_optimizer
+from .step.factor_hooks import warn_if_float16_autocast
 from .step.grad_sync import collective_names
 from .step.kfac_step import KFACStep, StepHyper
 from .step.module_hooks import HookHandle, claim, register
@@ -301,6 +302,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             lambda: self._step_kind()[0],
         )
         self.kfac_step.factors.unstepped = lambda: self._drop_unstepped is not None and self._drop_unstepped()
+        if self.grad_scaler is None:
+            self.kfac_step.factors.first_input = warn_if_float16_autocast
         self._forward_fusion = ForwardFusion(self.model, self.param_groups, self.state) if update_fusion is UpdateFusion.FORWARD else None
         self._backward_fusion = (
             BackwardFusion(

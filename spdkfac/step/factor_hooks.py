@@ -48,7 +48,7 @@ from .factor_profiler import FusionProfiler
 from .nonfinite import NonFiniteFactorError, NonFiniteGuard
 from .timeline import IterationRecord, Timeline
 
-__all__ = ["FactorCollector", "computes_grad_of", "recomputing"]
+__all__ = ["FactorCollector", "computes_grad_of", "recomputing", "warn_if_float16_autocast"]
 
 #: The autograd node of a reentrant ``torch.utils.checkpoint`` segment: its backward re-runs the forward, counted.
 _REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
@@ -89,6 +89,27 @@ def computes_grad_of(weight: torch.Tensor) -> bool:
         return bool(torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(weight).node))
     except (RuntimeError, AttributeError):  # autograd.grad with respect to the weight; a compiled graph's tap
         return True
+
+
+def warn_if_float16_autocast(x: torch.Tensor) -> None:
+    """Warn when the first factor step's forward pass runs under float16 autocast and no ``grad_scaler`` was given.
+
+    A float16 loop scales its loss with a GradScaler (Lightning's
+    ``precision='16-mixed'``, Hugging Face's ``fp16=True``, or the script's
+    own); unless the optimizer is given that scaler it cannot divide the scale
+    out, and every G factor is the scale squared (some 4e9) times too large:
+    the damping then counts for nothing.
+    """
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16:
+        warnings.warn(
+            "the forward pass runs under float16 autocast but the optimizer was given no grad_scaler: if a "
+            "torch.amp.GradScaler scales the loss (as float16 training does: Lightning's precision='16-mixed', "
+            "Hugging Face's fp16=True), pass it, SPDKFACOptimizer(..., grad_scaler=scaler) or "
+            "KFACPreconditioner(..., grad_scaler=scaler); without it the G factors hold the loss scale squared "
+            "and the damping counts for nothing",
+            stacklevel=2,
+        )
 
 
 @dataclass
@@ -170,6 +191,9 @@ class FactorCollector:
         #: makes this pass the step's first; False (the default) refuses the pass.
         self.unstepped: Callable[[], bool] = lambda: False
         self._repeat_noted = False  # whether a second backward pass through one forward pass was warned about
+        #: Called once, with the input of the first factor computed (then set to None): the optimizer's first look
+        #: at the forward pass's precision.
+        self.first_input: Callable[[torch.Tensor], None] | None = None
         self._hook_handles: list[Any] = []
         for layer in layers:
             # (registered so that a torch.compile'd forward calls them without a graph break: compiled_hooks)
@@ -206,6 +230,9 @@ class FactorCollector:
                 if isinstance(inputs[0], torch.Tensor) and inputs[0].numel() == 0:
                     self.empty_inputs = True  # no sample (an empty batch, a branch nothing was routed to): as if not run
                     return
+                if self.first_input is not None and isinstance(inputs[0], torch.Tensor):
+                    first_input, self.first_input = self.first_input, None
+                    first_input(inputs[0])
                 self._submit(layer, "A", lambda: layer.compute_a(inputs[0]))
 
         return hook

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from nets import batch, small_net, train
@@ -95,3 +97,33 @@ def test_zero_grad_between_forward_and_backward_keeps_the_step(float64):
         results.append(_params(model))
     for k, v in results[0].items():
         torch.testing.assert_close(results[1][k], v, rtol=0, atol=0)
+
+
+NO_SCALER = "float16 autocast but the optimizer was given no grad_scaler"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "with_scaler", "said"), [(torch.float16, False, 1), (torch.float16, True, 0), (torch.bfloat16, False, 0)]
+)
+def test_float16_autocast_without_a_grad_scaler_is_said_once(dtype, with_scaler, said):
+    """Lightning's '16-mixed' and Hugging Face's fp16=True scale the loss with their own GradScaler: not given it, the
+    optimizer would hold G times the scale squared. Said once, at the first factor step; bfloat16 needs no scaler."""
+
+    x, y = batch(8)
+    model = small_net()
+    scaler = torch.amp.GradScaler("cpu")
+    opt = SPDKFACOptimizer(model, grad_scaler=scaler if with_scaler else None, **KW)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=dtype):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            if with_scaler:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+    assert sum(NO_SCALER in str(w.message) for w in caught) == said
