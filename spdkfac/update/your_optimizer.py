@@ -50,13 +50,12 @@ class OptimizerAttachment:
     """The hooks on the user's optimizer that step, save and restore the preconditioner with it.
 
     Args:
-        optimizer: a ``torch.optim.Optimizer`` (checked by :func:`check_attachable`).
+        optimizer: a ``torch.optim.Optimizer`` (the caller checks it first, :func:`check_attachable`).
         preconditioner: what the hooks call; the optimizer holds it (through
             the hooks) for as long as it lives.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, preconditioner: _Preconditioner) -> None:
-        check_attachable(optimizer)
         self.optimizer = optimizer
         self.in_step = False  # whether the optimizer's step() is preconditioning now
         self._handles: list[RemovableHandle] = [
