@@ -14,17 +14,9 @@ from nets import batch, small_net
 from spdkfac import KFACPreconditioner, SPDKFACOptimizer
 from spdkfac.update.your_optimizer import STATE_KEY
 
-pytestmark = pytest.mark.filterwarnings("ignore:no perf_model given")
+pytestmark = [pytest.mark.filterwarnings("ignore:no perf_model given"), pytest.mark.usefixtures("float64")]
 
 KFAC = dict(damping=0.01, factor_decay=0.9, kl_clip=0.01, backend="single", factor_update_steps=1, inv_update_steps=2)
-
-
-@pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
 
 
 def _loss(model: nn.Module, s: int) -> torch.Tensor:
