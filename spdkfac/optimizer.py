@@ -139,9 +139,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             (:mod:`spdkfac.update.weight_decay`, docs/base-optimizers.md).
     """
 
-    #: What drops a batch whose step() never came, when a forward pass finds one (a step a GradScaler skipped, for
-    #: KFACPreconditioner attached to an optimizer); True when it dropped it. None: such a pass is refused.
-    _drop_unstepped: Callable[[], bool] | None = None
+    #: Whether a GradScaler skipped the step of the backward passes before (KFACPreconditioner attached to an
+    #: optimizer, whose step() the scaler then never calls); None: no such check.
+    _scaler_skipped: Callable[[], bool] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         refuse_wrapped_optimizer(cls)  # hvd.DistributedOptimizer makes a subclass of the optimizer's class
@@ -301,7 +301,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.wrapping,
             lambda: self._step_kind()[0],
         )
-        self.kfac_step.factors.unstepped = lambda: self._drop_unstepped is not None and self._drop_unstepped()
+        self.kfac_step.factors.unstepped = self._drop_unstepped
+        self.kfac_step.grads.on_cleared = self._drop_cleared
         if self.grad_scaler is None:
             self.kfac_step.factors.first_input = warn_if_float16_autocast
         self._forward_fusion = ForwardFusion(self.model, self.param_groups, self.state) if update_fusion is UpdateFusion.FORWARD else None
@@ -426,6 +427,41 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._outside = outside_groups(self.model, self.param_groups)
 
     # ------------------------------------------------------------------ per step
+    def _drop_unstepped(self, exceeded: bool) -> bool:
+        """A forward pass begins after backward passes whose ``step()`` is not coming: drop them, as :meth:`zero_grad`
+        after a skipped step does, and return True; False (nothing dropped) for passes still to be stepped.
+
+        Not coming: their gradients were cleared since (every one now None:
+        ``model.zero_grad()``, the DCGAN example's ``netD.zero_grad()``, with
+        a pass of the generator's step through the discriminator before it),
+        or, past ``accumulation_steps`` (``exceeded``), an attached
+        preconditioner's GradScaler skipped their step.
+        """
+        kfac_step = self.kfac_step
+        cleared = kfac_step.factors.gradients_cleared() and (kfac_step.grads.cleared() or not kfac_step.grads.backward_seen)
+        if not (cleared or (exceeded and self._scaler_skipped is not None and self._scaler_skipped())):
+            return False
+        self._drop_batch()
+        return True
+
+    def _drop_cleared(self) -> bool:
+        """A backward pass begins on gradients cleared since this step's earlier passes: drop those (True), on a step
+        without factors. On a factor step the forward pass already did (:meth:`_drop_unstepped`), or its factors
+        are this pass's too and dropping them would lose those: the passes are left to the refusal (False)."""
+        if self.kfac_step.factors.took_a:
+            return False
+        self._drop_batch()
+        return True
+
+    def _drop_batch(self) -> None:
+        """Forget this step's backward passes: their all-reduces completed first (issued alike on every worker)."""
+        grads = self.kfac_step.grads
+        if grads.pending and not grads.synchronized:
+            grads.synchronize()
+        if self.kfac_step.backward_seen:
+            self.kfac_step.controller.discard()
+        self._begin_iteration()
+
     def _begin_iteration(self, abandon: bool = False) -> None:
         """Forget the finished (skipped, abandoned) step's state in every part."""
         record = self.timeline.begin(self.steps) if self.timeline is not None else None
@@ -584,17 +620,17 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ between steps
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients; after a skipped ``step()`` also discard that step's factors (waited for first).
+        """Clear the gradients; after a skipped ``step()`` also drop that step's backward passes: their gradient
+        and factor all-reduces are completed first (every worker calls this at the same point), then forgotten.
 
-        Raises RuntimeError while gradient all-reduces are pending (no ``step()`` / :meth:`synchronize` yet).
+        A skipped step: a GradScaler's overflow, or backward passes through
+        this optimizer's model for another optimizer's step (a GAN's generator
+        step through the discriminator).
         """
-        if self.kfac_step.grads.pending and not self.kfac_step.grads.synchronized:
-            raise RuntimeError("zero_grad() called while gradient all-reduces are pending; call step() (or synchronize()) first")
         if not set_to_none:  # zeroing in place would change the gradients the held updates use
             self.flush()
         if self.kfac_step.backward_seen:  # that backward's step() was skipped
-            self.kfac_step.controller.discard()
-            self._begin_iteration()
+            self._drop_batch()
         super().zero_grad(set_to_none=set_to_none)
         self._take_unfrozen(strict=False)
 

@@ -291,7 +291,7 @@ class KFACPreconditioner:
         )
         self._attachment = None if optimizer is None else OptimizerAttachment(optimizer, self)
         if self._attachment is not None:
-            self.kfac._drop_unstepped = self._drop_skipped_batch
+            self.kfac._scaler_skipped = self._scaler_skipped
 
     def _lr_at(self, step: int) -> float:
         if self._lr is None:  # the attached optimizer's, as it is now (its scheduler's value), else KAISA's default
@@ -327,21 +327,13 @@ class KFACPreconditioner:
     def reset_batch(self) -> None:
         """Drop the factors and gradient state of backward passes whose ``step()`` is skipped (e.g. by a GradScaler's
         inf check); the gradients themselves are your optimizer's ``zero_grad()``'s to clear."""
-        kfac_step = self.kfac.kfac_step
-        if kfac_step.grads.pending and not kfac_step.grads.synchronized:
-            kfac_step.grads.synchronize()  # every all-reduce issued alike on every worker is completed first
-        if kfac_step.backward_seen:
-            kfac_step.controller.discard()
-        self.kfac._begin_iteration()
+        self.kfac._drop_batch()
 
-    def _drop_skipped_batch(self) -> bool:
-        """Drop the batch whose step the attached optimizer never took because its ``GradScaler`` skipped it (the
-        scaler lowered its scale since the batch's backward pass); False, dropping nothing, for any other reason."""
+    def _scaler_skipped(self) -> bool:
+        """Whether the attached optimizer's ``GradScaler`` skipped the step of the backward passes before: it lowered
+        its scale since (its ``step()`` then never called the optimizer's)."""
         scaler, scale = self.kfac.grad_scaler, self.kfac._scale
-        if scaler is None or scale is None or not float(scaler.get_scale()) < scale:
-            return False
-        self.reset_batch()
-        return True
+        return scaler is not None and scale is not None and float(scaler.get_scale()) < scale
 
     def synchronize(self) -> None:
         """Wait until every gradient holds its average (before reading them ahead of :meth:`step`)."""

@@ -186,10 +186,10 @@ class FactorCollector:
         self._tally: dict[FactorKey, _Tally] = {}
         self._passes = 0  # forward passes that computed a factor this step
         self._g_since_a = True  # a G hook ran since the last A hook (the next A hook starts a pass)
-        #: Called when a forward pass begins after accumulation_steps backward passes with no step(): True when it
-        #: dropped that batch (a step a GradScaler skipped; KFACPreconditioner attached to an optimizer), which
-        #: makes this pass the step's first; False (the default) refuses the pass.
-        self.unstepped: Callable[[], bool] = lambda: False
+        #: Called when a forward pass begins after backward passes of this step (with whether it is one more than
+        #: accumulation_steps): True when it dropped those passes (their step() is not coming: the optimizer's
+        #: _drop_unstepped), which makes this pass the step's first; False (the default) counts it as the next.
+        self.unstepped: Callable[[bool], bool] = lambda exceeded: False
         self._repeat_noted = False  # whether a second backward pass through one forward pass was warned about
         #: Called once, with the input of the first factor computed (then set to None): the optimizer's first look
         #: at the forward pass's precision.
@@ -266,6 +266,22 @@ class FactorCollector:
 
         return (lambda: layer.name in self._a_taken), g_ready
 
+    @property
+    def took_a(self) -> bool:
+        """Whether a forward pass of this step took factors (on a factor step, any; on the others, none)."""
+        return bool(self._a_taken)
+
+    def gradients_cleared(self) -> bool:
+        """Whether every layer whose G this step took has no weight gradient now: the script cleared them
+        (``model.zero_grad()``) without a ``step()``."""
+        taken = False
+        for kind, name in self._tally:  # (stops at the first gradient kept)
+            if kind == "G":
+                if self._by_name[name].helper.weight.grad is not None:
+                    return False
+                taken = True
+        return taken
+
     def _repeated_backward(self) -> None:
         """A layer output got gradients from a second backward pass through one forward pass: say once what G is then."""
         if self._repeat_noted:
@@ -282,12 +298,12 @@ class FactorCollector:
 
     def _new_pass(self, layer: KFACLayer) -> None:
         """An A hook after backward began: the next forward pass (micro-batch); refused beyond accumulation_steps."""
+        if self.backward_seen and self.unstepped(self._passes + 1 > self.accumulation_steps):
+            self._new_pass(layer)  # the passes before were dropped (reset): this pass is the step's first
+            return
         self._passes += 1
         self._g_since_a = False
         if self._passes > self.accumulation_steps:
-            if self.unstepped():  # the batch was dropped (reset): this pass is the step's first
-                self._new_pass(layer)
-                return
             times = "twice" if self._passes == 2 else f"{self._passes} times"
             raise RuntimeError(
                 f"factor A of layer {layer.name!r} was computed {times} in one step, but accumulation_steps is "
@@ -295,7 +311,8 @@ class FactorCollector:
                 "step() between. To accumulate k micro-batches, each backward()ed before one step() (gradient "
                 "accumulation, a trainer's gradient_accumulation_steps, a discriminator's real and fake batches), pass "
                 "accumulation_steps=k; otherwise call step() after every forward/backward pass. To skip a batch after "
-                "its forward pass, decide with optimizer.finite_everywhere(loss), which drops its factors on every worker"
+                "its forward pass, decide with optimizer.finite_everywhere(loss), which drops its factors on every worker; "
+                "after its backward pass, clear its gradients (optimizer.zero_grad(), or the model's, which sets them to None)"
             )
 
     def _divisor(self, kind: str, calls: int) -> int:

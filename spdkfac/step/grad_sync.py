@@ -89,6 +89,9 @@ class GradientSync:
         self._sync_queued = False
         self._by_name: dict[str, torch.Tensor] = {}
         self._zeroed: list[torch.Tensor] = []  # parameters given a zero gradient for the all-reduce (no gradient here)
+        #: Called when a backward pass begins after the gradients of this step's earlier passes were cleared (no
+        #: step() between): True when it dropped those passes (the optimizer's _drop_cleared, which resets this).
+        self.on_cleared: Callable[[], bool] | None = None
         self._hook_handles: list[HookHandle] = []
         if order is not None and self._reduces:
             order.add(self)
@@ -108,6 +111,17 @@ class GradientSync:
         self._sync_queued = False
         self._zeroed = []
 
+    def cleared(self, but: torch.Tensor | None = None) -> bool:
+        """Whether every parameter (``but`` one) that got a gradient in this step's backward passes has none now:
+        the script cleared them (``model.zero_grad()``, as the DCGAN example does) without a ``step()``."""
+        counted = False
+        for p in self._counts:  # (stops at the first gradient kept: at once while accumulating)
+            if p is not but:
+                if p.grad is not None:
+                    return False
+                counted = True
+        return counted
+
     @property
     def pending(self) -> int:
         """Gradient all-reduces started and not yet reset (0 after every ``step()``)."""
@@ -115,6 +129,8 @@ class GradientSync:
 
     def _grad_hook(self, p: torch.Tensor) -> None:
         passes = self._counts.get(p, 0) + 1
+        if passes > 1 and self.on_cleared is not None and self.cleared(but=p) and self.on_cleared():
+            passes = 1  # this backward pass runs on cleared gradients: the passes before were dropped (reset)
         if passes > self.accumulation_steps or p in self._handles:
             raise RuntimeError(
                 f"parameter {self.names.get(p, '?')!r} received gradient number {passes} before step(), but "

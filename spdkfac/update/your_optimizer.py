@@ -13,8 +13,8 @@ Hooks on the optimizer make those two calls carry the preconditioner:
   K-FAC was added) loads with a warning, K-FAC starting afresh.
 - A ``GradScaler`` that skips an overflowing step never calls ``opt.step()``:
   that batch's factors are dropped when the next forward pass begins, which
-  knows the skip by the scale the scaler lowered
-  (``KFACPreconditioner._drop_skipped_batch``).
+  knows the skip by the scale the scaler lowered (or by the gradients
+  ``opt.zero_grad()`` cleared: ``SPDKFACOptimizer._drop_unstepped``).
 """
 
 from __future__ import annotations
