@@ -457,7 +457,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """Forget this step's backward passes: their all-reduces completed first (issued alike on every worker)."""
         grads = self.kfac_step.grads
         if grads.pending and not grads.synchronized:
-            grads.synchronize()
+            grads.synchronize(dropping=True)
         if self.kfac_step.backward_seen:
             self.kfac_step.controller.discard()
         self._begin_iteration()

@@ -260,7 +260,10 @@ class InProcessGroup:
             if slot.op != "barrier":
                 for r, t in enumerate(tensors):
                     if slot.members is None or r in slot.members:
-                        t.copy_(result)
+                        # (a transport's write, as gloo's: invisible to the tensor's version counter, which tells
+                        # changes the script makes while the collective runs: step/grad_sync.py)
+                        with torch.autograd.grad_mode._unsafe_preserve_version_counter(t):
+                            t.copy_(result)
         slot.done = True
         slot.posts.clear()  # drop the references to the ranks' tensors
         del self._slots[slot.index]

@@ -89,6 +89,8 @@ class GradientSync:
         self._sync_queued = False
         self._by_name: dict[str, torch.Tensor] = {}
         self._zeroed: list[torch.Tensor] = []  # parameters given a zero gradient for the all-reduce (no gradient here)
+        #: Per parameter: its gradient and that tensor's version when its all-reduce started, until first waited for.
+        self._sent: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}
         #: Called when a backward pass begins after the gradients of this step's earlier passes were cleared (no
         #: step() between): True when it dropped those passes (the optimizer's _drop_cleared, which resets this).
         self.on_cleared: Callable[[], bool] | None = None
@@ -110,6 +112,7 @@ class GradientSync:
         self.backward_seen = False
         self._sync_queued = False
         self._zeroed = []
+        self._sent = {}
 
     def cleared(self, but: torch.Tensor | None = None) -> bool:
         """Whether every parameter (``but`` one) that got a gradient in this step's backward passes has none now:
@@ -155,6 +158,7 @@ class GradientSync:
         assert p.grad is not None  # called for parameters whose gradient is set
         name = f"spdkfac.grad.{self.names[p]}"
         self._handles[p] = self.backend.allreduce_async(p.grad, name) if self.order is None else self.order.allreduce(p.grad, name)
+        self._sent[p] = (p.grad, p.grad._version)
 
     def start_missing(self) -> None:
         """Start the all-reduce of every gradient whose hook did not (set outside autograd's accumulation)."""
@@ -200,11 +204,25 @@ class GradientSync:
         for p in self._zeroed:
             if present[f"spdkfac.grad.{self.names[p]}"] == 0:
                 self._handles.pop(p).wait()
+                self._sent.pop(p, None)
                 p.grad = None
         self._zeroed = []
 
-    def wait(self, params: Iterable[torch.Tensor]) -> None:
-        """Block until these parameters' gradients are averaged (timed as non-overlapped GradComm)."""
+    def _check_untouched(self, p: torch.Tensor) -> None:
+        """Raise RuntimeError when ``p``'s gradient was changed in place or replaced while its all-reduce ran."""
+        grad, version = self._sent.pop(p)
+        if p.grad is not grad or grad._version != version:
+            raise RuntimeError(
+                f"the gradient of {self.names.get(p, '?')!r} was changed (clipped, scaled, edited or replaced) between "
+                "backward() and step() while its all-reduce was still running: the average would mix the change with "
+                "the other workers' unchanged gradients, so the step is refused. To clip or edit the gradients, call "
+                "optimizer.synchronize() (preconditioner.synchronize()) first: it returns when every gradient holds its "
+                "average over the workers"
+            )
+
+    def wait(self, params: Iterable[torch.Tensor], checked: bool = True) -> None:
+        """Block until these parameters' gradients are averaged (timed as non-overlapped GradComm); ``checked``:
+        refuse a gradient the script changed while its all-reduce ran (not for gradients being dropped)."""
         if self.order is not None and not self.order.settled:
             params = list(params)  # (settling may change the handles of this iterable's source)
             if any(isinstance(h, DeferredHandle) and h.handle is None for h in (self._handles.get(p) for p in params)):
@@ -213,6 +231,11 @@ class GradientSync:
         for p in params:
             handle = self._handles.get(p)
             if handle is not None:
+                if p in self._sent:
+                    if checked:
+                        self._check_untouched(p)
+                    else:
+                        del self._sent[p]
                 handle.wait()
         if self.record is not None:
             self.record.grad_wait += Timeline.now() - t0
@@ -233,8 +256,9 @@ class GradientSync:
         if self.wrapping is not None:
             self.wrapping.check_synchronized(caller)
 
-    def synchronize(self) -> None:
-        """Wait until every gradient holds its average over the workers (idempotent within a step)."""
+    def synchronize(self, dropping: bool = False) -> None:
+        """Wait until every gradient holds its average over the workers (idempotent within a step); ``dropping``:
+        for gradients about to be dropped, which the script may have cleared meanwhile."""
         if not self.synchronized:
             self.check_accumulated("synchronize()")
         if self.synchronized or not self._reduces:
@@ -243,7 +267,7 @@ class GradientSync:
             self.synchronized = True
             return
         self._settle()
-        self.wait(list(self._handles))
+        self.wait(list(self._handles), checked=not dropping)
         self.synchronized = True
 
     def remove_hooks(self) -> None:

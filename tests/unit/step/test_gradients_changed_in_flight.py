@@ -1,0 +1,93 @@
+"""A gradient the script changes while its all-reduce runs (clipping before ``step()``) refuses the step.
+
+Without DDP the optimizer averages each gradient in an all-reduce started
+during ``backward()`` and finished in ``step()``. The most common loop,
+``backward(); clip_grad_norm_(...); step()``, clipped the local gradients
+while their averages were being computed: on 2 torchrun workers the result
+was silently another one than the single process's (measured, one-off). The
+gradient's version counter now tells: the step is refused, naming
+``synchronize()``, after which clipping is the single process's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from nets import assert_bitwise_equal
+
+from spdkfac import KFACPreconditioner, SPDKFACOptimizer
+from spdkfac.comm import SingleProcessBackend
+from spdkfac.comm.inprocess import run_ranks
+
+pytestmark = [pytest.mark.filterwarnings("ignore:no perf_model given"), pytest.mark.usefixtures("float64")]
+
+KW = dict(lr=0.1, damping=0.01, factor_update_freq=1, inv_update_freq=1)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _data(rank: int, size: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(s)
+    x, y = torch.randn(16, 6, generator=g) * 3, torch.randint(0, 4, (16,), generator=g)
+    return x.chunk(size)[rank], y.chunk(size)[rank]
+
+
+def _train(backend: Any, model: nn.Module, synchronize: bool, steps: int = 4) -> dict[str, torch.Tensor]:
+    opt = SPDKFACOptimizer(model, backend=backend, **KW)
+    for s in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(_data(backend.rank, backend.size, s)[0]), _data(backend.rank, backend.size, s)[1]).backward()
+        if synchronize:
+            opt.synchronize()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_clipping_before_step_without_synchronize_is_refused():
+    models = [_net() for _ in range(2)]
+    with pytest.raises(RuntimeError, match=r"changed \(clipped.*call optimizer\.synchronize\(\)"):
+        run_ranks(2, lambda b: _train(b, models[b.rank], synchronize=False), timeout=60)
+
+
+def test_clipping_after_synchronize_is_the_single_process_clipping():
+    models = [_net() for _ in range(2)]
+    ranks = run_ranks(2, lambda b: _train(b, models[b.rank], synchronize=True), timeout=60)
+    assert_bitwise_equal(ranks[0], ranks[1], "rank 1 vs rank 0")
+    single = _train(SingleProcessBackend(), _net(), synchronize=False)
+    for key, value in single.items():
+        torch.testing.assert_close(ranks[0][key], value, rtol=1e-12, atol=1e-14)
+    unclipped = SPDKFACOptimizer(net := _net(), backend=SingleProcessBackend(), **KW)
+    for s in range(4):
+        unclipped.zero_grad()
+        F.cross_entropy(net(_data(0, 1, s)[0]), _data(0, 1, s)[1]).backward()
+        unclipped.step()
+    assert max(float((net.state_dict()[k] - v).abs().max()) for k, v in single.items()) > 1e-4  # the clip acted
+
+
+def test_the_preconditioners_loop_is_checked_alike():
+    def run(backend: Any, model: nn.Module, synchronize: bool) -> None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        preconditioner = KFACPreconditioner(model, lr=0.1, backend=backend)
+        for s in range(2):
+            optimizer.zero_grad()
+            x, y = _data(backend.rank, backend.size, s)
+            F.cross_entropy(model(x), y).backward()
+            if synchronize:
+                preconditioner.synchronize()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            preconditioner.step()
+            optimizer.step()
+
+    models = [_net() for _ in range(2)]
+    run_ranks(2, lambda b: run(b, models[b.rank], True), timeout=60)
+    models = [_net() for _ in range(2)]
+    with pytest.raises(RuntimeError, match=r"preconditioner\.synchronize\(\)"):
+        run_ranks(2, lambda b: run(b, models[b.rank], False), timeout=60)
