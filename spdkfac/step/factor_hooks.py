@@ -353,6 +353,8 @@ class FactorCollector:
         if tally.total is not None:  # the mean over the calls (G: their sum per pass)
             factor = tally.total.add_(factor).div_(self._divisor(kind, tally.calls))
             tally.total = None
+        elif self._divisor(kind, 1) != 1:  # one call of a G expected once in several passes: its sum per pass too
+            factor = factor.div(self._divisor(kind, 1))
         tally.sent = tally.calls
         if timed:
             if profiling and factor.is_cuda:
@@ -515,6 +517,10 @@ class FactorCollector:
         for key, n in partial.items():  # the mean over the workers that ran it (the all-reduce averaged over all)
             if key in factors:
                 factors[key] = factors[key].mul(self.workers / n)
+        if 0 < self._passes < self.accumulation_steps:  # a short last window: G the mean over the passes it ran
+            for key in factors:
+                if key[0] == "G":
+                    factors[key] = factors[key].mul(self.accumulation_steps / self._passes)
         kept = set(ran)
         self.skipped = [layer.name for layer in self.layers if layer.name not in kept]
         factors = {key: mat for key, mat in factors.items() if key[1] in kept}

@@ -89,6 +89,8 @@ class GradientSync:
         self._sync_queued = False
         self._by_name: dict[str, torch.Tensor] = {}
         self._zeroed: list[torch.Tensor] = []  # parameters given a zero gradient for the all-reduce (no gradient here)
+        self._short = False  # whether this step is a short window (fewer passes than accumulation_steps)
+        self._last_short = False  # whether the previous step was
         #: Per parameter: its gradient and that tensor's version when its all-reduce started, until first waited for.
         self._sent: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}
         #: Called when a backward pass begins after the gradients of this step's earlier passes were cleared (no
@@ -113,6 +115,7 @@ class GradientSync:
         self._sync_queued = False
         self._zeroed = []
         self._sent = {}
+        self._last_short, self._short = self._short, False  # (a short window's step is reset after it)
 
     def cleared(self, but: torch.Tensor | None = None) -> bool:
         """Whether every parameter (``but`` one) that got a gradient in this step's backward passes has none now:
@@ -244,15 +247,38 @@ class GradientSync:
         """Whether these parameters' gradients are averaged already (non-blocking)."""
         return all(handle.done() for handle in (self._handles.get(p) for p in params) if handle is not None)
 
-    def check_accumulated(self, caller: str) -> None:
-        """Raise unless accumulation_steps backward passes ran (checked before any collective: the same on every worker)."""
-        passes = max(self._counts.values(), default=self.accumulation_steps)  # no backward: other checks apply
-        if passes != self.accumulation_steps:
+    def check_accumulated(self, caller: str, short_ok: bool = False) -> None:
+        """Raise unless accumulation_steps backward passes ran (checked before any collective: the same on every worker).
+
+        ``short_ok``: fewer passes are a short last window (an epoch's last
+        micro-batches, which trainers step as they are), once: not in two steps
+        in a row (then ``accumulation_steps`` does not match the loop), and not
+        with a GradScaler on workers whose gradients are averaged here (it read
+        them before their all-reduce, which a full window's last pass starts).
+        """
+        k = self.accumulation_steps
+        passes = max(self._counts.values(), default=k)  # no backward: other checks apply
+        short = short_ok and 0 < passes < k
+        if passes != k and not short:
             raise RuntimeError(
-                f"{caller} after {passes} backward pass(es), but accumulation_steps is {self.accumulation_steps}: run "
-                f"backward() exactly {self.accumulation_steps} times (each micro-batch loss divided by "
-                f"{self.accumulation_steps}) before every step(); zero_grad() discards the partial accumulation"
+                f"{caller} after {passes} backward pass(es), but accumulation_steps is {k}: run "
+                f"backward() exactly {k} times (each micro-batch loss divided by "
+                f"{k}) before every step(); zero_grad() discards the partial accumulation"
             )
+        if short and self._last_short:
+            raise RuntimeError(
+                f"{caller} after {passes} backward pass(es) twice in a row, but accumulation_steps is {k}: a step after "
+                f"fewer than {k} micro-batches is taken as the short last window of an epoch, once; pass the number of "
+                "micro-batches the loop accumulates per step (the trainer's gradient_accumulation_steps)"
+            )
+        if short and self.grad_scaler is not None and self._reduces:
+            raise RuntimeError(
+                f"{caller} after {passes} of {k} micro-batches (a short last window) with a GradScaler on several "
+                "workers: the scaler read the gradients before their average, which only a full window starts in "
+                "backward(); wrap the model in DistributedDataParallel, or drop the incomplete last window "
+                "(DataLoader(drop_last=True) with a multiple of accumulation_steps batches)"
+            )
+        self._short = short
         if self.wrapping is not None:
             self.wrapping.check_synchronized(caller)
 
@@ -260,7 +286,7 @@ class GradientSync:
         """Wait until every gradient holds its average over the workers (idempotent within a step); ``dropping``:
         for gradients about to be dropped, which the script may have cleared meanwhile."""
         if not self.synchronized:
-            self.check_accumulated("synchronize()")
+            self.check_accumulated("synchronize()", short_ok=not dropping)
         if self.synchronized or not self._reduces:
             if self.order is not None:  # (the factors' order, under DDP)
                 self.order.settle()

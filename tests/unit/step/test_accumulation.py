@@ -105,7 +105,9 @@ def _backward(model, x, y, k):
 
 
 @pytest.mark.parametrize("factor_step", [True, False])
-def test_too_few_backward_passes_is_an_error(factor_step):
+def test_too_few_backward_passes_twice_in_a_row_is_an_error(factor_step):
+    """One step after fewer passes is a short last window (tests/unit/step/test_short_window.py); a second in a row
+    says accumulation_steps does not match the loop."""
     x, y = batch(8)
     model = small_net()
     opt = SPDKFACOptimizer(model, accumulation_steps=3, factor_update_freq=2, inv_update_freq=2, **KW)
@@ -115,15 +117,19 @@ def test_too_few_backward_passes_is_an_error(factor_step):
         opt.step()
     _backward(model, x, y, 3)
     _backward(model, x, y, 3)
-    with pytest.raises(RuntimeError, match=r"step\(\) after 2 backward pass\(es\), but accumulation_steps is 3"):
+    opt.step()  # a short window
+    opt.zero_grad()
+    _backward(model, x, y, 3)
+    _backward(model, x, y, 3)
+    with pytest.raises(RuntimeError, match=r"step\(\) after 2 backward pass\(es\) twice in a row, but accumulation_steps is 3"):
         opt.step()
-    assert opt.steps == (0 if factor_step else 1)
+    assert opt.steps == (1 if factor_step else 2)
     # zero_grad discards the partial accumulation; a full one then steps.
     opt.zero_grad()
     for _ in range(3):
         _backward(model, x, y, 3)
     opt.step()
-    assert opt.steps == (1 if factor_step else 2)
+    assert opt.steps == (2 if factor_step else 3)
 
 
 def test_too_many_backward_passes_is_an_error():
