@@ -211,9 +211,9 @@ class GradientSync:
                 p.grad = None
         self._zeroed = []
 
-    def _check_untouched(self, p: torch.Tensor) -> None:
-        """Raise RuntimeError when ``p``'s gradient was changed in place or replaced while its all-reduce ran."""
-        grad, version = self._sent.pop(p)
+    def _check_untouched(self, p: torch.Tensor, grad: torch.Tensor, version: int) -> None:
+        """Raise RuntimeError when ``p``'s gradient (``grad`` at ``version`` when its all-reduce started) was changed
+        in place or replaced while its all-reduce ran."""
         if p.grad is not grad or grad._version != version:
             raise RuntimeError(
                 f"the gradient of {self.names.get(p, '?')!r} was changed (clipped, scaled, edited or replaced) between "
@@ -234,11 +234,9 @@ class GradientSync:
         for p in params:
             handle = self._handles.get(p)
             if handle is not None:
-                if p in self._sent:
-                    if checked:
-                        self._check_untouched(p)
-                    else:
-                        del self._sent[p]
+                sent = self._sent.pop(p, None)  # (checked at the first wait only)
+                if sent is not None and checked:
+                    self._check_untouched(p, *sent)
                 handle.wait()
         if self.record is not None:
             self.record.grad_wait += Timeline.now() - t0
