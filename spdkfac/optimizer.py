@@ -437,8 +437,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         or, past ``accumulation_steps`` (``exceeded``), an attached
         preconditioner's GradScaler skipped their step.
         """
-        kfac_step = self.kfac_step
-        cleared = kfac_step.factors.gradients_cleared() and (kfac_step.grads.cleared() or not kfac_step.grads.backward_seen)
+        grads = self.kfac_step.grads  # (counts every parameter's gradients where its hooks run; else the G layers')
+        cleared = grads.cleared() if grads.backward_seen else self.kfac_step.factors.gradients_cleared()
         if not (cleared or (exceeded and self._scaler_skipped is not None and self._scaler_skipped())):
             return False
         self._drop_batch()
