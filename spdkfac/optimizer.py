@@ -58,6 +58,16 @@ from .update.weight_decay import split_decayed
 __all__ = ["NonFiniteError", "NonFiniteFactorError", "SPDKFACOptimizer"]
 
 
+def _parameters_hint(given: Any) -> str:
+    """What to say when ``model.parameters()`` (a ``torch.optim`` habit) was given instead of the model."""
+    if isinstance(given, (list, tuple)) or hasattr(given, "__next__"):
+        return (
+            ": pass the model itself, not model.parameters(): K-FAC hooks the model's layers to see their inputs "
+            "and output gradients (parameter groups without weight decay: the no_weight_decay= option)"
+        )
+    return ""
+
+
 class SPDKFACOptimizer(torch.optim.Optimizer):
     """Distributed K-FAC with pipelined factor communication and load-balanced inversion.
 
@@ -191,7 +201,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         ekfac: EKFACOptions | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}{_parameters_hint(model)}")
         wrapping = ModelWrapping(model)  # a DDP model: its bare module is preconditioned, DDP averages the gradients
         model = wrapping.module
         #: The Levenberg-Marquardt damping rule (``damping='adaptive'``), or None; the damping in force is the group's.

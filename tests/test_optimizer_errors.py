@@ -53,8 +53,17 @@ def test_model_without_supported_layers():
 
 
 def test_not_a_module():
-    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module"):
-        SPDKFACOptimizer([torch.zeros(2, requires_grad=True)], lr=0.1, backend="single")
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got str$"):
+        SPDKFACOptimizer("resnet50", lr=0.1, backend="single")
+
+
+@pytest.mark.parametrize("given", ["list", "generator", "groups"])
+def test_parameters_instead_of_the_model_says_so(given):
+    """``torch.optim``'s habit, ``SPDKFACOptimizer(model.parameters(), ...)``: the error says to pass the model."""
+    model = nn.Linear(2, 2)
+    params = {"list": list(model.parameters()), "generator": model.parameters(), "groups": [{"params": model.parameters()}]}
+    with pytest.raises(TypeError, match=r"pass the model itself, not model.parameters\(\)"):
+        SPDKFACOptimizer(params[given], lr=0.1, backend="single")
 
 
 def test_non_finite_factor_reports_layer_and_keeps_state():

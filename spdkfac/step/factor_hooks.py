@@ -104,8 +104,9 @@ def warn_if_float16_autocast(x: torch.Tensor) -> None:
     if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16:
         warnings.warn(
             "the forward pass runs under float16 autocast but the optimizer was given no grad_scaler: if a "
-            "torch.amp.GradScaler scales the loss (as float16 training does: Lightning's precision='16-mixed', "
-            "Hugging Face's fp16=True), pass it, SPDKFACOptimizer(..., grad_scaler=scaler) or "
+            "torch.amp.GradScaler scales the loss (as float16 training does: Lightning's precision='16-mixed', its "
+            "self.trainer.precision_plugin.scaler; Hugging Face's fp16=True, the Trainer's self.accelerator.scaler "
+            "in create_optimizer()), pass it, SPDKFACOptimizer(..., grad_scaler=scaler) or "
             "KFACPreconditioner(..., grad_scaler=scaler); without it the G factors hold the loss scale squared "
             "and the damping counts for nothing",
             stacklevel=2,
