@@ -11,17 +11,22 @@ or, for any torch optimizer (KAISA's usage)::
     preconditioner = KFACPreconditioner(model, lr=0.1)   # loss.backward(); preconditioner.step(); optimizer.step()
 """
 
-from .kfac.layer_types import register_layer_type
-from .optimizer import NonFiniteError, NonFiniteFactorError, SPDKFACOptimizer
-from .preconditioner import KFACPreconditioner
-from .runtime.host_memory import retain_freed_memory
-from .schedules import KFACParamScheduler
-from .step.adaptive_damping import AdaptiveDamping
-from .variants import VARIANTS, make_optimizer
+from .runtime.versions import MIN_TORCH, require_supported_torch, torch_is_supported
+
+require_supported_torch()  # before the rest, which needs it: a clear ImportError on an older torch
+
+from .kfac.layer_types import register_layer_type  # noqa: E402
+from .optimizer import NonFiniteError, NonFiniteFactorError, SPDKFACOptimizer  # noqa: E402
+from .preconditioner import KFACPreconditioner  # noqa: E402
+from .runtime.host_memory import retain_freed_memory  # noqa: E402
+from .schedules import KFACParamScheduler  # noqa: E402
+from .step.adaptive_damping import AdaptiveDamping  # noqa: E402
+from .variants import VARIANTS, make_optimizer  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "MIN_TORCH",
     "VARIANTS",
     "AdaptiveDamping",
     "KFACParamScheduler",
@@ -33,4 +38,5 @@ __all__ = [
     "make_optimizer",
     "register_layer_type",
     "retain_freed_memory",
+    "torch_is_supported",
 ]

@@ -110,7 +110,9 @@ def run_workers(engine: str, nproc: int, script: Sequence[str], timeout: int = T
     """
     if engine == "horovod":
         require_horovod()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # The repository first; a PYTHONPATH already set stays after it (scripts/check_oldest.sh's shim).
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for attempt in (1, 2):
         cmd = launcher_command(engine, nproc, script)
         try:

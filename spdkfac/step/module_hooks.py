@@ -23,6 +23,7 @@ Three things follow, each a failure before:
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterable
 from typing import Any, Callable
@@ -30,7 +31,7 @@ from typing import Any, Callable
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["HookHandle", "InertHook", "OptimizerHook", "claim", "register"]
+__all__ = ["HookHandle", "InertHook", "OptimizerHook", "claim", "load_state_dict_pre_hooks", "register"]
 
 
 class InertHook:
@@ -119,3 +120,12 @@ def claim(owner: Any, modules: Iterable[nn.Module]) -> list[Any]:
             previous[id(found)] = found
         _claims[module] = ref
     return list(previous.values())
+
+
+def load_state_dict_pre_hooks(module: nn.Module) -> Callable[..., RemovableHandle]:
+    """``module.register_load_state_dict_pre_hook``: public from torch 2.5; before, the private form, whose hooks
+    take the same arguments (the module first) with ``with_module=True``."""
+    public: Callable[..., RemovableHandle] | None = getattr(module, "register_load_state_dict_pre_hook", None)
+    if public is not None:
+        return public
+    return functools.partial(module._register_load_state_dict_pre_hook, with_module=True)  # pragma: no cover - torch < 2.5

@@ -211,7 +211,8 @@ def start_log(path: Path, fields: list[str], keep_before: int) -> None:
     rows: list[list[str]] = []
     if keep_before > 0 and path.exists():
         with open(path, newline="", errors="replace") as fh:
-            for line, row in enumerate(csv.reader(fh), start=1):
+            # A NUL byte is replaced as undecodable bytes are (Python < 3.11's csv raises on it: the resume died).
+            for line, row in enumerate(csv.reader(text.replace("\0", "\ufffd") for text in fh), start=1):
                 if line == 1 or not row:
                     continue
                 try:

@@ -36,7 +36,7 @@ from ..kfac.layers import KFACLayer, functional_submodules
 from ..options import Option
 from ..step.compiled_hooks import run_eagerly
 from ..step.grad_sync import GradientSync
-from ..step.module_hooks import HookHandle, register
+from ..step.module_hooks import HookHandle, load_state_dict_pre_hooks, register
 from ..step.nonfinite import non_finite
 from .base_update import BaseOptimizer, sgd_param_update
 
@@ -132,7 +132,7 @@ class ForwardFusion:
             pre_hook = run_eagerly(self._pre_hook(owned))  # compiled: a graph break
             self._handles.append(register(module.register_forward_pre_hook, pre_hook))
             self._handles.append(register(module.register_state_dict_pre_hook, self._flush_hook))
-            self._handles.append(register(module.register_load_state_dict_pre_hook, self._flush_hook))
+            self._handles.append(register(load_state_dict_pre_hooks(module), self._flush_hook))
         # A copy of the model (deepcopy, torch.save(model)) copies its parameters updated: the root's hooks come first.
         self._handles.append(register(model.register_state_dict_pre_hook, self._flush_hook, self._before_copy))
 

@@ -30,6 +30,8 @@ gradients treat the statistics as constants.
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -39,7 +41,7 @@ from .base import LayerHelper
 
 __all__ = ["NORM_TYPES", "NormHelper", "normalised"]
 
-NormModule = nn.modules.batchnorm._BatchNorm | nn.LayerNorm | nn.GroupNorm | nn.RMSNorm
+NormModule = Union[nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm]  # (Python 3.9: no X | Y here)
 #: The classes this helper reads exactly (a subclass may normalise differently: SyncBatchNorm spans the workers).
 NORM_TYPES: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 

@@ -1,5 +1,7 @@
 """benchmarks/dho2_admm.py and its RESULTS.md section: the ADMM comparison from convergence-benchmark results."""
 
+from __future__ import annotations
+
 import importlib.util
 import json
 from pathlib import Path
