@@ -123,9 +123,9 @@ def claim(owner: Any, modules: Iterable[nn.Module]) -> list[Any]:
 
 
 def load_state_dict_pre_hooks(module: nn.Module) -> Callable[..., RemovableHandle]:
-    """``module.register_load_state_dict_pre_hook``: public from torch 2.5; before, the private form, whose hooks
+    """``module.register_load_state_dict_pre_hook``; a torch without it (2.4) has the private form, whose hooks
     take the same arguments (the module first) with ``with_module=True``."""
     public: Callable[..., RemovableHandle] | None = getattr(module, "register_load_state_dict_pre_hook", None)
     if public is not None:
         return public
-    return functools.partial(module._register_load_state_dict_pre_hook, with_module=True)  # pragma: no cover - torch < 2.5
+    return functools.partial(module._register_load_state_dict_pre_hook, with_module=True)  # pragma: no cover - older torch

@@ -98,7 +98,7 @@ def _masks(opts: dict, src: int, batch: int = N) -> dict:
     elif mask == "3d-float":
         kw["attn_mask"] = torch.randn(batch * H, L, src, generator=g)
     elif mask == "causal":
-        kw["attn_mask"] = nn.Transformer.generate_square_subsequent_mask(L, dtype=torch.get_default_dtype())  # (torch < 2.5: float32)
+        kw["attn_mask"] = nn.Transformer.generate_square_subsequent_mask(L, dtype=torch.get_default_dtype())  # (torch 2.4: float32)
     return kw
 
 
@@ -131,7 +131,7 @@ def test_explicit_forward_equals_torchs_forward_and_gradients(case, float64):
         grads.update(query=q.grad, key=k.grad, value=v.grad)
         results.append((out, weights, grads))
     (out0, w0, g0), (out1, w1, g1) = results
-    # NaN where torch gives NaN: before torch 2.5 a query whose keys are all masked (causal-padding) gets a NaN row.
+    # NaN where torch gives NaN: on torch 2.4 a query whose keys are all masked (causal-padding) gets a NaN row.
     torch.testing.assert_close(out1, out0, rtol=1e-12, atol=1e-12, equal_nan=True)
     assert (w0 is None) == (w1 is None)
     if w0 is not None:
