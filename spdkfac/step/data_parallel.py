@@ -98,6 +98,13 @@ def _refuse_other_wrappers(model: nn.Module) -> None:
                 f"{where} sharded by FSDP: K-FAC needs every layer's whole weight and gradient on the worker that "
                 f"preconditions it, and FSDP reduce-scatters them; {_FIX}"
             )
+    for name, param in model.named_parameters():
+        if any(c.__name__ == "DTensor" for c in type(param).__mro__):  # (torch.distributed may not import)
+            raise ValueError(
+                f"the model's parameter {name!r} is a DTensor, sharded over a device mesh (tensor or sequence "
+                f"parallelism): K-FAC needs every layer's whole weight and gradient on the worker that preconditions "
+                f"it; {_FIX}"
+            )
 
 
 class ModelWrapping:

@@ -167,6 +167,18 @@ def test_fsdp2_is_refused(process_group):
         SPDKFACOptimizer(model, lr=0.1, backend="single")
 
 
+def test_tensor_parallel_parameters_are_refused(process_group):
+    """Tensor parallelism's DTensor weights: refused by name at construction (before, an error deep in the first
+    factor step: 'got mixed torch.Tensor and DTensor')."""
+    parallel = pytest.importorskip("torch.distributed.tensor.parallel")
+    mesh = pytest.importorskip("torch.distributed.device_mesh").init_device_mesh("cpu", (1,))
+    model = small_net()
+    first = next(name for name, module in model.named_modules() if isinstance(module, nn.Linear))
+    parallel.parallelize_module(model, mesh, {first: parallel.ColwiseParallel()})
+    with pytest.raises(ValueError, match=rf"parameter '{first}.weight' is a DTensor"):
+        SPDKFACOptimizer(model, lr=0.1, backend="single")
+
+
 def test_horovod_distributed_optimizer_wrapping_is_refused():
     hvd = pytest.importorskip("horovod.torch")
     net = small_net()
