@@ -10,6 +10,7 @@ then it takes the base optimizer's step (momentum SGD, AdamW or LAMB). See ``doc
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -17,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from .comm import CommBackend, get_backend
+from .comm.device import local_rank_and_size
 from .config import (
     SCHEDULE_CHECKS,
     BaseOptimizer,
@@ -40,6 +42,7 @@ from .perfmodels import PerfModel, load_perf_model
 from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES
 from .plan.grad_worker_choice import GradWorkerProblem, grad_worker_record, rechosen_note
 from .plan.grad_workers import GradWorkerFraction
+from .plan.memory_check import memory_warnings
 from .plan.work_plan import LayerShape, WorkPlan
 from .schedules import Scheduled, StepSchedule
 from .step.adaptive_damping import AdaptiveDamping, DampingStep, damping_rule
@@ -281,7 +284,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.config.placement,
             self.method,
             self.backend.native_subgroups,
-            self.layers[0].helper.weight.element_size() if self.layers else 4,
+            self.layers[0].factor_dtype.itemsize if self.layers else 4,  # (a bfloat16 model's factors are float32)
             self.inv_update_freq,
             self.config.overlap_preconditioning,
         ).resolve(self.config.grad_worker_fraction, self.config.distribute_preconditioning, self.config.memory_budget)
@@ -295,6 +298,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
         if self.grad_worker_choice is not None and self.backend.rank == 0:
             print(f"spdkfac: grad_worker_fraction='auto' chose {self.grad_worker_choice.describe()}", flush=True)
+        placed = {layer.name: (layer.helper.weight.device, layer.factor_dtype.itemsize) for layer in self.layers}
+        local = local_rank_and_size()  # the processes of a node share its host memory
+        for text in memory_warnings(self.work_plan, self.method, self.backend.rank, placed, 1 if local is None else local[1]):
+            warnings.warn(text, stacklevel=3)
         update_fusion = self.config.update_fusion
         self.kfac_step = KFACStep(
             self.config,

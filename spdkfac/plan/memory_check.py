@@ -1,0 +1,128 @@
+"""Whether K-FAC's state fits the device, said at construction, before the first factor step allocates it.
+
+A layer's factors grow with the square of its width: an untied language-model
+head over a 128k vocabulary has a ``G`` of 128k x 128k, 61 GiB in float32,
+and its inverse as much again. Without this check the first factor step
+failed with the device's own out-of-memory error, naming neither the layer
+nor the remedy, or on a CPU the kernel killed the process without a word.
+The estimate is the plan's (:func:`~spdkfac.plan.grad_worker_choice.plan_memory`
+per layer) plus the working memory of the largest factor's computation and
+decomposition; it warns only when that exceeds what the device has free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..kfac.layers import FACTOR_KINDS
+from ..kfac.methods import DecompositionMethod
+from .work_plan import LayerShape, WorkPlan
+
+__all__ = ["LayerMemory", "available_bytes", "layer_memory", "memory_warning", "memory_warnings"]
+
+#: Working memory of the largest factor, in its squares (``d x d`` matrices): the batch Gram in the hook, and a
+#: decomposition's copies (the damped factor, its Cholesky or eigenvectors, the result) at the same time.
+WORKING_SQUARES = 4
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """The bytes of one layer's K-FAC state on this worker, and the widest of its factors."""
+
+    name: str
+    bytes: int
+    widest: str  # e.g. "G 32000x32000"
+    square_bytes: int  # one (widest dim)^2 matrix
+
+
+def layer_memory(plan: WorkPlan, method: DecompositionMethod, rank: int, element_sizes: Mapping[str, int]) -> list[LayerMemory]:
+    """Per layer: its running factors, and its decompositions where ``rank`` holds them (as ``memory_usage()`` counts
+    them once allocated), EKFAC's per-coordinate scaling included; ``element_sizes``: each layer's factor bytes."""
+    out = []
+    for shape in plan.layers:
+        element_size = element_sizes[shape.name]
+        elements = 0
+        for kind in FACTOR_KINDS:
+            factor = shape.factor_shape(kind)
+            elements += factor.packed_size
+            if plan.holds(rank, shape.name):
+                elements += method.kept_size(factor)
+        if method.stateful and plan.holds(rank, shape.name):
+            elements += shape.a_dim * shape.g_dim * shape.blocks
+        out.append(LayerMemory(shape.name, elements * element_size, _widest(shape), _square(shape) * element_size))
+    return out
+
+
+def _widest(shape: LayerShape) -> str:
+    kind = max(FACTOR_KINDS, key=lambda k: 0 if shape.factor_shape(k).diagonal else shape.dim(k))
+    dim = shape.dim(kind)
+    blocks = f"{shape.blocks} blocks of " if shape.blocks > 1 else ""
+    return f"{kind} {blocks}{dim}x{dim}"
+
+
+def _square(shape: LayerShape) -> int:
+    return max(0 if shape.factor_shape(k).diagonal else shape.dim(k) ** 2 for k in FACTOR_KINDS)
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device``: CUDA's free bytes, or the host's ``MemAvailable`` (Linux); None where unknown."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as fh:
+                for line in fh:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def memory_warning(layers: Sequence[LayerMemory], available: int | None, device: str, sharing: int = 1) -> str | None:
+    """The warning to give when this worker's K-FAC state, with ``sharing`` workers like it on the device (CPU
+    processes of one node share its memory), exceeds ``available`` bytes; None when it fits or nothing is known."""
+    if available is None or not layers:
+        return None
+    state = sum(la.bytes for la in layers)
+    working = WORKING_SQUARES * max(la.square_bytes for la in layers)
+    need = (state + working) * sharing
+    if need <= available:
+        return None
+    # The layers that matter: up to three, each with a tenth of the state or more (the largest always).
+    ranked = sorted(layers, key=lambda la: -la.bytes)
+    largest = [la for i, la in enumerate(ranked[:3]) if i == 0 or la.bytes * 10 >= state]
+    named = ", ".join(f"{la.name!r} {_gib(la.bytes)} ({la.widest})" for la in largest)
+    workers = f" for each of the {sharing} workers on it" if sharing > 1 else ""
+    crash = ", and on a CPU the kernel then kills the process without a message" if device == "cpu" else ""
+    names = [la.name for la in largest]
+    return (
+        f"K-FAC's state needs about {_gib(state)} on {device}{workers} (the running factors and their "
+        f"decompositions) and about {_gib(working)} more while the largest is computed and decomposed, and "
+        f"{_gib(available)} is free: the first factor step will likely run out of memory{crash}. The largest: "
+        f"{named}. Leave {'it' if len(names) == 1 else 'them'} to the base update, skip_layers={names!r}, or hold "
+        f"fewer decompositions per worker (grad_worker_fraction < 1, or 'auto' with memory_budget=)"
+    )
+
+
+def memory_warnings(
+    plan: WorkPlan, method: DecompositionMethod, rank: int, placed: Mapping[str, tuple[torch.device, int]], cpu_workers: int = 1
+) -> list[str]:
+    """:func:`memory_warning` for each device the layers are on; ``placed``: each layer's device and factor element size,
+    ``cpu_workers``: the processes of the job on this node (they share its host memory)."""
+    per_device: dict[torch.device, list[LayerMemory]] = {}
+    for layer in layer_memory(plan, method, rank, {name: size for name, (_, size) in placed.items()}):
+        per_device.setdefault(placed[layer.name][0], []).append(layer)
+    found = (
+        memory_warning(layers, available_bytes(device), str(device), cpu_workers if device.type == "cpu" else 1)
+        for device, layers in per_device.items()
+    )
+    return [text for text in found if text is not None]
