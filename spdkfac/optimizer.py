@@ -299,7 +299,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if self.grad_worker_choice is not None and self.backend.rank == 0:
             print(f"spdkfac: grad_worker_fraction='auto' chose {self.grad_worker_choice.describe()}", flush=True)
         placed = {layer.name: (layer.helper.weight.device, layer.factor_dtype.itemsize) for layer in self.layers}
-        local = local_rank_and_size()  # the processes of a node share its host memory
+        try:
+            local = local_rank_and_size()  # the processes of a node share its host memory
+        except ValueError:  # launcher variables that disagree: not this check's to refuse
+            local = None
         for text in memory_warnings(self.work_plan, self.method, self.backend.rank, placed, 1 if local is None else local[1]):
             warnings.warn(text, stacklevel=3)
         update_fusion = self.config.update_fusion
