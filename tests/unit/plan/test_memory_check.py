@@ -82,10 +82,10 @@ def _layers(*sizes: int) -> list[LayerMemory]:
 
 
 def test_the_warning_counts_the_working_memory_and_the_workers_sharing_the_host():
-    layers = _layers(600, 300, 100)  # state 1000, working 4 * 150 = 600
-    assert memory_warning(layers, 1600, "cpu") is None
-    assert memory_warning(layers, 1599, "cpu") is not None
-    assert memory_warning(layers, 1600 * 3 - 1, "cpu", sharing=3) is not None
+    layers = _layers(600, 300, 100)  # state 1000, working 5 * 150 = 750
+    assert memory_warning(layers, 1750, "cpu") is None
+    assert memory_warning(layers, 1749, "cpu") is not None
+    assert memory_warning(layers, 1750 * 3 - 1, "cpu", sharing=3) is not None
     assert "for each of the 3 workers on it" in memory_warning(layers, 1, "cpu", sharing=3)
     assert memory_warning(layers, None, "cpu") is None  # unknown: nothing said
     named = memory_warning(layers, 1, "cuda:0")
