@@ -10,6 +10,8 @@ then it takes the base optimizer's step (momentum SGD, AdamW or LAMB). See ``doc
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -34,7 +36,7 @@ from .config import (
     UpdateFusion,
     check_hyperparameters,
 )
-from .kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, kfac_layers, preconditioned_layers
+from .kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, kfac_layers, preconditioned_layers, used_outside_forward
 from .kfac.methods import get_method
 from .kfac.state import check_kfac_state, keep_held_decompositions, load_kfac_state, memory_usage, save_kfac_state, saved_uses
 from .kfac.summary import kfac_summary
@@ -59,6 +61,17 @@ from .update.update_fusion import NO_KL_CLIP, BackwardFusion, ForwardFusion, che
 from .update.weight_decay import split_decayed
 
 __all__ = ["NonFiniteError", "NonFiniteFactorError", "SPDKFACOptimizer"]
+
+
+def _callers_level() -> int:
+    """``stacklevel`` for a warning from the function calling this: the first frame outside spdkfac and torch (the
+    script's ``step()`` call, however many wrappers torch puts around it)."""
+    roots = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
+    frame: Any = sys._getframe(1)  # the warning's caller: level 1
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(roots):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _parameters_hint(given: Any) -> str:
@@ -262,6 +275,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._unfreeze_hook: HookHandle | None = None
         self._watch_frozen()
         self._taken_over = False
+        #: Embeddings not yet checked for a use outside their forward (at the first factor step).
+        self._diagonal_unchecked = [layer for layer in self.layers if layer.shape("A").diagonal]
         for previous in claim(self, wrapping.module.modules()):  # last: a refused construction leaves the old one working
             previous._hand_over()
 
@@ -596,6 +611,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 backward.commit()
             else:
                 self.kfac_step.run(factor_step, inverse_step, hyper, self.steps)
+                if factor_step and self._diagonal_unchecked:
+                    self._warn_if_used_outside_forward()
                 if base_update:
                     self._base_update()
             self.steps += 1
@@ -612,6 +629,19 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             raise
         self._begin_iteration()
         return True
+
+    def _warn_if_used_outside_forward(self) -> None:
+        """Once, at the first factor step: an embedding whose weight also serves outside its forward (a tied head)."""
+        layers, self._diagonal_unchecked = self._diagonal_unchecked, []
+        for layer in layers:
+            if used_outside_forward(layer):
+                warnings.warn(
+                    f"{layer.name!r} ({type(layer.module).__name__}) has gradient in rows of tokens it never looked up: "
+                    f"its weight is used outside its forward too (a tied output layer written as x @ weight.T?). Its "
+                    f"factors describe only the lookups, so those rows are preconditioned by 1/damping: leave it to "
+                    f"the base update, skip_layers=[{layer.name!r}]",
+                    stacklevel=_callers_level(),
+                )
 
     def _refuse_unseen_gradients(self) -> None:
         """A parameter unfrozen after this step's first forward pass has a gradient no hook saw (not averaged

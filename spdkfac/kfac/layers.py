@@ -107,6 +107,8 @@ class KFACLayer:
         self.decomposition_version = 0
         #: The method's own per-layer state (EKFAC's scaling; empty for the others), :meth:`DecompositionMethod.commit`.
         self.method_state: MethodState = self.method.new_state()
+        #: A diagonal ``A``'s rows that its first batch factor has none of, until :func:`used_outside_forward` reads them.
+        self.first_unseen: torch.Tensor | None = None
         #: Samples per worker in the last batch the factor hooks saw (EKFAC scales its statistic by the global batch).
         self.local_samples = 1
 
@@ -179,6 +181,8 @@ class KFACLayer:
         current = self._packed[kind]
         if current is None:
             current = self._packed[kind] = self.shapes[kind].identity(packed.dtype, packed.device)
+            if self.shapes[kind].diagonal:  # rows no worker looked up in the first factor step (exactly 0 there)
+                self.first_unseen = packed == 0
         current.mul_(decay).add_(packed, alpha=1.0 - decay)
 
     def set_factor(self, kind: str, value: torch.Tensor | None) -> None:
@@ -275,6 +279,24 @@ class KFACLayer:
     def write_grad(self, grad: torch.Tensor) -> None:
         """Copy an update shaped as :meth:`grad_matrix` back into the weight (and bias) gradients."""
         self.helper.write_grad(grad)
+
+
+def used_outside_forward(layer: KFACLayer) -> bool:
+    """Whether a layer with a diagonal ``A`` (an embedding) has gradient in a row its forward never looked up.
+
+    Its weight is then used outside its forward as well (a tied output layer
+    written as ``x @ emb.weight.T``), which its factors do not describe: rows
+    never looked up have ``A = 0`` and their gradient is multiplied by
+    ``1/damping``. Read once, at the layer's first factor step, from the rows
+    its batch ``A`` (every worker's lookups) has none of; exact on the
+    gradient before or after preconditioning (a diagonal ``A`` keeps each
+    column's zero); one host synchronisation.
+    """
+    unseen, grad = layer.first_unseen, layer.grad_matrix()
+    layer.first_unseen = None
+    if unseen is None or grad is None or unseen.shape[-1] != grad.shape[-1]:
+        return False
+    return bool(grad[..., unseen].ne(0).any())
 
 
 LayerFilter = Union[str, type]
