@@ -116,7 +116,7 @@ def test_a_nan_in_a_saved_factor_names_the_file_and_the_tensor(tmp_path):
 
 
 def test_checkpoints_hold_only_data_and_the_digest_sees_every_value():
-    with pytest.raises(TypeError, match=r"checkpoint\['x'\] is a pathlib.PosixPath"):
+    with pytest.raises(TypeError, match=r"checkpoint\['x'\] is a pathlib(\._local)?\.PosixPath"):  # (Python 3.13: pathlib._local)
         content_digest({"x": Path("/")})
     base = {"w": torch.arange(6.0).reshape(2, 3), "n": 3, "s": "a"}
     digest = content_digest(base)
