@@ -1,4 +1,5 @@
-"""Time-to-accuracy of SPD-KFAC (and DHO2, AdamW, SOAP, Muon) against SGD on real data (digits, MNIST 5k).
+"""Time-to-accuracy of SPD-KFAC (and DHO2, AdamW, SOAP, Muon) against SGD on real data (digits, MNIST 5k, and
+next-character prediction on Python's library source, ``pycode``, where accuracy is per character).
 
     horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m benchmarks.convergence \\
         --data mnist5k digits --batch-sizes 256 32 --optimizers sgd spdkfac --epochs 20
@@ -70,7 +71,7 @@ from spdkfac.variants import make_optimizer, optimizer_config, variant_argv
 from .common import RESULTS, log, machine, save_json, start
 from .external_optimizers import EXTERNAL_OPTIMIZERS, external_options, make_external, require_heavyball
 
-DATA = ("digits", "mnist5k")
+DATA = ("digits", "mnist5k", "pycode")
 DEFAULT_LR_GRID = (0.025, 0.05, 0.1)
 #: Optimizer options this benchmark passes itself, so a variant spec cannot set them (and where they come from).
 #: A spec may set its own ``weight_decay`` (over --weight-decay / --adamw-weight-decay): each optimizer at its best decay.
@@ -98,7 +99,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--model",
         default=None,
         choices=sorted(n for n in MODELS if "_32" not in n),
-        help="model for every data set (default: digits_cnn on digits, mnist_cnn on mnist5k; "
+        help="model for every data set (default: digits_cnn on digits, mnist_cnn on mnist5k, char_gpt on pycode; "
         "mnist_mobilenet: depthwise convolutions, mnist_vit: nn.MultiheadAttention; both 28x28 only)",
     )
     ap.add_argument(

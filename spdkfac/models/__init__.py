@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from .imagenet import densenet201, inception_v4, resnet50, resnet152
 from .mobile import efficientnet_b0, mobilenet_v2, resnext50_32x4d
-from .modern import convnext_t, mnist_vit, vit_s16
+from .modern import char_gpt, convnext_t, mnist_vit, vit_s16
 from .small import DigitsCNN, MnistCNN, MnistMobileNet, cifar_resnet20
 
 __all__ = ["MODELS", "DigitsCNN", "MnistCNN", "MnistMobileNet", "cifar_resnet20", "get_model"]
@@ -22,6 +22,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mnist_cnn": MnistCNN,
     "mnist_mobilenet": MnistMobileNet,
     "mnist_vit": mnist_vit,
+    "char_gpt": char_gpt,
     "cifar_resnet20": cifar_resnet20,
     "resnet50": resnet50,
     "resnet152": resnet152,

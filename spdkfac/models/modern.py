@@ -10,7 +10,8 @@
   blocks of width 384 with 6-head ``nn.MultiheadAttention`` and an MLP of
   1536; 22,050,664 parameters for 1000 classes (no dropout).
 
-:func:`mnist_vit` is a two-block ViT for 28x28 MNIST (the attention benchmark's).
+:func:`mnist_vit` is a two-block ViT for 28x28 MNIST (the attention benchmark's); :func:`char_gpt` a
+causal character-level language model of the same blocks (``--data pycode``).
 ``small_input=True`` gives the 32x32 versions: ConvNeXt with a 3x3 stride-1
 stem (its stages see 32, 16, 8 and 4), ViT with 4x4 patches (64 tokens and
 the class token). K-FAC preconditions every convolution, every Linear and
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-__all__ = ["ConvNeXt", "VisionTransformer", "convnext_t", "mnist_vit", "vit_s16"]
+__all__ = ["CharGPT", "ConvNeXt", "VisionTransformer", "char_gpt", "convnext_t", "mnist_vit", "vit_s16"]
 
 
 def _init_transformer(model: nn.Module) -> nn.Module:
@@ -105,8 +106,9 @@ def convnext_t(num_classes: int = 1000, small_input: bool = False) -> nn.Module:
 class EncoderBlock(nn.Module):
     """Pre-norm transformer block: x + MHA(LN(x)), then x + MLP(LN(x)) with GELU."""
 
-    def __init__(self, dim: int, heads: int, mlp_dim: int) -> None:
+    def __init__(self, dim: int, heads: int, mlp_dim: int, causal: bool = False) -> None:
         super().__init__()
+        self.causal = causal  # each token attends to itself and those before it (a language model's)
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
@@ -114,7 +116,11 @@ class EncoderBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
+        if self.causal:
+            mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)  # True: not attended
+            x = x + self.attn(h, h, h, need_weights=False, attn_mask=mask, is_causal=True)[0]
+        else:
+            x = x + self.attn(h, h, h, need_weights=False)[0]
         out: torch.Tensor = x + self.mlp(self.norm2(x))
         return out
 
@@ -167,3 +173,38 @@ def vit_s16(num_classes: int = 1000, small_input: bool = False) -> nn.Module:
 def mnist_vit(num_classes: int = 10) -> nn.Module:
     """A small ViT for 1x28x28 MNIST: 7x7 patches (16 tokens and the class token), width 64, 2 blocks of 4 heads, MLP 128."""
     return VisionTransformer(image_size=28, patch=7, dim=64, depth=2, heads=4, mlp_dim=128, num_classes=num_classes, in_channels=1)
+
+
+# --------------------------------------------------------------------------- a character-level language model
+class CharGPT(nn.Module):
+    """A GPT of the ViT's blocks made causal: token and position embeddings (``nn.Embedding``), pre-norm blocks, LN and
+    an untied Linear head. Takes ``(N, T)`` ids and returns ``(N, vocab, T)`` logits, the layout ``cross_entropy``
+    and ``argmax(1)`` read per position."""
+
+    def __init__(self, vocab: int, context: int = 64, dim: int = 128, depth: int = 2, heads: int = 4, mlp_dim: int = 512) -> None:
+        super().__init__()
+        self.context = context
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(context, dim)
+        self.blocks = nn.Sequential(*(EncoderBlock(dim, heads, mlp_dim, causal=True) for _ in range(depth)))
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.head = nn.Linear(dim, vocab)
+        _init_transformer(self)
+        nn.init.normal_(self.tokens.weight, std=0.02)
+        nn.init.normal_(self.positions.weight, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.shape[1] > self.context:
+            raise ValueError(f"this model takes up to {self.context} tokens (position embeddings), got {ids.shape[1]}")
+        # Positions looked up per sample (N, T), not once as (T,) and broadcast over the batch: K-FAC then sees each
+        # sample's gradient (a broadcast sum is one sample's, and differs with the workers' split of the batch).
+        positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        h = self.tokens(ids) + self.positions(positions)
+        out: torch.Tensor = self.head(self.norm(self.blocks(h))).transpose(1, 2)
+        return out
+
+
+def char_gpt(num_classes: int = 97) -> nn.Module:
+    """A small causal character-level GPT (``--data pycode``: 97 characters, 64 of context): width 128, 2 blocks of 4
+    heads, MLP 512."""
+    return CharGPT(num_classes)

