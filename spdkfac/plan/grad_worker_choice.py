@@ -31,10 +31,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..kfac.layers import FACTOR_KINDS
 from ..kfac.methods import DecompositionMethod, get_method
 from ..perfmodels import PerfModel
 from .grad_workers import grad_worker_count
+from .memory_check import layer_memory
 from .work_plan import LayerShape, WorkPlan, overlaps_preconditioning, preconditioning_seconds
 
 __all__ = [
@@ -112,14 +112,11 @@ def plan_seconds(
 
 
 def plan_memory(plan: WorkPlan, method: str | DecompositionMethod, element_size: int = 4) -> list[int]:
-    """Bytes of K-FAC state on each rank: every running factor, and the decompositions of the layers it holds."""
+    """Bytes of K-FAC state on each rank: every running factor, and the decompositions of the layers it holds
+    (:func:`~spdkfac.plan.memory_check.layer_memory`, summed)."""
     m = get_method(method)
-    factors = sum(s.factor_shape(kind).packed_size for s in plan.layers for kind in FACTOR_KINDS)
-    out = []
-    for r in range(plan.workers):
-        kept = sum(m.kept_size(s.factor_shape(kind)) for s in plan.layers if plan.holds(r, s.name) for kind in FACTOR_KINDS)
-        out.append((factors + kept) * element_size)
-    return out
+    sizes = {s.name: element_size for s in plan.layers}
+    return [sum(la.bytes for la in layer_memory(plan, m, r, sizes)) for r in range(plan.workers)]
 
 
 @dataclass(frozen=True)

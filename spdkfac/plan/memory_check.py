@@ -5,9 +5,11 @@ head over a 128k vocabulary has a ``G`` of 128k x 128k, 61 GiB in float32,
 and its inverse as much again. Without this check the first factor step
 failed with the device's own out-of-memory error, naming neither the layer
 nor the remedy, or on a CPU the kernel killed the process without a word.
-The estimate is the plan's (:func:`~spdkfac.plan.grad_worker_choice.plan_memory`
-per layer) plus the working memory of the largest factor's computation and
-decomposition; it warns only when that exceeds what the device has free.
+The estimate is the plan's state per layer (:func:`layer_memory`, the one
+count, which :func:`~spdkfac.plan.grad_worker_choice.plan_memory` sums for the
+gradient workers' choice) plus the working memory of the largest factor's
+computation and decomposition; it warns only when that exceeds what the
+device has free.
 """
 
 from __future__ import annotations
