@@ -55,19 +55,16 @@ def layer_memory(plan: WorkPlan, method: DecompositionMethod, rank: int, element
                 elements += method.kept_size(factor)
         if method.stateful and plan.holds(rank, shape.name):
             elements += shape.a_dim * shape.g_dim * shape.blocks
-        out.append(LayerMemory(shape.name, elements * element_size, _widest(shape), _square(shape) * element_size))
+        kind, dim = _widest(shape)
+        blocks = f"{shape.blocks} blocks of " if shape.blocks > 1 else ""
+        out.append(LayerMemory(shape.name, elements * element_size, f"{kind} {blocks}{dim}x{dim}", dim * dim * element_size))
     return out
 
 
-def _widest(shape: LayerShape) -> str:
+def _widest(shape: LayerShape) -> tuple[str, int]:
+    """The layer's widest square factor and its dimension (a diagonal one counts as none: it is a vector)."""
     kind = max(FACTOR_KINDS, key=lambda k: 0 if shape.factor_shape(k).diagonal else shape.dim(k))
-    dim = shape.dim(kind)
-    blocks = f"{shape.blocks} blocks of " if shape.blocks > 1 else ""
-    return f"{kind} {blocks}{dim}x{dim}"
-
-
-def _square(shape: LayerShape) -> int:
-    return max(0 if shape.factor_shape(k).diagonal else shape.dim(k) ** 2 for k in FACTOR_KINDS)
+    return kind, 0 if shape.factor_shape(kind).diagonal else shape.dim(kind)
 
 
 def available_bytes(device: torch.device) -> int | None:
