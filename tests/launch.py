@@ -18,6 +18,18 @@ ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300
 
 
+def repo_pythonpath() -> str:
+    """``PYTHONPATH`` for a process the tests start: the repository first, then a ``PYTHONPATH`` already set
+    (scripts/check_oldest.sh's shim), which it keeps."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment of the workers and jobs the tests start: this one, the repository importable, one thread
+    each, unbuffered output, and ``extra``."""
+    return dict(os.environ, PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -110,9 +122,7 @@ def run_workers(engine: str, nproc: int, script: Sequence[str], timeout: int = T
     """
     if engine == "horovod":
         require_horovod()
-    # The repository first; a PYTHONPATH already set stays after it (scripts/check_oldest.sh's shim).
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = worker_env()
     for attempt in (1, 2):
         cmd = launcher_command(engine, nproc, script)
         try:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from launch import ROOT, run_workers
+from launch import ROOT, repo_pythonpath, run_workers
 
 KFAC = "spdkfac:factor_update_freq=2,inv_update_freq=2"
 
@@ -40,7 +40,7 @@ def _args(out, epochs=3):
 
 
 def _single(args, check=True):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=300)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import csv
-import os
 import re
 import shutil
 import signal
@@ -24,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from launch import ROOT, free_port, launcher_command, require_horovod, run_workers
+from launch import ROOT, free_port, launcher_command, require_horovod, run_workers, worker_env
 
 from spdkfac.train.checkpoint import LATEST, PREVIOUS
 
@@ -40,7 +39,7 @@ LOST_RANK_NAMED = {
 
 
 def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return worker_env()
 
 
 @pytest.mark.parametrize("phase", ["forward", "factor", "inversion"])

@@ -25,7 +25,7 @@ import time
 
 import psutil
 import pytest
-from launch import ROOT, launcher_command, require_horovod
+from launch import ROOT, launcher_command, require_horovod, worker_env
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,7 +50,7 @@ NAMED = {
 
 
 def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return worker_env()
 
 
 class _Job:

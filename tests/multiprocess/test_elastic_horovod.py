@@ -26,7 +26,7 @@ import sys
 
 import pytest
 import torch
-from launch import ROOT, discovery_script, elastic_horovod_command, require_horovod
+from launch import ROOT, discovery_script, elastic_horovod_command, require_horovod, worker_env
 
 pytestmark = pytest.mark.multiprocess  # every test here starts worker processes
 
@@ -39,7 +39,7 @@ def test_a_lost_worker_and_added_workers_leave_bitwise_replicas_and_the_one_proc
     require_horovod()
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = worker_env()
     args = ["--out", str(tmp_path), "--hosts-file", str(hosts), "--steps", "16", "--commit-every", "2"]
     args += ["--die-at", "5", "--die-host", "127.0.0.1", "--grow-at", "9", "--grow-to", "localhost:3"]
     cmd = elastic_horovod_command(hosts, 1, 3, [WORKER, *args])
@@ -99,17 +99,13 @@ def test_the_launch_script_runs_the_elastic_example_and_workers_that_join_end_bi
     require_horovod()
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:1\n")
-    env = dict(
-        os.environ,
+    env = worker_env(
         NP="1",
         MIN_NP="1",
         MAX_NP="2",
         DISCOVERY=str(discovery_script(hosts)),
         NIC="lo",
         PYTHON=sys.executable,
-        PYTHONPATH=str(ROOT),
-        PYTHONUNBUFFERED="1",
-        OMP_NUM_THREADS="1",
         HOROVODRUN=shutil.which("horovodrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]),
     )
     args = ["--epochs", "3", "--batch-size", "16", "--commit-every", "4"]

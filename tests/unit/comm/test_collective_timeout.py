@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from launch import repo_pythonpath
 
 from spdkfac.comm import DEFAULT_COLLECTIVE_TIMEOUT_S, SingleProcessBackend, check_collective_timeout, get_backend
 from spdkfac.comm.errors import lost_message, timeout_message
@@ -129,7 +130,7 @@ def test_heartbeats_stop_before_the_interpreter_finalises():
         [sys.executable, "-c", _BEATING_AT_EXIT],
         check=False,
         cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=dict(os.environ, PYTHONPATH=repo_pythonpath()),
         capture_output=True,
         text=True,
         timeout=120,

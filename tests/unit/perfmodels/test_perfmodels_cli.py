@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from launch import ROOT, run_workers
+from launch import ROOT, run_workers, worker_env
 
 from spdkfac.perfmodels import PerfModel
 
@@ -20,7 +20,7 @@ TINY = ["--quick", "--repeats", "3", "--warmup", "1", "--threads", "1", "--sizes
 
 
 def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return worker_env()
 
 
 def _cli(*args: str, timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
