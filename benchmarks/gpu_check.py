@@ -31,6 +31,10 @@ runs out of its time is recorded with its error, and the next one runs):
    prediction for 8-64 such GPUs from it, with the device's decomposition
    curves and an assumed cluster network (100 Gb/s InfiniBand, as
    benchmarks/kaisa_fraction.py assumes): one GPU has no network to measure.
+6. ``compiled``: the model under ``torch.compile`` (inductor), at the first
+   batch size: eager SGD, compiled SGD and compiled amortised K-FAC,
+   interleaved; K-FAC's rows relative to compiled SGD's, with Dynamo's graph
+   and graph-break counts (K-FAC's hooks are meant to stay in one graph).
 
 Data are synthetic (fixed random images), as in the iteration-time
 benchmark: the time per iteration does not depend on the values.
@@ -58,6 +62,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._dynamo.utils import counters
 
 from spdkfac import make_optimizer
 from spdkfac.kfac.layers import factor_list, kfac_layers
@@ -70,7 +75,7 @@ from .common import RESULTS, ratio_interval, stats
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE = "sgd"
-STAGES = ("tests", "decompositions", "timing", "perfmodel", "simulate")
+STAGES = ("tests", "decompositions", "timing", "perfmodel", "simulate", "compiled")
 PHASES = ("forward+backward", "factors", "decompositions", "preconditioning", "update", "other")
 
 
@@ -95,8 +100,10 @@ class Setting:
     main_model: bool = True
     #: Further models timed at the first batch size, amortised configurations only: (zoo name, resolution).
     other_models: tuple[tuple[str, int], ...] = (("vit_s16", 224),)
+    #: torch.compile's backend for the ``compiled`` stage (the quick check proves the stage without inductor's compiles).
+    compile_backend: str = "inductor"
     budget_s: dict[str, float] = field(
-        default_factory=lambda: {"tests": 90, "decompositions": 25, "timing": 270, "perfmodel": 35, "simulate": 60}
+        default_factory=lambda: {"tests": 180, "decompositions": 25, "timing": 270, "perfmodel": 35, "simulate": 60, "compiled": 150}
     )
 
 
@@ -114,7 +121,8 @@ QUICK = Setting(
     workers=(8, 16),
     other_models=(("vit_s16_32", 32),),
     # (A busy CI machine: generous, so that no iteration is cut and the test of the script sees every one.)
-    budget_s={"tests": 600, "decompositions": 300, "timing": 1800, "perfmodel": 300, "simulate": 300},
+    compile_backend="aot_eager",
+    budget_s={"tests": 600, "decompositions": 300, "timing": 1800, "perfmodel": 300, "simulate": 300, "compiled": 600},
 )
 
 #: name -> (spdkfac variant or torch optimizer, options, every step?)
@@ -144,6 +152,14 @@ OTHER_MODEL_CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {
     # The same layers preconditioned one by one: what stacking same-shape layers saves (spdkfac.step.stacked_preconditioning).
     "kfac-inverse-amortised-per-layer": ("spdkfac", dict(factor_update_freq=10, inv_update_freq=100, per_layer=True), False),
 }
+#: The ``compiled`` stage: the model under torch.compile; K-FAC's row relative to compiled SGD's, eager SGD beside.
+COMPILED_CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "sgd": CONFIGS["sgd"],
+    "sgd-compiled": ("torch.sgd", dict(compiled=True), False),
+    "kfac-inverse-amortised-compiled": ("spdkfac", dict(factor_update_freq=10, inv_update_freq=100, compiled=True), False),
+}
+#: Rows measured under a setting of their own, each relative to SGD's under the same setting (``sgd`` + the suffix).
+VARIANT_SUFFIXES = ("-tf32", "-compiled")
 HYPER = dict(lr=0.1, momentum=0.9, weight_decay=5e-5)  # ResNet-50's ImageNet setting (Pauloski et al.), damping as default
 ADAMW_HYPER = dict(lr=1e-3, weight_decay=0.05)  # torch's AdamW beside it, and K-FAC on an AdamW base
 
@@ -285,12 +301,14 @@ def decompositions(setting: Setting, device: torch.device, budget: float) -> dic
 class Run:
     """One configuration's model and optimizer, stepped one iteration at a time so that configurations interleave."""
 
-    def __init__(self, name: str, model_name: str, device: torch.device, channels_last: bool) -> None:
-        kind, options, self.every_step = {**CONFIGS, **OTHER_MODEL_CONFIGS}[name]
+    def __init__(self, name: str, model_name: str, device: torch.device, channels_last: bool, compile_backend: str = "inductor") -> None:
+        kind, options, self.every_step = {**CONFIGS, **OTHER_MODEL_CONFIGS, **COMPILED_CONFIGS}[name]
         self.name = name
         torch.manual_seed(0)
         model = get_model(model_name).to(device)
-        self.model = model.to(memory_format=torch.channels_last) if channels_last else model
+        model = model.to(memory_format=torch.channels_last) if channels_last else model
+        # A compiled model is given to the optimizer as it is (K-FAC's hooks run inside the graph).
+        self.model = torch.compile(model, backend=compile_backend) if options.get("compiled") else model
         self.kfac = kind == "spdkfac"
         self.tf32 = bool(options.get("tf32", False))
         self.opt: Any
@@ -301,7 +319,7 @@ class Run:
         else:
             hyper = ADAMW_HYPER if options.get("base") == "adamw" else HYPER
             per_layer = options.get("per_layer", False)
-            options = {k: v for k, v in options.items() if k not in ("per_layer", "tf32")}
+            options = {k: v for k, v in options.items() if k not in ("per_layer", "tf32", "compiled")}
             self.opt = make_optimizer(kind, self.model, backend="single", **hyper, **options)
             if per_layer:
                 self.opt.kfac_step.preconditioner.stack_groups = False
@@ -362,7 +380,16 @@ class Run:
 
 @contextlib.contextmanager
 def _interleaved(
-    names: list[str], model: str, device: torch.device, x, y, warmup: int, iters: int, deadline: float, label: str
+    names: list[str],
+    model: str,
+    device: torch.device,
+    x,
+    y,
+    warmup: int,
+    iters: int,
+    deadline: float,
+    label: str,
+    compile_backend: str = "inductor",
 ) -> Iterator[list[Run]]:
     """The configurations' runs, stepped in turn until ``iters`` are measured or ``deadline``; every run built is
     closed on leaving (out of memory too, so that its hooks and tensors do not outlive the measurement)."""
@@ -370,7 +397,7 @@ def _interleaved(
     tf32 = torch.backends.cuda.matmul.allow_tf32  # each run sets its own; what the caller had is restored on leaving
     try:
         for n in names:
-            runs.append(Run(n, model, device, channels_last=device.type == "cuda"))
+            runs.append(Run(n, model, device, channels_last=device.type == "cuda", compile_backend=compile_backend))
         for it in range(warmup + iters):
             if time.perf_counter() > deadline:
                 log(f"{label}: out of time after {it} iterations")
@@ -403,11 +430,13 @@ def _inputs(batch: int, resolution: int, device: torch.device) -> tuple[torch.Te
 
 
 def _summarise(runs: list[Run], rows: dict[str, Any], suffix: Callable[[str], str] = lambda name: "") -> None:
-    """Each run's row (ratios to SGD's: the first run's, or ``sgd-tf32``'s for a TF32 row) into ``rows``."""
+    """Each run's row into ``rows``: ratios to SGD's, the first run's, or for a row of a variant setting (TF32,
+    compiled) to SGD's under that setting."""
     by_name = {r.name: r for r in runs}
     for r in runs:
-        base = by_name.get("sgd-tf32", runs[0]) if r.name.endswith("-tf32") else runs[0]
-        rows[r.name + suffix(r.name)] = _summary(r, base)
+        variant = next((v for v in VARIANT_SUFFIXES if r.name.endswith(v)), None)
+        base = by_name.get(f"sgd{variant}", runs[0]) if variant else runs[0]
+        rows[r.name + suffix(r.name)] = _summary(r, runs[0] if base is r else base)  # (SGD under a variant: to SGD's)
 
 
 @contextlib.contextmanager
@@ -469,6 +498,42 @@ def timing(setting: Setting, device: torch.device, budget: float, emit: Callable
                 _summarise(runs, rows)
         emit(result)
     return result
+
+
+# ------------------------------------------------------------------------------------------------- 6. compiled
+def compiled(setting: Setting, device: torch.device, budget: float) -> dict[str, Any]:
+    """The model under torch.compile at the first batch size: eager SGD, compiled SGD, compiled amortised K-FAC,
+    interleaved (the first iterations compile), with Dynamo's counts of graphs and graph breaks."""
+    torch.backends.cudnn.benchmark = True
+    torch._dynamo.reset()
+    counters.clear()
+    batch = setting.batch_sizes[0]
+    x, y = _inputs(batch, setting.resolution, device)
+    rows: dict[str, Any] = {}
+    label = f"compiled batch {batch}"
+    deadline = time.perf_counter() + budget
+    # Two instances of one class compiled side by side, one with K-FAC's hooks: Dynamo must tell them apart by their
+    # hooks (by default it does not guard on hooks, docs/compile.md), else one's graph would serve the other.
+    guards = torch._dynamo.config.skip_nnmodule_hook_guards
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+    try:
+        with _measured(rows, device, label):
+            names = list(COMPILED_CONFIGS)
+            iters = (setting.warmup, setting.amortised_iters)
+            with _interleaved(names, setting.model, device, x, y, *iters, deadline, label, setting.compile_backend) as runs:
+                _summarise(runs, rows)
+    finally:
+        torch._dynamo.config.skip_nnmodule_hook_guards = guards
+    breaks = {str(k): int(v) for k, v in counters["graph_break"].items()}
+    log(f"{label}: {counters['stats']['unique_graphs']} graphs, graph breaks {breaks or 'none'}")
+    return {
+        "model": setting.model,
+        "batch": batch,
+        "backend": setting.compile_backend,
+        "unique_graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": breaks,
+        "rows": rows,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ 4. perfmodel
@@ -581,6 +646,8 @@ def main(argv: list[str] | None = None) -> int:
                 value = decompositions(setting, device, budget)
             elif stage == "timing":
                 value = timing(setting, device, budget, lambda partial: emit("timing", partial))
+            elif stage == "compiled":
+                value = compiled(setting, device, budget)
             elif stage == "perfmodel":
                 value = perfmodel(setting, device, out.parent, report["environment"]["card"], budget)
             else:

@@ -16,18 +16,26 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 from launch import ROOT, run_workers
-from nets import assert_bitwise_equal, batch, mixed_net, small_net, train
+from nets import assert_bitwise_equal, batch, mixed_net, shared_net, small_net, train
+from torch._dynamo.utils import counters
+from unit.kfac.test_embedding_outside_use import OUTSIDE, TinyLM
+from unit.kfac.test_embedding_outside_use import _steps as lm_steps
+from unit.kfac.test_embedding_outside_use import _tokens as lm_tokens
 from unit.kfac.test_reference_kfac import ConvLinearNet, ReferenceKFAC
 
-from spdkfac import SPDKFACOptimizer
+from spdkfac import KFACPreconditioner, SPDKFACOptimizer
 from spdkfac.kfac.layers import KFACLayer, make_helper
 from spdkfac.kfac.linalg import cupy_available, invert_spd
 from spdkfac.kfac.tensor_cores import keeps_half_rows
+from spdkfac.plan.memory_check import available_bytes, layer_memory
+from spdkfac.step import compiled_hooks
+from spdkfac.update.your_optimizer import STATE_KEY
 
 pytestmark = pytest.mark.gpu
 
@@ -337,3 +345,85 @@ def test_two_processes_on_one_device_equal_one(device: torch.device, tmp_path, m
         assert_bitwise_equal(ranks[0][name]["params"], ranks[1][name]["params"], f"{name} parameters")
         if "grad_worker_fraction" not in json.loads(configs)[name]:  # (there each rank holds its own layers' decompositions)
             assert_bitwise_equal(ranks[0][name]["optimizer_state"], ranks[1][name]["optimizer_state"], f"{name} optimizer state")
+
+
+def test_preconditioner_attached_to_a_torch_optimizer_on_device(device: torch.device) -> None:
+    """``KFACPreconditioner(model, optimizer=AdamW)`` (Lightning's and Trainer's way) on the device gives the CPU's
+    float64 parameters, and its optimizer's state_dict() carries the K-FAC state there."""
+
+    def run(dev: torch.device) -> tuple[dict[str, torch.Tensor], dict]:
+        model = mixed_net().to(dev, torch.float64)
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=1e-3)
+        _pre = KFACPreconditioner(model, optimizer=adamw, damping=0.01, factor_update_steps=1, inv_update_steps=2, backend="single")
+        x, y = batch(16)
+        for s in range(5):
+            adamw.zero_grad()
+            nn.functional.cross_entropy(model(x.to(dev, torch.float64) + 0.1 * s), y.to(dev)).backward()
+            adamw.step()
+        return _cpu_params(model), adamw.state_dict()
+
+    got, state = run(device)
+    want, _ = run(torch.device("cpu"))
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-9, atol=1e-11, msg=lambda m, k=k: f"{k}: {m}")
+    assert STATE_KEY in state
+
+
+@pytest.mark.skipif(not compiled_hooks.TAPS_AVAILABLE, reason="this torch has no custom ops with effects")
+@pytest.mark.parametrize("net", [small_net, shared_net], ids=["small_net", "shared_net"])
+def test_compiled_model_on_device_trains_as_eager(device: torch.device, net) -> None:
+    """torch.compile (inductor: generated device kernels) with K-FAC's hooks in the graph trains as the eager model
+    on the device (float64), with no graph break; shared_net has a layer used twice."""
+    torch._dynamo.reset()
+    counters.clear()
+
+    def run(compile_it: bool) -> dict[str, torch.Tensor]:
+        bare = net().to(device, torch.float64)
+        model = torch.compile(bare) if compile_it else bare
+        opt = SPDKFACOptimizer(model, backend="single", factor_update_freq=2, inv_update_freq=2, **HYPER)
+        x, y = batch(8)
+        train(model, opt, x.to(device, torch.float64), y.to(device), 5)
+        return _cpu_params(bare)
+
+    eager, compiled = run(False), run(True)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    for k, v in eager.items():
+        torch.testing.assert_close(compiled[k], v, rtol=1e-9, atol=1e-11, msg=lambda m, k=k: f"{k}: {m}")
+    torch._dynamo.reset()
+
+
+def test_memory_check_reads_the_device(device: torch.device) -> None:
+    """The construction-time memory check on the device: its estimate is what ``memory_usage()`` counts there once
+    allocated, and a layer whose G cannot fit the device's free memory is named (nothing that large allocated)."""
+    model = mixed_net().to(device)
+    opt = SPDKFACOptimizer(model, backend="single", compute_method="eigen", **HYPER)
+    sizes = {layer.name: layer.factor_dtype.itemsize for layer in opt.layers}
+    predicted = sum(la.bytes for la in layer_memory(opt.work_plan, opt.method, 0, sizes))
+    x, y = batch(8)
+    train(model, opt, x.to(device), y.to(device), 1)
+    assert predicted == sum(opt.memory_usage().values())
+    if device.type == "cuda":
+        free = available_bytes(device)
+        assert free is not None
+        assert 0 < free <= torch.cuda.mem_get_info(device)[1]
+    wide = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 300_000)).to(device)  # G: 335 GiB in float32
+    with pytest.warns(UserWarning, match=r"the first factor step will likely run out of memory") as record:
+        SPDKFACOptimizer(wide, backend="single", **HYPER)
+    assert "skip_layers=['2']" in str(next(w for w in record if "out of memory" in str(w.message)).message)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*run out of memory.*")
+        SPDKFACOptimizer(small_net().to(device), backend="single", **HYPER)
+
+
+def test_embedding_used_outside_its_forward_is_said_on_device(device: torch.device) -> None:
+    """A tied head written as a product (``h @ wte.weight.T``) is found from the gradient on the device, once."""
+    model = TinyLM("product").to(device)
+    opt = SPDKFACOptimizer(model, backend="single", factor_update_freq=2, inv_update_freq=2, lr=0.05, damping=0.01)
+    with pytest.warns(UserWarning, match=OUTSIDE) as record:
+        lm_steps(model, opt, lm_tokens(1).to(device))
+    assert sum("never looked up" in str(w.message) for w in record) == 1
+    lookups_only = TinyLM("linear").to(device)
+    opt = SPDKFACOptimizer(lookups_only, backend="single", lr=0.05, damping=0.01)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*never looked up.*")
+        lm_steps(lookups_only, opt, lm_tokens(1).to(device))

@@ -454,7 +454,7 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
     report = json.loads(out.read_text())
     assert report["argv"] == ["--device", "cpu", "--quick", "--tests-k", "cupy or bf16"]  # the run's own output path left out
     stages = report["stages"]
-    assert set(stages) == {"tests", "decompositions", "timing", "perfmodel", "simulate"}
+    assert set(stages) == {"tests", "decompositions", "timing", "perfmodel", "simulate", "compiled"}
     assert not [s for s, v in stages.items() if "error" in v]
     # On the CPU the cupy comparison skips and the bf16 test runs: both outcomes read from pytest's report.
     outcomes = {t["name"]: t["outcome"] for t in stages["tests"]["tests"]}
@@ -492,6 +492,14 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
         "kfac-inverse-amortised-per-layer",
     }
     assert all(rows[n]["n"] == 4 and rows[n]["vs_sgd_median"] > 0 for n in ("adamw", "kfac-adamw-amortised"))
+    compiled = stages["compiled"]  # compiled SGD to eager SGD's time, compiled K-FAC to compiled SGD's
+    assert compiled["graph_breaks"] == {}
+    assert compiled["unique_graphs"] == 2
+    rows = compiled["rows"]
+    assert rows["sgd-compiled"]["vs_sgd_median"] == pytest.approx(rows["sgd-compiled"]["median"] / rows["sgd"]["median"])
+    kfac = rows["kfac-inverse-amortised-compiled"]
+    assert kfac["n"] == 4
+    assert kfac["vs_sgd_median"] == pytest.approx(kfac["median"] / rows["sgd-compiled"]["median"])
     predictions = stages["simulate"]["predictions"]
     assert set(predictions) == {f"{w}:{v}" for w in (8, 16) for v in ("sgd", "dkfac", "mpdkfac", "spdkfac")}
     assert all(p["iteration"] > 0 for p in predictions.values())
