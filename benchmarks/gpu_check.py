@@ -615,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=list(STAGES),
     )
     ap.add_argument("--other-models-only", action="store_true", help="time only the further models (ViT-S/16), not ResNet-50")
+    ap.add_argument("--model", default=None, help="the zoo model the timing and compiled stages time (default: resnet50)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -622,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     setting = QUICK if args.quick else Setting()
     if args.other_models_only:
         setting = dataclasses.replace(setting, main_model=False)
+    if args.model:
+        setting = dataclasses.replace(setting, model=args.model)
     warnings.filterwarnings("ignore", message="no perf_model given")  # one process: no placement or fusion to plan
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -160,7 +160,11 @@ class GradientSync:
     def _start(self, p: torch.Tensor) -> None:
         assert p.grad is not None  # called for parameters whose gradient is set
         name = f"spdkfac.grad.{self.names[p]}"
-        self._handles[p] = self.backend.allreduce_async(p.grad, name) if self.order is None else self.order.allreduce(p.grad, name)
+        # The transport writes the average through an alias with a version counter of its own (``.data``: the same
+        # storage), so that only the script's changes move the gradient's: gloo copies a CUDA tensor's result back
+        # with copy_(), which counts, where it writes a CPU tensor and NCCL a CUDA one without counting.
+        alias = p.grad.data
+        self._handles[p] = self.backend.allreduce_async(alias, name) if self.order is None else self.order.allreduce(alias, name)
         self._sent[p] = (p.grad, p.grad._version)
 
     def start_missing(self) -> None:

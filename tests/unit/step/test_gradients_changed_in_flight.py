@@ -91,3 +91,31 @@ def test_the_preconditioners_loop_is_checked_alike():
     models = [_net() for _ in range(2)]
     with pytest.raises(RuntimeError, match=r"preconditioner\.synchronize\(\)"):
         run_ranks(2, lambda b: run(b, models[b.rank], False), timeout=60)
+
+
+def _counting_transport(backend: Any) -> Any:
+    """The engine, counting a write of each average while the script runs on, as gloo writes a CUDA
+    tensor's (copy_() on its worker thread): here when the next all-reduce is issued."""
+    issue, in_flight = backend.allreduce_async, []
+
+    def allreduce_async(tensor: torch.Tensor, name: str) -> Any:
+        for sent in in_flight:
+            torch.autograd.graph.increment_version(sent)  # what a counted write does to the counter (values kept)
+        in_flight[:] = [tensor]
+        return issue(tensor, name)
+
+    backend.allreduce_async = allreduce_async
+    return backend
+
+
+def test_the_transports_own_write_is_not_the_scripts_change():
+    """Found on a GPU (2 processes, gloo over CUDA tensors): every step was refused, because gloo's write of the
+    average moved the gradient's version counter. The transport writes through an alias with a counter of its own."""
+    models = [_net() for _ in range(2)]
+    ranks = run_ranks(2, lambda b: _train(_counting_transport(b), models[b.rank], synchronize=True), timeout=60)
+    single = _train(SingleProcessBackend(), _net(), synchronize=False)
+    for key, value in single.items():
+        torch.testing.assert_close(ranks[0][key], value, rtol=1e-12, atol=1e-14)
+    models = [_net() for _ in range(2)]  # the script's own change is still found
+    with pytest.raises(RuntimeError, match=r"changed \(clipped"):
+        run_ranks(2, lambda b: _train(_counting_transport(b), models[b.rank], synchronize=False), timeout=60)
