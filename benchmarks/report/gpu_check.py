@@ -13,6 +13,8 @@ def title(rel: Path) -> str:
     card = rel.stem.removeprefix("gpu_check_")
     if card.endswith("_vit"):  # --stages timing --other-models-only
         return f"On a GPU: ViT-S/16's iteration time against SGD and AdamW ({card.removesuffix('_vit')})"
+    if card.endswith("_vit_compiled"):  # --stages compiled --model vit_s16
+        return f"On a GPU: ViT-S/16 under torch.compile against SGD ({card.removesuffix('_vit_compiled')})"
     return "On a GPU: the gpu tests, iteration time against SGD and AdamW, decompositions" + (
         f" ({card})" if rel.stem != "gpu_check" else ""
     )
@@ -30,6 +32,8 @@ def gpu_check(path: Path, d: dict[str, Any]) -> list[str]:
         + f". Command: `bash scripts/gpu_check.sh{''.join(' ' + a for a in d.get('argv', []) if not a.startswith('$'))}` (benchmarks/gpu_check.py).",
         "",
     ]
+    if d.get("note"):
+        lines += [str(d["note"]), ""]
     for stage, value in stages.items():
         if "error" in value:
             lines += [f"- stage `{stage}` stopped: `{str(value['error']).splitlines()[0][:300]}`", ""]
@@ -47,6 +51,14 @@ def gpu_check(path: Path, d: dict[str, Any]) -> list[str]:
     for model, entry in timing.get("models", {}).items():
         for batch, rows in entry["batches"].items():
             lines += _iteration_times(model, entry["resolution"], batch, rows)
+    comp = stages.get("compiled")
+    if comp and "rows" in comp:
+        breaks = ", ".join(f"{k}: {v}" for k, v in comp["graph_breaks"].items()) or "none"
+        lines += [
+            f"**Under torch.compile** ({comp['backend']}): {comp['unique_graphs']} graphs compiled, graph breaks: {breaks}.",
+            "",
+        ]
+        lines += _iteration_times(comp["model"], comp["resolution"], str(comp["batch"]), comp["rows"])
     dec = stages.get("decompositions")
     if dec and "stage_s" in dec:
         names = sorted(dec["stage_s"])
@@ -60,7 +72,7 @@ def gpu_check(path: Path, d: dict[str, Any]) -> list[str]:
         lines += table(["dimension", *names], [[dim, *(f"{dec['per_dim_s'][dim][n] * 1e3:.1f}" for n in names)] for dim in largest])
     pm = stages.get("perfmodel")
     if pm and "file" in pm:
-        lines += [f"Decomposition curves for planning: `{pm['file']}` (copied to `perfmodels/`).", ""]
+        lines += [f"Decomposition curves for planning, measured in this run: `{pm['file']}` (`perfmodels/` holds one per card).", ""]
     sim = stages.get("simulate")
     if sim and "predictions" in sim:
         preds = sim["predictions"]
@@ -91,6 +103,7 @@ def _iteration_times(model: str, resolution: int, batch: str, rows: dict[str, An
         f"**Iteration time**, {model} {resolution}x{resolution}, batch {batch}, bf16 autocast, channels-last, "
         f"one process; interleaved; ratio to SGD's median with its 95% interval"
         + (", a `-tf32` row's to `sgd-tf32`'s (float32 products in TF32, as timm's training script sets)" if "sgd-tf32" in rows else "")
+        + (", a `-compiled` row's to `sgd-compiled`'s, and that one's to eager `sgd`'s" if "sgd-compiled" in rows else "")
         + f" (peak memory {rows.get('cuda_peak_gib', 0):.1f} GiB):",
         "",
     ]

@@ -507,7 +507,9 @@ class FactorCollector:
                 f"step() was called on a factor-update step but no Kronecker factor was computed{empty}: run the "
                 "forward and backward pass in training mode (model.train()) with gradients enabled before step(); "
                 "a torch.compile'd model must first run after the optimizer is built (Dynamo does not see hooks added "
-                "to a model, or to another instance of its class, it has already compiled; torch._dynamo.reset() forgets those)"
+                "to a model, or to another instance of its class, it has already compiled; torch._dynamo.reset() forgets "
+                "those). Another instance of the model's class compiled in this process (a teacher, a copy) needs "
+                "torch._dynamo.config.skip_nnmodule_hook_guards = False, set before either runs"
             )
         for key in self._more:  # the sum over every call, then the mean as usual
             calls, sent, _ = self._agreed[key]

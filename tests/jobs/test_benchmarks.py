@@ -497,6 +497,9 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
     assert compiled["unique_graphs"] == 2
     rows = compiled["rows"]
     assert rows["sgd-compiled"]["vs_sgd_median"] == pytest.approx(rows["sgd-compiled"]["median"] / rows["sgd"]["median"])
+    assert rows["kfac-inverse-amortised"]["vs_sgd_median"] == pytest.approx(
+        rows["kfac-inverse-amortised"]["median"] / rows["sgd"]["median"]
+    )
     kfac = rows["kfac-inverse-amortised-compiled"]
     assert kfac["n"] == 4
     assert kfac["vs_sgd_median"] == pytest.approx(kfac["median"] / rows["sgd-compiled"]["median"])

@@ -190,3 +190,37 @@ def test_taps_call_the_hooks_with_the_real_tensors_and_stop_when_removed(dynamo)
     seen.clear()
     model(x).pow(2).sum().backward()
     assert seen == []
+
+
+@pytest.mark.parametrize("guard_hooks", [False, True])
+def test_another_instance_of_the_class_compiled_beside(float64, dynamo, guard_hooks):
+    """A second instance of the model's class compiled in the same process (a teacher, a copy) takes its graph
+    without K-FAC's taps, and the K-FAC model then reuses it: the step is refused naming the Dynamo flag; with the
+    flag set, K-FAC trains as with no second model."""
+    saved = torch._dynamo.config.skip_nnmodule_hook_guards
+    torch._dynamo.config.skip_nnmodule_hook_guards = not guard_hooks
+    try:
+        alone = _run(small_net(), "wrap", steps=3, backend="aot_eager")
+        torch._dynamo.reset()
+        net = small_net()
+        model = torch.compile(net, backend="aot_eager")
+        opt = SPDKFACOptimizer(model, **OPTIONS)
+        teacher = torch.compile(small_net(seed=1), backend="aot_eager")
+        x, y = batch(8)
+
+        def three_steps() -> None:
+            for s in range(3):
+                teacher(x).sum().backward()
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x + 0.1 * s), y).backward()
+                opt.step()
+
+        if not guard_hooks:
+            with pytest.raises(RuntimeError, match=r"skip_nnmodule_hook_guards = False"):
+                three_steps()
+            return
+        three_steps()
+    finally:
+        torch._dynamo.config.skip_nnmodule_hook_guards = saved
+    for a, b in zip(alone.model.parameters(), net.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
