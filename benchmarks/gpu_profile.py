@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python -m benchmarks.gpu_profile --out-dir $OUT          # one GPU, about a minute
     PYTHONPATH=. python -m benchmarks.gpu_profile --device cpu --quick    # the script itself
+    PYTHONPATH=. python -m benchmarks.gpu_profile --compile --out-dir $OUT  # the compiled step against compiled SGD's
 
 The factors of a convolution are Gram matrices of very tall, narrow row
 blocks (ResNet-50 at 224x224, batch 64: 200,704 rows of 64 to 4,608
@@ -158,13 +159,21 @@ def sync_sources(model_name: str, batch: int, resolution: int, device: torch.dev
     return {str(s): dict(c.most_common(25)) for s, c in counts.items()}
 
 
-def profile_steps(model_name: str, batch: int, resolution: int, device: torch.device, out_dir: Path) -> dict[str, Any]:
-    """torch.profiler's top operations (self device time, host time) of one factor step and one plain step."""
+def profile_steps(
+    model_name: str, batch: int, resolution: int, device: torch.device, out_dir: Path, compiled: bool = False, sgd: bool = False
+) -> dict[str, Any]:
+    """torch.profiler's top operations (self device time, host time) of one factor step and one plain step; of the
+    model under torch.compile if ``compiled``, and with torch's SGD (a plain step only) if ``sgd``."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
-    model = get_model(model_name).to(device).to(memory_format=torch.channels_last)
-    opt = make_optimizer("spdkfac", model, lr=0.1, momentum=0.9, backend="single", factor_update_freq=2, inv_update_freq=4)
+    bare = get_model(model_name).to(device).to(memory_format=torch.channels_last)
+    model = torch.compile(bare) if compiled else bare
+    opt: Any
+    if sgd:
+        opt = torch.optim.SGD(bare.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = make_optimizer("spdkfac", model, lr=0.1, momentum=0.9, backend="single", factor_update_freq=2, inv_update_freq=4)
     x = torch.randn(batch, 3, resolution, resolution, device=device).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (batch,), device=device)
 
@@ -180,7 +189,9 @@ def profile_steps(model_name: str, batch: int, resolution: int, device: torch.de
     _sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     tables = {}
-    for label in ("plain_step", "factor_step"):  # steps 5 (no factors) and 6 (factors)
+    suffix = ("_sgd" if sgd else "") + ("_compiled" if compiled else "")
+    for label in ("plain_step", "factor_step")[: 1 if sgd else 2]:  # steps 5 (no factors) and 6 (factors)
+        label += suffix
         with profile(activities=activities) as prof:
             step()
             _sync(device)
@@ -200,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="a zoo model (default resnet50; cifar_resnet20 with --quick)")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--resolution", type=int, default=None)
+    ap.add_argument(
+        "--compile", action="store_true", help="only the step profiles, of the model under torch.compile (and compiled SGD's)"
+    )
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore", message="no perf_model given")
     device = torch.device(args.device)
@@ -210,6 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cudnn.benchmark = True
     report: dict[str, Any] = {"model": model, "batch": batch, "resolution": res}
     t0 = time.perf_counter()
+    if args.compile:  # the compiled step against compiled SGD's, one plain step each (a separate Dynamo cache each)
+        torch._dynamo.config.skip_nnmodule_hook_guards = False  # two instances of one class: told apart by hooks
+        report["profiles"] = profile_steps(model, batch, res, device, out_dir, compiled=True)
+        report["profiles"].update(profile_steps(model, batch, res, device, out_dir, compiled=True, sgd=True))
+        report["seconds"] = time.perf_counter() - t0
+        (out_dir / "gpu_profile_compiled.json").write_text(json.dumps(report, indent=1))
+        print(f"done in {report['seconds']:.0f} s", flush=True)
+        return 0
     report["factor_costs"] = factor_costs(model, batch, res, device)
     print("factor totals (ms):", {k: round(v * 1e3, 1) for k, v in report["factor_costs"]["totals_s"].items()}, flush=True)
     slow = sorted(report["factor_costs"]["factors"], key=lambda r: -r["library"])[:12]
