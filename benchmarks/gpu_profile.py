@@ -211,9 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="a zoo model (default resnet50; cifar_resnet20 with --quick)")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--resolution", type=int, default=None)
-    ap.add_argument(
-        "--compile", action="store_true", help="only the step profiles, of the model under torch.compile (and compiled SGD's)"
-    )
+    ap.add_argument("--compile", action="store_true", help="only the step profiles, of the model under torch.compile (and compiled SGD's)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore", message="no perf_model given")
     device = torch.device(args.device)
