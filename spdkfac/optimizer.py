@@ -601,6 +601,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.flush()  # the previous step's updates the forward pass did not reach, before this step's
         self._refuse_unseen_gradients()
         self.kfac_step.grads.check_accumulated("step()", short_ok=True)
+        self.kfac_step.grads.learn_edits()
         try:
             factor_step, inverse_step = self._step_kind()
             hyper = StepHyper.from_group(self.param_groups[0])

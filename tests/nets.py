@@ -164,13 +164,15 @@ def train(
     clip=None,
     accumulate: int = 1,
     skip_bad_loss: bool = False,
+    clip_synchronized: bool = True,
 ):
     """``steps`` optimizer steps; each step uses a different slice-preserving perturbation of the batch.
 
     With a GradScaler the loop is the mixed-precision one (``scaler.step`` may
     skip); ``poisoned`` maps a step to a boolean row mask of ``x`` whose samples
     get a NaN in that step, which makes every worker's averaged gradient NaN.
-    ``clip`` clips the (averaged) gradient norm between backward and step.
+    ``clip`` clips the (averaged) gradient norm between backward and step, after ``opt.synchronize()`` unless
+    ``clip_synchronized`` is False (the loop as written for torch.optim).
     ``accumulate`` splits each batch into that many equal micro-batches, each
     loss divided by their number (torch's gradient-accumulation idiom).
     ``skip_bad_loss`` skips a batch whose loss is not finite on some worker
@@ -193,7 +195,8 @@ def train(
             continue
         if scaler is None:
             if clip is not None:
-                opt.synchronize()
+                if clip_synchronized:
+                    opt.synchronize()
                 nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
         else:

@@ -6,7 +6,9 @@ gradients runs while the backward pass computes the earlier ones; the
 optimizer waits for each only when it needs it. With gradient accumulation the
 hook counts the backward passes and sends at the k-th. With a GradScaler the
 wait is queued at the end of ``backward()``, because the scaler reads the
-gradients before ``step()``. On a ``DistributedDataParallel`` model DDP
+gradients before ``step()``; so it is where the script changes the gradients
+between ``backward()`` and ``step()`` (clipping): the first step with
+all-reduces waits there and tells (:meth:`GradientSync.learn_edits`). On a ``DistributedDataParallel`` model DDP
 averages the gradients (:mod:`spdkfac.step.data_parallel`): the hooks only
 count the passes. With a :class:`~spdkfac.step.collective_order.CollectiveOrder`
 the all-reduces are issued in the order every rank agrees on, and a
@@ -93,6 +95,13 @@ class GradientSync:
         self._last_short = False  # whether the previous step was
         #: Per parameter: its gradient and that tensor's version when its all-reduce started, until first waited for.
         self._sent: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}
+        #: Whether the script changes the gradients between backward() and step() (clipping, as most loops do): then
+        #: their averages are completed at the end of backward(), as DDP does, so that it changes the averages. None
+        #: until a step tells (:meth:`learn_edits`); until then they are completed there too.
+        self.edits_gradients: bool | None = None
+        #: The gradients and their versions when they were averaged at the end of this step's backward(), while the
+        #: first step that can tell is under way.
+        self._probe: dict[torch.Tensor, tuple[torch.Tensor, int]] | None = None
         #: Called when a backward pass begins after the gradients of this step's earlier passes were cleared (no
         #: step() between): True when it dropped those passes (the optimizer's _drop_cleared, which resets this).
         self.on_cleared: Callable[[], bool] | None = None
@@ -115,6 +124,7 @@ class GradientSync:
         self._sync_queued = False
         self._zeroed = []
         self._sent = {}
+        self._probe = None
         self._last_short, self._short = self._short, False  # (a short window's step is reset after it)
 
     def cleared(self, but: torch.Tensor | None = None) -> bool:
@@ -153,6 +163,9 @@ class GradientSync:
         if self.grad_scaler is not None and not self._sync_queued:
             # GradScaler reads the gradients between backward() and step(): average them before it does.
             torch.autograd.Variable._execution_engine.queue_callback(self.synchronize)
+            self._sync_queued = True
+        elif self._reduces and self.on_final is None and self.edits_gradients is not False and not self._sync_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._synchronize_for_edits)
             self._sync_queued = True
         if self.on_final is not None:
             self.on_final(p)
@@ -215,6 +228,21 @@ class GradientSync:
                 p.grad = None
         self._zeroed = []
 
+    def _synchronize_for_edits(self) -> None:
+        """At the end of backward(): every average complete before the script may change the gradients; while it is
+        not known whether it does, their versions noted for :meth:`learn_edits`."""
+        self.synchronize()
+        if self.edits_gradients is None:
+            self._probe = {p: (p.grad, p.grad._version) for p in self._counts if p.grad is not None}
+
+    def learn_edits(self) -> None:
+        """At ``step()``: whether the script changed the gradients since backward() averaged them (the first step that
+        tells decides for the run). If it did not, later steps complete the averages only when ``step()`` needs them,
+        overlapped with its work; a script that begins changing them later is refused (:meth:`_check_untouched`)."""
+        if self._probe is not None:
+            self.edits_gradients = any(p.grad is not grad or grad._version != version for p, (grad, version) in self._probe.items())
+            self._probe = None
+
     def _check_untouched(self, p: torch.Tensor, grad: torch.Tensor, version: int) -> None:
         """Raise RuntimeError when ``p``'s gradient (``grad`` at ``version`` when its all-reduce started) was changed
         in place or replaced while its all-reduce ran."""
@@ -222,7 +250,8 @@ class GradientSync:
             raise RuntimeError(
                 f"the gradient of {self.names.get(p, '?')!r} was changed (clipped, scaled, edited or replaced) between "
                 "backward() and step() while its all-reduce was still running: the average would mix the change with "
-                "the other workers' unchanged gradients, so the step is refused. To clip or edit the gradients, call "
+                "the other workers' unchanged gradients, so the step is refused. The first step changed no gradient, so "
+                "their averages are completed in step(); to clip or edit the gradients from a later step on, call "
                 "optimizer.synchronize() (preconditioner.synchronize()) first: it returns when every gradient holds its "
                 "average over the workers"
             )

@@ -94,6 +94,9 @@ FREQ_CONFIGS = {
     ),
     # Gradient clipping between backward and step, after synchronize(): clips the averaged gradient.
     "clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05),
+    # The loop as written for torch.optim, no synchronize(): the first step finds the clipping and every step averages
+    # within backward(), so the averaged gradient is clipped.
+    "clip-grad-norm-unsynchronized": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05, clip_synchronized=False),
 }
 # Step schedules (named in the worker: callables of the step) and gradient accumulation (k micro-batches per worker and
 # step, one round of communication per step) against the full batch in one process.
@@ -116,6 +119,9 @@ SCHEDULE_CONFIGS = {
         BASE, fusion="optimal", placement="lbp", amp={"init_scale": 2.0**10, "nan_step": 2}, accumulation_steps=2
     ),
     "accum-2-clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05, accumulation_steps=2),
+    "accum-2-clip-grad-norm-unsynchronized": dict(
+        BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05, accumulation_steps=2, clip_synchronized=False
+    ),
 }
 
 

@@ -110,6 +110,7 @@ def main() -> None:
             poisoned = dict.fromkeys(nan_steps, last[rank * local : (rank + 1) * local].to(device))
         skip_bad_loss = cfg.pop("skip_bad_loss", False)
         clip = cfg.pop("clip_grad_norm", None)
+        clip_synchronized = cfg.pop("clip_synchronized", True)
         cfg.update(SCHEDULES[cfg.pop("schedule")] if "schedule" in cfg else {})
         if args.no_accumulation:
             cfg.pop("accumulation_steps", None)
@@ -120,7 +121,19 @@ def main() -> None:
         stack_groups = cfg.pop("stack_groups", None)  # same-shape layers stacked (by default on a GPU only)
         opt = SPDKFACOptimizer(model, backend=backend, perf_model=pm, **cfg)
         opt.kfac_step.preconditioner.stack_groups = stack_groups
-        train(model, opt, x, y, args.steps, scaler=scaler, poisoned=poisoned, clip=clip, accumulate=accumulate, skip_bad_loss=skip_bad_loss)
+        train(
+            model,
+            opt,
+            x,
+            y,
+            args.steps,
+            scaler=scaler,
+            poisoned=poisoned,
+            clip=clip,
+            accumulate=accumulate,
+            skip_bad_loss=skip_bad_loss,
+            clip_synchronized=clip_synchronized,
+        )
         results[name] = {
             "steps": opt.steps,
             "damping": opt.param_groups[0]["damping"],
