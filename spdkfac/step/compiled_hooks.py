@@ -66,8 +66,15 @@ def _hook_tap_fake(tensors: list[torch.Tensor], tap: int) -> None:
     """Nothing to infer: the op returns nothing."""
 
 
+#: A CUDA graph (``mode="reduce-overhead"``) would replay a tap's kernels without its Python: the tag makes inductor
+#: leave each tap outside its graphs, where torch has it (2.13 and 2.14 do, 2.4 does not).
+_CUDAGRAPH_UNSAFE = getattr(torch._C.Tag, "cudagraph_unsafe", None)
+
 if TAPS_AVAILABLE:
-    torch.library.custom_op(_OP, _hook_tap, mutates_args=()).register_fake(_hook_tap_fake)
+    if _CUDAGRAPH_UNSAFE is not None:
+        torch.library.custom_op(_OP, _hook_tap, mutates_args=(), tags=(_CUDAGRAPH_UNSAFE,)).register_fake(_hook_tap_fake)
+    else:  # (a torch without the tag: no tags argument either)
+        torch.library.custom_op(_OP, _hook_tap, mutates_args=()).register_fake(_hook_tap_fake)
     torch.library._register_effectful_op(_OP, torch._library.effects.EffectType.ORDERED)
 
 

@@ -224,3 +224,12 @@ def test_another_instance_of_the_class_compiled_beside(float64, dynamo, guard_ho
         torch._dynamo.config.skip_nnmodule_hook_guards = saved
     for a, b in zip(alone.model.parameters(), net.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+def test_the_tap_is_left_outside_cuda_graphs():
+    """``mode="reduce-overhead"`` replays CUDA graphs: a tap captured in one would replay its kernels without its
+    Python (no factor taken). Tagged cudagraph-unsafe, inductor leaves it outside (run on a GPU: tests/test_gpu.py)."""
+    unsafe = getattr(torch._C.Tag, "cudagraph_unsafe", None)
+    if unsafe is None:
+        pytest.skip("this torch has no cudagraph_unsafe tag")
+    assert unsafe in torch.ops.spdkfac.hook_tap.default.tags
