@@ -158,7 +158,7 @@ COMPILED_CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "sgd": CONFIGS["sgd"],
     "kfac-inverse-amortised": CONFIGS["kfac-inverse-amortised"],  # eager K-FAC in the same window: what compiling gains
     "sgd-compiled": ("torch.sgd", dict(compiled=True), False),
-    "kfac-inverse-amortised-compiled": ("spdkfac", dict(factor_update_freq=10, inv_update_freq=100, compiled=True), False),
+    "kfac-inverse-amortised-compiled": ("spdkfac", {**CONFIGS["kfac-inverse-amortised"][1], "compiled": True}, False),
 }
 #: Rows measured under a setting of their own, each relative to SGD's under the same setting (``sgd`` + the suffix).
 VARIANT_SUFFIXES = ("-tf32", "-compiled")

@@ -238,7 +238,9 @@ class GradientSync:
     def learn_edits(self) -> None:
         """At ``step()``: whether the script changed the gradients since backward() averaged them (the first step that
         tells decides for the run). If it did not, later steps complete the averages only when ``step()`` needs them,
-        overlapped with its work; a script that begins changing them later is refused (:meth:`_check_untouched`)."""
+        overlapped with its work; a script that begins changing them later is refused (:meth:`_check_untouched`).
+        The K-FAC step asks; an optimizer that waits for every gradient as its ``step()`` begins (DistributedAdamW,
+        DHO2) need not, and its averages are completed at the end of backward() on every step."""
         if self._probe is not None:
             self.edits_gradients = any(p.grad is not grad or grad._version != version for p, (grad, version) in self._probe.items())
             self._probe = None
