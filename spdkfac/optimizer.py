@@ -608,6 +608,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             backward = self._backward_fusion
             if backward is not None and backward.active:  # updated in backward: the factors and the checks are left
                 backward.finish()
+                backward.check_unchanged()
                 self.kfac_step.run_after_fused(factor_step, hyper, self.steps, backward.bad)
                 backward.commit()
             else:

@@ -295,6 +295,8 @@ class BackwardFusion:
         self.active: bool | None = None  # whether this step is fused: decided at its first final gradient
         self.finished = False
         self.bad: list[str] = []
+        #: The gradients this step's updates used and their versions (read at step(): a later change is lost).
+        self._used: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}
         self._ready: deque[_Unit] = deque()
         self._queued = False
         for unit in self.units:
@@ -343,7 +345,20 @@ class BackwardFusion:
         self.bad = non_finite((self.names.get(p, "?"), p.grad) for p in used if p.grad is not None)
         if self.bad:
             self.rollback()
+        self._used = {b.param: (b.param.grad, b.param.grad._version) for b in self._backups if b.param.grad is not None}
         self.finished = True
+
+    def check_unchanged(self) -> None:
+        """At ``step()``: raise if the script changed a gradient this step's update had used in ``backward()``
+        (clipping between ``backward()`` and ``step()``): the change would be lost on the fused steps and kept on the
+        others, silently."""
+        for p, (grad, version) in self._used.items():
+            if p.grad is not grad or grad._version != version:
+                raise RuntimeError(
+                    f"the gradient of {self.names.get(p, '?')!r} was changed (clipped, scaled or edited) between backward() "
+                    "and step(), but update_fusion='backward' had already applied this step's update in backward(): the "
+                    "change would be lost. To clip or edit the gradients, use update_fusion='forward' or 'none'"
+                )
 
     @torch.no_grad()
     def _update(self, unit: _Unit) -> None:

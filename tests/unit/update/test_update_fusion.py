@@ -378,3 +378,23 @@ def test_training_job_passes_the_fusion_and_kl_clip_zero_as_none():
     assert options["update_fusion"] == "backward"
     assert options["kl_clip"] is None
     assert optimizer_options("spdkfac", parse_args(["--optimizer", "spdkfac", "--kl-clip", "0.002"]))["kl_clip"] == 0.002
+
+
+def test_backward_fusion_refuses_a_gradient_changed_after_backward(float64):
+    """Clipping between ``backward()`` and ``step()`` would be lost on the steps updated in ``backward()`` (and kept on
+    the others): such a step is refused, naming the fusions that clip. A loop that does not change them is not."""
+    x, y = batch(8)
+
+    def loop(clip: bool) -> SPDKFACOptimizer:
+        model, opt = _run("inverse", "backward", x, y)
+        for s in range(STEPS):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x + 0.1 * s), y).backward()
+            if clip:
+                nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            opt.step()
+        return opt
+
+    assert loop(clip=False)._backward_fusion.fused_steps == STEPS - 2
+    with pytest.raises(RuntimeError, match=r"changed \(clipped.*update_fusion='backward'.*'forward' or 'none'"):
+        loop(clip=True)
