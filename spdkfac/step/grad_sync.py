@@ -30,7 +30,22 @@ from .data_parallel import ModelWrapping
 from .module_hooks import HookHandle, register
 from .timeline import IterationRecord, Timeline
 
-__all__ = ["GradientSync", "collective_names"]
+__all__ = ["GradNote", "GradientSync", "changed_since", "collective_names", "note_grad"]
+
+#: A parameter's gradient tensor and that tensor's version counter when noted (:func:`note_grad`).
+GradNote = tuple[torch.Tensor, int]
+
+
+def note_grad(p: torch.Tensor) -> GradNote:
+    """``p``'s gradient as it is now, for :func:`changed_since` (``p.grad`` must be set)."""
+    assert p.grad is not None
+    return p.grad, p.grad._version
+
+
+def changed_since(p: torch.Tensor, note: GradNote) -> bool:
+    """Whether ``p``'s gradient was replaced or changed in place since ``note`` (clipped, scaled, edited)."""
+    grad, version = note
+    return p.grad is not grad or grad._version != version
 
 
 def collective_names(model: nn.Module, param_groups: list[dict[str, Any]]) -> dict[torch.Tensor, str]:
@@ -94,14 +109,14 @@ class GradientSync:
         self._short = False  # whether this step is a short window (fewer passes than accumulation_steps)
         self._last_short = False  # whether the previous step was
         #: Per parameter: its gradient and that tensor's version when its all-reduce started, until first waited for.
-        self._sent: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}
+        self._sent: dict[torch.Tensor, GradNote] = {}
         #: Whether the script changes the gradients between backward() and step() (clipping, as most loops do): then
         #: their averages are completed at the end of backward(), as DDP does, so that it changes the averages. None
         #: until a step tells (:meth:`learn_edits`); until then they are completed there too.
         self.edits_gradients: bool | None = None
         #: The gradients and their versions when they were averaged at the end of this step's backward(), while the
         #: first step that can tell is under way.
-        self._probe: dict[torch.Tensor, tuple[torch.Tensor, int]] | None = None
+        self._probe: dict[torch.Tensor, GradNote] | None = None
         #: Called when a backward pass begins after the gradients of this step's earlier passes were cleared (no
         #: step() between): True when it dropped those passes (the optimizer's _drop_cleared, which resets this).
         self.on_cleared: Callable[[], bool] | None = None
@@ -178,7 +193,7 @@ class GradientSync:
         # with copy_(), which counts, where it writes a CPU tensor and NCCL a CUDA one without counting.
         alias = p.grad.data
         self._handles[p] = self.backend.allreduce_async(alias, name) if self.order is None else self.order.allreduce(alias, name)
-        self._sent[p] = (p.grad, p.grad._version)
+        self._sent[p] = note_grad(p)
 
     def start_missing(self) -> None:
         """Start the all-reduce of every gradient whose hook did not (set outside autograd's accumulation)."""
@@ -233,7 +248,7 @@ class GradientSync:
         not known whether it does, their versions noted for :meth:`learn_edits`."""
         self.synchronize()
         if self.edits_gradients is None:
-            self._probe = {p: (p.grad, p.grad._version) for p in self._counts if p.grad is not None}
+            self._probe = {p: note_grad(p) for p in self._counts if p.grad is not None}
 
     def learn_edits(self) -> None:
         """At ``step()``: whether the script changed the gradients since backward() averaged them (the first step that
@@ -242,13 +257,13 @@ class GradientSync:
         The K-FAC step asks; an optimizer that waits for every gradient as its ``step()`` begins (DistributedAdamW,
         DHO2) need not, and its averages are completed at the end of backward() on every step."""
         if self._probe is not None:
-            self.edits_gradients = any(p.grad is not grad or grad._version != version for p, (grad, version) in self._probe.items())
+            self.edits_gradients = any(changed_since(p, note) for p, note in self._probe.items())
             self._probe = None
 
-    def _check_untouched(self, p: torch.Tensor, grad: torch.Tensor, version: int) -> None:
-        """Raise RuntimeError when ``p``'s gradient (``grad`` at ``version`` when its all-reduce started) was changed
-        in place or replaced while its all-reduce ran."""
-        if p.grad is not grad or grad._version != version:
+    def _check_untouched(self, p: torch.Tensor, sent: GradNote) -> None:
+        """Raise RuntimeError when ``p``'s gradient (``sent``: as its all-reduce started) was changed in place or
+        replaced while its all-reduce ran."""
+        if changed_since(p, sent):
             raise RuntimeError(
                 f"the gradient of {self.names.get(p, '?')!r} was changed (clipped, scaled, edited or replaced) between "
                 "backward() and step() while its all-reduce was still running: the average would mix the change with "
@@ -271,7 +286,7 @@ class GradientSync:
             if handle is not None:
                 sent = self._sent.pop(p, None)  # (checked at the first wait only)
                 if sent is not None and checked:
-                    self._check_untouched(p, *sent)
+                    self._check_untouched(p, sent)
                 handle.wait()
         if self.record is not None:
             self.record.grad_wait += Timeline.now() - t0

@@ -35,7 +35,7 @@ import torch.nn as nn
 from ..kfac.layers import KFACLayer, functional_submodules
 from ..options import Option
 from ..step.compiled_hooks import run_eagerly
-from ..step.grad_sync import GradientSync
+from ..step.grad_sync import GradientSync, GradNote, changed_since, note_grad
 from ..step.module_hooks import HookHandle, load_state_dict_pre_hooks, register
 from ..step.nonfinite import non_finite
 from .base_update import BaseOptimizer, sgd_param_update
@@ -296,7 +296,7 @@ class BackwardFusion:
         self.finished = False
         self.bad: list[str] = []
         #: The gradients this step's updates used and their versions (read at step(): a later change is lost).
-        self._used: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}
+        self._used: dict[torch.Tensor, GradNote] = {}
         self._ready: deque[_Unit] = deque()
         self._queued = False
         for unit in self.units:
@@ -345,15 +345,15 @@ class BackwardFusion:
         self.bad = non_finite((self.names.get(p, "?"), p.grad) for p in used if p.grad is not None)
         if self.bad:
             self.rollback()
-        self._used = {b.param: (b.param.grad, b.param.grad._version) for b in self._backups if b.param.grad is not None}
+        self._used = {b.param: note_grad(b.param) for b in self._backups if b.param.grad is not None}
         self.finished = True
 
     def check_unchanged(self) -> None:
         """At ``step()``: raise if the script changed a gradient this step's update had used in ``backward()``
         (clipping between ``backward()`` and ``step()``): the change would be lost on the fused steps and kept on the
         others, silently."""
-        for p, (grad, version) in self._used.items():
-            if p.grad is not grad or grad._version != version:
+        for p, note in self._used.items():
+            if changed_since(p, note):
                 raise RuntimeError(
                     f"the gradient of {self.names.get(p, '?')!r} was changed (clipped, scaled or edited) between backward() "
                     "and step(), but update_fusion='backward' had already applied this step's update in backward(): the "
