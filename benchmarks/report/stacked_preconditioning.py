@@ -15,7 +15,9 @@ def stacked_preconditioning(path: Path, d: dict[str, Any]) -> list[str]:
     lines = [
         "`step()` on plain steps (K-FAC amortised 10/100), same-shape layers preconditioned stacked against layer by "
         "layer, two copies of the model stepped in alternation; medians. Above 1 the stacking is slower, which is "
-        "why it is on by default on a GPU only ([docs/gpu.md](../docs/gpu.md)).",
+        "why it is on by default on a GPU only ([docs/gpu.md](../docs/gpu.md)). Operations: the ATen operations one "
+        "plain `step()` issues, views left out (on a GPU, kernel launches; on this CPU they include a finiteness sum "
+        "per parameter that a GPU does in one multi-tensor norm).",
         "",
     ]
     rows = [
@@ -25,8 +27,19 @@ def stacked_preconditioning(path: Path, d: dict[str, Any]) -> list[str]:
             f"{ms(r['per_layer']['median'])} ms",
             f"{ms(r['stacked']['median'])} ms",
             f"{r['ratio']:.2f}x",
+            f"{r['operations']['per_layer']} / {r['operations']['stacked']}" if "operations" in r else "not counted",
         ]
         for name, r in d["models"].items()
     ]
-    lines += table(["model", "layers stacked (groups)", "layer by layer", "stacked", "stacked / layer by layer"], rows)
+    lines += table(
+        [
+            "model",
+            "layers stacked (groups)",
+            "layer by layer",
+            "stacked",
+            "stacked / layer by layer",
+            "operations: layer by layer / stacked",
+        ],
+        rows,
+    )
     return lines + command_block(d, "benchmarks.stacked_preconditioning", ".venv/bin/python -m benchmarks.stacked_preconditioning")

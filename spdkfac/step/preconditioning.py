@@ -19,7 +19,7 @@ import torch
 from ..comm import CommBackend, Handle
 from ..kfac.layers import KFACLayer
 from ..plan.work_plan import WorkPlan
-from .stacked_preconditioning import StackedDecompositions
+from .stacked_preconditioning import StackedDecompositions, StackedGradients
 from .timeline import IterationRecord, Timeline
 
 __all__ = ["Preconditioner", "kl_clip_scale", "scale_updates_"]
@@ -91,25 +91,34 @@ class Preconditioner:
         t0 = Timeline.now() if record is not None else 0.0
         waited0 = record.grad_wait if record is not None else 0.0
         layers = [layer for layer in self.layers if layer.helper.weight.grad is not None]
+        stacked: list[tuple[list[int], StackedGradients, torch.Tensor]] = []  # groups read and written as stacks
         if self.plan.groups is not None:
             grads, updates = self._distributed(layers, damping, wait_for_grads, record)
         else:
-            grads, updates = self._local(layers, damping, wait_for_grads)
+            grads, updates = self._local(layers, damping, wait_for_grads, stacked)
+        in_stacks = {i for unit, _, _ in stacked for i in unit}
+        alone = [i for i in range(len(layers)) if i not in in_stacks]
         scale = kl_clip_scale(grads, updates, lr, kl_clip)
         if scale is not None:
-            scale_updates_(updates, scale)
-        for layer, update in zip(layers, updates):
-            layer.write_grad(update)
+            scale_updates_([update for _, _, update in stacked] + [updates[i] for i in alone], scale)
+        for _, gradients, update in stacked:
+            gradients.write(update)
+        for i in alone:
+            layers[i].write_grad(updates[i])
         if record is not None:
             record.precondition += Timeline.now() - t0 - (record.grad_wait - waited0)
 
-    def _local(self, layers: list[KFACLayer], damping: float, wait_for_grads: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _local(
+        self, layers: list[KFACLayer], damping: float, wait_for_grads: bool, stacked: list[tuple[list[int], StackedGradients, torch.Tensor]]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Every layer preconditioned here, same-shape layers stacked (:mod:`.stacked_preconditioning`).
 
         A group is preconditioned stacked when all its layers have a gradient
-        this step (else layer by layer). With ``wait_for_grads`` the groups are
-        taken in the order their gradients complete: the last-sent (first) layer
-        of each last.
+        this step (else layer by layer); where their types read and write the
+        gradient by views, it is read as one stack and its update, appended to
+        ``stacked``, is written back as one. With ``wait_for_grads`` the groups
+        are taken in the order their gradients complete: the last-sent (first)
+        layer of each last.
         """
         present = {layer.name: i for i, layer in enumerate(layers)}
         stack = self.stack_groups
@@ -122,16 +131,26 @@ class Preconditioner:
         found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for unit in sorted(units, key=min, reverse=True) if wait_for_grads else sorted(units, key=min):
             members = [layers[i] for i in unit]
-            grads = [self._grad(layer, wait_for_grads) for layer in (reversed(members) if wait_for_grads else members)]
             if wait_for_grads:
-                grads.reverse()
+                for layer in reversed(members):
+                    self.wait_grads(layer.params())
             if len(unit) == 1:
-                found[unit[0]] = (grads[0], members[0].precondition(grads[0], damping))
+                grad = self._grad(members[0], wait=False)
+                found[unit[0]] = (grad, members[0].precondition(grad, damping))
                 continue
+            gradients = StackedGradients.of(members)
+            if gradients is not None:
+                grad = gradients.read()
+                grads = list(grad.unbind(0))
+            else:
+                grads = [self._grad(layer, wait=False) for layer in members]
+                grad = torch.stack(grads)
             a, g = self.stacks.stacked(members)
-            stacked = members[0].method.precondition(torch.stack(grads), a, g, damping)
-            for i, grad, update in zip(unit, grads, stacked.unbind(0)):
-                found[i] = (grad, update)
+            update = members[0].method.precondition(grad, a, g, damping)
+            if gradients is not None:
+                stacked.append((unit, gradients, update))
+            for i, layer_grad, layer_update in zip(unit, grads, update.unbind(0)):
+                found[i] = (layer_grad, layer_update)
         return [found[i][0] for i in range(len(layers))], [found[i][1] for i in range(len(layers))]
 
     def _grad(self, layer: KFACLayer, wait: bool) -> torch.Tensor:

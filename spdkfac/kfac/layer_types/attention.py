@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import LayerHelper, SplitHelper
+from .base import LayerHelper, SplitHelper, bias_grad_view
 from .linear import LinearHelper
 
 __all__ = ["AttentionProjection", "AttentionSplit", "ExplicitAttention", "ProjectionHelper", "SharedInputGram", "explicit_attention"]
@@ -165,6 +165,12 @@ class ProjectionHelper(LinearHelper):
         if self.bias.grad is None:
             self.bias.grad = torch.zeros_like(self.bias)
         self.bias.grad[self.module.rows].copy_(update[:, -1])
+
+    def grad_views(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        grad = self.weight.grad
+        if grad is None:
+            return None
+        return grad[self.rows], None if self.bias is None else bias_grad_view(self.bias)[self.module.rows]
 
 
 def _float_mask(mask: torch.Tensor | None, name: str, dtype: torch.dtype) -> torch.Tensor | None:

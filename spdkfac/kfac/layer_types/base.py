@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from ..factor_shape import FactorShape
 
-__all__ = ["LayerHelper", "SplitHelper"]
+__all__ = ["LayerHelper", "SplitHelper", "bias_grad_view", "split_bias_column", "with_bias_column"]
 
 
 class LayerHelper(abc.ABC):
@@ -107,6 +107,15 @@ class LayerHelper(abc.ABC):
     def write_grad(self, update: torch.Tensor) -> None:
         """Copy an update in :attr:`grad_shape` back into the parameters' gradients."""
 
+    def grad_views(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The gradient's weight part (``g x a_w``) and bias column (``g``; None without a bias) as views of the
+        parameters' gradients: what :meth:`grad` joins and :meth:`write_grad` copies into, so that same-shape
+        layers can be read and written together (:mod:`spdkfac.step.stacked_preconditioning`). A missing bias
+        gradient is created as zeros (what :meth:`write_grad` does). None (the default) where the gradient is not
+        such a pair of views: no gradient yet, block-diagonal factors, a layout a view cannot express.
+        """
+        return None
+
     def describe(self) -> dict[str, Any]:
         """What the start-up summary shows of this layer."""
         return {"A": self.a_shape.describe(), "G": self.g_shape.describe()}
@@ -143,6 +152,13 @@ def with_bias_column(weight_part: torch.Tensor, bias: torch.Tensor | None) -> to
     return torch.cat([weight_part, bias_grad.reshape(*weight_part.shape[:-1], 1)], dim=-1)
 
 
+def bias_grad_view(bias: torch.Tensor) -> torch.Tensor:
+    """``bias.grad``, created as zeros where it has none yet (what :func:`split_bias_column` writes into)."""
+    if bias.grad is None:
+        bias.grad = torch.zeros_like(bias)
+    return bias.grad
+
+
 def split_bias_column(
     update: torch.Tensor,
     weight: torch.Tensor,
@@ -156,9 +172,7 @@ def split_bias_column(
     """
     if bias is not None:
         w_part, b_part = update[..., :-1], update[..., -1]
-        if bias.grad is None:
-            bias.grad = torch.zeros_like(bias)
-        bias.grad.copy_(b_part.reshape(bias.shape))
+        bias_grad_view(bias).copy_(b_part.reshape(bias.shape))
     else:
         w_part = update
     assert weight.grad is not None  # the caller preconditioned grad(), which needs it

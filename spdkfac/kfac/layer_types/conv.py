@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..conv_gram import conv_input_gram
 from ..factor_shape import FactorShape
 from ..linalg import channel_gram, mirrored_upper, symmetric_gram
-from .base import LayerHelper, split_bias_column, with_bias_column
+from .base import LayerHelper, bias_grad_view, split_bias_column, with_bias_column
 
 __all__ = ["ConvHelper", "GroupedConvolution", "block_gram", "conv_output_gram", "spatial_pair", "symmetric_zero_padding", "with_bias_row"]
 
@@ -96,6 +96,15 @@ class GroupedConvolution(LayerHelper):
 
     def write_grad(self, update: torch.Tensor) -> None:
         split_bias_column(update, self.weight, self.bias, as_weight=self._as_weight)
+
+    def grad_views(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        grad = self.weight.grad
+        if grad is None or len(self.grad_shape) != 2:
+            return None
+        matrix = self._as_matrix(grad)
+        if matrix.untyped_storage().data_ptr() != grad.untyped_storage().data_ptr():
+            return None  # a copy (a channels-last gradient, a transposed convolution's swapped channels): not a view
+        return matrix, None if self.bias is None else bias_grad_view(self.bias)
 
 
 class ConvHelper(GroupedConvolution):

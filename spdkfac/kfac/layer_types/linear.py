@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from ..factor_shape import FactorShape
 from ..linalg import symmetric_gram
-from .base import LayerHelper, split_bias_column, with_bias_column
+from .base import LayerHelper, bias_grad_view, split_bias_column, with_bias_column
 
 __all__ = ["LinearHelper"]
 
@@ -44,3 +44,8 @@ class LinearHelper(LayerHelper):
 
     def write_grad(self, update: torch.Tensor) -> None:
         split_bias_column(update, self.weight, self.bias)
+
+    def grad_views(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        if self.weight.grad is None:
+            return None
+        return self.weight.grad, None if self.bias is None else bias_grad_view(self.bias)

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..factor_shape import FactorShape
-from .base import split_bias_column, with_bias_column
+from .base import bias_grad_view, split_bias_column, with_bias_column
 from .linear import LinearHelper
 
 __all__ = ["TransposedLinearHelper"]
@@ -51,3 +51,8 @@ class TransposedLinearHelper(LinearHelper):
 
     def write_grad(self, update: torch.Tensor) -> None:
         split_bias_column(update, self.weight, self.bias, as_weight=lambda w: w.T)
+
+    def grad_views(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        if self.weight.grad is None:
+            return None
+        return self.weight.grad.T, None if self.bias is None else bias_grad_view(self.bias)

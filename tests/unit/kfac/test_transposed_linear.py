@@ -25,6 +25,7 @@ import spdkfac.kfac.layer_types as layer_types
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm.inprocess import run_ranks
 from spdkfac.kfac.layer_types import TransposedLinearHelper, make_helper
+from spdkfac.step.stacked_preconditioning import StackedGradients
 
 DAMPING, DECAY = 0.05, 0.5
 
@@ -155,3 +156,21 @@ def test_a_subclass_with_its_own_forward_and_a_malformed_layer_are_left_out(conv
     odd.bias = nn.Parameter(torch.zeros(4))
     assert make_helper(odd) is None
     assert layer_types.unsupported_reason(odd) == "a bias that is not one value per output feature (3)"
+
+
+def test_gradient_views_are_the_transposed_weight_and_the_bias(conv1d):
+    """Same-shape Conv1D layers are read and written as one stack (views of their gradients): what each layer's
+    own grad_matrix() reads and write_grad() leaves, bitwise."""
+    torch.manual_seed(0)
+    parts = nn.ModuleList(conv1d(3, 4) for _ in range(2))
+    opt = SPDKFACOptimizer(parts, backend="single", lr=0.1, damping=DAMPING)
+    x = torch.randn(5, 4)
+    sum(part(x).pow(2).sum() for part in parts).backward()
+    gradients = StackedGradients.of(opt.layers)
+    assert gradients is not None
+    assert torch.equal(gradients.read(), torch.stack([layer.grad_matrix() for layer in opt.layers]))
+    updates = torch.randn(2, 3, 5)
+    gradients.write(updates)
+    for part, written in zip(parts, updates):
+        assert torch.equal(part.weight.grad, written[:, :-1].T)
+        assert torch.equal(part.bias.grad, written[:, -1])
