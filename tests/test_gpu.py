@@ -22,12 +22,13 @@ import pytest
 import torch
 import torch.nn as nn
 from launch import ROOT, run_workers
-from nets import assert_bitwise_equal, batch, mixed_net, shared_net, small_net, train
+from nets import assert_bitwise_equal, batch, mixed_net, shared_net, small_net, small_transformer, train
 from torch._dynamo.utils import counters
 from unit.kfac.test_embedding_outside_use import OUTSIDE, TinyLM
 from unit.kfac.test_embedding_outside_use import _steps as lm_steps
 from unit.kfac.test_embedding_outside_use import _tokens as lm_tokens
 from unit.kfac.test_reference_kfac import ConvLinearNet, ReferenceKFAC
+from unit.step.test_stacked_preconditioning import RepeatedNet
 
 from spdkfac import KFACPreconditioner, SPDKFACOptimizer
 from spdkfac.kfac.layers import KFACLayer, make_helper
@@ -35,6 +36,7 @@ from spdkfac.kfac.linalg import cupy_available, invert_spd
 from spdkfac.kfac.tensor_cores import keeps_half_rows
 from spdkfac.plan.memory_check import available_bytes, layer_memory
 from spdkfac.step import compiled_hooks
+from spdkfac.step.stacked_preconditioning import StackedGradients
 from spdkfac.update.your_optimizer import STATE_KEY
 
 pytestmark = pytest.mark.gpu
@@ -81,7 +83,9 @@ def _train_on(
     hyper = {**HYPER, **options}
     if hyper.get("base", "sgd") != "sgd":
         del hyper["momentum"]  # betas instead
+    stack_groups = hyper.pop("stack_groups", None)
     opt = SPDKFACOptimizer(model, backend="single", **hyper)
+    opt.kfac_step.preconditioner.stack_groups = stack_groups  # (None: the default, stacked on a GPU only)
     x, y = batch(samples)
     train(model, opt, x.to(device, dtype), y.to(device), steps)
     assert opt.steps == steps
@@ -345,6 +349,26 @@ def test_two_processes_on_one_device_equal_one(device: torch.device, tmp_path, m
         assert_bitwise_equal(ranks[0][name]["params"], ranks[1][name]["params"], f"{name} parameters")
         if "grad_worker_fraction" not in json.loads(configs)[name]:  # (there each rank holds its own layers' decompositions)
             assert_bitwise_equal(ranks[0][name]["optimizer_state"], ranks[1][name]["optimizer_state"], f"{name} optimizer state")
+
+
+def _repeated_net() -> nn.Module:
+    torch.manual_seed(0)
+    return RepeatedNet()
+
+
+@pytest.mark.parametrize("net", [_repeated_net, small_transformer], ids=["repeated-blocks", "transformer"])
+def test_same_shape_layers_stacked_on_device_equal_cpu_float64(device: torch.device, net) -> None:
+    """Same-shape layers preconditioned stacked (the default on a GPU; forced here so that the CPU run of this test
+    stacks too): their gradients read and their updates written back as one stack, the KL clip's products summed
+    per stack on a GPU. The parameters of the CPU's float64 run layer by layer, with a clip that binds."""
+    options = dict(factor_update_freq=2, inv_update_freq=4, kl_clip=1e-4)
+    got, opt = _train_on(device, torch.float64, {**options, "stack_groups": True}, net=net)
+    want, _ = _train_on(torch.device("cpu"), torch.float64, {**options, "stack_groups": False}, net=net)
+    groups = [g for g in opt.kfac_step.preconditioner.stacks.groups(opt.layers) if len(g) > 1]
+    assert groups
+    assert all(StackedGradients.of([opt.layers[i] for i in g]) is not None for g in groups)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-9, atol=1e-11, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_preconditioner_attached_to_a_torch_optimizer_on_device(device: torch.device) -> None:

@@ -23,6 +23,7 @@ from .tensor_cores import HALF_DTYPES, gram_of_half_rows
 __all__ = [
     "all_finite",
     "channel_gram",
+    "checks_by_norm",
     "cupy_available",
     "invert_clamped_eigh",
     "invert_spd",
@@ -189,6 +190,12 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return not non_finite_indices([tensor])
 
 
+def checks_by_norm(device: torch.device) -> bool:
+    """Whether :func:`non_finite_indices` reads each tensor's largest magnitude (one multi-tensor pass: off the CPU)
+    rather than its sum."""
+    return device.type != "cpu"
+
+
 def non_finite_indices(tensors: Sequence[torch.Tensor]) -> list[int]:
     """The positions of the tensors that hold a NaN or an infinity, with one host synchronisation in all.
 
@@ -208,7 +215,7 @@ def non_finite_indices(tensors: Sequence[torch.Tensor]) -> list[int]:
     flags, order = [], []
     for (device, _), positions in groups.items():
         group = [tensors[i].detach() for i in positions]
-        values = torch._foreach_norm(group, math.inf) if device.type != "cpu" else [t.sum() for t in group]
+        values = torch._foreach_norm(group, math.inf) if checks_by_norm(device) else [t.sum() for t in group]
         flags.append(torch.isfinite(torch.stack(values)).to(home))
         order += positions
     finite = torch.cat(flags)

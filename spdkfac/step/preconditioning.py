@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -22,13 +23,19 @@ from ..plan.work_plan import WorkPlan
 from .stacked_preconditioning import StackedDecompositions, StackedGradients
 from .timeline import IterationRecord, Timeline
 
-__all__ = ["Preconditioner", "kl_clip_scale", "scale_updates_"]
+__all__ = ["Preconditioner", "kl_clip_scale", "scale_updates_", "sums_stacks_at_once"]
 
 #: Blocks until the given parameters' averaged gradients are in place.
 GradWaiter = Callable[[list[torch.Tensor]], None]
 
 
-def kl_clip_scale(grads: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], lr: float, kl_clip: float | None) -> torch.Tensor | None:
+#: ``(positions among the layers, gradient stack, update stack)`` of layers preconditioned stacked.
+Stack = tuple[Sequence[int], torch.Tensor, torch.Tensor]
+
+
+def kl_clip_scale(
+    grads: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], lr: float, kl_clip: float | None, stacks: Sequence[Stack] = ()
+) -> torch.Tensor | None:
     """The factor every update is multiplied by, ``min(1, sqrt(kl_clip / |Σ lr² v·grad|))``, as a float64 scalar
     tensor on the updates' device (None without a clip).
 
@@ -36,15 +43,25 @@ def kl_clip_scale(grads: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
     synchronisation for it (the host would otherwise wait for the whole
     preconditioning before issuing the rest of the step). The arithmetic is
     the float64 one of summing the layers' float32 products in order (a
-    sequential cumulative sum), then the square root and the clamp.
+    sequential cumulative sum), then the square root and the clamp. The
+    layers of ``stacks`` (slices of those stacks in ``grads`` and
+    ``updates``) have their products summed by one reduction per stack on a
+    GPU, where each sum is a kernel launch (to rounding the per-layer sums);
+    on the CPU layer by layer, bitwise as unstacked.
     """
     if kl_clip is None:
         return None
     if not updates:
         return torch.ones((), dtype=torch.float64)
     home = updates[0].device
+    found: dict[int, torch.Tensor] = {}
+    for positions, grad, update in stacks:
+        if sums_stacks_at_once(update.device):
+            found.update(zip(positions, torch.mul(update, grad).sum(dim=(1, 2)).unbind(0)))
+    rest = [i for i in range(len(updates)) if i not in found]
     # The products in one multi-tensor call (the same per-element products as ``update * grad``: fewer launches).
-    products = [product.sum() for product in torch._foreach_mul(list(updates), list(grads))]
+    found.update(zip(rest, (product.sum() for product in torch._foreach_mul([updates[i] for i in rest], [grads[i] for i in rest]))))
+    products = [found[i] for i in range(len(updates))]
     if len({(p.dtype, p.device) for p in products}) == 1:
         per_layer = torch.stack(products).to(torch.float64)
     else:
@@ -52,6 +69,11 @@ def kl_clip_scale(grads: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
     vg_sum = per_layer.cumsum(0)[-1].mul(lr**2).abs()
     scale = torch.sqrt(torch.div(kl_clip, vg_sum)).clamp_(max=1.0)
     return torch.where(vg_sum > 0, scale, torch.ones_like(scale))  # (NaN or no product: 1; the NaN check follows)
+
+
+def sums_stacks_at_once(device: torch.device) -> bool:
+    """Whether the KL clip sums a stack's per-layer products by one reduction: off the CPU (see :func:`kl_clip_scale`)."""
+    return device.type != "cpu"
 
 
 def scale_updates_(updates: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
@@ -63,6 +85,17 @@ def scale_updates_(updates: Sequence[torch.Tensor], scale: torch.Tensor) -> None
     for (dtype, device), group in groups.items():
         factor = scale.to(device, torch.float64 if dtype == torch.float64 else torch.float32)
         torch._foreach_mul_(group, factor)
+
+
+@dataclass
+class _Stacked:
+    """A group preconditioned stacked: its positions among the step's layers, its gradient and update stacks, and
+    the views its gradients are read and written by as one (None: layer by layer)."""
+
+    positions: list[int]
+    grad: torch.Tensor
+    update: torch.Tensor
+    views: StackedGradients | None
 
 
 class Preconditioner:
@@ -91,32 +124,36 @@ class Preconditioner:
         t0 = Timeline.now() if record is not None else 0.0
         waited0 = record.grad_wait if record is not None else 0.0
         layers = [layer for layer in self.layers if layer.helper.weight.grad is not None]
-        stacked: list[tuple[list[int], StackedGradients, torch.Tensor]] = []  # groups read and written as stacks
+        stacked: list[_Stacked] = []
         if self.plan.groups is not None:
             grads, updates = self._distributed(layers, damping, wait_for_grads, record)
         else:
             grads, updates = self._local(layers, damping, wait_for_grads, stacked)
-        in_stacks = {i for unit, _, _ in stacked for i in unit}
+        in_stacks = {i for group in stacked for i in group.positions}
         alone = [i for i in range(len(layers)) if i not in in_stacks]
-        scale = kl_clip_scale(grads, updates, lr, kl_clip)
+        scale = kl_clip_scale(grads, updates, lr, kl_clip, [(group.positions, group.grad, group.update) for group in stacked])
         if scale is not None:
-            scale_updates_([update for _, _, update in stacked] + [updates[i] for i in alone], scale)
-        for _, gradients, update in stacked:
-            gradients.write(update)
+            scale_updates_([group.update for group in stacked] + [updates[i] for i in alone], scale)
+        for group in stacked:
+            if group.views is not None:
+                group.views.write(group.update)
+            else:
+                for i in group.positions:
+                    layers[i].write_grad(updates[i])
         for i in alone:
             layers[i].write_grad(updates[i])
         if record is not None:
             record.precondition += Timeline.now() - t0 - (record.grad_wait - waited0)
 
     def _local(
-        self, layers: list[KFACLayer], damping: float, wait_for_grads: bool, stacked: list[tuple[list[int], StackedGradients, torch.Tensor]]
+        self, layers: list[KFACLayer], damping: float, wait_for_grads: bool, stacked: list[_Stacked]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Every layer preconditioned here, same-shape layers stacked (:mod:`.stacked_preconditioning`).
 
         A group is preconditioned stacked when all its layers have a gradient
-        this step (else layer by layer); where their types read and write the
-        gradient by views, it is read as one stack and its update, appended to
-        ``stacked``, is written back as one. With ``wait_for_grads`` the groups
+        this step (else layer by layer), and appended to ``stacked``; where
+        their types read and write the gradient by views, it is read as one
+        stack and its update is written back as one. With ``wait_for_grads`` the groups
         are taken in the order their gradients complete: the last-sent (first)
         layer of each last.
         """
@@ -138,17 +175,16 @@ class Preconditioner:
                 grad = self._grad(members[0], wait=False)
                 found[unit[0]] = (grad, members[0].precondition(grad, damping))
                 continue
-            gradients = StackedGradients.of(members)
-            if gradients is not None:
-                grad = gradients.read()
+            views = StackedGradients.of(members)
+            if views is not None:
+                grad = views.read()
                 grads = list(grad.unbind(0))
             else:
                 grads = [self._grad(layer, wait=False) for layer in members]
                 grad = torch.stack(grads)
             a, g = self.stacks.stacked(members)
             update = members[0].method.precondition(grad, a, g, damping)
-            if gradients is not None:
-                stacked.append((unit, gradients, update))
+            stacked.append(_Stacked(unit, grad, update, views))
             for i, layer_grad, layer_update in zip(unit, grads, update.unbind(0)):
                 found[i] = (layer_grad, layer_update)
         return [found[i][0] for i in range(len(layers))], [found[i][1] for i in range(len(layers))]

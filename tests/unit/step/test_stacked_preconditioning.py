@@ -17,6 +17,7 @@ from nets import batch, train
 from spdkfac import SPDKFACOptimizer
 from spdkfac.kfac.layer_types.linear import LinearHelper
 from spdkfac.perfmodels import PerfModel
+from spdkfac.step import preconditioning
 from spdkfac.step.stacked_preconditioning import StackedDecompositions, StackedGradients, _views_are_its_gradient, stack_key
 
 HYPER = dict(
@@ -275,3 +276,41 @@ def test_a_group_of_one_shape_with_and_without_biases_is_stacked_and_equals_laye
             assert StackedGradients.of([opt.layers[i] for i in groups[0]]) is None  # read layer by layer, then stacked
     for name, value in results[0].items():
         assert torch.equal(results[1][name], value), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_kl_clip_sums_a_stack_at_once_off_the_cpu(monkeypatch, dtype):
+    """On a GPU a stack's per-layer products are summed by one reduction (to rounding the per-layer sums; the
+    CPU keeps those, bitwise). Forced here on the CPU: the clip binds, and training matches layer by layer."""
+    reductions = []
+
+    def at_once(device: torch.device) -> bool:
+        reductions.append(device)
+        return True
+
+    ref_model, _ = run(stacked=False, dtype=dtype, kl_clip=1e-4)
+    monkeypatch.setattr(preconditioning, "sums_stacks_at_once", at_once)
+    model, _opt = run(stacked=True, dtype=dtype, kl_clip=1e-4)
+    assert len(reductions) >= 2 * 6  # two groups, every step
+    tolerance = dict(rtol=1e-12, atol=1e-14) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for name, value in params(ref_model).items():
+        torch.testing.assert_close(params(model)[name], value, **tolerance, msg=name)
+    unclipped, _ = run(stacked=True, dtype=dtype, kl_clip=None)
+    assert not torch.allclose(params(unclipped)["head.weight"], params(model)["head.weight"], rtol=1e-3)  # it binds
+
+
+def test_kl_clip_scale_of_stacks_equals_the_per_layer_one(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    grads, updates = torch.randn(4, 6, 9, generator=gen), torch.randn(4, 6, 9, generator=gen) * 1e-2
+    single_g, single_u = torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
+    layer_grads = [grads[0], grads[1], single_g, grads[2], grads[3]]  # a stack's layers need not be adjacent
+    layer_updates = [updates[0], updates[1], single_u, updates[2], updates[3]]
+    stacks = [([0, 1, 3, 4], grads, updates)]
+    per_layer = preconditioning.kl_clip_scale(layer_grads, layer_updates, lr=0.1, kl_clip=1e-6)
+    assert float(per_layer) < 1
+    assert torch.equal(preconditioning.kl_clip_scale(layer_grads, layer_updates, lr=0.1, kl_clip=1e-6, stacks=stacks), per_layer)
+    monkeypatch.setattr(preconditioning, "sums_stacks_at_once", lambda device: True)
+    at_once = preconditioning.kl_clip_scale(layer_grads, layer_updates, lr=0.1, kl_clip=1e-6, stacks=stacks)
+    torch.testing.assert_close(at_once, per_layer, rtol=1e-6, atol=0)
+    wrong = [([0, 1, 2, 3], grads, updates)]  # the positions are read: the single layer's product would be lost
+    assert not torch.allclose(preconditioning.kl_clip_scale(layer_grads, layer_updates, lr=0.1, kl_clip=1e-6, stacks=wrong), per_layer)
