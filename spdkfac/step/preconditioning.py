@@ -59,8 +59,10 @@ def kl_clip_scale(
         if sums_stacks_at_once(update.device):
             found.update(zip(positions, torch.mul(update, grad).sum(dim=(1, 2)).unbind(0)))
     rest = [i for i in range(len(updates)) if i not in found]
-    # The products in one multi-tensor call (the same per-element products as ``update * grad``: fewer launches).
-    found.update(zip(rest, (product.sum() for product in torch._foreach_mul([updates[i] for i in rest], [grads[i] for i in rest]))))
+    if rest:  # (none where every layer is in a stack)
+        # The products in one multi-tensor call (the same per-element products as ``update * grad``: fewer launches).
+        elementwise = torch._foreach_mul([updates[i] for i in rest], [grads[i] for i in rest])
+        found.update(zip(rest, (product.sum() for product in elementwise)))
     products = [found[i] for i in range(len(updates))]
     if len({(p.dtype, p.device) for p in products}) == 1:
         per_layer = torch.stack(products).to(torch.float64)

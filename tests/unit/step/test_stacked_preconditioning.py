@@ -312,5 +312,12 @@ def test_kl_clip_scale_of_stacks_equals_the_per_layer_one(monkeypatch):
     monkeypatch.setattr(preconditioning, "sums_stacks_at_once", lambda device: True)
     at_once = preconditioning.kl_clip_scale(layer_grads, layer_updates, lr=0.1, kl_clip=1e-6, stacks=stacks)
     torch.testing.assert_close(at_once, per_layer, rtol=1e-6, atol=0)
+    every = [([0, 1, 2, 3], grads, updates)]  # every layer in a stack: nothing left to sum layer by layer
+    torch.testing.assert_close(
+        preconditioning.kl_clip_scale(list(grads), list(updates), lr=0.1, kl_clip=1e-6, stacks=every),
+        preconditioning.kl_clip_scale(list(grads), list(updates), lr=0.1, kl_clip=1e-6),
+        rtol=1e-6,
+        atol=0,
+    )
     wrong = [([0, 1, 2, 3], grads, updates)]  # the positions are read: the single layer's product would be lost
     assert not torch.allclose(preconditioning.kl_clip_scale(layer_grads, layer_updates, lr=0.1, kl_clip=1e-6, stacks=wrong), per_layer)
