@@ -12,9 +12,10 @@ import io
 import pytest
 import torch
 import torch.nn as nn
-from nets import batch, train
+from nets import batch, mixed_net, small_transformer, train
 
 from spdkfac import SPDKFACOptimizer
+from spdkfac.kfac import linalg
 from spdkfac.kfac.layer_types.linear import LinearHelper
 from spdkfac.perfmodels import PerfModel
 from spdkfac.step import preconditioning
@@ -321,3 +322,48 @@ def test_kl_clip_scale_of_stacks_equals_the_per_layer_one(monkeypatch):
     )
     wrong = [([0, 1, 2, 3], grads, updates)]  # the positions are read: the single layer's product would be lost
     assert not torch.allclose(preconditioning.kl_clip_scale(layer_grads, layer_updates, lr=0.1, kl_clip=1e-6, stacks=wrong), per_layer)
+
+
+class OneShape(nn.Module):
+    """Every layer of one shape: all of them in one stack, none left alone (8 logits for the 5 classes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.flatten(1)[:, :8]
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return h
+
+
+def _one_shape() -> nn.Module:
+    torch.manual_seed(0)
+    return OneShape().double()
+
+
+@pytest.mark.parametrize("net", ["one-shape", "repeated", "transformer", "mixed"])
+def test_the_gpu_choices_forced_on_the_cpu_train_as_layer_by_layer(monkeypatch, net):
+    """What a GPU runs differently in a plain step (stacked groups, the KL clip's sums per stack, the finiteness check
+    by norms), forced on the CPU: the layer-by-layer parameters to rounding."""
+    make = {
+        "one-shape": _one_shape,
+        "repeated": lambda: RepeatedNet().double(),
+        "transformer": lambda: small_transformer().double(),
+        "mixed": lambda: mixed_net().double(),
+    }[net]
+    results = []
+    for gpu in (False, True):
+        if gpu:
+            monkeypatch.setattr(preconditioning, "sums_stacks_at_once", lambda device: True)
+            monkeypatch.setattr(linalg, "checks_by_norm", lambda device: True)
+        torch.manual_seed(0)
+        model = make()
+        opt = SPDKFACOptimizer(model, **{**HYPER, "kl_clip": 1e-4, "factor_update_freq": 2, "inv_update_freq": 4})
+        opt.kfac_step.preconditioner.stack_groups = gpu
+        x, y = batch(16)
+        train(model, opt, x.double(), y, 6)
+        results.append(params(model))
+    for name, value in results[0].items():
+        torch.testing.assert_close(results[1][name], value, rtol=1e-10, atol=1e-12, msg=name)
