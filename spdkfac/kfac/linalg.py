@@ -222,7 +222,8 @@ def non_finite_indices(tensors: Sequence[torch.Tensor]) -> list[int]:
     if bool(finite.all()):  # the one read-back of the usual, all-finite case
         return []
     suspects = [order[k] for k, ok in enumerate(finite.tolist()) if not ok]
-    return sorted(i for i in suspects if tensors[i].device.type != "cpu" or not bool(torch.isfinite(tensors[i]).all()))
+    # A largest magnitude decides; a sum that is not finite may be an overflow of finite values, checked element-wise.
+    return sorted(i for i in suspects if checks_by_norm(tensors[i].device) or not bool(torch.isfinite(tensors[i]).all()))
 
 
 @functools.lru_cache(maxsize=1)

@@ -110,9 +110,14 @@ def test_mirror_upper_keeps_upper_and_replaces_lower():
     assert torch.equal(out, out.T)
 
 
-def test_non_finite_indices():
-    """NaN, +inf and -inf anywhere are found; huge finite values (whose sum overflows) are not; dtypes mix."""
+@pytest.mark.parametrize("by", ["sum", "norm"], ids=["cpu-sums", "gpu-norms"])
+def test_non_finite_indices(by, monkeypatch):
+    """NaN, +inf and -inf anywhere are found; huge finite values (whose sum overflows) are not; dtypes mix. By the
+    CPU's sums and by the largest magnitudes a GPU reads (forced here)."""
+    from spdkfac.kfac import linalg
     from spdkfac.kfac.linalg import non_finite_indices
+
+    monkeypatch.setattr(linalg, "checks_by_norm", lambda device: by == "norm")
 
     big = torch.full((4,), 3e38)  # finite, but its sum is inf in float32
     tensors = [torch.ones(3), big, torch.ones(2, 2, dtype=torch.float64), torch.zeros(5), torch.ones(1, dtype=torch.bfloat16)]
