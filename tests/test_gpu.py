@@ -36,7 +36,7 @@ from spdkfac.kfac.linalg import cupy_available, invert_spd
 from spdkfac.kfac.tensor_cores import keeps_half_rows
 from spdkfac.plan.memory_check import available_bytes, layer_memory
 from spdkfac.step import compiled_hooks
-from spdkfac.step.stacked_preconditioning import StackedGradients
+from spdkfac.step.gradient_views import StackedGradients
 from spdkfac.update.your_optimizer import STATE_KEY
 
 pytestmark = pytest.mark.gpu

@@ -20,7 +20,8 @@ import torch
 from ..comm import CommBackend, Handle
 from ..kfac.layers import KFACLayer
 from ..plan.work_plan import WorkPlan
-from .stacked_preconditioning import StackedDecompositions, StackedGradients
+from .gradient_views import GradientWrites, StackedGradients
+from .stacked_preconditioning import StackedDecompositions
 from .timeline import IterationRecord, Timeline
 
 __all__ = ["Preconditioner", "kl_clip_scale", "scale_updates_", "sums_stacks_at_once"]
@@ -92,7 +93,7 @@ def scale_updates_(updates: Sequence[torch.Tensor], scale: torch.Tensor) -> None
 @dataclass
 class _Stacked:
     """A group preconditioned stacked: its positions among the step's layers, its gradient and update stacks, and
-    the views its gradients are read and written by as one (None: layer by layer)."""
+    the views its gradients were read by as one (None: layer by layer)."""
 
     positions: list[int]
     grad: torch.Tensor
@@ -136,14 +137,16 @@ class Preconditioner:
         scale = kl_clip_scale(grads, updates, lr, kl_clip, [(group.positions, group.grad, group.update) for group in stacked])
         if scale is not None:
             scale_updates_([group.update for group in stacked] + [updates[i] for i in alone], scale)
+        writes = GradientWrites()
         for group in stacked:
             if group.views is not None:
-                group.views.write(group.update)
+                writes.add_stack(group.views, group.update)
             else:
                 for i in group.positions:
-                    layers[i].write_grad(updates[i])
+                    writes.add(layers[i], updates[i])
         for i in alone:
-            layers[i].write_grad(updates[i])
+            writes.add(layers[i], updates[i])
+        writes.write()
         if record is not None:
             record.precondition += Timeline.now() - t0 - (record.grad_wait - waited0)
 
@@ -154,8 +157,8 @@ class Preconditioner:
 
         A group is preconditioned stacked when all its layers have a gradient
         this step (else layer by layer), and appended to ``stacked``; where
-        their types read and write the gradient by views, it is read as one
-        stack and its update is written back as one. With ``wait_for_grads`` the groups
+        their types give their gradients as views, it is read as one stack.
+        With ``wait_for_grads`` the groups
         are taken in the order their gradients complete: the last-sent (first)
         layer of each last.
         """

@@ -7,9 +7,8 @@ For a method whose preconditioning is products that broadcast over a leading
 dimension (:attr:`~spdkfac.kfac.methods.base.DecompositionMethod.stackable`),
 the layers that agree in shapes, dtypes and device are stacked and
 preconditioned by one call; where their layer type gives its gradient as
-views (:meth:`~spdkfac.kfac.layer_types.base.LayerHelper.grad_views`), the
-group's gradients are read as one stack and its updates written back by one
-multi-tensor copy (:class:`StackedGradients`). By default only on a GPU: on the CPU the
+views, the group's gradients are read as one stack
+(:class:`~spdkfac.step.gradient_views.StackedGradients`). By default only on a GPU: on the CPU the
 arithmetic paces the step, and the stacked products and the copies into the
 stack measured slower (:attr:`Preconditioner.stack_groups
 <spdkfac.step.preconditioning.Preconditioner.stack_groups>`).
@@ -30,17 +29,15 @@ groups, so the replicas stay bit-identical.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..kfac.layer_types.base import LayerHelper
 from ..kfac.layers import KFACLayer
 
-__all__ = ["StackedDecompositions", "StackedGradients", "stack_key"]
+__all__ = ["StackedDecompositions", "stack_key"]
 
 
 def stack_key(layer: KFACLayer) -> tuple[Any, ...] | None:
@@ -123,61 +120,3 @@ class StackedDecompositions:
                 layer.set_decomposition("G", g)
             self._stacks[names] = stack
         return stack.a, stack.g
-
-
-class StackedGradients:
-    """A group's gradients read as one stack and its updates written back from one, by views of the gradients.
-
-    Layer by layer, reading joins each weight gradient to its bias column (one
-    copy per layer) and writing copies both back (two per layer); on a GPU
-    each is a kernel launch. Here the group's weight parts and bias columns
-    are stacked at once and written back with one multi-tensor copy each. The
-    values are those of each layer's own :meth:`~spdkfac.kfac.layers.KFACLayer.grad_matrix`
-    and :meth:`~spdkfac.kfac.layers.KFACLayer.write_grad` (copies only).
-    """
-
-    def __init__(self, views: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
-        self.views = views
-
-    @classmethod
-    def of(cls, layers: Sequence[KFACLayer]) -> StackedGradients | None:
-        """The group's gradient views; None where a layer has none (its type reads or writes otherwise), or the
-        layers differ in having a bias (their matrices then agree in shape only)."""
-        if not all(_views_are_its_gradient(type(layer.helper)) for layer in layers):
-            return None
-        views = [layer.helper.grad_views() for layer in layers]
-        if any(v is None for v in views):
-            return None
-        found = [v for v in views if v is not None]
-        if len({bias is None for _, bias in found}) != 1:
-            return None
-        return cls(found)
-
-    def read(self) -> torch.Tensor:
-        """The ``(n, g, a)`` stack of the layers' gradient matrices (bias as the last column)."""
-        weights = torch.stack([weight for weight, _ in self.views])
-        if self.views[0][1] is None:
-            return weights
-        biases = torch.stack([bias for _, bias in self.views if bias is not None])
-        return torch.cat([weights, biases.unsqueeze(-1)], dim=-1)
-
-    def write(self, updates: torch.Tensor) -> None:
-        """Copy the ``(n, g, a)`` updates into the layers' gradients."""
-        weight_part = updates
-        if self.views[0][1] is not None:
-            weight_part = updates[..., :-1]
-            torch._foreach_copy_([bias for _, bias in self.views if bias is not None], list(updates[..., -1].unbind(0)))
-        torch._foreach_copy_([weight for weight, _ in self.views], list(weight_part.unbind(0)))
-
-
-@functools.cache
-def _views_are_its_gradient(helper_type: type[LayerHelper]) -> bool:
-    """Whether the type's ``grad_views`` is declared where (or below where) its ``grad()`` and ``write_grad()``
-    are: a subclass that reads or writes its gradient otherwise, with its parent's views, keeps its own read
-    and write."""
-    owner = _declared_by(helper_type, "grad_views")
-    return all(issubclass(owner, _declared_by(helper_type, name)) for name in ("grad", "write_grad"))
-
-
-def _declared_by(cls: type, name: str) -> type:
-    return next(c for c in cls.__mro__ if name in vars(c))

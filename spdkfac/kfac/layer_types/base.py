@@ -110,7 +110,7 @@ class LayerHelper(abc.ABC):
     def grad_views(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The gradient's weight part (``g x a_w``) and bias column (``g``; None without a bias) as views of the
         parameters' gradients: what :meth:`grad` joins and :meth:`write_grad` copies into, so that same-shape
-        layers can be read and written together (:mod:`spdkfac.step.stacked_preconditioning`). A missing bias
+        layers can be read as one stack and updates written together (:mod:`spdkfac.step.gradient_views`). A missing bias
         gradient is created as zeros (what :meth:`write_grad` does). None (the default) where the gradient is not
         such a pair of views: no gradient yet, block-diagonal factors, a layout a view cannot express.
         """

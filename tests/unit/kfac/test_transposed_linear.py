@@ -25,7 +25,7 @@ import spdkfac.kfac.layer_types as layer_types
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm.inprocess import run_ranks
 from spdkfac.kfac.layer_types import TransposedLinearHelper, make_helper
-from spdkfac.step.stacked_preconditioning import StackedGradients
+from spdkfac.step.gradient_views import GradientWrites, StackedGradients
 
 DAMPING, DECAY = 0.05, 0.5
 
@@ -170,7 +170,9 @@ def test_gradient_views_are_the_transposed_weight_and_the_bias(conv1d):
     assert gradients is not None
     assert torch.equal(gradients.read(), torch.stack([layer.grad_matrix() for layer in opt.layers]))
     updates = torch.randn(2, 3, 5)
-    gradients.write(updates)
+    writes = GradientWrites()
+    writes.add_stack(gradients, updates)
+    writes.write()
     for part, written in zip(parts, updates):
         assert torch.equal(part.weight.grad, written[:, :-1].T)
         assert torch.equal(part.bias.grad, written[:, -1])

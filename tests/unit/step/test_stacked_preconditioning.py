@@ -16,10 +16,10 @@ from nets import batch, mixed_net, small_transformer, train
 
 from spdkfac import SPDKFACOptimizer
 from spdkfac.kfac import linalg
-from spdkfac.kfac.layer_types.linear import LinearHelper
 from spdkfac.perfmodels import PerfModel
 from spdkfac.step import preconditioning
-from spdkfac.step.stacked_preconditioning import StackedDecompositions, StackedGradients, _views_are_its_gradient, stack_key
+from spdkfac.step.gradient_views import StackedGradients
+from spdkfac.step.stacked_preconditioning import StackedDecompositions, stack_key
 
 HYPER = dict(
     lr=0.05, momentum=0.9, weight_decay=1e-3, damping=0.01, factor_decay=0.9, kl_clip=0.01, backend="single", perf_model=PerfModel.default()
@@ -156,96 +156,6 @@ def test_by_default_layers_are_stacked_on_a_gpu_only():
     forced, _ = run(stacked=True, steps=3)
     for name, value in params(forced).items():
         assert torch.equal(params(model)[name], value), name
-
-
-class Repeated(nn.Module):
-    """Three modules of one type and shape side by side on one input (or one attention module: its q, k, v)."""
-
-    def __init__(self, make) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(make() for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sum(part(x).pow(2).sum() for part in self.parts)
-
-
-class Attention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attn(x, x, x, need_weights=False)[0].pow(2).sum()
-
-
-VIEW_CASES = {  # name -> (model, input, whether its layers' gradients are views)
-    "linear": (lambda: Repeated(lambda: nn.Linear(6, 4)), (5, 6), True),
-    "linear-no-bias": (lambda: Repeated(lambda: nn.Linear(6, 4, bias=False)), (5, 6), True),
-    "conv2d": (lambda: Repeated(lambda: nn.Conv2d(3, 4, 3)), (2, 3, 6, 6), True),
-    "conv2d-channels-last": (lambda: Repeated(lambda: nn.Conv2d(3, 4, 3)).to(memory_format=torch.channels_last), (2, 3, 6, 6), False),
-    "conv1d": (lambda: Repeated(lambda: nn.Conv1d(3, 4, 3, bias=False)), (2, 3, 7), True),
-    "conv-transpose": (lambda: Repeated(lambda: nn.ConvTranspose2d(3, 4, 3)), (2, 3, 5, 5), False),
-    "grouped-conv": (lambda: Repeated(lambda: nn.Conv2d(4, 4, 3, groups=2)), (2, 4, 6, 6), False),
-    "attention-qkv": (Attention, (2, 5, 6), True),
-}
-
-
-@pytest.mark.parametrize("case", list(VIEW_CASES))
-@pytest.mark.parametrize("bias_grad", ["present", "missing"])
-def test_a_stack_of_gradient_views_reads_and_writes_what_each_layer_does(case, bias_grad, float64):
-    """Read: the stack of each layer's grad_matrix(); write: what each layer's write_grad() leaves, bitwise."""
-    make, shape, views = VIEW_CASES[case]
-    torch.manual_seed(0)
-    model = make().double()
-    opt = SPDKFACOptimizer(model, **HYPER)
-    model(torch.randn(shape, dtype=torch.float64)).backward()
-    layers = [layer for layer in opt.layers if not layer.name.endswith("out_proj")]
-    assert len(layers) == 3
-    biases = [layer.helper.bias for layer in layers if layer.helper.bias is not None]
-    if bias_grad == "missing":
-        if not biases:
-            pytest.skip("no bias")
-        for bias in biases:
-            bias.grad = None  # (a bias frozen, or not used this step): its column reads as zeros
-    expected_read = torch.stack([layer.grad_matrix() for layer in layers])
-    gradients = StackedGradients.of(layers)
-    if not views:
-        assert gradients is None
-        return
-    assert gradients is not None
-    assert torch.equal(gradients.read(), expected_read)
-    updates = torch.randn(expected_read.shape, dtype=torch.float64)
-    params_ = list(dict.fromkeys(p for layer in layers for p in layer.params()))
-    before = [p.grad.clone() for p in params_]
-    for layer, update in zip(layers, updates):
-        layer.write_grad(update)
-    expected = [p.grad.clone() for p in params_]
-    for p, grad in zip(params_, before):
-        p.grad.copy_(grad)
-    gradients.write(updates)
-    for p, grad, old in zip(params_, expected, before):
-        assert torch.equal(p.grad, grad)
-        assert not torch.equal(p.grad, old)
-
-
-def test_a_helper_that_reads_or_writes_otherwise_keeps_its_own_read_and_write():
-    class Halving(LinearHelper):  # a subclass that changes the write, with its parent's views
-        def write_grad(self, update: torch.Tensor) -> None:
-            super().write_grad(update / 2)
-
-    class HalvingWithViews(Halving):
-        def grad_views(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-            return None
-
-    assert _views_are_its_gradient(LinearHelper)
-    assert not _views_are_its_gradient(Halving)
-    assert _views_are_its_gradient(HalvingWithViews)
-    model = Repeated(lambda: nn.Linear(6, 4))
-    opt = SPDKFACOptimizer(model, **HYPER)
-    model(torch.randn(5, 6)).backward()
-    assert StackedGradients.of(opt.layers) is not None
-    opt.layers[1].helper.__class__ = Halving
-    assert StackedGradients.of(opt.layers) is None
 
 
 class MixedBiases(nn.Module):

@@ -1,0 +1,121 @@
+"""The layers' gradients read and written through views: a group's gradients as one stack, every update in two copies.
+
+Layer by layer, reading a gradient joins the weight's gradient to its bias
+column (one copy), and writing an update back copies its two parts into the
+weight and bias gradients (two copies). On a GPU each copy is a kernel
+launch, and launches, not arithmetic, pace a transformer's ``step()`` there
+(docs/experiments/gpu.md). A layer type that can give its gradient as views
+(:meth:`~spdkfac.kfac.layer_types.base.LayerHelper.grad_views`: the weight
+part as a ``g x a_w`` view of the weight's gradient, the bias column as the
+bias's) lets a group of same-shape layers be read as one stack
+(:class:`StackedGradients`), and every layer's update be written by two
+multi-tensor copies in all (:class:`GradientWrites`). Copies only: the values
+are those of each layer's own ``grad_matrix()`` and ``write_grad()``,
+bitwise, on every device.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from ..kfac.layer_types.base import LayerHelper
+from ..kfac.layers import KFACLayer
+
+__all__ = ["GradientWrites", "StackedGradients", "gradient_views"]
+
+#: A layer's weight part (``g x a_w``) and bias column (None without a bias), views of its gradients.
+Views = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+def gradient_views(layer: KFACLayer) -> Views | None:
+    """The layer's gradient views; None where its type has none, or reads or writes its gradient otherwise than
+    the views it inherits (a subclass overriding ``grad()`` or ``write_grad()`` alone)."""
+    if not _views_are_its_gradient(type(layer.helper)):
+        return None
+    return layer.helper.grad_views()
+
+
+class StackedGradients:
+    """A group's gradients read as one stack by their views (:func:`gradient_views`)."""
+
+    def __init__(self, views: list[Views]) -> None:
+        self.views = views
+
+    @classmethod
+    def of(cls, layers: Sequence[KFACLayer]) -> StackedGradients | None:
+        """The group's gradient views; None where a layer has none, or the layers differ in having a bias (their
+        matrices then agree in shape only)."""
+        views = [gradient_views(layer) for layer in layers]
+        found = [v for v in views if v is not None]
+        if len(found) != len(views) or len({bias is None for _, bias in found}) != 1:
+            return None
+        return cls(found)
+
+    def read(self) -> torch.Tensor:
+        """The ``(n, g, a)`` stack of the layers' gradient matrices (bias as the last column)."""
+        weights = torch.stack([weight for weight, _ in self.views])
+        if self.views[0][1] is None:
+            return weights
+        biases = torch.stack([bias for _, bias in self.views if bias is not None])
+        return torch.cat([weights, biases.unsqueeze(-1)], dim=-1)
+
+
+class GradientWrites:
+    """Updates gathered for writing into the layers' gradients, then written: by two multi-tensor copies (the weight
+    parts, the bias columns) for every layer with gradient views, by its own ``write_grad()`` for each other.
+
+    The layers' gradients must not overlap (tied modules are one layer), so
+    the order of the copies does not matter.
+    """
+
+    def __init__(self) -> None:
+        self._targets: list[torch.Tensor] = []
+        self._sources: list[torch.Tensor] = []
+        self._others: list[tuple[KFACLayer, torch.Tensor]] = []
+
+    def add(self, layer: KFACLayer, update: torch.Tensor) -> None:
+        """``update`` (in the layer's ``grad_shape``) for ``layer``'s gradients."""
+        views = gradient_views(layer)
+        if views is None:
+            self._others.append((layer, update))
+            return
+        weight, bias = views
+        if bias is None:
+            self._targets.append(weight)
+            self._sources.append(update)
+        else:
+            self._targets += [weight, bias]
+            self._sources += [update[..., :-1], update[..., -1]]
+
+    def add_stack(self, stacked: StackedGradients, updates: torch.Tensor) -> None:
+        """The ``(n, g, a)`` updates of a group read by ``stacked`` (their parts as views of two slices)."""
+        weights = [weight for weight, _ in stacked.views]
+        if stacked.views[0][1] is None:
+            self._targets += weights
+            self._sources += updates.unbind(0)
+            return
+        self._targets += weights + [bias for _, bias in stacked.views if bias is not None]
+        self._sources += updates[..., :-1].unbind(0) + updates[..., -1].unbind(0)
+
+    def write(self) -> None:
+        """Copy every gathered update into its gradients."""
+        if self._targets:
+            torch._foreach_copy_(self._targets, self._sources)
+        for layer, update in self._others:
+            layer.write_grad(update)
+
+
+@functools.cache
+def _views_are_its_gradient(helper_type: type[LayerHelper]) -> bool:
+    """Whether the type's ``grad_views`` is declared where (or below where) its ``grad()`` and ``write_grad()``
+    are: a subclass that reads or writes its gradient otherwise, with its parent's views, keeps its own read
+    and write."""
+    owner = _declared_by(helper_type, "grad_views")
+    return all(issubclass(owner, _declared_by(helper_type, name)) for name in ("grad", "write_grad"))
+
+
+def _declared_by(cls: type, name: str) -> type:
+    return next(c for c in cls.__mro__ if name in vars(c))
