@@ -36,7 +36,15 @@ import torch.nn.functional as F
 from .base import LayerHelper, SplitHelper, bias_grad_view
 from .linear import LinearHelper
 
-__all__ = ["AttentionProjection", "AttentionSplit", "ExplicitAttention", "ProjectionHelper", "SharedInputGram", "explicit_attention"]
+__all__ = [
+    "AttentionProjection",
+    "AttentionSplit",
+    "ExplicitAttention",
+    "ProjectionHelper",
+    "SharedInputGram",
+    "explicit_attention",
+    "projection_rows",
+]
 
 #: Layer-name suffixes of the three projections, in ``in_proj_weight``'s row order.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -76,10 +84,13 @@ class AttentionProjection(nn.Module):
         bias = self.owner.in_proj_bias
         return bias if isinstance(bias, nn.Parameter) else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight_param[self.rows] if self.packed else self.weight_param
-        bias = self.bias_param
-        return F.linear(x, weight, None if bias is None else bias[self.rows])
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear`` of ``x`` with this projection's rows, or with ``weight`` and ``bias`` (those rows, given as one
+        split of the owner's parameters: :func:`projection_rows`)."""
+        if weight is None:
+            weight = self.weight_param[self.rows] if self.packed else self.weight_param
+            bias = None if self.bias_param is None else self.bias_param[self.rows]
+        return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:
         return f"{PROJECTIONS[self.index]}, in_features={self.in_features}, out_features={self.out_features}"
@@ -193,6 +204,26 @@ def _heads_mask(mask: torch.Tensor, batch: int, heads: int, tgt: int, src: int) 
     )
 
 
+def projection_rows(mha: nn.MultiheadAttention) -> list[tuple[torch.Tensor, ...]]:
+    """Per projection, the arguments after its input: its weight and bias as views of one split of each packed
+    parameter (none where the weights are separate; the weight alone without a bias).
+
+    Sliced by each projection (``weight[rows]``), a packed parameter's
+    gradient would be three zero-filled copies summed in the backward pass
+    (six kernels and two sums per parameter on a GPU); split once, it is one
+    concatenation. The same views, so the same forward; the gradient the same
+    values.
+    """
+    weight: torch.Tensor | None = mha.in_proj_weight
+    bias: torch.Tensor | None = mha.in_proj_bias  # (None without biases; torch annotates it as a tensor)
+    if not mha._qkv_same_embed_dim or weight is None:  # (q, k and v with weights of their own)
+        return [() for _ in range(3)]
+    weights = weight.chunk(3)
+    if bias is None:
+        return [(w,) for w in weights]
+    return [(w, b) for w, b in zip(weights, bias.chunk(3))]
+
+
 def explicit_attention(
     mha: nn.MultiheadAttention,
     projections: tuple[AttentionProjection, ...],
@@ -221,7 +252,7 @@ def explicit_attention(
     head_dim = embed // heads
     for projection in projections:
         projection.training = mha.training
-    q, k, v = (projection(x) for projection, x in zip(projections, (query, key, value)))
+    q, k, v = (projection(x, *rows) for projection, x, rows in zip(projections, (query, key, value), projection_rows(mha)))
     if k.shape[:2] != v.shape[:2]:
         raise RuntimeError(f"nn.MultiheadAttention: key {tuple(key.shape)} and value {tuple(value.shape)} differ in batch or length")
     padding = _float_mask(key_padding_mask, "key_padding_mask", q.dtype)

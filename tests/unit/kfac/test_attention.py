@@ -22,10 +22,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from layer_reference import factors, update
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm.inprocess import run_ranks
-from spdkfac.kfac.layer_types.attention import ExplicitAttention, SharedInputGram, explicit_attention
+from spdkfac.kfac.layer_types.attention import ExplicitAttention, SharedInputGram, explicit_attention, projection_rows
 from spdkfac.kfac.layer_types.linear import LinearHelper
 
 pytestmark = pytest.mark.filterwarnings("ignore:no perf_model given")
@@ -470,3 +471,37 @@ def test_summary_covers_attention_and_names_what_it_refuses():
     summary = opt.kfac_summary()
     assert "1 x MyAttention: not supported: a subclass of MultiheadAttention with its own forward()" in summary
     assert [la.name for la in opt.layers] == ["0"]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_projections_split_once_and_their_gradients_are_one_concatenation(bias):
+    """q, k and v read their rows of ``in_proj_weight`` (and ``in_proj_bias``) as views of one split: the backward
+    pass concatenates their gradients, with no zero-filled copy per projection, and every value is the slicing's."""
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    grads = []
+    for rows in (projection_rows, lambda mha: [() for _ in range(3)]):  # split once; each projection slicing its rows
+        mha = _mha(bias=bias)
+        x = torch.randn(N, L, E, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        projections = ExplicitAttention(mha).projections
+        outputs = [p(x, *r) for p, r in zip(projections, rows(mha))]
+        with Ops() as ops:
+            sum((o * (i + 1)).sum() for i, o in enumerate(outputs)).backward()
+        grads.append((ops.names, {name: p.grad.clone() for name, p in mha.named_parameters() if p.grad is not None}, x.grad.clone()))
+    (split_ops, split_grads, split_x), (sliced_ops, sliced_grads, sliced_x) = grads
+    assert "aten.slice_backward" in sliced_ops  # (what the split avoids)
+    assert "aten.slice_backward" not in split_ops
+    assert split_grads.keys() == sliced_grads.keys()
+    assert "in_proj_weight" in split_grads
+    for name, grad in sliced_grads.items():
+        assert torch.equal(split_grads[name], grad), name
+    assert torch.equal(split_x, sliced_x)
+    assert projection_rows(_mha(kdim=KDIM, vdim=VDIM)) == [(), (), ()]  # separate weights: each projection its own
