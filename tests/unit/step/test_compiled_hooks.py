@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from nets import batch, mixed_net, shared_net, small_net, train
+from nets import batch, mixed_net, shared_net, small_net, small_transformer, train
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel
 
@@ -73,6 +73,18 @@ def test_every_layer_type_and_accumulation(float64, dynamo):
     for a, b in zip(eager.model.parameters(), compiled.model.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
     assert sum(counters["graph_break"].values()) == 0
+
+
+def test_attention_compiled_trains_as_eager_in_one_graph(float64, dynamo):
+    """nn.MultiheadAttention's explicit forward (q, k, v as projections of one split of in_proj_weight) compiled:
+    every projection's factors and update as eager, no graph break."""
+    eager = _run(small_transformer(), "eager")
+    compiled = _run(small_transformer(), "wrap", backend="aot_eager")
+    names = {layer.name for layer in compiled.layers}
+    assert {"encoder.layers.0.self_attn.q_proj", "encoder.layers.0.self_attn.v_proj"} <= names
+    for a, b in zip(eager.model.parameters(), compiled.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
 
 
 def test_forward_update_fusion_runs_its_hooks_eagerly(float64, dynamo):
