@@ -13,11 +13,13 @@ plain steps (no factors, no decompositions), medians. The default,
 ``stack_groups=None``, stacks on a GPU only, from this measurement.
 
 It also counts the ATen operations one plain ``step()`` issues in each arm,
-views and aliases left out: on a GPU each is a kernel launch, and launches
-pace a transformer's step there. They are counted as this machine runs the
-step, and as a GPU would: with the two choices the library makes by device
-taken the GPU's way (the finiteness check by one multi-tensor norm instead
-of a sum per parameter, the KL clip's products summed once per stack).
+views and aliases left out, and a multi-tensor operation as the kernels a
+GPU runs for it (one where its tensors are dense and laid out alike, else
+one per tensor): on a GPU each is a kernel launch, and launches pace a
+transformer's step there. They are counted as this machine runs the step,
+and as a GPU would: with the two choices the library makes by device taken
+the GPU's way (the finiteness check by one multi-tensor norm instead of a
+sum per parameter, the KL clip's products summed once per stack).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from spdkfac.kfac import linalg
 from spdkfac.models import get_model
 from spdkfac.runtime.output_path import output_file
 from spdkfac.step import preconditioning
+from spdkfac.step.gradient_views import same_layout
 
 from .common import RESULTS, machine, save_json, stats
 
@@ -48,7 +51,9 @@ QUICK_MODELS = {"cifar_resnet20 32x32, batch 4": ("cifar_resnet20", 32, 4)}
 
 
 class OperationCount(TorchDispatchMode):
-    """Counts the ATen operations run inside it that compute (views and aliases are not counted)."""
+    """Counts the ATen operations run inside it that compute (views and aliases are not counted), a multi-tensor
+    operation as the kernels a GPU runs for it: one where every tensor is dense and laid out as its partners in
+    the other lists (ATen's fast path), else one per tensor."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,8 +61,19 @@ class OperationCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if not func.is_view:
-            self.count += 1
+            self.count += kernels(str(func.overloadpacket), args)
         return func(*args, **(kwargs or {}))
+
+
+def kernels(name: str, args: Any) -> int:
+    """The kernels a GPU runs for one operation (multi-tensor ones: see :class:`OperationCount`)."""
+    if not name.startswith("aten._foreach_"):
+        return 1
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a)]
+    first = lists[0]
+    one_dtype = all(len({t.dtype for t in tensors}) == 1 for tensors in lists)
+    alike = all(same_layout(tensors[i], first[i]) for tensors in lists for i in range(len(first)))
+    return 1 if one_dtype and alike else len(first)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@ def stacked_preconditioning(path: Path, d: dict[str, Any]) -> list[str]:
         "`step()` on plain steps (K-FAC amortised 10/100), same-shape layers preconditioned stacked against layer by "
         "layer, two copies of the model stepped in alternation; medians. Above 1 the stacking is slower, which is "
         "why it is on by default on a GPU only ([docs/gpu.md](../docs/gpu.md)). Operations: the ATen operations one "
-        "plain `step()` issues, views left out (on a GPU, kernel launches), as this machine runs it and with the "
+        "plain `step()` issues, views left out, a multi-tensor one counted as the kernels a GPU runs for it (one "
+        "where its tensors are dense and laid out alike, else one per tensor), as this machine runs it and with the "
         "library's device-dependent choices taken as on a GPU (the finiteness check by one multi-tensor norm, not a "
         "sum per parameter; the KL clip's products summed once per stack).",
         "",

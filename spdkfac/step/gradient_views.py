@@ -8,10 +8,14 @@ launch, and launches, not arithmetic, pace a transformer's ``step()`` there
 (:meth:`~spdkfac.kfac.layer_types.base.LayerHelper.grad_views`: the weight
 part as a ``g x a_w`` view of the weight's gradient, the bias column as the
 bias's) lets a group of same-shape layers be read as one stack
-(:class:`StackedGradients`), and every layer's update be written by two
-multi-tensor copies in all (:class:`GradientWrites`). Copies only: the values
-are those of each layer's own ``grad_matrix()`` and ``write_grad()``,
-bitwise, on every device.
+(:class:`StackedGradients`), and the updates be written by multi-tensor
+copies (:class:`GradientWrites`). On a GPU such a copy is one kernel only
+where every part is dense and laid out as its gradient: a stacked group's
+parts are (its weight parts and bias columns are made contiguous at once),
+a layer's own update is not (its weight part skips the bias column), so a
+layer alone still costs a kernel per part. Copies only: the values are
+those of each layer's own ``grad_matrix()`` and ``write_grad()``, bitwise,
+on every device.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 from ..kfac.layer_types.base import LayerHelper
 from ..kfac.layers import KFACLayer
 
-__all__ = ["GradientWrites", "StackedGradients", "gradient_views"]
+__all__ = ["GradientWrites", "StackedGradients", "gradient_views", "same_layout"]
 
 #: A layer's weight part (``g x a_w``) and bias column (None without a bias), views of its gradients.
 Views = tuple[torch.Tensor, "torch.Tensor | None"]
@@ -64,8 +68,8 @@ class StackedGradients:
 
 
 class GradientWrites:
-    """Updates gathered for writing into the layers' gradients, then written: by two multi-tensor copies (the weight
-    parts, the bias columns) for every layer with gradient views, by its own ``write_grad()`` for each other.
+    """Updates gathered for writing into the layers' gradients, then written: by multi-tensor copies for every layer
+    with gradient views (:meth:`write`), by its own ``write_grad()`` for each other.
 
     The layers' gradients must not overlap (tied modules are one layer), so
     the order of the copies does not matter.
@@ -91,21 +95,49 @@ class GradientWrites:
             self._sources += [update[..., :-1], update[..., -1]]
 
     def add_stack(self, stacked: StackedGradients, updates: torch.Tensor) -> None:
-        """The ``(n, g, a)`` updates of a group read by ``stacked`` (their parts as views of two slices)."""
+        """The ``(n, g, a)`` updates of a group read by ``stacked``: its weight parts and bias columns each made
+        contiguous at once (one copy each), so that every part is laid out as its gradient is."""
         weights = [weight for weight, _ in stacked.views]
         if stacked.views[0][1] is None:
             self._targets += weights
             self._sources += updates.unbind(0)
             return
         self._targets += weights + [bias for _, bias in stacked.views if bias is not None]
-        self._sources += updates[..., :-1].unbind(0) + updates[..., -1].unbind(0)
+        self._sources += updates[..., :-1].contiguous().unbind(0) + updates[..., -1].contiguous().unbind(0)
 
     def write(self) -> None:
-        """Copy every gathered update into its gradients."""
-        if self._targets:
-            torch._foreach_copy_(self._targets, self._sources)
+        """Copy every gathered update into its gradients: one multi-tensor copy per dtype pair for the parts laid
+        out as their gradients (one kernel on a GPU), one for the rest (a kernel each)."""
+        alike: dict[tuple[torch.dtype, torch.dtype, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        rest: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for target, source in zip(self._targets, self._sources):
+            lists = alike.setdefault((target.dtype, source.dtype, target.device), ([], [])) if same_layout(target, source) else rest
+            lists[0].append(target)
+            lists[1].append(source)
+        for targets, sources in [*alike.values(), rest]:
+            if targets:
+                torch._foreach_copy_(targets, sources)
         for layer, update in self._others:
             layer.write_grad(update)
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are dense and laid out alike (sizes, and strides where a size is not 1): what a
+    multi-tensor op on a GPU needs of every pair to run as one kernel (else it runs a kernel per tensor)."""
+    if a.shape != b.shape or a.device != b.device or not (_dense(a) and _dense(b)):
+        return False
+    return all(size == 1 or sa == sb for size, sa, sb in zip(a.shape, a.stride(), b.stride()))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory span without gaps or overlaps (its strides a permutation of a
+    contiguous tensor's)."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 @functools.cache

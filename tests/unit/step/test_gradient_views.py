@@ -13,7 +13,7 @@ from nets import batch, mixed_net, small_transformer
 from spdkfac import SPDKFACOptimizer
 from spdkfac.kfac.layer_types.linear import LinearHelper
 from spdkfac.perfmodels import PerfModel
-from spdkfac.step.gradient_views import GradientWrites, StackedGradients, _views_are_its_gradient, gradient_views
+from spdkfac.step.gradient_views import GradientWrites, StackedGradients, _views_are_its_gradient, gradient_views, same_layout
 
 HYPER = dict(lr=0.05, damping=0.01, backend="single", perf_model=PerfModel.default())
 
@@ -157,3 +157,32 @@ def test_writes_of_every_layer_type_leave_what_each_layer_writes(net):
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
             assert torch.equal(p.grad, q.grad), name
+
+
+def test_same_layout_is_what_a_gpu_copies_in_one_kernel():
+    base = torch.randn(4, 7)
+    assert same_layout(torch.randn(4, 6), torch.randn(4, 6))
+    assert not same_layout(torch.randn(4, 6), base[:, :-1])  # a weight part that skips the bias column: gaps
+    assert not same_layout(torch.randn(4, 1).expand(4, 6), torch.randn(4, 6))  # overlapping
+    assert not same_layout(torch.randn(6, 4).T, torch.randn(4, 6))  # dense, laid out otherwise
+    assert same_layout(torch.randn(6, 4).T, torch.randn(6, 4).T)
+    assert same_layout(torch.randn(4, 1, 6)[:, :, :], torch.randn(4, 6, 1).transpose(1, 2))  # a size-1 dimension's stride is free
+    assert not same_layout(torch.randn(4, 6), torch.randn(6, 4))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_stacked_groups_parts_are_laid_out_as_their_gradients(bias):
+    """A stacked group's update parts are dense and laid out as the gradients they go to (on a GPU: one kernel for
+    the group's copies); a layer written alone has a weight part that skips its bias column."""
+    model = Repeated(lambda: nn.Linear(6, 4, bias=bias))
+    opt = SPDKFACOptimizer(model, **HYPER)
+    model(torch.randn(5, 6)).backward()
+    stacked = StackedGradients.of(opt.layers)
+    updates = torch.randn(stacked.read().shape)
+    writes = GradientWrites()
+    writes.add_stack(stacked, updates)
+    assert len(writes._targets) == (6 if bias else 3)
+    assert all(same_layout(t, s) for t, s in zip(writes._targets, writes._sources))
+    alone = GradientWrites()
+    alone.add(opt.layers[0], updates[0])
+    assert all(same_layout(t, s) for t, s in zip(alone._targets, alone._sources)) == (not bias)
