@@ -1,4 +1,4 @@
-"""The layers' gradients read and written through views: a group's gradients as one stack, every update in two copies.
+"""The layers' gradients read and written through views: a group's gradients as one stack, updates by multi-tensor copies.
 
 Layer by layer, reading a gradient joins the weight's gradient to its bias
 column (one copy), and writing an update back copies its two parts into the

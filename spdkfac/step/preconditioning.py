@@ -158,9 +158,8 @@ class Preconditioner:
         A group is preconditioned stacked when all its layers have a gradient
         this step (else layer by layer), and appended to ``stacked``; where
         their types give their gradients as views, it is read as one stack.
-        With ``wait_for_grads`` the groups
-        are taken in the order their gradients complete: the last-sent (first)
-        layer of each last.
+        With ``wait_for_grads`` the groups are taken in the order their
+        gradients complete: the last-sent (first) layer of each last.
         """
         present = {layer.name: i for i, layer in enumerate(layers)}
         stack = self.stack_groups
