@@ -17,9 +17,10 @@ views and aliases left out, and a multi-tensor operation as the kernels a
 GPU runs for it (one where its tensors are dense and laid out alike, else
 one per tensor): on a GPU each is a kernel launch, and launches pace a
 transformer's step there. They are counted as this machine runs the step,
-and as a GPU would: with the two choices the library makes by device taken
-the GPU's way (the finiteness check by one multi-tensor norm instead of a
-sum per parameter, the KL clip's products summed once per stack).
+and as a GPU would: with the choices the library makes by device taken the
+GPU's way (the finiteness check by one multi-tensor norm instead of a sum
+per parameter, the KL clip's products summed once per stack, the
+write-back's copies sorted by layout).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from spdkfac import make_optimizer
 from spdkfac.kfac import linalg
 from spdkfac.models import get_model
 from spdkfac.runtime.output_path import output_file
-from spdkfac.step import preconditioning
+from spdkfac.step import gradient_views, preconditioning
 from spdkfac.step.gradient_views import same_layout
 
 from .common import RESULTS, machine, save_json, stats
@@ -79,12 +80,12 @@ def kernels(name: str, args: Any) -> int:
 @contextlib.contextmanager
 def gpu_choices() -> Iterator[None]:
     """The library's device-dependent choices of a plain step taken as on a GPU, whatever the device."""
-    saved = linalg.checks_by_norm, preconditioning.sums_stacks_at_once
-    linalg.checks_by_norm = preconditioning.sums_stacks_at_once = lambda device: True  # type: ignore[assignment]
+    saved = linalg.checks_by_norm, preconditioning.sums_stacks_at_once, gradient_views.copies_by_layout
+    linalg.checks_by_norm = preconditioning.sums_stacks_at_once = gradient_views.copies_by_layout = lambda device: True  # type: ignore[assignment]
     try:
         yield
     finally:
-        linalg.checks_by_norm, preconditioning.sums_stacks_at_once = saved  # type: ignore[assignment]
+        linalg.checks_by_norm, preconditioning.sums_stacks_at_once, gradient_views.copies_by_layout = saved  # type: ignore[assignment]
 
 
 def count_plain_step(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor) -> int:

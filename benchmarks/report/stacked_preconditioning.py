@@ -19,7 +19,7 @@ def stacked_preconditioning(path: Path, d: dict[str, Any]) -> list[str]:
         "plain `step()` issues, views left out, a multi-tensor one counted as the kernels a GPU runs for it (one "
         "where its tensors are dense and laid out alike, else one per tensor), as this machine runs it and with the "
         "library's device-dependent choices taken as on a GPU (the finiteness check by one multi-tensor norm, not a "
-        "sum per parameter; the KL clip's products summed once per stack).",
+        "sum per parameter; the KL clip's products summed once per stack; the write-back's copies sorted by layout).",
         "",
     ]
     rows = [

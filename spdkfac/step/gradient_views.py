@@ -28,7 +28,7 @@ import torch
 from ..kfac.layer_types.base import LayerHelper
 from ..kfac.layers import KFACLayer
 
-__all__ = ["GradientWrites", "StackedGradients", "gradient_views", "same_layout"]
+__all__ = ["GradientWrites", "StackedGradients", "copies_by_layout", "gradient_views", "same_layout"]
 
 #: A layer's weight part (``g x a_w``) and bias column (None without a bias), views of its gradients.
 Views = tuple[torch.Tensor, "torch.Tensor | None"]
@@ -106,27 +106,43 @@ class GradientWrites:
         self._sources += updates[..., :-1].contiguous().unbind(0) + updates[..., -1].contiguous().unbind(0)
 
     def write(self) -> None:
-        """Copy every gathered update into its gradients: one multi-tensor copy per dtype pair for the parts laid
-        out as their gradients (one kernel on a GPU), one for the rest (a kernel each)."""
+        """Copy every gathered update into its gradients: off the CPU, one multi-tensor copy per dtype pair for the
+        parts laid out as their gradients (one kernel on a GPU) and one for the rest (a kernel each); on the CPU one
+        for all."""
+        for targets, sources in self._copies():
+            torch._foreach_copy_(targets, sources)
+        for layer, update in self._others:
+            layer.write_grad(update)
+
+    def _copies(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """The (targets, sources) lists :meth:`write` copies, one multi-tensor copy each."""
+        if not self._targets:
+            return []
+        if not copies_by_layout(self._targets[0].device):
+            return [(self._targets, self._sources)]
         alike: dict[tuple[torch.dtype, torch.dtype, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         rest: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for target, source in zip(self._targets, self._sources):
             lists = alike.setdefault((target.dtype, source.dtype, target.device), ([], [])) if same_layout(target, source) else rest
             lists[0].append(target)
             lists[1].append(source)
-        for targets, sources in [*alike.values(), rest]:
-            if targets:
-                torch._foreach_copy_(targets, sources)
-        for layer, update in self._others:
-            layer.write_grad(update)
+        return [lists for lists in [*alike.values(), rest] if lists[0]]
+
+
+def copies_by_layout(device: torch.device) -> bool:
+    """Whether :meth:`GradientWrites.write` sorts its copies by layout: off the CPU, where a multi-tensor copy of parts
+    laid out as their gradients is one kernel (on the CPU it is a loop of copies whatever the layout)."""
+    return device.type != "cpu"
 
 
 def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are dense and laid out alike (sizes, and strides where a size is not 1): what a
     multi-tensor op on a GPU needs of every pair to run as one kernel (else it runs a kernel per tensor)."""
-    if a.shape != b.shape or a.device != b.device or not (_dense(a) and _dense(b)):
+    if a.shape != b.shape or a.device != b.device:
         return False
-    return all(size == 1 or sa == sb for size, sa, sb in zip(a.shape, a.stride(), b.stride()))
+    if a.is_contiguous() and b.is_contiguous():  # (the usual case, answered without reading strides in Python)
+        return True
+    return _dense(a) and _dense(b) and all(size == 1 or sa == sb for size, sa, sb in zip(a.shape, a.stride(), b.stride()))
 
 
 def _dense(t: torch.Tensor) -> bool:

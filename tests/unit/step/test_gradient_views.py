@@ -13,6 +13,7 @@ from nets import batch, mixed_net, small_transformer
 from spdkfac import SPDKFACOptimizer
 from spdkfac.kfac.layer_types.linear import LinearHelper
 from spdkfac.perfmodels import PerfModel
+from spdkfac.step import gradient_views as gradient_views_module
 from spdkfac.step.gradient_views import GradientWrites, StackedGradients, _views_are_its_gradient, gradient_views, same_layout
 
 HYPER = dict(lr=0.05, damping=0.01, backend="single", perf_model=PerfModel.default())
@@ -123,10 +124,12 @@ def test_a_helper_that_reads_or_writes_otherwise_keeps_its_own_read_and_write():
     assert torch.equal(model.parts[1].bias.grad, torch.full((4,), 0.5))
 
 
+@pytest.mark.parametrize("by_layout", [False, True], ids=["one-copy", "sorted-by-layout"])
 @pytest.mark.parametrize("net", ["mixed", "mixed-channels-last", "transformer"])
-def test_writes_of_every_layer_type_leave_what_each_layer_writes(net):
-    """Every layer of a model written in one GradientWrites (views where the type has them, else its own write):
-    the parameters' gradients of each layer's own write_grad(), bitwise."""
+def test_writes_of_every_layer_type_leave_what_each_layer_writes(net, by_layout, monkeypatch):
+    """Every layer of a model written in one GradientWrites (views where the type has them, else its own write),
+    in one copy (the CPU's) or sorted by layout (a GPU's, forced): each layer's own write_grad(), bitwise."""
+    monkeypatch.setattr(gradient_views_module, "copies_by_layout", lambda device: by_layout)
     model = small_transformer() if net == "transformer" else mixed_net()
     if net == "mixed-channels-last":  # the 2-D convolutions' weights (and so their gradients)
         for m in model.modules():

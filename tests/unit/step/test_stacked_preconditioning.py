@@ -17,7 +17,7 @@ from nets import batch, mixed_net, small_transformer, train
 from spdkfac import SPDKFACOptimizer
 from spdkfac.kfac import linalg
 from spdkfac.perfmodels import PerfModel
-from spdkfac.step import preconditioning
+from spdkfac.step import gradient_views, preconditioning
 from spdkfac.step.gradient_views import StackedGradients
 from spdkfac.step.stacked_preconditioning import StackedDecompositions, stack_key
 
@@ -256,7 +256,7 @@ def _one_shape() -> nn.Module:
 @pytest.mark.parametrize("net", ["one-shape", "repeated", "transformer", "mixed"])
 def test_the_gpu_choices_forced_on_the_cpu_train_as_layer_by_layer(monkeypatch, net):
     """What a GPU runs differently in a plain step (stacked groups, the KL clip's sums per stack, the finiteness check
-    by norms), forced on the CPU: the layer-by-layer parameters to rounding."""
+    by norms, the write-back's copies sorted by layout), forced on the CPU: the layer-by-layer parameters to rounding."""
     make = {
         "one-shape": _one_shape,
         "repeated": lambda: RepeatedNet().double(),
@@ -268,6 +268,7 @@ def test_the_gpu_choices_forced_on_the_cpu_train_as_layer_by_layer(monkeypatch, 
         if gpu:
             monkeypatch.setattr(preconditioning, "sums_stacks_at_once", lambda device: True)
             monkeypatch.setattr(linalg, "checks_by_norm", lambda device: True)
+            monkeypatch.setattr(gradient_views, "copies_by_layout", lambda device: True)
         torch.manual_seed(0)
         model = make()
         opt = SPDKFACOptimizer(model, **{**HYPER, "kl_clip": 1e-4, "factor_update_freq": 2, "inv_update_freq": 4})
