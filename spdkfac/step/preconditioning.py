@@ -138,14 +138,14 @@ class Preconditioner:
         if scale is not None:
             scale_updates_([group.update for group in stacked] + [updates[i] for i in alone], scale)
         writes = GradientWrites()
+        viewed: set[int] = set()  # the layers of stacks read by their views: written from the stack
         for group in stacked:
             if group.views is not None:
                 writes.add_stack(group.views, group.update)
-            else:
-                for i in group.positions:
-                    writes.add(layers[i], updates[i])
-        for i in alone:
-            writes.add(layers[i], updates[i])
+                viewed.update(group.positions)
+        for i, (layer, update) in enumerate(zip(layers, updates)):
+            if i not in viewed:
+                writes.add(layer, update)
         writes.write()
         if record is not None:
             record.precondition += Timeline.now() - t0 - (record.grad_wait - waited0)

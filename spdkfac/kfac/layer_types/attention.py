@@ -173,9 +173,7 @@ class ProjectionHelper(LinearHelper):
             grad[self.rows].copy_(update)
             return
         grad[self.rows].copy_(update[:, :-1])
-        if self.bias.grad is None:
-            self.bias.grad = torch.zeros_like(self.bias)
-        self.bias.grad[self.module.rows].copy_(update[:, -1])
+        bias_grad_view(self.bias)[self.module.rows].copy_(update[:, -1])
 
     def grad_views(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         grad = self.weight.grad
