@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import torch.distributed
+
 from .base import CommBackend, CompletedHandle, Handle, SingleProcessBackend
 from .device import DEVICE_CHOICES, local_rank, local_rank_and_size, worker_device
 from .errors import DEFAULT_COLLECTIVE_TIMEOUT_S, CollectiveError, CollectiveTimeoutError, WorkerLostError, check_collective_timeout
@@ -29,6 +31,15 @@ __all__ = [
     "run_ranks",
     "worker_device",
 ]
+
+if torch.distributed.is_available():
+    # The functions of torch.distributed.nn take the default process group as a default argument, read when that
+    # module is first imported. torch imports it lazily (constructing the first torch optimizer imports
+    # torch._dynamo, which imports it), so usually after init_process_group: the defaults then hold the group,
+    # destroy_process_group cannot free it, and its gloo threads run on into interpreter shutdown. There, one that
+    # drops the last reference to a Python tensor is killed as it takes the GIL, and the finished worker aborts
+    # ("terminate called without an active exception", SIGABRT). Imported now, with no group yet, they hold none.
+    import torch.distributed.nn
 
 _HOROVOD_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_GLOO_RENDEZVOUS_ADDR")
 _MPI_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")

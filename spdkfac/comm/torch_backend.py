@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import sys
 import threading
@@ -96,6 +97,7 @@ class _TorchGatherHandle:
 #: The longest the exit barrier waits, whatever the collective timeout: the ranks of a finished job arrive together.
 _EXIT_BARRIER_LIMIT_S = 120.0
 _leaving_on_error = threading.Event()
+_frees_groups_at_exit = threading.Event()  # the exit handler that frees unreachable groups is registered (once)
 #: What the engine that created this process's group knows about it (its timeout, its heartbeats).
 _OWN_GROUP: dict[str, Any] = {}
 
@@ -108,6 +110,21 @@ def skip_exit_barrier() -> None:
     needs to see to stop the job.
     """
     _leaving_on_error.set()
+
+
+def _free_unreachable_groups() -> None:
+    """At exit, free the process groups that only unreachable objects still hold, while their threads can finish.
+
+    An optimizer's parts refer to each other, so one the script let go of
+    waits for the garbage collector, and with it the ``DistributedDataParallel``
+    model it holds, and that model's process group, which
+    ``destroy_process_group`` only unregisters. Left to interpreter shutdown,
+    the group's gloo threads run on there, and one that drops the last
+    reference to a Python tensor is killed taking the GIL: the finished worker
+    aborts ("terminate called without an active exception"). Collected here,
+    before shutdown, the group is destroyed and its threads joined.
+    """
+    gc.collect()
 
 
 def _shut_down_process_group(timeout_s: float, liveness: Liveness | None) -> None:
@@ -169,6 +186,9 @@ class TorchDistributedBackend(CommBackend):
         self._liveness: Liveness | None = _OWN_GROUP.get("liveness")
         self._subgroups: dict[tuple[int, ...], Any] = {}  # process groups of sub-group broadcasts, by members
         self._group: Any = None  # the process group of the collectives: None, the default one, unless set apart
+        if not _frees_groups_at_exit.is_set():
+            _frees_groups_at_exit.set()
+            atexit.register(_free_unreachable_groups)  # runs after the handlers registered later: the group's shutdown
         if not dist.is_initialized():
             from torch.distributed.distributed_c10d import PrefixStore
             from torch.distributed.rendezvous import rendezvous

@@ -21,9 +21,9 @@ layer whose decomposition was replaced since (the next decomposition step, a
 checkpoint loaded) no longer holds its slice, which is noticed by identity,
 and its group is stacked again. A group some of whose layers have no
 gradient this step (skipped) is preconditioned layer by layer, so that it is
-not restacked on every change. On the CPU the batched products equal the
-per-layer ones bitwise (the fingerprints of every configuration are
-unchanged); elsewhere they agree to rounding, and every rank computes the same
+not restacked on every change. The batched products agree with the
+per-layer ones to rounding (bitwise on some CPUs, not on all: MKL's AVX-512
+kernels round some shapes differently), and every rank computes the same
 groups, so the replicas stay bit-identical.
 """
 

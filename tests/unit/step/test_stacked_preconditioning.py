@@ -2,7 +2,10 @@
 
 The reference is the same optimizer with the grouping switched off (every
 layer alone, the path every other layer takes), which the float64 reference
-tests check against the definition. On the CPU the two must agree bitwise.
+tests check against the definition. The two agree to rounding: a batched
+product rounds as the per-matrix ones on some CPUs, not on all (MKL's
+AVX-512 kernels differ for some shapes), so the tolerance is float64's or
+float32's rounding over a few steps, far below what a wrong slice would change.
 """
 
 from __future__ import annotations
@@ -64,6 +67,14 @@ def params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def assert_trained_alike(reference: dict[str, torch.Tensor], stacked: dict[str, torch.Tensor]) -> None:
+    """The parameters after stacked training equal layer-by-layer training's to the rounding of a few steps."""
+    assert reference.keys() == stacked.keys()
+    for name, value in reference.items():
+        tolerance = dict(rtol=1e-12, atol=1e-14) if value.dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(stacked[name], value, **tolerance, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize(
     "options",
@@ -76,8 +87,7 @@ def test_stacked_equals_layer_by_layer(dtype, options):
     groups = [g for g in StackedDecompositions.group(opt.layers) if len(g) > 1]
     names = sorted(sorted(opt.layers[i].name for i in g) for g in groups)
     assert names == [["blocks.0.0", "blocks.1.0", "blocks.2.0"], ["blocks.0.2", "blocks.1.2", "blocks.2.2"]]
-    for name, value in params(ref_model).items():
-        assert torch.equal(params(model)[name], value), name
+    assert_trained_alike(params(ref_model), params(model))
     assert any(not torch.equal(p, q) for p, q in zip(params(model).values(), params(RepeatedNet().to(dtype)).values()))
 
 
@@ -97,8 +107,7 @@ def test_new_decompositions_are_restacked():
     """A decomposition step replaces the inverses: the next preconditioning uses the new ones, not the stack's."""
     ref_model, _ = run(stacked=False, steps=7, factor_update_freq=1, inv_update_freq=2)
     model, opt = run(stacked=True, steps=7, factor_update_freq=1, inv_update_freq=2)
-    for name, value in params(ref_model).items():
-        assert torch.equal(params(model)[name], value), name
+    assert_trained_alike(params(ref_model), params(model))
     layer = next(layer for layer in opt.layers if layer.name == "blocks.1.2")
     stack_a, _ = opt.kfac_step.preconditioner.stacks.stacked([next(x for x in opt.layers if x.name == f"blocks.{b}.2") for b in range(3)])
     assert layer.decomposition("A") is not None
@@ -109,8 +118,7 @@ def test_a_layer_absent_on_some_steps():
     """A group with a layer that did not run this step is preconditioned layer by layer, and gives the same result."""
     ref_model, _ = run(stacked=False, steps=6, skip_block=1)
     model, _ = run(stacked=True, steps=6, skip_block=1)
-    for name, value in params(ref_model).items():
-        assert torch.equal(params(model)[name], value), name
+    assert_trained_alike(params(ref_model), params(model))
 
 
 def test_checkpoint_of_stacked_decompositions_resumes_bitwise_and_is_not_larger():
@@ -126,6 +134,7 @@ def test_checkpoint_of_stacked_decompositions_resumes_bitwise_and_is_not_larger(
     resumed_model = RepeatedNet().double()
     resumed_model.load_state_dict(model.state_dict())
     resumed = SPDKFACOptimizer(resumed_model, **HYPER)
+    resumed.kfac_step.preconditioner.stack_groups = True  # the same computation as the saved one's, so bitwise
     stacked_bytes.seek(0)
     resumed.load_state_dict(torch.load(stacked_bytes))
     x, y = batch(16, seed=3)
@@ -154,8 +163,7 @@ def test_by_default_layers_are_stacked_on_a_gpu_only():
     assert opt.kfac_step.preconditioner.stack_groups is None
     assert not opt.kfac_step.preconditioner.stacks._stacks  # nothing stacked
     forced, _ = run(stacked=True, steps=3)
-    for name, value in params(forced).items():
-        assert torch.equal(params(model)[name], value), name
+    assert_trained_alike(params(model), params(forced))
 
 
 class MixedBiases(nn.Module):
@@ -185,8 +193,7 @@ def test_a_group_of_one_shape_with_and_without_biases_is_stacked_and_equals_laye
             groups = [g for g in StackedDecompositions.group(opt.layers) if len(g) > 1]
             assert [sorted(opt.layers[i].name for i in g) for g in groups] == [["with_bias.0", "with_bias.1", "without.0", "without.1"]]
             assert StackedGradients.of([opt.layers[i] for i in groups[0]]) is None  # read layer by layer, then stacked
-    for name, value in results[0].items():
-        assert torch.equal(results[1][name], value), name
+    assert_trained_alike(results[0], results[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
