@@ -43,6 +43,7 @@ __all__ = [
     "ProjectionHelper",
     "SharedInputGram",
     "explicit_attention",
+    "project",
     "projection_rows",
 ]
 
@@ -84,9 +85,14 @@ class AttentionProjection(nn.Module):
         bias = self.owner.in_proj_bias
         return bias if isinstance(bias, nn.Parameter) else None
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, *, output: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``F.linear`` of ``x`` with this projection's rows, or with ``weight`` and ``bias`` (those rows, given as one
-        split of the owner's parameters: :func:`projection_rows`)."""
+        split of the owner's parameters: :func:`projection_rows`); or ``output``, this projection's part of one
+        product computed for several (:func:`project`), so that hooks still see ``x`` and the output's gradient."""
+        if output is not None:
+            return output
         if weight is None:
             weight = self.weight_param[self.rows] if self.packed else self.weight_param
             bias = None if self.bias_param is None else self.bias_param[self.rows]
@@ -222,6 +228,36 @@ def projection_rows(mha: nn.MultiheadAttention) -> list[tuple[torch.Tensor, ...]
     return [(w, b) for w, b in zip(weights, bias.chunk(3))]
 
 
+def project(
+    mha: nn.MultiheadAttention,
+    projections: tuple[AttentionProjection, ...],
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    same_qk: bool,
+    same_kv: bool,
+) -> tuple[torch.Tensor, ...]:
+    """q, k and v of ``inputs`` (query, key, value), each through its projection module, with the products torch's
+    own forward computes: one product of the packed weight for projections whose inputs are one tensor
+    (``same_qk``/``same_kv``: ``query is key``/``key is value`` as the caller received them), else one each.
+
+    In self-attention that is one matrix product instead of three, forward
+    and backward (fewer kernels on a GPU), and the same values as torch's
+    forward; the gradient of the input is then one product too, not three
+    summed (so it rounds as torch's does, not as three separate products).
+    """
+    rows = projection_rows(mha)
+    weight, bias = mha.in_proj_weight, mha.in_proj_bias  # (bias None without biases; torch annotates a tensor)
+    if not rows[0] or not same_kv:  # weights of their own, or three inputs
+        return tuple(projection(x, *r) for projection, x, r in zip(projections, inputs, rows))
+    if same_qk:
+        parts = F.linear(inputs[0], weight, bias).chunk(3, dim=-1)
+        return tuple(projection(x, output=part) for projection, x, part in zip(projections, inputs, parts))
+    embed = mha.embed_dim
+    q_weight, kv_weight = weight.split_with_sizes([embed, 2 * embed])
+    q_bias, kv_bias = (None, None) if bias is None else bias.split_with_sizes([embed, 2 * embed])
+    k, v = F.linear(inputs[1], kv_weight, kv_bias).chunk(2, dim=-1)
+    return projections[0](inputs[0], q_weight, q_bias), projections[1](inputs[1], output=k), projections[2](inputs[2], output=v)
+
+
 def explicit_attention(
     mha: nn.MultiheadAttention,
     projections: tuple[AttentionProjection, ...],
@@ -239,6 +275,7 @@ def explicit_attention(
     Works on batch-first tokens: the projections see ``(N, L, E)`` inputs,
     so their factors count samples along the batch dimension.
     """
+    same_qk, same_kv = query is key, key is value  # (before the transposes below make new tensors)
     batched = query.dim() == 3
     if not batched:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -250,7 +287,7 @@ def explicit_attention(
     head_dim = embed // heads
     for projection in projections:
         projection.training = mha.training
-    q, k, v = (projection(x, *rows) for projection, x, rows in zip(projections, (query, key, value), projection_rows(mha)))
+    q, k, v = project(mha, projections, (query, key, value), same_qk, same_kv)
     if k.shape[:2] != v.shape[:2]:
         raise RuntimeError(f"nn.MultiheadAttention: key {tuple(key.shape)} and value {tuple(value.shape)} differ in batch or length")
     padding = _float_mask(key_padding_mask, "key_padding_mask", q.dtype)

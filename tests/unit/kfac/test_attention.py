@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm.inprocess import run_ranks
-from spdkfac.kfac.layer_types.attention import ExplicitAttention, SharedInputGram, explicit_attention, projection_rows
+from spdkfac.kfac.layer_types.attention import ExplicitAttention, SharedInputGram, explicit_attention, project, projection_rows
 from spdkfac.kfac.layer_types.linear import LinearHelper
 
 pytestmark = pytest.mark.filterwarnings("ignore:no perf_model given")
@@ -471,6 +471,78 @@ def test_summary_covers_attention_and_names_what_it_refuses():
     summary = opt.kfac_summary()
     assert "1 x MyAttention: not supported: a subclass of MultiheadAttention with its own forward()" in summary
     assert [la.name for la in opt.layers] == ["0"]
+
+
+class _Products(TorchDispatchMode):
+    """Counts the matrix products (``mm``/``addmm``) run inside it: a Linear's forward is one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += str(func.overloadpacket) in ("aten.mm", "aten.addmm")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(("inputs", "products"), [("self", 1), ("kv", 2), ("three", 3)])
+def test_projections_of_one_input_are_one_product_as_in_torch(inputs, products, bias):
+    """q, k and v of one tensor (self-attention) are one product of ``in_proj_weight``, k and v of one memory one
+    product, as torch's forward computes them; the values equal three separate products' to rounding, and the
+    gradients reach every projection's hook and the input."""
+    mha = _mha(bias=bias)
+    g = torch.Generator().manual_seed(1)
+    x, memory = torch.randn(N, L, E, generator=g), torch.randn(N, S, E, generator=g)
+    args = {"self": (x, x, x), "kv": (x, memory, memory), "three": (x, memory, memory.clone())}[inputs]
+    results = []
+    for same_qk, same_kv in ((args[0] is args[1], args[1] is args[2]), (False, False)):  # (as torch would; always apart)
+        leaves = [a.detach().requires_grad_() for a in args]
+        if inputs == "self":
+            leaves = [leaves[0]] * 3
+        elif inputs == "kv":
+            leaves[2] = leaves[1]
+        projections = ExplicitAttention(mha).projections
+        seen: dict[int, torch.Tensor] = {}
+
+        def on_output(module: nn.Module, _inputs: tuple, output: torch.Tensor, store: dict = seen) -> None:
+            output.register_hook(lambda grad, index=module.index: store.__setitem__(index, grad))
+
+        handles = [p.register_forward_hook(on_output) for p in projections]
+        mha.zero_grad()
+        with _Products() as forward:
+            outputs = project(mha, projections, tuple(leaves), same_qk, same_kv)
+        sum((o * (i + 1)).sum() for i, o in enumerate(outputs)).backward()
+        for h in handles:
+            h.remove()
+        assert len(seen) == 3  # each projection's output gradient, whichever product made it
+        grads = [p.grad.clone() for p in mha.parameters() if p.grad is not None] + [
+            a.grad.clone() for a in {id(a): a for a in leaves}.values()
+        ]
+        results.append((forward.count, outputs, grads, [seen[i] for i in range(3)]))
+    (count, outputs, grads, seen), (apart_count, apart_outputs, apart_grads, apart_seen) = results
+    assert (count, apart_count) == (products, 3)
+    for got, want in zip([*outputs, *grads, *seen], [*apart_outputs, *apart_grads, *apart_seen]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_explicit_forward_of_self_attention_is_torchs_product():
+    """In self-attention the explicit forward makes q, k and v by torch's one product: its output and its input's
+    gradient are torch's forward's, bitwise (three products would sum the input's gradient in another order)."""
+    mha = _mha()
+    x = torch.randn(N, L, E, generator=torch.Generator().manual_seed(2))
+    results = []
+    for forward in (
+        lambda x: nn.MultiheadAttention.forward(mha, x, x, x, need_weights=False)[0],
+        lambda x: explicit_attention(mha, ExplicitAttention(mha).projections, x, x, x, need_weights=False)[0],
+    ):
+        leaf = x.clone().requires_grad_()
+        out = forward(leaf)
+        out.square().sum().backward()
+        results.append((out.detach(), leaf.grad))
+    (torch_out, torch_grad), (out, grad) = results
+    assert torch.equal(out, torch_out)
+    assert torch.equal(grad, torch_grad)
 
 
 @pytest.mark.parametrize("bias", [True, False])
