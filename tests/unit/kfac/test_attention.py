@@ -199,6 +199,8 @@ class AttentionNet(nn.Module):
             tokens, key, value = (t.transpose(0, 1) for t in (tokens, key, value))
         if self.kv is None:
             key = value = tokens  # self-attention: one tensor, as torch's fast paths want
+        elif self.kind == "kv":
+            value = key  # cross-attention to one memory: k and v are one product
         out = self.attn(tokens, key, value, key_padding_mask=padding)
         out = out[0] if isinstance(out, tuple) else out
         out = out if self.batch_first else out.transpose(0, 1)
@@ -242,6 +244,7 @@ KW = dict(lr=0.1, momentum=0.9, weight_decay=1e-3, damping=0.01, factor_decay=0.
         (True, False, "cross", None, "inverse"),
         (False, True, "cross", KDIM, "inverse"),
         (True, True, "cross", KDIM, "ekfac"),
+        (False, True, "kv", None, "eigen"),
     ],
 )
 def test_kfac_step_equals_the_model_with_linear_projections(batch_first, bias, kind, kdim, method, float64):
