@@ -251,11 +251,11 @@ def project(
     if same_qk:
         parts = F.linear(inputs[0], weight, bias).chunk(3, dim=-1)
         return tuple(projection(x, output=part) for projection, x, part in zip(projections, inputs, parts))
-    embed = mha.embed_dim
-    q_weight, kv_weight = weight.split_with_sizes([embed, 2 * embed])
-    q_bias, kv_bias = (None, None) if bias is None else bias.split_with_sizes([embed, 2 * embed])
-    k, v = F.linear(inputs[1], kv_weight, kv_bias).chunk(2, dim=-1)
-    return projections[0](inputs[0], q_weight, q_bias), projections[1](inputs[1], output=k), projections[2](inputs[2], output=v)
+    sizes = [mha.embed_dim, 2 * mha.embed_dim]
+    q_weight, kv_weight = weight.split_with_sizes(sizes)
+    q_rows, kv_rows = ((q_weight,), (kv_weight,)) if bias is None else zip((q_weight, kv_weight), bias.split_with_sizes(sizes))
+    k, v = F.linear(inputs[1], *kv_rows).chunk(2, dim=-1)  # (q's arguments all tensors, as a compiled forward's taps want)
+    return projections[0](inputs[0], *q_rows), projections[1](inputs[1], output=k), projections[2](inputs[2], output=v)
 
 
 def explicit_attention(

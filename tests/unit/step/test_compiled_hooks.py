@@ -75,13 +75,34 @@ def test_every_layer_type_and_accumulation(float64, dynamo):
     assert sum(counters["graph_break"].values()) == 0
 
 
-def test_attention_compiled_trains_as_eager_in_one_graph(float64, dynamo):
-    """nn.MultiheadAttention's explicit forward (q, k, v as projections of one split of in_proj_weight) compiled:
-    every projection's factors and update as eager, no graph break."""
-    eager = _run(small_transformer(), "eager")
-    compiled = _run(small_transformer(), "wrap", backend="aot_eager")
+class CrossAttentionNet(nn.Module):
+    """The 6 rows of a 2x6x6 input as tokens, attending without biases to one memory made from them (k and v one product)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.memory = nn.Linear(12, 12)
+        self.attn = nn.MultiheadAttention(12, 2, bias=False, batch_first=True)
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.permute(0, 2, 1, 3).reshape(x.shape[0], 6, 12)
+        memory = torch.tanh(self.memory(tokens))
+        return self.head(self.attn(tokens, memory, memory, need_weights=False)[0].mean(dim=1))
+
+
+@pytest.mark.parametrize(
+    ("net", "projection"),
+    [(small_transformer, "encoder.layers.0.self_attn.v_proj"), (CrossAttentionNet, "attn.v_proj")],
+    ids=["self", "cross"],
+)
+def test_attention_compiled_trains_as_eager_in_one_graph(float64, dynamo, net, projection):
+    """nn.MultiheadAttention's explicit forward (q, k, v of one input one product, k and v of one memory one product)
+    compiled: every projection's factors and update as eager, no graph break."""
+    eager = _run(net(), "eager")
+    compiled = _run(net(), "wrap", backend="aot_eager")
     names = {layer.name for layer in compiled.layers}
-    assert {"encoder.layers.0.self_attn.q_proj", "encoder.layers.0.self_attn.v_proj"} <= names
+    assert {projection, projection.replace("v_proj", "q_proj")} <= names
     for a, b in zip(eager.model.parameters(), compiled.model.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
