@@ -208,8 +208,9 @@ def _heads_mask(mask: torch.Tensor, batch: int, heads: int, tgt: int, src: int) 
     )
 
 
-def projection_rows(mha: nn.MultiheadAttention) -> list[tuple[torch.Tensor, ...]]:
-    """Per projection, the arguments after its input: its weight and bias as views of one split of each packed
+def projection_rows(mha: nn.MultiheadAttention, parts: tuple[int, ...] = (1, 1, 1)) -> list[tuple[torch.Tensor, ...]]:
+    """Per part (``parts``: their rows in multiples of ``embed_dim``; q, k and v by default, q and k-with-v as
+    ``(1, 2)``), the arguments after its input: its weight and bias as views of one split of each packed
     parameter (none where the weights are separate; the weight alone without a bias).
 
     Sliced by each projection (``weight[rows]``), a packed parameter's
@@ -221,11 +222,12 @@ def projection_rows(mha: nn.MultiheadAttention) -> list[tuple[torch.Tensor, ...]
     weight: torch.Tensor | None = mha.in_proj_weight
     bias: torch.Tensor | None = mha.in_proj_bias  # (None without biases; torch annotates it as a tensor)
     if not mha._qkv_same_embed_dim or weight is None:  # (q, k and v with weights of their own)
-        return [() for _ in range(3)]
-    weights = weight.chunk(3)
+        return [() for _ in parts]
+    sizes = [part * mha.embed_dim for part in parts]
+    weights = weight.split_with_sizes(sizes)
     if bias is None:
         return [(w,) for w in weights]
-    return [(w, b) for w, b in zip(weights, bias.chunk(3))]
+    return [(w, b) for w, b in zip(weights, bias.split_with_sizes(sizes))]
 
 
 def project(
@@ -244,17 +246,14 @@ def project(
     forward; the gradient of the input is then one product too, not three
     summed (so it rounds as torch's does, not as three separate products).
     """
-    rows = projection_rows(mha)
     weight, bias = mha.in_proj_weight, mha.in_proj_bias  # (bias None without biases; torch annotates a tensor)
-    if not rows[0] or not same_kv:  # weights of their own, or three inputs
-        return tuple(projection(x, *r) for projection, x, r in zip(projections, inputs, rows))
+    if not mha._qkv_same_embed_dim or weight is None or not same_kv:  # weights of their own, or three inputs
+        return tuple(projection(x, *rows) for projection, x, rows in zip(projections, inputs, projection_rows(mha)))
     if same_qk:
         parts = F.linear(inputs[0], weight, bias).chunk(3, dim=-1)
         return tuple(projection(x, output=part) for projection, x, part in zip(projections, inputs, parts))
-    sizes = [mha.embed_dim, 2 * mha.embed_dim]
-    q_weight, kv_weight = weight.split_with_sizes(sizes)
-    q_rows, kv_rows = ((q_weight,), (kv_weight,)) if bias is None else zip((q_weight, kv_weight), bias.split_with_sizes(sizes))
-    k, v = F.linear(inputs[1], *kv_rows).chunk(2, dim=-1)  # (q's arguments all tensors, as a compiled forward's taps want)
+    q_rows, kv_rows = projection_rows(mha, (1, 2))  # (q's arguments all tensors, as a compiled forward's taps want)
+    k, v = F.linear(inputs[1], *kv_rows).chunk(2, dim=-1)
     return projections[0](inputs[0], *q_rows), projections[1](inputs[1], output=k), projections[2](inputs[2], output=v)
 
 
