@@ -97,7 +97,6 @@ class _TorchGatherHandle:
 #: The longest the exit barrier waits, whatever the collective timeout: the ranks of a finished job arrive together.
 _EXIT_BARRIER_LIMIT_S = 120.0
 _leaving_on_error = threading.Event()
-_frees_groups_at_exit = threading.Event()  # the exit handler that frees unreachable groups is registered (once)
 #: What the engine that created this process's group knows about it (its timeout, its heartbeats).
 _OWN_GROUP: dict[str, Any] = {}
 
@@ -125,6 +124,10 @@ def _free_unreachable_groups() -> None:
     before shutdown, the group is destroyed and its threads joined.
     """
     gc.collect()
+
+
+# Registered when the engine's module is first imported, before any group's shutdown handler: atexit runs it after them.
+atexit.register(_free_unreachable_groups)
 
 
 def _shut_down_process_group(timeout_s: float, liveness: Liveness | None) -> None:
@@ -186,9 +189,6 @@ class TorchDistributedBackend(CommBackend):
         self._liveness: Liveness | None = _OWN_GROUP.get("liveness")
         self._subgroups: dict[tuple[int, ...], Any] = {}  # process groups of sub-group broadcasts, by members
         self._group: Any = None  # the process group of the collectives: None, the default one, unless set apart
-        if not _frees_groups_at_exit.is_set():
-            _frees_groups_at_exit.set()
-            atexit.register(_free_unreachable_groups)  # runs after the handlers registered later: the group's shutdown
         if not dist.is_initialized():
             from torch.distributed.distributed_c10d import PrefixStore
             from torch.distributed.rendezvous import rendezvous
