@@ -476,16 +476,21 @@ def test_summary_covers_attention_and_names_what_it_refuses():
     assert [la.name for la in opt.layers] == ["0"]
 
 
-class _Products(TorchDispatchMode):
-    """Counts the matrix products (``mm``/``addmm``) run inside it: a Linear's forward is one."""
+class _Ops(TorchDispatchMode):
+    """Records the ATen operations run inside it, by name; :attr:`products` counts the matrix products."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.count = 0
+        self.names: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += str(func.overloadpacket) in ("aten.mm", "aten.addmm")
+        self.names.append(str(func.overloadpacket))
         return func(*args, **(kwargs or {}))
+
+    @property
+    def products(self) -> int:
+        """``mm``/``addmm`` calls: a Linear's forward is one."""
+        return sum(name in ("aten.mm", "aten.addmm") for name in self.names)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -513,7 +518,7 @@ def test_projections_of_one_input_are_one_product_as_in_torch(inputs, products, 
 
         handles = [p.register_forward_hook(on_output) for p in projections]
         mha.zero_grad()
-        with _Products() as forward:
+        with _Ops() as forward:
             outputs = project(mha, projections, tuple(leaves), same_qk, same_kv)
         sum((o * (i + 1)).sum() for i, o in enumerate(outputs)).backward()
         for h in handles:
@@ -522,7 +527,7 @@ def test_projections_of_one_input_are_one_product_as_in_torch(inputs, products, 
         grads = [p.grad.clone() for p in mha.parameters() if p.grad is not None] + [
             a.grad.clone() for a in {id(a): a for a in leaves}.values()
         ]
-        results.append((forward.count, outputs, grads, [seen[i] for i in range(3)]))
+        results.append((forward.products, outputs, grads, [seen[i] for i in range(3)]))
     (count, outputs, grads, seen), (apart_count, apart_outputs, apart_grads, apart_seen) = results
     assert (count, apart_count) == (products, 3)
     for got, want in zip([*outputs, *grads, *seen], [*apart_outputs, *apart_grads, *apart_seen]):
@@ -553,22 +558,13 @@ def test_packed_projections_split_once_and_their_gradients_are_one_concatenation
     """q, k and v read their rows of ``in_proj_weight`` (and ``in_proj_bias``) as views of one split: the backward
     pass concatenates their gradients, with no zero-filled copy per projection, and every value is the slicing's."""
 
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
     grads = []
     for rows in (projection_rows, lambda mha: [() for _ in range(3)]):  # split once; each projection slicing its rows
         mha = _mha(bias=bias)
         x = torch.randn(N, L, E, generator=torch.Generator().manual_seed(1), requires_grad=True)
         projections = ExplicitAttention(mha).projections
         outputs = [p(x, *r) for p, r in zip(projections, rows(mha))]
-        with Ops() as ops:
+        with _Ops() as ops:
             sum((o * (i + 1)).sum() for i, o in enumerate(outputs)).backward()
         grads.append((ops.names, {name: p.grad.clone() for name, p in mha.named_parameters() if p.grad is not None}, x.grad.clone()))
     (split_ops, split_grads, split_x), (sliced_ops, sliced_grads, sliced_x) = grads
