@@ -27,7 +27,10 @@ How the hooks count (docs/shared-layers.md):
   ran on some workers only gets the mean of their factors: the workers agree
   on who ran what through the step's
   :class:`~spdkfac.step.collective_order.CollectiveOrder`, which also keeps
-  the all-reduces paired.
+  the all-reduces paired;
+* a forward use with gradients on that no backward pass reaches (a metric's
+  pass, a detached branch) cannot be told apart when its ``A`` is taken: it
+  is counted, and a warning says so once.
 """
 
 from __future__ import annotations
@@ -192,6 +195,8 @@ class FactorCollector:
         #: _drop_unstepped), which makes this pass the step's first; False (the default) counts it as the next.
         self.unstepped: Callable[[bool], bool] = lambda exceeded: False
         self._repeat_noted = False  # whether a second backward pass through one forward pass was warned about
+        self._unused_noted = False  # whether a forward use whose output got no gradient was warned about
+        self._reached: dict[str, int] = {}  # per layer: the uses whose output a backward pass reached this step (here)
         #: Called once, with the input of the first factor computed (then set to None): the optimizer's first look
         #: at the forward pass's precision.
         self.first_input: Callable[[torch.Tensor], None] | None = None
@@ -211,6 +216,7 @@ class FactorCollector:
         self.empty_inputs = False
         self._a_taken = set()
         self._tally = {}
+        self._reached = {}
         self._passes = 0
         self._g_since_a = True
         self._names = {}
@@ -258,6 +264,7 @@ class FactorCollector:
             """Compute G from the gradient (True), unless no sample reached the use or this pass computes no weight gradient."""
             if grad_output.numel() == 0:  # the output of a use with no sample (its A was not taken either)
                 return False
+            self._reached[layer.name] = self._reached.get(layer.name, 0) + 1  # (any backward pass, a penalty's too)
             if not computes_grad_of(layer.helper.weight):  # a gradient penalty's torch.autograd.grad(..., inputs)
                 return False
             # Each micro-batch loss carries 1/accumulation_steps: dividing it out like a loss scale gives its true G.
@@ -294,6 +301,21 @@ class FactorCollector:
             "pass's own output-gradient products, without the cross terms that one backward() of the summed loss "
             "gives, so the preconditioner differs from that of (loss1 + loss2).backward(). To precondition for the "
             "total loss, sum the losses and call backward() once (this is said once)",
+            stacklevel=2,
+        )
+
+    def _unused_forward(self, name: str, uses: int, reached: int) -> None:
+        """A layer's ``A`` took more forward uses here than backward passes reached the output of: say once that
+        ``A`` then describes inputs the step's gradient does not."""
+        if self._unused_noted:
+            return
+        self._unused_noted = True
+        warnings.warn(
+            f"layer {name!r} ran {uses} time(s) with gradients enabled in this step, but a backward pass reached the "
+            f"output of {reached} of those uses: K-FAC's A averages the inputs of all of them, including those of a "
+            "forward pass that no backward pass reached (one run for a metric or a log, a detached branch), so the "
+            "preconditioner describes inputs the step's gradient does not. Run such passes under torch.no_grad() or "
+            "with the model in eval() mode (this is said once)",
             stacklevel=2,
         )
 
@@ -463,6 +485,10 @@ class FactorCollector:
         """Fix, alike on every worker, which layers ran where, their calls, and send the extra calls' sums."""
         for i, layer in enumerate(self.layers):
             row = summed[9 * i : 9 * i + 9]
+            a_here = self._tally.get(("A", layer.name))
+            uses, reached = (0 if a_here is None else a_here.calls), self._reached.get(layer.name, 0)
+            if row[4] and uses > reached:  # (where no worker took its G, the layer counts as not run: nothing to say)
+                self._unused_forward(layer.name, uses, reached)
             for j, kind in enumerate(FACTOR_KINDS):
                 key = (kind, layer.name)
                 ran, calls, squares, extra = row[4 * j : 4 * j + 4]
