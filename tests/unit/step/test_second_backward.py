@@ -8,6 +8,9 @@
 * A forward use that no backward pass reaches (a metric's forward pass with
   gradients on, a detached branch): its inputs are in ``A``, which then
   silently described inputs the gradient does not.
+* A layer that trains with its module in ``eval()`` mode (an encoder kept in
+  eval mode to switch its dropout off): K-FAC takes no factors in eval mode
+  (evaluation passes are left out), so it silently got the base update alone.
 
 The other ways gradients reach a layer in one step must stay silent: a layer
 used twice, accumulated micro-batches, a gradient penalty's ``autograd.grad``
@@ -34,6 +37,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:no perf_model given")
 
 SECOND_PASS = "a second backward pass went through the same forward pass"
 UNUSED = "no backward pass reached"
+IN_EVAL = "ran with their module in eval() mode"
 
 
 def _net() -> nn.Sequential:
@@ -175,7 +179,7 @@ def test_other_ways_gradients_reach_a_layer_say_nothing(case):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run()
-    said = [str(w.message) for w in caught if SECOND_PASS in str(w.message) or UNUSED in str(w.message)]
+    said = [str(w.message) for w in caught if any(what in str(w.message) for what in (SECOND_PASS, UNUSED, IN_EVAL))]
     assert said == []
     assert opt.steps >= 1
 
@@ -241,3 +245,51 @@ def test_a_forward_use_no_backward_pass_reaches_is_said_on_every_worker():
     assert len(said) == 2
     assert all("ran 2 time(s) with gradients enabled in this step, but a backward pass reached the output of 1 of" in m for m in said)
     assert torch.equal(ranks[0], ranks[1])
+
+
+def _dropout_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.2), nn.Tanh(), nn.Linear(8, 3))
+
+
+def test_a_layer_trained_in_eval_mode_is_said_once_and_keeps_its_factors():
+    """K-FAC takes no factor in eval() mode: a layer that trains there keeps the factors it had (here the identity
+    they start from) while the others follow their inputs, and the warning names it, once."""
+    model, (x, y) = _net(), _data()
+    opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
+
+    def run() -> None:
+        for s in range(3):
+            model[0].eval()  # the first layer kept in eval mode while it trains
+            opt.zero_grad()
+            F.cross_entropy(model(x + 0.1 * s), y).backward()
+            opt.step()
+
+    (message,) = _messages(run, IN_EVAL)
+    assert message.startswith("layer(s) '0' got a gradient in this step")
+    first, last = opt.layers
+    assert torch.equal(first.A, torch.eye(first.A.shape[0]))
+    assert not torch.equal(last.A, torch.eye(last.A.shape[0]))
+    assert not torch.equal(model[0].weight, _net()[0].weight)  # (it trained)
+
+
+@pytest.mark.parametrize("case", ["dropout-in-eval", "evaluation-with-gradients", "evaluation-only-step"])
+def test_eval_mode_where_nothing_trains_without_factors_says_nothing(case):
+    """Dropout alone in eval mode, an evaluation pass run with gradients on between training steps, and a step of
+    evaluation passes only: no layer trained without its factors."""
+    model, (x, y) = _dropout_net(), _data()
+    opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
+
+    def run() -> None:
+        for s in range(3):
+            opt.zero_grad()
+            model.train()
+            if case == "dropout-in-eval":
+                model[1].eval()
+            F.cross_entropy(model(x + 0.1 * s), y).backward()
+            if case != "evaluation-only-step":
+                opt.step()
+            model.eval()
+            model(x.flip(0)).argmax(1)  # an evaluation pass, gradients on (no torch.no_grad())
+
+    assert _said(run, IN_EVAL) == 0
