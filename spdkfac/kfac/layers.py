@@ -45,6 +45,7 @@ from torch.nn.utils import parametrize
 
 from .factor_shape import FactorKind, FactorShape
 from .layer_types import LayerHelper, make_helper, split_helpers
+from .layer_types.transformer_layers import sequence_layouts
 from .methods import DecompositionMethod, MethodState, get_method
 from .tensor_cores import keeps_half_rows
 
@@ -139,10 +140,26 @@ class KFACLayer:
         dtype = self.helper.weight.dtype
         return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
+    def _samples(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """An input or output gradient as the helper's Grams read it, and its number of samples ``n``.
+
+        One sample without its batch dimension (a Linear layer's 1-D input,
+        a sequence model's 2-D ``(L, E)``) counts as ``n = 1``; a layer of a
+        sequence-first model counts its second dimension.
+        """
+        layout = self.helper.sequence
+        if layout is None:
+            t = t.unsqueeze(0) if self.helper.unbatched(t) else t
+            return t, t.shape[0]
+        if t.dim() == 2:
+            return t.unsqueeze(0), 1
+        if layout == "batch_first":
+            return t, t.shape[0]
+        return self.helper.samples_first(t), t.shape[1]
+
     def compute_a(self, x: torch.Tensor) -> torch.Tensor:
         """Batch factor ``A = Σ (a/S)(a/S)^T / n`` from the layer input, in flat form."""
-        x = x.unsqueeze(0) if self.helper.unbatched(x) else x  # one sample without its batch dimension: n = 1
-        batch = x.shape[0]
+        x, batch = self._samples(x)
         half = self.helper.half_rows and keeps_half_rows(x, self.factor_dtype)  # (exact float32 Grams of half rows)
         with torch.autocast(x.device.type, enabled=False):  # under AMP the input may be half precision
             gram, count = self.helper.input_gram(x.detach(), x.dtype if half else self.factor_dtype)
@@ -155,8 +172,7 @@ class KFACLayer:
         ``loss_scale`` is the factor a GradScaler multiplied the loss by; it is
         divided out so that ``G`` describes the true gradients.
         """
-        grad_output = grad_output.unsqueeze(0) if self.helper.unbatched(grad_output) else grad_output
-        batch = grad_output.shape[0]
+        grad_output, batch = self._samples(grad_output)
         self.local_samples = batch
         half = self.helper.half_rows and keeps_half_rows(grad_output, self.factor_dtype)
         with torch.autocast(grad_output.device.type, enabled=False):
@@ -405,6 +421,7 @@ def kfac_layers(
             f"skip_layers entries {unmatched} match no module of the model (names: {[n for n, _ in model.named_modules() if n][:12]} ...)"
         )
     method = get_method(compute_method)
+    layouts = sequence_layouts(model)
     split = split_layers(model, skip)
     functional = unhooked_submodules(model, split)
     untied = untied_layers(model, skip, norm_layers)
@@ -423,6 +440,7 @@ def kfac_layers(
         helper = make_helper(module, norm_layers)
         if helper is None:
             continue
+        helper.sequence = layouts.get(module)
         layer_name = name or type(module).__name__
         tied = by_weight.get(id(weight))
         if tied is not None:  # a weight another layer holds (untied_layers() left out those that cannot be one layer)

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 
 from ..factor_shape import FactorShape
 
-__all__ = ["LayerHelper", "SplitHelper", "bias_grad_view", "split_bias_column", "with_bias_column"]
+__all__ = ["LayerHelper", "SequenceLayout", "SplitHelper", "bias_grad_view", "split_bias_column", "with_bias_column"]
+
+#: Where a sequence model's layer has its samples: ``(N, L, E)`` or ``(L, N, E)``.
+SequenceLayout = Literal["batch_first", "sequence_first"]
 
 
 class LayerHelper(abc.ABC):
@@ -39,6 +42,10 @@ class LayerHelper(abc.ABC):
     #: computes what the registered class does, and gets its helper; one that overrides any is left out unless
     #: registered itself (:func:`~spdkfac.kfac.layer_types.register_layer_type`).
     computes_with: tuple[str, ...] = ("forward",)
+    #: Set on a layer of a sequence model whose layout is known (torch's transformer layers:
+    #: :mod:`.transformer_layers`): ``'batch_first'`` ``(N, L, E)`` or ``'sequence_first'`` ``(L, N, E)``, a 2-D tensor
+    #: being one sequence. None: the layer's own convention (the samples along the first dimension).
+    sequence: SequenceLayout | None = None
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -85,6 +92,12 @@ class LayerHelper(abc.ABC):
     def positions(self, rows: int, batch: int) -> int:
         """Output positions per sample that share the weight (``S``; 1 unless a convolution)."""
         return 1
+
+    def samples_first(self, t: torch.Tensor) -> torch.Tensor:
+        """A sequence-first ``(L, N, ...)`` tensor as the Grams read it: ``(N, L, ...)`` (a view). Types whose Grams
+        do not depend on the rows' order (a Linear layer's) return it as it is, and save the copy a view's reshape
+        would make."""
+        return t.movedim(1, 0)
 
     def unbatched(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (an input or output gradient) is one sample without its batch dimension, as torch's layer

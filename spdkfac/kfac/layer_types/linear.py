@@ -27,6 +27,9 @@ class LinearHelper(LayerHelper):
     def unbatched(self, t: torch.Tensor) -> bool:
         return t.dim() == 1
 
+    def samples_first(self, t: torch.Tensor) -> torch.Tensor:
+        return t  # (the Grams sum over every row, in any order)
+
     def input_gram(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         rows = x.to(dtype).reshape(-1, x.shape[-1])
         if self.has_bias:
