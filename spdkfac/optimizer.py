@@ -447,7 +447,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if self.precondition:
             found = kfac_layers(self.model, self.method, self.config.skip_layers, self.config.norm_layers is NormLayers.KFAC)
             kept = {layer.name: layer for layer in self.layers}
-            self.layers = [kept.get(layer.name, layer) for layer in found]
+            # (a layer whose bias was unfrozen has a ones column more in A: its factors start anew, as a new layer's)
+            self.layers = [kept[new.name] if new.name in kept and kept[new.name].shapes == new.shapes else new for new in found]
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         if self.adaptive_damping is not None:
             self._damping_step = DampingStep(self.adaptive_damping, self.model, self.layers, self.backend)

@@ -152,7 +152,8 @@ class ProjectionHelper(LinearHelper):
     def __init__(self, module: AttentionProjection, shared: SharedInputGram | None = None) -> None:
         self.module = module
         self.weight = module.weight_param
-        self.bias = module.bias_param
+        bias = module.bias_param
+        self.bias = bias if bias is not None and bias.requires_grad else None  # (frozen: a constant, as LayerHelper's)
         self.rows = module.rows if module.packed else slice(None)
         self.shared = shared if shared is not None else SharedInputGram()
 

@@ -53,7 +53,9 @@ class LayerHelper(abc.ABC):
         assert isinstance(weight, torch.Tensor)
         self.weight: torch.Tensor = weight
         bias = getattr(module, "bias", None)
-        self.bias: torch.Tensor | None = bias if isinstance(bias, torch.Tensor) else None
+        # A frozen bias is a constant of the layer, as if it had none: no ones column in A (the weight's factors are
+        # those of the weight alone), and nothing written to its gradient.
+        self.bias: torch.Tensor | None = bias if isinstance(bias, torch.Tensor) and bias.requires_grad else None
 
     @classmethod
     def unsupported(cls, module: nn.Module) -> str | None:
