@@ -515,9 +515,9 @@ class FactorCollector:
         """Fix, alike on every worker, which layers ran where, their calls, and send the extra calls' sums."""
         for i, layer in enumerate(self.layers):
             row = summed[9 * i : 9 * i + 9]
-            a_here = self._tally.get(("A", layer.name))
+            a_here, g_ran = self._tally.get(("A", layer.name)), row[4]  # (G's entries follow A's four)
             uses, reached = (0 if a_here is None else a_here.calls), self._reached.get(layer.name, 0)
-            if row[4] and uses > reached:  # (where no worker took its G, the layer counts as not run: nothing to say)
+            if g_ran and uses > reached:  # (where no worker took its G, the layer counts as not run: nothing to say)
                 self._unused_forward(layer.name, uses, reached)
             for j, kind in enumerate(FACTOR_KINDS):
                 key = (kind, layer.name)

@@ -32,29 +32,32 @@ _PARTS: dict[type[nn.Module], tuple[str, ...]] = {
 }
 
 
-def _layout(layer: nn.Module) -> SequenceLayout | None:
-    """The layout of a torch transformer layer running torch's own forward (None for any other module)."""
+def _layout(layer: nn.Module) -> tuple[SequenceLayout, tuple[str, ...]] | None:
+    """The layout a torch transformer layer running torch's own forward gives its parts, and those parts' names
+    (None for any other module)."""
     base = next((cls for cls in _PARTS if isinstance(layer, cls)), None)
     if base is None or any(getattr(type(layer), m, None) is not getattr(base, m, None) for m in _FORWARD):
         return None
     attention = getattr(layer, "self_attn", None)
     if not isinstance(attention, nn.MultiheadAttention):
         return None
-    return "batch_first" if attention.batch_first else "sequence_first"
+    return ("batch_first" if attention.batch_first else "sequence_first"), _PARTS[base]
 
 
 def sequence_layouts(model: nn.Module) -> dict[nn.Module, SequenceLayout]:
     """The modules of ``model`` that run inside torch's transformer layers, and the layout they see."""
     out: dict[nn.Module, SequenceLayout] = {}
     for module in model.modules():
-        layout = _layout(module)
-        if layout is not None:
-            for name in _PARTS[next(cls for cls in _PARTS if isinstance(module, cls))]:
+        found = _layout(module)
+        if found is not None:
+            layout, parts = found
+            for name in parts:
                 part = getattr(module, name, None)
                 if isinstance(part, nn.Module):
                     out[part] = layout
         if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)) and isinstance(module.norm, nn.Module):
-            layouts = {_layout(layer) for layer in module.layers}
-            if len(layouts) == 1 and None not in layouts:
-                out[module.norm] = layouts.pop()  # type: ignore[assignment]  # (one layout, not None)
+            layouts = {found[0] if found is not None else None for found in map(_layout, module.layers)}
+            (only,) = layouts if len(layouts) == 1 else (None,)
+            if only is not None:  # (the final norm sees what its layers' last one returns)
+                out[module.norm] = only
     return out
