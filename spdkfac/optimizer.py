@@ -669,7 +669,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         t_update = Timeline.now() if self._record is not None else 0.0
         apply_base_update(self.config.base, self.param_groups, self.state, self._direct)
         if self._record is not None:
-            self._record.update += Timeline.now() - t_update
+            t = Timeline.now()
+            self._record.update += t - t_update
+            self._record.span("update", t_update, t)
 
     # ------------------------------------------------------------ between steps
     def zero_grad(self, set_to_none: bool = True) -> None:

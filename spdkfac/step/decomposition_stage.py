@@ -132,7 +132,9 @@ def _timed(record: IterationRecord | None, key: Hashable) -> Iterator[None]:
     started = Timeline.now() if record is not None else 0.0
     yield
     if record is not None:
-        record.decompositions[_collective_name(key)] = Timeline.now() - started
+        ended = Timeline.now()
+        record.decompositions[_collective_name(key)] = ended - started
+        record.span(f"decompose {_collective_name(key)}", started, ended)
 
 
 def _stage(
@@ -180,6 +182,8 @@ def _stage(
         t1 = Timeline.now()
         record.inverse_wait += t1 - t_wait
         record.inverse_stage += t1 - t0
+        record.span("wait: decompositions", t_wait, t1)
+        record.span("decompositions", t0, t1)
     return out
 
 

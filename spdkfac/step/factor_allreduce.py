@@ -224,6 +224,7 @@ class TensorFusionController:
                 job.handle.wait()
                 t = Timeline.now()
                 rec.factor_wait += t - t_wait
+                rec.span("wait: factors", t_wait, t)
                 for key, _, _ in job.layout:
                     ev = rec.event(key)
                     if ev is not None and ev.comm_end is None:

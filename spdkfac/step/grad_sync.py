@@ -289,7 +289,9 @@ class GradientSync:
                     self._check_untouched(p, sent)
                 handle.wait()
         if self.record is not None:
-            self.record.grad_wait += Timeline.now() - t0
+            t1 = Timeline.now()
+            self.record.grad_wait += t1 - t0
+            self.record.span("wait: gradients", t0, t1)
 
     def done(self, params: Iterable[torch.Tensor]) -> bool:
         """Whether these parameters' gradients are averaged already (non-blocking)."""

@@ -148,7 +148,9 @@ class Preconditioner:
                 writes.add(layer, update)
         writes.write()
         if record is not None:
-            record.precondition += Timeline.now() - t0 - (record.grad_wait - waited0)
+            t1 = Timeline.now()
+            record.precondition += t1 - t0 - (record.grad_wait - waited0)
+            record.span("precondition", t0, t1)
 
     def _local(
         self, layers: list[KFACLayer], damping: float, wait_for_grads: bool, stacked: list[_Stacked]
@@ -253,7 +255,9 @@ class Preconditioner:
                 updates[i] = buffer[offset : offset + math.prod(shape)].view(shape)
                 offset += math.prod(shape)
         if record is not None:
-            record.precondition_wait += Timeline.now() - t0
+            t1 = Timeline.now()
+            record.precondition_wait += t1 - t0
+            record.span("wait: preconditioned gradients", t0, t1)
         for i, layer in enumerate(layers):
             if i not in grads:  # another rank's layer: its gradient is still needed for the KL clip
                 grads[i] = self._grad(layer, wait_for_grads)

@@ -13,17 +13,27 @@ On CUDA every clock reading first waits for the device's queued work
 would charge a part's GPU time to whichever later part waits for it. The
 waits cost the overlap of host and device: time whole iterations with the
 timeline off, and read the breakdown from a recorded run.
+
+:meth:`Timeline.trace` draws the record as a trace that Perfetto
+(ui.perfetto.dev) or ``chrome://tracing`` shows: each iteration, each
+factor's computation in its hook, each fused all-reduce from its launch to
+when it was seen complete, and the parts of ``step()`` (the waits, each
+decomposition, the preconditioning, the update). One file per rank; the
+ranks of one host share a clock, so their traces merge into one
+(:func:`merge_traces`).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
-__all__ = ["FactorEvent", "IterationRecord", "Timeline"]
+__all__ = ["FactorEvent", "IterationRecord", "Span", "Timeline", "merge_traces"]
 
 
 @dataclass
@@ -37,6 +47,15 @@ class FactorEvent:
     group: int = -1
     comm_start: float | None = None
     comm_end: float | None = None
+
+
+@dataclass
+class Span:
+    """A part of ``step()`` (seconds since the iteration's first event): a wait, a decomposition, the update."""
+
+    name: str
+    start: float
+    end: float
 
 
 @dataclass
@@ -57,9 +76,16 @@ class IterationRecord:
     #: Seconds of each decomposition this rank computed (by factor, ``'A.layer1'``), inside ``inverse_stage``:
     #: which rank's share sets the stage's length, and which factors make it.
     decompositions: dict[str, float] = field(default_factory=dict)
+    #: The parts of ``step()`` in the order they ended (what :meth:`Timeline.trace` draws besides the factors).
+    spans: list[Span] = field(default_factory=list)
+    duration: float = 0.0  # from the first event to the end of step() (set when the step completes)
 
     def rel(self, t: float) -> float:
         return t - self.t0
+
+    def span(self, name: str, start: float, end: float) -> None:
+        """Record the part ``name`` of ``step()`` from ``start`` to ``end`` (clock times)."""
+        self.spans.append(Span(name, self.rel(start), self.rel(end)))
 
     def factor_computed(self, key: tuple[str, str], start: float, end: float) -> None:
         """Record that factor ``key`` = (kind, layer) was computed from ``start`` to ``end`` (clock times)."""
@@ -74,6 +100,15 @@ class IterationRecord:
     def factor_compute(self) -> float:
         """Total time spent computing factors in hooks."""
         return sum(e.compute_end - e.compute_start for e in self.factors.values())
+
+
+#: The rows of a rank in :meth:`Timeline.trace`, by thread id.
+_ROWS = ("iterations", "factors (hooks)", "factor all-reduces", "step()")
+
+
+def merge_traces(traces: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """One trace of several ranks' :meth:`Timeline.trace` (of one host: their clocks agree)."""
+    return {"traceEvents": [event for trace in traces for event in trace["traceEvents"]], "displayTimeUnit": "ms"}
 
 
 class Timeline:
@@ -98,8 +133,43 @@ class Timeline:
     def end(self) -> None:
         """Keep the open record (the step completed)."""
         if self.current is not None:
+            self.current.duration = self.current.rel(self.now())
             self.iterations.append(self.current)
             self.current = None
+
+    def trace(self, rank: int = 0) -> dict[str, Any]:
+        """The recorded iterations as a Chrome trace-event object (``json.dump`` it; Perfetto or ``chrome://tracing``
+        opens it): on the rank's row, the iterations, the factors computed in the hooks, the fused factor all-reduces
+        (launch to seen complete; they may overlap each other) and the parts of ``step()``. Microseconds of the host's
+        monotonic clock, shared by the processes of one host."""
+        events: list[dict[str, Any]] = [
+            {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}},
+            *({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}} for tid, name in enumerate(_ROWS)),
+        ]
+
+        def slice_(name: str, row: int, start: float, end: float, t0: float, **args: Any) -> dict[str, Any]:
+            event = {"ph": "X", "name": name, "pid": rank, "tid": row, "ts": (t0 + start) * 1e6, "dur": max(end - start, 0.0) * 1e6}
+            return {**event, "args": args} if args else event
+
+        for it in self.iterations:
+            events.append(slice_(f"iteration {it.step}", 0, 0.0, it.duration, it.t0))
+            groups: dict[tuple[str, int], tuple[float, float, list[str]]] = {}  # (kind, group) -> launch, end, layers
+            for ev in it.factors.values():
+                events.append(slice_(f"{ev.kind} {ev.layer}", 1, ev.compute_start, ev.compute_end, it.t0))
+                if ev.comm_start is not None and ev.comm_end is not None:
+                    groups.setdefault((ev.kind, ev.group), (ev.comm_start, ev.comm_end, []))[2].append(ev.layer)
+            for (kind, gid), (start, end, layers) in groups.items():  # async slices: a fused all-reduce may start
+                name = f"all-reduce {kind} group {gid}"  # before the one before it ends
+                common = {"name": name, "cat": "factor all-reduce", "pid": rank, "tid": 2, "id": f"{it.step}.{kind}.{gid}"}
+                events.append({**common, "ph": "b", "ts": (it.t0 + start) * 1e6, "args": {"factors": layers}})
+                events.append({**common, "ph": "e", "ts": (it.t0 + end) * 1e6})
+            events += [slice_(span.name, 3, span.start, span.end, it.t0) for span in it.spans]
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write_trace(self, path: str, rank: int = 0) -> None:
+        """Write :meth:`trace` to ``path`` (JSON)."""
+        with open(path, "w") as f:
+            json.dump(self.trace(rank), f)
 
     def to_json(self) -> str:
         return json.dumps([asdict(it) for it in self.iterations], indent=1)

@@ -18,6 +18,7 @@ __all__ = ["AMP_DTYPES", "DHO2_OPTIMIZERS", "KFAC_OPTIMIZERS", "OPTIMIZERS", "dh
 KFAC_OPTIMIZERS = ("spdkfac", "dkfac", "mpdkfac")
 DHO2_OPTIMIZERS = ("dho2", "dho2-wa")
 OPTIMIZERS = ("sgd", *KFAC_OPTIMIZERS, *DHO2_OPTIMIZERS)
+TRACEABLE = ("sgd", *KFAC_OPTIMIZERS)  # (the optimizers that keep a timeline: --trace)
 #: The paper's Tikhonov damping, the default of --damping.
 PAPER_DAMPING = 0.003
 #: The default on --data digits (README, "The main job before": measured over seeds against SGD, benchmarks/main_job_seeds.py).
@@ -167,9 +168,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(--amp fp16); K-FAC factors stay float32",
     )
     p.add_argument("--quiet", action="store_true", help="no per-iteration progress line")
+    p.add_argument(
+        "--trace",
+        type=int,
+        default=None,
+        metavar="N",
+        help="record N steps of the optimizer's timeline once its fusion plan is made, and write every rank's to "
+        "trace.json in --out-dir (open it in ui.perfetto.dev); K-FAC optimizers and sgd",
+    )
     args = p.parse_args(argv)
     if args.epochs < 1:
         p.error("--epochs must be >= 1")
+    if args.trace is not None and args.trace < 1:
+        p.error("--trace must be >= 1 (steps to record)")
+    if args.trace is not None and args.optimizer not in TRACEABLE:
+        p.error(f"--trace records the K-FAC optimizers' timeline: --optimizer {args.optimizer} keeps none")
     if args.batch_size < 1:
         p.error("--batch-size must be >= 1")
     if not (math.isfinite(args.collective_timeout) and args.collective_timeout > 0):

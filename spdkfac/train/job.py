@@ -42,6 +42,7 @@ from .loop import Batch, EpochTotals, TrainingStep, average_over_workers, evalua
 from .optimizer_options import optimizer_options
 from .run import Position, prepare_run_dir, restore, start_log
 from .run_dir import append_text
+from .trace import TraceRecorder
 
 __all__ = ["average_over_workers", "evaluate", "lr_at", "main", "make_loaders", "parse_args"]
 
@@ -161,6 +162,7 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
         skip_nonfinite=args.skip_nonfinite,
         **optimizer_options(args.optimizer, args, dho2=dho2_options(args, len(train_loader))),
     )
+    tracer = TraceRecorder(optimizer, args.trace, Path(args.out_dir) / "trace.json", backend) if args.trace else None
     training_step = TrainingStep(
         model,
         optimizer,
@@ -268,6 +270,8 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
         for loss in train_epoch(training_step, batches, lr_now, totals):
             position.step += 1
             position.samples += args.batch_size * size
+            if tracer is not None:
+                tracer.stepped()
             if is_root and not args.quiet and sys.stdout.isatty():
                 _progress(epoch, position.samples // (args.batch_size * size), steps_per_epoch, float(loss))
             if args.checkpoint_every and position.step % args.checkpoint_every == 0 and position.samples < samples_per_epoch:
@@ -305,6 +309,8 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
             if is_root and after != before and epoch + 1 < args.epochs:
                 print(f"  from epoch {epoch + 1}: damping {after[0]:g}, factor/inverse update every {after[1]}/{after[2]} steps")
         checkpoint([0.0, 0.0, 0.0])
+    if tracer is not None:
+        tracer.finish()  # (fewer steps than asked for: what was recorded)
     if is_root:
         print(f"done: log {log_path}, checkpoint {out_dir / LATEST}")
     return row

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
 import subprocess
@@ -167,12 +168,40 @@ def test_two_worker_torchrun_training(tmp_path):
     out = run_workers(
         "torch",
         2,
-        ["-m", "spdkfac.train", "--backend", "torch", "--data", "digits", "--epochs", "2", "--quiet", "--out-dir", str(tmp_path / "run")],
-    )
+        [
+            "-m", "spdkfac.train", "--backend", "torch", "--data", "digits", "--epochs", "2", "--quiet",
+            "--out-dir", str(tmp_path / "run"), "--trace", "3",
+        ],
+    )  # fmt: skip
     assert "2 worker(s) via torch" in out
     assert "epoch   1" in out
     rows = list(csv.DictReader((tmp_path / "run" / "log.csv").read_text().splitlines()))
     assert float(rows[-1]["test_acc"]) > 0.5
+    # --trace: both ranks' steps in one file, with the fused factor all-reduces between them
+    assert "trace of 3 step(s), 2 rank(s)" in out
+    events = json.loads((tmp_path / "run" / "trace.json").read_text())["traceEvents"]
+    iterations = [(e["pid"], e["name"]) for e in events if e["ph"] == "X" and e["tid"] == 0]
+    assert sorted(pid for pid, _ in iterations) == [0, 0, 0, 1, 1, 1]
+    assert {pid for pid, _ in iterations} == {e["pid"] for e in events if e.get("cat") == "factor all-reduce"}
+
+
+def test_trace_records_the_steps_asked_for_once_the_fusion_plan_is_made(tmp_path, capsys):
+    """One process: the steps after the profiled factor steps (4 here: one warm-up, three timed), in trace.json."""
+    out = tmp_path / "run"
+    train.main(["--data", "digits", "--backend", "single", "--epochs", "1", "--quiet", "--trace", "3", "--out-dir", str(out)])
+    assert f"trace of 3 step(s), 1 rank(s): {out / 'trace.json'}" in capsys.readouterr().out
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    assert [e["name"] for e in events if e["ph"] == "X" and e["tid"] == 0] == ["iteration 5", "iteration 6", "iteration 7"]
+    assert {e["name"] for e in events if e["ph"] == "X" and e["tid"] == 3} >= {"precondition", "update"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"), [(["--trace", "0"], "--trace must be >= 1"), (["--optimizer", "dho2", "--trace", "3"], "keeps none")]
+)
+def test_trace_flags_that_cannot_record_are_an_error(flags, error, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    assert error in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess
