@@ -326,6 +326,7 @@ class Run:
             if per_layer:
                 self.opt.kfac_step.preconditioner.stack_groups = False
         self.seconds: list[float] = []
+        self.trace: dict[str, Any] | None = None  # the phase iterations' timeline, drawn (phases())
 
     def _timed(self, x: torch.Tensor, y: torch.Tensor, wait_after_backward: bool) -> tuple[float, float]:
         """One iteration under bf16 autocast: (its seconds, those of forward + backward; 0 unless waited for)."""
@@ -358,6 +359,7 @@ class Run:
             totals.append(total)
             fwdbwd.append(passes)
         recs = self.opt.timeline.iterations[-iters:]
+        self.trace = self.opt.timeline.trace()  # (what the phases are read from, drawn: Timeline.trace)
         self.opt.timeline = None
         n = len(recs)
         if n == 0:
@@ -461,9 +463,12 @@ def _measured(rows: dict[str, Any], device: torch.device, label: str) -> Iterato
                 log(f"{label} {name:<28} median {row['median'] * 1e3:8.1f} ms, mean {row['mean'] * 1e3:8.1f} ms{ratio}")
 
 
-def timing(setting: Setting, device: torch.device, budget: float, emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+def timing(
+    setting: Setting, device: torch.device, budget: float, emit: Callable[[dict[str, Any]], None], traces: Path | None = None
+) -> dict[str, Any]:
     """Interleaved iteration times per batch size: SGD, AdamW and K-FAC amortised together, then every step with SGD;
-    then each other model (a transformer) at the first batch size, amortised, with an AdamW-based K-FAC beside."""
+    then each other model (a transformer) at the first batch size, amortised, with an AdamW-based K-FAC beside. The
+    every-step configurations' phase iterations are also written as traces (Perfetto) into ``traces``."""
     torch.backends.cudnn.benchmark = True
     deadline = time.perf_counter() + budget
     settings = {k: v for k, v in vars(setting).items() if k != "budget_s"}
@@ -487,6 +492,10 @@ def timing(setting: Setting, device: torch.device, budget: float, emit: Callable
                     for r in runs:
                         if r.kfac and time.perf_counter() < share:
                             rows[r.name]["phases_s"] = r.phases(x, y, setting.phase_iters)
+                            if traces is not None and r.trace is not None:
+                                path = traces / f"trace_{setting.model}_b{batch}_{r.name}.json"
+                                path.write_text(json.dumps(r.trace))
+                                rows[r.name]["trace_file"] = path.name
         emit(result)
     batch = setting.batch_sizes[0]
     for model, resolution in setting.other_models:
@@ -650,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
             elif stage == "decompositions":
                 value = decompositions(setting, device, budget)
             elif stage == "timing":
-                value = timing(setting, device, budget, lambda partial: emit("timing", partial))
+                value = timing(setting, device, budget, lambda partial: emit("timing", partial), out.parent)
             elif stage == "compiled":
                 value = compiled(setting, device, budget)
             elif stage == "perfmodel":

@@ -22,22 +22,31 @@ def small_net(seed: int = 0) -> nn.Module:
 
 
 class SmallTransformer(nn.Module):
-    """A one-layer ``nn.TransformerEncoder`` over the 6 rows of a 2x6x6 input (6 tokens of 12), mean-pooled, then Linear."""
+    """A one-layer ``nn.TransformerEncoder`` over the 6 rows of a 2x6x6 input (6 tokens of 12), mean-pooled, then Linear.
 
-    def __init__(self) -> None:
+    ``sequence_first``: the encoder runs on ``(L, N, E)`` (torch's default layout), with the feed-forward's first
+    bias frozen (a constant of its layer).
+    """
+
+    def __init__(self, sequence_first: bool = False) -> None:
         super().__init__()
-        layer = nn.TransformerEncoderLayer(d_model=12, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        layer = nn.TransformerEncoderLayer(d_model=12, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=not sequence_first)
         self.encoder = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False)
         self.head = nn.Linear(12, 5)
+        self.sequence_first = sequence_first
+        if sequence_first:
+            self.encoder.layers[0].linear1.bias.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.permute(0, 2, 1, 3).reshape(x.shape[0], 6, 12)
+        if self.sequence_first:
+            return self.head(self.encoder(tokens.transpose(0, 1)).mean(dim=0))
         return self.head(self.encoder(tokens).mean(dim=1))
 
 
-def small_transformer(seed: int = 0) -> nn.Module:
+def small_transformer(seed: int = 0, sequence_first: bool = False) -> nn.Module:
     torch.manual_seed(seed)
-    return SmallTransformer()
+    return SmallTransformer(sequence_first)
 
 
 class MixedNet(nn.Module):

@@ -92,6 +92,11 @@ FREQ_CONFIGS = {
         perf_model="expensive-inverse",
         stack_groups=True,  # (by default on a GPU only)
     ),
+    # torch's default layout (L, N, E): the feed-forward Linears and the norms (norm_layers='kfac') count the batch,
+    # as the attention does, and the feed-forward's frozen first bias is a constant of its layer.
+    "transformer-sequence-first": dict(
+        BASE, model="transformer-sequence-first", norm_layers="kfac", placement="lbp", perf_model="expensive-inverse"
+    ),
     # Gradient clipping between backward and step, after synchronize(): clips the averaged gradient.
     "clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05),
     # The loop as written for torch.optim, no synchronize(): the first step finds the clipping and every step averages

@@ -117,7 +117,8 @@ def main() -> None:
         accumulate = cfg.get("accumulation_steps", 1)
         if local % accumulate:
             raise SystemExit(f"local batch {local} not divisible into {accumulate} micro-batches")
-        model = {"transformer": small_transformer, "mixed": mixed_net}.get(cfg.pop("model", None), small_net)().to(device)
+        models = {"transformer": small_transformer, "transformer-sequence-first": lambda: small_transformer(sequence_first=True)}
+        model = {**models, "mixed": mixed_net}.get(cfg.pop("model", None), small_net)().to(device)
         stack_groups = cfg.pop("stack_groups", None)  # same-shape layers stacked (by default on a GPU only)
         opt = SPDKFACOptimizer(model, backend=backend, perf_model=pm, **cfg)
         opt.kfac_step.preconditioner.stack_groups = stack_groups
