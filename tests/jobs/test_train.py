@@ -188,7 +188,8 @@ def test_two_worker_torchrun_training(tmp_path):
 def test_trace_records_the_steps_asked_for_once_the_fusion_plan_is_made(tmp_path, capsys):
     """One process: the steps after the profiled factor steps (4 here: one warm-up, three timed), in trace.json."""
     out = tmp_path / "run"
-    train.main(["--data", "digits", "--backend", "single", "--epochs", "1", "--quiet", "--trace", "3", "--out-dir", str(out)])
+    common = ["--data", "digits", "--backend", "single", "--epochs", "1", "--batch-size", "128", "--quiet"]  # (11 steps)
+    train.main([*common, "--trace", "3", "--out-dir", str(out)])
     assert f"trace of 3 step(s), 1 rank(s): {out / 'trace.json'}" in capsys.readouterr().out
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     assert [e["name"] for e in events if e["ph"] == "X" and e["tid"] == 0] == ["iteration 5", "iteration 6", "iteration 7"]
