@@ -54,24 +54,27 @@ class TraceRecorder:
         timeline: Timeline | None = self.optimizer.timeline
         self.optimizer.timeline = None
         mine = json.dumps((timeline or Timeline()).trace(self.backend.rank)).encode()
-        traces = [json.loads(data) for data in _gathered(self.backend, mine)]
+        device = next((p.device for group in self.optimizer.param_groups for p in group["params"]), torch.device("cpu"))
+        traces = [json.loads(data) for data in _gathered(self.backend, mine, device)]
         if self.backend.rank == 0:
             recorded = len(timeline.iterations) if timeline is not None else 0
             replace_text(self.path, json.dumps(merge_traces(traces)))
             print(f"trace of {recorded} step(s), {len(traces)} rank(s): {self.path} (open it in ui.perfetto.dev)", flush=True)
 
 
-def _gathered(backend: CommBackend, data: bytes) -> list[bytes]:
-    """Every rank's ``data``, in rank order (two collectives: the lengths, then the bytes)."""
+def _gathered(backend: CommBackend, data: bytes, device: torch.device) -> list[bytes]:
+    """Every rank's ``data``, in rank order: the lengths, then the bytes (on ``device``: NCCL moves GPU tensors only)."""
     if backend.size == 1:
         return [data]
-    lengths = [int(n) for (n,) in backend.gather_values([float(len(data))], "spdkfac.trace.lengths")]
-    buffer = torch.zeros(sum(lengths), dtype=torch.uint8)
+    ones = [1] * backend.size
+    lengths_buffer = torch.zeros(backend.size, dtype=torch.float64, device=device)
+    lengths_buffer[backend.rank] = float(len(data))
+    backend.allgather_async(lengths_buffer, ones, "spdkfac.trace.lengths").wait()
+    lengths = [int(n) for n in lengths_buffer.tolist()]
+    buffer = torch.zeros(sum(lengths), dtype=torch.uint8, device=device)
     start = sum(lengths[: backend.rank])
-    buffer[start : start + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buffer[start : start + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     backend.allgather_async(buffer, lengths, "spdkfac.trace.bytes").wait()
-    out, offset = [], 0
-    for n in lengths:
-        out.append(bytes(buffer[offset : offset + n].tolist()))
-        offset += n
-    return out
+    values = buffer.cpu().numpy().tobytes()
+    offsets = [sum(lengths[:r]) for r in range(backend.size)]
+    return [values[o : o + n] for o, n in zip(offsets, lengths)]
