@@ -539,6 +539,7 @@ def compiled(setting: Setting, device: torch.device, budget: float) -> dict[str,
     log(f"{label}: {counters['stats']['unique_graphs']} graphs, graph breaks {breaks or 'none'}")
     return {
         "model": setting.model,
+        "resolution": setting.resolution,  # (the report's heading names it)
         "batch": batch,
         "backend": setting.compile_backend,
         "unique_graphs": int(counters["stats"]["unique_graphs"]),

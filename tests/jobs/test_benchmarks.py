@@ -14,6 +14,7 @@ import torch
 from launch import require_horovod, run_workers
 
 from benchmarks.main_job_seeds import main_job_kfac
+from benchmarks.report import build
 from spdkfac.step.compiled_hooks import TAPS_AVAILABLE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -509,6 +510,16 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
     model = stages["perfmodel"]["model"]
     assert "inverse" in model
     assert "eigen" in model
+    # each every-step configuration's phase iterations, drawn for Perfetto beside the JSON
+    for name in ("kfac-inverse", "kfac-eigen", "kfac-eigen-warm"):
+        trace = json.loads((tmp_path / first[name]["trace_file"]).read_text())
+        assert sum(e["name"].startswith("iteration") for e in trace["traceEvents"] if e["ph"] == "X") == 2
+    # the report renders what the card's run will write (RESULTS.md's section for it)
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "gpu_check_cpu.json").write_text(out.read_text())
+    text = build(results, tmp_path / "RESULTS.md")
+    assert "compiled" in text
 
 
 @pytest.mark.slow
