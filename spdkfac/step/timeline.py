@@ -139,7 +139,7 @@ class Timeline:
 
     def trace(self, rank: int = 0) -> dict[str, Any]:
         """The recorded iterations as a Chrome trace-event object (``json.dump`` it; Perfetto or ``chrome://tracing``
-        opens it): on the rank's row, the iterations, the factors computed in the hooks, the fused factor all-reduces
+        opens it): in the rank's rows, the iterations, the factors computed in the hooks, the fused factor all-reduces
         (launch to seen complete; they may overlap each other) and the parts of ``step()``. Microseconds of the host's
         monotonic clock, shared by the processes of one host."""
         events: list[dict[str, Any]] = [
@@ -147,9 +147,8 @@ class Timeline:
             *({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}} for tid, name in enumerate(_ROWS)),
         ]
 
-        def slice_(name: str, row: int, start: float, end: float, t0: float, **args: Any) -> dict[str, Any]:
-            event = {"ph": "X", "name": name, "pid": rank, "tid": row, "ts": (t0 + start) * 1e6, "dur": max(end - start, 0.0) * 1e6}
-            return {**event, "args": args} if args else event
+        def slice_(name: str, row: int, start: float, end: float, t0: float) -> dict[str, Any]:
+            return {"ph": "X", "name": name, "pid": rank, "tid": row, "ts": (t0 + start) * 1e6, "dur": max(end - start, 0.0) * 1e6}
 
         for it in self.iterations:
             events.append(slice_(f"iteration {it.step}", 0, 0.0, it.duration, it.t0))
@@ -158,8 +157,9 @@ class Timeline:
                 events.append(slice_(f"{ev.kind} {ev.layer}", 1, ev.compute_start, ev.compute_end, it.t0))
                 if ev.comm_start is not None and ev.comm_end is not None:
                     groups.setdefault((ev.kind, ev.group), (ev.comm_start, ev.comm_end, []))[2].append(ev.layer)
-            for (kind, gid), (start, end, layers) in groups.items():  # async slices: a fused all-reduce may start
-                name = f"all-reduce {kind} group {gid}"  # before the one before it ends
+            # Async slices (begin, end): a fused all-reduce may start before the one before it has ended.
+            for (kind, gid), (start, end, layers) in groups.items():
+                name = f"all-reduce {kind} group {gid}"
                 common = {"name": name, "cat": "factor all-reduce", "pid": rank, "tid": 2, "id": f"{it.step}.{kind}.{gid}"}
                 events.append({**common, "ph": "b", "ts": (it.t0 + start) * 1e6, "args": {"factors": layers}})
                 events.append({**common, "ph": "e", "ts": (it.t0 + end) * 1e6})

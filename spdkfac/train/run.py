@@ -57,6 +57,7 @@ RUNTIME_ARGS = (
     "backend",
     "perf_model",
     "collective_timeout",
+    "trace",
 )
 
 #: Arguments that fix what is trained or the order of its samples: a resumed run refuses to change them,

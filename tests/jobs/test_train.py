@@ -186,14 +186,17 @@ def test_two_worker_torchrun_training(tmp_path):
 
 
 def test_trace_records_the_steps_asked_for_once_the_fusion_plan_is_made(tmp_path, capsys):
-    """One process: the steps after the profiled factor steps (4 here: one warm-up, three timed), in trace.json."""
+    """One process: the steps after the profiled factor steps (4 here: one warm-up, three timed), in trace.json; and
+    a run resumed with --trace (a run-time option, not one that changes the training)."""
     out = tmp_path / "run"
-    common = ["--data", "digits", "--backend", "single", "--epochs", "1", "--batch-size", "128", "--quiet"]  # (11 steps)
-    train.main([*common, "--trace", "3", "--out-dir", str(out)])
+    common = ["--data", "digits", "--backend", "single", "--batch-size", "128", "--epochs", "2", "--quiet", "--out-dir", str(out)]
+    train.main([*common, "--stop-after", "1", "--trace", "3"])  # (11 steps per epoch)
     assert f"trace of 3 step(s), 1 rank(s): {out / 'trace.json'}" in capsys.readouterr().out
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     assert [e["name"] for e in events if e["ph"] == "X" and e["tid"] == 0] == ["iteration 5", "iteration 6", "iteration 7"]
     assert {e["name"] for e in events if e["ph"] == "X" and e["tid"] == 3} >= {"precondition", "update"}
+    train.main([*common, "--resume", "--trace", "2"])
+    assert "trace of 2 step(s)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
