@@ -536,7 +536,14 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         return [layer for layer in self.layers if self.work_plan.holds(self.backend.rank, layer.name)]
 
     def _collecting(self, module: nn.Module) -> bool:
-        return module.training and torch.is_grad_enabled() and self._step_kind()[0]
+        """Whether a layer's hook takes its factor now: on a factor step, with gradients on, while the model trains.
+
+        The model's mode, not the layer's: evaluation passes put the model in
+        ``eval()``, while a part put in eval mode inside a training model (an
+        encoder with its dropout off, frozen normalisation statistics) still
+        trains, and its layers take their factors as in train mode.
+        """
+        return self.wrapping.module.training and torch.is_grad_enabled() and self._step_kind()[0]
 
     def _loss_scale(self) -> float:
         """The GradScaler's scale in this backward pass (1 without one); read once per step."""

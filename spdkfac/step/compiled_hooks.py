@@ -97,12 +97,13 @@ def run_eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def register_factor_pre_hook(module: nn.Module, hook: Callable[[nn.Module, tuple[Any, ...]], None]) -> HookHandle:
-    """``module.register_forward_pre_hook(hook)``; in a compiled forward (training, gradients on) a tap on the inputs.
+    """``module.register_forward_pre_hook(hook)``; in a compiled forward (gradients on) a tap on the inputs.
 
     Registered as the optimizer's (:mod:`~spdkfac.step.module_hooks`): keep
     the returned handle to keep the hook. ``hook`` must only read its inputs (it may not replace them). With
-    gradients off or in eval mode a compiled forward calls nothing: the
-    hook's caller then computes no factor anyway.
+    gradients off a compiled forward calls nothing: the hook's caller then
+    computes no factor anyway (it decides from the model's mode, which a
+    module's own does not tell: a part in eval mode may still train).
     """
     if not TAPS_AVAILABLE:
         return register(module.register_forward_pre_hook, hook)
@@ -111,9 +112,9 @@ def register_factor_pre_hook(module: nn.Module, hook: Callable[[nn.Module, tuple
     def pre_hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
         if not torch.compiler.is_compiling():
             hook(module, inputs)
-        elif module.training and torch.is_grad_enabled() and all(isinstance(x, torch.Tensor) for x in inputs):
+        elif torch.is_grad_enabled() and all(isinstance(x, torch.Tensor) for x in inputs):
             _tap(list(inputs), tap)
-        elif module.training and torch.is_grad_enabled():
+        elif torch.is_grad_enabled():
             run_eagerly(hook)(module, inputs)  # inputs that are not all tensors: the hook itself, a graph break
 
     pre_hook.tap = tap  # type: ignore[attr-defined]  # kept alive with the hook

@@ -60,12 +60,6 @@ _REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
 _MORE = "#more"
 
 
-def _has_gradient(layer: KFACLayer) -> bool:
-    """Whether the layer's weight holds a gradient that is not all zeros (one host read: called on a rare path)."""
-    grad = layer.helper.weight.grad
-    return grad is not None and bool(grad.ne(0).any())
-
-
 def recomputing() -> bool:
     """Whether a forward pass runs inside a backward pass to recompute checkpointed activations, already counted.
 
@@ -204,8 +198,6 @@ class FactorCollector:
         self._repeat_noted = False  # whether a second backward pass through one forward pass was warned about
         self._unused_noted = False  # whether a forward use whose output got no gradient was warned about
         self._reached: dict[str, int] = {}  # per layer: the uses whose output a backward pass reached this step (here)
-        self._in_eval: set[str] = set()  # layers run in eval() mode with gradients on in this step (here)
-        self._eval_noted = False  # whether a layer trained in eval() mode was warned about
         #: Called once, with the input of the first factor computed (then set to None): the optimizer's first look
         #: at the forward pass's precision.
         self.first_input: Callable[[torch.Tensor], None] | None = None
@@ -226,7 +218,6 @@ class FactorCollector:
         self._a_taken = set()
         self._tally = {}
         self._reached = {}
-        self._in_eval = set()
         self._passes = 0
         self._g_since_a = True
         self._names = {}
@@ -237,8 +228,6 @@ class FactorCollector:
 
     def _a_hook(self, layer: KFACLayer) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         def hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
-            if not module.training and torch.is_grad_enabled():
-                self._in_eval.add(layer.name)  # (no factor: an evaluation pass; said at step() if it trained)
             if self.collecting(module) and not recomputing():
                 if not inputs:  # (a forward pre-hook sees positional arguments only)
                     raise TypeError(
@@ -328,24 +317,6 @@ class FactorCollector:
             "forward pass that no backward pass reached (one run for a metric or a log, a detached branch), so the "
             "preconditioner describes inputs the step's gradient does not. Run such passes under torch.no_grad() or "
             "with the model in eval() mode (this is said once)",
-            stacklevel=2,
-        )
-
-    def _trained_in_eval(self, names: list[str]) -> None:
-        """Of the layers that took no factor but ran in eval() mode with gradients on, those that got a gradient
-        (they train, preconditioned by factors that do not follow their inputs): say so once."""
-        trained = [name for name in names if _has_gradient(self._by_name[name])]
-        if not trained:
-            return
-        self._eval_noted = True
-        listed = ", ".join(map(repr, trained[:5])) + (f" and {len(trained) - 5} more" if len(trained) > 5 else "")
-        warnings.warn(
-            f"layer(s) {listed} got a gradient in this step but ran with their module in eval() mode, where K-FAC takes "
-            "no factors (so that evaluation passes run with gradients on are left out): their factors stay as they were "
-            "(the identity, if they never ran in train() mode), so their preconditioning does not follow their inputs. "
-            "Keep the modules that train in train() mode, and to switch off "
-            "dropout or freeze normalization statistics, put only those modules (the Dropout and BatchNorm ones) in "
-            "eval() mode (this is said once)",
             stacklevel=2,
         )
 
@@ -582,8 +553,6 @@ class FactorCollector:
                     factors[key] = factors[key].mul(self.accumulation_steps / self._passes)
         kept = set(ran)
         self.skipped = [layer.name for layer in self.layers if layer.name not in kept]
-        if self._in_eval and not self._eval_noted:
-            self._trained_in_eval([name for name in self.skipped if name in self._in_eval])
         factors = {key: mat for key, mat in factors.items() if key[1] in kept}
         self.regular = not partial and all(calls == expected for calls, _, expected in self._agreed.values())
         keys = list(factors)

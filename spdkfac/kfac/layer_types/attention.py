@@ -14,10 +14,11 @@ a fourth, with the factors of the same model written with ``nn.Linear``
 projections on batch-first tokens (the sample dimension is the batch, whatever
 ``batch_first`` says).
 
-The explicit forward runs only while K-FAC's hooks are attached and the module
-trains with gradients enabled (factors are computed then); otherwise, in
-evaluation and after ``remove_hooks()``, the module runs torch's own forward,
-fast path included. It covers ``batch_first`` both ways, unbatched input,
+The explicit forward runs only while K-FAC's hooks are attached and gradients
+are enabled (factors may be taken then, whatever the module's own mode: the
+optimizer decides from the model's); otherwise, under ``torch.no_grad()``
+and after ``remove_hooks()``, the module runs torch's own forward, fast path
+included. It covers ``batch_first`` both ways, unbatched input,
 ``key_padding_mask`` and ``attn_mask`` (bool or float, 2-D or 3-D),
 ``is_causal``, ``need_weights`` and ``average_attn_weights``, biases or none,
 ``add_bias_kv`` (``bias_k``/``bias_v`` get the plain update) and
@@ -339,7 +340,7 @@ def explicit_attention(
 
 
 class ExplicitAttention:
-    """The forward an ``nn.MultiheadAttention`` gets when split: explicit while K-FAC's hooks would see it, else torch's.
+    """The forward an ``nn.MultiheadAttention`` gets when split: explicit while K-FAC's hooks could take factors, else torch's.
 
     Set as the instance's ``forward`` (a plain object, so no submodule is
     registered); it holds the three projection modules K-FAC hooks.
@@ -356,7 +357,7 @@ class ExplicitAttention:
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         mha = self.module
-        if mha.training and torch.is_grad_enabled() and self.hooked():
+        if torch.is_grad_enabled() and self.hooked():  # (in eval mode too: a part of a training model may be in it)
             return explicit_attention(mha, self.projections, *args, **kwargs)
         return nn.MultiheadAttention.forward(mha, *args, **kwargs)
 

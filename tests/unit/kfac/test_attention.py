@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from layer_reference import factors, update
+from nets import batch, small_transformer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spdkfac import SPDKFACOptimizer
@@ -429,8 +430,12 @@ def test_the_model_stays_as_it_was_and_runs_torchs_forward_without_the_hooks(flo
     mine(x)  # training, gradients on: the explicit forward
     mine.eval()
     native = nn.MultiheadAttention.forward(mine.attn, *(torch.tanh(mine.embed(x)),) * 3)[0]
-    assert torch.equal(mine.attn(*(torch.tanh(mine.embed(x)),) * 3)[0], native)  # evaluation: torch's forward
+    with torch.no_grad():
+        assert torch.equal(mine.attn(*(torch.tanh(mine.embed(x)),) * 3)[0], native)  # evaluation: torch's forward
     assert seen == [1]
+    # In eval mode with gradients on, the explicit forward (a part of a training model may be in eval mode), alike.
+    assert torch.equal(mine.attn(*(torch.tanh(mine.embed(x)),) * 3)[0], native)
+    assert seen == [1, 1]
     handle.remove()
     mine.train()
     opt.remove_hooks()
@@ -576,3 +581,28 @@ def test_packed_projections_split_once_and_their_gradients_are_one_concatenation
         assert torch.equal(split_grads[name], grad), name
     assert torch.equal(split_x, sliced_x)
     assert projection_rows(_mha(kdim=KDIM, vdim=VDIM)) == [(), (), ()]  # separate weights: each projection its own
+
+
+def test_attention_in_eval_mode_inside_a_training_model_takes_its_factors(float64):
+    """An encoder put in eval mode while the model trains (its dropout off): its attention runs the explicit forward,
+    so q, k, v and out_proj take their factors, and the run is the one of the model all in train mode (no dropout)."""
+    x, y = batch(8)
+    results = []
+    for part_in_eval in (True, False):
+        model = small_transformer()
+        opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
+        for s in range(3):
+            model.train()
+            if part_in_eval:
+                model.encoder.eval()
+            opt.zero_grad()
+            F.cross_entropy(model(x + 0.1 * s), y).backward()
+            opt.step()
+        results.append((model, {la.name: la.A for la in opt.layers}))
+    (evaluated, factors_a), (plain, factors_b) = results
+    assert factors_a.keys() == factors_b.keys()
+    assert not torch.equal(factors_a["encoder.layers.0.self_attn.q_proj"], torch.eye(13, dtype=torch.float64))
+    for name in factors_a:
+        assert torch.equal(factors_a[name], factors_b[name]), name
+    for a, b in zip(evaluated.parameters(), plain.parameters()):
+        assert torch.equal(a, b)

@@ -8,9 +8,10 @@
 * A forward use that no backward pass reaches (a metric's forward pass with
   gradients on, a detached branch): its inputs are in ``A``, which then
   silently described inputs the gradient does not.
-* A layer that trains with its module in ``eval()`` mode (an encoder kept in
-  eval mode to switch its dropout off): K-FAC takes no factors in eval mode
-  (evaluation passes are left out), so it silently got the base update alone.
+* A layer that trains with its module in ``eval()`` mode inside a training
+  model (an encoder kept in eval mode to switch its dropout off) took no
+  factors, silently: the hooks read the layer's own mode. They now read the
+  model's, so such a layer takes its factors as in train mode.
 
 The other ways gradients reach a layer in one step must stay silent: a layer
 used twice, accumulated micro-batches, a gradient penalty's ``autograd.grad``
@@ -37,7 +38,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:no perf_model given")
 
 SECOND_PASS = "a second backward pass went through the same forward pass"
 UNUSED = "no backward pass reached"
-IN_EVAL = "ran with their module in eval() mode"
 
 
 def _net() -> nn.Sequential:
@@ -179,7 +179,7 @@ def test_other_ways_gradients_reach_a_layer_say_nothing(case):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run()
-    said = [str(w.message) for w in caught if any(what in str(w.message) for what in (SECOND_PASS, UNUSED, IN_EVAL))]
+    said = [str(w.message) for w in caught if any(what in str(w.message) for what in (SECOND_PASS, UNUSED))]
     assert said == []
     assert opt.steps >= 1
 
@@ -247,36 +247,39 @@ def test_a_forward_use_no_backward_pass_reaches_is_said_on_every_worker():
     assert torch.equal(ranks[0], ranks[1])
 
 
-def _dropout_net() -> nn.Sequential:
+def _dropout_net(p: float = 0.2) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.2), nn.Tanh(), nn.Linear(8, 3))
+    return nn.Sequential(nn.Linear(5, 8), nn.Dropout(p), nn.Tanh(), nn.Linear(8, 3))
 
 
-def test_a_layer_trained_in_eval_mode_is_said_once_and_keeps_its_factors():
-    """K-FAC takes no factor in eval() mode: a layer that trains there keeps the factors it had (here the identity
-    they start from) while the others follow their inputs, and the warning names it, once."""
-    model, (x, y) = _net(), _data()
-    opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
-
-    def run() -> None:
+@pytest.mark.parametrize("part", ["layer", "dropout"])
+def test_a_part_in_eval_mode_inside_a_training_model_takes_its_factors(part):
+    """A layer (or the Dropout after it) put in eval mode while the model trains: the layer takes its factors as in
+    train mode, so the run is the one of the same model with that part's eval behaviour built in (no dropout)."""
+    results = []
+    for in_eval in (True, False):
+        model = _dropout_net() if in_eval else _dropout_net(p=0.0)
+        opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
+        x, y = _data()
         for s in range(3):
-            model[0].eval()  # the first layer kept in eval mode while it trains
+            model.train()
+            if in_eval:
+                model[0 if part == "layer" else 1].eval()
+                if part == "layer":
+                    model[1].eval()  # (the comparison model has no dropout)
             opt.zero_grad()
             F.cross_entropy(model(x + 0.1 * s), y).backward()
             opt.step()
-
-    (message,) = _messages(run, IN_EVAL)
-    assert message.startswith("layer(s) '0' got a gradient in this step")
-    first, last = opt.layers
-    assert torch.equal(first.A, torch.eye(first.A.shape[0]))
-    assert not torch.equal(last.A, torch.eye(last.A.shape[0]))
-    assert not torch.equal(model[0].weight, _net()[0].weight)  # (it trained)
+        results.append((model, opt))
+    (evaluated, evaluated_opt), (plain, _) = results
+    assert not torch.equal(evaluated_opt.layers[0].A, torch.eye(6))  # (it took factors)
+    for a, b in zip(evaluated.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("case", ["dropout-in-eval", "evaluation-with-gradients", "evaluation-only-step"])
-def test_eval_mode_where_nothing_trains_without_factors_says_nothing(case):
-    """Dropout alone in eval mode, an evaluation pass run with gradients on between training steps, and a step of
-    evaluation passes only: no layer trained without its factors."""
+def test_a_model_in_eval_mode_takes_no_factor_and_its_evaluation_passes_say_nothing():
+    """Evaluation passes put the model in eval mode: no factor is taken there, with gradients on or not, and a
+    factor step after a backward pass in eval mode is refused with the remedy."""
     model, (x, y) = _dropout_net(), _data()
     opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
 
@@ -284,12 +287,17 @@ def test_eval_mode_where_nothing_trains_without_factors_says_nothing(case):
         for s in range(3):
             opt.zero_grad()
             model.train()
-            if case == "dropout-in-eval":
-                model[1].eval()
             F.cross_entropy(model(x + 0.1 * s), y).backward()
-            if case != "evaluation-only-step":
-                opt.step()
+            opt.step()
             model.eval()
             model(x.flip(0)).argmax(1)  # an evaluation pass, gradients on (no torch.no_grad())
 
-    assert _said(run, IN_EVAL) == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    assert not [w for w in caught if UNUSED in str(w.message) or SECOND_PASS in str(w.message)]
+    assert opt.steps == 3
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()  # (still in eval mode)
+    with pytest.raises(RuntimeError, match=r"run the forward and backward pass in training mode \(model.train\(\)\)"):
+        opt.step()
