@@ -31,8 +31,8 @@ __all__ = ["TraceRecorder"]
 class TraceRecorder:
     """Turns the optimizer's timeline on for ``steps`` steps, then writes every rank's trace to ``path`` (rank 0)."""
 
-    def __init__(self, optimizer: Any, steps: int, path: Path, backend: CommBackend) -> None:
-        self.optimizer, self.steps, self.path, self.backend = optimizer, steps, path, backend
+    def __init__(self, optimizer: Any, steps: int, path: Path, backend: CommBackend, device: torch.device) -> None:
+        self.optimizer, self.steps, self.path, self.backend, self.device = optimizer, steps, path, backend, device
         self.done = False
 
     def stepped(self) -> None:
@@ -54,8 +54,7 @@ class TraceRecorder:
         timeline: Timeline | None = self.optimizer.timeline
         self.optimizer.timeline = None
         mine = json.dumps((timeline or Timeline()).trace(self.backend.rank)).encode()
-        device = next((p.device for group in self.optimizer.param_groups for p in group["params"]), torch.device("cpu"))
-        traces = [json.loads(data) for data in _gathered(self.backend, mine, device)]
+        traces = [json.loads(data) for data in _gathered(self.backend, mine, self.device)]
         if self.backend.rank == 0:
             recorded = len(timeline.iterations) if timeline is not None else 0
             replace_text(self.path, json.dumps(merge_traces(traces)))
@@ -66,11 +65,7 @@ def _gathered(backend: CommBackend, data: bytes, device: torch.device) -> list[b
     """Every rank's ``data``, in rank order: the lengths, then the bytes (on ``device``: NCCL moves GPU tensors only)."""
     if backend.size == 1:
         return [data]
-    ones = [1] * backend.size
-    lengths_buffer = torch.zeros(backend.size, dtype=torch.float64, device=device)
-    lengths_buffer[backend.rank] = float(len(data))
-    backend.allgather_async(lengths_buffer, ones, "spdkfac.trace.lengths").wait()
-    lengths = [int(n) for n in lengths_buffer.tolist()]
+    lengths = [int(n) for (n,) in backend.gather_values([float(len(data))], "spdkfac.trace.lengths", device)]
     buffer = torch.zeros(sum(lengths), dtype=torch.uint8, device=device)
     start = sum(lengths[: backend.rank])
     buffer[start : start + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
