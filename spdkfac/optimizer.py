@@ -55,6 +55,7 @@ from .step.kfac_step import KFACStep, StepHyper
 from .step.module_hooks import HookHandle, claim, register
 from .step.nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
 from .step.timeline import Timeline
+from .update.added_groups import check_outside_model, not_in_model
 from .update.base_update import apply_base_update, base_defaults
 from .update.unfrozen import outside_groups, regroup
 from .update.update_fusion import NO_KL_CLIP, BackwardFusion, ForwardFusion, check_update_fusion
@@ -361,6 +362,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         averages the gradients and the optimizer starts no all-reduce of its own (ValueError where DDP's process
         group is not the backend's, or under ``update_fusion='backward'``)."""
         self.wrapping.check(self.backend.size, self.config.update_fusion)  # (before anything is unhooked)
+        check_outside_model(not_in_model(self.model, self.param_groups), True, self.config.update_fusion)
         self._wire_anew()
 
     def _unhook_step(self) -> None:
@@ -397,6 +399,33 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             )
         self._begin_iteration(abandon=True)  # under backward fusion: rolls back what an unfinished step wrote
         self._wire_anew()
+
+    # ------------------------------------------------------------- added groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim``'s, between steps. Parameters outside the model (a loss's own weights, a learned
+        temperature) get the base update with the group's hyperparameters, and their gradients are averaged over
+        the workers as the model's are; the model's frozen parameters join when unfrozen, their layers preconditioned
+        (:meth:`_take_unfrozen`). ValueError for parameters outside the model that DDP would not average or update
+        fusion would not update; RuntimeError in the middle of a step."""
+        if "kfac_step" not in self.__dict__:  # (torch.optim's construction adds the first groups)
+            super().add_param_group(param_group)
+            return
+        if self._kind is not None or self.kfac_step.backward_seen:
+            raise RuntimeError(
+                "add_param_group() in the middle of a step (after its first forward pass): add the group between "
+                "step() and the next forward pass"
+            )
+        super().add_param_group(param_group)
+        try:
+            check_outside_model(not_in_model(self.model, self.param_groups), self.wrapping.ddp is not None, self.config.update_fusion)
+        except ValueError:
+            self.param_groups.pop()  # (refused: the optimizer goes on as before the call)
+            raise
+        if all(p in self.param_names for p in self.param_groups[-1]["params"]):
+            return  # (only the model's parameters: those unfrozen are taken in at the next forward pass)
+        previous = self.kfac_step
+        self._unhook_step()
+        self._replan_keeping_state(previous)
 
     # ------------------------------------------------------- unfrozen parameters
     def _watch_frozen(self) -> None:
@@ -452,6 +481,12 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         if self.adaptive_damping is not None:
             self._damping_step = DampingStep(self.adaptive_damping, self.model, self.layers, self.backend)
+        self._replan_keeping_state(previous)
+        self._outside = outside_groups(self.model, self.param_groups)
+
+    def _replan_keeping_state(self, previous: KFACStep) -> None:
+        """Name, plan and hook the step anew for the parameter groups as they are now (``previous``: the step this
+        replaces, its hooks detached), keeping every state held across steps."""
         self.param_names = collective_names(self.model, self.param_groups)
         self._plan_for_workers()
         self.kfac_step.carry_over(previous)
@@ -460,7 +495,6 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 for kind in FACTOR_KINDS:
                     layer.set_decomposition(kind, None)
         self._begin_iteration()
-        self._outside = outside_groups(self.model, self.param_groups)
 
     # ------------------------------------------------------------------ per step
     def _drop_unstepped(self, exceeded: bool) -> bool:

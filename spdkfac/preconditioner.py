@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES
 from .schedules import Scheduled
 from .step.adaptive_damping import AdaptiveDamping
 from .step.data_parallel import bare_model
+from .update.added_groups import average_gradients_now, not_in_model
 from .update.your_optimizer import OptimizerAttachment, check_attachable
 
 __all__ = ["KAISA_STRATEGIES", "KFACPreconditioner", "kaisa_grad_workers", "kaisa_skip_layers"]
@@ -292,6 +294,10 @@ class KFACPreconditioner:
         self._attachment = None if optimizer is None else OptimizerAttachment(optimizer, self)
         if self._attachment is not None:
             self.kfac._scaler_skipped = self._scaler_skipped
+        self._groups_seen: tuple[int, int] | None = None  # the attached optimizer's groups when last looked at
+        outside = self._outside_model()
+        if outside:
+            self.kfac.add_param_group({"params": outside})  # (averaged from the first step)
 
     def _lr_at(self, step: int) -> float:
         if self._lr is None:  # the attached optimizer's, as it is now (its scheduler's value), else KAISA's default
@@ -316,13 +322,41 @@ class KFACPreconditioner:
             )
         self._step_from_optimizer()
 
+    def _outside_model(self) -> list[torch.Tensor]:
+        """The attached optimizer's parameters outside the model that are not averaged yet (a loss's own weights,
+        a second head), when its groups changed since last asked; where DDP averages, a warning instead (DDP
+        averages its module's parameters only)."""
+        if self._optimizer is None:
+            return []
+        groups = self._optimizer.param_groups
+        seen = (len(groups), sum(len(group["params"]) for group in groups))
+        if seen == self._groups_seen:
+            return []
+        self._groups_seen = seen
+        averaged = {id(p) for group in self.kfac.param_groups for p in group["params"]}
+        outside = [p for p in not_in_model(self.kfac.model, groups) if id(p) not in averaged and p.requires_grad]
+        if outside and self.kfac.wrapping.ddp is not None:
+            warnings.warn(
+                f"{type(self._optimizer).__name__} holds {len(outside)} parameter(s) outside the model, whose gradients "
+                "DistributedDataParallel does not average: each worker's copy drifts apart; make their module part "
+                "of the model DDP wraps",
+                stacklevel=3,
+            )
+            return []
+        return outside
+
     @torch.no_grad()
     def _step_from_optimizer(self) -> None:
         self.kfac.param_groups[0]["lr"] = self._lr_at(self.kfac.steps)  # the KL clip's learning rate this step
-        if not self.kfac.run_step(base_update=False):  # skipped over NaN/Inf: the user's optimizer must not step
-            for group in self.kfac.param_groups:
-                for p in group["params"]:
-                    p.grad = None
+        added = self._outside_model()  # (a group added to the attached optimizer since the last step)
+        stepped = self.kfac.run_step(base_update=False)
+        if stepped:
+            average_gradients_now(self.kfac.backend, added, "spdkfac.added_grad")
+        else:  # skipped over NaN/Inf: the user's optimizer must not step
+            for p in [p for group in self.kfac.param_groups for p in group["params"]] + added:
+                p.grad = None
+        if added:
+            self.kfac.add_param_group({"params": added})  # (averaged in the backward pass from the next step on)
 
     def reset_batch(self) -> None:
         """Drop the factors and gradient state of backward passes whose ``step()`` is skipped (e.g. by a GradScaler's

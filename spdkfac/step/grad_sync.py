@@ -127,7 +127,8 @@ class GradientSync:
             # Held weakly by the parameters (:mod:`~spdkfac.step.module_hooks`): their hooks live in C++, where the
             # garbage collector cannot see them, so a hook holding the optimizer would keep it alive for good.
             hook = self._grad_hook
-            self._hook_handles = [register(p.register_post_accumulate_grad_hook, hook) for group in param_groups for p in group["params"]]
+            params = [p for group in param_groups for p in group["params"] if p.requires_grad]  # (an added group's frozen)
+            self._hook_handles = [register(p.register_post_accumulate_grad_hook, hook) for p in params]
 
     def reset(self, record: IterationRecord | None) -> None:
         """Forget the finished (or abandoned) step's handles and counts."""

@@ -97,6 +97,8 @@ FREQ_CONFIGS = {
     "transformer-sequence-first": dict(
         BASE, model="transformer-sequence-first", norm_layers="kfac", placement="lbp", perf_model="expensive-inverse"
     ),
+    # A head beside the model, given to the optimizer by add_param_group: its gradients averaged as the model's.
+    "outside-head": dict(BASE, fusion="optimal", placement="lbp", outside_head=True),
     # Gradient clipping between backward and step, after synchronize(): clips the averaged gradient.
     "clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05),
     # The loop as written for torch.optim, no synchronize(): the first step finds the clipping and every step averages

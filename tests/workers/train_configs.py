@@ -17,6 +17,7 @@ import warnings
 from dataclasses import asdict
 
 import torch
+import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -120,8 +121,14 @@ def main() -> None:
         models = {"transformer": small_transformer, "transformer-sequence-first": lambda: small_transformer(sequence_first=True)}
         model = {**models, "mixed": mixed_net}.get(cfg.pop("model", None), small_net)().to(device)
         stack_groups = cfg.pop("stack_groups", None)  # same-shape layers stacked (by default on a GPU only)
+        outside_head = cfg.pop("outside_head", False)  # a head beside the model, given by add_param_group
         opt = SPDKFACOptimizer(model, backend=backend, perf_model=pm, **cfg)
         opt.kfac_step.preconditioner.stack_groups = stack_groups
+        if outside_head:
+            torch.manual_seed(7)
+            head = nn.Linear(5, 5).to(device)
+            opt.add_param_group({"params": head.parameters(), "lr": cfg["lr"] / 2})
+            model = nn.Sequential(model, head)  # (the loop's forward; the optimizer's model is the first part)
         train(
             model,
             opt,

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from nets import batch, mixed_net, shared_net, small_net, small_transformer, train
 from torch._dynamo.utils import counters
@@ -178,21 +177,16 @@ def test_names_skip_layers_and_checkpoints_are_the_bare_models():
     assert [la.name for la in pre.kfac.layers] == ["0", "2", "6"]
 
 
-def test_compiled_ddp_is_unwrapped_both_ways(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        for wrap in (lambda n: torch.compile(DistributedDataParallel(n)), lambda n: DistributedDataParallel(torch.compile(n))):
-            net = small_net()
-            opt = SPDKFACOptimizer(wrap(net), **OPTIONS)
-            assert opt.model is net
-            assert opt.wrapping.ddp is not None
-            assert [la.name for la in opt.layers] == ["0", "2", "4", "6"]
-        with pytest.raises(ValueError, match="DistributedDataParallel inside another"):
-            SPDKFACOptimizer(torch.compile(DistributedDataParallel(DistributedDataParallel(small_net()))), **OPTIONS)
-    finally:
-        dist.destroy_process_group()
+@pytest.mark.usefixtures("process_group")
+def test_compiled_ddp_is_unwrapped_both_ways():
+    for wrap in (lambda n: torch.compile(DistributedDataParallel(n)), lambda n: DistributedDataParallel(torch.compile(n))):
+        net = small_net()
+        opt = SPDKFACOptimizer(wrap(net), **OPTIONS)
+        assert opt.model is net
+        assert opt.wrapping.ddp is not None
+        assert [la.name for la in opt.layers] == ["0", "2", "4", "6"]
+    with pytest.raises(ValueError, match="DistributedDataParallel inside another"):
+        SPDKFACOptimizer(torch.compile(DistributedDataParallel(DistributedDataParallel(small_net()))), **OPTIONS)
 
 
 def test_taps_call_the_hooks_with_the_real_tensors_and_stop_when_removed(dynamo):

@@ -9,11 +9,9 @@ file store under the test's temporary folder), with the optimizer on the
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from nets import batch, small_net
 from torch.nn.parallel import DistributedDataParallel
@@ -22,17 +20,6 @@ from spdkfac import SPDKFACOptimizer
 from spdkfac.step.data_parallel import ModelWrapping
 
 warnings.filterwarnings("ignore", message="no perf_model given")
-
-
-@pytest.fixture
-def process_group(tmp_path) -> Iterator[None]:
-    """A one-process gloo group for DDP, destroyed afterwards."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _backward(model: nn.Module) -> None:

@@ -13,12 +13,9 @@ stay bitwise replicas.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from launch import ROOT, worker_module
 from nets import assert_bitwise_equal
@@ -160,16 +157,6 @@ def test_a_preconditioner_takes_an_unfrozen_layer_in_for_any_torch_optimizer() -
         sgd.step()
         assert torch.equal(before, net.first.weight) == (s == 0)
     assert [layer.name for layer in pre.layers] == ["first", "mid", "head"]
-
-
-@pytest.fixture
-def process_group(tmp_path: Any) -> Iterator[None]:
-    """A one-process gloo group for DDP, destroyed afterwards."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("process_group")
