@@ -155,6 +155,7 @@ class DHO2Optimizer(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr))
         self.backend = get_backend(backend)
         self.params = params
+        self._frozen = [p for p in model.parameters() if not p.requires_grad]  # (refused once unfrozen: see step())
         self.n = sum(p.numel() for p in params)
         self.lanczos_steps = self.config.steps_for(self.n)
         self.split = RowSplit(self.n, self.backend.size)
@@ -168,6 +169,17 @@ class DHO2Optimizer(torch.optim.Optimizer):
         self._lanczos_bytes = 0
         #: seconds of the last step: ``{'refresh': HVPs + Lanczos + eigenpairs, 'update': the rest}`` (gradient averaging excluded)
         self.last_step_times: dict[str, float] = {}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused after construction (ValueError): DHO2 keeps the model's parameters as one vector, whose
+        curvature, split across the workers and ADMM state are sized when it is built."""
+        if "grads" not in self.__dict__:  # (torch.optim's construction adds the first group)
+            super().add_param_group(param_group)
+            return
+        raise ValueError(
+            "DHO2 keeps the model's parameters as one vector sized when the optimizer is built: make the group's "
+            "module part of the model (or unfreeze its parameters) before the optimizer is built"
+        )
 
     # ----------------------------------------------------------------- vectors
     def _flat_params(self) -> torch.Tensor:
@@ -194,6 +206,12 @@ class DHO2Optimizer(torch.optim.Optimizer):
     def step(self, closure: Closure | None = None) -> torch.Tensor | None:  # type: ignore[override]
         """Average the gradients, refresh the eigenpairs when due (calling ``closure``), and update the parameters."""
         self.grads.check_accumulated("step()")
+        if any(p.requires_grad for p in self._frozen):
+            raise ValueError(
+                f"{sum(p.requires_grad for p in self._frozen)} parameter(s) of the model were frozen when DHO2 was built and "
+                "are trainable now: DHO2 keeps the parameters as one vector sized when it is built, so they would never "
+                "be updated; build the optimizer after unfreezing (or use SPDKFACOptimizer, which takes them in)"
+            )
         refresh = self.refresh_due
         if refresh and closure is None:
             raise ValueError(

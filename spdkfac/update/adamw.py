@@ -24,7 +24,7 @@ class DistributedAdamW(torch.optim.Optimizer):
     """AdamW on the gradients averaged over the workers (no DDP, no ``hvd.DistributedOptimizer``).
 
     Args:
-        model: the model (its parameters that require gradients).
+        model: the model (every parameter: one frozen now is stepped once it is unfrozen and has a gradient).
         lr, betas, eps, weight_decay: AdamW's (decoupled weight decay; 0.05 and 1e-3 as DHO2's paper).
         backend: ``'auto'``, ``'horovod'``, ``'torch'``, ``'single'`` or a ``CommBackend``.
         accumulation_steps: backward passes per step.
@@ -50,11 +50,29 @@ class DistributedAdamW(torch.optim.Optimizer):
             raise ValueError(f"accumulation_steps must be >= 1 and skip_nonfinite >= 0, got {accumulation_steps!r}, {skip_nonfinite!r}")
         if grad_scaler is not None:
             raise ValueError("DistributedAdamW does not support a GradScaler (float16 loss scaling)")
-        params = [p for p in model.parameters() if p.requires_grad]
+        # Every parameter, frozen ones too, as torch.optim.AdamW(model.parameters()): one unfrozen later is stepped
+        # once it has a gradient (averaged at step(): no hook of its own), where a frozen one is skipped.
+        params = list(model.parameters())
+        if not any(p.requires_grad for p in params):
+            raise ValueError("model has no trainable parameters")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.backend = get_backend(backend)
+        self.model = model
         self.grads = GradientSync(self.backend, self.param_groups, collective_names(model, self.param_groups), accumulation_steps, None)
         self.nonfinite = NonFiniteGuard(skip_nonfinite)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim``'s, between steps: the group's gradients are averaged over the workers as the model's
+        (parameters outside the model: a loss's own weights, a second head); RuntimeError in the middle of a step."""
+        if "grads" not in self.__dict__:  # (torch.optim's construction adds the first group)
+            super().add_param_group(param_group)
+            return
+        if self.grads.backward_seen:
+            raise RuntimeError("add_param_group() after backward() and before step(): add the group between steps")
+        super().add_param_group(param_group)
+        self.grads.remove_hooks()
+        names = collective_names(self.model, self.param_groups)
+        self.grads = GradientSync(self.backend, self.param_groups, names, self.grads.accumulation_steps, None)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

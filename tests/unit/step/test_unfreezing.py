@@ -13,6 +13,7 @@ stay bitwise replicas.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from spdkfac import KFACPreconditioner, SPDKFACOptimizer
 from spdkfac.comm.inprocess import run_ranks
+from spdkfac.dho2.optimizer import DHO2Optimizer
+from spdkfac.update.adamw import DistributedAdamW
 
 warnings.filterwarnings("ignore", message="no perf_model given")
 
@@ -171,3 +174,41 @@ def test_unfreezing_under_ddp_is_refused_with_ddps_remedy() -> None:
     net.first.requires_grad_(True)
     with pytest.raises(ValueError, match="wrap the bare model in DDP again"):
         opt.zero_grad()  # (or the next forward pass, whichever comes first)
+
+
+def _adamw_unfreezing(net: Net, backend: Any, part: Any) -> list[torch.Tensor]:
+    net.first.requires_grad_(False)
+    opt = (
+        DistributedAdamW(net, lr=0.01, weight_decay=0.01, backend=backend)
+        if backend is not None
+        else torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01)
+    )
+    for s, (x, y) in enumerate(_batches()):
+        if s == UNFREEZE:
+            net.first.requires_grad_(True)
+        opt.zero_grad()
+        F.cross_entropy(net(x[part]), y[part]).backward()
+        opt.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def test_distributed_adamw_steps_a_layer_unfrozen_later_as_torch_adamw_does(float64: None) -> None:
+    """DistributedAdamW held the parameters trainable when built only: an unfrozen layer silently never trained."""
+    want = _adamw_unfreezing(Net(), None, slice(0, 8))
+    assert not torch.equal(want[0], Net().first.weight)
+    nets = [Net(), Net()]
+    ranks = run_ranks(2, lambda backend: _adamw_unfreezing(nets[backend.rank], backend, slice(4 * backend.rank, 4 * backend.rank + 4)))
+    assert_bitwise_equal(ranks[0], ranks[1], "DistributedAdamW replicas")
+    for a, b in zip(ranks[0], want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_dho2_refuses_a_layer_unfrozen_after_it_was_built() -> None:
+    net = Net()
+    net.first.requires_grad_(False)
+    opt = DHO2Optimizer(net, backend="single")
+    x, y = _batches()[0]
+    opt.step(lambda: F.cross_entropy(net(x), y))
+    net.first.requires_grad_(True)
+    with pytest.raises(ValueError, match="2 parameter\\(s\\) of the model were frozen when DHO2 was built"):
+        opt.step(lambda: F.cross_entropy(net(x), y))

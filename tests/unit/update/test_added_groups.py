@@ -23,6 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from spdkfac import KFACPreconditioner, SPDKFACOptimizer
 from spdkfac.comm import CommBackend, run_ranks
+from spdkfac.dho2.optimizer import DHO2Optimizer
+from spdkfac.update.adamw import DistributedAdamW
 
 ADD_AT, STEPS = 1, 4
 
@@ -85,6 +87,30 @@ def _assert_workers_equal_one(train: Any) -> None:
 )
 def test_a_group_outside_the_model_trains_on_two_workers_as_on_one(float64: None, options: dict[str, Any]) -> None:
     _assert_workers_equal_one(lambda modules, backend, part: _train_added(modules, backend, part, options))
+
+
+def _train_adamw(modules: tuple[nn.Module, Head], backend: CommBackend | str, part: slice) -> list[torch.Tensor]:
+    model, head = modules
+    opt = DistributedAdamW(model, lr=0.01, backend=backend)
+    x, y = _data()
+    for step in range(STEPS):
+        if step == ADD_AT:
+            opt.add_param_group({"params": head.parameters(), "lr": 0.05})
+        opt.zero_grad()
+        _loss(model, head, x[part], y[part], step).backward()
+        opt.step()
+    return [p.detach().clone() for p in [*model.parameters(), *head.parameters()]]
+
+
+def test_distributed_adamw_averages_an_added_group_too(float64: None) -> None:
+    _assert_workers_equal_one(_train_adamw)
+
+
+def test_dho2_refuses_a_group_added_after_construction() -> None:
+    model, head = _modules()
+    opt = DHO2Optimizer(model, backend="single")
+    with pytest.raises(ValueError, match="DHO2 keeps the model's parameters as one vector"):
+        opt.add_param_group({"params": head.parameters()})
 
 
 def test_the_added_group_steps_with_its_own_hyperparameters_and_is_not_preconditioned() -> None:
