@@ -20,6 +20,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from launch import ROOT, run_workers
 from nets import assert_bitwise_equal, batch, mixed_net, shared_net, small_net, small_transformer, train
@@ -31,6 +32,7 @@ from unit.kfac.test_reference_kfac import ConvLinearNet, ReferenceKFAC
 from unit.step.test_stacked_preconditioning import RepeatedNet
 
 from spdkfac import KFACPreconditioner, SPDKFACOptimizer
+from spdkfac.comm.torch_backend import TorchDistributedBackend
 from spdkfac.kfac.layers import KFACLayer, make_helper
 from spdkfac.kfac.linalg import cupy_available, invert_spd
 from spdkfac.kfac.tensor_cores import keeps_half_rows
@@ -349,6 +351,26 @@ def test_two_processes_on_one_device_equal_one(device: torch.device, tmp_path, m
         assert_bitwise_equal(ranks[0][name]["params"], ranks[1][name]["params"], f"{name} parameters")
         if "grad_worker_fraction" not in json.loads(configs)[name]:  # (there each rank holds its own layers' decompositions)
             assert_bitwise_equal(ranks[0][name]["optimizer_state"], ranks[1][name]["optimizer_state"], f"{name} optimizer state")
+
+
+def test_nccl_engine_takes_the_optimizers_cpu_tensors(device: torch.device, tmp_path) -> None:
+    """NCCL refuses host memory; the optimizer's small collectives (the step's agreement, a profile's numbers) are
+    CPU tensors, which the torch engine stages on the GPU and copies back. One process: the collectives run."""
+    if device.type != "cuda" or not dist.is_nccl_available():
+        pytest.skip("NCCL needs a CUDA device")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        engine = TorchDistributedBackend()
+        values = torch.tensor([1.5, -2.0], dtype=torch.float64)
+        engine.allreduce_async(values, "gpu_check.allreduce").wait()
+        engine.broadcast_async(values, 0, "gpu_check.broadcast").wait()
+        assert values.device.type == "cpu"
+        assert values.tolist() == [1.5, -2.0]
+        assert engine.gather_values([3.0, 4.0], "gpu_check.gather") == [[3.0, 4.0]]
+    finally:
+        dist.destroy_process_group()
 
 
 def _repeated_net() -> nn.Module:

@@ -22,7 +22,7 @@ from .liveness import Liveness
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Work
 
-__all__ = ["TorchDistributedBackend"]
+__all__ = ["TorchDistributedBackend", "moves_device_tensors_only"]
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -41,15 +41,34 @@ def _wait(work: Work, name: str, on_timeout: Callable[[str], str]) -> None:
         raise CollectiveTimeoutError(on_timeout(name)) from exc
 
 
-class _TorchHandle:
-    __slots__ = ("_divisor", "_name", "_on_timeout", "_tensor", "_work")
+def moves_device_tensors_only(backend_name: str) -> bool:
+    """Whether a process group of this torch.distributed backend refuses CPU tensors: NCCL's (``'nccl'``, or a
+    per-device mapping such as ``'cuda:nccl'`` without a CPU entry); gloo, MPI, UCC and ``'cpu:gloo,cuda:nccl'``
+    take them."""
+    name = str(backend_name).lower()
+    if ":" in name:
+        return not any(entry.split(":")[0].strip() == "cpu" for entry in name.split(","))
+    return name == "nccl"
 
-    def __init__(self, work: Work | None, tensor: torch.Tensor, divisor: int, name: str, on_timeout: Callable[[str], str]) -> None:
+
+class _TorchHandle:
+    __slots__ = ("_divisor", "_name", "_on_timeout", "_result", "_tensor", "_work")
+
+    def __init__(
+        self,
+        work: Work | None,
+        tensor: torch.Tensor,
+        divisor: int,
+        name: str,
+        on_timeout: Callable[[str], str],
+        result: torch.Tensor | None = None,
+    ) -> None:
         self._work = work
         self._tensor = tensor
         self._divisor = divisor
         self._name = name
         self._on_timeout = on_timeout
+        self._result = result  # the caller's CPU tensor, where ``tensor`` is its copy on the GPU (NCCL)
 
     def wait(self) -> None:
         if self._work is None:
@@ -58,6 +77,8 @@ class _TorchHandle:
         if self._divisor > 1:
             # gloo has no AVG reduction: sum, then divide once the sum has arrived.
             self._tensor.div_(self._divisor)
+        if self._result is not None:
+            self._result.copy_(self._tensor)
         self._work = None
 
     def done(self) -> bool:
@@ -189,6 +210,9 @@ class TorchDistributedBackend(CommBackend):
         self._liveness: Liveness | None = _OWN_GROUP.get("liveness")
         self._subgroups: dict[tuple[int, ...], Any] = {}  # process groups of sub-group broadcasts, by members
         self._group: Any = None  # the process group of the collectives: None, the default one, unless set apart
+        #: Where CPU tensors are copied for a collective: the current GPU under NCCL, False where the group takes
+        #: them; None until the first collective asks (the group may be the caller's, made after this engine).
+        self._stage_on: torch.device | bool | None = None
         if not dist.is_initialized():
             from torch.distributed.distributed_c10d import PrefixStore
             from torch.distributed.rendezvous import rendezvous
@@ -241,13 +265,29 @@ class TorchDistributedBackend(CommBackend):
         timeout = None if self._timeout_s is None else datetime.timedelta(seconds=self._timeout_s)
         self._group = dist.new_group(list(range(self.size)), timeout=timeout)
 
+    def _on_device(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the tensor the collective moves, the caller's to copy the result into or None): a CPU tensor is copied to
+        the current GPU where the group is NCCL's (the optimizer's small host-side collectives: the step's
+        agreement, a profile's numbers), which refuses host memory."""
+        if tensor.device.type != "cpu":
+            return tensor, None
+        if self._stage_on is None:
+            self._stage_on = (
+                torch.device("cuda", torch.cuda.current_device()) if moves_device_tensors_only(dist.get_backend(self._group)) else False
+            )
+        if self._stage_on is False:
+            return tensor, None
+        return tensor.to(self._stage_on, copy=True), tensor
+
     def allreduce_async(self, tensor: torch.Tensor, name: str) -> Handle:
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
-        return _TorchHandle(work, tensor, self.size, name, self._timed_out)
+        moved, result = self._on_device(tensor)
+        work = dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+        return _TorchHandle(work, moved, self.size, name, self._timed_out, result)
 
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> Handle:
-        work = dist.broadcast(tensor, src=root, group=self._group, async_op=True)  # (the group's ranks are the global ones)
-        return _TorchHandle(work, tensor, 1, name, self._timed_out)
+        moved, result = self._on_device(tensor)
+        work = dist.broadcast(moved, src=root, group=self._group, async_op=True)  # (the group's ranks are the global ones)
+        return _TorchHandle(work, moved, 1, name, self._timed_out, result)
 
     native_subgroups = True
 
@@ -263,15 +303,17 @@ class TorchDistributedBackend(CommBackend):
             group = self._subgroups[key] = dist.new_group(list(key))
         if self.rank not in key:
             return CompletedHandle()
-        work = dist.broadcast(tensor, src=root, group=group, async_op=True)
-        return _TorchHandle(work, tensor, 1, name, self._timed_out)
+        moved, result = self._on_device(tensor)
+        work = dist.broadcast(moved, src=root, group=group, async_op=True)
+        return _TorchHandle(work, moved, 1, name, self._timed_out, result)
 
     def allgather_async(self, tensor: torch.Tensor, counts: Sequence[int], name: str) -> Handle:
         offsets = check_gather_counts(tensor, counts, self.size, name)
         width = max(counts)  # all_gather moves equal blocks: pad every segment to the longest
-        mine = tensor.new_zeros(width)
+        device = self._on_device(tensor[:0])[0].device  # (blocks on the GPU for NCCL; copied into place on wait)
+        mine = tensor.new_zeros(width, device=device)
         mine[: counts[self.rank]].copy_(tensor[offsets[self.rank] : offsets[self.rank] + counts[self.rank]])
-        blocks = [tensor.new_empty(width) for _ in range(self.size)]
+        blocks = [tensor.new_empty(width, device=device) for _ in range(self.size)]
         work = dist.all_gather(blocks, mine, group=self._group, async_op=True)
         return _TorchGatherHandle(work, blocks, tensor, offsets, counts, name, self._timed_out)
 

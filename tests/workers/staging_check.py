@@ -1,0 +1,71 @@
+"""Multi-process worker (torchrun): the torch engine's collectives on CPU tensors when they are staged on a device.
+
+Under NCCL a CPU tensor is copied to the GPU for the collective and the
+result copied back (:meth:`TorchDistributedBackend._on_device`). Here, on
+gloo, the engine is made to stage onto a separate CPU copy, so the results
+reach the caller's tensors only through that copy-back: each collective's
+result, and the optimizer trained with staging on (its per-step agreement,
+the fusion profile's broadcast) against staging off, bitwise.
+
+    torchrun --nproc_per_node 2 tests/workers/staging_check.py --backend torch --out DIR
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nets import small_net, train
+from rank_results import rank_shard, save_rank_results
+
+from spdkfac import SPDKFACOptimizer
+from spdkfac.comm import CommBackend
+
+warnings.filterwarnings("ignore", message="no perf_model given")
+
+
+def collectives(backend: Any) -> dict[str, Any]:
+    r = float(backend.rank)
+    reduced = torch.tensor([r, 10.0 + r])
+    backend.allreduce_async(reduced, "staging.allreduce").wait()
+    sent = torch.tensor([r + 1.0, 2.0])
+    backend.broadcast_async(sent, 1, "staging.broadcast").wait()
+    within = torch.tensor([r + 5.0])
+    backend.broadcast_within_async(within, 0, [0, 1], "staging.within").wait()
+    full = torch.zeros(3)  # rank 0 sends 1 value, rank 1 two
+    full[0 if backend.rank == 0 else 1 :] = torch.tensor([1.0]) if backend.rank == 0 else torch.tensor([7.0, 8.0])
+    backend.allgather_async(full, [1, 2], "staging.allgather").wait()
+    values = backend.gather_values([r, r * r + 3.0], "staging.gather_values")
+    return {
+        "allreduce": reduced.tolist(),
+        "broadcast": sent.tolist(),
+        "within": within.tolist(),
+        "allgather": full.tolist(),
+        "gather_values": values,
+    }
+
+
+def trained(backend: CommBackend) -> list[torch.Tensor]:
+    x, y = rank_shard(backend, 8)
+    model = small_net()
+    opt = SPDKFACOptimizer(model, lr=0.05, backend=backend, profile_steps=1, factor_update_freq=2, inv_update_freq=2)
+    train(model, opt, x, y, 4)
+    opt.remove_hooks()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def run(backend: Any) -> dict[str, Any]:
+    plain = trained(backend)
+    backend._stage_on = torch.device("cpu")  # (NCCL's would be the current GPU)
+    return {"collectives": collectives(backend), "staged": trained(backend), "plain": plain}
+
+
+if __name__ == "__main__":
+    save_rank_results(run)
