@@ -848,7 +848,14 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     def _kfac_summary(self, left_to: str) -> str:
         """:meth:`kfac_summary`, naming ``left_to`` as the update of the parameters left out."""
         norm_layers = self.config.norm_layers is NormLayers.KFAC
-        return kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition, norm_layers, left_to)
+        text = kfac_summary(self.model, self.layers, self.config.skip_layers, self.precondition, norm_layers, left_to)
+        outside = not_in_model(self.model, self.param_groups)
+        if outside:
+            text += (
+                f"\n{left_to}, not preconditioned, for {sum(p.numel() for p in outside):,} parameters outside the model "
+                f"({len(outside)} tensors of added parameter groups)"
+            )
+        return text
 
     def fusion_plan(self) -> dict[str, list[list[FactorKey]] | None]:
         """Current fusion groups per pass (None while profiling, or for ``'layerwise'``)."""

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Mapping
 from typing import TypeVar
 
+import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
@@ -172,12 +173,20 @@ def _own_computation(module: nn.Module, base: type[nn.Module], helper: type[Laye
 
 
 def _parametrized(module: nn.Module) -> str | None:
-    """Why a module whose weight is computed by a parametrization (``weight_norm``, ``spectral_norm``) is left out."""
+    """Why a module whose weight is computed from other parameters (``weight_norm``, ``spectral_norm``: a
+    parametrization, or the older hook that writes a plain tensor over ``weight``) is left out."""
     if parametrize.is_parametrized(module, "weight"):
         lists = module.parametrizations
         assert isinstance(lists, nn.ModuleDict)
         kinds = ", ".join(type(p).__name__ for p in lists["weight"].children())
         return f"its weight is parametrized ({kinds}): the trained parameters are not the weight the factors describe"
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and not isinstance(weight, nn.Parameter):  # the older hook-based API
+        trained = ", ".join(n for n, _ in module.named_parameters(recurse=False)) or "none"
+        return (
+            f"its weight is recomputed by a hook from other parameters ({trained}: nn.utils.weight_norm or "
+            "spectral_norm): the trained parameters are not the weight the factors describe"
+        )
     return None
 
 

@@ -149,6 +149,19 @@ def test_parametrized_weights_get_the_base_update_and_say_why():
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def test_the_older_hook_based_weight_norm_and_spectral_norm_are_named_as_such():
+    """The older API writes a plain tensor over ``weight`` from ``weight_orig`` (or ``weight_g``, ``weight_v``) in a
+    forward pre-hook: left to the base update, and the summary says why (it said "weight frozen")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 4)), nn.Tanh(), nn.utils.spectral_norm(nn.Linear(4, 4)), nn.Linear(4, 2))
+    opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
+    assert [layer.name for layer in opt.layers] == ["3"]
+    summary = opt.kfac_summary()
+    assert "1 x Linear: not supported: its weight is recomputed by a hook from other parameters (bias, weight_g, weight_v" in summary
+    assert "1 x Linear: not supported: its weight is recomputed by a hook from other parameters (bias, weight_orig" in summary
+    assert "weight frozen" not in summary
+
+
 def test_a_layer_called_with_its_input_as_a_keyword_is_refused_by_name():
     class Net(nn.Module):
         def __init__(self) -> None:

@@ -118,6 +118,9 @@ def test_the_added_group_steps_with_its_own_hyperparameters_and_is_not_precondit
     opt = SPDKFACOptimizer(model, lr=0.1, momentum=0.0, backend="single")
     opt.add_param_group({"params": head.parameters(), "lr": 0.05})
     assert [layer.name for layer in opt.layers] == ["0", "2"]
+    assert opt.kfac_summary().endswith(
+        "momentum SGD, not preconditioned, for 13 parameters outside the model (2 tensors of added parameter groups)"
+    )
     x, y = _data()
     before = [p.detach().clone() for p in head.parameters()]
     head(model(x), y).backward()
@@ -252,3 +255,12 @@ def test_under_ddp_the_attached_optimizers_outside_parameters_are_said() -> None
     sgd = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1)
     with pytest.warns(UserWarning, match="2 parameter\\(s\\) outside the model, whose gradients DistributedDataParallel"):
         KFACPreconditioner(DistributedDataParallel(model), lr=0.1, backend="single", optimizer=sgd)
+
+
+def test_the_preconditioners_summary_counts_the_optimizers_parameters_outside_the_model() -> None:
+    model, head = _modules()
+    sgd = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1)
+    pre = KFACPreconditioner(model, lr=0.1, backend="single", optimizer=sgd)
+    assert pre.kfac_summary().endswith(
+        "Your optimizer's update, not preconditioned, for 13 parameters outside the model (2 tensors of added parameter groups)"
+    )
