@@ -355,7 +355,7 @@ def test_two_processes_on_one_device_equal_one(device: torch.device, tmp_path, m
 
 def test_nccl_engine_takes_the_optimizers_cpu_tensors(device: torch.device, tmp_path) -> None:
     """NCCL refuses host memory; the optimizer's small collectives (the step's agreement, a profile's numbers) are
-    CPU tensors, which the torch engine stages on the GPU and copies back. One process: the collectives run."""
+    CPU tensors, which the torch engine moves through a gloo group of the same ranks. One process: they run."""
     if device.type != "cuda" or not dist.is_nccl_available():
         pytest.skip("NCCL needs a CUDA device")
     if dist.is_initialized():
@@ -369,6 +369,8 @@ def test_nccl_engine_takes_the_optimizers_cpu_tensors(device: torch.device, tmp_
         assert values.device.type == "cpu"
         assert values.tolist() == [1.5, -2.0]
         assert engine.gather_values([3.0, 4.0], "gpu_check.gather") == [[3.0, 4.0]]
+        assert engine._host is not None
+        assert engine._host[0] is not None
     finally:
         dist.destroy_process_group()
 

@@ -52,23 +52,14 @@ def moves_device_tensors_only(backend_name: str) -> bool:
 
 
 class _TorchHandle:
-    __slots__ = ("_divisor", "_name", "_on_timeout", "_result", "_tensor", "_work")
+    __slots__ = ("_divisor", "_name", "_on_timeout", "_tensor", "_work")
 
-    def __init__(
-        self,
-        work: Work | None,
-        tensor: torch.Tensor,
-        divisor: int,
-        name: str,
-        on_timeout: Callable[[str], str],
-        result: torch.Tensor | None = None,
-    ) -> None:
+    def __init__(self, work: Work | None, tensor: torch.Tensor, divisor: int, name: str, on_timeout: Callable[[str], str]) -> None:
         self._work = work
         self._tensor = tensor
         self._divisor = divisor
         self._name = name
         self._on_timeout = on_timeout
-        self._result = result  # the caller's CPU tensor, where ``tensor`` is its copy on the GPU (NCCL)
 
     def wait(self) -> None:
         if self._work is None:
@@ -77,8 +68,6 @@ class _TorchHandle:
         if self._divisor > 1:
             # gloo has no AVG reduction: sum, then divide once the sum has arrived.
             self._tensor.div_(self._divisor)
-        if self._result is not None:
-            self._result.copy_(self._tensor)
         self._work = None
 
     def done(self) -> bool:
@@ -208,11 +197,13 @@ class TorchDistributedBackend(CommBackend):
         # The timeout and heartbeats of the group an engine created earlier in this process; unknown for the caller's.
         self._timeout_s: float | None = _OWN_GROUP.get("timeout_s")
         self._liveness: Liveness | None = _OWN_GROUP.get("liveness")
-        self._subgroups: dict[tuple[int, ...], Any] = {}  # process groups of sub-group broadcasts, by members
+        self._subgroups: dict[
+            tuple[tuple[int, ...], bool], Any
+        ] = {}  # sub-group broadcasts' groups: (members, gloo for NCCL's CPU tensors)
         self._group: Any = None  # the process group of the collectives: None, the default one, unless set apart
-        #: Where CPU tensors are copied for a collective: the current GPU under NCCL, False where the group takes
-        #: them; None until the first collective asks (the group may be the caller's, made after this engine).
-        self._stage_on: torch.device | bool | None = None
+        #: The group of the collectives on CPU tensors, decided at the first (a 1-tuple; None until then): (None,) for
+        #: the engine's own, or where that refuses host memory (NCCL) a gloo group of the same ranks (:meth:`_group_for`).
+        self._host: tuple[Any] | None = None
         if not dist.is_initialized():
             from torch.distributed.distributed_c10d import PrefixStore
             from torch.distributed.rendezvous import rendezvous
@@ -265,29 +256,29 @@ class TorchDistributedBackend(CommBackend):
         timeout = None if self._timeout_s is None else datetime.timedelta(seconds=self._timeout_s)
         self._group = dist.new_group(list(range(self.size)), timeout=timeout)
 
-    def _on_device(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the tensor the collective moves, the caller's to copy the result into or None): a CPU tensor is copied to
-        the current GPU where the group is NCCL's (the optimizer's small host-side collectives: the step's
-        agreement, a profile's numbers), which refuses host memory."""
+    def _group_for(self, tensor: torch.Tensor) -> Any:
+        """The process group that moves ``tensor``. NCCL refuses host memory, and a few of the optimizer's
+        collectives carry small CPU tensors (each step's agreement on the all-reduce order, a profile's numbers):
+        on an NCCL group those go through a gloo group of the same ranks, made at the first of them (a collective,
+        which every rank reaches at the same point), apart from the GPU's stream (no wait for its work)."""
         if tensor.device.type != "cpu":
-            return tensor, None
-        if self._stage_on is None:
-            self._stage_on = (
-                torch.device("cuda", torch.cuda.current_device()) if moves_device_tensors_only(dist.get_backend(self._group)) else False
-            )
-        if self._stage_on is False:
-            return tensor, None
-        return tensor.to(self._stage_on, copy=True), tensor
+            return self._group
+        if self._host is None:
+            if moves_device_tensors_only(dist.get_backend(self._group)):
+                timeout = None if self._timeout_s is None else datetime.timedelta(seconds=self._timeout_s)
+                self._host = (dist.new_group(list(range(self.size)), timeout=timeout, backend="gloo"),)
+            else:
+                self._host = (None,)
+        return self._group if self._host[0] is None else self._host[0]  # (the group as it is now: it may be set apart)
 
     def allreduce_async(self, tensor: torch.Tensor, name: str) -> Handle:
-        moved, result = self._on_device(tensor)
-        work = dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
-        return _TorchHandle(work, moved, self.size, name, self._timed_out, result)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group_for(tensor), async_op=True)
+        return _TorchHandle(work, tensor, self.size, name, self._timed_out)
 
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> Handle:
-        moved, result = self._on_device(tensor)
-        work = dist.broadcast(moved, src=root, group=self._group, async_op=True)  # (the group's ranks are the global ones)
-        return _TorchHandle(work, moved, 1, name, self._timed_out, result)
+        # (the group's ranks are the global ones)
+        work = dist.broadcast(tensor, src=root, group=self._group_for(tensor), async_op=True)
+        return _TorchHandle(work, tensor, 1, name, self._timed_out)
 
     native_subgroups = True
 
@@ -298,23 +289,22 @@ class TorchDistributedBackend(CommBackend):
             raise ValueError(f"broadcast {name!r}: root {root} is not among its members {list(key)}")
         if len(key) == self.size:
             return self.broadcast_async(tensor, root, name)
-        group = self._subgroups.get(key)
+        host = self._group_for(tensor) is not self._group  # a CPU tensor on NCCL: a gloo sub-group
+        group = self._subgroups.get((key, host))
         if group is None:  # every rank calls this, so every rank creates the groups in the same order
-            group = self._subgroups[key] = dist.new_group(list(key))
+            group = self._subgroups[key, host] = dist.new_group(list(key), backend="gloo" if host else None)
         if self.rank not in key:
             return CompletedHandle()
-        moved, result = self._on_device(tensor)
-        work = dist.broadcast(moved, src=root, group=group, async_op=True)
-        return _TorchHandle(work, moved, 1, name, self._timed_out, result)
+        work = dist.broadcast(tensor, src=root, group=group, async_op=True)
+        return _TorchHandle(work, tensor, 1, name, self._timed_out)
 
     def allgather_async(self, tensor: torch.Tensor, counts: Sequence[int], name: str) -> Handle:
         offsets = check_gather_counts(tensor, counts, self.size, name)
         width = max(counts)  # all_gather moves equal blocks: pad every segment to the longest
-        device = self._on_device(tensor[:0])[0].device  # (blocks on the GPU for NCCL; copied into place on wait)
-        mine = tensor.new_zeros(width, device=device)
+        mine = tensor.new_zeros(width)
         mine[: counts[self.rank]].copy_(tensor[offsets[self.rank] : offsets[self.rank] + counts[self.rank]])
-        blocks = [tensor.new_empty(width, device=device) for _ in range(self.size)]
-        work = dist.all_gather(blocks, mine, group=self._group, async_op=True)
+        blocks = [tensor.new_empty(width) for _ in range(self.size)]
+        work = dist.all_gather(blocks, mine, group=self._group_for(tensor), async_op=True)
         return _TorchGatherHandle(work, blocks, tensor, offsets, counts, name, self._timed_out)
 
     def barrier(self) -> None:

@@ -1,13 +1,13 @@
-"""Multi-process worker (torchrun): the torch engine's collectives on CPU tensors when they are staged on a device.
+"""Multi-process worker (torchrun): the torch engine's collectives on CPU tensors where its group refuses them.
 
-Under NCCL a CPU tensor is copied to the GPU for the collective and the
-result copied back (:meth:`TorchDistributedBackend._on_device`). Here, on
-gloo, the engine is made to stage onto a separate CPU copy, so the results
-reach the caller's tensors only through that copy-back: each collective's
-result, and the optimizer trained with staging on (its per-step agreement,
-the fusion profile's broadcast) against staging off, bitwise.
+On an NCCL group, which refuses host memory, the engine moves CPU tensors
+through a gloo group of the same ranks made at the first such collective
+(:meth:`TorchDistributedBackend._group_for`). Here, on gloo, the engine is
+told its group is NCCL's, so every CPU collective goes through that second
+group: each collective's result, and the optimizer trained that way (its
+per-step agreement, the profile's numbers) against the plain run, bitwise.
 
-    torchrun --nproc_per_node 2 tests/workers/staging_check.py --backend torch --out DIR
+    torchrun --nproc_per_node 2 tests/workers/host_tensors_check.py --backend torch --out DIR
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from nets import small_net, train
 from rank_results import rank_shard, save_rank_results
 
 from spdkfac import SPDKFACOptimizer
-from spdkfac.comm import CommBackend
+from spdkfac.comm import CommBackend, torch_backend
 
 warnings.filterwarnings("ignore", message="no perf_model given")
 
@@ -63,8 +63,12 @@ def trained(backend: CommBackend) -> list[torch.Tensor]:
 
 def run(backend: Any) -> dict[str, Any]:
     plain = trained(backend)
-    backend._stage_on = torch.device("cpu")  # (NCCL's would be the current GPU)
-    return {"collectives": collectives(backend), "staged": trained(backend), "plain": plain}
+    assert backend._host == (None,)  # (gloo takes CPU tensors: the engine's own group)
+    backend._host = None
+    torch_backend.moves_device_tensors_only = lambda name: True  # as NCCL's group would say
+    results = {"collectives": collectives(backend), "staged": trained(backend), "plain": plain}
+    results["host_group_apart"] = backend._host is not None and backend._host[0] is not backend._group
+    return results
 
 
 if __name__ == "__main__":
