@@ -334,7 +334,7 @@ class KFACPreconditioner:
             return []
         self._groups_seen = seen
         averaged = {id(p) for group in self.kfac.param_groups for p in group["params"]}
-        outside = [p for p in not_in_model(self.kfac.model, groups) if id(p) not in averaged and p.requires_grad]
+        outside = [p for p in not_in_model(self.kfac.model, groups) if id(p) not in averaged]  # (frozen too: may thaw)
         if outside and self.kfac.wrapping.ddp is not None:
             warnings.warn(
                 f"{type(self._optimizer).__name__} holds {len(outside)} parameter(s) outside the model, whose gradients "

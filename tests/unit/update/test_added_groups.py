@@ -214,16 +214,20 @@ def test_a_ddp_wrapped_later_with_such_a_group_is_refused() -> None:
 
 # -- KFACPreconditioner riding on the user's optimizer ----------------------------------------
 def _train_attached(
-    modules: tuple[nn.Module, Head], backend: CommBackend | str, part: slice, second: Head | None = None
+    modules: tuple[nn.Module, Head], backend: CommBackend | str, part: slice, second: Head | None = None, thaw: bool = False
 ) -> list[torch.Tensor]:
-    """The user's SGD holds the model and the head from the start; ``second`` is added to it at step ADD_AT + 1."""
+    """The user's SGD holds the model and the head from the start; ``second`` is added to it at step ADD_AT + 1;
+    ``thaw``: the head's scale is frozen until then."""
     model, head = modules
+    head.scale.requires_grad_(not thaw)
     sgd = torch.optim.SGD([{"params": model.parameters()}, {"params": head.parameters(), "lr": 0.05}], lr=0.1, momentum=0.9)
     KFACPreconditioner(model, lr=0.1, backend=backend, optimizer=sgd, profile_steps=1)
     x, y = _data()
     for step in range(ADD_AT, ADD_AT + STEPS):
         if second is not None and step == ADD_AT + 1:
             sgd.add_param_group({"params": second.parameters(), "lr": 0.02})
+        if thaw and step == ADD_AT + 1:
+            head.scale.requires_grad_(True)
         sgd.zero_grad()
         loss = _loss(model, head, x[part], y[part], step)
         if second is not None and step > ADD_AT:
@@ -235,6 +239,10 @@ def _train_attached(
 
 def test_the_attached_optimizers_parameters_outside_the_model_are_averaged(float64: None) -> None:
     _assert_workers_equal_one(_train_attached)
+
+
+def test_an_outside_parameter_unfrozen_later_is_averaged_too(float64: None) -> None:
+    _assert_workers_equal_one(lambda modules, backend, part: _train_attached(modules, backend, part, thaw=True))
 
 
 def test_a_group_added_to_the_attached_optimizer_later_is_averaged_from_its_first_step(float64: None) -> None:
