@@ -276,6 +276,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._unfreeze_hook: HookHandle | None = None
         self._watch_frozen()
         self._taken_over = False
+        #: Where the layers' learning rates for the KL clip are read (None: these groups; a preconditioner attached
+        #: to your optimizer: its groups).
+        self._lr_groups: Callable[[], list[dict[str, Any]]] | None = None
         #: Embeddings not yet checked for a use outside their forward (at the first factor step).
         self._diagonal_unchecked = [layer for layer in self.layers if layer.shape("A").diagonal]
         for previous in claim(self, wrapping.module.modules()):  # last: a refused construction leaves the old one working
@@ -542,6 +545,15 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if self._backward_fusion is not None:
             self._backward_fusion.begin()  # rolls back what an unfinished step wrote in backward
 
+    def _layer_lrs(self) -> dict[str, float] | None:
+        """Each K-FAC layer's learning rate (its weight's group's; a preconditioner's, its optimizer's groups) where
+        some differ from ``param_groups[0]``'s: the KL clip weighs each layer's update by its own rate."""
+        first = float(self.param_groups[0]["lr"])
+        groups = self.param_groups if self._lr_groups is None else self._lr_groups()
+        rate = {id(p): float(group["lr"]) for group in groups for p in group["params"]}
+        lrs = {layer.name: rate.get(id(layer.params()[0]), first) for layer in self.layers}
+        return lrs if any(r != first for r in lrs.values()) else None
+
     def _step_kind(self) -> tuple[bool, bool]:
         """(updates factors, updates inverses): fixed with the step's hyperparameters when the step first needs them
         (its first forward pass, or ``step()``), so a change between steps holds for the whole next step."""
@@ -646,7 +658,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.kfac_step.grads.learn_edits()
         try:
             factor_step, inverse_step = self._step_kind()
-            hyper = StepHyper.from_group(self.param_groups[0])
+            hyper = StepHyper.from_group(self.param_groups[0], self._layer_lrs())
             backward = self._backward_fusion
             if backward is not None and backward.active:  # updated in backward: the factors and the checks are left
                 backward.finish()

@@ -294,10 +294,16 @@ class KFACPreconditioner:
         self._attachment = None if optimizer is None else OptimizerAttachment(optimizer, self)
         if self._attachment is not None:
             self.kfac._scaler_skipped = self._scaler_skipped
+            if lr is None:  # the KL clip's rates are your optimizer's, each layer its group's (layer-wise rates)
+                self.kfac._lr_groups = self._attached_groups
         self._groups_seen: tuple[int, int] | None = None  # the attached optimizer's groups when last looked at
         outside = self._outside_model()
         if outside:
             self.kfac.add_param_group({"params": outside})  # (averaged from the first step)
+
+    def _attached_groups(self) -> list[dict[str, Any]]:
+        assert self._optimizer is not None  # (read only when attached)
+        return self._optimizer.param_groups
 
     def _lr_at(self, step: int) -> float:
         if self._lr is None:  # the attached optimizer's, as it is now (its scheduler's value), else KAISA's default

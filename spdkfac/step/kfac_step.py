@@ -23,6 +23,7 @@ everywhere) or raises.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -57,16 +58,20 @@ class StepHyper:
     damping: float
     factor_decay: float
     kl_clip: float | None = None
+    #: Each K-FAC layer's learning rate where some differ from ``lr`` (layers in groups of their own rates), for the
+    #: KL clip; None where every layer trains at ``lr``.
+    layer_lrs: Mapping[str, float] | None = None
 
     @classmethod
-    def from_group(cls, group: dict[str, Any]) -> StepHyper:
-        """The values of an optimizer param group."""
+    def from_group(cls, group: dict[str, Any], layer_lrs: Mapping[str, float] | None = None) -> StepHyper:
+        """The values of an optimizer param group (and the layers' own rates)."""
         kl_clip = group["kl_clip"]
         return cls(
             lr=float(group["lr"]),
             damping=float(group["damping"]),
             factor_decay=float(group["factor_decay"]),
             kl_clip=None if kl_clip is None else float(kl_clip),
+            layer_lrs=layer_lrs,
         )
 
 
@@ -218,7 +223,7 @@ class KFACStep:
         self.decompositions.run(hyper.damping, step, self.record)
 
     def _precondition(self, hyper: StepHyper, wait_for_grads: bool = False) -> None:
-        self.preconditioner.run(hyper.damping, hyper.lr, hyper.kl_clip, wait_for_grads, self.record)
+        self.preconditioner.run(hyper.damping, hyper.lr, hyper.kl_clip, wait_for_grads, self.record, hyper.layer_lrs)
 
     def _check_finite(self, step: int) -> None:
         """Skip (or refuse) a step whose averaged or preconditioned gradients hold NaN/Inf: never NaN parameters."""

@@ -11,7 +11,7 @@ are then scaled by the reference's KL clip
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,10 +35,15 @@ Stack = tuple[Sequence[int], torch.Tensor, torch.Tensor]
 
 
 def kl_clip_scale(
-    grads: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], lr: float, kl_clip: float | None, stacks: Sequence[Stack] = ()
+    grads: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    lr: float | Sequence[float],
+    kl_clip: float | None,
+    stacks: Sequence[Stack] = (),
 ) -> torch.Tensor | None:
     """The factor every update is multiplied by, ``min(1, sqrt(kl_clip / |Σ lr² v·grad|))``, as a float64 scalar
-    tensor on the updates' device (None without a clip).
+    tensor on the updates' device (None without a clip). ``lr``: one for every layer, or each layer's own (its
+    parameter group's: layers trained at different rates each enter the sum with their own step).
 
     Computed where the updates are, so that a GPU step needs no host
     synchronisation for it (the host would otherwise wait for the whole
@@ -69,7 +74,11 @@ def kl_clip_scale(
         per_layer = torch.stack(products).to(torch.float64)
     else:
         per_layer = torch.stack([p.to(home, torch.float64) for p in products])
-    vg_sum = per_layer.cumsum(0)[-1].mul(lr**2).abs()
+    if isinstance(lr, (int, float)):
+        vg_sum = per_layer.cumsum(0)[-1].mul(lr**2).abs()
+    else:
+        squares = torch.tensor([float(r) ** 2 for r in lr], dtype=torch.float64, device=per_layer.device)
+        vg_sum = per_layer.mul(squares).cumsum(0)[-1].abs()
     scale = torch.sqrt(torch.div(kl_clip, vg_sum)).clamp_(max=1.0)
     return torch.where(vg_sum > 0, scale, torch.ones_like(scale))  # (NaN or no product: 1; the NaN check follows)
 
@@ -116,13 +125,20 @@ class Preconditioner:
         self.stack_groups: bool | None = None
 
     def run(
-        self, damping: float, lr: float, kl_clip: float | None, wait_for_grads: bool = False, record: IterationRecord | None = None
+        self,
+        damping: float,
+        lr: float,
+        kl_clip: float | None,
+        wait_for_grads: bool = False,
+        record: IterationRecord | None = None,
+        layer_lrs: Mapping[str, float] | None = None,
     ) -> None:
         """Replace each layer's gradient by its KL-clipped update.
 
         With ``wait_for_grads`` the gradient all-reduces are still running:
         layers are taken last first (the order their gradients were sent in)
-        and each waits only for its own gradient.
+        and each waits only for its own gradient. ``layer_lrs``: the layers'
+        own learning rates in the clip, where they differ from ``lr``.
         """
         t0 = Timeline.now() if record is not None else 0.0
         waited0 = record.grad_wait if record is not None else 0.0
@@ -134,7 +150,8 @@ class Preconditioner:
             grads, updates = self._local(layers, damping, wait_for_grads, stacked)
         in_stacks = {i for group in stacked for i in group.positions}
         alone = [i for i in range(len(layers)) if i not in in_stacks]
-        scale = kl_clip_scale(grads, updates, lr, kl_clip, [(group.positions, group.grad, group.update) for group in stacked])
+        rates = lr if layer_lrs is None else [layer_lrs.get(layer.name, lr) for layer in layers]
+        scale = kl_clip_scale(grads, updates, rates, kl_clip, [(group.positions, group.grad, group.update) for group in stacked])
         if scale is not None:
             scale_updates_([group.update for group in stacked] + [updates[i] for i in alone], scale)
         writes = GradientWrites()

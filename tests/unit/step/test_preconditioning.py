@@ -120,6 +120,15 @@ def test_kl_clip_scale_is_the_float64_sum_in_layer_order_and_scales_as_a_python_
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
 
 
+def test_kl_clip_scale_weighs_each_layer_by_its_own_learning_rate():
+    grads = [torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0]])]
+    updates = [torch.tensor([[2.0, 1.0]]), torch.tensor([[1.0]])]  # v·g: 4 and 3
+    assert float(kl_clip_scale(grads, updates, lr=[0.5, 0.1], kl_clip=0.01)) == pytest.approx(math.sqrt(0.01 / (0.25 * 4 + 0.01 * 3)))
+    assert float(kl_clip_scale(grads, updates, lr=[0.5, 0.5], kl_clip=0.01)) == pytest.approx(
+        float(kl_clip_scale(grads, updates, lr=0.5, kl_clip=0.01)), rel=1e-15
+    )
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_missing_decompositions_raise_on_every_rank_before_any_broadcast():
     def rank(backend):
