@@ -11,8 +11,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300
@@ -140,6 +142,13 @@ def run_workers(engine: str, nproc: int, script: Sequence[str], timeout: int = T
             continue
         pytest.fail(f"{engine} run with {nproc} workers failed (exit {proc.returncode}): {' '.join(cmd)}\n{output[-6000:]}")
     raise AssertionError("unreachable")
+
+
+def run_rank_workers(engine: str, worker: Path, out: Path, *args: str, nproc: int = 2) -> list[Any]:
+    """Run a rank-result worker (``tests/rank_results.py``'s ``save_rank_results``) on ``nproc`` workers and return
+    each rank's results, in rank order."""
+    run_workers(engine, nproc, [str(worker), "--backend", engine, "--out", str(out), *args])
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
 
 def run_single(script: str, args: Sequence[str]) -> None:

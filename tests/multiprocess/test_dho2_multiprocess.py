@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from launch import ROOT, run_workers, worker_module
+from launch import ROOT, run_rank_workers, worker_module
 
 from spdkfac.comm import SingleProcessBackend
 
@@ -18,8 +18,7 @@ WORKER = ROOT / "tests" / "workers" / "dho2_check.py"
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("engine", "rule"), [("torch", "code"), ("horovod", "code"), ("torch", "lagrangian"), ("horovod", "proximal")])
 def test_two_workers_equal_one_and_agree_bitwise(engine, rule, tmp_path):
-    run_workers(engine, 2, [str(WORKER), "--backend", engine, "--out", str(tmp_path), "--admm-rule", rule])
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = run_rank_workers(engine, WORKER, tmp_path, "--admm-rule", rule)
     old = torch.get_default_dtype()
     try:
         ref = worker_module(WORKER).run(SingleProcessBackend(), admm_rule=rule)

@@ -4,8 +4,7 @@ same ranks, with the same results, and the optimizer trained that way equals the
 from __future__ import annotations
 
 import pytest
-import torch
-from launch import ROOT, run_workers
+from launch import ROOT, run_rank_workers
 from nets import assert_bitwise_equal
 
 WORKER = ROOT / "tests" / "workers" / "host_tensors_check.py"
@@ -13,8 +12,7 @@ WORKER = ROOT / "tests" / "workers" / "host_tensors_check.py"
 
 @pytest.mark.multiprocess
 def test_cpu_tensors_go_through_a_gloo_group_where_the_engines_refuses_them(tmp_path):
-    run_workers("torch", 2, [str(WORKER), "--backend", "torch", "--out", str(tmp_path)])
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = run_rank_workers("torch", WORKER, tmp_path)
     for rank in ranks:
         assert rank["host_group_apart"]
         got = rank["collectives"]

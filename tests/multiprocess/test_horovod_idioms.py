@@ -4,8 +4,7 @@ workers: a fresh optimizer and a resumed one train bitwise as without them, and 
 from __future__ import annotations
 
 import pytest
-import torch
-from launch import ROOT, run_workers
+from launch import ROOT, run_rank_workers
 from nets import assert_bitwise_equal
 
 WORKER = ROOT / "tests" / "workers" / "horovod_idioms_check.py"
@@ -13,8 +12,7 @@ WORKER = ROOT / "tests" / "workers" / "horovod_idioms_check.py"
 
 @pytest.mark.multiprocess
 def test_broadcasting_the_optimizer_state_changes_nothing_and_works(tmp_path):
-    run_workers("horovod", 2, [str(WORKER), "--backend", "horovod", "--out", str(tmp_path)])
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = run_rank_workers("horovod", WORKER, tmp_path)
     for rank in ranks:
         assert_bitwise_equal(rank["broadcast"], rank["plain"], "after broadcast_optimizer_state on a fresh optimizer")
         assert_bitwise_equal(rank["resumed"], rank["plain"][1:], "after broadcast_optimizer_state on a resumed one")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from launch import ROOT, require_horovod, run_workers, worker_module
+from launch import ROOT, require_horovod, run_rank_workers, worker_module
 from nets import assert_bitwise_equal
 
 from spdkfac.comm import SingleProcessBackend
@@ -18,8 +18,7 @@ WORKER = ROOT / "tests" / "workers" / "norm_damping_check.py"
 def test_two_workers_equal_one_with_the_same_damping(engine, tmp_path):
     if engine == "horovod":
         require_horovod()
-    run_workers(engine, 2, [str(WORKER), "--backend", engine, "--out", str(tmp_path)])
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = run_rank_workers(engine, WORKER, tmp_path)
     old = torch.get_default_dtype()
     try:
         ref = worker_module(WORKER).run(SingleProcessBackend())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from launch import ROOT, run_workers, worker_module
+from launch import ROOT, run_rank_workers, worker_module
 from nets import shared_net
 from unit.step.test_partial_skip import check_partial_skip
 
@@ -17,8 +17,7 @@ WORKER = ROOT / "tests" / "workers" / "partial_skip_check.py"
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("engine", ["torch", "horovod"])
 def test_a_layer_skipped_on_one_real_worker_trains_alike_on_both(tmp_path, engine):
-    run_workers(engine, 2, [str(WORKER), "--backend", engine, "--out", str(tmp_path)])
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = run_rank_workers(engine, WORKER, tmp_path)
     module = worker_module(WORKER)
     check_partial_skip(ranks, module)
     old = torch.get_default_dtype()

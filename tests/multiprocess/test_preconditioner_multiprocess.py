@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from launch import ROOT, run_workers, worker_module
+from launch import ROOT, run_rank_workers, worker_module
 from nets import assert_bitwise_equal, small_net
 
 from spdkfac.comm import SingleProcessBackend
@@ -21,8 +21,7 @@ def _held_everywhere(kfac: dict) -> dict:
 
 @pytest.mark.multiprocess
 def test_two_workers_equal_one_and_replicas_are_bitwise_identical(tmp_path):
-    run_workers("torch", 2, [str(WORKER), "--backend", "torch", "--out", str(tmp_path)])
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = run_rank_workers("torch", WORKER, tmp_path)
     module = worker_module(WORKER)
     old = torch.get_default_dtype()
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from launch import ROOT, run_workers, worker_module
+from launch import ROOT, run_rank_workers, worker_module
 from nets import assert_bitwise_equal, batch
 
 WORKER = ROOT / "tests" / "workers" / "release_check.py"
@@ -15,8 +15,7 @@ WORKER = ROOT / "tests" / "workers" / "release_check.py"
 @pytest.mark.parametrize("engine", ["torch", "horovod"])
 def test_optimizers_on_real_workers_are_freed_and_taken_over(tmp_path, engine):
     release = worker_module(WORKER)
-    run_workers(engine, 2, [str(WORKER), "--backend", engine, "--out", str(tmp_path)])
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = run_rank_workers(engine, WORKER, tmp_path)
     for rank in ranks:
         assert rank["freed"] == dict.fromkeys(release.LET_GO, True)  # before: none freed on N workers
         assert rank["first_refused"]

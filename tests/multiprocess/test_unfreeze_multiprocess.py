@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from launch import run_workers
+from launch import run_rank_workers
 from unit.step.test_unfreezing import WORKER, check_workers, unfreeze
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("engine", ["torch", "horovod"])
 def test_a_layer_unfrozen_on_real_workers_trains_as_one_process(tmp_path, engine):
-    run_workers(engine, 2, [str(WORKER), "--backend", engine, "--out", str(tmp_path)])
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = run_rank_workers(engine, WORKER, tmp_path)
     old = torch.get_default_dtype()
     try:
         torch.set_default_dtype(torch.float64)

@@ -13,6 +13,7 @@ update fusion) the group is refused.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -57,9 +58,12 @@ def _loss(model: nn.Module, head: Head, x: torch.Tensor, y: torch.Tensor, step: 
     return head(out, y) if step >= ADD_AT else F.cross_entropy(out[:, :3], y % 3)
 
 
-def _train_added(modules: tuple[nn.Module, Head], backend: CommBackend | str, part: slice, options: dict[str, Any]) -> list[torch.Tensor]:
+def _train_added(
+    modules: tuple[nn.Module, Head], backend: CommBackend | str, part: slice, make: Callable[[nn.Module, Any], torch.optim.Optimizer]
+) -> list[torch.Tensor]:
+    """``make(model, backend)``'s optimizer given the head by ``add_param_group`` at step ``ADD_AT``."""
     model, head = modules
-    opt = SPDKFACOptimizer(model, lr=0.1, backend=backend, profile_steps=1, **options)
+    opt = make(model, backend)
     x, y = _data()
     for step in range(STEPS):
         if step == ADD_AT:
@@ -86,24 +90,16 @@ def _assert_workers_equal_one(train: Any) -> None:
     ids=["inverse", "adamw", "eigen", "ekfac", "half-grad-workers", "after-backward"],
 )
 def test_a_group_outside_the_model_trains_on_two_workers_as_on_one(float64: None, options: dict[str, Any]) -> None:
-    _assert_workers_equal_one(lambda modules, backend, part: _train_added(modules, backend, part, options))
+    def make(model: nn.Module, backend: Any) -> torch.optim.Optimizer:
+        return SPDKFACOptimizer(model, lr=0.1, backend=backend, profile_steps=1, **options)
 
-
-def _train_adamw(modules: tuple[nn.Module, Head], backend: CommBackend | str, part: slice) -> list[torch.Tensor]:
-    model, head = modules
-    opt = DistributedAdamW(model, lr=0.01, backend=backend)
-    x, y = _data()
-    for step in range(STEPS):
-        if step == ADD_AT:
-            opt.add_param_group({"params": head.parameters(), "lr": 0.05})
-        opt.zero_grad()
-        _loss(model, head, x[part], y[part], step).backward()
-        opt.step()
-    return [p.detach().clone() for p in [*model.parameters(), *head.parameters()]]
+    _assert_workers_equal_one(lambda modules, backend, part: _train_added(modules, backend, part, make))
 
 
 def test_distributed_adamw_averages_an_added_group_too(float64: None) -> None:
-    _assert_workers_equal_one(_train_adamw)
+    _assert_workers_equal_one(
+        lambda modules, backend, part: _train_added(modules, backend, part, lambda m, b: DistributedAdamW(m, lr=0.01, backend=b))
+    )
 
 
 def test_dho2_refuses_a_group_added_after_construction() -> None:
