@@ -550,6 +550,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         some differ from ``param_groups[0]``'s: the KL clip weighs each layer's update by its own rate."""
         first = float(self.param_groups[0]["lr"])
         groups = self.param_groups if self._lr_groups is None else self._lr_groups()
+        if all(float(group["lr"]) == first for group in groups):
+            return None  # (the usual case, one rate: no per-parameter map built on every step)
         rate = {id(p): float(group["lr"]) for group in groups for p in group["params"]}
         lrs = {layer.name: rate.get(id(layer.params()[0]), first) for layer in self.layers}
         return lrs if any(r != first for r in lrs.values()) else None

@@ -126,11 +126,10 @@ class CommBackend(abc.ABC):
         ]
         return HandleGroup(handles)
 
-    def gather_values(self, values: Sequence[float], name: str, device: torch.device | str = "cpu") -> list[list[float]]:
-        """Every worker's ``values`` (as many on each), in rank order, exactly as each sent them (blocking); gathered
-        on ``device`` (an engine on NCCL moves GPU tensors only)."""
+    def gather_values(self, values: Sequence[float], name: str) -> list[list[float]]:
+        """Every worker's ``values`` (as many on each), in rank order, exactly as each sent them (blocking)."""
         k = len(values)
-        buf = torch.zeros(self.size * k, dtype=torch.float64, device=device)
+        buf = torch.zeros(self.size * k, dtype=torch.float64)
         buf[self.rank * k : (self.rank + 1) * k] = torch.tensor(list(values), dtype=torch.float64)
         self.allgather_async(buf, [k] * self.size, name).wait()
         return buf.view(self.size, k).tolist()

@@ -197,9 +197,8 @@ class TorchDistributedBackend(CommBackend):
         # The timeout and heartbeats of the group an engine created earlier in this process; unknown for the caller's.
         self._timeout_s: float | None = _OWN_GROUP.get("timeout_s")
         self._liveness: Liveness | None = _OWN_GROUP.get("liveness")
-        self._subgroups: dict[
-            tuple[tuple[int, ...], bool], Any
-        ] = {}  # sub-group broadcasts' groups: (members, gloo for NCCL's CPU tensors)
+        # The process groups of sub-group broadcasts, by (members, gloo for CPU tensors where the group is NCCL's).
+        self._subgroups: dict[tuple[tuple[int, ...], bool], Any] = {}
         self._group: Any = None  # the process group of the collectives: None, the default one, unless set apart
         #: The group of the collectives on CPU tensors, decided at the first (a 1-tuple; None until then): (None,) for
         #: the engine's own, or where that refuses host memory (NCCL) a gloo group of the same ranks (:meth:`_group_for`).

@@ -162,7 +162,7 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
         skip_nonfinite=args.skip_nonfinite,
         **optimizer_options(args.optimizer, args, dho2=dho2_options(args, len(train_loader))),
     )
-    tracer = TraceRecorder(optimizer, args.trace, Path(args.out_dir) / "trace.json", backend, device) if args.trace else None
+    tracer = TraceRecorder(optimizer, args.trace, Path(args.out_dir) / "trace.json", backend) if args.trace else None
     training_step = TrainingStep(
         model,
         optimizer,

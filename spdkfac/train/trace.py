@@ -31,8 +31,8 @@ __all__ = ["TraceRecorder"]
 class TraceRecorder:
     """Turns the optimizer's timeline on for ``steps`` steps, then writes every rank's trace to ``path`` (rank 0)."""
 
-    def __init__(self, optimizer: Any, steps: int, path: Path, backend: CommBackend, device: torch.device) -> None:
-        self.optimizer, self.steps, self.path, self.backend, self.device = optimizer, steps, path, backend, device
+    def __init__(self, optimizer: Any, steps: int, path: Path, backend: CommBackend) -> None:
+        self.optimizer, self.steps, self.path, self.backend = optimizer, steps, path, backend
         self.done = False
 
     def stepped(self) -> None:
@@ -54,22 +54,23 @@ class TraceRecorder:
         timeline: Timeline | None = self.optimizer.timeline
         self.optimizer.timeline = None
         mine = json.dumps((timeline or Timeline()).trace(self.backend.rank)).encode()
-        traces = [json.loads(data) for data in _gathered(self.backend, mine, self.device)]
+        traces = [json.loads(data) for data in _gathered(self.backend, mine)]
         if self.backend.rank == 0:
             recorded = len(timeline.iterations) if timeline is not None else 0
             replace_text(self.path, json.dumps(merge_traces(traces)))
             print(f"trace of {recorded} step(s), {len(traces)} rank(s): {self.path} (open it in ui.perfetto.dev)", flush=True)
 
 
-def _gathered(backend: CommBackend, data: bytes, device: torch.device) -> list[bytes]:
-    """Every rank's ``data``, in rank order: the lengths, then the bytes (on ``device``: NCCL moves GPU tensors only)."""
+def _gathered(backend: CommBackend, data: bytes) -> list[bytes]:
+    """Every rank's ``data``, in rank order: the lengths, then the bytes (host tensors, which every engine moves: the
+    torch engine on NCCL through its gloo group)."""
     if backend.size == 1:
         return [data]
-    lengths = [int(n) for (n,) in backend.gather_values([float(len(data))], "spdkfac.trace.lengths", device)]
-    buffer = torch.zeros(sum(lengths), dtype=torch.uint8, device=device)
+    lengths = [int(n) for (n,) in backend.gather_values([float(len(data))], "spdkfac.trace.lengths")]
+    buffer = torch.zeros(sum(lengths), dtype=torch.uint8)
     start = sum(lengths[: backend.rank])
-    buffer[start : start + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    buffer[start : start + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     backend.allgather_async(buffer, lengths, "spdkfac.trace.bytes").wait()
-    values = buffer.cpu().numpy().tobytes()
+    values = buffer.numpy().tobytes()
     offsets = [sum(lengths[:r]) for r in range(backend.size)]
     return [values[o : o + n] for o, n in zip(offsets, lengths)]

@@ -63,11 +63,7 @@ def average_gradients_now(backend: CommBackend, params: Sequence[torch.Tensor], 
     buffers = []
     for p in params:
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        present = (
-            torch.ones(1, dtype=grad.dtype, device=grad.device)
-            if p.grad is not None
-            else torch.zeros(1, dtype=grad.dtype, device=grad.device)
-        )
+        present = torch.full((1,), float(p.grad is not None), dtype=grad.dtype, device=grad.device)
         buffers.append(torch.cat([grad.detach().reshape(-1), present]))
     handles = [backend.allreduce_async(buffer, f"{name}.{i}") for i, buffer in enumerate(buffers)]
     for p, buffer, handle in zip(params, buffers, handles):

@@ -34,19 +34,22 @@ warnings.filterwarnings("ignore", message="no perf_model given")
 def collectives(backend: Any) -> dict[str, Any]:
     r = float(backend.rank)
     reduced = torch.tensor([r, 10.0 + r])
-    backend.allreduce_async(reduced, "staging.allreduce").wait()
+    backend.allreduce_async(reduced, "host.allreduce").wait()
     sent = torch.tensor([r + 1.0, 2.0])
-    backend.broadcast_async(sent, 1, "staging.broadcast").wait()
+    backend.broadcast_async(sent, 1, "host.broadcast").wait()
     within = torch.tensor([r + 5.0])
-    backend.broadcast_within_async(within, 0, [0, 1], "staging.within").wait()
+    backend.broadcast_within_async(within, 0, [0, 1], "host.within").wait()
+    alone = torch.tensor([r + 9.0])  # a sub-group of rank 0 alone (made by every rank; rank 1 takes no part)
+    backend.broadcast_within_async(alone, 0, [0], "host.alone").wait()
     full = torch.zeros(3)  # rank 0 sends 1 value, rank 1 two
     full[0 if backend.rank == 0 else 1 :] = torch.tensor([1.0]) if backend.rank == 0 else torch.tensor([7.0, 8.0])
-    backend.allgather_async(full, [1, 2], "staging.allgather").wait()
-    values = backend.gather_values([r, r * r + 3.0], "staging.gather_values")
+    backend.allgather_async(full, [1, 2], "host.allgather").wait()
+    values = backend.gather_values([r, r * r + 3.0], "host.gather_values")
     return {
         "allreduce": reduced.tolist(),
         "broadcast": sent.tolist(),
         "within": within.tolist(),
+        "alone": alone.tolist(),
         "allgather": full.tolist(),
         "gather_values": values,
     }
@@ -66,8 +69,9 @@ def run(backend: Any) -> dict[str, Any]:
     assert backend._host == (None,)  # (gloo takes CPU tensors: the engine's own group)
     backend._host = None
     torch_backend.moves_device_tensors_only = lambda name: True  # as NCCL's group would say
-    results = {"collectives": collectives(backend), "staged": trained(backend), "plain": plain}
+    results = {"collectives": collectives(backend), "routed": trained(backend), "plain": plain}
     results["host_group_apart"] = backend._host is not None and backend._host[0] is not backend._group
+    results["gloo_subgroups"] = [host for (_, host) in backend._subgroups]
     return results
 
 
