@@ -181,13 +181,22 @@ def _parametrized(module: nn.Module) -> str | None:
         kinds = ", ".join(type(p).__name__ for p in lists["weight"].children())
         return f"its weight is parametrized ({kinds}): the trained parameters are not the weight the factors describe"
     weight = getattr(module, "weight", None)
-    if isinstance(weight, torch.Tensor) and not isinstance(weight, nn.Parameter):  # the older hook-based API
-        trained = ", ".join(n for n, _ in module.named_parameters(recurse=False)) or "none"
+    if isinstance(weight, torch.Tensor) and not isinstance(weight, nn.Parameter):  # the older hook-based API, or pruning
+        hooks = [type(h).__name__ for h in module._forward_pre_hooks.values() if _hook_tensor_name(h) == "weight"]
+        source = ", ".join(n for n, _ in module.named_parameters(recurse=False) if n.startswith("weight_")) or "none"
         return (
-            f"its weight is recomputed by a hook from other parameters ({trained}: nn.utils.weight_norm or "
-            "spectral_norm): the trained parameters are not the weight the factors describe"
+            f"its weight is recomputed by a forward pre-hook ({', '.join(hooks) or 'unnamed'}) from other parameters "
+            f"({source}; nn.utils.weight_norm, spectral_norm and nn.utils.prune do this): the trained parameters are "
+            "not the weight the factors describe"
         )
     return None
+
+
+def _hook_tensor_name(hook: object) -> str | None:
+    """The tensor a hook object of torch's older weight-recomputing APIs writes (``WeightNorm``/``SpectralNorm``:
+    ``name``; pruning methods: ``_tensor_name``); None for a plain function."""
+    name = getattr(hook, "name", getattr(hook, "_tensor_name", None))
+    return name if isinstance(name, str) else None
 
 
 def unsupported_reason(module: nn.Module, norm_layers: bool = False) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.utils.prune
 from nets import batch, small_net, small_transformer
 
 from spdkfac import SPDKFACOptimizer
@@ -149,16 +150,24 @@ def test_parametrized_weights_get_the_base_update_and_say_why():
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
 
 
-def test_the_older_hook_based_weight_norm_and_spectral_norm_are_named_as_such():
-    """The older API writes a plain tensor over ``weight`` from ``weight_orig`` (or ``weight_g``, ``weight_v``) in a
-    forward pre-hook: left to the base update, and the summary says why (it said "weight frozen")."""
+def test_the_older_hook_based_weight_norm_spectral_norm_and_pruning_are_named_as_such():
+    """The older API (and ``nn.utils.prune``) writes a plain tensor over ``weight`` from ``weight_orig`` (or
+    ``weight_g``, ``weight_v``) in a forward pre-hook: left to the base update, and the summary names the hook and
+    the parameters it reads (it said "weight frozen")."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 4)), nn.Tanh(), nn.utils.spectral_norm(nn.Linear(4, 4)), nn.Linear(4, 2))
+    pruned = nn.Linear(4, 4)
+    nn.utils.prune.l1_unstructured(pruned, "weight", amount=0.5)
+    model = nn.Sequential(
+        nn.utils.weight_norm(nn.Linear(4, 4)), nn.Tanh(), nn.utils.spectral_norm(nn.Linear(4, 4)), pruned, nn.Linear(4, 2)
+    )
     opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
-    assert [layer.name for layer in opt.layers] == ["3"]
+    assert [layer.name for layer in opt.layers] == ["4"]
     summary = opt.kfac_summary()
-    assert "1 x Linear: not supported: its weight is recomputed by a hook from other parameters (bias, weight_g, weight_v" in summary
-    assert "1 x Linear: not supported: its weight is recomputed by a hook from other parameters (bias, weight_orig" in summary
+    for hook, source in (("WeightNorm", "weight_g, weight_v"), ("SpectralNorm", "weight_orig"), ("L1Unstructured", "weight_orig")):
+        assert (
+            f"1 x Linear: not supported: its weight is recomputed by a forward pre-hook ({hook}) from other parameters ({source};"
+            in summary
+        )
     assert "weight frozen" not in summary
 
 
