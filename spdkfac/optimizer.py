@@ -341,6 +341,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             lambda: self._step_kind()[0],
         )
         self.kfac_step.factors.unstepped = self._drop_unstepped
+        self.kfac_step.factors.input_gradient_passes = self._drop_input_gradient_passes
         self.kfac_step.grads.on_cleared = self._drop_cleared
         if self.grad_scaler is None:
             self.kfac_step.factors.first_input = warn_if_float16_autocast
@@ -515,6 +516,16 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if not (cleared or (exceeded and self._scaler_skipped is not None and self._scaler_skipped())):
             return False
         self._drop_batch()
+        return True
+
+    def _drop_input_gradient_passes(self) -> bool:
+        """A forward pass begins after forward passes whose backward computed only input gradients (an adversarial
+        attack's FGSM or PGD steps): with no gradient in this step yet they gave it nothing, so their factors are
+        dropped (True), their all-reduces completed first as :meth:`finite_everywhere` does."""
+        if self.kfac_step.backward_seen:
+            return False
+        self.kfac_step.controller.discard()
+        self._begin_iteration()
         return True
 
     def _drop_cleared(self) -> bool:

@@ -31,7 +31,14 @@ How the hooks count (docs/shared-layers.md):
   the all-reduces paired;
 * a forward use with gradients on that no backward pass reaches (a metric's
   pass, a detached branch) cannot be told apart when its ``A`` is taken: it
-  is counted, and a warning says so once.
+  is counted, and a warning says so once;
+* a forward pass whose backward pass computes no weight gradient and builds
+  no graph (an adversarial attack's ``torch.autograd.grad`` with respect to
+  the input: FGSM, PGD) adds nothing to the step's gradient. Before the
+  step's first weight gradient, the next forward pass drops the factors
+  taken so far (:attr:`FactorCollector.input_gradient_passes`), so the step's
+  ``A`` is that of the training pass alone; after it (such passes in a later
+  micro-batch) they stay counted, and a warning says so once.
 """
 
 from __future__ import annotations
@@ -195,6 +202,12 @@ class FactorCollector:
         #: accumulation_steps): True when it dropped those passes (their step() is not coming: the optimizer's
         #: _drop_unstepped), which makes this pass the step's first; False (the default) counts it as the next.
         self.unstepped: Callable[[bool], bool] = lambda exceeded: False
+        #: Called when a forward pass begins after a backward pass that computed no weight gradient and built no
+        #: graph, with no weight gradient since: True when it dropped the step's factors taken so far (the passes
+        #: were an attack's, with no weight gradient in the step yet: the optimizer's _drop_input_gradient_passes).
+        self.input_gradient_passes: Callable[[], bool] = lambda: False
+        self._input_gradient_pass = False  # such a backward pass reached a use since the last A hook
+        self._attack_noted = False  # whether such passes counted in a later micro-batch were warned about
         self._repeat_noted = False  # whether a second backward pass through one forward pass was warned about
         self._unused_noted = False  # whether a forward use whose output got no gradient was warned about
         self._reached: dict[str, int] = {}  # per layer: the uses whose output a backward pass reached this step (here)
@@ -220,6 +233,7 @@ class FactorCollector:
         self._reached = {}
         self._passes = 0
         self._g_since_a = True
+        self._input_gradient_pass = False
         self._names = {}
         self._agreed = {}
         self._more = set()
@@ -266,7 +280,9 @@ class FactorCollector:
             if grad_output.numel() == 0:  # the output of a use with no sample (its A was not taken either)
                 return False
             self._reached[layer.name] = self._reached.get(layer.name, 0) + 1  # (any backward pass, a penalty's too)
-            if not computes_grad_of(layer.helper.weight):  # a gradient penalty's torch.autograd.grad(..., inputs)
+            if not computes_grad_of(layer.helper.weight):  # torch.autograd.grad(..., inputs): a penalty's, an attack's
+                if not torch.is_grad_enabled():  # no graph built (create_graph=False): nothing of it reaches a loss
+                    self._input_gradient_pass = True
                 return False
             # Each micro-batch loss carries 1/accumulation_steps: dividing it out like a loss scale gives its true G.
             scale = self.loss_scale() / self.accumulation_steps
@@ -320,13 +336,32 @@ class FactorCollector:
             stacklevel=2,
         )
 
+    def _after_input_gradient_pass(self, layer: KFACLayer) -> None:
+        """An A hook after a backward pass that computed no weight gradient and built no graph (an attack's input
+        gradient), with no weight gradient since: the forward passes before gave the step nothing."""
+        self._input_gradient_pass = False
+        if not self.backward_seen and self.input_gradient_passes():
+            self._new_pass(layer)  # the factors taken so far were dropped (reset): this pass is the step's first
+            return
+        if self._attack_noted:
+            return
+        self._attack_noted = True
+        warnings.warn(
+            "a forward pass began after a backward pass that computed no weight gradient (torch.autograd.grad with "
+            "respect to the input, as an adversarial attack takes), in a step whose earlier micro-batches already "
+            "took gradients: K-FAC's A then also averages the inputs of the attack's forward passes. With one "
+            "micro-batch per step (accumulation_steps=1) those passes are dropped exactly; or craft the attack with "
+            "the model in eval() mode, whose passes take no factors (this is said once)",
+            stacklevel=3,
+        )
+
     def _new_pass(self, layer: KFACLayer) -> None:
         """An A hook after backward began: the next forward pass (micro-batch); refused beyond accumulation_steps."""
         if self.backward_seen and self.unstepped(self._passes + 1 > self.accumulation_steps):
             self._new_pass(layer)  # the passes before were dropped (reset): this pass is the step's first
             return
         self._passes += 1
-        self._g_since_a = False
+        self._g_since_a = self._input_gradient_pass = False
         if self._passes > self.accumulation_steps:
             times = "twice" if self._passes == 2 else f"{self._passes} times"
             raise RuntimeError(
@@ -336,7 +371,8 @@ class FactorCollector:
                 "accumulation, a trainer's gradient_accumulation_steps, a discriminator's real and fake batches), pass "
                 "accumulation_steps=k; otherwise call step() after every forward/backward pass. To skip a batch after "
                 "its forward pass, decide with optimizer.finite_everywhere(loss), which drops its factors on every worker; "
-                "after its backward pass, clear its gradients (optimizer.zero_grad(), or the model's, which sets them to None)"
+                "after its backward pass, clear its gradients (optimizer.zero_grad(), or the model's, which sets them to None) "
+                "before the next forward pass, as after an adversarial attack's backward pass"
             )
 
     def _divisor(self, kind: str, calls: int) -> int:
@@ -348,9 +384,13 @@ class FactorCollector:
         key = (kind, layer.name)
         if kind == "G":
             self.backward_seen = self._g_since_a = True
+            self._input_gradient_pass = False
         else:
-            if self._g_since_a and torch._C._current_graph_task_id() == -1:  # (a reentrant recomputation is no pass)
-                self._new_pass(layer)
+            if (self._g_since_a or self._input_gradient_pass) and torch._C._current_graph_task_id() == -1:
+                if self._g_since_a:  # (a reentrant recomputation, inside backward, is no pass)
+                    self._new_pass(layer)
+                else:
+                    self._after_input_gradient_pass(layer)
             self._a_taken.add(layer.name)
         tally = self._tally.get(key)
         if tally is None:
