@@ -174,6 +174,7 @@ def train(
     accumulate: int = 1,
     skip_bad_loss: bool = False,
     clip_synchronized: bool = True,
+    attack_steps: int = 0,
 ):
     """``steps`` optimizer steps; each step uses a different slice-preserving perturbation of the batch.
 
@@ -186,9 +187,15 @@ def train(
     loss divided by their number (torch's gradient-accumulation idiom).
     ``skip_bad_loss`` skips a batch whose loss is not finite on some worker
     right after the forward pass (every worker at once, ``finite_everywhere``).
+    ``attack_steps`` trains on a PGD attack of that many steps, crafted on the model in train mode
+    (``torch.autograd.grad`` with respect to the input; the sign of each sample's own gradient).
     """
     for s in range(steps):
         xs = x + 0.1 * s  # different data each step, same on every split of the batch
+        for _ in range(attack_steps):
+            xs.requires_grad_(True)
+            (grad,) = torch.autograd.grad(nn.functional.cross_entropy(model(xs), y), xs)
+            xs = (xs + 0.05 * grad.sign()).detach()
         if poisoned is not None and s in poisoned:
             xs = xs.clone()
             xs[poisoned[s], 0, 0, 0] = float("nan")

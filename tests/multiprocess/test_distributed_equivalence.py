@@ -99,6 +99,9 @@ FREQ_CONFIGS = {
     ),
     # A head beside the model, given to the optimizer by add_param_group: its gradients averaged as the model's.
     "outside-head": dict(BASE, fusion="optimal", placement="lbp", outside_head=True),
+    # Adversarial training: each step's 2-step PGD attack is crafted on the model in train mode; its forward passes'
+    # factors (and their all-reduces) are dropped alike on every worker when the training pass begins.
+    "pgd-attack": dict(BASE, fusion="optimal", placement="lbp", attack_steps=2),
     # Gradient clipping between backward and step, after synchronize(): clips the averaged gradient.
     "clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05),
     # The loop as written for torch.optim, no synchronize(): the first step finds the clipping and every step averages

@@ -112,6 +112,7 @@ def main() -> None:
         skip_bad_loss = cfg.pop("skip_bad_loss", False)
         clip = cfg.pop("clip_grad_norm", None)
         clip_synchronized = cfg.pop("clip_synchronized", True)
+        attack_steps = cfg.pop("attack_steps", 0)  # training on a PGD attack crafted on the model in train mode
         cfg.update(SCHEDULES[cfg.pop("schedule")] if "schedule" in cfg else {})
         if args.no_accumulation:
             cfg.pop("accumulation_steps", None)
@@ -141,6 +142,7 @@ def main() -> None:
             accumulate=accumulate,
             skip_bad_loss=skip_bad_loss,
             clip_synchronized=clip_synchronized,
+            attack_steps=attack_steps,
         )
         results[name] = {
             "steps": opt.steps,
