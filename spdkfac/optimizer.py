@@ -55,7 +55,7 @@ from .step.kfac_step import KFACStep, StepHyper
 from .step.module_hooks import HookHandle, claim, register
 from .step.nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
 from .step.timeline import Timeline
-from .update.added_groups import check_outside_model, not_in_model
+from .update.added_groups import average_gradients_now, check_outside_model, not_in_model
 from .update.base_update import apply_base_update, base_defaults
 from .update.unfrozen import outside_groups, regroup
 from .update.update_fusion import NO_KL_CLIP, BackwardFusion, ForwardFusion, check_update_fusion
@@ -279,6 +279,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         #: Where the layers' learning rates for the KL clip are read (None: these groups; a preconditioner attached
         #: to your optimizer: its groups).
         self._lr_groups: Callable[[], list[dict[str, Any]]] | None = None
+        #: The parameters of added groups that are not the model's (a loss's weights): averaged at step() under DDP.
+        self._beside_model: list[torch.Tensor] = []
         #: Embeddings not yet checked for a use outside their forward (at the first factor step).
         self._diagonal_unchecked = [layer for layer in self.layers if layer.shape("A").diagonal]
         for previous in claim(self, wrapping.module.modules()):  # last: a refused construction leaves the old one working
@@ -366,7 +368,6 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         averages the gradients and the optimizer starts no all-reduce of its own (ValueError where DDP's process
         group is not the backend's, or under ``update_fusion='backward'``)."""
         self.wrapping.check(self.backend.size, self.config.update_fusion)  # (before anything is unhooked)
-        check_outside_model(not_in_model(self.model, self.param_groups), True, self.config.update_fusion)
         self._wire_anew()
 
     def _unhook_step(self) -> None:
@@ -408,9 +409,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``torch.optim``'s, between steps. Parameters outside the model (a loss's own weights, a learned
         temperature) get the base update with the group's hyperparameters, and their gradients are averaged over
-        the workers as the model's are; the model's frozen parameters join when unfrozen, their layers preconditioned
-        (:meth:`_take_unfrozen`). ValueError for parameters outside the model that DDP would not average or update
-        fusion would not update; RuntimeError in the middle of a step."""
+        the workers as the model's are (under DDP, which averages its module's only, at ``step()``); the model's frozen
+        parameters join when unfrozen, their layers preconditioned (:meth:`_take_unfrozen`). ValueError for
+        parameters outside the model that update fusion would not update; RuntimeError in the middle of a step."""
         if "kfac_step" not in self.__dict__:  # (torch.optim's construction adds the first groups)
             super().add_param_group(param_group)
             return
@@ -420,11 +421,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 "step() and the next forward pass"
             )
         super().add_param_group(param_group)
+        beside = not_in_model(self.model, self.param_groups)
         try:
-            check_outside_model(not_in_model(self.model, self.param_groups), self.wrapping.ddp is not None, self.config.update_fusion)
+            check_outside_model(beside, self.config.update_fusion)
         except ValueError:
             self.param_groups.pop()  # (refused: the optimizer goes on as before the call)
             raise
+        self._beside_model = beside
         if all(p in self.param_names for p in self.param_groups[-1]["params"]):
             return  # (only the model's parameters: those unfrozen are taken in at the next forward pass)
         previous = self.kfac_step
@@ -669,6 +672,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._refuse_unseen_gradients()
         self.kfac_step.grads.check_accumulated("step()", short_ok=True)
         self.kfac_step.grads.learn_edits()
+        if self.wrapping.ddp is not None:  # DDP averaged its module's gradients only
+            average_gradients_now(self.backend, self._beside_model, "spdkfac.beside_model_grad")
         try:
             factor_step, inverse_step = self._step_kind()
             hyper = StepHyper.from_group(self.param_groups[0], self._layer_lrs())

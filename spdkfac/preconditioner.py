@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 import re
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -330,8 +329,7 @@ class KFACPreconditioner:
 
     def _outside_model(self) -> list[torch.Tensor]:
         """The attached optimizer's parameters outside the model that are not averaged yet (a loss's own weights,
-        a second head), when its groups changed since last asked; where DDP averages, a warning instead (DDP
-        averages its module's parameters only)."""
+        a second head), when its groups changed since last asked."""
         if self._optimizer is None:
             return []
         groups = self._optimizer.param_groups
@@ -340,16 +338,7 @@ class KFACPreconditioner:
             return []
         self._groups_seen = seen
         averaged = {id(p) for group in self.kfac.param_groups for p in group["params"]}
-        outside = [p for p in not_in_model(self.kfac.model, groups) if id(p) not in averaged]  # (frozen too: may thaw)
-        if outside and self.kfac.wrapping.ddp is not None:
-            warnings.warn(
-                f"{type(self._optimizer).__name__} holds {len(outside)} parameter(s) outside the model, whose gradients "
-                "DistributedDataParallel does not average: each worker's copy drifts apart; make their module part "
-                "of the model DDP wraps",
-                stacklevel=3,
-            )
-            return []
-        return outside
+        return [p for p in not_in_model(self.kfac.model, groups) if id(p) not in averaged]  # (frozen too: may thaw)
 
     @torch.no_grad()
     def _step_from_optimizer(self) -> None:

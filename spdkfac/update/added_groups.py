@@ -5,9 +5,11 @@ temperature or a second head kept beside the model are given to the
 optimizer with ``add_param_group``, as to ``torch.optim.SGD``. The model's
 hooks never see them, so K-FAC leaves them to the base update; what matters
 on several workers is that their gradients are averaged as the model's are,
-or each worker's copy drifts apart. Where something else averages the
-model's gradients (DDP) or applies its updates (update fusion), such a
-parameter would be missed: refused instead, by name.
+or each worker's copy drifts apart. The optimizer averages them from the
+backward pass with the model's; where DDP averages the model's gradients
+(DDP averages the module it wraps only), at ``step()``, in one blocking
+all-reduce. Where update fusion applies the updates from the model's hooks,
+such a parameter would be missed: refused instead, by name.
 """
 
 from __future__ import annotations
@@ -35,18 +37,12 @@ def not_in_model(model: nn.Module, param_groups: Sequence[dict[str, Any]]) -> li
     return found
 
 
-def check_outside_model(params: Sequence[torch.Tensor], ddp: bool, update_fusion: str) -> None:
-    """Raise ValueError when parameters outside the model would not be averaged (DDP averages its module's only) or
-    not be updated in step with the others (update fusion applies updates from the model's hooks)."""
+def check_outside_model(params: Sequence[torch.Tensor], update_fusion: str) -> None:
+    """Raise ValueError when parameters outside the model would not be updated in step with the others (update
+    fusion applies updates from the model's hooks)."""
     if not params:
         return
     shapes = ", ".join(str(tuple(p.shape)) for p in params[:4]) + (", ..." if len(params) > 4 else "")
-    if ddp:
-        raise ValueError(
-            f"parameter group with {len(params)} parameter(s) outside the model (shapes {shapes}): "
-            "DistributedDataParallel averages the gradients of the module it wraps only, so each worker's copy of these "
-            "would drift apart; make their module part of the model DDP wraps (a loss with weights: a submodule)"
-        )
     if update_fusion != "none":
         raise ValueError(
             f"parameter group with {len(params)} parameter(s) outside the model (shapes {shapes}) under "

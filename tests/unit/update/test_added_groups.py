@@ -6,13 +6,15 @@ on several workers failed with a KeyError from inside the all-reduce order,
 and ``KFACPreconditioner(optimizer=...)`` left such parameters' gradients
 un-averaged, so each worker's copy drifted apart silently. Now they are
 averaged as the model's are: N workers equal one (float64), the ranks stay
-bitwise replicas, and where their average or update would be missed (DDP,
-update fusion) the group is refused.
+bitwise replicas (under DDP, which averages its module's only, the optimizer
+averages them at ``step()``), and where their update would be missed (update
+fusion) the group is refused.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -189,23 +191,35 @@ def test_update_fusion_refuses_the_group_and_goes_on_as_before() -> None:
     opt.step()
 
 
-@pytest.mark.usefixtures("process_group")
-def test_ddp_refuses_the_group_whose_gradients_it_would_not_average() -> None:
+def _train_beside_ddp(wiring: str, ddp: bool) -> list[torch.Tensor]:
+    """The head added beside a model in DDP (one process here; several: tests/multiprocess/test_ddp_beside_model.py)."""
     model, head = _modules()
-    opt = SPDKFACOptimizer(DistributedDataParallel(model), lr=0.1, backend="single")
-    with pytest.raises(ValueError, match="DistributedDataParallel averages the gradients of the module it wraps only"):
-        opt.add_param_group({"params": head.parameters()})
-    assert len(opt.param_groups) == 1
+    wrapped = DistributedDataParallel(model) if ddp else model
+    if wiring == "attached":
+        sgd = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (it warned that DDP would leave them to drift)
+            warnings.filterwarnings("ignore", "no perf_model given")
+            KFACPreconditioner(wrapped, lr=0.1, backend="single", optimizer=sgd)
+        opt: torch.optim.Optimizer = sgd
+    else:
+        opt = SPDKFACOptimizer(wrapped if wiring == "ddp-first" else model, lr=0.1, backend="single")
+        opt.add_param_group({"params": head.parameters(), "lr": 0.05})
+    x, y = _data()
+    for step in range(ADD_AT, ADD_AT + STEPS):
+        opt.zero_grad()
+        _loss(wrapped, head, x, y, step).backward()  # (DDP wrapped after the optimizer: adopted at its first forward)
+        opt.step()
+    return [p.detach().clone() for p in [*model.parameters(), *head.parameters()]]
 
 
 @pytest.mark.usefixtures("process_group")
-def test_a_ddp_wrapped_later_with_such_a_group_is_refused() -> None:
-    model, head = _modules()
-    opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
-    opt.add_param_group({"params": head.parameters()})
-    x, _y = _data()
-    with pytest.raises(ValueError, match="DistributedDataParallel averages the gradients of the module it wraps only"):
-        DistributedDataParallel(model)(x)
+@pytest.mark.parametrize("wiring", ["ddp-first", "group-first", "attached"])
+def test_under_ddp_the_group_is_taken_and_trains_as_on_the_bare_model(wiring: str) -> None:
+    """DDP averages its module's gradients only: the optimizer averages the group's at step() (refused before, or,
+    attached, left to drift with a warning)."""
+    for mine, bare in zip(_train_beside_ddp(wiring, True), _train_beside_ddp(wiring, False), strict=True):
+        assert torch.equal(mine, bare)
 
 
 # -- KFACPreconditioner riding on the user's optimizer ----------------------------------------
@@ -251,14 +265,6 @@ def test_a_group_added_to_the_attached_optimizer_later_is_averaged_from_its_firs
     for mine, theirs, reference in zip(got[0], got[1], want, strict=True):
         assert torch.equal(mine, theirs)
         torch.testing.assert_close(mine, reference, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.usefixtures("process_group")
-def test_under_ddp_the_attached_optimizers_outside_parameters_are_said() -> None:
-    model, head = _modules()
-    sgd = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1)
-    with pytest.warns(UserWarning, match="2 parameter\\(s\\) outside the model, whose gradients DistributedDataParallel"):
-        KFACPreconditioner(DistributedDataParallel(model), lr=0.1, backend="single", optimizer=sgd)
 
 
 def test_the_preconditioners_summary_counts_the_optimizers_parameters_outside_the_model() -> None:
