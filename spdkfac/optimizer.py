@@ -344,6 +344,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         )
         self.kfac_step.factors.unstepped = self._drop_unstepped
         self.kfac_step.factors.input_gradient_passes = self._drop_input_gradient_passes
+        self.kfac_step.factors.refused = self._drop_batch
         self.kfac_step.grads.on_cleared = self._drop_cleared
         if self.grad_scaler is None:
             self.kfac_step.factors.first_input = warn_if_float16_autocast
@@ -512,13 +513,25 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         ``model.zero_grad()``, the DCGAN example's ``netD.zero_grad()``, with
         a pass of the generator's step through the discriminator before it),
         or, past ``accumulation_steps`` (``exceeded``), an attached
-        preconditioner's GradScaler skipped their step.
+        preconditioner's GradScaler skipped their step, or their gradients
+        are all zero (zeroed in place). Past it on gradients not cleared, the
+        passes are dropped provisionally: fast adversarial training (Wong et
+        al.) clears the attack pass's gradients between the next forward pass
+        and its backward, which then checks that they were (and refuses, as
+        this forward pass once did, if not).
         """
         grads = self.kfac_step.grads  # (counts every parameter's gradients where its hooks run; else the G layers')
-        cleared = grads.cleared() if grads.backward_seen else self.kfac_step.factors.gradients_cleared()
-        if not (cleared or (exceeded and self._scaler_skipped is not None and self._scaler_skipped())):
+        factors = self.kfac_step.factors
+        cleared = grads.cleared() if grads.backward_seen else factors.gradients_cleared()
+        if cleared or (exceeded and self._scaler_skipped is not None and self._scaler_skipped()):
+            self._drop_batch()
+            return True
+        if not exceeded:
             return False
         self._drop_batch()
+        kept = factors.gradients_kept()  # (after the drop: its all-reduces wrote the averages, alike on every worker)
+        if any(bool(grad.any()) for _, grad, _ in kept):  # (all zero: zeroed in place, zero_grad(set_to_none=False))
+            factors.must_be_cleared = kept
         return True
 
     def _drop_input_gradient_passes(self) -> bool:
@@ -663,6 +676,14 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 "a newer SPDKFACOptimizer (or KFACPreconditioner) was built on this one's model and took its layers over "
                 "(K-FAC's hooks serve one optimizer per module): step the newer one"
+            )
+        if self.kfac_step.factors.must_be_cleared is not None:  # (a pass let through provisionally: no backward came)
+            self._drop_batch()
+            raise RuntimeError(
+                "step() after a forward pass with no backward pass, run after a backward pass with no step() between "
+                f"(one pass more than accumulation_steps={self.config.accumulation_steps}): the passes before it are "
+                "dropped. Run a pass that is not trained on (a metric's, a log's) under torch.no_grad() or in eval() "
+                "mode, or call step() before it"
             )
         if not base_update and self.config.update_fusion is not UpdateFusion.NONE:
             raise ValueError(f"update_fusion={self.config.update_fusion!r} updates the parameters itself; it needs the base update")

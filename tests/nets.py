@@ -175,6 +175,7 @@ def train(
     skip_bad_loss: bool = False,
     clip_synchronized: bool = True,
     attack_steps: int = 0,
+    fast_fgsm: bool = False,
 ):
     """``steps`` optimizer steps; each step uses a different slice-preserving perturbation of the batch.
 
@@ -189,6 +190,8 @@ def train(
     right after the forward pass (every worker at once, ``finite_everywhere``).
     ``attack_steps`` trains on a PGD attack of that many steps, crafted on the model in train mode
     (``torch.autograd.grad`` with respect to the input; the sign of each sample's own gradient).
+    ``fast_fgsm`` trains on fast FGSM's attack as Wong et al.'s loop crafts it: ``backward()`` on the attack (the
+    weights' gradients too), and the gradients cleared between the training pass's forward and its backward.
     """
     for s in range(steps):
         xs = x + 0.1 * s  # different data each step, same on every split of the batch
@@ -196,13 +199,22 @@ def train(
             xs.requires_grad_(True)
             (grad,) = torch.autograd.grad(nn.functional.cross_entropy(model(xs), y), xs)
             xs = (xs + 0.05 * grad.sign()).detach()
+        if fast_fgsm:
+            delta = torch.zeros_like(xs, requires_grad=True)
+            nn.functional.cross_entropy(model(xs + delta), y).backward()
+            assert delta.grad is not None
+            xs = (xs + 0.05 * delta.grad.sign()).detach()
         if poisoned is not None and s in poisoned:
             xs = xs.clone()
             xs[poisoned[s], 0, 0, 0] = float("nan")
-        opt.zero_grad()
+        if not fast_fgsm:
+            opt.zero_grad()
         skipped = False
         for xm, ym in zip(xs.chunk(accumulate), y.chunk(accumulate)):
-            loss = nn.functional.cross_entropy(model(xm), ym) / accumulate
+            out = model(xm)
+            if fast_fgsm:
+                opt.zero_grad()  # (after the forward pass, as in Wong et al.'s loop)
+            loss = nn.functional.cross_entropy(out, ym) / accumulate
             if skip_bad_loss and not opt.finite_everywhere(loss):
                 skipped = True
                 break

@@ -65,6 +65,15 @@ __all__ = ["FactorCollector", "computes_grad_of", "recomputing", "warn_if_float1
 _REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
 #: Suffix of the name under which a layer's calls beyond those expected travel (no module name holds '#').
 _MORE = "#more"
+#: What to do about one backward pass too many before step().
+_ACCUMULATION_ADVICE = (
+    "To accumulate k micro-batches, each backward()ed before one step() (gradient accumulation, a trainer's "
+    "gradient_accumulation_steps, a discriminator's real and fake batches), pass accumulation_steps=k; otherwise call "
+    "step() after every forward/backward pass. To skip a batch after its forward pass, decide with "
+    "optimizer.finite_everywhere(loss), which drops its factors on every worker; after its backward pass (an "
+    "adversarial attack's, as fast FGSM takes), clear its gradients (optimizer.zero_grad(), or the model's) before the "
+    "next backward pass"
+)
 
 
 def recomputing() -> bool:
@@ -206,6 +215,12 @@ class FactorCollector:
         #: graph, with no weight gradient since: True when it dropped the step's factors taken so far (the passes
         #: were an attack's, with no weight gradient in the step yet: the optimizer's _drop_input_gradient_passes).
         self.input_gradient_passes: Callable[[], bool] = lambda: False
+        #: Set by the optimizer when it let a forward pass beyond accumulation_steps through, on gradients not cleared,
+        #: having dropped the passes before (fast adversarial training clears them between that forward pass and its
+        #: backward): the K-FAC weights' gradients then, each with its version. The next backward pass must find
+        #: them cleared, or it is refused (:meth:`_check_cleared`), after ``refused`` forgets the step.
+        self.must_be_cleared: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
+        self.refused: Callable[[], None] = lambda: None
         self._input_gradient_pass = False  # such a backward pass reached a use since the last A hook
         self._attack_noted = False  # whether such passes counted in a later micro-batch were warned about
         self._repeat_noted = False  # whether a second backward pass through one forward pass was warned about
@@ -234,6 +249,7 @@ class FactorCollector:
         self._passes = 0
         self._g_since_a = True
         self._input_gradient_pass = False
+        self.must_be_cleared = None
         self._names = {}
         self._agreed = {}
         self._more = set()
@@ -279,6 +295,8 @@ class FactorCollector:
             """Compute G from the gradient (True), unless no sample reached the use or this pass computes no weight gradient."""
             if grad_output.numel() == 0:  # the output of a use with no sample (its A was not taken either)
                 return False
+            if self.must_be_cleared is not None:
+                self._check_cleared(layer)
             self._reached[layer.name] = self._reached.get(layer.name, 0) + 1  # (any backward pass, a penalty's too)
             if not computes_grad_of(layer.helper.weight):  # torch.autograd.grad(..., inputs): a penalty's, an attack's
                 if not torch.is_grad_enabled():  # no graph built (create_graph=False): nothing of it reaches a loss
@@ -355,6 +373,25 @@ class FactorCollector:
             stacklevel=3,
         )
 
+    def gradients_kept(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Each K-FAC weight's gradient now, with its version (for :attr:`must_be_cleared`)."""
+        weights = {id(w): w for w in (layer.helper.weight for layer in self.layers)}.values()
+        return [(w, w.grad, w.grad._version) for w in weights if w.grad is not None]
+
+    def _check_cleared(self, layer: KFACLayer) -> None:
+        """The first backward pass after a forward pass let through beyond accumulation_steps: refused unless the
+        gradients of the passes before it were cleared since (set to None, replaced, or zeroed in place). Called
+        from the first output-gradient hook, before this pass adds to any K-FAC weight's gradient."""
+        kept, self.must_be_cleared = self.must_be_cleared, None
+        assert kept is not None
+        if all(w.grad is not grad or grad._version != version for w, grad, version in kept):
+            return
+        self.refused()  # (the step is forgotten: the script may clear the gradients and go on)
+        raise RuntimeError(
+            f"a backward pass through layer {layer.name!r} adds to the gradients of {self.accumulation_steps} backward "
+            f"pass(es) before it with no step() between, but accumulation_steps is {self.accumulation_steps}. " + _ACCUMULATION_ADVICE
+        )
+
     def _new_pass(self, layer: KFACLayer) -> None:
         """An A hook after backward began: the next forward pass (micro-batch); refused beyond accumulation_steps."""
         if self.backward_seen and self.unstepped(self._passes + 1 > self.accumulation_steps):
@@ -367,12 +404,7 @@ class FactorCollector:
             raise RuntimeError(
                 f"factor A of layer {layer.name!r} was computed {times} in one step, but accumulation_steps is "
                 f"{self.accumulation_steps}: a forward pass after {self.accumulation_steps} backward pass(es) with no "
-                "step() between. To accumulate k micro-batches, each backward()ed before one step() (gradient "
-                "accumulation, a trainer's gradient_accumulation_steps, a discriminator's real and fake batches), pass "
-                "accumulation_steps=k; otherwise call step() after every forward/backward pass. To skip a batch after "
-                "its forward pass, decide with optimizer.finite_everywhere(loss), which drops its factors on every worker; "
-                "after its backward pass, clear its gradients (optimizer.zero_grad(), or the model's, which sets them to None) "
-                "before the next forward pass, as after an adversarial attack's backward pass"
+                "step() between. " + _ACCUMULATION_ADVICE
             )
 
     def _divisor(self, kind: str, calls: int) -> int:

@@ -102,6 +102,9 @@ FREQ_CONFIGS = {
     # Adversarial training: each step's 2-step PGD attack is crafted on the model in train mode; its forward passes'
     # factors (and their all-reduces) are dropped alike on every worker when the training pass begins.
     "pgd-attack": dict(BASE, fusion="optimal", placement="lbp", attack_steps=2),
+    # Fast FGSM as Wong et al.'s loop writes it: the attack's backward() computes (and averages) the weights' gradients,
+    # and the script clears them after the training pass's forward: that forward drops the attack's pass provisionally.
+    "fast-fgsm": dict(BASE, fusion="optimal", placement="lbp", fast_fgsm=True),
     # Gradient clipping between backward and step, after synchronize(): clips the averaged gradient.
     "clip-grad-norm": dict(BASE, fusion="optimal", placement="lbp", clip_grad_norm=0.05),
     # The loop as written for torch.optim, no synchronize(): the first step finds the clipping and every step averages

@@ -113,6 +113,7 @@ def main() -> None:
         clip = cfg.pop("clip_grad_norm", None)
         clip_synchronized = cfg.pop("clip_synchronized", True)
         attack_steps = cfg.pop("attack_steps", 0)  # training on a PGD attack crafted on the model in train mode
+        fast_fgsm = cfg.pop("fast_fgsm", False)  # training on fast FGSM's attack, the gradients cleared after the forward
         cfg.update(SCHEDULES[cfg.pop("schedule")] if "schedule" in cfg else {})
         if args.no_accumulation:
             cfg.pop("accumulation_steps", None)
@@ -143,6 +144,7 @@ def main() -> None:
             skip_bad_loss=skip_bad_loss,
             clip_synchronized=clip_synchronized,
             attack_steps=attack_steps,
+            fast_fgsm=fast_fgsm,
         )
         results[name] = {
             "steps": opt.steps,

@@ -138,8 +138,11 @@ def test_too_many_backward_passes_is_an_error():
     opt = SPDKFACOptimizer(model, accumulation_steps=2, factor_update_freq=2, inv_update_freq=2, **KW)
     for _ in range(2):
         _backward(model, x, y, 2)
-    with pytest.raises(RuntimeError, match=r"factor A of layer '0' was computed 3 times in one step, but accumulation_steps is 2"):
-        _backward(model, x, y, 2)  # a factor step: the third forward pass is refused
+    with pytest.raises(
+        RuntimeError,
+        match=r"adds to the gradients of 2 backward pass\(es\) before it with no step\(\) between, but accumulation_steps is 2",
+    ):
+        _backward(model, x, y, 2)  # a factor step: the third pass's backward, on gradients not cleared, is refused
     opt.zero_grad()
     for _ in range(2):
         _backward(model, x, y, 2)
@@ -155,7 +158,7 @@ def test_second_forward_with_one_accumulation_step_names_the_option():
     model = small_net()
     _opt = SPDKFACOptimizer(model, **KW)  # kept: the model holds its hooks weakly
     _backward(model, x, y, 1)
-    with pytest.raises(RuntimeError, match=r"computed twice in one step, but accumulation_steps is 1") as refused:
+    with pytest.raises(RuntimeError, match=r"before it with no step\(\) between, but accumulation_steps is 1") as refused:
         _backward(model, x, y, 1)
     assert "To accumulate k micro-batches, each backward()ed before one step()" in str(refused.value)
     assert "pass accumulation_steps=k" in str(refused.value)

@@ -10,6 +10,13 @@ differed from those of the same loop with the attack crafted elsewhere by
 pass (no weight gradient, no graph built) now drops the step's factors taken
 so far, while the step has no gradient yet. The reference crafts the same
 attack on a copy of the model, which carries no optimizer hooks.
+
+Fast FGSM as Wong et al.'s loop writes it runs ``backward()`` on the attack
+(computing the weights' gradients too) and clears the gradients only after
+the training pass's forward. That forward was refused ("computed twice"); it
+now drops the attack's pass provisionally, and the backward pass checks that
+the gradients were cleared (else it is refused, as a missing
+``accumulation_steps`` is).
 """
 
 from __future__ import annotations
@@ -166,3 +173,69 @@ def test_a_penalty_pass_that_builds_a_graph_is_not_dropped():
         results.append({layer.name: layer.A.clone() for layer in opt.layers})
     for name, a in results[0].items():
         torch.testing.assert_close(results[1][name], a, rtol=1e-12, atol=1e-14, msg=lambda m, n=name: f"A of {n}: {m}")
+
+
+def _train_fast_fgsm(
+    on_copy: bool,
+    backend: Any = "single",
+    rank: int = 0,
+    size: int = 1,
+    model: nn.Module | None = None,
+    in_place: bool = False,
+    **options: Any,
+) -> dict[str, torch.Tensor]:
+    """Wong et al.'s loop: the attack's ``backward()``, then the training forward, then ``zero_grad()``, backward, step."""
+    model = _net() if model is None else model
+    opt = SPDKFACOptimizer(model, lr=0.1, backend=backend, **options)
+    for step in range(STEPS):
+        x, y = _batch(step, rank, size)
+        attacked = copy.deepcopy(model) if on_copy else model
+        delta = torch.zeros_like(x, requires_grad=True)
+        nn.functional.cross_entropy(attacked(x + delta), y).backward()
+        assert delta.grad is not None
+        x_adv = (x + EPS * delta.grad.sign()).detach()
+        out = model(x_adv)
+        opt.zero_grad(set_to_none=not in_place)
+        nn.functional.cross_entropy(out, y).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"compute_method": "eigen"}, {"accumulation_steps": 1, "factor_update_freq": 2, "inv_update_freq": 2}, {"base": "adamw"}],
+    ids=["inverse", "eigen", "factors-every-2-steps", "adamw"],
+)
+def test_fast_fgsm_clearing_after_the_forward_pass_trains_on_the_training_pass_alone(options):
+    assert_bitwise_equal(_train_fast_fgsm(False, **options), _train_fast_fgsm(True, **options), f"fast FGSM, {options}")
+
+
+def test_fast_fgsm_with_gradients_zeroed_in_place():
+    """``zero_grad(set_to_none=False)`` zeroes the attack's gradients in place: cleared too (their version moved)."""
+    assert_bitwise_equal(_train_fast_fgsm(False, in_place=True), _train_fast_fgsm(True, in_place=True), "zeroed in place")
+
+
+def test_fast_fgsm_on_two_workers_equals_one_process():
+    """The attack's gradient all-reduces (started in its backward pass) are completed when its pass is dropped."""
+    models = [_net() for _ in range(2)]
+    ranks = run_ranks(2, lambda b: _train_fast_fgsm(False, b, b.rank, b.size, models[b.rank]), timeout=120)
+    assert_bitwise_equal(ranks[0], ranks[1], "rank 1 vs rank 0")
+    for name, value in _train_fast_fgsm(True).items():
+        torch.testing.assert_close(ranks[0][name], value, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_forward_pass_for_a_metric_before_step_is_refused_at_step_and_the_optimizer_goes_on():
+    """A pass beyond accumulation_steps with no backward pass (a metric computed with gradients on) cannot be the
+    training pass the provisional drop expects: step() says so, and after zero_grad() training goes on."""
+    model = _net()
+    opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
+    x, y = _batch(0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    _accuracy = (model(x).argmax(1) == y).float().mean()
+    with pytest.raises(RuntimeError, match=r"step\(\) after a forward pass with no backward pass.*under torch.no_grad\(\)"):
+        opt.step()
+    assert opt.steps == 0
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert opt.steps == 1

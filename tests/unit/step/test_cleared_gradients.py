@@ -40,10 +40,13 @@ def _train(
     rank: int = 0,
     size: int = 1,
     nets: tuple[nn.Module, nn.Module] | None = None,
+    late: bool = False,
+    in_place: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The DCGAN example's loop: the discriminator on real and fake batches (two backward passes, or one of the
     summed losses), then the generator through the discriminator; ``clear`` says whose zero_grad() clears them.
-    ``nets``: built by the caller for in-process ranks (seeding is process-wide)."""
+    ``nets``: built by the caller for in-process ranks (seeding is process-wide). ``late``: the discriminator's
+    gradients are cleared after its summed loss's forward pass, before its backward; ``in_place``: zeroed in place."""
     generator, discriminator = _gan() if nets is None else nets
     kw = dict(lr=0.01, base="adamw", damping=0.01, factor_update_freq=freq, inv_update_freq=freq, backend=backend)
     opt_g = SPDKFACOptimizer(generator, **kw)
@@ -53,11 +56,16 @@ def _train(
     for _ in range(5):
         real = (torch.randn(8 * size, 6, generator=g) + 2)[rank * 8 : (rank + 1) * 8]
         z = torch.randn(8 * size, 4, generator=g)[rank * 8 : (rank + 1) * 8]
-        (discriminator if clear == "module" else opt_d).zero_grad()
+        clear_d = discriminator.zero_grad if clear == "module" else opt_d.zero_grad
+        if not late:
+            clear_d(set_to_none=not in_place)
         fake = generator(z)
         ones, zeros = torch.ones(8, 1), torch.zeros(8, 1)
         if summed:
-            (bce(discriminator(real), ones) + bce(discriminator(fake.detach()), zeros)).backward()
+            loss = bce(discriminator(real), ones) + bce(discriminator(fake.detach()), zeros)
+            if late:
+                clear_d(set_to_none=not in_place)
+            loss.backward()
         else:
             (bce(discriminator(real), ones) / 2).backward()
             (bce(discriminator(fake.detach()), zeros) / 2).backward()
@@ -87,9 +95,19 @@ def test_on_two_workers_the_pending_gradient_all_reduces_are_completed_first(fre
     assert_bitwise_equal(out["module"][0], out["optimizer"][0], "module vs optimizer zero_grad()")
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["before-the-forward", "after-the-forward"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["set-to-none", "zeroed-in-place"])
+def test_cleared_after_the_forward_pass_or_zeroed_in_place_on_a_factor_step(late, in_place):
+    """With one pass per step, the discriminator's next forward pass, on gradients not (yet) cleared, drops the
+    generator's pass provisionally; its backward finds them cleared (None, or zeroed in place: before, in place
+    was not noticed and the forward pass raised)."""
+    want = _train("optimizer", True, 1)
+    assert_bitwise_equal(_train("module", True, 1, late=late, in_place=in_place), want, f"module, late={late}, in_place={in_place}")
+
+
 def test_a_forward_pass_on_uncleared_gradients_is_still_refused():
     _, discriminator = _gan()
     _opt = SPDKFACOptimizer(discriminator, lr=0.01, backend="single")
     discriminator(torch.randn(4, 6)).sum().backward()
-    with pytest.raises(RuntimeError, match="computed twice"):
-        discriminator(torch.randn(4, 6))
+    with pytest.raises(RuntimeError, match="adds to the gradients of 1 backward pass"):
+        discriminator(torch.randn(4, 6)).sum().backward()  # (its forward pass is let through: the script may clear them)
