@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import re
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ from .schedules import Scheduled
 from .step.adaptive_damping import AdaptiveDamping
 from .step.data_parallel import bare_model
 from .update.added_groups import average_gradients_now, not_in_model
-from .update.your_optimizer import OptimizerAttachment, check_attachable
+from .update.your_optimizer import OptimizerAttachment, check_attachable, unwatch, watch
 
 __all__ = ["KAISA_STRATEGIES", "KFACPreconditioner", "kaisa_grad_workers", "kaisa_skip_layers"]
 
@@ -296,6 +297,10 @@ class KFACPreconditioner:
             if lr is None:  # the KL clip's rates are your optimizer's, each layer its group's (layer-wise rates)
                 self.kfac._lr_groups = self._attached_groups
         self._groups_seen: tuple[int, int] | None = None  # the attached optimizer's groups when last looked at
+        #: Unattached, on several workers: the groups of each optimizer seen stepping, when last looked at.
+        self._steps_seen: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = weakref.WeakKeyDictionary()
+        if self._attachment is None and self.kfac.backend.size > 1:
+            watch(self)
         outside = self._outside_model()
         if outside:
             self.kfac.add_param_group({"params": outside})  # (averaged from the first step)
@@ -339,6 +344,27 @@ class KFACPreconditioner:
         self._groups_seen = seen
         averaged = {id(p) for group in self.kfac.param_groups for p in group["params"]}
         return [p for p in not_in_model(self.kfac.model, groups) if id(p) not in averaged]  # (frozen too: may thaw)
+
+    @torch.no_grad()
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """(Unattached, on several workers.) Before any optimizer's ``step()``: one that trains this model hands over
+        its parameters outside the model (a loss's own weights), their gradients averaged now (every worker steps it
+        at the same point) and from the backward pass on; KAISA's usage gave no way to know them."""
+        groups = optimizer.param_groups
+        seen = (len(groups), sum(len(group["params"]) for group in groups))
+        if optimizer is self.kfac or self._steps_seen.get(optimizer) == seen or self.kfac._taken_over:
+            return
+        if self.kfac._kind is not None or self.kfac.kfac_step.backward_seen:  # (preconditioner.step() not called)
+            return
+        self._steps_seen[optimizer] = seen
+        own = {id(p) for p in self.kfac.model.parameters()}
+        if not any(id(p) in own for group in groups for p in group["params"]):
+            return  # another model's optimizer (a GAN's other network)
+        averaged = {id(p) for group in self.kfac.param_groups for p in group["params"]}
+        added = [p for p in not_in_model(self.kfac.model, groups) if id(p) not in averaged]
+        if added:
+            average_gradients_now(self.kfac.backend, added, "spdkfac.added_grad")
+            self.kfac.add_param_group({"params": added})  # (averaged in the backward pass from the next step on)
 
     @torch.no_grad()
     def _step_from_optimizer(self) -> None:
@@ -417,6 +443,7 @@ class KFACPreconditioner:
         """Detach every hook from the model and the attached optimizer (the preconditioner is unusable afterwards)."""
         if self._attachment is not None:
             self._attachment.remove()
+        unwatch(self)
         self.kfac.remove_hooks()
 
     def __repr__(self) -> str:

@@ -15,17 +15,27 @@ Hooks on the optimizer make those two calls carry the preconditioner:
   that batch's factors are dropped when the next forward pass begins, which
   knows the skip by the scale the scaler lowered (or by the gradients
   ``opt.zero_grad()`` cleared: ``SPDKFACOptimizer._drop_unstepped``).
+
+Unattached (KAISA's usage: ``preconditioner.step()``, then ``opt.step()``),
+the preconditioner averages the model's gradients, and the parameters your
+optimizer holds outside the model (a loss's own weights) drifted apart on
+each worker, silently. A process-wide step pre-hook of ``torch.optim``
+(:func:`watch`) shows each such preconditioner every optimizer's step; one
+that trains its model hands it those parameters, averaged at once and then
+from the backward pass, as an attached optimizer's are.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Callable, Protocol
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["STATE_KEY", "OptimizerAttachment", "check_attachable"]
+__all__ = ["STATE_KEY", "OptimizerAttachment", "check_attachable", "unwatch", "watch"]
 
 #: The key of the K-FAC state in the attached optimizer's ``state_dict()``.
 STATE_KEY = "kfac_preconditioner"
@@ -35,6 +45,32 @@ class _Preconditioner(Protocol):
     def _step_from_optimizer(self) -> None: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class _Unattached(Protocol):
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+
+#: The unattached preconditioners on several workers (held weakly), and the one hook that shows them every step.
+_watching: weakref.WeakSet[Any] = weakref.WeakSet()
+_hook: list[RemovableHandle] = []
+
+
+def watch(preconditioner: _Unattached) -> None:
+    """Show ``preconditioner`` every ``torch.optim`` optimizer's ``step()`` before it runs, for as long as it lives."""
+    _watching.add(preconditioner)
+    if not _hook:
+        _hook.append(register_optimizer_step_pre_hook(_before_any_step))
+
+
+def unwatch(preconditioner: _Unattached) -> None:
+    """Stop showing ``preconditioner`` the optimizers' steps (its hooks are removed)."""
+    _watching.discard(preconditioner)
+
+
+def _before_any_step(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    for preconditioner in list(_watching):
+        preconditioner._before_optimizer_step(optimizer)
 
 
 def check_attachable(optimizer: Any) -> None:

@@ -192,7 +192,7 @@ def test_update_fusion_refuses_the_group_and_goes_on_as_before() -> None:
 
 
 def _train_beside_ddp(wiring: str, ddp: bool) -> list[torch.Tensor]:
-    """The head added beside a model in DDP (one process here; several: tests/multiprocess/test_ddp_beside_model.py)."""
+    """The head added beside a model in DDP (one process here; several: tests/multiprocess/test_beside_model_multiprocess.py)."""
     model, head = _modules()
     wrapped = DistributedDataParallel(model) if ddp else model
     if wiring == "attached":
@@ -265,6 +265,47 @@ def test_a_group_added_to_the_attached_optimizer_later_is_averaged_from_its_firs
     for mine, theirs, reference in zip(got[0], got[1], want, strict=True):
         assert torch.equal(mine, theirs)
         torch.testing.assert_close(mine, reference, rtol=1e-10, atol=1e-12)
+
+
+def _train_unattached(
+    modules: tuple[nn.Module, Head], backend: CommBackend | str, part: slice, other: nn.Module | None = None
+) -> list[torch.Tensor]:
+    """KAISA's usage: ``preconditioner.step()``, then the user's SGD, which holds the model and the head; ``other``:
+    a second model with an optimizer of its own, stepped too (a GAN's other network)."""
+    model, head = modules
+    sgd = torch.optim.SGD([{"params": model.parameters()}, {"params": head.parameters(), "lr": 0.05}], lr=0.1, momentum=0.9)
+    preconditioner = KFACPreconditioner(model, lr=0.1, backend=backend, profile_steps=1)
+    other_sgd = None if other is None else torch.optim.SGD(other.parameters(), lr=0.1)
+    x, y = _data()
+    for step in range(ADD_AT, ADD_AT + STEPS):
+        sgd.zero_grad()
+        _loss(model, head, x[part], y[part], step).backward()
+        preconditioner.step()
+        sgd.step()
+        if other is not None and other_sgd is not None:
+            other(x[part]).pow(2).mean().backward()
+            other_sgd.step()
+            other_sgd.zero_grad()
+    return [p.detach().clone() for p in [*model.parameters(), *head.parameters()]]
+
+
+def test_without_optimizer_the_optimizers_parameters_outside_the_model_are_found_and_averaged(float64: None) -> None:
+    """KAISA's usage gives the preconditioner no optimizer: the first step of one that trains its model hands the
+    parameters outside the model over (before, each worker's copy drifted apart silently)."""
+    _assert_workers_equal_one(_train_unattached)
+
+
+def test_without_optimizer_another_models_optimizer_is_left_alone(float64: None) -> None:
+    others = [nn.Linear(6, 2) for _ in range(3)]
+    for other in others[1:]:
+        other.load_state_dict(others[0].state_dict())
+    want = _train_unattached(_modules(), "single", slice(0, 16), others[0])
+    modules = [_modules(), _modules()]
+    got = run_ranks(2, lambda b: _train_unattached(modules[b.rank], b, slice(8 * b.rank, 8 * b.rank + 8), others[1 + b.rank]))
+    for mine, theirs, reference in zip(got[0], got[1], want, strict=True):
+        assert torch.equal(mine, theirs)
+        torch.testing.assert_close(mine, reference, rtol=1e-10, atol=1e-12)
+    assert not torch.equal(others[1].weight, others[2].weight)  # its own gradients, never averaged: each rank's own
 
 
 def test_the_preconditioners_summary_counts_the_optimizers_parameters_outside_the_model() -> None:

@@ -1,5 +1,6 @@
-"""A loss's own weights beside a ``DistributedDataParallel`` model: averaged by the optimizer at ``step()``, so the
-workers stay bitwise replicas and equal one process (before, refused or left to drift with a warning)."""
+"""A loss's own weights beside the model: averaged by the optimizer under DDP (at ``step()``) and for a preconditioner
+in KAISA's usage (found at the optimizer's first step), so the workers stay bitwise replicas and equal one process
+(before: refused, or left to drift, with a warning under DDP and silently in KAISA's usage)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import torch
 from launch import ROOT, run_rank_workers, run_single
 from nets import assert_bitwise_equal
 
-WORKER = ROOT / "tests" / "workers" / "ddp_beside_model_check.py"
+WORKER = ROOT / "tests" / "workers" / "beside_model_check.py"
 
 
 @pytest.mark.multiprocess
-def test_a_losss_weights_beside_a_ddp_model_are_averaged(tmp_path):
+def test_a_losss_weights_beside_the_model_are_averaged(tmp_path):
     single = tmp_path / "single"
     single.mkdir()
     run_single(str(WORKER), ["--out", str(single)])

@@ -1,15 +1,16 @@
-"""Multi-process worker (torchrun): a loss with weights of its own beside a ``DistributedDataParallel`` model.
+"""Multi-process worker (torchrun): a loss with weights of its own beside the model, wired five ways.
 
-DDP averages the gradients of the module it wraps only. The optimizer
-averages the added group's parameters itself, at ``step()``, so the workers
-stay bitwise replicas and equal one process on the global batch. Three
-wirings: the group added to an optimizer built on the DDP model, the model
-wrapped in DDP after the optimizer was built (accelerate's ``prepare()``),
-and a ``KFACPreconditioner`` attached to the user's SGD that holds the
-loss's weights. With ``--backend single`` every wiring runs on the bare model
-(the reference).
+DDP averages the gradients of the module it wraps only, and a
+``KFACPreconditioner`` without ``optimizer=`` (KAISA's usage) is not told the
+optimizer that holds the loss's weights. The optimizer averages those
+parameters itself, so the workers stay bitwise replicas and equal one process
+on the global batch. The wirings: the group added to an optimizer built on
+the DDP model; the model wrapped in DDP after the optimizer was built
+(accelerate's ``prepare()``); a ``KFACPreconditioner`` attached to the user's
+SGD under DDP; and unattached, with and without DDP. With ``--backend
+single`` every wiring runs on the bare model (the reference).
 
-    torchrun --nproc_per_node 2 tests/workers/ddp_beside_model_check.py --backend torch --out DIR
+    torchrun --nproc_per_node 2 tests/workers/beside_model_check.py --backend torch --out DIR
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from spdkfac.comm import CommBackend
 
 warnings.filterwarnings("ignore", message="no perf_model given")
 
-WIRINGS = ("ddp-then-group", "group-then-ddp", "attached-preconditioner")
+WIRINGS = ("ddp-then-group", "group-then-ddp", "attached-preconditioner", "unattached-preconditioner", "unattached-preconditioner-ddp")
 
 
 class CentreLoss(nn.Module):
@@ -55,10 +56,15 @@ def trained(backend: CommBackend, wiring: str) -> dict[str, torch.Tensor]:
     net, loss_fn = small_net(), CentreLoss()
     distributed = backend.size > 1
     model: nn.Module = net
-    if wiring == "attached-preconditioner":
-        model = DistributedDataParallel(net) if distributed else net
+    preconditioner = None
+    if "preconditioner" in wiring:
+        under_ddp = distributed and (wiring.startswith("attached") or wiring.endswith("-ddp"))
+        model = DistributedDataParallel(net) if under_ddp else net
         sgd = torch.optim.SGD([*net.parameters(), *loss_fn.parameters()], lr=0.05, momentum=0.9)
-        KFACPreconditioner(model, lr=0.05, backend=backend, optimizer=sgd)
+        attached = wiring.startswith("attached")
+        preconditioner = KFACPreconditioner(model, lr=0.05, backend=backend, optimizer=sgd if attached else None)
+        if attached:
+            preconditioner = None  # (the optimizer's step() preconditions)
         opt: torch.optim.Optimizer = sgd
     elif wiring == "ddp-then-group":
         model = DistributedDataParallel(net) if distributed else net
@@ -71,6 +77,8 @@ def trained(backend: CommBackend, wiring: str) -> dict[str, torch.Tensor]:
     for step in range(4):
         opt.zero_grad()
         loss_fn(model(x + 0.1 * step), y).backward()
+        if preconditioner is not None:  # (KAISA's usage: before the optimizer's step)
+            preconditioner.step()
         opt.step()
     return {f"model.{k}": v.detach().clone() for k, v in net.state_dict().items()} | {
         f"loss.{k}": v.detach().clone() for k, v in loss_fn.state_dict().items()
