@@ -57,6 +57,7 @@ from .step.nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
 from .step.timeline import Timeline
 from .update.added_groups import average_gradients_now, check_outside_model, not_in_model
 from .update.base_update import apply_base_update, base_defaults
+from .update.replaced import ParameterSlots, check_materialised
 from .update.unfrozen import outside_groups, regroup
 from .update.update_fusion import NO_KL_CLIP, BackwardFusion, ForwardFusion, check_update_fusion
 from .update.weight_decay import split_decayed
@@ -252,6 +253,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.inv_update_freq: int = initial["inv_update_freq"]
         self.compute_method, self.precondition = self.config.compute_method, precondition
         self.method = get_method(self.config.compute_method, self.config)  # chosen once: the decomposition, payload, state and costs
+        check_materialised(model)
         self.layers: list[KFACLayer] = (
             preconditioned_layers(model, self.method, self.config.skip_layers, self.config.norm_layers is NormLayers.KFAC)
             if precondition
@@ -267,6 +269,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._measured_perf_model = load_perf_model(perf_model)  # scaled to the run's worker count by _plan_for_workers
         self.timeline: Timeline | None = Timeline() if timeline else None
         self.param_names = collective_names(model, self.param_groups)
+        self._slots = ParameterSlots(model)  # (each step checks that the model's parameters are still these)
         self._forward_fusion: ForwardFusion | None = None
         self._backward_fusion: BackwardFusion | None = None
         self._plan_for_workers()
@@ -496,6 +499,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """Name, plan and hook the step anew for the parameter groups as they are now (``previous``: the step this
         replaces, its hooks detached), keeping every state held across steps."""
         self.param_names = collective_names(self.model, self.param_groups)
+        self._slots = ParameterSlots(self.model)
         self._plan_for_workers()
         self.kfac_step.carry_over(previous)
         if not all(self.work_plan.holds(rank, layer.name) for rank in range(self.backend.size) for layer in self.layers):
@@ -685,6 +689,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 "dropped. Run a pass that is not trained on (a metric's, a log's) under torch.no_grad() or in eval() "
                 "mode, or call step() before it"
             )
+        self._slots.check()
         if not base_update and self.config.update_fusion is not UpdateFusion.NONE:
             raise ValueError(f"update_fusion={self.config.update_fusion!r} updates the parameters itself; it needs the base update")
         if self._nothing_to_step():

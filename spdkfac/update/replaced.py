@@ -1,0 +1,55 @@
+"""The model's parameters must stay the tensors the optimizer was built with: a replaced one is refused by name.
+
+Some calls make new ``Parameter`` objects instead of writing into the old
+ones: ``model.to_empty(device=...)`` after building on the meta device,
+``load_state_dict(..., assign=True)``, and conversions under
+``torch.__future__.set_overwrite_module_params_on_conversion(True)``. An
+optimizer built before them holds the old tensors. ``torch.optim`` then
+trains nothing, silently; here K-FAC's hooks still saw the new weights but
+their gradient checks the old ones, and ``step()`` failed with "no Kronecker
+factor was computed". Each step now checks, slot by slot, that every
+parameter is still the one it holds (a dictionary lookup per parameter), and
+a meta-device model is refused when the optimizer is built.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+__all__ = ["ParameterSlots", "check_materialised"]
+
+
+def check_materialised(model: nn.Module) -> None:
+    """Raise ValueError for a model with parameters on the meta device (not allocated yet)."""
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        shown = ", ".join(meta[:4]) + (", ..." if len(meta) > 4 else "")
+        raise ValueError(
+            f"the model's parameters are on the meta device ({shown}): K-FAC sizes its factors from them when the "
+            "optimizer is built, and model.to_empty() makes new parameters the optimizer would not hold. Build the "
+            "optimizer after model.to_empty(device=...) and the weights' initialisation (or loading)"
+        )
+
+
+class ParameterSlots:
+    """Where each of the model's parameters lives (module, attribute) and the tensor it held when recorded."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._slots = [
+            (f"{prefix}.{name}" if prefix else name, module._parameters, name, p)
+            for prefix, module in model.named_modules(remove_duplicate=False)
+            for name, p in module._parameters.items()
+            if p is not None
+        ]
+
+    def check(self) -> None:
+        """Raise RuntimeError when a parameter was replaced by another tensor since it was recorded."""
+        for qualified, parameters, name, p in self._slots:
+            if parameters.get(name) is not p:
+                raise RuntimeError(
+                    f"the model's parameter {qualified!r} is not the tensor this optimizer was built with: it was "
+                    "replaced (model.to_empty(), load_state_dict(..., assign=True), a conversion under "
+                    "torch.__future__.set_overwrite_module_params_on_conversion(True)) or reparametrized (weight_norm, "
+                    "parametrize), so the optimizer would update the old tensors. Build the optimizer after those calls; "
+                    "to load weights into a built model, load_state_dict() without assign=True writes into its parameters"
+                )
