@@ -49,7 +49,8 @@ class ParameterSlots:
                 raise RuntimeError(
                     f"the model's parameter {qualified!r} is not the tensor this optimizer was built with: it was "
                     "replaced (model.to_empty(), load_state_dict(..., assign=True), a conversion under "
-                    "torch.__future__.set_overwrite_module_params_on_conversion(True)) or reparametrized (weight_norm, "
-                    "parametrize), so the optimizer would update the old tensors. Build the optimizer after those calls; "
+                    "torch.__future__.set_overwrite_module_params_on_conversion(True)), tied to another (tie_weights()) or "
+                    "reparametrized (weight_norm, parametrize), so the optimizer would update the old tensors and plan its "
+                    "layers for the old structure. Build the optimizer after those calls; "
                     "to load weights into a built model, load_state_dict() without assign=True writes into its parameters"
                 )
