@@ -348,9 +348,11 @@ class FactorCollector:
         warnings.warn(
             f"layer {name!r} ran {uses} time(s) with gradients enabled in this step, but a backward pass reached the "
             f"output of {reached} of those uses: K-FAC's A averages the inputs of all of them, including those of a "
-            "forward pass that no backward pass reached (one run for a metric or a log, a detached branch), so the "
-            "preconditioner describes inputs the step's gradient does not. Run such passes under torch.no_grad() or "
-            "with the model in eval() mode (this is said once)",
+            "forward pass that no backward pass reached (one run for a metric or a log, a detached branch, a batch "
+            "skipped after its forward pass), so the preconditioner describes inputs the step's gradient does not. Run "
+            "such passes under torch.no_grad() or with the model in eval() mode; to skip a batch whose loss is not "
+            "finite, decide with optimizer.finite_everywhere(loss), which drops its factors on every worker (this is "
+            "said once)",
             stacklevel=2,
         )
 
