@@ -689,7 +689,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 "dropped. Run a pass that is not trained on (a metric's, a log's) under torch.no_grad() or in eval() "
                 "mode, or call step() before it"
             )
-        self._slots.check()
+        self._slots.check(p for group in self.param_groups for p in group["params"])
         if not base_update and self.config.update_fusion is not UpdateFusion.NONE:
             raise ValueError(f"update_fusion={self.config.update_fusion!r} updates the parameters itself; it needs the base update")
         if self._nothing_to_step():

@@ -10,10 +10,19 @@ their gradient checks the old ones, and ``step()`` failed with "no Kronecker
 factor was computed". Each step now checks, slot by slot, that every
 parameter is still the one it holds (a dictionary lookup per parameter), and
 a meta-device model is refused when the optimizer is built.
+
+A submodule added or replaced after the optimizer was built (a new head,
+``model.fc = nn.Linear(...)``) has parameters the optimizer does not hold:
+``torch.optim`` leaves them untrained, silently. The first step looks for
+them once (a walk over the model) and warns with their names.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterable
+
+import torch
 import torch.nn as nn
 
 __all__ = ["ParameterSlots", "check_materialised"]
@@ -35,6 +44,9 @@ class ParameterSlots:
     """Where each of the model's parameters lives (module, attribute) and the tensor it held when recorded."""
 
     def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._known = {id(p) for p in model.parameters()}
+        self._walked = False  # whether the model was searched for parameters added since (once, at the first step)
         self._slots = [
             (f"{prefix}.{name}" if prefix else name, module._parameters, name, p)
             for prefix, module in model.named_modules(remove_duplicate=False)
@@ -42,8 +54,9 @@ class ParameterSlots:
             if p is not None
         ]
 
-    def check(self) -> None:
-        """Raise RuntimeError when a parameter was replaced by another tensor since it was recorded."""
+    def check(self, held: Iterable[torch.Tensor]) -> None:
+        """Raise RuntimeError when a parameter was replaced by another tensor since it was recorded; the first time,
+        warn about trainable parameters added to the model since that are not ``held`` (the optimizer's)."""
         for qualified, parameters, name, p in self._slots:
             if parameters.get(name) is not p:
                 raise RuntimeError(
@@ -54,3 +67,18 @@ class ParameterSlots:
                     "layers for the old structure. Build the optimizer after those calls; "
                     "to load weights into a built model, load_state_dict() without assign=True writes into its parameters"
                 )
+        if not self._walked:  # (after the replaced ones, which are refused)
+            self._walked = True
+            self._warn_unheld({id(p) for p in held})
+
+    def _warn_unheld(self, held: set[int]) -> None:
+        new = [n for n, p in self._model.named_parameters() if p.requires_grad and id(p) not in self._known and id(p) not in held]
+        if new:
+            shown = ", ".join(new[:4]) + (", ..." if len(new) > 4 else "")
+            warnings.warn(
+                f"the model has trainable parameters this optimizer was not built with ({shown}): a submodule was added "
+                "or replaced after it was built (model.fc = nn.Linear(...)), and it does not hold them (it neither "
+                "trains, preconditions nor averages them over the workers). Build the optimizer (or preconditioner) "
+                "after changing the model, or give them to SPDKFACOptimizer with add_param_group()",
+                stacklevel=4,
+            )

@@ -9,6 +9,7 @@ without factors it would have updated the old tensors).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -81,3 +82,30 @@ def test_changes_that_keep_the_parameters_train_on():
     _pass(model)
     opt.step()
     assert opt.steps == 1
+
+
+def test_a_submodule_replaced_after_the_optimizer_was_built_is_said_once():
+    """``model[2] = nn.Linear(...)`` after building: its parameters are held by no optimizer (torch.optim leaves them
+    untrained, silently); the first step names them."""
+    model = _net()
+    opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
+    model[2] = nn.Linear(8, 3)
+    _pass(model)
+    with pytest.warns(UserWarning, match=r"trainable parameters this optimizer was not built with \(2.weight, 2.bias\)"):
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _pass(model)
+        opt.step()  # (said once)
+
+
+def test_a_module_added_with_its_group_is_not_said():
+    model = _net()
+    opt = SPDKFACOptimizer(model, lr=0.1, backend="single")
+    model.append(nn.Linear(3, 3))
+    opt.add_param_group({"params": model[3].parameters()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", "no perf_model given")
+        _pass(model)
+        opt.step()
