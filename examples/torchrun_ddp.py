@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--loader-workers", type=int, default=4)
     ap.add_argument("--max-steps", type=int, default=None, help="stop each epoch after this many steps (a quick check)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--pgd-steps", type=int, default=0, help="adversarial training: a PGD attack of this many steps")
+    ap.add_argument("--pgd-eps", type=float, default=0.03, help="the attack's L-inf radius (on the normalised input)")
     args = ap.parse_args()
 
     device = worker_device()  # cuda:<local rank>, or the CPU
@@ -68,6 +70,8 @@ def main() -> None:
             if step == steps_per_epoch:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if args.pgd_steps:  # crafted in train mode, as usual: K-FAC drops the attack's passes itself
+                x = pgd(model, loss_fn, x, y, args.pgd_steps, args.pgd_eps)
             optimizer.zero_grad()
             loss = loss_fn(model(x), y)
             loss.backward()
@@ -82,6 +86,16 @@ def main() -> None:
     # last collective aborts that peer ("terminate called without an active exception"; 1 run in 8 without this).
     dist.barrier()
     dist.destroy_process_group()
+
+
+def pgd(model: nn.Module, loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
+    """Madry et al.'s PGD: ``steps`` signed-gradient steps of size ``2.5 eps / steps`` within the L-inf ball."""
+    delta = torch.zeros_like(x)
+    for _ in range(steps):
+        delta.requires_grad_(True)
+        (grad,) = torch.autograd.grad(loss_fn(model(x + delta), y), delta)
+        delta = (delta + 2.5 * eps / steps * grad.sign()).clamp(-eps, eps).detach()
+    return x + delta
 
 
 @torch.no_grad()

@@ -47,6 +47,14 @@ def test_torchrun_ddp_example(data, optimizer):
     assert "(20 images)" in out, out[-3000:]
 
 
+def test_torchrun_ddp_example_with_adversarial_training(data):
+    """``--pgd-steps``: each batch's PGD attack crafted in train mode on the DDP model, then trained on."""
+    args = [str(ROOT / "examples" / "torchrun_ddp.py"), "--data", str(data), "--optimizer", "kfac", "--pgd-steps", "2", *ARGS]
+    out = run_workers("torch", 2, args)
+    assert "epoch 0: train loss" in out, out[-3000:]
+    assert "(20 images)" in out, out[-3000:]
+
+
 def test_horovod_example(data):
     out = run_workers("horovod", 2, [str(ROOT / "examples" / "horovod_train.py"), "--data", str(data), "--optimizer", "kfac", *ARGS])
     assert "epoch 0: train loss" in out, out[-3000:]
