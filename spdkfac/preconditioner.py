@@ -32,7 +32,7 @@ from .schedules import Scheduled
 from .step.adaptive_damping import AdaptiveDamping
 from .step.data_parallel import bare_model
 from .update.added_groups import average_gradients_now, not_in_model
-from .update.your_optimizer import OptimizerAttachment, check_attachable, unwatch, watch
+from .update.your_optimizer import OptimizerAttachment, check_attachable, refuse_averaging_optimizer, unwatch, watch
 
 __all__ = ["KAISA_STRATEGIES", "KFACPreconditioner", "kaisa_grad_workers", "kaisa_skip_layers"]
 
@@ -356,10 +356,13 @@ class KFACPreconditioner:
             return
         if self.kfac._kind is not None or self.kfac.kfac_step.backward_seen:  # (preconditioner.step() not called)
             return
-        self._steps_seen[optimizer] = seen
         own = {id(p) for p in self.kfac.model.parameters()}
-        if not any(id(p) in own for group in groups for p in group["params"]):
-            return  # another model's optimizer (a GAN's other network)
+        trains_model = any(id(p) in own for group in groups for p in group["params"])  # (else a GAN's other network's)
+        if trains_model:
+            refuse_averaging_optimizer(optimizer)  # (before it is marked as seen: refused at every step)
+        self._steps_seen[optimizer] = seen
+        if not trains_model:
+            return
         averaged = {id(p) for group in self.kfac.param_groups for p in group["params"]}
         added = [p for p in not_in_model(self.kfac.model, groups) if id(p) not in averaged]
         if added:

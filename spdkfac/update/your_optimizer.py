@@ -35,7 +35,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["STATE_KEY", "OptimizerAttachment", "check_attachable", "unwatch", "watch"]
+__all__ = ["STATE_KEY", "OptimizerAttachment", "check_attachable", "refuse_averaging_optimizer", "unwatch", "watch"]
 
 #: The key of the K-FAC state in the attached optimizer's ``state_dict()``.
 STATE_KEY = "kfac_preconditioner"
@@ -74,11 +74,26 @@ def _before_any_step(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kw
 
 
 def check_attachable(optimizer: Any) -> None:
-    """Raise TypeError for an object the preconditioner cannot ride on: not a ``torch.optim.Optimizer``."""
+    """Raise TypeError for an object the preconditioner cannot ride on: not a ``torch.optim.Optimizer``, or one
+    that averages the gradients itself (:func:`refuse_averaging_optimizer`)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer= must be a torch.optim.Optimizer (its step and state_dict hooks carry the preconditioner), "
             f"got {type(optimizer).__name__}; without one, call preconditioner.step() before your optimizer's step()"
+        )
+    refuse_averaging_optimizer(optimizer)
+
+
+def refuse_averaging_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Raise TypeError for Horovod's ``DistributedOptimizer`` (a subclass of the optimizer's class made in Horovod's
+    module), KAISA's usage under horovodrun: it all-reduces the gradients in place while the preconditioner's own
+    all-reduces of the same tensors are in flight, and the result depends on their timing."""
+    if type(optimizer).__module__.startswith("horovod"):
+        raise TypeError(
+            "KFACPreconditioner averages every gradient over the workers itself (with Horovod under horovodrun): "
+            "hvd.DistributedOptimizer would average them a second time, in place, while the preconditioner's "
+            "all-reduces of the same tensors are in flight. Use the optimizer unwrapped, and drop "
+            "optimizer.synchronize() and skip_synchronize()"
         )
 
 

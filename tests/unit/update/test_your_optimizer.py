@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.nn as nn
 from nets import batch, small_net
 
 from spdkfac import KFACPreconditioner, SPDKFACOptimizer
+from spdkfac.comm import run_ranks
 from spdkfac.update.your_optimizer import STATE_KEY
 
 pytestmark = [pytest.mark.filterwarnings("ignore:no perf_model given"), pytest.mark.usefixtures("float64")]
@@ -213,3 +215,34 @@ def test_a_missed_step_without_a_skipping_scaler_is_still_refused():
     _loss(model, 0).backward()
     with pytest.raises(RuntimeError, match="adds to the gradients of 1 backward pass"):
         _loss(model, 1).backward()
+
+
+class _HorovodsSGD(torch.optim.SGD):
+    """What ``hvd.DistributedOptimizer(SGD(...))`` makes: a subclass of the optimizer's class, in Horovod's module."""
+
+
+_HorovodsSGD.__module__ = "horovod.torch.optimizer"
+
+
+def test_horovods_distributed_optimizer_is_refused_attached():
+    model = small_net()
+    with pytest.raises(TypeError, match=r"hvd\.DistributedOptimizer would average them a second time"):
+        KFACPreconditioner(model, optimizer=_HorovodsSGD(model.parameters(), lr=0.1), **KFAC)
+
+
+def test_horovods_distributed_optimizer_is_refused_at_its_first_step_in_kaisas_usage():
+    """KAISA's horovodrun loop wraps the optimizer (``synchronize()``, ``preconditioner.step()``, then ``step()``
+    under ``skip_synchronize()``): its in-place all-reduces would race the preconditioner's on the same tensors."""
+    models = [small_net(), small_net()]
+
+    def run(backend: Any) -> str:
+        model = models[backend.rank]
+        optimizer = _HorovodsSGD(model.parameters(), lr=0.1)
+        preconditioner = KFACPreconditioner(model, **{**KFAC, "backend": backend})
+        _loss(model, 0).backward()
+        preconditioner.step()
+        with pytest.raises(TypeError, match="Use the optimizer unwrapped") as refused:
+            optimizer.step()
+        return str(refused.value)
+
+    assert all("hvd.DistributedOptimizer" in message for message in run_ranks(2, run))
