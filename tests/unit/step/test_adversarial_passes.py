@@ -203,8 +203,14 @@ def _train_fast_fgsm(
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"compute_method": "eigen"}, {"accumulation_steps": 1, "factor_update_freq": 2, "inv_update_freq": 2}, {"base": "adamw"}],
-    ids=["inverse", "eigen", "factors-every-2-steps", "adamw"],
+    [
+        {},
+        {"compute_method": "eigen"},
+        {"accumulation_steps": 1, "factor_update_freq": 2, "inv_update_freq": 2},
+        {"base": "adamw"},
+        {"update_fusion": "backward", "kl_clip": None},  # (the attack's backward updated the parameters: rolled back)
+    ],
+    ids=["inverse", "eigen", "factors-every-2-steps", "adamw", "backward-fusion"],
 )
 def test_fast_fgsm_clearing_after_the_forward_pass_trains_on_the_training_pass_alone(options):
     assert_bitwise_equal(_train_fast_fgsm(False, **options), _train_fast_fgsm(True, **options), f"fast FGSM, {options}")
