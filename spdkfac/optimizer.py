@@ -698,10 +698,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._refuse_unseen_gradients()
         self.kfac_step.grads.check_accumulated("step()", short_ok=True)
         self.kfac_step.grads.learn_edits()
-        if self.wrapping.ddp is not None:  # DDP averaged its module's gradients only
-            trained = [p for p in self._beside_model if p.requires_grad]  # (a frozen one has no gradient anywhere)
-            average_gradients_now(self.backend, trained, "spdkfac.beside_model_grad")
         try:
+            if self.wrapping.ddp is not None:  # DDP averaged its module's gradients only
+                trained = [p for p in self._beside_model if p.requires_grad]  # (a frozen one has no gradient anywhere)
+                average_gradients_now(self.backend, trained, "spdkfac.beside_model_grad")
             factor_step, inverse_step = self._step_kind()
             hyper = StepHyper.from_group(self.param_groups[0], self._layer_lrs())
             backward = self._backward_fusion
