@@ -76,14 +76,24 @@ def _train_added(
     return [p.detach().clone() for p in [*model.parameters(), *head.parameters()]]
 
 
-def _assert_workers_equal_one(train: Any) -> None:
-    want = train(_modules(), "single", slice(0, 16))
+def _assert_workers_equal_one(train: Any, extra: Callable[[], nn.Module] | None = None) -> list[nn.Module]:
+    """``train(modules, backend, part[, module])`` on 2 in-process workers equals one process on the whole batch, and
+    the ranks are bitwise replicas; ``extra``: one more module per run, three identical copies (returned)."""
+    copies = [] if extra is None else [extra() for _ in range(3)]
+    for copy_ in copies[1:]:
+        copy_.load_state_dict(copies[0].state_dict())
+
+    def more(run: int) -> list[nn.Module]:  # (the extra module of run 0, the reference, or of rank r's run 1 + r)
+        return copies[run : run + 1]
+
+    want = train(_modules(), "single", slice(0, 16), *more(0))
     modules = [_modules(), _modules()]  # (built here: the global RNG is not the ranks' to share)
-    got = run_ranks(2, lambda backend: train(modules[backend.rank], backend, slice(8 * backend.rank, 8 * backend.rank + 8)))
+    got = run_ranks(2, lambda b: train(modules[b.rank], b, slice(8 * b.rank, 8 * b.rank + 8), *more(1 + b.rank)))
     assert not torch.equal(got[0][-1], _modules()[1].scale)  # the head trained
     for mine, theirs, reference in zip(got[0], got[1], want, strict=True):
         assert torch.equal(mine, theirs)
         torch.testing.assert_close(mine, reference, rtol=1e-10, atol=1e-12)
+    return copies
 
 
 @pytest.mark.parametrize(
@@ -256,15 +266,7 @@ def test_an_outside_parameter_unfrozen_later_is_averaged_too(float64: None) -> N
 
 
 def test_a_group_added_to_the_attached_optimizer_later_is_averaged_from_its_first_step(float64: None) -> None:
-    seconds = [Head(), Head(), Head()]
-    for s in seconds[1:]:
-        s.load_state_dict(seconds[0].state_dict())
-    want = _train_attached(_modules(), "single", slice(0, 16), seconds[0])
-    modules = [_modules(), _modules()]
-    got = run_ranks(2, lambda b: _train_attached(modules[b.rank], b, slice(8 * b.rank, 8 * b.rank + 8), seconds[1 + b.rank]))
-    for mine, theirs, reference in zip(got[0], got[1], want, strict=True):
-        assert torch.equal(mine, theirs)
-        torch.testing.assert_close(mine, reference, rtol=1e-10, atol=1e-12)
+    _assert_workers_equal_one(_train_attached, Head)
 
 
 def _train_unattached(
@@ -296,15 +298,7 @@ def test_without_optimizer_the_optimizers_parameters_outside_the_model_are_found
 
 
 def test_without_optimizer_another_models_optimizer_is_left_alone(float64: None) -> None:
-    others = [nn.Linear(6, 2) for _ in range(3)]
-    for other in others[1:]:
-        other.load_state_dict(others[0].state_dict())
-    want = _train_unattached(_modules(), "single", slice(0, 16), others[0])
-    modules = [_modules(), _modules()]
-    got = run_ranks(2, lambda b: _train_unattached(modules[b.rank], b, slice(8 * b.rank, 8 * b.rank + 8), others[1 + b.rank]))
-    for mine, theirs, reference in zip(got[0], got[1], want, strict=True):
-        assert torch.equal(mine, theirs)
-        torch.testing.assert_close(mine, reference, rtol=1e-10, atol=1e-12)
+    others = _assert_workers_equal_one(_train_unattached, lambda: nn.Linear(6, 2))
     assert not torch.equal(others[1].weight, others[2].weight)  # its own gradients, never averaged: each rank's own
 
 
