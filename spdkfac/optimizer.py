@@ -533,8 +533,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if not exceeded:
             return False
         self._drop_batch()
-        kept = factors.gradients_kept()  # (after the drop: its all-reduces wrote the averages, alike on every worker)
-        if any(bool(grad.any()) for _, grad, _ in kept):  # (all zero: zeroed in place, zero_grad(set_to_none=False))
+        kept = factors.weights_with_gradients()  # (after the drop: its all-reduces wrote the averages, alike everywhere)
+        if any(bool(w.grad.any()) for w in kept if w.grad is not None):  # (all zero: zero_grad(set_to_none=False))
             factors.must_be_cleared = kept
         return True
 

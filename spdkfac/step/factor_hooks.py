@@ -217,9 +217,9 @@ class FactorCollector:
         self.input_gradient_passes: Callable[[], bool] = lambda: False
         #: Set by the optimizer when it let a forward pass beyond accumulation_steps through, on gradients not cleared,
         #: having dropped the passes before (fast adversarial training clears them between that forward pass and its
-        #: backward): the K-FAC weights' gradients then, each with its version. The next backward pass must find
-        #: them cleared, or it is refused (:meth:`_check_cleared`), after ``refused`` forgets the step.
-        self.must_be_cleared: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
+        #: backward): the K-FAC weights that had gradients then. The next backward pass must find those cleared, or
+        #: it is refused (:meth:`_check_cleared`), after ``refused`` forgets the step.
+        self.must_be_cleared: list[torch.Tensor] | None = None
         self.refused: Callable[[], None] = lambda: None
         self._input_gradient_pass = False  # such a backward pass reached a use since the last A hook
         self._attack_noted = False  # whether such passes counted in a later micro-batch were warned about
@@ -375,18 +375,19 @@ class FactorCollector:
             stacklevel=3,
         )
 
-    def gradients_kept(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        """Each K-FAC weight's gradient now, with its version (for :attr:`must_be_cleared`)."""
+    def weights_with_gradients(self) -> list[torch.Tensor]:
+        """The K-FAC weights that hold a gradient now, each once."""
         weights = {id(w): w for w in (layer.helper.weight for layer in self.layers)}.values()
-        return [(w, w.grad, w.grad._version) for w in weights if w.grad is not None]
+        return [w for w in weights if w.grad is not None]
 
     def _check_cleared(self, layer: KFACLayer) -> None:
         """The first backward pass after a forward pass let through beyond accumulation_steps: refused unless the
-        gradients of the passes before it were cleared since (set to None, replaced, or zeroed in place). Called
-        from the first output-gradient hook, before this pass adds to any K-FAC weight's gradient."""
+        gradients of the passes before it were cleared since (None, or zeroed in place: a gradient only scaled,
+        by clipping, still holds them). Called from the first output-gradient hook, before this pass adds to any
+        K-FAC weight's gradient; one host synchronisation per weight, on this path only."""
         kept, self.must_be_cleared = self.must_be_cleared, None
         assert kept is not None
-        if all(w.grad is not grad or grad._version != version for w, grad, version in kept):
+        if all(w.grad is None or not bool(w.grad.any()) for w in kept):
             return
         self.refused()  # (the step is forgotten: the script may clear the gradients and go on)
         raise RuntimeError(

@@ -164,6 +164,18 @@ def test_second_forward_with_one_accumulation_step_names_the_option():
     assert "pass accumulation_steps=k" in str(refused.value)
 
 
+def test_clipping_between_uncounted_micro_batches_is_not_clearing():
+    """A loop that accumulates without accumulation_steps and clips each micro-batch: the clipped gradient (scaled in
+    place) still holds the first micro-batch's, so the second backward pass is refused, not taken as cleared."""
+    x, y = batch(8)
+    model = small_net()
+    _opt = SPDKFACOptimizer(model, **KW)
+    _backward(model, x, y, 1)
+    nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match=r"before it with no step\(\) between, but accumulation_steps is 1"):
+        _backward(model, x, y, 1)
+
+
 def test_bad_accumulation_steps():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="accumulation_steps must be a positive integer"):
