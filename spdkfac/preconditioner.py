@@ -296,9 +296,9 @@ class KFACPreconditioner:
             self.kfac._scaler_skipped = self._scaler_skipped
             if lr is None:  # the KL clip's rates are your optimizer's, each layer its group's (layer-wise rates)
                 self.kfac._lr_groups = self._attached_groups
-        self._groups_seen: tuple[int, int] | None = None  # the attached optimizer's groups when last looked at
-        #: Unattached, on several workers: the groups of each optimizer seen stepping, when last looked at.
-        self._steps_seen: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = weakref.WeakKeyDictionary()
+        #: The groups of your optimizer (attached; unattached on several workers, of each one seen stepping) when last
+        #: looked at for parameters outside the model (:meth:`_groups_changed`).
+        self._groups_seen: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = weakref.WeakKeyDictionary()
         if self._attachment is None and self.kfac.backend.size > 1:
             watch(self)
         outside = self._outside_model()
@@ -335,36 +335,41 @@ class KFACPreconditioner:
     def _outside_model(self) -> list[torch.Tensor]:
         """The attached optimizer's parameters outside the model that are not averaged yet (a loss's own weights,
         a second head), when its groups changed since last asked."""
-        if self._optimizer is None:
+        if self._optimizer is None or not self._groups_changed(self._optimizer):
             return []
-        groups = self._optimizer.param_groups
-        seen = (len(groups), sum(len(group["params"]) for group in groups))
-        if seen == self._groups_seen:
-            return []
-        self._groups_seen = seen
+        self._groups_seen[self._optimizer] = self._signature(self._optimizer)
+        return self._not_averaged(self._optimizer)
+
+    @staticmethod
+    def _signature(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+        """How many groups and parameters ``optimizer`` holds: changed by ``add_param_group()``."""
+        return len(optimizer.param_groups), sum(len(group["params"]) for group in optimizer.param_groups)
+
+    def _groups_changed(self, optimizer: torch.optim.Optimizer) -> bool:
+        return self._groups_seen.get(optimizer) != self._signature(optimizer)
+
+    def _not_averaged(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """``optimizer``'s parameters outside the model that this preconditioner does not average yet."""
         averaged = {id(p) for group in self.kfac.param_groups for p in group["params"]}
-        return [p for p in not_in_model(self.kfac.model, groups) if id(p) not in averaged]  # (frozen too: may thaw)
+        return [p for p in not_in_model(self.kfac.model, optimizer.param_groups) if id(p) not in averaged]  # (frozen too: may thaw)
 
     @torch.no_grad()
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """(Unattached, on several workers.) Before any optimizer's ``step()``: one that trains this model hands over
         its parameters outside the model (a loss's own weights), their gradients averaged now (every worker steps it
         at the same point) and from the backward pass on; KAISA's usage gave no way to know them."""
-        groups = optimizer.param_groups
-        seen = (len(groups), sum(len(group["params"]) for group in groups))
-        if optimizer is self.kfac or self._steps_seen.get(optimizer) == seen or self.kfac._taken_over:
+        if optimizer is self.kfac or self.kfac._taken_over or not self._groups_changed(optimizer):
             return
         if self.kfac._kind is not None or self.kfac.kfac_step.backward_seen:  # (preconditioner.step() not called)
             return
         own = {id(p) for p in self.kfac.model.parameters()}
-        trains_model = any(id(p) in own for group in groups for p in group["params"])  # (else a GAN's other network's)
+        trains_model = any(id(p) in own for group in optimizer.param_groups for p in group["params"])  # (else another's)
         if trains_model:
             refuse_averaging_optimizer(optimizer)  # (before it is marked as seen: refused at every step)
-        self._steps_seen[optimizer] = seen
+        self._groups_seen[optimizer] = self._signature(optimizer)
         if not trains_model:
             return
-        averaged = {id(p) for group in self.kfac.param_groups for p in group["params"]}
-        added = [p for p in not_in_model(self.kfac.model, groups) if id(p) not in averaged]
+        added = self._not_averaged(optimizer)
         if added:
             average_gradients_now(self.kfac.backend, added, "spdkfac.added_grad")
             self.kfac.add_param_group({"params": added})  # (averaged in the backward pass from the next step on)
