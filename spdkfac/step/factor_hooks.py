@@ -209,7 +209,8 @@ class FactorCollector:
         self._g_since_a = True  # a G hook ran since the last A hook (the next A hook starts a pass)
         #: Called when a forward pass begins after backward passes of this step (with whether it is one more than
         #: accumulation_steps): True when it dropped those passes (their step() is not coming: the optimizer's
-        #: _drop_unstepped), which makes this pass the step's first; False (the default) counts it as the next.
+        #: _drop_unstepped, which always does for one pass too many, at least provisionally), which makes this pass
+        #: the step's first; False counts it as the next. The default drops nothing and refuses one pass too many.
         self.unstepped: Callable[[bool], bool] = lambda exceeded: False
         #: Called when a forward pass begins after a backward pass that computed no weight gradient and built no
         #: graph, with no weight gradient since: True when it dropped the step's factors taken so far (the passes
@@ -396,7 +397,9 @@ class FactorCollector:
         )
 
     def _new_pass(self, layer: KFACLayer) -> None:
-        """An A hook after backward began: the next forward pass (micro-batch); refused beyond accumulation_steps."""
+        """An A hook after backward began: the next forward pass (micro-batch). One beyond accumulation_steps is
+        refused only where ``unstepped`` did not drop the passes before (the optimizer's always does, and the
+        backward pass refuses instead: :meth:`_check_cleared`)."""
         if self.backward_seen and self.unstepped(self._passes + 1 > self.accumulation_steps):
             self._new_pass(layer)  # the passes before were dropped (reset): this pass is the step's first
             return
