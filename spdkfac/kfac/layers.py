@@ -44,7 +44,8 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
 from .factor_shape import FactorKind, FactorShape
-from .layer_types import LayerHelper, make_helper, split_helpers
+from .layer_types import LayerHelper, LinearHelper, make_helper, split_helpers
+from .layer_types.shared_input import SharedInputGram
 from .layer_types.transformer_layers import sequence_layouts
 from .methods import DecompositionMethod, MethodState, get_method
 from .tensor_cores import keeps_half_rows
@@ -449,6 +450,10 @@ def kfac_layers(
         layer = KFACLayer(layer_name, helper, method)
         by_weight[id(weight)] = layer
         layers.append(layer)
+    shared = SharedInputGram()  # Linear layers reading one input in a row (q, k, v; gate and up) compute its Gram once
+    for layer in layers:
+        if isinstance(layer.helper, LinearHelper):
+            layer.helper.shared = shared
     return layers
 
 

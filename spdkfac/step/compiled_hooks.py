@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from ..kfac.layer_types.shared_input import compiled_buffers
 from .module_hooks import HookHandle, register
 
 __all__ = ["TAPS_AVAILABLE", "compiling", "register_factor_pre_hook", "register_output_grad_hook", "run_eagerly"]
@@ -122,7 +123,9 @@ def register_factor_pre_hook(module: nn.Module, hook: Callable[[nn.Module, tuple
 
 
 def _call_with_grad(hook: Callable[[nn.Module, tuple[Any, ...]], None], module: nn.Module, tensors: list[torch.Tensor]) -> None:
-    with torch.enable_grad():  # as in the traced forward (a tap is only emitted with gradients on)
+    # With gradients on, as in the traced forward (a tap is only emitted with gradients on); the tensors are the graph's
+    # buffers, whose memory inductor reuses by plan: no Gram is reused for what looks like the same input.
+    with torch.enable_grad(), compiled_buffers():
         hook(module, tuple(tensors))
 
 

@@ -580,3 +580,17 @@ def test_stacked_preconditioning_times_both_arms_on_plain_steps(tmp_path):
     assert row["groups"] >= 2
     assert row["stacked_layers"] > row["groups"]
     assert row["ratio"] == pytest.approx(row["stacked"]["median"] / row["per_layer"]["median"])
+
+
+@pytest.mark.slow
+def test_shared_input_gram_times_both_arms_and_they_step_alike(tmp_path):
+    """benchmarks/shared_input_gram.py for real (a tiny model): fewer Grams with the cache, bitwise the same steps."""
+    out = tmp_path / "sig.json"
+    run_benchmark("shared_input_gram", "--quick", "--steps", "2", "--threads", "1", "--out", str(out))
+    models = json.loads(out.read_text())["models"]
+    assert len(models) == 2
+    for row in models.values():
+        assert row["shared"]["n"] == row["apart"]["n"] == 2
+        # Per block: q/k/v one Gram, o, gate/up one, down (against 7); the head's.
+        assert row["grams_per_step"] == {"shared": 2 * 4 + 1, "apart": 2 * 7 + 1}
+        assert row["parameters_bitwise_equal"] is True

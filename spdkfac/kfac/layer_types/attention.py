@@ -28,7 +28,7 @@ included. It covers ``batch_first`` both ways, unbatched input,
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -42,7 +42,6 @@ __all__ = [
     "AttentionSplit",
     "ExplicitAttention",
     "ProjectionHelper",
-    "SharedInputGram",
     "explicit_attention",
     "project",
     "projection_rows",
@@ -103,66 +102,18 @@ class AttentionProjection(nn.Module):
         return f"{PROJECTIONS[self.index]}, in_features={self.in_features}, out_features={self.out_features}"
 
 
-class SharedInputGram:
-    """The input Gram of one projection, reused by the next ones of the same attention when their input is the same.
-
-    In self-attention q, k and v read one tensor (``query is key is value``,
-    or views of it): their factors ``A`` are equal, and the Gram that makes
-    them (``N*L*E^2`` multiply-adds) is computed once instead of three times.
-    A hit returns a copy of the same values, so the factors are bitwise
-    those computed apart. The input is held (so its memory cannot be reused
-    by another tensor at the same address) until a different input
-    replaces it or the step ends (:meth:`forget`).
-    """
-
-    def __init__(self) -> None:
-        self._held: tuple[torch.Tensor, int, torch.dtype, torch.Tensor, int] | None = None
-
-    @staticmethod
-    def _same(held: torch.Tensor, version: int, x: torch.Tensor) -> bool:
-        """The same values: one storage, offset, shape and strides, and no in-place change since (views share a version)."""
-        return (
-            held.data_ptr() == x.data_ptr()
-            and held.shape == x.shape
-            and held.stride() == x.stride()
-            and held.dtype == x.dtype
-            and held.device == x.device
-            and x._version == version
-        )
-
-    def gram(self, x: torch.Tensor, dtype: torch.dtype, compute: Callable[[], tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, int]:
-        """``compute()`` (the Gram of ``x`` in ``dtype`` and its row count), or a copy of the one held for the same input."""
-        held = self._held
-        if held is not None and held[2] == dtype and self._same(held[0], held[1], x):
-            return held[3].clone(), held[4]
-        version = x._version
-        gram, rows = compute()
-        self._held = (x, version, dtype, gram.clone(), rows)  # (the caller scales its Gram in place)
-        return gram, rows
-
-    def forget(self) -> None:
-        self._held = None
-
-
 class ProjectionHelper(LinearHelper):
     """A Linear layer whose weight and bias are rows of parameters it shares with the other projections."""
 
     module: AttentionProjection  # type: ignore[assignment]  # a Linear layer's maths on a projection module
     kind = "MultiheadAttention q/k/v projection"
 
-    def __init__(self, module: AttentionProjection, shared: SharedInputGram | None = None) -> None:
+    def __init__(self, module: AttentionProjection) -> None:
         self.module = module
         self.weight = module.weight_param
         bias = module.bias_param
         self.bias = bias if bias is not None and bias.requires_grad else None  # (frozen: a constant, as LayerHelper's)
         self.rows = module.rows if module.packed else slice(None)
-        self.shared = shared if shared is not None else SharedInputGram()
-
-    def input_gram(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-        return self.shared.gram(x, dtype, lambda: LinearHelper.input_gram(self, x, dtype))
-
-    def forget(self) -> None:
-        self.shared.forget()
 
     def grad(self) -> torch.Tensor | None:
         grad = self.weight.grad
@@ -372,5 +323,4 @@ class AttentionSplit(SplitHelper):
         if not isinstance(explicit, ExplicitAttention):  # once per module: every optimizer hooks the same projections
             explicit = ExplicitAttention(module)
             module.forward = explicit  # type: ignore[method-assign]  # an instance attribute, as torch looks it up
-        shared = SharedInputGram()  # one per optimizer: q, k and v of self-attention compute their A once
-        return [(PROJECTIONS[p.index], ProjectionHelper(p, shared)) for p in explicit.projections if p.weight_param.requires_grad]
+        return [(PROJECTIONS[p.index], ProjectionHelper(p)) for p in explicit.projections if p.weight_param.requires_grad]

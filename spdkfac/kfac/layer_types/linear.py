@@ -8,6 +8,7 @@ import torch.nn as nn
 from ..factor_shape import FactorShape
 from ..linalg import symmetric_gram
 from .base import LayerHelper, bias_grad_view, split_bias_column, with_bias_column
+from .shared_input import SharedInputGram
 
 __all__ = ["LinearHelper"]
 
@@ -15,6 +16,9 @@ __all__ = ["LinearHelper"]
 class LinearHelper(LayerHelper):
     module: nn.Linear
     half_rows = True
+    #: The optimizer's one cache of the last input's Gram, for layers reading the same input in a row (q, k, v; gate and
+    #: up); None: each Gram computed (a helper built outside an optimizer).
+    shared: SharedInputGram | None = None
 
     @property
     def a_shape(self) -> FactorShape:
@@ -31,10 +35,19 @@ class LinearHelper(LayerHelper):
         return t  # (the Grams sum over every row, in any order)
 
     def input_gram(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        if self.shared is None:
+            return self._input_gram(x, dtype)
+        return self.shared.gram(x, dtype, self.has_bias, lambda: self._input_gram(x, dtype))
+
+    def _input_gram(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         rows = x.to(dtype).reshape(-1, x.shape[-1])
         if self.has_bias:
             rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
         return symmetric_gram(rows), rows.shape[0]
+
+    def forget(self) -> None:
+        if self.shared is not None:
+            self.shared.forget()
 
     def output_gram(self, g: torch.Tensor) -> tuple[torch.Tensor, int]:
         rows = g.reshape(-1, g.shape[-1])

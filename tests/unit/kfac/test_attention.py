@@ -27,8 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm.inprocess import run_ranks
-from spdkfac.kfac.layer_types.attention import ExplicitAttention, SharedInputGram, explicit_attention, project, projection_rows
+from spdkfac.kfac.layer_types.attention import ExplicitAttention, explicit_attention, project, projection_rows
 from spdkfac.kfac.layer_types.linear import LinearHelper
+from spdkfac.kfac.layer_types.shared_input import SharedInputGram
 
 pytestmark = pytest.mark.filterwarnings("ignore:no perf_model given")
 
@@ -279,7 +280,7 @@ def test_kfac_step_equals_the_model_with_linear_projections(batch_first, bias, k
 def test_q_k_and_v_of_one_input_compute_its_gram_once_and_step_bitwise_alike(batch_first, kind, kdim, grams, monkeypatch):
     """Self-attention's q, k and v read one tensor: one Gram for their three A, and the steps of three apart."""
     computed: list[int] = []
-    compute = LinearHelper.input_gram
+    compute = LinearHelper._input_gram
 
     def counted(helper, x, dtype):
         computed.append(x.shape[-1])
@@ -288,9 +289,9 @@ def test_q_k_and_v_of_one_input_compute_its_gram_once_and_step_bitwise_alike(bat
     def train(share: bool) -> tuple[list[torch.Tensor], list[int]]:
         computed.clear()
         with monkeypatch.context() as patch:
-            patch.setattr(LinearHelper, "input_gram", counted)
+            patch.setattr(LinearHelper, "_input_gram", counted)
             if not share:
-                patch.setattr(SharedInputGram, "gram", lambda self, x, dtype, compute: compute())
+                patch.setattr(SharedInputGram, "gram", lambda self, x, dtype, ones, compute: compute())
             mine, _ = _nets(batch_first, True, kind, kdim)
             opt = SPDKFACOptimizer(mine, **KW)
             _train(mine, opt, *_data(kind), steps=3)
@@ -303,26 +304,6 @@ def test_q_k_and_v_of_one_input_compute_its_gram_once_and_step_bitwise_alike(bat
     others = 4 if kind == "cross" else 3  # embed, out_proj, head (and kv): one Gram each per step
     assert len(calls_apart) == 3 * (3 + others)
     assert len(calls_shared) == 3 * (grams + others)
-
-
-def test_a_shared_gram_is_not_reused_for_other_values():
-    shared = SharedInputGram()
-    x = torch.randn(4, 3)
-
-    def compute(t: torch.Tensor):
-        return lambda: (t.T @ t, t.shape[0])
-
-    first, _ = shared.gram(x, torch.float32, compute(x))
-    assert torch.equal(shared.gram(x.detach(), torch.float32, compute(x))[0], first)  # the same values: a copy
-    x.add_(1.0)  # changed in place: computed anew
-    assert torch.equal(shared.gram(x, torch.float32, compute(x))[0], x.T @ x)
-    y = x[:, :2]  # a view with other values
-    assert torch.equal(shared.gram(y, torch.float32, compute(y))[0], y.T @ y)
-    assert shared.gram(y, torch.float64, compute(y.double()))[0].dtype == torch.float64  # another dtype
-    shared.forget()
-    calls = []
-    shared.gram(y, torch.float64, lambda: calls.append(1) or (y.T @ y, 4))
-    assert calls == [1]  # forgotten at the step's end
 
 
 # -- reference from the definitions -------------------------------------------------------------------------------------------

@@ -19,11 +19,12 @@ from spdkfac.comm.inprocess import run_ranks
 from spdkfac.kfac.layers import kfac_layers
 from spdkfac.models import MODELS, get_model
 from spdkfac.models.imagenet import InceptionV4
+from spdkfac.models.llama import rotate
 from spdkfac.models.modern import ConvNeXt, ConvNeXtBlock, VisionTransformer
 
 pytestmark = pytest.mark.filterwarnings("ignore:no perf_model given")
 
-NORMS = (nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)
+NORMS = (nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 #: Why a parameter may be left to the base update: (module types holding it, parameter names).
 LEFT_OUT = {
     "normalisation layer (affine scale and shift)": (NORMS, ("weight", "bias")),
@@ -43,6 +44,7 @@ BELOW_99 = {
 #: Models built in the fast loop (the others take seconds each to build: run with --run-slow).
 FAST = {
     "char_gpt",
+    "char_llama",
     "digits_cnn",
     "mnist_vit",
     "mnist_cnn",
@@ -170,3 +172,41 @@ def test_narrow_convnext_and_vit_on_two_workers_equal_one_process(build, float64
     """The same architectures, narrow: no BatchNorm, so 2 workers equal one process on the global batch (float64)."""
     shape = (3, 16, 16)
     _check_steps(build, shape, 5, equal_to_one=True)
+
+
+def test_char_llama_on_two_workers_equals_one_process(float64):
+    """The Llama-style language model (no norm statistics, no batch coupling): 2 in-process workers equal one."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return get_model("char_llama")
+
+    ids = torch.randint(0, 97, (4, 13), generator=torch.Generator().manual_seed(1))
+
+    def steps(model: nn.Module, backend) -> dict[str, torch.Tensor]:
+        size = 1 if isinstance(backend, str) else backend.size
+        rank = 0 if isinstance(backend, str) else backend.rank
+        local = ids[rank * 4 // size : (rank + 1) * 4 // size]
+        opt = SPDKFACOptimizer(model, lr=0.05, damping=0.01, backend=backend)
+        for s in range(2):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model((local + s) % 97)[:, :, :-1], ((local + s) % 97)[:, 1:]).backward()
+            opt.step()
+        return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    single = steps(build(), "single")
+    assert not torch.equal(single["head.weight"], build().head.weight)  # (it trained)
+    models = [build(), build()]
+    ranks = run_ranks(2, lambda b: steps(models[b.rank], b))
+    for key, value in single.items():
+        assert torch.equal(ranks[0][key], ranks[1][key]), key
+        torch.testing.assert_close(ranks[0][key], value, rtol=1e-9, atol=1e-11)
+
+
+def test_rotary_embedding_is_the_complex_rotation_by_position(float64):
+    """RoPE in Llama's half-split layout: (first + i second) times exp(i t base^(-j/half)) at position t."""
+    x = torch.randn(2, 3, 5, 8)
+    half = 4
+    angle = torch.arange(5.0)[:, None] * 10000.0 ** (-torch.arange(half) / half)
+    turned = torch.complex(x[..., :half], x[..., half:]) * torch.polar(torch.ones_like(angle), angle)
+    torch.testing.assert_close(rotate(x), torch.cat([turned.real, turned.imag], dim=-1), rtol=1e-6, atol=1e-6)
