@@ -29,6 +29,9 @@ How the hooks count (docs/shared-layers.md):
   on who ran what through the step's
   :class:`~spdkfac.step.collective_order.CollectiveOrder`, which also keeps
   the all-reduces paired;
+* an embedding that looks positions up once, ``wpe(torch.arange(T))``, beside
+  a lookup of ``(N, T)`` tokens, presumably broadcast over the batch, is one
+  sample to K-FAC: a warning says so once (:mod:`~spdkfac.step.broadcast_lookup`);
 * a forward use with gradients on that no backward pass reaches (a metric's
   pass, a detached branch) cannot be told apart when its ``A`` is taken: it
   is counted, and a warning says so once;
@@ -50,8 +53,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from ..kfac.layer_types import EmbeddingHelper
 from ..kfac.layers import FACTOR_KINDS, FactorKey, FactorKind, KFACLayer
 from ..kfac.linalg import non_finite_indices
+from .broadcast_lookup import BroadcastLookups
 from .collective_order import CollectiveOrder, Slot
 from .compiled_hooks import register_factor_pre_hook, register_output_grad_hook
 from .factor_allreduce import TensorFusionController, group_name
@@ -227,6 +232,7 @@ class FactorCollector:
         self._repeat_noted = False  # whether a second backward pass through one forward pass was warned about
         self._unused_noted = False  # whether a forward use whose output got no gradient was warned about
         self._reached: dict[str, int] = {}  # per layer: the uses whose output a backward pass reached this step (here)
+        self._lookups = BroadcastLookups()  # position embeddings looked up once for the batch: said once
         #: Called once, with the input of the first factor computed (then set to None): the optimizer's first look
         #: at the forward pass's precision.
         self.first_input: Callable[[torch.Tensor], None] | None = None
@@ -254,6 +260,7 @@ class FactorCollector:
         self._names = {}
         self._agreed = {}
         self._more = set()
+        self._lookups.reset()
         for layer in self.layers:
             layer.helper.forget()  # inputs a forward pass kept for a backward pass that never came
 
@@ -269,6 +276,8 @@ class FactorCollector:
                 if isinstance(inputs[0], torch.Tensor) and inputs[0].numel() == 0:
                     self.empty_inputs = True  # no sample (an empty batch, a branch nothing was routed to): as if not run
                     return
+                if isinstance(layer.helper, EmbeddingHelper) and isinstance(inputs[0], torch.Tensor):
+                    self._lookups.see(layer.name, inputs[0])
                 if self.first_input is not None and isinstance(inputs[0], torch.Tensor):
                     first_input, self.first_input = self.first_input, None
                     first_input(inputs[0])
