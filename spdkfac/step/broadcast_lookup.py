@@ -6,8 +6,10 @@ its ``(T, E)`` output is broadcast over the batch. K-FAC then sees one
 gradient there, the batch's sum, so ``G`` mixes the samples' gradients, and
 N workers (each summing its own share) differ from one worker. The hooks
 cannot see a broadcast, but this pattern has a signature: in one forward
-pass an embedding takes ``(N, T)`` token ids with ``N >= 2``, and another
-takes exactly ``torch.arange(T)``. Looking the positions up per sample,
+pass an embedding takes exactly ``torch.arange(T)`` while the batch is ``N >=
+2`` sequences of ``T``, ``N != T``, as another embedding's ``(N, T)`` token
+ids or a Linear layer's ``(N, T, E)`` input show (the token embedding itself
+may be no K-FAC layer: nanoGPT ties it to the head). Looking the positions up per sample,
 ``wpe(torch.arange(T).expand(N, T))``, gives the same output and the
 per-sample gradients.
 
@@ -26,10 +28,10 @@ __all__ = ["BroadcastLookups"]
 
 
 class BroadcastLookups:
-    """Watches the embeddings' inputs of each step; warns once per layer that looks positions up for the whole batch."""
+    """Watches the layers' inputs of each step; warns once per embedding that looks positions up for the whole batch."""
 
     def __init__(self) -> None:
-        self._batched: dict[int, tuple[str, int]] = {}  # T -> (layer, N) of an (N, T) lookup this step
+        self._batched: dict[int, tuple[str, int]] = {}  # T -> (layer, N) of the first (N, T) sequences seen this step
         self._lone: dict[int, list[str]] = {}  # T -> layers that looked arange(T) up this step, awaiting an (N, T) one
         self._is_arange: dict[str, bool] = {}  # per layer: whether its 1-D lookup is arange (read once)
         self._said: set[str] = set()
@@ -39,20 +41,25 @@ class BroadcastLookups:
         self._batched.clear()
         self._lone.clear()
 
-    def see(self, name: str, ids: torch.Tensor) -> None:
-        """An embedding ``name`` looked ``ids`` up in this step's forward pass."""
-        if ids.dim() == 2 and ids.shape[0] >= 2 and ids.shape[0] != ids.shape[1]:
-            length, batch = ids.shape[1], ids.shape[0]
-            self._batched.setdefault(length, (name, batch))
-            for lone in self._lone.pop(length, []):
-                self._warn(lone, name, batch, length)
-        elif ids.dim() == 1 and ids.shape[0] >= 2 and name not in self._said and self._arange(name, ids):
-            length = ids.shape[0]
-            if length in self._batched:
-                other, batch = self._batched[length]
-                self._warn(name, other, batch, length)
-            else:
-                self._lone.setdefault(length, []).append(name)
+    def batch(self, name: str, batch: int, length: int) -> None:
+        """Layer ``name`` took ``batch`` sequences of ``length`` in this step's forward pass (token ids ``(N, T)``,
+        or a Linear layer's ``(N, T, E)``)."""
+        if batch < 2 or batch == length or length in self._batched:
+            return
+        self._batched[length] = (name, batch)
+        for lone in self._lone.pop(length, []):
+            self._warn(lone, name, batch, length)
+
+    def lookup(self, name: str, ids: torch.Tensor) -> None:
+        """Embedding ``name`` looked up 1-D ``ids`` in this step's forward pass."""
+        if ids.shape[0] < 2 or name in self._said or not self._arange(name, ids):
+            return
+        length = ids.shape[0]
+        if length in self._batched:
+            other, batch = self._batched[length]
+            self._warn(name, other, batch, length)
+        else:
+            self._lone.setdefault(length, []).append(name)
 
     def _arange(self, name: str, ids: torch.Tensor) -> bool:
         known = self._is_arange.get(name)
@@ -66,7 +73,7 @@ class BroadcastLookups:
         self._said.add(name)
         warnings.warn(
             f"embedding {name!r} looked up torch.arange({length}) once, in a forward pass where {tokens!r} took a batch "
-            f"of {batch} ({batch}, {length}): its output is presumably broadcast over the batch (position embeddings). "
+            f"of {batch} sequences of {length}: its output is presumably broadcast over the batch (position embeddings). "
             f"K-FAC then sees the batch's summed gradient there as one sample: its G mixes the samples, and N workers "
             f"differ from one. Look the positions up per sample, {name}(torch.arange({length}).expand({batch}, {length})) "
             "with the batch's size (the same output); docs/layers.md. This is said once",

@@ -53,7 +53,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..kfac.layer_types import EmbeddingHelper
+from ..kfac.layer_types import EmbeddingHelper, LinearHelper
 from ..kfac.layers import FACTOR_KINDS, FactorKey, FactorKind, KFACLayer
 from ..kfac.linalg import non_finite_indices
 from .broadcast_lookup import BroadcastLookups
@@ -276,14 +276,25 @@ class FactorCollector:
                 if isinstance(inputs[0], torch.Tensor) and inputs[0].numel() == 0:
                     self.empty_inputs = True  # no sample (an empty batch, a branch nothing was routed to): as if not run
                     return
-                if isinstance(layer.helper, EmbeddingHelper) and isinstance(inputs[0], torch.Tensor):
-                    self._lookups.see(layer.name, inputs[0])
+                if isinstance(inputs[0], torch.Tensor):
+                    self._see_sequences(layer, inputs[0])
                 if self.first_input is not None and isinstance(inputs[0], torch.Tensor):
                     first_input, self.first_input = self.first_input, None
                     first_input(inputs[0])
                 self._submit(layer, "A", lambda: layer.compute_a(inputs[0]))
 
         return hook
+
+    def _see_sequences(self, layer: KFACLayer, x: torch.Tensor) -> None:
+        """Shows :class:`BroadcastLookups` the batch of sequences a layer took, or an embedding's 1-D lookup."""
+        helper = layer.helper
+        if isinstance(helper, EmbeddingHelper):
+            if x.dim() == 2:
+                self._lookups.batch(layer.name, x.shape[0], x.shape[1])
+            elif x.dim() == 1:
+                self._lookups.lookup(layer.name, x)
+        elif isinstance(helper, LinearHelper) and x.dim() == 3 and helper.sequence != "sequence_first":
+            self._lookups.batch(layer.name, x.shape[0], x.shape[1])
 
     def _g_hook(self, layer: KFACLayer) -> tuple[Callable[[], bool], Callable[[torch.Tensor], bool]]:
         """When the layer's output gradient is wanted (its A was taken this step), and what computes G from it.
