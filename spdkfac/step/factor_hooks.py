@@ -231,6 +231,7 @@ class FactorCollector:
         self._attack_noted = False  # whether such passes counted in a later micro-batch were warned about
         self._repeat_noted = False  # whether a second backward pass through one forward pass was warned about
         self._unused_noted = False  # whether a forward use whose output got no gradient was warned about
+        self._uneven_noted = False  # whether layers that took different numbers of samples on the workers were warned about
         self._reached: dict[str, int] = {}  # per layer: the uses whose output a backward pass reached this step (here)
         self._lookups = BroadcastLookups()  # position embeddings looked up once for the batch: said once
         #: Called once, with the input of the first factor computed (then set to None): the optimizer's first look
@@ -374,6 +375,21 @@ class FactorCollector:
             "such passes under torch.no_grad() or with the model in eval() mode; to skip a batch whose loss is not "
             "finite, decide with optimizer.finite_everywhere(loss), which drops its factors on every worker (this is "
             "said once)",
+            stacklevel=2,
+        )
+
+    def _uneven_samples(self, layers: list[str]) -> None:
+        """Layers took different numbers of samples on different workers: say once that their factors then differ
+        from one worker's on the whole batch."""
+        if self._uneven_noted:
+            return
+        self._uneven_noted = True
+        warnings.warn(
+            f"layer(s) {', '.join(layers[:6])}{' ...' if len(layers) > 6 else ''} took different numbers of samples on "
+            "different workers in this step (a data-dependent selection: tokens routed to an expert, masked positions; "
+            "or local batches of different sizes). Their factors are then the mean of the workers' own, each "
+            "normalised by its own samples, where one worker on the whole batch weighs every sample alike: N workers "
+            "differ from one there (docs/layers.md). This is said once",
             stacklevel=2,
         )
 
@@ -569,7 +585,7 @@ class FactorCollector:
 
     def report(self) -> list[float]:
         """Per layer and factor: computed here (0/1), its calls and their square, extra calls sent apart (0/1);
-        then the samples its G saw."""
+        then the samples its G saw and their square."""
         values: list[float] = []
         for layer in self.layers:
             for kind in FACTOR_KINDS:
@@ -577,13 +593,15 @@ class FactorCollector:
                 calls = 0 if tally is None else tally.calls
                 extra = tally is not None and tally.extra is not None
                 values += [float(calls > 0), float(calls), float(calls * calls), float(extra)]
-            values.append(float(layer.local_samples if ("G", layer.name) in self._tally else 0))
+            samples = layer.local_samples if ("G", layer.name) in self._tally else 0
+            values += [float(samples), float(samples * samples)]
         return values
 
     def agreed(self, present: dict[str, int], summed: list[int], workers: int) -> None:
         """Fix, alike on every worker, which layers ran where, their calls, and send the extra calls' sums."""
+        uneven: list[str] = []
         for i, layer in enumerate(self.layers):
-            row = summed[9 * i : 9 * i + 9]
+            row = summed[10 * i : 10 * i + 10]
             a_here, g_ran = self._tally.get(("A", layer.name)), row[4]  # (G's entries follow A's four)
             uses, reached = (0 if a_here is None else a_here.calls), self._reached.get(layer.name, 0)
             if g_ran and uses > reached:  # (where no worker took its G, the layer counts as not run: nothing to say)
@@ -611,6 +629,10 @@ class FactorCollector:
                     self.controller.submit((kind, f"{layer.name}{_MORE}"), local, alone=True)
                     self._more.add(key)
             self.samples[layer.name] = row[8]
+            if g_ran and g_ran * row[9] != row[8] * row[8]:
+                uneven.append(f"{layer.name!r} ({row[8]} over {g_ran} workers)")
+        if uneven:
+            self._uneven_samples(uneven)
 
     def take(self, nonfinite: NonFiniteGuard, step: int) -> dict[FactorKey, torch.Tensor]:
         """Wait for this step's averaged factors (packed) of the layers that ran; raise if one is non-finite.
