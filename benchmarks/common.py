@@ -46,6 +46,25 @@ def workload_parser(doc: str, iters: int, out_name: str | None = None, model: st
     return ap
 
 
+def one_process_parser(doc: str, out_name: str, rounds: tuple[str, int, str], quick: str) -> argparse.ArgumentParser:
+    """The options of the one-process benchmarks that time two arms in alternation: their rounds (``(flag, default,
+    help)``), torch's threads (2: this machine's cores), ``--quick`` (small inputs, to test the benchmark) and
+    ``--out``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    flag, default, help_text = rounds
+    ap.add_argument(flag, type=int, default=default, help=help_text)
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--quick", action="store_true", help=quick)
+    ap.add_argument("--out", default=str(RESULTS / out_name), type=output_file(make_parents=True))
+    return ap
+
+
+def save_result(args: argparse.Namespace, key: str, rows: Any) -> None:
+    """``{"args", "machine", key: rows}`` written to ``--out``, and where it went said."""
+    out = Path(args.out)
+    print(f"wrote {save_json({'args': vars(args), 'machine': machine(), key: rows}, out.name, out.parent)}")
+
+
 def start(args: argparse.Namespace, distributed: bool = True):
     """Apply ``--threads``, silence warnings, and return the communication engine (or None)."""
     warnings.filterwarnings("ignore")

@@ -16,10 +16,8 @@ be: the copy is the same values).
 
 from __future__ import annotations
 
-import argparse
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,9 +26,8 @@ import torch.nn.functional as F
 from spdkfac import SPDKFACOptimizer
 from spdkfac.kfac.layer_types import LinearHelper
 from spdkfac.models.llama import CharLlama
-from spdkfac.runtime.output_path import output_file
 
-from .common import RESULTS, machine, save_json, stats
+from .common import one_process_parser, save_result, stats
 
 #: name -> (width, heads, MLP width, context, batch): a char-level size and a wider one (Llama's MLP at ~8/3).
 SIZES: dict[str, tuple[int, int, int, int, int]] = {
@@ -106,16 +103,15 @@ def measure(steps: int, quick: bool = False) -> dict[str, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=15, help="timed factor steps per arm (after one untimed)")
-    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    ap.add_argument("--quick", action="store_true", help="a tiny model (to test the benchmark)")
-    ap.add_argument("--out", default=str(RESULTS / "shared_input_gram.json"), type=output_file(make_parents=True))
+    ap = one_process_parser(
+        __doc__,
+        "shared_input_gram.json",
+        ("--steps", 15, "timed factor steps per arm (after one untimed)"),
+        "a tiny model (to test the benchmark)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = {"args": vars(args), "machine": machine(), "models": measure(args.steps, args.quick)}
-    out = save_json(result, Path(args.out).name, Path(args.out).parent)
-    print(f"wrote {out}")
+    save_result(args, "models", measure(args.steps, args.quick))
 
 
 if __name__ == "__main__":

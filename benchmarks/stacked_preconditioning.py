@@ -25,12 +25,10 @@ write-back's copies sorted by layout).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import time
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,11 +38,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from spdkfac import make_optimizer
 from spdkfac.kfac import linalg
 from spdkfac.models import get_model
-from spdkfac.runtime.output_path import output_file
 from spdkfac.step import gradient_views, preconditioning
 from spdkfac.step.gradient_views import same_layout
 
-from .common import RESULTS, machine, save_json, stats
+from .common import one_process_parser, save_result, stats
 
 #: name -> (zoo model, resolution, batch): a convolutional network with repeated blocks and a transformer.
 MODELS = {"resnet50 32x32, batch 8": ("resnet50", 32, 8), "vit_s16_32 32x32, batch 8": ("vit_s16_32", 32, 8)}
@@ -145,11 +142,12 @@ def measure(model_name: str, resolution: int, batch: int, steps: int) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=40, help="rounds (each steps both arms once)")
-    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    ap.add_argument("--quick", action="store_true", help="a small model and few steps (to test the benchmark)")
-    ap.add_argument("--out", default=str(RESULTS / "stacked_preconditioning.json"), type=output_file(make_parents=True))
+    ap = one_process_parser(
+        __doc__,
+        "stacked_preconditioning.json",
+        ("--steps", 40, "rounds (each steps both arms once)"),
+        "a small model and few steps (to test the benchmark)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = {}
@@ -161,8 +159,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{ops['per_layer']} ({gpu['stacked']} against {gpu['per_layer']} as on a GPU)",
             flush=True,
         )
-    out = save_json({"args": vars(args), "machine": machine(), "models": rows}, Path(args.out).name, Path(args.out).parent)
-    print(f"wrote {out}")
+    save_result(args, "models", rows)
 
 
 if __name__ == "__main__":

@@ -14,19 +14,16 @@ reassociated). Medians of ``--iters`` rounds, float32, ``--threads`` threads.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from spdkfac.kfac.layer_types import ConvTransposeHelper, make_helper
-from spdkfac.runtime.output_path import output_file
 
-from .common import RESULTS, machine, save_json, stats
+from .common import one_process_parser, save_result, stats
 
 #: name -> (the layer, its input's shape): the up-sampling steps of a DCGAN generator, U-Nets and a conv decoder.
 LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
@@ -85,16 +82,15 @@ def measure(iters: int, quick: bool = False) -> dict[str, dict[str, object]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--iters", type=int, default=7, help="timed rounds per layer (each times both Grams)")
-    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    ap.add_argument("--quick", action="store_true", help="inputs 8x smaller per side, batch 2 (to test the benchmark)")
-    ap.add_argument("--out", default=str(RESULTS / "transposed_conv_factor.json"), type=output_file(make_parents=True))
+    ap = one_process_parser(
+        __doc__,
+        "transposed_conv_factor.json",
+        ("--iters", 7, "timed rounds per layer (each times both Grams)"),
+        "inputs 8x smaller per side, batch 2 (to test the benchmark)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = {"args": vars(args), "machine": machine(), "layers": measure(args.iters, args.quick)}
-    out = save_json(result, Path(args.out).name, Path(args.out).parent)
-    print(f"wrote {out}")
+    save_result(args, "layers", measure(args.iters, args.quick))
 
 
 if __name__ == "__main__":
