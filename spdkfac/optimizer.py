@@ -57,6 +57,7 @@ from .step.nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
 from .step.timeline import Timeline
 from .update.added_groups import average_gradients_now, check_outside_model, not_in_model
 from .update.base_update import apply_base_update, base_defaults
+from .update.forward_renorm import refuse_forward_renorm
 from .update.replaced import ParameterSlots, check_materialised
 from .update.unfrozen import outside_groups, regroup
 from .update.update_fusion import NO_KL_CLIP, BackwardFusion, ForwardFusion, check_update_fusion
@@ -297,6 +298,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """
         workers = self.backend.size
         self.wrapping.check(workers, self.config.update_fusion)
+        refuse_forward_renorm(self.model, workers)
         if self.wrapping.leaves_parameters_unused:  # a layer may run on some workers only: DDP's buckets and the
             self.backend.apart_from_default_group()  # factors, held back there, must not pair with each other
         self.perf_model = self._measured_perf_model.for_world_size(workers)  # as the simulator plans
