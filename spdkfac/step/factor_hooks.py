@@ -630,7 +630,7 @@ class FactorCollector:
                     self._more.add(key)
             self.samples[layer.name] = row[8]
             if g_ran and g_ran * row[9] != row[8] * row[8]:
-                uneven.append(f"{layer.name!r} ({row[8]} over {g_ran} workers)")
+                uneven.append(f"{layer.name!r} ({row[8]} samples over {g_ran} workers)")
         if uneven:
             self._uneven_samples(uneven)
 
