@@ -70,6 +70,8 @@ __all__ = ["FactorCollector", "computes_grad_of", "recomputing", "warn_if_float1
 _REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
 #: Suffix of the name under which a layer's calls beyond those expected travel (no module name holds '#').
 _MORE = "#more"
+#: Entries per layer in :meth:`FactorCollector.report`: four per factor, then the samples and their square.
+_REPORT_ROW = 4 * len(FACTOR_KINDS) + 2
 #: What to do about one backward pass too many before step().
 _ACCUMULATION_ADVICE = (
     "To accumulate k micro-batches, each backward()ed before one step() (gradient accumulation, a trainer's "
@@ -279,9 +281,9 @@ class FactorCollector:
                     return
                 if isinstance(inputs[0], torch.Tensor):
                     self._see_sequences(layer, inputs[0])
-                if self.first_input is not None and isinstance(inputs[0], torch.Tensor):
-                    first_input, self.first_input = self.first_input, None
-                    first_input(inputs[0])
+                    if self.first_input is not None:
+                        first_input, self.first_input = self.first_input, None
+                        first_input(inputs[0])
                 self._submit(layer, "A", lambda: layer.compute_a(inputs[0]))
 
         return hook
@@ -601,7 +603,7 @@ class FactorCollector:
         """Fix, alike on every worker, which layers ran where, their calls, and send the extra calls' sums."""
         uneven: list[str] = []
         for i, layer in enumerate(self.layers):
-            row = summed[10 * i : 10 * i + 10]
+            row = summed[_REPORT_ROW * i : _REPORT_ROW * (i + 1)]
             a_here, g_ran = self._tally.get(("A", layer.name)), row[4]  # (G's entries follow A's four)
             uses, reached = (0 if a_here is None else a_here.calls), self._reached.get(layer.name, 0)
             if g_ran and uses > reached:  # (where no worker took its G, the layer counts as not run: nothing to say)
