@@ -40,7 +40,7 @@ from .kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, kfac_l
 from .kfac.methods import get_method
 from .kfac.state import check_kfac_state, keep_held_decompositions, load_kfac_state, memory_usage, save_kfac_state, saved_uses
 from .kfac.summary import kfac_summary
-from .perfmodels import PerfModel, load_perf_model
+from .perfmodels import PerfModel, load_perf_model, warn_uncalibrated
 from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES
 from .plan.grad_worker_choice import GradWorkerProblem, grad_worker_record, rechosen_note
 from .plan.grad_workers import GradWorkerFraction
@@ -141,7 +141,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         backend: ``'auto'``, ``'horovod'``, ``'torch'``, ``'single'`` or a
             :class:`~spdkfac.comm.CommBackend`.
         perf_model: a fitted performance-model file or :class:`~spdkfac.perfmodels.PerfModel`
-            (None: an uncalibrated default, with a warning).
+            (None: an uncalibrated default, with a warning on several workers; one worker plans nothing with it).
         grad_scaler: the ``torch.amp.GradScaler`` of a float16 loop; the loss
             scale is removed from the G factors and the gradients are averaged
             at the end of ``backward()``, before the scaler reads them; a step
@@ -267,7 +267,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             DampingStep(self.adaptive_damping, model, self.layers, self.backend) if self.adaptive_damping is not None else None
         )
         self.wrapping = wrapping
-        self._measured_perf_model = load_perf_model(perf_model)  # scaled to the run's worker count by _plan_for_workers
+        self._measured_perf_model = load_perf_model(perf_model, warn=False)  # scaled to the run's worker count by _plan_for_workers
+        self._uncalibrated = perf_model is None  # (said when first planned for several workers: one plans nothing with it)
         self.timeline: Timeline | None = Timeline() if timeline else None
         self.param_names = collective_names(model, self.param_groups)
         self._slots = ParameterSlots(model)  # (each step checks that the model's parameters are still these)
@@ -301,6 +302,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         refuse_forward_renorm(self.model, workers)
         if self.wrapping.leaves_parameters_unused:  # a layer may run on some workers only: DDP's buckets and the
             self.backend.apart_from_default_group()  # factors, held back there, must not pair with each other
+        if self._uncalibrated and workers > 1:
+            self._uncalibrated = False
+            warn_uncalibrated()
         self.perf_model = self._measured_perf_model.for_world_size(workers)  # as the simulator plans
         shapes = [LayerShape.of(la) for la in self.layers]
         grad_workers, self.grad_worker_choice = GradWorkerProblem(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ __all__ = [
     "PerfModel",
     "PerfModelError",
     "load_perf_model",
+    "warn_uncalibrated",
 ]
 
 FORMAT_VERSION = 1
@@ -304,7 +306,7 @@ class PerfModel:
                 f"{world_size}; its all-reduce and broadcast costs are scaled to {world_size} workers (ring and "
                 "tree, as the simulator scales them) for placement and fusion. Re-run `python -m spdkfac.perfmodels "
                 "benchmark` under this launch configuration for measured ones.",
-                stacklevel=3,
+                stacklevel=_user_stacklevel(),
             )
 
     def for_world_size(self, workers: int) -> PerfModel:
@@ -448,15 +450,35 @@ def _curve_from_dict(entry: dict[str, Any], name: str) -> InverseModel:
     return InverseModel(kind, params, measured, name=name)
 
 
-def load_perf_model(perf_model: str | Path | PerfModel | None) -> PerfModel:
-    """Resolve the optimizer's ``perf_model=`` argument (path, object, or None for the default)."""
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by the caller of this function point at the first frame outside
+    the package: the user's line that built the optimizer, whichever of its wrappers (the preconditioner, ``replan``)
+    led here."""
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_uncalibrated() -> None:
+    """Say that the built-in performance model plans this run's fusion and placement (it matters on several workers)."""
+    warnings.warn(
+        "no perf_model given: using the built-in, uncalibrated default performance model for fusion "
+        "and placement decisions. Fit one for your cluster with `python -m spdkfac.perfmodels "
+        "benchmark --out perfmodels/<name>.json` and pass perf_model=<that file>.",
+        stacklevel=_user_stacklevel(),
+    )
+
+
+def load_perf_model(perf_model: str | Path | PerfModel | None, warn: bool = True) -> PerfModel:
+    """Resolve the optimizer's ``perf_model=`` argument (path, object, or None for the default, with a warning
+    unless ``warn`` is False: the optimizer warns only where it plans for several workers)."""
     if perf_model is None:
-        warnings.warn(
-            "no perf_model given: using the built-in, uncalibrated default performance model for fusion "
-            "and placement decisions. Fit one for your cluster with `python -m spdkfac.perfmodels "
-            "benchmark --out perfmodels/<name>.json` and pass perf_model=<that file>.",
-            stacklevel=3,
-        )
+        if warn:
+            warn_uncalibrated()
         return PerfModel.default()
     if isinstance(perf_model, PerfModel):
         return perf_model

@@ -6,7 +6,10 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 
+from spdkfac import KFACPreconditioner, SPDKFACOptimizer
+from spdkfac.comm.inprocess import run_ranks
 from spdkfac.kfac.methods import get_method
 from spdkfac.perfmodels import PerfModel, PerfModelError, fit_exponential, fit_inverse_model, fit_linear, load_perf_model
 from spdkfac.perfmodels.models import EIGEN_OVER_INVERSE
@@ -185,3 +188,37 @@ def test_scaled_to_another_worker_count_is_what_the_optimizer_and_the_simulator_
     sim = ScaledModels(model, 8)
     assert sim.ar_alpha == eight.allreduce.alpha
     assert sim.broadcast(64) == eight.broadcast.payload(64 * 65 // 2)
+
+
+def _uncalibrated(caught: list[warnings.WarningMessage]) -> list[warnings.WarningMessage]:
+    return [w for w in caught if "uncalibrated default performance model" in str(w.message)]
+
+
+def test_one_worker_plans_nothing_with_the_default_and_is_not_warned():
+    """The default model decides fusion and placement, which one worker does not have: no warning there."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        SPDKFACOptimizer(model, lr=0.1)
+        KFACPreconditioner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not _uncalibrated(caught)
+
+
+@pytest.mark.parametrize("build", ["optimizer", "preconditioner"])
+def test_several_workers_are_warned_once_at_the_users_line(build):
+    models = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)) for _ in range(2)]
+
+    def construct(backend):
+        model = models[backend.rank]
+        if build == "optimizer":
+            opt = SPDKFACOptimizer(model, lr=0.1, backend=backend)
+        else:
+            opt = KFACPreconditioner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), backend=backend).kfac
+        opt.replan()  # (plans again for the same workers: said once per optimizer)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_ranks(2, construct)
+    found = _uncalibrated(caught)
+    assert len(found) == 2  # once on each rank
+    assert all(w.filename == __file__ for w in found), [w.filename for w in found]
