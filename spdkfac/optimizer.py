@@ -40,7 +40,8 @@ from .kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, kfac_l
 from .kfac.methods import get_method
 from .kfac.state import check_kfac_state, keep_held_decompositions, load_kfac_state, memory_usage, save_kfac_state, saved_uses
 from .kfac.summary import kfac_summary
-from .perfmodels import PerfModel, load_perf_model, warn_uncalibrated
+from .perfmodels import PerfModel, load_perf_model
+from .perfmodels.models import UNCALIBRATED_WARNING
 from .plan.factor_fusion import DEFAULT_THRESHOLD_BYTES
 from .plan.grad_worker_choice import GradWorkerProblem, grad_worker_record, rechosen_note
 from .plan.grad_workers import GradWorkerFraction
@@ -304,7 +305,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.backend.apart_from_default_group()  # factors, held back there, must not pair with each other
         if self._uncalibrated and workers > 1:
             self._uncalibrated = False
-            warn_uncalibrated()
+            warnings.warn(UNCALIBRATED_WARNING, stacklevel=_callers_level())
         self.perf_model = self._measured_perf_model.for_world_size(workers)  # as the simulator plans
         shapes = [LayerShape.of(la) for la in self.layers]
         grad_workers, self.grad_worker_choice = GradWorkerProblem(
@@ -334,7 +335,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         except ValueError:  # launcher variables that disagree: not this check's to refuse
             local = None
         for text in memory_warnings(self.work_plan, self.method, self.backend.rank, placed, 1 if local is None else local[1]):
-            warnings.warn(text, stacklevel=3)
+            warnings.warn(text, stacklevel=_callers_level())
         update_fusion = self.config.update_fusion
         self.kfac_step = KFACStep(
             self.config,

@@ -1,7 +1,7 @@
 """Cluster performance models: fitting, storing, loading (and benchmarking via ``python -m``)."""
 
 from .fitting import fit_cubic, fit_exponential, fit_inverse_model, fit_linear, r_squared
-from .models import AllReduceModel, BroadcastModel, InverseModel, PerfModel, PerfModelError, load_perf_model, warn_uncalibrated
+from .models import AllReduceModel, BroadcastModel, InverseModel, PerfModel, PerfModelError, load_perf_model
 
 __all__ = [
     "AllReduceModel",
@@ -15,5 +15,4 @@ __all__ = [
     "fit_linear",
     "load_perf_model",
     "r_squared",
-    "warn_uncalibrated",
 ]

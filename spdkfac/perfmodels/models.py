@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any, Callable
 from .file_version import FormatVersionError, check_format_version
 
 __all__ = [
+    "UNCALIBRATED_WARNING",
     "AllReduceModel",
     "BatchedModel",
     "BroadcastModel",
@@ -36,7 +36,6 @@ __all__ = [
     "PerfModel",
     "PerfModelError",
     "load_perf_model",
-    "warn_uncalibrated",
 ]
 
 FORMAT_VERSION = 1
@@ -306,7 +305,7 @@ class PerfModel:
                 f"{world_size}; its all-reduce and broadcast costs are scaled to {world_size} workers (ring and "
                 "tree, as the simulator scales them) for placement and fusion. Re-run `python -m spdkfac.perfmodels "
                 "benchmark` under this launch configuration for measured ones.",
-                stacklevel=_user_stacklevel(),
+                stacklevel=3,
             )
 
     def for_world_size(self, workers: int) -> PerfModel:
@@ -450,27 +449,12 @@ def _curve_from_dict(entry: dict[str, Any], name: str) -> InverseModel:
     return InverseModel(kind, params, measured, name=name)
 
 
-_PACKAGE = str(Path(__file__).resolve().parents[1])
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning issued by the caller of this function point at the first frame outside
-    the package: the user's line that built the optimizer, whichever of its wrappers (the preconditioner, ``replan``)
-    led here."""
-    frame, level = sys._getframe(2), 2
-    while frame.f_back is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def warn_uncalibrated() -> None:
-    """Say that the built-in performance model plans this run's fusion and placement (it matters on several workers)."""
-    warnings.warn(
-        "no perf_model given: using the built-in, uncalibrated default performance model for fusion "
-        "and placement decisions. Fit one for your cluster with `python -m spdkfac.perfmodels "
-        "benchmark --out perfmodels/<name>.json` and pass perf_model=<that file>.",
-        stacklevel=_user_stacklevel(),
-    )
+#: What the optimizer says when it plans for several workers with the built-in model (:func:`load_perf_model`).
+UNCALIBRATED_WARNING = (
+    "no perf_model given: using the built-in, uncalibrated default performance model for fusion "
+    "and placement decisions. Fit one for your cluster with `python -m spdkfac.perfmodels "
+    "benchmark --out perfmodels/<name>.json` and pass perf_model=<that file>."
+)
 
 
 def load_perf_model(perf_model: str | Path | PerfModel | None, warn: bool = True) -> PerfModel:
@@ -478,7 +462,7 @@ def load_perf_model(perf_model: str | Path | PerfModel | None, warn: bool = True
     unless ``warn`` is False: the optimizer warns only where it plans for several workers)."""
     if perf_model is None:
         if warn:
-            warn_uncalibrated()
+            warnings.warn(UNCALIBRATED_WARNING, stacklevel=3)
         return PerfModel.default()
     if isinstance(perf_model, PerfModel):
         return perf_model
