@@ -1,5 +1,5 @@
-"""KFACPreconditioner over real workers (torchrun, gloo): 2 workers with torch's SGD and AdamW give the parameters of
-one process on the whole batch, and both ranks hold bitwise the same parameters, optimizer state and K-FAC state."""
+"""KFACPreconditioner over real workers (torchrun, gloo): 2 workers with torch's SGD, AdamW and AdamW sharded by
+ZeroRedundancyOptimizer give the parameters of one process on the whole batch, and both ranks hold bitwise the same parameters, optimizer state and K-FAC state."""
 
 from __future__ import annotations
 
@@ -39,3 +39,5 @@ def test_two_workers_equal_one_and_replicas_are_bitwise_identical(tmp_path):
         assert_bitwise_equal(ranks[0][name]["optimizer"], ranks[1][name]["optimizer"], f"{name}/optimizer")
         assert_bitwise_equal(_held_everywhere(ranks[0][name]["kfac"]), _held_everywhere(ranks[1][name]["kfac"]), f"{name}/kfac")
         assert ranks[0][name]["kfac"]["steps"] == module.STEPS
+        if name.startswith("attached"):  # (ZeroRedundancyOptimizer's consolidated state_dict too)
+            assert ranks[0][name]["optimizer"]["kfac_preconditioner"]["kfac"]["steps"] == module.STEPS

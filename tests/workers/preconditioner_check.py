@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,7 +62,34 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         dict(lr=0.01, weight_decay=1e-2),
         dict(compute_method="eigen", factor_update_steps=1, inv_update_steps=2, damping=0.01, kl_clip=0.01),
     ),
+    # The same with torch's ZeroRedundancyOptimizer around AdamW on several workers (each rank updates its shard of
+    # the parameters and broadcasts it; plain AdamW in the one-process reference): its state, consolidated, is saved.
+    "attached-ddp-after-zero-adamw": (
+        "zero-adamw",
+        dict(lr=0.01, weight_decay=1e-2),
+        dict(compute_method="inverse", factor_update_steps=1, inv_update_steps=2, damping=0.01, kl_clip=0.01),
+    ),
 }
+
+
+def _optimizer(kind: str, model: nn.Module, options: dict[str, Any], workers: int) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), **options)
+    if kind == "zero-adamw" and workers > 1:
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, foreach=False, **options)
+    return torch.optim.AdamW(model.parameters(), foreach=False, **options)
+
+
+def _state_dict(optimizer: torch.optim.Optimizer, backend: CommBackend) -> dict[str, Any]:
+    """The optimizer's whole state on every rank (ZeroRedundancyOptimizer gathers its shards to one rank at a time)."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.state_dict()
+    state: dict[str, Any] = {}
+    for rank in range(backend.size):
+        optimizer.consolidate_state_dict(to=rank)
+        if rank == backend.rank:
+            state = optimizer.state_dict()
+    return state
 
 
 def run(backend: CommBackend) -> dict[str, Any]:
@@ -73,11 +101,7 @@ def run(backend: CommBackend) -> dict[str, Any]:
         wrap = "ddp" in name and backend.size > 1
         attached = name.startswith("attached")
         model: nn.Module = nn.parallel.DistributedDataParallel(net) if wrap and not attached else net
-        optimizer: torch.optim.Optimizer = (
-            torch.optim.SGD(model.parameters(), **options)
-            if kind == "sgd"
-            else torch.optim.AdamW(model.parameters(), foreach=False, **options)
-        )
+        optimizer = _optimizer(kind, model, options, backend.size)
         if attached:
             preconditioner = KFACPreconditioner(model, optimizer=optimizer, backend=backend, **kfac_options)
             model = nn.parallel.DistributedDataParallel(net) if wrap else net
@@ -93,7 +117,7 @@ def run(backend: CommBackend) -> dict[str, Any]:
             optimizer.step()
         results[name] = {
             "params": {k: v.detach().clone() for k, v in net.state_dict().items()},
-            "optimizer": optimizer.state_dict(),
+            "optimizer": _state_dict(optimizer, backend),
             "kfac": preconditioner.state_dict()["kfac"],
         }
         preconditioner.remove_hooks()
