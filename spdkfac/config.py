@@ -279,6 +279,14 @@ class KFACConfig:
             2x2 Fisher blocks of scale and shift,
             :mod:`spdkfac.kfac.layer_types.norm`); a checkpoint resumes only
             with the same choice (its layers differ).
+        max_factor_dim: a dense factor wider than this is kept as its
+            diagonal (None: none is): ``d`` memory and an elementwise
+            decomposition instead of ``d^2`` and ``d^3``, keeping each
+            coordinate's curvature and dropping their correlations. For the
+            layers a full factor would not fit: a language model's output
+            layer, whose ``G`` is as wide as the vocabulary, and wide MLPs
+            (``docs/layers.md``); a block-diagonal factor keeps its blocks. A
+            checkpoint resumes only with the same value (its factors differ).
         base: the update after preconditioning: ``'sgd'`` (momentum SGD),
             ``'adamw'`` or ``'lamb'`` (:mod:`spdkfac.update.base_update`); a
             checkpoint resumes only with the same base (its state differs).
@@ -312,6 +320,7 @@ class KFACConfig:
     base: BaseOptimizer = BaseOptimizer.SGD
     norm_layers: NormLayers = NormLayers.PLAIN
     no_weight_decay: tuple[str, ...] = ()
+    max_factor_dim: int | None = None
 
     def __post_init__(self) -> None:
         # Each enumerated option stored as its enum member (a string: command lines, repr and files see no change).
@@ -337,8 +346,9 @@ class KFACConfig:
         # Integers stored as plain ints (numpy integers are taken): the options are saved in state_dict.
         for name in ("accumulation_steps", "profile_steps", "fusion_threshold_bytes"):
             object.__setattr__(self, name, check_positive_int(name, getattr(self, name)))
-        if self.replan_interval is not None:
-            object.__setattr__(self, "replan_interval", check_positive_int("replan_interval", self.replan_interval))
+        for name in ("replan_interval", "max_factor_dim"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check_positive_int(name, getattr(self, name)))
         object.__setattr__(self, "skip_nonfinite", check_non_negative_int("skip_nonfinite", self.skip_nonfinite))
         self._check_grad_workers()
         fraction = self.grad_worker_fraction

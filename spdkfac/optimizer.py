@@ -167,6 +167,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             ``'kind:norm'``, ``'kind:vector'`` (fewer than two dimensions);
             they form a second parameter group with ``weight_decay=0``
             (:mod:`spdkfac.update.weight_decay`, docs/base-optimizers.md).
+        max_factor_dim: a dense factor wider than this is kept as its
+            diagonal (None, the default: none is): a language model's output
+            layer (``G`` as wide as the vocabulary), wide MLPs (docs/layers.md).
     """
 
     #: Whether a GradScaler skipped the step of the backward passes before (KFACPreconditioner attached to an
@@ -217,6 +220,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         eps: float | None = None,
         norm_layers: NormLayers | str = NormLayers.PLAIN,
         no_weight_decay: Sequence[str] | str = (),
+        max_factor_dim: int | None = None,
         eigen: EigenOptions | None = None,
         ekfac: EKFACOptions | None = None,
     ) -> None:
@@ -257,7 +261,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.method = get_method(self.config.compute_method, self.config)  # chosen once: the decomposition, payload, state and costs
         check_materialised(model)
         self.layers: list[KFACLayer] = (
-            preconditioned_layers(model, self.method, self.config.skip_layers, self.config.norm_layers is NormLayers.KFAC)
+            preconditioned_layers(
+                model, self.method, self.config.skip_layers, self.config.norm_layers is NormLayers.KFAC, self.config.max_factor_dim
+            )
             if precondition
             else []
         )
@@ -492,7 +498,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._unhook_step()
         regroup(self.model, self.param_groups, self._own_groups, self.config.no_weight_decay)
         if self.precondition:
-            found = kfac_layers(self.model, self.method, self.config.skip_layers, self.config.norm_layers is NormLayers.KFAC)
+            found = kfac_layers(
+                self.model, self.method, self.config.skip_layers, self.config.norm_layers is NormLayers.KFAC, self.config.max_factor_dim
+            )
             kept = {layer.name: layer for layer in self.layers}
             # (a layer whose bias was unfrozen has a ones column more in A: its factors start anew, as a new layer's)
             self.layers = [kept[new.name] if new.name in kept and kept[new.name].shapes == new.shapes else new for new in found]
@@ -860,10 +868,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         kfac = check_kfac_state(state_dict, self.layers, self.method)
         self.flush()
         ours = self.config.as_dict()
-        # The options the base optimizer's state depends on (the value a checkpoint from before the option means).
+        # The options the saved state depends on (the value a checkpoint from before the option means).
         for option, before, why in (
             ("base", "sgd", "its optimizer state cannot continue here"),
             ("no_weight_decay", [], "its parameter groups differ"),
+            ("max_factor_dim", None, "its factors are shaped differently"),
         ):
             saved = kfac.get("config", {}).get(option, before)
             if saved != ours[option]:

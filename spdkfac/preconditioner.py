@@ -180,7 +180,7 @@ class KFACPreconditioner:
             overflowing steps with ``skip_nonfinite`` (``docs/preconditioner.md``).
         backend, fusion, placement, eigen_refresh, eigen_full_every, ekfac_decay, ekfac_update, eigen, ekfac, memory_budget,
         overlap_preconditioning, perf_model, fusion_threshold_bytes, profile_steps, replan_interval, timeline,
-        skip_nonfinite: as :class:`~spdkfac.SPDKFACOptimizer`.
+        skip_nonfinite, max_factor_dim: as :class:`~spdkfac.SPDKFACOptimizer`.
 
     Raises:
         ValueError: an option KAISA has but this project does not (or one of
@@ -222,6 +222,7 @@ class KFACPreconditioner:
         replan_interval: int | None = None,
         timeline: bool = False,
         skip_nonfinite: int = 0,
+        max_factor_dim: int | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         **unsupported: Any,
     ) -> None:
@@ -289,6 +290,7 @@ class KFACPreconditioner:
             grad_scaler=grad_scaler,
             accumulation_steps=accumulation_steps,
             skip_nonfinite=skip_nonfinite,
+            max_factor_dim=max_factor_dim,
             skip_layers=kaisa_skip_layers(bare_model(model), skip_layers),
         )
         self._attachment = None if optimizer is None else OptimizerAttachment(optimizer, self)

@@ -84,21 +84,21 @@ def eigen_precondition(grad: torch.Tensor, a: Eigen, g: Eigen, damping: float) -
 
 
 def eigen_project(grad: torch.Tensor, a: Eigen, g: Eigen) -> torch.Tensor:
-    """``Q_G^T grad Q_A``: the gradient in the Kronecker eigenbasis (a new tensor; per block for stacks)."""
-    if g.Q is None:
-        raise ValueError("a G factor is never diagonal")
-    if a.Q is not None and a.Q.dim() == 2 and g.Q.dim() == 2:
+    """``Q_G^T grad Q_A``: the gradient in the Kronecker eigenbasis (a new tensor; per block for stacks).
+
+    A diagonal factor's ``Q`` is the identity: its side is left as it is.
+    """
+    if a.Q is not None and g.Q is not None and a.Q.dim() == 2 and g.Q.dim() == 2:
         return g.Q.T @ grad.to(g.Q.dtype) @ a.Q
-    v = g.Q.transpose(-1, -2) @ grad.to(g.Q.dtype)
+    v = grad.to(g.d.dtype, copy=True) if g.Q is None else g.Q.transpose(-1, -2) @ grad.to(g.Q.dtype)
     return v if a.Q is None else v @ a.Q
 
 
 def eigen_unproject(v: torch.Tensor, a: Eigen, g: Eigen) -> torch.Tensor:
     """``Q_G v Q_A^T``: back from the Kronecker eigenbasis (the inverse of :func:`eigen_project`)."""
-    assert g.Q is not None
-    if a.Q is not None and a.Q.dim() == 2 and g.Q.dim() == 2:
+    if a.Q is not None and g.Q is not None and a.Q.dim() == 2 and g.Q.dim() == 2:
         return g.Q @ v @ a.Q.T
-    out = g.Q @ v
+    out = v if g.Q is None else g.Q @ v
     return out if a.Q is None else out @ a.Q.transpose(-1, -2)
 
 

@@ -63,6 +63,7 @@ __all__ = [
     "preconditioned_layers",
     "split_layers",
     "unhooked_submodules",
+    "wider",
 ]
 
 #: Both kinds' names, in the order every rank handles them.
@@ -92,7 +93,9 @@ class KFACLayer:
     per decomposition.
     """
 
-    def __init__(self, name: str, helper: LayerHelper, method: str | DecompositionMethod = "inverse") -> None:
+    def __init__(
+        self, name: str, helper: LayerHelper, method: str | DecompositionMethod = "inverse", max_factor_dim: int | None = None
+    ) -> None:
         self.name = name
         self.method = get_method(method)
         self.module = helper.module
@@ -101,6 +104,12 @@ class KFACLayer:
         self.helper = helper
         self.has_bias = helper.has_bias
         self.shapes: dict[str, FactorShape] = {"A": helper.a_shape, "G": helper.g_shape}
+        #: The factors kept as their diagonal because they are wider than ``max_factor_dim`` (dense by the layer's type).
+        self.diagonal_by_width: frozenset[str] = frozenset(
+            kind for kind, shape in self.shapes.items() if max_factor_dim is not None and wider(shape, max_factor_dim)
+        )
+        for kind in self.diagonal_by_width:
+            self.shapes[kind] = FactorShape(self.shapes[kind].dim, diagonal=True)
         self.a_dim = self.shapes["A"].dim
         self.g_dim = self.shapes["G"].dim
         self._packed: dict[str, torch.Tensor | None] = {"A": None, "G": None}
@@ -161,9 +170,11 @@ class KFACLayer:
     def compute_a(self, x: torch.Tensor) -> torch.Tensor:
         """Batch factor ``A = Σ (a/S)(a/S)^T / n`` from the layer input, in flat form."""
         x, batch = self._samples(x)
-        half = self.helper.half_rows and keeps_half_rows(x, self.factor_dtype)  # (exact float32 Grams of half rows)
+        diagonal = "A" in self.diagonal_by_width
+        half = not diagonal and self.helper.half_rows and keeps_half_rows(x, self.factor_dtype)  # (exact float32 Grams of half rows)
+        gram_of = self.helper.input_diagonal if diagonal else self.helper.input_gram
         with torch.autocast(x.device.type, enabled=False):  # under AMP the input may be half precision
-            gram, count = self.helper.input_gram(x.detach(), x.dtype if half else self.factor_dtype)
+            gram, count = gram_of(x.detach(), x.dtype if half else self.factor_dtype)
             # count = n*S rows: Σ (a/S)(a/S)^T / n = gram / (count * S).
             return self.shapes["A"].pack(gram.div_(count * self.helper.positions(count, batch)))
 
@@ -175,12 +186,13 @@ class KFACLayer:
         """
         grad_output, batch = self._samples(grad_output)
         self.local_samples = batch
-        half = self.helper.half_rows and keeps_half_rows(grad_output, self.factor_dtype)
+        diagonal = "G" in self.diagonal_by_width
+        half = not diagonal and self.helper.half_rows and keeps_half_rows(grad_output, self.factor_dtype)
         with torch.autocast(grad_output.device.type, enabled=False):
             g = grad_output.detach() if half else grad_output.detach().to(self.factor_dtype)
             if loss_scale != 1.0 and not half:
                 g = g / loss_scale
-            gram, rows = self.helper.output_gram(g)
+            gram, rows = self.helper.output_diagonal(g) if diagonal else self.helper.output_gram(g)
             if loss_scale != 1.0 and half:  # (out of the float32 Gram: dividing fp16 values could underflow)
                 gram.div_(loss_scale * loss_scale)
             return self.shapes["G"].pack(gram.mul_(batch * self.helper.positions(rows, batch)))
@@ -198,7 +210,7 @@ class KFACLayer:
         current = self._packed[kind]
         if current is None:
             current = self._packed[kind] = self.shapes[kind].identity(packed.dtype, packed.device)
-            if self.shapes[kind].diagonal:  # rows no worker looked up in the first factor step (exactly 0 there)
+            if kind == "A" and self.shapes[kind].diagonal:  # rows no worker looked up in the first factor step (exactly 0 there)
                 self.first_unseen = packed == 0
         current.mul_(decay).add_(packed, alpha=1.0 - decay)
 
@@ -319,6 +331,17 @@ def used_outside_forward(layer: KFACLayer) -> bool:
 LayerFilter = Union[str, type]
 
 
+def wider(shape: FactorShape, max_factor_dim: int) -> bool:
+    """Whether a factor is kept as its diagonal under ``max_factor_dim``: a dense one (not block-diagonal) wider than it.
+
+    A diagonal costs ``d`` memory and an elementwise decomposition where the
+    dense factor costs ``d^2`` and ``d^3`` (a language model's output layer: ``G``
+    as wide as the vocabulary); it keeps each coordinate's curvature and drops
+    their correlations. A block-diagonal factor keeps its blocks.
+    """
+    return not shape.diagonal and shape.blocks == 1 and shape.dim > max_factor_dim
+
+
 def functional_submodules(model: nn.Module) -> dict[str, str]:
     """``{name: why}`` of supported layers whose weight their parent's own forward uses without calling their ``forward()``.
 
@@ -385,12 +408,17 @@ def skipped(name: str, module: nn.Module, skip: Sequence[LayerFilter]) -> bool:
 
 
 def kfac_layers(
-    model: nn.Module, compute_method: str | DecompositionMethod = "inverse", skip: Sequence[LayerFilter] = (), norm_layers: bool = False
+    model: nn.Module,
+    compute_method: str | DecompositionMethod = "inverse",
+    skip: Sequence[LayerFilter] = (),
+    norm_layers: bool = False,
+    max_factor_dim: int | None = None,
 ) -> list[KFACLayer]:
     """A :class:`KFACLayer` for every supported layer with a trainable weight, in module order.
 
     With ``norm_layers`` the normalisation layers' affine parameters too
-    (:mod:`spdkfac.kfac.layer_types.norm`).
+    (:mod:`spdkfac.kfac.layer_types.norm`). A dense factor wider than
+    ``max_factor_dim`` is kept as its diagonal (:func:`wider`).
 
     Left out (the base update alone): modules matched by ``skip`` (a module name,
     a class name, or a class) and layers used without their ``forward()``
@@ -430,7 +458,7 @@ def kfac_layers(
     by_weight: dict[int, KFACLayer] = {}
     for name, module in model.named_modules():
         for suffix, part in split.get(name, []):
-            layers.append(KFACLayer(f"{name or type(module).__name__}.{suffix}", part, method))
+            layers.append(KFACLayer(f"{name or type(module).__name__}.{suffix}", part, method, max_factor_dim))
         if parametrize.is_parametrized(module, "weight"):
             continue  # (its weight is computed, and reading it runs the parametrization: spectral_norm's power step)
         weight = getattr(module, "weight", None)
@@ -447,7 +475,7 @@ def kfac_layers(
         if tied is not None:  # a weight another layer holds (untied_layers() left out those that cannot be one layer)
             tied.modules.append(module)
             continue
-        layer = KFACLayer(layer_name, helper, method)
+        layer = KFACLayer(layer_name, helper, method, max_factor_dim)
         by_weight[id(weight)] = layer
         layers.append(layer)
     shared = SharedInputGram()  # Linear layers reading one input in a row (q, k, v; gate and up) compute its Gram once
@@ -509,7 +537,11 @@ def factor_list(layers: list[KFACLayer]) -> list[tuple[tuple[str, str], int]]:
 
 
 def preconditioned_layers(
-    model: nn.Module, compute_method: str | DecompositionMethod, skip: Sequence[LayerFilter] = (), norm_layers: bool = False
+    model: nn.Module,
+    compute_method: str | DecompositionMethod,
+    skip: Sequence[LayerFilter] = (),
+    norm_layers: bool = False,
+    max_factor_dim: int | None = None,
 ) -> list[KFACLayer]:
     """:func:`kfac_layers`, with a notice naming the layers used without ``forward()``; at least one layer, or an error."""
     functional = unhooked_submodules(model, split_layers(model, skip))
@@ -523,7 +555,7 @@ def preconditioned_layers(
             "but their factors would describe only some (skip_layers=[their names] says so and silences this)",
             stacklevel=3,
         )
-    layers = kfac_layers(model, compute_method, skip, norm_layers)
+    layers = kfac_layers(model, compute_method, skip, norm_layers, max_factor_dim)
     if not layers:
         raise ValueError(
             "model has no layer SPDKFACOptimizer can precondition (nn.Linear, nn.Conv1d/2d/3d, nn.ConvTranspose1d/2d/3d, a "

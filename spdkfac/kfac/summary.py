@@ -20,6 +20,10 @@ def _kind(layer: KFACLayer) -> str:
     if isinstance(layer.helper, NormHelper):
         return f"{name} (scale and shift, 2x2 blocks)"
     a = layer.shape("A")
+    wide = " and ".join(sorted(layer.diagonal_by_width))
+    if wide:
+        own = "diagonal A, " if a.diagonal and "A" not in layer.diagonal_by_width else ""
+        return f"{name} ({own}diagonal {wide}: wider than max_factor_dim)"
     if a.diagonal:
         return f"{name} (diagonal A)"
     if a.blocks > 1:

@@ -95,7 +95,8 @@ class LayerShape:
     """What the plan needs of a preconditioned layer: its name and factor shapes.
 
     ``a_dim`` / ``g_dim`` are the dimensions of one block; a grouped
-    convolution has ``blocks`` of each, an embedding a diagonal ``A``.
+    convolution has ``blocks`` of each, an embedding a diagonal ``A``, and a
+    factor wider than ``max_factor_dim`` is diagonal.
     """
 
     name: str
@@ -103,18 +104,19 @@ class LayerShape:
     g_dim: int
     blocks: int = 1
     a_diagonal: bool = False
+    g_diagonal: bool = False
 
     @classmethod
     def of(cls, layer: KFACLayer) -> LayerShape:
         a, g = layer.shape("A"), layer.shape("G")
-        return cls(layer.name, a.dim, g.dim, max(a.blocks, g.blocks), a.diagonal)
+        return cls(layer.name, a.dim, g.dim, max(a.blocks, g.blocks), a.diagonal, g.diagonal)
 
     def dim(self, kind: str) -> int:
         return self.a_dim if kind == FactorKind.A else self.g_dim
 
     def factor_shape(self, kind: str) -> FactorShape:
-        if kind == FactorKind.A and self.a_diagonal:
-            return FactorShape(self.a_dim, diagonal=True)
+        if self.a_diagonal if kind == FactorKind.A else self.g_diagonal:
+            return FactorShape(self.dim(kind), diagonal=True)
         return FactorShape(self.dim(kind), blocks=self.blocks)
 
 

@@ -342,7 +342,14 @@ def _layer_shapes(profile: Profile) -> list[LayerShape]:
     if sorted(recorded) == sorted(names):
         names = recorded
     return [
-        LayerShape(name, shapes[("A", name)].dim, shapes[("G", name)].dim, shapes[("G", name)].blocks, shapes[("A", name)].diagonal)
+        LayerShape(
+            name,
+            shapes[("A", name)].dim,
+            shapes[("G", name)].dim,
+            shapes[("G", name)].blocks,
+            shapes[("A", name)].diagonal,
+            shapes[("G", name)].diagonal,
+        )
         for name in names
     ]
 

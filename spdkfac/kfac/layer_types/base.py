@@ -88,6 +88,20 @@ class LayerHelper(abc.ABC):
     def output_gram(self, g: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``rows^T rows`` of the output-gradient rows (``g_shape``'s full form) and the row count."""
 
+    def input_diagonal(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """The diagonal of :meth:`input_gram` and the row count, for an ``A`` kept diagonal (``max_factor_dim``).
+
+        This default takes the whole Gram's diagonal; types whose rows are at
+        hand (Linear) sum their squares instead, without the ``d x d`` Gram.
+        """
+        gram, count = self.input_gram(x, dtype)
+        return gram.diagonal().clone(), count
+
+    def output_diagonal(self, g: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The diagonal of :meth:`output_gram` and the row count, for a ``G`` kept diagonal (as :meth:`input_diagonal`)."""
+        gram, rows = self.output_gram(g)
+        return gram.diagonal().clone(), rows
+
     def forget(self) -> None:  # noqa: B027  (optional: most types keep nothing)
         """Drop what the hooks kept between a forward and a backward pass (a new step starts; most types keep nothing)."""
 

@@ -18,6 +18,7 @@ import torch.nn as nn
 from ..factor_shape import FactorShape
 from ..linalg import symmetric_gram
 from .base import LayerHelper
+from .linear import square_sums
 
 __all__ = ["EmbeddingHelper"]
 
@@ -47,6 +48,9 @@ class EmbeddingHelper(LayerHelper):
     def output_gram(self, g: torch.Tensor) -> tuple[torch.Tensor, int]:
         rows = g.reshape(-1, g.shape[-1])
         return symmetric_gram(rows), rows.shape[0]
+
+    def output_diagonal(self, g: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return square_sums(g)
 
     def grad(self) -> torch.Tensor | None:
         grad = self.weight.grad

@@ -10,7 +10,13 @@ from ..linalg import symmetric_gram
 from .base import LayerHelper, bias_grad_view, split_bias_column, with_bias_column
 from .shared_input import SharedInputGram
 
-__all__ = ["LinearHelper"]
+__all__ = ["LinearHelper", "square_sums"]
+
+
+def square_sums(g: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The diagonal of the Gram of ``g``'s rows along its last dimension (the squares summed), and the row count."""
+    rows = g.reshape(-1, g.shape[-1])
+    return rows.square().sum(0), rows.shape[0]
 
 
 class LinearHelper(LayerHelper):
@@ -44,6 +50,16 @@ class LinearHelper(LayerHelper):
         if self.has_bias:
             rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
         return symmetric_gram(rows), rows.shape[0]
+
+    def input_diagonal(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        rows = x.to(dtype).reshape(-1, x.shape[-1])
+        squares = rows.square().sum(0)
+        if self.has_bias:  # (the ones column's entry: the row count)
+            squares = torch.cat([squares, squares.new_full((1,), rows.shape[0])])
+        return squares, rows.shape[0]
+
+    def output_diagonal(self, g: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return square_sums(g)
 
     def forget(self) -> None:
         if self.shared is not None:

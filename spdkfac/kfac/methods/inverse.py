@@ -1,7 +1,8 @@
 """``compute_method='inverse'`` (the paper's): damped inverses ``(F + γI)^-1``, symmetric, sent as upper triangles.
 
 The update is ``(G+γI)^-1 grad (A+γI)^-1``. Blocks of a block-diagonal
-factor are inverted in one batched Cholesky; a diagonal factor elementwise.
+factor are inverted in one batched Cholesky; a diagonal factor (an
+embedding's ``A``, a factor wider than ``max_factor_dim``) elementwise.
 
 A factor whose damped Cholesky fails (one whose rounding error, ``~ eps *
 scale``, exceeds the damping on its null space: a small batch through layers
@@ -88,10 +89,11 @@ class InverseMethod(DecompositionMethod):
     stackable = True  # two matmuls: with (n, d, d) inverses and (n, g, a) gradients, batched products
 
     def precondition(self, grad: torch.Tensor, a: Any, g: Any, damping: float, state: MethodState | None = None) -> torch.Tensor:
-        """``G_inv @ grad @ A_inv`` (per block; a diagonal ``A_inv`` scales the columns); the damping is in the inverses."""
+        """``G_inv @ grad @ A_inv`` (per block; a diagonal ``A_inv`` scales the columns, a diagonal ``G_inv`` the rows);
+        the damping is in the inverses."""
         g_inv: torch.Tensor = g
         a_inv: torch.Tensor = a
-        left = g_inv @ grad.to(g_inv.dtype)
+        left = g_inv.unsqueeze(-1) * grad.to(g_inv.dtype) if g_inv.dim() == 1 else g_inv @ grad.to(g_inv.dtype)
         return left * a_inv if a_inv.dim() == 1 else left @ a_inv
 
     def tensors(self, kept: Any) -> list[torch.Tensor]:

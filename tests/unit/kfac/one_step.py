@@ -8,11 +8,12 @@ import torch.nn as nn
 from spdkfac import SPDKFACOptimizer
 
 
-def kfac_step(module: nn.Module, x: torch.Tensor, method: str, damping: float, decay: float):
-    """One step on a random batch-mean loss; returns the output gradient, the parameter gradients, the change and the optimizer."""
+def kfac_step(module: nn.Module, x: torch.Tensor, method: str, damping: float, decay: float, **options):
+    """One step on a random batch-mean loss; returns the output gradient, the parameter gradients, the change and the
+    optimizer (``options``: more of its options)."""
     torch.manual_seed(3)
     opt = SPDKFACOptimizer(
-        module, lr=1.0, momentum=0.0, damping=damping, factor_decay=decay, kl_clip=None, backend="single", compute_method=method
+        module, lr=1.0, momentum=0.0, damping=damping, factor_decay=decay, kl_clip=None, backend="single", compute_method=method, **options
     )
     out = module(x)
     out.retain_grad()
