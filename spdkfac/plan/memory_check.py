@@ -108,8 +108,9 @@ def memory_warning(layers: Sequence[LayerMemory], available: int | None, device:
         f"K-FAC's state needs about {_gib(state)} on {device}{workers} (the running factors and their "
         f"decompositions) and about {_gib(working)} more while the largest is computed and decomposed, and "
         f"{_gib(available)} is free: the first factor step will likely run out of memory{crash}. The largest: "
-        f"{named}. Leave {'it' if len(names) == 1 else 'them'} to the base update, skip_layers={names!r}, or hold "
-        f"fewer decompositions per worker (grad_worker_fraction < 1, or 'auto' with memory_budget=)"
+        f"{named}. Leave {'it' if len(names) == 1 else 'them'} to the base update, skip_layers={names!r}; keep each "
+        f"factor wider than some d as its diagonal, max_factor_dim=d; or hold fewer decompositions per worker "
+        f"(grad_worker_fraction < 1, or 'auto' with memory_budget=)"
     )
 
 

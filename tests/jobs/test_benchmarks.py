@@ -594,3 +594,18 @@ def test_shared_input_gram_times_both_arms_and_they_step_alike(tmp_path):
         # Per block: q/k/v one Gram, o, gate/up one, down (against 7); the head's.
         assert row["grams_per_step"] == {"shared": 2 * 4 + 1, "apart": 2 * 7 + 1}
         assert row["parameters_bitwise_equal"] is True
+
+
+@pytest.mark.slow
+def test_wide_factors_times_both_arms_and_the_diagonal_holds_less(tmp_path):
+    """benchmarks/wide_factors.py for real (a tiny model): only the vocabulary-wide factors are diagonal, and they hold less."""
+    out = tmp_path / "wide.json"
+    run_benchmark("wide_factors", "--quick", "--rounds", "2", "--threads", "1", "--out", str(out))
+    (row,) = json.loads(out.read_text())["vocabularies"].values()
+    dense, diagonal = row["dense"], row["diagonal"]
+    assert {kind: s["n"] for kind, s in dense["seconds"].items()} == {"plain": 2, "factors": 2, "decompositions": 2}
+    # The head's G (48 wide) and nothing else (the embedding's A is diagonal in both arms).
+    assert sum("wider than max_factor_dim" in line for line in diagonal["summary"]) == 1
+    assert not any("wider than max_factor_dim" in line for line in dense["summary"])
+    assert row["memory_ratio"] > 1.0
+    assert set(row["speedup"]) == {"plain", "factors", "decompositions", "amortised_10_100"}

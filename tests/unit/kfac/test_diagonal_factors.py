@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from layer_reference import conv_grad_rows, conv_rows, factors, one_hot_rows, update
 from one_step import kfac_step
 
-from spdkfac import SPDKFACOptimizer
+from spdkfac import KFACPreconditioner, SPDKFACOptimizer
 from spdkfac.comm.inprocess import run_ranks
 from spdkfac.plan.work_plan import LayerShape
+from spdkfac.variants import make_optimizer
 
 pytestmark = [pytest.mark.filterwarnings("ignore:no perf_model given"), pytest.mark.usefixtures("float64")]
 
@@ -179,3 +180,12 @@ def test_the_option_is_checked_and_a_checkpoint_keeps_it():
     again = SPDKFACOptimizer(_net(), lr=0.1, max_factor_dim=16)
     again.load_state_dict(opt.state_dict())
     torch.testing.assert_close(again.layers[2].factor("G"), opt.layers[2].factor("G"), rtol=0, atol=0)
+
+
+def test_the_preconditioner_and_a_variant_spec_take_it():
+    model = nn.Sequential(nn.Linear(4, 10), nn.Tanh(), nn.Linear(10, 3))
+    preconditioner = KFACPreconditioner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), max_factor_dim=6)
+    assert [layer.diagonal_by_width for layer in preconditioner.kfac.layers] == [frozenset("G"), frozenset("A")]
+    preconditioner.remove_hooks()
+    opt = make_optimizer("spdkfac:max_factor_dim=6", model, lr=0.1)
+    assert opt.config.max_factor_dim == 6
