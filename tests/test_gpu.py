@@ -52,6 +52,9 @@ METHODS = {
     "eigen-warm": dict(compute_method="eigen", eigen_refresh="warm", eigen_full_every=3),
     "ekfac": dict(compute_method="ekfac"),
     "ekfac-adam": dict(compute_method="ekfac", ekfac_update="adam", base="adamw", lr=1e-2, kl_clip=None),
+    # The factors wider than 4 kept diagonal (max_factor_dim: A of the ungrouped convolutions, A and G of the Linear layer).
+    "inverse-diagonal": dict(max_factor_dim=4),
+    "eigen-diagonal": dict(compute_method="eigen", max_factor_dim=4),
 }
 
 

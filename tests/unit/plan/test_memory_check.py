@@ -68,7 +68,12 @@ def test_a_layer_too_wide_for_the_machine_is_named_at_construction_without_alloc
     assert "(G 300000x300000)" in text
     assert "skip_layers=['2']" in text
     assert "'0'" not in text  # a layer with a negligible share is not named
+    assert "max_factor_dim=d" in text  # the other remedy: that factor kept diagonal
     assert found.filename == __file__  # points at the construction in the user's script
+    with warnings.catch_warnings():  # taken: the diagonal G (300,000 entries) fits, and nothing is said
+        warnings.simplefilter("error")
+        opt = SPDKFACOptimizer(model, backend="single", max_factor_dim=4096, **BASE)
+    assert opt.layers[1].diagonal_by_width == frozenset("G")
 
 
 def test_a_model_that_fits_says_nothing():
