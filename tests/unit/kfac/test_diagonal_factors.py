@@ -126,10 +126,12 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Embedding(30, 12), nn.Flatten(), nn.Linear(36, 20), nn.Tanh(), nn.Linear(20, 40))
 
 
-def _train(model: nn.Module, backend, rows: slice, method: str) -> list[torch.Tensor]:
+def _train(model: nn.Module, backend, rows: slice, method: str, **options) -> list[torch.Tensor]:
     tokens = torch.randint(0, 30, (8, 3), generator=torch.Generator().manual_seed(2))
     labels = torch.randint(0, 40, (8,), generator=torch.Generator().manual_seed(3))
-    opt = SPDKFACOptimizer(model, lr=0.1, damping=0.01, backend=backend, compute_method=method, max_factor_dim=16, inv_update_freq=2)
+    opt = SPDKFACOptimizer(
+        model, lr=0.1, damping=0.01, backend=backend, compute_method=method, max_factor_dim=16, inv_update_freq=2, **options
+    )
     for _ in range(4):
         opt.zero_grad()
         F.cross_entropy(model(tokens[rows]), labels[rows]).backward()
@@ -138,10 +140,13 @@ def _train(model: nn.Module, backend, rows: slice, method: str) -> list[torch.Te
 
 
 @pytest.mark.parametrize("method", ["inverse", "eigen"])
-def test_two_workers_equal_one_and_stay_replicas(method):
+@pytest.mark.parametrize("fraction", [None, 0.5])
+def test_two_workers_equal_one_and_stay_replicas(method, fraction):
+    """Also with each layer preconditioned by one worker (MEM-OPT): the diagonal decompositions and results travel."""
     one = _train(_net(), "single", slice(None), method)
     models = [_net(), _net()]
-    ranks = run_ranks(2, lambda b: _train(models[b.rank], b, slice(4 * b.rank, 4 * b.rank + 4), method))
+    options = {} if fraction is None else {"grad_worker_fraction": fraction}
+    ranks = run_ranks(2, lambda b: _train(models[b.rank], b, slice(4 * b.rank, 4 * b.rank + 4), method, **options))
     for mine, other, ref in zip(ranks[0], ranks[1], one):
         assert torch.equal(mine, other)
         torch.testing.assert_close(mine, ref, rtol=1e-9, atol=1e-11)
