@@ -248,9 +248,10 @@ def place(
     return solvers[Placement.parse("placement", strategy)](factors, world_size, t_comp, t_comm, costs)
 
 
-def preconditioning_cost(a_dim: int, g_dim: int) -> float:
-    """Relative cost of ``G_inv @ grad @ A_inv`` for a ``g_dim x a_dim`` gradient (half its matmul flops)."""
-    return float(g_dim * a_dim * (g_dim + a_dim))
+def preconditioning_cost(a_dim: int, g_dim: int, a_diagonal: bool = False, g_diagonal: bool = False) -> float:
+    """Relative cost of ``G_inv @ grad @ A_inv`` for a ``g_dim x a_dim`` gradient (half its matmul flops); a diagonal
+    factor scales the gradient, one product per element."""
+    return float(g_dim * a_dim * ((1 if g_diagonal else g_dim) + (1 if a_diagonal else a_dim)))
 
 
 def balance_by_cost(costs: Sequence[float], world_size: int) -> list[int]:

@@ -123,14 +123,16 @@ class LayerShape:
 def preconditioning_seconds(perf: PerfModel, method: DecompositionMethod, shape: LayerShape) -> float:
     """Modelled seconds of preconditioning one layer's gradient, every step.
 
-    Its multiply-adds (``g a (g + a)`` per block for each of the method's
+    Its multiply-adds (``g a (g + a)`` per block, a diagonal factor's side
+    counting 1 for its dimension, for each of the method's
     :attr:`~spdkfac.kfac.methods.DecompositionMethod.precondition_products`) at
     the fitted inversion curve's rate per ``d^3``: an inversion and a
     ``G grad A`` product are both about ``d^3`` multiply-adds.
     """
     curve = perf.inverse
     rate = max(curve.fitted(RATE_DIM) - curve.fitted(1), 0.0) / RATE_DIM**3
-    return method.precondition_products * shape.blocks * preconditioning_cost(shape.a_dim, shape.g_dim) * rate
+    cost = preconditioning_cost(shape.a_dim, shape.g_dim, shape.a_diagonal, shape.g_diagonal)
+    return method.precondition_products * shape.blocks * cost * rate
 
 
 def layer_seconds(perf: PerfModel, method: DecompositionMethod, shape: LayerShape, inv_update_freq: int) -> float:

@@ -14,7 +14,8 @@ from one_step import kfac_step
 
 from spdkfac import KFACPreconditioner, SPDKFACOptimizer
 from spdkfac.comm.inprocess import run_ranks
-from spdkfac.plan.work_plan import LayerShape
+from spdkfac.perfmodels import PerfModel
+from spdkfac.plan.work_plan import LayerShape, preconditioning_seconds
 from spdkfac.variants import make_optimizer
 
 pytestmark = [pytest.mark.filterwarnings("ignore:no perf_model given"), pytest.mark.usefixtures("float64")]
@@ -160,6 +161,9 @@ def test_plan_summary_and_memory_see_the_diagonal():
     assert shape.g_diagonal
     assert not shape.a_diagonal
     assert shape.factor_shape("G").diagonal
+    perf = PerfModel.default()  # the plan's per-step cost of the head: its G scales the rows (5000 x 33 products, not 5000^2 x 33)
+    dense_cost = preconditioning_seconds(perf, opt.method, LayerShape.of(dense.layers[1]))
+    assert preconditioning_seconds(perf, opt.method, shape) == pytest.approx(dense_cost * (1 + 33) / (5000 + 33))
     assert "1 x Linear (diagonal G: wider than max_factor_dim)" in opt.kfac_summary()
     for o in (dense, opt):
         x = torch.randn(8, 16)
