@@ -8,6 +8,7 @@ the warning must name the layer to leave out.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,8 +17,11 @@ from nets import batch, mixed_net, small_net, train
 
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm.inprocess import run_ranks
+from spdkfac.kfac.methods import get_method
+from spdkfac.perfmodels import PerfModel
 from spdkfac.plan import memory_check
-from spdkfac.plan.memory_check import LayerMemory, available_bytes, layer_memory, memory_warning
+from spdkfac.plan.memory_check import LayerMemory, available_bytes, fitting_max_factor_dim, layer_memory, memory_warning
+from spdkfac.plan.work_plan import LayerShape, WorkPlan
 
 BASE = dict(lr=0.05, damping=0.01, kl_clip=0.01, profile_steps=1)
 
@@ -68,7 +72,7 @@ def test_a_layer_too_wide_for_the_machine_is_named_at_construction_without_alloc
     assert "(G 300000x300000)" in text
     assert "skip_layers=['2']" in text
     assert "'0'" not in text  # a layer with a negligible share is not named
-    assert "max_factor_dim=d" in text  # the other remedy: that factor kept diagonal
+    assert "max_factor_dim=d (max_factor_dim=17 fits: about " in text  # the other remedy, sized: that G kept diagonal
     assert found.filename == __file__  # points at the construction in the user's script
     with warnings.catch_warnings():  # taken: the diagonal G (300,000 entries) fits, and nothing is said
         warnings.simplefilter("error")
@@ -105,3 +109,24 @@ def test_the_host_memory_is_read(monkeypatch):
     monkeypatch.setattr(memory_check, "available_bytes", lambda device: 1)
     with pytest.warns(UserWarning, match=r"run out of memory"):
         SPDKFACOptimizer(small_net(), backend="single", **BASE)
+
+
+def test_the_largest_max_factor_dim_that_fits_is_found():
+    """Factors 4000, 1000, 300 and 20 wide: each limit keeps the narrower ones dense; the largest that fits wins."""
+    shapes = [LayerShape("wide", 300, 4000), LayerShape("mid", 20, 1000)]
+    method, sizes = get_method("inverse"), {"wide": 4, "mid": 4}
+
+    def fit(available: int):
+        return fitting_max_factor_dim(shapes, lambda name: True, method, sizes, available)
+
+    def state(limit: int) -> int:  # the state with the factors wider than limit diagonal, by layer_memory's count
+        narrowed = [replace(s, g_diagonal=s.g_dim > limit, a_diagonal=s.a_dim > limit) for s in shapes]
+        plan = WorkPlan.make(narrowed, 1, PerfModel.default(), "lbp", method)
+        return sum(la.bytes for la in layer_memory(plan, method, 0, sizes))
+
+    squares = {1000: 1000**2 * 4, 300: 300**2 * 4}  # the working memory: five squares of the widest dense factor
+    for limit in (1000, 300):
+        need = state(limit) + 5 * squares[limit]
+        assert fit(need) == (limit, state(limit))
+        assert fit(need - 1) != (limit, state(limit))
+    assert fit(state(20) + 5 * 20**2 * 4 - 1) is None  # not even with everything but the 20-wide factor diagonal
