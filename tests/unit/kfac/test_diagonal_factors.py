@@ -154,16 +154,16 @@ def test_two_workers_equal_one_and_stay_replicas(method, fraction):
 
 
 def test_plan_summary_and_memory_see_the_diagonal():
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 5000))  # a wide output layer
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 3000))  # a wide output layer
     dense = SPDKFACOptimizer(model, lr=0.1)
-    opt = SPDKFACOptimizer(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 5000)), lr=0.1, max_factor_dim=4096)
+    opt = SPDKFACOptimizer(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 3000)), lr=0.1, max_factor_dim=2048)
     shape = LayerShape.of(opt.layers[1])
     assert shape.g_diagonal
     assert not shape.a_diagonal
     assert shape.factor_shape("G").diagonal
-    perf = PerfModel.default()  # the plan's per-step cost of the head: its G scales the rows (5000 x 33 products, not 5000^2 x 33)
+    perf = PerfModel.default()  # the plan's per-step cost of the head: its G scales the rows (3000 x 33 products, not 3000^2 x 33)
     dense_cost = preconditioning_seconds(perf, opt.method, LayerShape.of(dense.layers[1]))
-    assert preconditioning_seconds(perf, opt.method, shape) == pytest.approx(dense_cost * (1 + 33) / (5000 + 33))
+    assert preconditioning_seconds(perf, opt.method, shape) == pytest.approx(dense_cost * (1 + 33) / (3000 + 33))
     assert "1 x Linear (diagonal G: wider than max_factor_dim)" in opt.kfac_summary()
     for o in (dense, opt):
         x = torch.randn(8, 16)
@@ -171,8 +171,8 @@ def test_plan_summary_and_memory_see_the_diagonal():
         o.model(x).square().mean().backward()
         o.step()
     size = opt.layers[1].factor_dtype.itemsize
-    assert opt.memory_usage()["G"] == (32 * 33 // 2 + 5000) * size  # the first layer's packed G, the head's diagonal
-    assert dense.memory_usage()["G"] == (32 * 33 // 2 + 5000 * 5001 // 2) * size
+    assert opt.memory_usage()["G"] == (32 * 33 // 2 + 3000) * size  # the first layer's packed G, the head's diagonal
+    assert dense.memory_usage()["G"] == (32 * 33 // 2 + 3000 * 3001 // 2) * size
 
 
 def test_the_option_is_checked_and_a_checkpoint_keeps_it():
