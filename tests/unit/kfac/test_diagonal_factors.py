@@ -29,7 +29,8 @@ def _running(factor: torch.Tensor, diagonal: bool) -> torch.Tensor:
     return DECAY * torch.eye(kept.shape[0], dtype=kept.dtype) + (1 - DECAY) * kept
 
 
-def _grad(module: nn.Module, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+def _grad(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A layer's gradient (or change) as the ``g x a`` matrix, the bias as its last column."""
     weight = grads["weight"].reshape(grads["weight"].shape[0], -1)
     return weight if "bias" not in grads else torch.cat([weight, grads["bias"].unsqueeze(1)], dim=1)
 
@@ -40,7 +41,7 @@ def _check(opt: SPDKFACOptimizer, change: dict[str, torch.Tensor], A: torch.Tens
         mine = layer.factor(kind)
         torch.testing.assert_close(torch.diag(mine) if mine.dim() == 1 else mine, ref, rtol=1e-10, atol=1e-12)
     expected = update(A, G, grad, DAMPING, method)
-    got = _grad(layer.module, change)
+    got = _grad(change)
     torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-10)
 
 
@@ -57,7 +58,7 @@ def test_linear_factors_kept_diagonal_against_the_reference(method, bias, featur
     a_rows, g_rows = x.reshape(-1, module.in_features), grad_out.reshape(-1, module.out_features)
     A, G = factors(a_rows, g_rows, x.shape[0], bias, shared=False)
     A, G = _running(A, "A" in diagonal), _running(G, "G" in diagonal)
-    _check(opt, change, A, G, _grad(module, grads), method)
+    _check(opt, change, A, G, _grad(grads), method)
 
 
 @pytest.mark.parametrize("method", ["inverse", "eigen"])
@@ -85,7 +86,7 @@ def test_convolution_a_kept_diagonal_by_the_gram_default(method):
     assert opt.layers[0].diagonal_by_width == frozenset("A")  # A: 2*9 + 1 wide, G: 3
     (a_rows,), (g_rows,) = conv_rows(module, x), conv_grad_rows(module, grad_out)
     A, G = factors(a_rows, g_rows, 4, True)
-    _check(opt, change, _running(A, True), _running(G, False), _grad(module, grads), method)
+    _check(opt, change, _running(A, True), _running(G, False), _grad(grads), method)
 
 
 def test_ekfac_with_a_diagonal_g_against_the_reference():
@@ -97,12 +98,12 @@ def test_ekfac_with_a_diagonal_g_against_the_reference():
     A, G = factors(x, grad_out, 12, True, shared=False)
     A, G = _running(A, False), _running(G, True)
     d_a, q_a = torch.linalg.eigh(A)
-    grad = _grad(module, grads)
+    grad = _grad(grads)
     v = grad @ q_a
     beta = opt.method.decay
     scale = beta * torch.outer(torch.diagonal(G), d_a) + (1 - beta) * 12 * v.square()
     expected = (v / (scale + DAMPING)) @ q_a.T
-    torch.testing.assert_close(_grad(module, change), expected, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(_grad(change), expected, rtol=1e-8, atol=1e-10)
 
 
 def test_adam_in_the_eigenbasis_takes_a_diagonal_factor():
