@@ -38,9 +38,10 @@ LIMIT = 1000
 KINDS = (("plain", 10**6, 10**6), ("factors", 1, 10**6), ("decompositions", 1, 1))
 
 
-def _arm(vocabulary: int, limit: int | None, dims: tuple[int, int, int, int, int, int]) -> dict[str, Any]:
+def _arm(limit: int | None, dims: tuple[int, int, int, int, int, int]) -> dict[str, Any]:
+    """One copy of the model (``dims``: vocabulary, width, heads, MLP, context, batch) and its optimizer."""
     torch.manual_seed(0)
-    width, heads, mlp, context, _ = dims[1:]
+    vocabulary, width, heads, mlp, context, _ = dims
     model = CharLlama(vocabulary, context, width, 2, heads, mlp)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (no perf_model: the default's, alike in both arms)
@@ -64,7 +65,7 @@ def measure(rounds: int, quick: bool = False) -> dict[str, dict[str, Any]]:
     for vocabulary in (48,) if quick else VOCABULARIES:
         dims = (vocabulary, 16, 2, 24, 8, 2) if quick else (vocabulary, WIDTH, HEADS, MLP, CONTEXT, BATCH)
         limit = 40 if quick else LIMIT
-        arms = {"dense": _arm(vocabulary, None, dims), "diagonal": _arm(vocabulary, limit, dims)}
+        arms = {"dense": _arm(None, dims), "diagonal": _arm(limit, dims)}
         data = torch.Generator().manual_seed(1)
         context, batch = dims[4], dims[5]
         first = torch.randint(0, vocabulary, (batch, context + 1), generator=data)

@@ -188,11 +188,12 @@ class KFACLayer:
         self.local_samples = batch
         diagonal = "G" in self.diagonal_by_width
         half = not diagonal and self.helper.half_rows and keeps_half_rows(grad_output, self.factor_dtype)
+        gram_of = self.helper.output_diagonal if diagonal else self.helper.output_gram
         with torch.autocast(grad_output.device.type, enabled=False):
             g = grad_output.detach() if half else grad_output.detach().to(self.factor_dtype)
             if loss_scale != 1.0 and not half:
                 g = g / loss_scale
-            gram, rows = self.helper.output_diagonal(g) if diagonal else self.helper.output_gram(g)
+            gram, rows = gram_of(g)
             if loss_scale != 1.0 and half:  # (out of the float32 Gram: dividing fp16 values could underflow)
                 gram.div_(loss_scale * loss_scale)
             return self.shapes["G"].pack(gram.mul_(batch * self.helper.positions(rows, batch)))

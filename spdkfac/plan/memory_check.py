@@ -163,11 +163,11 @@ def memory_warnings(
     out = []
     for device, layers in per_device.items():
         available, sharing = available_bytes(device), cpu_workers if device.type == "cpu" else 1
-        text = memory_warning(layers, available, str(device), sharing)
-        if text is not None and available is not None:  # (it does not fit: say which max_factor_dim would)
+        fitting = None
+        if available is not None and _needed(layers, sharing) > available:  # (it does not fit: say which max_factor_dim would)
             shapes = [shape for shape in plan.layers if placed[shape.name][0] == device]
             fitting = fitting_max_factor_dim(shapes, lambda name: plan.holds(rank, name), method, sizes, available, sharing)
-            text = memory_warning(layers, available, str(device), sharing, fitting)
+        text = memory_warning(layers, available, str(device), sharing, fitting)
         if text is not None:
             out.append(text)
     return out

@@ -52,11 +52,10 @@ class LinearHelper(LayerHelper):
         return symmetric_gram(rows), rows.shape[0]
 
     def input_diagonal(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-        rows = x.to(dtype).reshape(-1, x.shape[-1])
-        squares = rows.square().sum(0)
+        squares, count = square_sums(x.to(dtype))
         if self.has_bias:  # (the ones column's entry: the row count)
-            squares = torch.cat([squares, squares.new_full((1,), rows.shape[0])])
-        return squares, rows.shape[0]
+            squares = torch.cat([squares, squares.new_full((1,), count)])
+        return squares, count
 
     def output_diagonal(self, g: torch.Tensor) -> tuple[torch.Tensor, int]:
         return square_sums(g)
