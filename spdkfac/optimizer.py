@@ -36,7 +36,16 @@ from .config import (
     UpdateFusion,
     check_hyperparameters,
 )
-from .kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer, LayerFilter, kfac_layers, preconditioned_layers, used_outside_forward
+from .kfac.layers import (
+    FACTOR_KINDS,
+    FactorKey,
+    KFACLayer,
+    LayerFilter,
+    kfac_layers,
+    link_tied_pairs,
+    preconditioned_layers,
+    used_outside_forward,
+)
 from .kfac.methods import get_method
 from .kfac.state import check_kfac_state, keep_held_decompositions, load_kfac_state, memory_usage, save_kfac_state, saved_uses
 from .kfac.summary import kfac_summary
@@ -294,7 +303,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         #: The parameters of added groups that are not the model's (a loss's weights): averaged at step() under DDP.
         self._beside_model: list[torch.Tensor] = []
         #: Embeddings not yet checked for a use outside their forward (at the first factor step).
-        self._diagonal_unchecked = [layer for layer in self.layers if layer.shape("A").diagonal]
+        self._diagonal_unchecked = [layer for layer in self.layers if layer.shape("A").diagonal and layer.preconditions]
         for previous in claim(self, wrapping.module.modules()):  # last: a refused construction leaves the old one working
             previous._hand_over()
 
@@ -313,7 +322,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self._uncalibrated = False
             warnings.warn(UNCALIBRATED_WARNING, stacklevel=_callers_level())
         self.perf_model = self._measured_perf_model.for_world_size(workers)  # as the simulator plans
-        shapes = [LayerShape.of(la) for la in self.layers]
+        shapes = [LayerShape.of(la) for la in self.layers if la.preconditions]  # (a tied embedding's factors join its output layer's)
         grad_workers, self.grad_worker_choice = GradWorkerProblem(
             shapes,
             workers,
@@ -504,6 +513,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             kept = {layer.name: layer for layer in self.layers}
             # (a layer whose bias was unfrozen has a ones column more in A: its factors start anew, as a new layer's)
             self.layers = [kept[new.name] if new.name in kept and kept[new.name].shapes == new.shapes else new for new in found]
+            link_tied_pairs(self.layers)
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         if self.adaptive_damping is not None:
             self._damping_step = DampingStep(self.adaptive_damping, self.model, self.layers, self.backend)
@@ -517,7 +527,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._slots = ParameterSlots(self.model)
         self._plan_for_workers()
         self.kfac_step.carry_over(previous)
-        if not all(self.work_plan.holds(rank, layer.name) for rank in range(self.backend.size) for layer in self.layers):
+        if not all(self.work_plan.holds(rank, la.name) for rank in range(self.backend.size) for la in self.layers if la.preconditions):
             for layer in self.layers:  # every worker decomposes every layer at the next step, alike (as after a load)
                 for kind in FACTOR_KINDS:
                     layer.set_decomposition(kind, None)
@@ -619,7 +629,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     def _fusable_step(self) -> bool:
         """Whether backward fusion may update this step in ``backward()``: it keeps the decompositions."""
-        return not self._step_kind()[1] and all(layer.decomposed for layer in self.layers)
+        return not self._step_kind()[1] and all(layer.decomposed for layer in self.layers if layer.preconditions)
 
     def _final_grad(self, p: torch.Tensor) -> None:
         if self._backward_fusion is not None:
@@ -627,7 +637,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     def _held_layers(self) -> list[KFACLayer]:
         """The layers whose decompositions this worker holds (all but with ``grad_worker_fraction`` < 1)."""
-        return [layer for layer in self.layers if self.work_plan.holds(self.backend.rank, layer.name)]
+        return [layer for layer in self.layers if layer.preconditions and self.work_plan.holds(self.backend.rank, layer.name)]
 
     def _collecting(self, module: nn.Module) -> bool:
         """Whether a layer's hook takes its factor now: on a factor step, with gradients on, while the model trains.

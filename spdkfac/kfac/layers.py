@@ -44,11 +44,12 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
 from .factor_shape import FactorKind, FactorShape
-from .layer_types import LayerHelper, LinearHelper, make_helper, split_helpers
+from .layer_types import EmbeddingHelper, LayerHelper, LinearHelper, helper_class, make_helper, split_helpers
 from .layer_types.shared_input import SharedInputGram
 from .layer_types.transformer_layers import sequence_layouts
 from .methods import DecompositionMethod, MethodState, get_method
 from .tensor_cores import keeps_half_rows
+from .tied_factors import tied_factors
 
 __all__ = [
     "FACTOR_KINDS",
@@ -59,6 +60,7 @@ __all__ = [
     "factor_list",
     "functional_submodules",
     "kfac_layers",
+    "link_tied_pairs",
     "make_helper",
     "preconditioned_layers",
     "split_layers",
@@ -122,6 +124,11 @@ class KFACLayer:
         self.first_unseen: torch.Tensor | None = None
         #: Samples per worker in the last batch the factor hooks saw (EKFAC scales its statistic by the global batch).
         self.local_samples = 1
+        #: An embedding's: the output layer its weight is tied to. Its factors join that layer's (:mod:`.tied_factors`),
+        #: which preconditions the weight; this layer preconditions nothing.
+        self.tied_output: KFACLayer | None = None
+        #: An output layer's: the embedding its weight is tied to, whose factors join its own.
+        self.tied_embedding: KFACLayer | None = None
 
     def __repr__(self) -> str:
         a, g = self.shapes["A"].describe(), self.shapes["G"].describe()
@@ -142,6 +149,12 @@ class KFACLayer:
     def params(self) -> list[torch.Tensor]:
         """The parameters this layer preconditions (weight, and bias if any)."""
         return self.helper.params()
+
+    @property
+    def preconditions(self) -> bool:
+        """Whether the layer preconditions its gradient: all but an embedding tied to an output layer, whose factors
+        serve that layer's preconditioning of the one weight."""
+        return self.tied_output is None
 
     # -- factor computation (called from hooks) ---------------------------------
     @property
@@ -257,6 +270,25 @@ class KFACLayer:
     @G.setter
     def G(self, value: torch.Tensor | None) -> None:
         self.set_factor("G", value)
+
+    def factors_to_decompose(self) -> dict[str, torch.Tensor]:
+        """The running averages the decompositions are made of, in flat form: the layer's own, or for an output layer
+        tied to an embedding the nearest Kronecker product of both uses' terms (:func:`.tied_factors.tied_factors`).
+
+        Raises RuntimeError for a factor never computed."""
+        own = {kind: self._computed(kind) for kind in FACTOR_KINDS}
+        embedding = self.tied_embedding
+        if embedding is None:
+            return own
+        counts, embedding_g = (embedding.shapes[k].unpack(embedding._computed(k)) for k in FACTOR_KINDS)
+        x, y = tied_factors(counts, embedding_g, self.shapes["G"].unpack(own["G"]), self.shapes["A"].unpack(own["A"]))
+        return {"A": self.shapes["A"].pack(y), "G": self.shapes["G"].pack(x)}
+
+    def _computed(self, kind: str) -> torch.Tensor:
+        packed = self._packed[kind]
+        if packed is None:
+            raise RuntimeError(f"factor {kind} of layer {self.name!r} was never computed; nothing to decompose")
+        return packed
 
     def decomposition(self, kind: str) -> Any:
         """What the method preconditions with for factor ``kind`` (None before the first decomposition)."""
@@ -456,7 +488,7 @@ def kfac_layers(
     functional = unhooked_submodules(model, split)
     untied = untied_layers(model, skip, norm_layers)
     layers: list[KFACLayer] = []
-    by_weight: dict[int, KFACLayer] = {}
+    by_weight: dict[tuple[int, type[LayerHelper]], KFACLayer] = {}
     for name, module in model.named_modules():
         for suffix, part in split.get(name, []):
             layers.append(KFACLayer(f"{name or type(module).__name__}.{suffix}", part, method, max_factor_dim))
@@ -472,18 +504,34 @@ def kfac_layers(
             continue
         helper.sequence = layouts.get(module)
         layer_name = name or type(module).__name__
-        tied = by_weight.get(id(weight))
-        if tied is not None:  # a weight another layer holds (untied_layers() left out those that cannot be one layer)
+        # A weight another layer of this type holds (untied_layers() left out those that cannot be one layer).
+        tied = by_weight.get((id(weight), type(helper)))
+        if tied is not None:
             tied.modules.append(module)
             continue
         layer = KFACLayer(layer_name, helper, method, max_factor_dim)
-        by_weight[id(weight)] = layer
+        by_weight[(id(weight), type(helper))] = layer
         layers.append(layer)
+    link_tied_pairs(layers)
     shared = SharedInputGram()  # Linear layers reading one input in a row (q, k, v; gate and up) compute its Gram once
     for layer in layers:
         if isinstance(layer.helper, LinearHelper):
             layer.helper.shared = shared
     return layers
+
+
+def link_tied_pairs(layers: list[KFACLayer]) -> None:
+    """Link the embedding and the output layer that hold one weight (:attr:`KFACLayer.tied_output`,
+    :attr:`KFACLayer.tied_embedding`), and no others (untied_layers() admitted only such pairs)."""
+    by_weight: dict[int, list[KFACLayer]] = {}
+    for layer in layers:
+        layer.tied_output = layer.tied_embedding = None
+        by_weight.setdefault(id(layer.helper.weight), []).append(layer)
+    for holders in by_weight.values():
+        embeddings = [layer for layer in holders if isinstance(layer.helper, EmbeddingHelper)]
+        outputs = [layer for layer in holders if type(layer.helper) is LinearHelper]
+        if len(holders) == 2 and len(embeddings) == 1 and len(outputs) == 1:
+            embeddings[0].tied_output, outputs[0].tied_embedding = outputs[0], embeddings[0]
 
 
 def untied_layers(model: nn.Module, skip: Sequence[LayerFilter] = (), norm_layers: bool = False) -> dict[str, str]:
@@ -517,19 +565,43 @@ def untied_layers(model: nn.Module, skip: Sequence[LayerFilter] = (), norm_layer
             kept = next(n for n, m in owners if not skipped(n, m, skip))
             why = f"{left[0][0]!r} is in skip_layers but {kept!r} is not"
         if why is None:  # (then every holder is a layer's weight)
-            first = owners[0][1]
-            for n, m in owners[1:]:
-                if type(m) is not type(first) or m.extra_repr() != first.extra_repr():
-                    why = f"{n!r} is a different layer ({m} against {first})"
-                    break
-                if getattr(m, "bias", None) is not getattr(first, "bias", None):
-                    why = f"{n!r} has its own bias (one shared bias, or none, makes them one layer)"
-                    break
+            why = _not_one_layer(owners, norm_layers)
         if why is not None:
             for n, m in owners:
                 if not skipped(n, m, skip):
                     out[n] = f"its weight is shared by {names} (tied weights) and {why}"
     return out
+
+
+def _not_one_layer(owners: list[tuple[str, nn.Module]], norm_layers: bool) -> str | None:
+    """Why the layers holding one weight cannot be preconditioned as one, or None: all of one type and
+    configuration with one shared bias (or none), or so among embeddings and so among output layers
+    (:func:`tied_pair`)."""
+    groups: dict[type, list[tuple[str, nn.Module]]] = {}
+    for n, m in owners:
+        groups.setdefault(type(m), []).append((n, m))
+    firsts = [group[0] for group in groups.values()]
+    if len(groups) > 2 or (len(groups) == 2 and tied_pair(firsts[0][1], firsts[1][1], norm_layers) is None):
+        n, m = firsts[1]
+        return f"{n!r} is a different layer ({m} against {firsts[0][1]})"
+    for group in groups.values():
+        first = group[0][1]
+        for n, m in group[1:]:
+            if m.extra_repr() != first.extra_repr():
+                return f"{n!r} is a different layer ({m} against {first})"
+            if getattr(m, "bias", None) is not getattr(first, "bias", None):
+                return f"{n!r} has its own bias (one shared bias, or none, makes them one layer)"
+    return None
+
+
+def tied_pair(a: nn.Module, b: nn.Module, norm_layers: bool = False) -> tuple[nn.Module, nn.Module] | None:
+    """``(embedding, output layer)`` when two modules of different types holding one weight are an embedding
+    and a Linear layer (a language model's tied input and output layers, :mod:`.tied_factors`), else None."""
+    for embedding, output in ((a, b), (b, a)):
+        found = helper_class(embedding, norm_layers), helper_class(output, norm_layers)
+        if found[0] is not None and issubclass(found[0], EmbeddingHelper) and found[1] is LinearHelper:
+            return embedding, output
+    return None
 
 
 def factor_list(layers: list[KFACLayer]) -> list[tuple[tuple[str, str], int]]:

@@ -137,7 +137,8 @@ def keep_held_decompositions(kfac: dict[str, Any], layers: Sequence[KFACLayer], 
     when decompositions are updated every step, one early refresh
     otherwise.
     """
-    complete = all(entry.get(f"{kind}{method.suffix}") is not None for entry in kfac["layers"].values() for kind in FACTOR_KINDS)
+    entries = [kfac["layers"][layer.name] for layer in layers if layer.preconditions]  # (a tied embedding holds none)
+    complete = all(entry.get(f"{kind}{method.suffix}") is not None for entry in entries for kind in FACTOR_KINDS)
     for layer in layers:
         if not complete or layer.name not in held:
             for kind in FACTOR_KINDS:

@@ -19,8 +19,13 @@ def _kind(layer: KFACLayer) -> str:
     name = layer.helper.kind or type(layer.module).__name__
     if isinstance(layer.helper, NormHelper):
         return f"{name} (scale and shift, 2x2 blocks)"
+    if layer.tied_output is not None:
+        return f"{name} (tied to an output layer: its factors join that layer's)"
     a = layer.shape("A")
     wide = " and ".join(sorted(layer.diagonal_by_width))
+    if layer.tied_embedding is not None:
+        diagonal = f"; diagonal {wide}: wider than max_factor_dim" if wide else ""
+        return f"{name} (tied to an embedding: one weight, preconditioned with both uses' factors{diagonal})"
     if wide:
         own = "diagonal A, " if a.diagonal and "A" not in layer.diagonal_by_width else ""
         return f"{name} ({own}diagonal {wide}: wider than max_factor_dim)"

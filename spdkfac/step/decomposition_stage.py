@@ -35,7 +35,7 @@ import torch
 from ..comm import CommBackend, Handle
 from ..kfac.eigenbasis import Eigen, eigen_payload, unpack_eigen
 from ..kfac.factor_shape import FactorShape
-from ..kfac.layers import FACTOR_KINDS, FactorKey, KFACLayer
+from ..kfac.layers import FactorKey, KFACLayer
 from ..kfac.linalg import invert_spd, pack_upper, triangle_size, unpack_upper
 from ..kfac.methods import DecompositionFallbackWarning, LinAlgError
 from ..kfac.methods.warm import RefreshStatistics
@@ -227,10 +227,7 @@ class DecompositionStage:
         # Packed: each factor is unpacked only where it is decomposed.
         factors: dict[Hashable, torch.Tensor] = {}
         for name, layer in self.layers.items():
-            for kind in FACTOR_KINDS:
-                packed = layer.packed_factor(kind)
-                if packed is None:
-                    raise RuntimeError(f"factor {kind} of layer {name!r} was never computed; nothing to decompose")
+            for kind, packed in layer.factors_to_decompose().items():
                 factors[(kind, name)] = packed
 
         fell_back: dict[Hashable, str] = {}  # factor -> why its plain decomposition failed

@@ -127,7 +127,7 @@ class KFACStep:
         self.grads = GradientSync(
             backend, param_groups, param_names, config.accumulation_steps, grad_scaler, on_final_grad, wrapping, self.order
         )
-        self.decompositions = DecompositionStage(layers, work_plan.inversion, backend)
+        self.decompositions = DecompositionStage([layer for layer in layers if layer.preconditions], work_plan.inversion, backend)
         self.preconditioner = Preconditioner(layers, backend, work_plan, self.grads.wait)
         self.record: IterationRecord | None = None
         self.overlapped_steps = 0  # steps that preconditioned while gradients were still being averaged
@@ -202,7 +202,7 @@ class KFACStep:
     def _overlapping(self, inverse_step: bool) -> bool:
         if not overlaps_preconditioning(self.config.overlap_preconditioning, self.config.precondition, self.workers, inverse_step):
             return False
-        held = (layer for layer in self.layers if self.work_plan.holds(self.rank, layer.name))
+        held = (layer for layer in self.layers if layer.preconditions and self.work_plan.holds(self.rank, layer.name))
         return not self.grads.synchronized and all(layer.decomposed for layer in held)  # else: the plain path
 
     def update_factors(self, hyper: StepHyper, step: int) -> None:

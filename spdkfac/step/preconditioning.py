@@ -142,7 +142,7 @@ class Preconditioner:
         """
         t0 = Timeline.now() if record is not None else 0.0
         waited0 = record.grad_wait if record is not None else 0.0
-        layers = [layer for layer in self.layers if layer.helper.weight.grad is not None]
+        layers = [layer for layer in self.layers if layer.preconditions and layer.helper.weight.grad is not None]
         stacked: list[_Stacked] = []
         if self.plan.groups is not None:
             grads, updates = self._distributed(layers, damping, wait_for_grads, record)

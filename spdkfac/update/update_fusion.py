@@ -261,7 +261,7 @@ class BackwardFusion:
         self.bind(param_groups, state)
         self.units: list[_Unit] = []
         self._unit_of: dict[torch.Tensor, _Unit] = {}
-        for layer in layers:
+        for layer in (layer for layer in layers if layer.preconditions):  # (a tied embedding's weight is its output layer's)
             params = [p for p in layer.params() if p in self._group]
             shared = next((self._unit_of[p] for p in params if p in self._unit_of), None)
             if shared is None:

@@ -71,15 +71,16 @@ def test_kfac_summary_names_the_update_the_rest_gets(base, left_to):
 
 
 def test_kfac_summary_counts_a_tied_weight_once():
-    """An embedding tied to its output layer (GPT-2's) is one parameter of two modules: the reasons' counts add up."""
-    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 10, bias=False))
-    model[3].weight = model[0].weight
+    """An embedding tied to its output layer and a second output layer with its own bias, all one parameter of three
+    modules: it is counted once among the reasons."""
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 10, bias=False), nn.Linear(4, 10))
+    model[3].weight = model[4].weight = model[0].weight
     with pytest.warns(UserWarning, match="tied weights"):
         summary = SPDKFACOptimizer(model, lr=0.1, backend="single").kfac_summary()
-    assert "momentum SGD, not preconditioned, for 48 parameters:\n" in summary
-    assert "1 x Embedding, 1 x Linear: its weight is shared by ['0.weight', '3.weight'] (tied weights)" in summary
+    assert "momentum SGD, not preconditioned, for 58 parameters:\n" in summary
+    assert "1 x Embedding, 2 x Linear: its weight is shared by ['0.weight', '3.weight', '4.weight'] (tied weights)" in summary
     assert summary.endswith(
-        "(40 parameters)\n  1 x LayerNorm: normalisation layer: norm_layers='plain' "
+        "(50 parameters)\n  1 x LayerNorm: normalisation layer: norm_layers='plain' "
         "(norm_layers='kfac' gives it scale-and-shift curvature) (8 parameters)"
     )
 

@@ -134,12 +134,13 @@ def test_tied_weights_that_cannot_be_one_layer_are_left_out_naming_why():
         opt = SPDKFACOptimizer(model, lr=0.05, backend="single")
     assert [layer.name for layer in opt.layers] == ["4"]
     emb, out = nn.Embedding(6, 4), nn.Linear(4, 6, bias=False)
-    out.weight = emb.weight  # a language model's tied embedding and output layer
-    lm = nn.Sequential(emb, nn.Linear(4, 4), out)
-    with pytest.warns(UserWarning, match=r"'2' is a different layer"):
+    out.weight = emb.weight  # a language model's tied embedding and output layer: one layer (test_tied_embedding.py)
+    lm = nn.Sequential(emb, nn.Linear(4, 4), out, nn.Linear(4, 6))
+    lm[3].weight = emb.weight  # ... but a second output layer with its own bias is not
+    with pytest.warns(UserWarning, match=r"'3' is a different layer"):
         opt = SPDKFACOptimizer(lm, lr=0.05, backend="single")
     assert [layer.name for layer in opt.layers] == ["1"]
-    assert "1 x Embedding, 1 x Linear: its weight is shared by ['0.weight', '2.weight'] (tied weights)" in opt.kfac_summary()
+    assert "1 x Embedding, 2 x Linear: its weight is shared by ['0.weight', '2.weight', '3.weight'] (tied weights)" in opt.kfac_summary()
     skipped_one = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 2))
     skipped_one[1].weight, skipped_one[1].bias = skipped_one[0].weight, skipped_one[0].bias
     with pytest.warns(UserWarning, match=r"'1' is in skip_layers but '0' is not"):
