@@ -71,7 +71,7 @@ from spdkfac.variants import make_optimizer, optimizer_config, variant_argv
 from .common import RESULTS, log, machine, save_json, start
 from .external_optimizers import EXTERNAL_OPTIMIZERS, external_options, make_external, require_heavyball
 
-DATA = ("digits", "mnist5k", "pycode")
+DATA = ("digits", "mnist5k", "pycode", "pycode-words")
 DEFAULT_LR_GRID = (0.025, 0.05, 0.1)
 #: Optimizer options this benchmark passes itself, so a variant spec cannot set them (and where they come from).
 #: A spec may set its own ``weight_decay`` (over --weight-decay / --adamw-weight-decay): each optimizer at its best decay.

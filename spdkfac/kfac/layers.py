@@ -581,7 +581,7 @@ def _not_one_layer(owners: list[tuple[str, nn.Module]], norm_layers: bool) -> st
     for n, m in owners:
         groups.setdefault(type(m), []).append((n, m))
     firsts = [group[0] for group in groups.values()]
-    if len(groups) > 2 or (len(groups) == 2 and tied_pair(firsts[0][1], firsts[1][1], norm_layers) is None):
+    if len(groups) > 2 or (len(groups) == 2 and not tied_pair(firsts[0][1], firsts[1][1], norm_layers)):
         n, m = firsts[1]
         return f"{n!r} is a different layer ({m} against {firsts[0][1]})"
     for group in groups.values():
@@ -594,14 +594,11 @@ def _not_one_layer(owners: list[tuple[str, nn.Module]], norm_layers: bool) -> st
     return None
 
 
-def tied_pair(a: nn.Module, b: nn.Module, norm_layers: bool = False) -> tuple[nn.Module, nn.Module] | None:
-    """``(embedding, output layer)`` when two modules of different types holding one weight are an embedding
-    and a Linear layer (a language model's tied input and output layers, :mod:`.tied_factors`), else None."""
-    for embedding, output in ((a, b), (b, a)):
-        found = helper_class(embedding, norm_layers), helper_class(output, norm_layers)
-        if found[0] is not None and issubclass(found[0], EmbeddingHelper) and found[1] is LinearHelper:
-            return embedding, output
-    return None
+def tied_pair(a: nn.Module, b: nn.Module, norm_layers: bool = False) -> bool:
+    """Whether two modules of different types holding one weight are an embedding and a Linear layer, in either
+    order: a language model's tied input and output layers, preconditioned together (:mod:`.tied_factors`)."""
+    kinds = {helper_class(a, norm_layers), helper_class(b, norm_layers)}
+    return LinearHelper in kinds and any(kind is not None and issubclass(kind, EmbeddingHelper) for kind in kinds)
 
 
 def factor_list(layers: list[KFACLayer]) -> list[tuple[tuple[str, str], int]]:

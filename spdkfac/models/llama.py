@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["CharLlama", "LlamaBlock", "char_llama", "rotate"]
+__all__ = ["CharLlama", "LlamaBlock", "char_llama", "rotate", "tied_llama"]
 
 
 def rotate(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -67,10 +67,20 @@ class LlamaBlock(nn.Module):
 
 
 class CharLlama(nn.Module):
-    """Token embedding, Llama blocks, RMSNorm and an untied bias-free head. Takes ``(N, T)`` ids and returns
-    ``(N, vocab, T)`` logits, the layout ``cross_entropy`` and ``argmax(1)`` read per position."""
+    """Token embedding, Llama blocks, RMSNorm and a bias-free head, untied or (``tie_embeddings``) holding the
+    embedding's weight. Takes ``(N, T)`` ids and returns ``(N, vocab, T)`` logits, the layout ``cross_entropy`` and
+    ``argmax(1)`` read per position."""
 
-    def __init__(self, vocab: int, context: int = 64, dim: int = 128, depth: int = 2, heads: int = 4, mlp_dim: int = 344) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        context: int = 64,
+        dim: int = 128,
+        depth: int = 2,
+        heads: int = 4,
+        mlp_dim: int = 344,
+        tie_embeddings: bool = False,
+    ) -> None:
         super().__init__()
         self.context = context
         self.tokens = nn.Embedding(vocab, dim)
@@ -80,6 +90,8 @@ class CharLlama(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
+        if tie_embeddings:
+            self.head.weight = self.tokens.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.shape[1] > self.context:
@@ -92,3 +104,9 @@ def char_llama(num_classes: int = 97) -> nn.Module:
     """A small Llama-style character-level model (``--data pycode``): width 128, 2 blocks of 4 heads, SwiGLU MLP of
     344 (about 8/3 of the width, as Llama sizes it)."""
     return CharLlama(num_classes)
+
+
+def tied_llama(num_classes: int = 2048) -> nn.Module:
+    """:func:`char_llama`'s model with its head tied to the token embedding, for a vocabulary of words
+    (``--data pycode-words``): as GPT-2, Gemma and the small Llama 3.2 models tie them."""
+    return CharLlama(num_classes, tie_embeddings=True)

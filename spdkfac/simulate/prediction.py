@@ -332,14 +332,16 @@ def _sgd_step(profile: Profile) -> float:
 def _layer_shapes(profile: Profile) -> list[LayerShape]:
     """The preconditioned layers in the optimizer's order (``opt.layers``), with their factor dimensions.
 
-    The per-layer preconditioning entries are recorded in that order; older
-    profiles without them give the order the A factors became ready (the
-    same for the models profiled so far).
+    The per-layer preconditioning entries are recorded in that order, and
+    only for the layers that precondition (not an embedding tied to its output
+    layer, whose factors are sent all the same); older profiles without them
+    give the order the A factors became ready (the same for the models
+    profiled so far).
     """
     shapes = {f.key: f.shape for f in profile.factors}
     names = [f.layer for f in profile.factors if f.kind == FactorKind.A]
     recorded = [p.layer for p in profile.precondition]
-    if sorted(recorded) == sorted(names):
+    if recorded and set(recorded) <= set(names):
         names = recorded
     return [
         LayerShape(

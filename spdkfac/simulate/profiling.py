@@ -107,12 +107,13 @@ def measure_profile(
                 raise RuntimeError(f"the {kind} factor of {layer.name!r} was never computed while profiling")
             layer.shape(kind).pack(full)
             t2 = Timeline.now()
-            layer.method.local(layer.shape(kind), full, damping)
+            if layer.preconditions:  # (a tied embedding's factors are decomposed with its output layer's, not alone)
+                layer.method.local(layer.shape(kind), full, damping)
             per_factor[f"{kind}:{layer.name}"] = (t1 - t0, t2 - t1, Timeline.now() - t2)
     # Per-layer preconditioning time, for variants that split it across workers.
     precondition = []
     _barrier(comm)
-    for layer in opt.layers:
+    for layer in (layer for layer in opt.layers if layer.preconditions):
         grad = layer.grad_matrix()
         if grad is None:
             raise RuntimeError(f"layer {layer.name!r} has no gradient to precondition while profiling")

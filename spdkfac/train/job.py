@@ -36,7 +36,7 @@ from ..schedules import KFACParamScheduler
 from ..variants import make_optimizer
 from .args import KFAC_OPTIMIZERS, dho2_options, parse_args
 from .checkpoint import LATEST, CheckpointError, save_rotating
-from .data import ShardedLoader, load_digits, load_mnist5k, load_pycode, synthetic
+from .data import ShardedLoader, load_digits, load_mnist5k, load_pycode, load_pycode_words, synthetic
 from .imagefolder import ImageFolder, ImageFolderError, make_loader
 from .loop import Batch, EpochTotals, TrainingStep, average_over_workers, evaluate, lr_at, train_epoch
 from .optimizer_options import optimizer_options
@@ -63,6 +63,9 @@ def make_loaders(args: argparse.Namespace, rank: int, size: int) -> tuple[Loader
     elif args.data == "pycode":
         train, test = load_pycode(seed=args.seed)
         model = "char_gpt"
+    elif args.data == "pycode-words":
+        train, test = load_pycode_words(seed=args.seed)
+        model = "tied_llama"
     elif args.data == "synthetic":
         shape = tuple(args.synthetic_shape)
         train = synthetic(args.synthetic_size, shape, 10, seed=args.seed)
@@ -73,7 +76,7 @@ def make_loaders(args: argparse.Namespace, rank: int, size: int) -> tuple[Loader
         try:
             if not root.is_dir():
                 raise ImageFolderError(
-                    f"--data {args.data!r} is neither 'digits', 'mnist5k', 'pycode', 'synthetic' nor an existing directory"
+                    f"--data {args.data!r} is neither 'digits', 'mnist5k', 'pycode', 'pycode-words', 'synthetic' nor an existing directory"
                 )
             train_set = ImageFolder(root / "train", args.image_size, train=True)
             val_set = ImageFolder(root / "val", args.image_size, train=False, classes=train_set.classes)

@@ -54,7 +54,7 @@ def test_malformed_directory_exits_with_message(tmp_path, capsys):
 
     with pytest.raises(ImageFolderError, match="cannot read image"):
         ImageFolder(root / "train", 8)[0]
-    with pytest.raises(SystemExit, match="neither 'digits', 'mnist5k', 'pycode', 'synthetic' nor an existing directory"):
+    with pytest.raises(SystemExit, match="neither 'digits', 'mnist5k', 'pycode', 'pycode-words', 'synthetic' nor an existing directory"):
         train.main(["--data", str(tmp_path / "nope"), "--backend", "single"])
 
 

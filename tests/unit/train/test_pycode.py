@@ -1,6 +1,12 @@
-"""``--data pycode``: next-character prediction on Python's own library source, and ``char_gpt``, its causal model."""
+"""``--data pycode``: next-character prediction on Python's own library source, and ``char_gpt``, its causal model;
+``--data pycode-words``: the same text as words, and ``tied_llama``."""
 
 from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +17,7 @@ from spdkfac.comm import get_backend
 from spdkfac.comm.inprocess import run_ranks
 from spdkfac.models import get_model
 from spdkfac.models.modern import CharGPT
-from spdkfac.train.data import PYCODE_VOCAB, load_pycode
+from spdkfac.train.data import PYCODE_VOCAB, load_pycode, load_pycode_words
 from spdkfac.train.loop import EpochTotals, TrainingStep, evaluate
 
 pytestmark = pytest.mark.filterwarnings("ignore:no perf_model given")
@@ -40,6 +46,41 @@ def test_bad_arguments_are_refused():
         load_pycode(test_fraction=1.0)
     with pytest.raises(ValueError, match="too little text"):
         load_pycode(context=64, max_bytes=100)
+    with pytest.raises(ValueError, match="test_fraction"):
+        load_pycode_words(test_fraction=0.0)
+    with pytest.raises(ValueError, match="vocab must be at least 2"):
+        load_pycode_words(vocab=1)
+    with pytest.raises(ValueError, match="too little text for windows of 65 tokens"):
+        load_pycode_words(max_bytes=100)
+
+
+def test_words_are_the_most_frequent_tokens_of_the_text_and_the_rest_is_id_0():
+    train, test = load_pycode_words(context=16, vocab=50, max_bytes=20_000, seed=3)
+    assert train.num_classes == test.num_classes == 50
+    assert torch.equal(train.x[:, 1:], train.y[:, :-1])  # y is x moved on by one token
+    # From the definition: identifiers, numbers, runs of spaces, newlines, other characters; the 49 most frequent
+    # (by count, then text) are ids 1-49, the rest 0; windows of 17.
+    text = "".join(p.read_text("latin-1") for p in sorted(Path(os.__file__).parent.glob("*.py")))[:20_000]
+    words = re.findall(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+| +|\n|[^A-Za-z0-9_ \n]", text)
+    counts = Counter(words)
+    index = {w: i + 1 for i, w in enumerate(sorted(counts, key=lambda w: (-counts[w], w))[:49])}
+    ids = torch.tensor([index.get(w, 0) for w in words])
+    expected = ids[: len(ids) // 17 * 17].view(-1, 17)
+    got = torch.cat([torch.cat([train.x, train.y[:, -1:]], 1), torch.cat([test.x, test.y[:, -1:]], 1)])
+    assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, expected.tolist()))
+    assert (expected == 0).any()
+    assert index[" "] < 10  # (source code: a space among the commonest tokens)
+    again, _ = load_pycode_words(context=16, vocab=50, max_bytes=20_000, seed=3)
+    assert torch.equal(again.x, train.x)
+
+
+def test_tied_llama_holds_one_weight_for_its_embedding_and_head():
+    model = get_model("tied_llama", num_classes=300)
+    assert model.head.weight is model.tokens.weight
+    opt = SPDKFACOptimizer(model, lr=0.01, backend="single")
+    assert opt.layers[0].tied_output is opt.layers[-1]
+    ids = torch.randint(0, 300, (2, 10))
+    assert model(ids).shape == (2, 300, 10)
 
 
 def test_char_gpt_is_causal_and_returns_logits_per_position():
