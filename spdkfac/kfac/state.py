@@ -101,10 +101,17 @@ def check_kfac_state(state_dict: Any, layers: Sequence[KFACLayer], method: Decom
         only_mine = sorted(set(mine) - set(theirs))
         only_theirs = sorted(set(theirs) - set(mine))
         differ = sorted(n for n in set(mine) & set(theirs) if mine[n] != theirs[n])
+        tied = [la.name for la in layers if la.name in only_mine and la.tied_embedding is not None]
+        hint = (
+            f"; an embedding tied to its output layer is now preconditioned, where earlier versions gave it the base "
+            f"update: a checkpoint saved so resumes with skip_layers={tied!r}"
+            if tied
+            else ""
+        )
         raise ValueError(
             "checkpoint was saved for a different model: "
             f"layers missing from checkpoint {only_mine}, unknown layers in checkpoint {only_theirs}, "
-            f"layers with different factor dimensions {differ}"
+            f"layers with different factor dimensions {differ}{hint}"
         )
     return kfac
 

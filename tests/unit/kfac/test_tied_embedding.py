@@ -263,3 +263,18 @@ def test_other_ties_still_get_the_base_update(model, skip, why):
         opt = SPDKFACOptimizer(model, lr=0.1, backend="single", skip_layers=skip)
     assert all(layer.tied_output is None and layer.tied_embedding is None for layer in opt.layers)
     assert not any(isinstance(layer.module, nn.Embedding) for layer in opt.layers)
+
+
+def test_a_checkpoint_from_before_tied_layers_names_the_way_to_resume_it():
+    """A checkpoint saved when the tied weight got the base update (as with skip_layers) resumes with skip_layers."""
+
+    def net() -> nn.Module:
+        return nn.Sequential(TiedLM(), nn.Linear(VOCAB, 3))
+
+    with pytest.warns(UserWarning, match="is in skip_layers but"):
+        before = SPDKFACOptimizer(net(), lr=0.1, backend="single", skip_layers=["0.head"])
+    saved = before.state_dict()
+    with pytest.raises(ValueError, match=r"missing from checkpoint \['0.head', '0.wte'\].*resumes with skip_layers=\['0.head'\]"):
+        SPDKFACOptimizer(net(), lr=0.1, backend="single").load_state_dict(saved)
+    with pytest.warns(UserWarning, match="is in skip_layers but"):
+        SPDKFACOptimizer(net(), lr=0.1, backend="single", skip_layers=["0.head"]).load_state_dict(saved)
