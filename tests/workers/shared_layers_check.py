@@ -1,4 +1,5 @@
-"""Multi-process worker: layers used several times per step, checkpointed, and a head that runs on odd steps only.
+"""Multi-process worker: layers used several times per step, checkpointed, and a head that runs on odd steps only;
+a language model whose output layer is tied to its embedding.
 
 Each rank saves its parameters and K-FAC state per configuration to
 ``<out>/rank<r>.pt``; the test compares the ranks with each other (bitwise)
@@ -14,6 +15,7 @@ import sys
 import warnings
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -38,6 +40,55 @@ CONFIGS: dict[str, tuple[str | None, dict[str, Any]]] = {
     "sequential-eigen-lbp": ("sequential", dict(BASE, compute_method="eigen", placement="lbp")),
     "plain-accumulate-2": (None, dict(BASE, accumulation_steps=2, factor_update_freq=2, inv_update_freq=2)),
 }
+#: name -> optimizer options, for the tied language model (:class:`TiedLM`)
+TIED_CONFIGS: dict[str, dict[str, Any]] = {
+    "tied-inverse": dict(BASE),
+    "tied-eigen-half-workers": dict(BASE, compute_method="eigen", grad_worker_fraction=0.5),
+    "tied-ekfac-adam-diagonal": dict(
+        {k: v for k, v in BASE.items() if k != "momentum"},
+        compute_method="ekfac",
+        base="adamw",
+        ekfac_update="adam",
+        kl_clip=None,
+        max_factor_dim=16,
+        inv_update_freq=2,
+    ),
+}
+VOCAB, WIDTH = 24, 6
+
+
+class TiedLM(nn.Module):
+    """Token embedding, a Linear layer, an output layer holding the embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.mid = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.wte(ids)))).transpose(1, 2)
+
+
+def run_tied(backend: CommBackend) -> dict[str, Any]:
+    """Every tied configuration trained for ``STEPS`` steps on this rank's shard of a fixed batch of token ids."""
+    ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, 5), generator=torch.Generator().manual_seed(6))
+    local = GLOBAL_BATCH // backend.size
+    mine = ids[backend.rank * local : (backend.rank + 1) * local]
+    results: dict[str, Any] = {}
+    for name, options in TIED_CONFIGS.items():
+        model = TiedLM()
+        opt = SPDKFACOptimizer(model, backend=backend, **options)
+        assert opt.layers[0].tied_output is opt.layers[-1]
+        for _ in range(STEPS):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(mine[:, :-1]), mine[:, 1:]).backward()
+            opt.step()
+        results[name] = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "kfac": opt.state_dict()["kfac"]}
+        opt.remove_hooks()
+    return results
 
 
 def run(backend: CommBackend) -> dict[str, Any]:
@@ -59,7 +110,7 @@ def run(backend: CommBackend) -> dict[str, Any]:
             "skipped": list(opt.kfac_step.factors.skipped),
         }
         opt.remove_hooks()
-    return results
+    return {**results, **run_tied(backend)}
 
 
 if __name__ == "__main__":
