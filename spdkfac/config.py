@@ -260,8 +260,11 @@ class KFACConfig:
             ``'kind:grouped'`` (any ``groups > 1``). Layers whose weight is used
             without their ``forward()`` (``nn.MultiheadAttention.out_proj``)
             are left out automatically, with a notice, and so are modules
-            sharing a weight that cannot be one layer (an embedding tied to
-            an output Linear; :func:`~spdkfac.kfac.layers.untied_layers`).
+            sharing a weight that cannot be one layer
+            (:func:`~spdkfac.kfac.layers.untied_layers`). An embedding tied
+            to its output Linear is preconditioned with both uses' factors
+            (:mod:`spdkfac.kfac.tied_factors`); naming both here leaves the
+            weight to the base update (naming one does too, with a notice).
         update_fusion: where the parameter update runs
             (:mod:`spdkfac.update.update_fusion`): ``'none'`` (in ``step()``),
             ``'forward'`` (each module's parameters just before its next

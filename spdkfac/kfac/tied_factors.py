@@ -77,7 +77,7 @@ def nearest_kronecker_weights(
     mx = (p11 * x1 + p12 * x2, p12 * x1 + p22 * x2)  # M_X x
     norm_x2 = x1 * mx[0] + x2 * mx[1]  # ‖X‖² for X = P x
     if not norm_x2 > 0.0:
-        raise ValueError("tied factors: both output-side factors are zero")
+        raise ValueError("tied factors: the vocabulary side (the token counts and the output layer's G) is zero or not finite")
     b1, b2 = mx[0] / norm_x2, mx[1] / norm_x2
     norm_y2 = b1 * b1 * q11 + 2 * b1 * b2 * q12 + b2 * b2 * q22
     # The split: ‖X‖/‖Y‖ the terms' own ratios' geometric mean, weighted by the terms' norms ‖X_k‖‖Y_k‖.
