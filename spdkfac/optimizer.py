@@ -303,7 +303,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         #: The parameters of added groups that are not the model's (a loss's weights): averaged at step() under DDP.
         self._beside_model: list[torch.Tensor] = []
         #: Embeddings not yet checked for a use outside their forward (at the first factor step).
-        self._diagonal_unchecked = [layer for layer in self.layers if layer.shape("A").diagonal and layer.preconditions]
+        self._diagonal_unchecked = [layer for layer in self._preconditioning_layers if layer.shape("A").diagonal]
         for previous in claim(self, wrapping.module.modules()):  # last: a refused construction leaves the old one working
             previous._hand_over()
 
@@ -322,7 +322,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self._uncalibrated = False
             warnings.warn(UNCALIBRATED_WARNING, stacklevel=_callers_level())
         self.perf_model = self._measured_perf_model.for_world_size(workers)  # as the simulator plans
-        shapes = [LayerShape.of(la) for la in self.layers if la.preconditions]  # (a tied embedding's factors join its output layer's)
+        shapes = [LayerShape.of(la) for la in self._preconditioning_layers]
         grad_workers, self.grad_worker_choice = GradWorkerProblem(
             shapes,
             workers,
@@ -527,7 +527,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._slots = ParameterSlots(self.model)
         self._plan_for_workers()
         self.kfac_step.carry_over(previous)
-        if not all(self.work_plan.holds(rank, la.name) for rank in range(self.backend.size) for la in self.layers if la.preconditions):
+        if not all(self.work_plan.holds(rank, la.name) for rank in range(self.backend.size) for la in self._preconditioning_layers):
             for layer in self.layers:  # every worker decomposes every layer at the next step, alike (as after a load)
                 for kind in FACTOR_KINDS:
                     layer.set_decomposition(kind, None)
@@ -629,7 +629,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     def _fusable_step(self) -> bool:
         """Whether backward fusion may update this step in ``backward()``: it keeps the decompositions."""
-        return not self._step_kind()[1] and all(layer.decomposed for layer in self.layers if layer.preconditions)
+        return not self._step_kind()[1] and all(layer.decomposed for layer in self._preconditioning_layers)
 
     def _final_grad(self, p: torch.Tensor) -> None:
         if self._backward_fusion is not None:
@@ -637,7 +637,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
 
     def _held_layers(self) -> list[KFACLayer]:
         """The layers whose decompositions this worker holds (all but with ``grad_worker_fraction`` < 1)."""
-        return [layer for layer in self.layers if layer.preconditions and self.work_plan.holds(self.backend.rank, layer.name)]
+        return [layer for layer in self._preconditioning_layers if self.work_plan.holds(self.backend.rank, layer.name)]
+
+    @property
+    def _preconditioning_layers(self) -> list[KFACLayer]:
+        """The layers that precondition a gradient, and so are planned and decomposed: all but an embedding tied to its
+        output layer, whose factors join that layer's."""
+        return [layer for layer in self.layers if layer.preconditions]
 
     def _collecting(self, module: nn.Module) -> bool:
         """Whether a layer's hook takes its factor now: on a factor step, with gradients on, while the model trains.

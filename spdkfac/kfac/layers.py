@@ -528,10 +528,9 @@ def link_tied_pairs(layers: list[KFACLayer]) -> None:
         layer.tied_output = layer.tied_embedding = None
         by_weight.setdefault(id(layer.helper.weight), []).append(layer)
     for holders in by_weight.values():
-        embeddings = [layer for layer in holders if isinstance(layer.helper, EmbeddingHelper)]
-        outputs = [layer for layer in holders if type(layer.helper) is LinearHelper]
-        if len(holders) == 2 and len(embeddings) == 1 and len(outputs) == 1:
-            embeddings[0].tied_output, outputs[0].tied_embedding = outputs[0], embeddings[0]
+        if len(holders) == 2 and tied_pair(holders[0].module, holders[1].module):
+            embedding, output = sorted(holders, key=lambda layer: not isinstance(layer.helper, EmbeddingHelper))
+            embedding.tied_output, output.tied_embedding = output, embedding
 
 
 def untied_layers(model: nn.Module, skip: Sequence[LayerFilter] = (), norm_layers: bool = False) -> dict[str, str]:

