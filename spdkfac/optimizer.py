@@ -47,6 +47,7 @@ from .kfac.layers import (
     used_outside_forward,
 )
 from .kfac.methods import get_method
+from .kfac.sharded_grads import slot_of
 from .kfac.state import check_kfac_state, keep_held_decompositions, load_kfac_state, memory_usage, save_kfac_state, saved_uses
 from .kfac.summary import kfac_summary
 from .perfmodels import PerfModel, load_perf_model
@@ -276,6 +277,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             if precondition
             else []
         )
+        if wrapping.sharded_over is not None:  # FSDP2 swaps each weight for its whole copy in its passes
+            for layer in self.layers:
+                layer.weight_slot = slot_of(model, layer.helper.weight)
         #: Parameters whose preconditioned gradient is the step's direction (EKFAC's Adam update): the base steps along it.
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         self.backend = get_backend(backend)
@@ -423,10 +427,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         decompositions this worker now holds). A ``DistributedDataParallel``
         model is refused: its process group cannot change size in place.
         """
-        if self.wrapping.ddp is not None:
+        if self.wrapping.averages_gradients:
             raise ValueError(
-                "replan() re-plans for Horovod's elastic mode; a DistributedDataParallel model's process group cannot "
-                "change size in place: restart the job under torchrun (spdkfac.train --resume auto) instead"
+                "replan() re-plans for Horovod's elastic mode; a DistributedDataParallel (or fully_shard) model's process "
+                "group cannot change size in place: restart the job under torchrun (spdkfac.train --resume auto) instead"
             )
         self._begin_iteration(abandon=True)  # under backward fusion: rolls back what an unfinished step wrote
         self._wire_anew()
@@ -730,7 +734,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.kfac_step.grads.check_accumulated("step()", short_ok=True)
         self.kfac_step.grads.learn_edits()
         try:
-            if self.wrapping.ddp is not None:  # DDP averaged its module's gradients only
+            if self.wrapping.averages_gradients:  # DDP (FSDP) averaged its module's gradients only
                 trained = [p for p in self._beside_model if p.requires_grad]  # (a frozen one has no gradient anywhere)
                 average_gradients_now(self.backend, trained, "spdkfac.beside_model_grad")
             factor_step, inverse_step = self._step_kind()

@@ -48,6 +48,7 @@ from .layer_types import EmbeddingHelper, LayerHelper, LinearHelper, helper_clas
 from .layer_types.shared_input import SharedInputGram
 from .layer_types.transformer_layers import sequence_layouts
 from .methods import DecompositionMethod, MethodState, get_method
+from .sharded_grads import is_sharded, whole_gradients
 from .tensor_cores import keeps_half_rows
 from .tied_factors import tied_factors
 
@@ -129,6 +130,9 @@ class KFACLayer:
         self.tied_output: KFACLayer | None = None
         #: An output layer's: the embedding its weight is tied to, whose factors join its own.
         self.tied_embedding: KFACLayer | None = None
+        #: Where a module holds the weight under FSDP2, which registers its whole copy there for its passes
+        #: (:meth:`weight_now`); None: the weight is always ``helper.weight``.
+        self.weight_slot: tuple[nn.Module, str] | None = None
 
     def __repr__(self) -> str:
         a, g = self.shapes["A"].describe(), self.shapes["G"].describe()
@@ -318,6 +322,15 @@ class KFACLayer:
             return factor.dtype
         return self.method.tensors(held)[0].dtype
 
+    def weight_now(self) -> torch.Tensor:
+        """The weight the layer's forward and backward passes use now: ``helper.weight``, but inside FSDP2's passes
+        the whole copy it registers in the weight's place (the tensor autograd computes a gradient for)."""
+        if self.weight_slot is None:
+            return self.helper.weight
+        module, name = self.weight_slot
+        weight: torch.Tensor = module._parameters[name]  # type: ignore[assignment]  # (a slot found holding a tensor)
+        return weight
+
     # -- gradients -----------------------------------------------------------------
     @property
     def grad_shape(self) -> tuple[int, ...]:
@@ -325,8 +338,12 @@ class KFACLayer:
         return self.helper.grad_shape
 
     def grad_matrix(self) -> torch.Tensor | None:
-        """The layer gradient as a ``g_dim x a_dim`` matrix (bias as the last column), per block for grouped layers."""
-        return self.helper.grad()
+        """The layer gradient as a ``g_dim x a_dim`` matrix (bias as the last column), per block for grouped layers;
+        whole where FSDP shards the weight (all-gathered: :mod:`.sharded_grads`)."""
+        if not is_sharded(self.helper.weight):
+            return self.helper.grad()
+        with whole_gradients([self.helper], write_back=False):
+            return self.helper.grad()
 
     def precondition(self, grad: torch.Tensor, damping: float) -> torch.Tensor:
         """The preconditioned gradient, in the decomposition's precision (the caller casts back on writing).
@@ -339,8 +356,13 @@ class KFACLayer:
         return self.method.precondition(grad, self._decomposed["A"], self._decomposed["G"], damping, self.method_state)
 
     def write_grad(self, grad: torch.Tensor) -> None:
-        """Copy an update shaped as :meth:`grad_matrix` back into the weight (and bias) gradients."""
-        self.helper.write_grad(grad)
+        """Copy an update shaped as :meth:`grad_matrix` back into the weight (and bias) gradients (where FSDP shards
+        them, each worker its rows of the update, the same on every worker)."""
+        if not is_sharded(self.helper.weight):
+            self.helper.write_grad(grad)
+            return
+        with whole_gradients([self.helper]):
+            self.helper.write_grad(grad)
 
 
 def used_outside_forward(layer: KFACLayer) -> bool:

@@ -14,9 +14,18 @@ from .layers import LAYER_KINDS, KFACLayer, LayerFilter, skipped, split_layers, 
 __all__ = ["kfac_summary"]
 
 
+def _class_name(module: nn.Module) -> str:
+    """The module's class name; for a module FSDP2 shards, its own class's (``fully_shard`` derives ``FSDPLinear``
+    from ``FSDPModule`` and ``Linear``)."""
+    bases = type(module).__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule":
+        return bases[1].__name__
+    return type(module).__name__
+
+
 def _kind(layer: KFACLayer) -> str:
     """The layer's type, with how its factors are shaped where that is not plain."""
-    name = layer.helper.kind or type(layer.module).__name__
+    name = layer.helper.kind or _class_name(layer.module)
     if isinstance(layer.helper, NormHelper):
         return f"{name} (scale and shift, 2x2 blocks)"
     if layer.tied_output is not None:
@@ -65,7 +74,7 @@ def kfac_summary(
         own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in covered]
         if not own:
             continue
-        cls = type(module).__name__
+        cls = _class_name(module)
         if not precondition:
             why = "precondition=False"
         elif name in functional:

@@ -21,9 +21,15 @@ optimizer built on the bare model) is found at the first forward pass it
 runs (up to the model's first training pass) and adopted: from then on DDP
 averages the gradients, as if the optimizer had been given the wrapper.
 
+A model sharded by FSDP2 (``fully_shard`` on its root module and any of its
+parts, one data-parallel mesh over the optimizer's workers) is taken as
+well: FSDP averages the gradients (its reduce-scatter leaves each worker its
+rows of the average) and the layers read theirs whole
+(:mod:`spdkfac.kfac.sharded_grads`).
+
 Wrappers that average or shard the gradients some other way (``nn.DataParallel``,
-FSDP, a DDP inside the model or around a larger one, Horovod's
-``DistributedOptimizer`` around the optimizer) are refused with an error that
+the first FSDP (``FullyShardedDataParallel``), a DDP inside the model or around a larger one, tensor
+parallelism, Horovod's ``DistributedOptimizer`` around the optimizer) are refused with an error that
 names the fix.
 """
 
@@ -35,6 +41,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..kfac.sharded_grads import is_sharded
 from .compiled_hooks import compiling, run_eagerly
 from .module_hooks import HookHandle, register
 
@@ -91,20 +98,43 @@ def _refuse_other_wrappers(model: nn.Module) -> None:
                 f"{where} a DistributedDataParallel inside {inside}: wrap the whole model once instead, "
                 "SPDKFACOptimizer(DistributedDataParallel(model), ...), or pass the bare model"
             )
-        if type(module).__name__ in ("FullyShardedDataParallel", "FSDPModule") or any(
-            c.__name__ == "FSDPModule" for c in type(module).__mro__
-        ):
+        if type(module).__name__ == "FullyShardedDataParallel":
             raise ValueError(
-                f"{where} sharded by FSDP: K-FAC needs every layer's whole weight and gradient on the worker that "
-                f"preconditions it, and FSDP reduce-scatters them; {_FIX}"
+                f"{where} wrapped by the first FSDP (FullyShardedDataParallel), whose flattened parameters hide the "
+                "layers' weights: shard the model with FSDP2's fully_shard() instead (its root module last), or "
+                f"{_FIX}"
+            )
+        if name and _is_fsdp2(module) and not _is_fsdp2(model):
+            raise ValueError(
+                f"{where} sharded by fully_shard() but the model's root module is not: apply fully_shard(model) to the "
+                "root as well (FSDP2's usage), so that every parameter is sharded and FSDP averages every gradient"
             )
     for name, param in model.named_parameters():
-        if any(c.__name__ == "DTensor" for c in type(param).__mro__):  # (torch.distributed may not import)
+        if not is_sharded(param):
+            continue
+        sharded: Any = param
+        placements = tuple(type(p).__name__ + str(getattr(p, "dim", "")) for p in sharded.placements)
+        if not _is_fsdp2(model) or placements != ("Shard0",):
             raise ValueError(
-                f"the model's parameter {name!r} is a DTensor, sharded over a device mesh (tensor or sequence "
-                f"parallelism): K-FAC needs every layer's whole weight and gradient on the worker that preconditions "
-                f"it; {_FIX}"
+                f"the model's parameter {name!r} is a DTensor placed {list(sharded.placements)} on a device mesh of "
+                f"shape {tuple(sharded.device_mesh.shape)}: K-FAC takes FSDP2's sharding (fully_shard on a 1-D mesh, "
+                "its rows on each worker) but not tensor or sequence parallelism, nor hybrid sharding (HSDP); "
+                f"{_FIX}"
             )
+
+
+def _is_fsdp2(module: nn.Module) -> bool:
+    """Whether ``fully_shard()`` was applied to ``module`` (its class is then derived from ``FSDPModule``)."""
+    return any(c.__name__ == "FSDPModule" for c in type(module).__mro__)
+
+
+def _mesh_size(model: nn.Module) -> int | None:
+    """The size of the device mesh FSDP shards the model's parameters over; None where it shards none."""
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is not None:
+            return int(mesh.size())
+    return None
 
 
 class ModelWrapping:
@@ -117,11 +147,19 @@ class ModelWrapping:
     Attributes:
         module: the bare model (inside DDP and ``torch.compile``): the optimizer's layers, names and hooks are its.
         ddp: the wrapper, or None; when set, DDP averages the gradients.
+        sharded_over: the number of workers FSDP2 shards the model over (``fully_shard``), or None; when set, FSDP
+            averages the gradients.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.module, self.ddp = _unwrap(model)
         _refuse_other_wrappers(self.module)
+        self.sharded_over = _mesh_size(self.module) if _is_fsdp2(self.module) else None
+        if self.ddp is not None and self.sharded_over is not None:
+            raise ValueError(
+                "the model is sharded by fully_shard() and wrapped in DistributedDataParallel: FSDP averages the "
+                "gradients already; pass the sharded model without the DDP"
+            )
         self._last_pass_synced = True  # whether the latest forward pass under autograd will have DDP average its gradients
         self._hook: HookHandle | None = None
         self._stale: HookHandle | None = None  # the bare model's hook once a DDP is adopted, until the next step()
@@ -151,11 +189,25 @@ class ModelWrapping:
 
     @property
     def averages_gradients(self) -> bool:
-        """Whether DDP averages the gradients (the optimizer then starts no gradient all-reduce)."""
-        return self.ddp is not None
+        """Whether DDP or FSDP averages the gradients (the optimizer then starts no gradient all-reduce)."""
+        return self.ddp is not None or self.sharded_over is not None
 
     def check(self, workers: int, update_fusion: str) -> None:
-        """Raise ValueError when DDP averages over other processes than the optimizer's, or backward fusion is asked for."""
+        """Raise ValueError when DDP or FSDP averages over other processes than the optimizer's, or DDP with backward
+        fusion, or FSDP with update fusion, is asked for."""
+        if self.sharded_over is not None:
+            if self.sharded_over != workers:
+                raise ValueError(
+                    f"fully_shard() shards the model over {self.sharded_over} processes but the optimizer's backend has "
+                    f"{workers} workers: shard on the default process group's mesh (fully_shard's default) and build "
+                    "the optimizer with backend='auto' (or 'torch') in the same torchrun job"
+                )
+            if update_fusion != "none":
+                raise ValueError(
+                    f"update_fusion={update_fusion!r} cannot be used with a model sharded by fully_shard(): FSDP holds "
+                    "the whole weights only inside its forward and backward passes; use update_fusion='none'"
+                )
+            return
         if self.ddp is None:
             return
         size = _group_size(self.ddp.process_group)

@@ -56,6 +56,7 @@ import torch.nn as nn
 from ..kfac.layer_types import EmbeddingHelper, LinearHelper
 from ..kfac.layers import FACTOR_KINDS, FactorKey, FactorKind, KFACLayer
 from ..kfac.linalg import non_finite_indices
+from ..kfac.sharded_grads import is_sharded
 from .broadcast_lookup import BroadcastLookups
 from .collective_order import CollectiveOrder, Slot
 from .compiled_hooks import register_factor_pre_hook, register_output_grad_hook
@@ -110,8 +111,13 @@ def computes_grad_of(weight: torch.Tensor) -> bool:
     passes through the layer's output, with the output gradient of another
     scalar than the loss: left out. A ``torch.autograd.grad`` with respect to
     the weight itself computes it (torch cannot say more there), and so
-    does a compiled backward (which cannot take a penalty's double backward).
+    does a compiled backward (which cannot take a penalty's double backward),
+    and so does a weight FSDP2 still holds sharded when the hook runs (the last
+    layer of a sharded part: FSDP registers its whole copy in a hook on the
+    same output, which runs after this one).
     """
+    if is_sharded(weight):  # FSDP2's shard, before its hook (on the same output) put the whole copy in its place
+        return True
     try:
         return bool(torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(weight).node))
     except (RuntimeError, AttributeError):  # autograd.grad with respect to the weight; a compiled graph's tap
@@ -322,7 +328,7 @@ class FactorCollector:
             if self.must_be_cleared is not None:
                 self._check_cleared(layer)
             self._reached[layer.name] = self._reached.get(layer.name, 0) + 1  # (any backward pass, a penalty's too)
-            if not computes_grad_of(layer.helper.weight):  # torch.autograd.grad(..., inputs): a penalty's, an attack's
+            if not computes_grad_of(layer.weight_now()):  # torch.autograd.grad(..., inputs): a penalty's, an attack's
                 if not torch.is_grad_enabled():  # no graph built (create_graph=False): nothing of it reaches a loss
                     self._input_gradient_pass = True
                 return False

@@ -18,6 +18,7 @@ for the others (the gradient of the mean loss over all the workers' samples).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any, Callable
 
@@ -121,6 +122,8 @@ class GradientSync:
         #: step() between): True when it dropped those passes (the optimizer's _drop_cleared, which resets this).
         self.on_cleared: Callable[[], bool] | None = None
         self._hook_handles: list[HookHandle] = []
+        #: Under FSDP2: each sharded parameter's whole copy, which its passes compute the gradient into (once seen).
+        self._whole: dict[torch.Tensor, torch.Tensor] = {}
         if order is not None and self._reduces:
             order.add(self)
         if backend.size > 1 or accumulation_steps > 1 or on_final is not None:  # all-reduce, count the passes, or fuse
@@ -128,7 +131,45 @@ class GradientSync:
             # garbage collector cannot see them, so a hook holding the optimizer would keep it alive for good.
             hook = self._grad_hook
             params = [p for group in param_groups for p in group["params"] if p.requires_grad]  # (an added group's frozen)
-            self._hook_handles = [register(p.register_post_accumulate_grad_hook, hook) for p in params]
+            if wrapping is not None and wrapping.sharded_over is not None:
+                self._hook_handles = self._hook_whole_copies(wrapping.module, params)
+            else:
+                self._hook_handles = [register(p.register_post_accumulate_grad_hook, hook) for p in params]
+
+    def _hook_whole_copies(self, model: nn.Module, params: Iterable[torch.Tensor]) -> list[HookHandle]:
+        """Count the passes of a model FSDP2 shards on the whole copies of its parameters.
+
+        FSDP2 computes each gradient into the parameter's whole copy, which it
+        registers in the parameter's place for its passes, and reduce-scatters
+        it into the shard's gradient, where the shard's hooks run, only on the
+        passes with gradient sync on: a micro-batch accumulated with
+        ``set_requires_gradient_sync(False)`` (FSDP's ``no_sync()``) reaches the
+        copy alone. Each module's forward pre-hook (after FSDP's, which puts the
+        copies in place) hooks its parameters' copies the first time it sees
+        them (FSDP keeps them from its first pass on).
+        """
+        wanted = {id(p) for p in params}
+        handles: list[HookHandle] = []
+        for module in model.modules():
+            found: list[tuple[str, torch.Tensor]] = [
+                (name, p) for name, p in module._parameters.items() if p is not None and id(p) in wanted
+            ]
+            if not found:
+                continue
+
+            def see(module: nn.Module, args: Any, slots: list[tuple[str, torch.Tensor]] = found) -> None:
+                for name, sharded in slots:
+                    whole = module._parameters[name]
+                    if whole is not None and whole is not sharded and sharded not in self._whole:
+                        self._whole[sharded] = whole
+                        hook = functools.partial(self._whole_grad_hook, sharded)
+                        self._hook_handles.append(register(whole.register_post_accumulate_grad_hook, hook))
+
+            handles.append(register(module.register_forward_pre_hook, see))
+        return handles
+
+    def _whole_grad_hook(self, sharded: torch.Tensor, whole: torch.Tensor) -> None:
+        self._grad_hook(sharded)
 
     def reset(self, record: IterationRecord | None) -> None:
         """Forget the finished (or abandoned) step's handles and counts."""
@@ -149,7 +190,8 @@ class GradientSync:
         counted = False
         for p in self._counts:  # (stops at the first gradient kept: at once while accumulating)
             if p is not but:
-                if p.grad is not None:
+                whole = self._whole.get(p)  # (FSDP2 accumulates there with gradient sync off)
+                if p.grad is not None or (whole is not None and whole.grad is not None):
                     return False
                 counted = True
         return counted

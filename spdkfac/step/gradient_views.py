@@ -27,6 +27,7 @@ import torch
 
 from ..kfac.layer_types.base import LayerHelper
 from ..kfac.layers import KFACLayer
+from ..kfac.sharded_grads import is_sharded
 
 __all__ = ["GradientWrites", "StackedGradients", "copies_by_layout", "gradient_views", "same_layout"]
 
@@ -36,8 +37,9 @@ Views = tuple[torch.Tensor, "torch.Tensor | None"]
 
 def gradient_views(layer: KFACLayer) -> Views | None:
     """The layer's gradient views; None where its type has none, or reads or writes its gradient otherwise than
-    the views it inherits (a subclass overriding ``grad()`` or ``write_grad()`` alone)."""
-    if not _views_are_its_gradient(type(layer.helper)):
+    the views it inherits (a subclass overriding ``grad()`` or ``write_grad()`` alone), or FSDP shards its weight (its
+    views would be shards: read whole by ``grad_matrix()``)."""
+    if not _views_are_its_gradient(type(layer.helper)) or is_sharded(layer.helper.weight):
         return None
     return layer.helper.grad_views()
 

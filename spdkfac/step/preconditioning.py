@@ -19,6 +19,7 @@ import torch
 
 from ..comm import CommBackend, Handle
 from ..kfac.layers import KFACLayer
+from ..kfac.sharded_grads import whole_gradients
 from ..plan.work_plan import WorkPlan
 from .gradient_views import GradientWrites, StackedGradients
 from .stacked_preconditioning import StackedDecompositions
@@ -143,6 +144,26 @@ class Preconditioner:
         t0 = Timeline.now() if record is not None else 0.0
         waited0 = record.grad_wait if record is not None else 0.0
         layers = [layer for layer in self.layers if layer.preconditions and layer.helper.weight.grad is not None]
+        # Gradients sharded by FSDP are read whole, all-gathered in one order on every rank before any rank reads its
+        # own layers' (with the layers split across ranks, each would reach them at another point), and written back.
+        with whole_gradients([layer.helper for layer in layers]):
+            self._run(layers, damping, lr, kl_clip, wait_for_grads, record, layer_lrs)
+        if record is not None:
+            t1 = Timeline.now()
+            record.precondition += t1 - t0 - (record.grad_wait - waited0)
+            record.span("precondition", t0, t1)
+
+    def _run(
+        self,
+        layers: list[KFACLayer],
+        damping: float,
+        lr: float,
+        kl_clip: float | None,
+        wait_for_grads: bool,
+        record: IterationRecord | None,
+        layer_lrs: Mapping[str, float] | None,
+    ) -> None:
+        """:meth:`run` on ``layers``, those with a gradient."""
         stacked: list[_Stacked] = []
         if self.plan.groups is not None:
             grads, updates = self._distributed(layers, damping, wait_for_grads, record)
@@ -164,10 +185,6 @@ class Preconditioner:
             if i not in viewed:
                 writes.add(layer, update)
         writes.write()
-        if record is not None:
-            t1 = Timeline.now()
-            record.precondition += t1 - t0 - (record.grad_wait - waited0)
-            record.span("precondition", t0, t1)
 
     def _local(
         self, layers: list[KFACLayer], damping: float, wait_for_grads: bool, stacked: list[_Stacked]

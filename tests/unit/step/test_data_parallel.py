@@ -9,6 +9,7 @@ file store under the test's temporary folder), with the optimizer on the
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -134,24 +135,65 @@ def test_data_parallel_is_refused():
         SPDKFACOptimizer(nn.DataParallel(small_net()), lr=0.1, backend="single")
 
 
-def test_fsdp_is_refused(process_group):
+def test_the_first_fsdp_is_refused(process_group):
     fsdp = pytest.importorskip("torch.distributed.fsdp")
     try:
         model = fsdp.FullyShardedDataParallel(small_net(), device_id=torch.device("cpu"))
     except Exception as exc:  # an FSDP that cannot run on this build's CPU: the check by type is all there is to test
         pytest.skip(f"FSDP does not wrap on this CPU build: {exc}")
-    with pytest.raises(ValueError, match="sharded by FSDP"):
+    with pytest.raises(ValueError, match=r"the first FSDP \(FullyShardedDataParallel\).*fully_shard\(\) instead"):
         SPDKFACOptimizer(model, lr=0.1, backend="single")
 
 
-def test_fsdp2_is_refused(process_group):
+def _fully_shard() -> Any:
     fsdp = pytest.importorskip("torch.distributed.fsdp")
     if not hasattr(fsdp, "fully_shard"):
         pytest.skip("no FSDP2 (fully_shard) in this torch")
+    return fsdp.fully_shard
+
+
+def _sharded(model: nn.Module) -> nn.Module:
+    """``model`` with each child that has parameters, then the root, sharded by ``fully_shard`` (FSDP2's usage)."""
+    fully_shard = _fully_shard()
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    fully_shard(model)
+    return model
+
+
+@pytest.mark.parametrize("options", [{}, {"compute_method": "eigen"}, {"base": "adamw", "momentum": None}])
+def test_a_fully_sharded_model_equals_the_bare_model(process_group, options):
+    """FSDP2 on a one-worker mesh: every parameter a DTensor, its gradient read whole through a stand-in and written
+    back (:mod:`spdkfac.kfac.sharded_grads`); the parameters are the bare model's, bitwise, step after step."""
+    sharded, bare = _sharded(small_net()), small_net()
+    options = {k: v for k, v in options.items() if v is not None} | {"factor_update_freq": 2, "inv_update_freq": 2}
+    opts = [SPDKFACOptimizer(m, lr=0.05, damping=0.01, backend="single", **options) for m in (sharded, bare)]
+    assert opts[0].wrapping.sharded_over == 1
+    assert opts[0].wrapping.averages_gradients
+    for step in range(4):
+        x, y = batch(4)
+        for model, opt in zip((sharded, bare), opts):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x + 0.1 * step), y).backward()
+            opt.step()
+        for (name, p), q in zip(sharded.named_parameters(), bare.parameters()):
+            assert type(p).__name__ == "DTensor"
+            assert torch.equal(p.full_tensor(), q), f"step {step}: {name}"
+    assert [layer.name for layer in opts[0].layers] == [layer.name for layer in opts[1].layers]
+    assert opts[0].kfac_summary() == opts[1].kfac_summary()  # (the layers' own classes, not FSDP's FSDPLinear)
+
+
+def test_fully_shard_on_a_part_only_is_refused(process_group):
     model = small_net()
-    fsdp.fully_shard(model)
-    with pytest.raises(ValueError, match="the model is sharded by FSDP"):
+    _fully_shard()(model[0])
+    with pytest.raises(ValueError, match=r"submodule '0' is sharded by fully_shard\(\) but the model's root module is not"):
         SPDKFACOptimizer(model, lr=0.1, backend="single")
+
+
+def test_update_fusion_is_refused_on_a_fully_sharded_model(process_group):
+    with pytest.raises(ValueError, match=r"update_fusion='forward' cannot be used with a model sharded by fully_shard"):
+        SPDKFACOptimizer(_sharded(small_net()), lr=0.1, kl_clip=None, update_fusion="forward", backend="single")
 
 
 def test_tensor_parallel_parameters_are_refused(process_group):
@@ -162,7 +204,7 @@ def test_tensor_parallel_parameters_are_refused(process_group):
     model = small_net()
     first = next(name for name, module in model.named_modules() if isinstance(module, nn.Linear))
     parallel.parallelize_module(model, mesh, {first: parallel.ColwiseParallel()})
-    with pytest.raises(ValueError, match=rf"parameter '{first}.weight' is a DTensor"):
+    with pytest.raises(ValueError, match=rf"parameter '{first}.weight' is a DTensor placed .*not tensor or sequence parallelism"):
         SPDKFACOptimizer(model, lr=0.1, backend="single")
 
 

@@ -1,0 +1,144 @@
+"""Multi-process worker: the optimizer on a model sharded by FSDP2 (``fully_shard``) and on the bare model.
+
+Launched by the tests with ``torchrun`` (gloo), or with ``--backend single``
+for the one-process reference on the global batch (every configuration then
+runs on the bare model). Each rank trains on its contiguous shard of a fixed
+global batch and saves, per configuration, its parameters and the base
+optimizer's state gathered whole (``full_tensor()``), the K-FAC state (held
+whole on every worker) and the K-FAC layer names, to ``OUT.rank<r>``.
+
+A configuration is optimizer options plus ``fsdp``: shard the model (each
+layer with parameters, then the root, as FSDP2's examples do) or not,
+``model``: ``'small'`` (convolutions and linear layers) or ``'language'``
+(embedding, layer norms, attention, MLP: ``norm_layers='kfac'`` in its
+options), ``preconditioner``: a :class:`KFACPreconditioner` attached to
+``torch.optim.AdamW`` (that name's keyword arguments) instead of the
+optimizer's own update, ``no_sync``: accumulate the micro-batches but the
+last with ``set_requires_gradient_sync(False)`` (FSDP's ``no_sync()``), and ``resume``: halfway, save the model's and the
+optimizer's ``state_dict()`` (through ``torch.save``'s bytes) and load them
+into a new model and optimizer, which train on.
+
+    torchrun --nproc_per_node 2 tests/workers/fsdp_check.py --configs '<json>' --out result.pt
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nets import small_net
+from rank_results import save_config_results
+
+from spdkfac import KFACPreconditioner, SPDKFACOptimizer
+from spdkfac.comm import CommBackend
+from spdkfac.kfac.sharded_grads import is_sharded, whole
+
+warnings.filterwarnings("ignore", message="no perf_model given")
+warnings.filterwarnings("ignore", message="performance model")
+
+
+class TinyLanguageModel(nn.Module):
+    """Token embedding, a pre-norm attention block and MLP, a final norm and an output layer, over 6 tokens of the
+    2x6x6 test input (its first channel's rows, quantised into 11 tokens); the last position's output classifies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, 8)
+        self.norm1 = nn.LayerNorm(8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.norm2 = nn.LayerNorm(8)
+        self.mlp = nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 8))
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = (x[:, 0, :, 0] * 3).round().long().clamp(-5, 5) + 5
+        h = self.embed(tokens)
+        q = self.norm1(h)
+        h = h + self.attention(q, q, q, need_weights=False)[0]
+        h = h + self.mlp(self.norm2(h))
+        return self.head(h[:, -1])
+
+
+def shard(model: nn.Module) -> None:
+    """``fully_shard`` every child with parameters, then the root (FSDP2's usage)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    fully_shard(model)
+
+
+def gathered(value: Any) -> Any:
+    """``value`` with every sharded tensor replaced by its whole (a copy of every tensor)."""
+    if isinstance(value, dict):
+        return {k: gathered(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(gathered(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return whole(value.detach()).clone()
+    return value
+
+
+def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch.Tensor, steps: int) -> dict[str, Any]:
+    """Every configuration trained for ``steps`` steps on this rank's shard: parameters, states and layers, gathered."""
+    results = {}
+    for name, cfg in configs.items():
+        cfg = dict(cfg)
+        sharded, adamw = cfg.pop("fsdp", False) and backend.size > 1, cfg.pop("preconditioner", None)
+        kind, resume, no_sync = cfg.pop("model", "small"), cfg.pop("resume", False), cfg.pop("no_sync", False)
+
+        def build(
+            kind: str = kind, sharded: bool = sharded, adamw: Any = adamw, cfg: dict = cfg
+        ) -> tuple[nn.Module, SPDKFACOptimizer, Any]:
+            model = TinyLanguageModel() if kind == "language" else small_net()
+            if sharded:
+                shard(model)
+                assert all(is_sharded(p) for p in model.parameters())
+            if adamw is None:
+                opt = SPDKFACOptimizer(model, backend=backend, **cfg)
+                return model, opt, opt
+            base = torch.optim.AdamW(model.parameters(), **adamw)
+            return model, KFACPreconditioner(model, optimizer=base, backend=backend, **cfg).kfac, base
+
+        model, opt, state_of = build()
+        accumulate = opt.config.accumulation_steps
+        for s in range(steps):
+            if resume and s == steps // 2:  # through a file's bytes, into a new model and optimizer
+                saved = io.BytesIO()
+                torch.save({"model": model.state_dict(), "optimizer": state_of.state_dict()}, saved)
+                opt.remove_hooks()
+                model, opt, state_of = build()
+                checkpoint = torch.load(io.BytesIO(saved.getvalue()), weights_only=False)
+                model.load_state_dict(checkpoint["model"])
+                state_of.load_state_dict(checkpoint["optimizer"])
+            state_of.zero_grad()
+            for i, (xm, ym) in enumerate(zip((x + 0.1 * s).chunk(accumulate), y.chunk(accumulate))):
+                if no_sync and sharded:  # FSDP's no_sync(): reduce-scatter the last micro-batch's sum only
+                    model.set_requires_gradient_sync(i == accumulate - 1)  # type: ignore[operator]
+                (nn.functional.cross_entropy(model(xm), ym) / accumulate).backward()
+            state_of.step()
+        results[name] = {
+            "params": gathered(model.state_dict()),
+            "base_state": gathered(state_of.state_dict()["state"]),
+            "kfac_state": opt.state_dict()["kfac"],
+            "layers": sorted(layer.name for layer in opt.layers),
+            "steps": opt.steps,
+        }
+        opt.remove_hooks()
+        print(f"rank {backend.rank}/{backend.size}: {name} done", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    save_config_results(run, "JSON object: name -> optimizer kwargs + 'fsdp' + 'model' + 'preconditioner'", steps=6)
