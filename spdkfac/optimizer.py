@@ -283,6 +283,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         #: Parameters whose preconditioned gradient is the step's direction (EKFAC's Adam update): the base steps along it.
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         self.backend = get_backend(backend)
+        wrapping.check_scaler(grad_scaler, self.backend.size)
         self._damping_step = (
             DampingStep(self.adaptive_damping, model, self.layers, self.backend) if self.adaptive_damping is not None else None
         )

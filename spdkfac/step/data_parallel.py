@@ -223,6 +223,23 @@ class ModelWrapping:
                 "soon as autograd finishes its gradient, before DDP has averaged it; use update_fusion='forward'"
             )
 
+    def check_scaler(self, grad_scaler: Any | None, workers: int) -> None:
+        """Raise ValueError for a GradScaler that would decide alone on each worker of a sharded model.
+
+        A ``GradScaler`` checks for overflow in the gradients it holds: under
+        FSDP each worker holds its rows only, so one worker can skip a step
+        that another takes. FSDP's ``ShardedGradScaler`` agrees over the
+        workers first.
+        """
+        if self.sharded_over is None or workers < 2 or grad_scaler is None:
+            return
+        if not any(c.__name__ == "ShardedGradScaler" for c in type(grad_scaler).__mro__):
+            raise ValueError(
+                f"grad_scaler is a {type(grad_scaler).__name__} on a model sharded by fully_shard(): it would look for "
+                "an overflow in each worker's shard of the gradients alone, and a worker could skip a step the others "
+                "take; use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler, which agrees over the workers"
+            )
+
     def _ddp_forward(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():
             self._last_pass_synced = bool(getattr(module, "require_backward_grad_sync", True))

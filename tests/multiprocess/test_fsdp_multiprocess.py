@@ -11,7 +11,8 @@ worker holds whole is bitwise the same on every worker (each preconditions
 its own rows with it). Covered: the inverse and eigen methods (the latter
 with each layer preconditioned on one worker and broadcast), accumulation
 (FSDP's reduce-scatter on every micro-batch, or on the last only: its
-``set_requires_gradient_sync(False)``), AdamW as the base, a
+``set_requires_gradient_sync(False)``), AdamW as the base, the GradScaler
+loop (FSDP's ``ShardedGradScaler``), a
 ``KFACPreconditioner`` attached to ``torch.optim.AdamW``, a language
 model's embedding, attention (q, k, v rows of one sharded parameter), norm
 layers and MLP, and a checkpoint (the model's and the optimizer's
@@ -47,6 +48,7 @@ VARIANTS = {
     "accum": dict(SGD, accumulation_steps=2),
     "accum-no-sync": dict(SGD, accumulation_steps=2, no_sync=True),
     "adamw": ADAMW,
+    "grad-scaler": dict(SGD, amp=True),
     "preconditioner": ATTACHED,
     "language": dict(SGD, model="language", norm_layers="kfac"),
     "resumed": dict(SGD, compute_method="eigen", resume=True),
@@ -54,7 +56,7 @@ VARIANTS = {
 CONFIGS = {f"{kind}-{name}": dict(options, fsdp=kind == "fsdp") for name, options in VARIANTS.items() for kind in ("bare", "fsdp")}
 #: Bitwise the bare run's with 2 workers; the others add their averages in another order (FSDP averages each
 #: micro-batch's gradient) or differ in the last bits (the language model).
-BITWISE = {"plain", "eigen-distributed", "accum-no-sync", "adamw", "preconditioner", "resumed"}
+BITWISE = {"plain", "eigen-distributed", "accum-no-sync", "adamw", "grad-scaler", "preconditioner", "resumed"}
 
 
 @pytest.mark.parametrize("nproc", [2, 3])

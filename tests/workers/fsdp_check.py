@@ -14,7 +14,9 @@ layer with parameters, then the root, as FSDP2's examples do) or not,
 options), ``preconditioner``: a :class:`KFACPreconditioner` attached to
 ``torch.optim.AdamW`` (that name's keyword arguments) instead of the
 optimizer's own update, ``no_sync``: accumulate the micro-batches but the
-last with ``set_requires_gradient_sync(False)`` (FSDP's ``no_sync()``), and ``resume``: halfway, save the model's and the
+last with ``set_requires_gradient_sync(False)`` (FSDP's ``no_sync()``), ``amp``: the
+GradScaler loop (scale 1024; FSDP's ``ShardedGradScaler`` on a sharded
+model), and ``resume``: halfway, save the model's and the
 optimizer's ``state_dict()`` (through ``torch.save``'s bytes) and load them
 into a new model and optimizer, which train on.
 
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -97,6 +100,10 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
         cfg = dict(cfg)
         sharded, adamw = cfg.pop("fsdp", False) and backend.size > 1, cfg.pop("preconditioner", None)
         kind, resume, no_sync = cfg.pop("model", "small"), cfg.pop("resume", False), cfg.pop("no_sync", False)
+        scaler = None
+        if cfg.pop("amp", False):  # FSDP's scaler agrees on an overflow over the workers' shards
+            scaler = ShardedGradScaler("cpu", init_scale=1024.0) if sharded else torch.amp.GradScaler("cpu", init_scale=1024.0)
+            cfg["grad_scaler"] = scaler
 
         def build(
             kind: str = kind, sharded: bool = sharded, adamw: Any = adamw, cfg: dict = cfg
@@ -126,8 +133,13 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
             for i, (xm, ym) in enumerate(zip((x + 0.1 * s).chunk(accumulate), y.chunk(accumulate))):
                 if no_sync and sharded:  # FSDP's no_sync(): reduce-scatter the last micro-batch's sum only
                     model.set_requires_gradient_sync(i == accumulate - 1)  # type: ignore[operator]
-                (nn.functional.cross_entropy(model(xm), ym) / accumulate).backward()
-            state_of.step()
+                loss = nn.functional.cross_entropy(model(xm), ym) / accumulate
+                (loss if scaler is None else scaler.scale(loss)).backward()
+            if scaler is None:
+                state_of.step()
+            else:
+                scaler.step(state_of)
+                scaler.update()
         results[name] = {
             "params": gathered(model.state_dict()),
             "base_state": gathered(state_of.state_dict()["state"]),

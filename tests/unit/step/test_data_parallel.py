@@ -196,6 +196,18 @@ def test_update_fusion_is_refused_on_a_fully_sharded_model(process_group):
         SPDKFACOptimizer(_sharded(small_net()), lr=0.1, kl_clip=None, update_fusion="forward", backend="single")
 
 
+def test_a_grad_scaler_of_each_shard_alone_is_refused_on_a_fully_sharded_model(process_group):
+    """A GradScaler looks for an overflow in each worker's shard alone: FSDP's ShardedGradScaler agrees first."""
+    wrapping = ModelWrapping(_sharded(small_net()))
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(ValueError, match=r"GradScaler on a model sharded by fully_shard\(\).*use .*ShardedGradScaler"):
+        wrapping.check_scaler(scaler, workers=2)
+    wrapping.check_scaler(scaler, workers=1)  # (one worker holds every row)
+    sharded = pytest.importorskip("torch.distributed.fsdp.sharded_grad_scaler").ShardedGradScaler("cpu")
+    wrapping.check_scaler(sharded, workers=2)
+    ModelWrapping(small_net()).check_scaler(scaler, workers=2)  # (a model not sharded: the gradients are whole)
+
+
 def test_tensor_parallel_parameters_are_refused(process_group):
     """Tensor parallelism's DTensor weights: refused by name at construction (before, an error deep in the first
     factor step: 'got mixed torch.Tensor and DTensor')."""
