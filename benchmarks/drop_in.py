@@ -15,7 +15,12 @@ Systems, all on the same model (same initialisation), data, learning rate
 * ``spdkfac-pre-ddp``: this project's ``KFACPreconditioner`` on the DDP model,
   then ``torch.optim.SGD`` (KAISA's usage);
 * ``kaisa-ddp``: KAISA's ``kfac.preconditioner.KFACPreconditioner`` on the DDP
-  model, then ``torch.optim.SGD``, its other options at their defaults.
+  model, then ``torch.optim.SGD``, its other options at their defaults;
+* ``sgd-fsdp``: ``torch.optim.SGD`` on the model sharded by FSDP2
+  (``fully_shard`` on each block of the model's sequential stages, then on
+  the model), the FSDP script;
+* ``spdkfac-fsdp``: ``SPDKFACOptimizer`` on that sharded model, the one-line
+  swap there (docs/fsdp.md); its ratios are to ``sgd-fsdp``.
 
 Step kinds. A K-FAC step is one of three kinds: a *decomposition* step
 (factors and decompositions updated: every step of the every-step setting),
@@ -37,8 +42,9 @@ Each measured cycle gives one amortised and one every-step ratio to
 ``sgd-ddp``'s mean in the same cycle: the JSON records their median, min and
 max (the spread over repeats on a shared machine).
 
-Memory: K-FAC's factors and decompositions per worker
-(``memory_usage()`` of either library), the fullest and emptiest worker.
+Memory: the parameters each worker holds (its rows of them under FSDP), and
+K-FAC's factors and decompositions per worker (``memory_usage()`` of either
+library), the fullest and emptiest worker.
 """
 
 from __future__ import annotations
@@ -68,8 +74,12 @@ SYSTEMS: dict[str, str] = {
     "spdkfac-bare": "SPDKFACOptimizer(model) (its own gradient all-reduce)",
     "spdkfac-pre-ddp": "spdkfac.KFACPreconditioner(DistributedDataParallel(model)) + torch.optim.SGD",
     "kaisa-ddp": "kfac.preconditioner.KFACPreconditioner(DistributedDataParallel(model)) + torch.optim.SGD",
+    "sgd-fsdp": "torch.optim.SGD on the model sharded by FSDP2 (fully_shard on each block, then the model)",
+    "spdkfac-fsdp": "SPDKFACOptimizer(model sharded by FSDP2) (FSDP averages; each K-FAC layer's gradient all-gathered)",
 }
 BASELINE = "sgd-ddp"
+#: The SGD script a system is the one-line swap of: its ratios' denominator (the DDP script's where absent).
+SCRIPT_BASELINE = {"spdkfac-fsdp": "sgd-fsdp"}
 KINDS = ("decomposition", "factor", "plain")
 
 
@@ -105,8 +115,13 @@ class System:
         torch.manual_seed(0)
         self.name = name
         self.model: nn.Module = get_model(args.model)
-        self.forward: nn.Module = self.model if name == "spdkfac-bare" else nn.parallel.DistributedDataParallel(self.model)
+        if name.endswith("-fsdp"):
+            shard_blocks(self.model)
+        plain = name == "spdkfac-bare" or name.endswith("-fsdp")
+        self.forward: nn.Module = self.model if plain else nn.parallel.DistributedDataParallel(self.model)
         self.usage: Callable[[], dict[str, int]] | None = None
+        #: The bytes of the parameters this worker holds (its rows of each under FSDP).
+        self.parameter_bytes = sum(local_numel(p) * p.element_size() for p in self.model.parameters())
         self.cleanup: Callable[[], None] = lambda: None
         kfac_options = dict(damping=args.damping, factor_decay=args.factor_decay, kl_clip=args.kl_clip)
         every = {"factor_update_freq": args.schedule[0], "inv_update_freq": args.schedule[1]}
@@ -126,7 +141,7 @@ class System:
             pre = kfac.preconditioner.KFACPreconditioner(
                 self.forward, lr=args.lr, compute_method=args.compute_method, **kaisa_every, **kfac_options
             )
-        elif name != BASELINE:
+        elif not name.startswith("sgd-"):
             raise ValueError(f"unknown system {name!r}; choose from {list(SYSTEMS)}")
         if pre is not None:
             self.usage = pre.memory_usage
@@ -148,6 +163,25 @@ class System:
         return time.perf_counter() - t0
 
 
+def shard_blocks(model: nn.Module) -> None:
+    """FSDP2 as its examples apply it: ``fully_shard`` on each block (each module with parameters in the model's
+    ``Sequential``/``ModuleList`` stages, and each other child with parameters), then on the model."""
+    from torch.distributed.fsdp import fully_shard  # (torch 2.6+; the FSDP systems only)
+
+    for child in model.children():
+        blocks = list(child.children()) if isinstance(child, (nn.Sequential, nn.ModuleList)) else [child]
+        for block in blocks:
+            if any(True for _ in block.parameters()):
+                fully_shard(block)
+    fully_shard(model)
+
+
+def local_numel(param: torch.Tensor) -> int:
+    """The elements of ``param`` this worker holds (a sharded ``DTensor``'s local rows)."""
+    to_local = getattr(param, "to_local", None)
+    return int(to_local().numel()) if callable(to_local) else param.numel()
+
+
 def slowest(seconds: list[float]) -> list[float]:
     """Each step's seconds on its slowest rank (every rank passes its own, in the same order)."""
     t = torch.tensor(seconds, dtype=torch.float64)
@@ -164,12 +198,14 @@ def rank_extremes(value: float) -> tuple[float, float]:
 
 def summarise(samples: dict[str, list[float]], kinds: list[str], cycle: int, args: Any) -> list[dict[str, Any]]:
     """Per system: per-kind means, every-step and amortised seconds, and their ratios to SGD's (pooled, and per cycle)."""
-    base = samples.get(BASELINE)
     f_t, i_t = args.target
     rows = []
     for name, xs in samples.items():
+        base = samples.get(SCRIPT_BASELINE.get(name, BASELINE))
         row: dict[str, Any] = {"system": name, **stats(xs)}
-        if name != BASELINE:
+        if name.startswith("sgd-") and name != BASELINE and BASELINE in samples:
+            row["vs_sgd_ddp"] = statistics.fmean(xs) / statistics.fmean(samples[BASELINE])
+        if not name.startswith("sgd-"):
             by_kind = {k: [x for x, kk in zip(xs, kinds) if kk == k] for k in KINDS}
             row["kinds"] = {k: stats(v) for k, v in by_kind.items() if v}
             if len(row["kinds"]) == len(KINDS):
@@ -244,9 +280,13 @@ def main(argv: list[str] | None = None) -> None:
         )
     memory = {}
     for system in systems:
+        memory[system.name] = {"parameters_mb": rank_extremes(system.parameter_bytes / 2**20)}
         if system.usage is not None:
             factors, decompositions = memory_split(dict(system.usage()))
-            memory[system.name] = {"factors_mb": rank_extremes(factors / 2**20), "decompositions_mb": rank_extremes(decompositions / 2**20)}
+            memory[system.name] |= {
+                "factors_mb": rank_extremes(factors / 2**20),
+                "decompositions_mb": rank_extremes(decompositions / 2**20),
+            }
         system.cleanup()
     del systems
     gc.collect()

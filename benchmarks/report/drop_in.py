@@ -31,7 +31,8 @@ def megabytes(r: dict[str, Any], key: str) -> str:
 def title(rel: Path) -> str:
     """``drop_in_<model>.json``'s title."""
     model = rel.stem.removeprefix("drop_in").strip("_")
-    return "The optimizer in a DDP script: step kinds, every step and amortised, against SGD" + (f": {model}" if model else "")
+    script = "an FSDP" if model.endswith("fsdp") else "a DDP"
+    return f"The optimizer in {script} script: step kinds, every step and amortised, against SGD" + (f": {model}" if model else "")
 
 
 @renders("drop_in*.json", title, order=61, optional=True)
@@ -54,9 +55,10 @@ def drop_in(path: Path, d: dict[str, Any]) -> list[str]:
         "*plain*. **Every step** = the decomposition step (what every step of that setting does); **amortised** = "
         f"D/{i_t} + F·(1/{f_t} − 1/{i_t}) + P·(1 − 1/{f_t}), the mean step with factors every {f_t} and decompositions "
         f"every {i_t} steps, computed from the per-kind means (not timed over a {i_t}-step window). Ratios: the row's "
-        "time over `sgd-ddp`'s mean in the same run; in brackets the min–max of the ratio computed per measured cycle "
-        "(the spread over repeats on a machine shared with other jobs). Memory: K-FAC's running factors and "
-        "decompositions per worker (`memory_usage()`, emptiest–fullest worker), MiB.",
+        "time over its script's SGD mean in the same run (`sgd-ddp`'s; `sgd-fsdp`'s for `spdkfac-fsdp`); in brackets "
+        "the min–max of the ratio computed per measured cycle (the spread over repeats on a machine shared with other "
+        "jobs). Memory per worker (emptiest–fullest worker), MiB: the parameters it holds (its rows of them under "
+        "FSDP), and K-FAC's running factors and decompositions (`memory_usage()`).",
         "",
     ]
     rows = []
@@ -72,6 +74,7 @@ def drop_in(path: Path, d: dict[str, Any]) -> list[str]:
                 *cells,
                 spread(r, "every_step"),
                 spread(r, "amortised"),
+                megabytes(r, "parameters_mb"),
                 megabytes(r, "factors_mb"),
                 megabytes(r, "decompositions_mb"),
             ]
@@ -84,11 +87,15 @@ def drop_in(path: Path, d: dict[str, Any]) -> list[str]:
             "plain step (s)",
             "every step / SGD",
             "amortised / SGD",
+            "parameters (MiB)",
             "factors (MiB)",
             "decompositions (MiB)",
         ],
         rows,
     )
+    for r in d["table"]:
+        if "vs_sgd_ddp" in r:
+            lines += [f"`{r['system']}` / `sgd-ddp`: {r['vs_sgd_ddp']:.2f}x (mean step).", ""]
     lines += ["Systems: " + "; ".join(f"`{k}` = {v}" for k, v in d["specs"].items()) + ".", ""]
     out = None if path.name == "drop_in.json" else f"benchmarks/results/{path.name}"
     return lines + command_block(d, "benchmarks.drop_in", "torchrun --nproc_per_node 2 -m benchmarks.drop_in", out)

@@ -1,4 +1,4 @@
-"""Models wrapped for data parallelism: DDP's gradient averaging replaces the optimizer's own; other wrappers are refused.
+"""Models wrapped or sharded for data parallelism: DDP's or FSDP2's gradient averaging replaces the optimizer's own.
 
 ``SPDKFACOptimizer(DistributedDataParallel(model))`` preconditions
 ``model`` itself (the K-FAC layers, the collective names and the checkpoint

@@ -39,6 +39,9 @@ def test_a_tiny_run_measures_every_system_per_step_kind_and_renders(tmp_path):
     systems = ["sgd-ddp", "spdkfac-ddp", "spdkfac-bare", "spdkfac-pre-ddp"]
     if importlib.util.find_spec("kfac") is not None:
         systems.append("kaisa-ddp")
+    fsdp = hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard")
+    if fsdp:
+        systems += ["sgd-fsdp", "spdkfac-fsdp"]
     out = tmp_path / "drop_in_tiny.json"
     args = ["-m", "benchmarks.drop_in", "--model", "cifar_resnet20", "--resolution", "8", "--batch-size", "2"]
     run_workers("torch", 2, [*args, "--iters", "2", "--warmup", "1", "--systems", *systems, "--out", str(out)])
@@ -47,25 +50,32 @@ def test_a_tiny_run_measures_every_system_per_step_kind_and_renders(tmp_path):
     by = {r["system"]: r for r in data["table"]}
     assert list(by) == systems
     sgd = statistics.fmean(data["samples"][BASELINE])
-    for name in systems[1:]:
+    for name in [name for name in systems if not name.startswith("sgd-")]:
         row, xs = by[name], data["samples"][name]
+        script_sgd = statistics.fmean(data["samples"]["sgd-fsdp"]) if name.endswith("-fsdp") else sgd
         assert len(xs) == 8
         assert all(x > 0 for x in xs)
         assert {k: v["n"] for k, v in row["kinds"].items()} == {"decomposition": 2, "factor": 2, "plain": 4}
         assert row["kinds"]["decomposition"]["mean"] == pytest.approx(statistics.fmean([xs[0], xs[4]]))
         assert row["every_step_s"] == row["kinds"]["decomposition"]["mean"]
         assert row["amortised_s"] == pytest.approx(amortised({k: v["mean"] for k, v in row["kinds"].items()}, 10, 100))
-        assert row["vs_sgd_amortised"] == pytest.approx(row["amortised_s"] / sgd)
+        assert row["vs_sgd_amortised"] == pytest.approx(row["amortised_s"] / script_sgd)
         cycles = row["vs_sgd_amortised_cycles"]
         assert cycles["n"] == 2
         assert cycles["min"] <= cycles["median"] <= cycles["max"]
         memory = row["memory"]
         assert memory["factors_mb"]["max"] >= memory["factors_mb"]["min"] > 0
         assert memory["decompositions_mb"]["max"] > 0
-    assert "memory" not in by[BASELINE]
+    assert set(by[BASELINE]["memory"]) == {"parameters_mb"}
     assert "kinds" not in by[BASELINE]
     # The DDP model and the bare one hold the same K-FAC state.
     assert by["spdkfac-ddp"]["memory"] == by["spdkfac-bare"]["memory"]
+    if fsdp:  # each worker holds its rows of the parameters (about half), and K-FAC's state whole
+        assert "kinds" not in by["sgd-fsdp"]
+        assert by["sgd-fsdp"]["vs_sgd_ddp"] == pytest.approx(statistics.fmean(data["samples"]["sgd-fsdp"]) / sgd)
+        whole, rows = by["sgd-ddp"]["memory"]["parameters_mb"]["max"], by["sgd-fsdp"]["memory"]["parameters_mb"]
+        assert 0.4 * whole < rows["min"] <= rows["max"] < 0.6 * whole
+        assert by["spdkfac-fsdp"]["memory"]["factors_mb"] == by["spdkfac-ddp"]["memory"]["factors_mb"]
     sys.path.insert(0, str(ROOT / "scripts"))
     import results_md
 
