@@ -15,7 +15,8 @@ with each layer preconditioned on one worker and broadcast), accumulation
 loop (FSDP's ``ShardedGradScaler``), a
 ``KFACPreconditioner`` attached to ``torch.optim.AdamW``, a language
 model's embedding, attention (q, k, v rows of one sharded parameter), norm
-layers and MLP, and a checkpoint (the model's and the optimizer's
+layers and MLP, the same with its output layer tied to the embedding, and a
+checkpoint (the model's and the optimizer's
 ``state_dict()``, sharded base state and whole K-FAC state) resumed halfway
 into a new sharded model and optimizer.
 """
@@ -51,6 +52,7 @@ VARIANTS = {
     "grad-scaler": dict(SGD, amp=True),
     "preconditioner": ATTACHED,
     "language": dict(SGD, model="language", norm_layers="kfac"),
+    "tied": dict(SGD, model="tied"),
     "resumed": dict(SGD, compute_method="eigen", resume=True),
 }
 CONFIGS = {f"{kind}-{name}": dict(options, fsdp=kind == "fsdp") for name, options in VARIANTS.items() for kind in ("bare", "fsdp")}

@@ -9,9 +9,10 @@ whole on every worker) and the K-FAC layer names, to ``OUT.rank<r>``.
 
 A configuration is optimizer options plus ``fsdp``: shard the model (each
 layer with parameters, then the root, as FSDP2's examples do) or not,
-``model``: ``'small'`` (convolutions and linear layers) or ``'language'``
+``model``: ``'small'`` (convolutions and linear layers), ``'language'``
 (embedding, layer norms, attention, MLP: ``norm_layers='kfac'`` in its
-options), ``preconditioner``: a :class:`KFACPreconditioner` attached to
+options) or ``'tied'`` (that model with its output layer tied to the
+embedding), ``preconditioner``: a :class:`KFACPreconditioner` attached to
 ``torch.optim.AdamW`` (that name's keyword arguments) instead of the
 optimizer's own update, ``no_sync``: accumulate the micro-batches but the
 last with ``set_requires_gradient_sync(False)`` (FSDP's ``no_sync()``), ``amp``: the
@@ -51,9 +52,10 @@ warnings.filterwarnings("ignore", message="performance model")
 
 class TinyLanguageModel(nn.Module):
     """Token embedding, a pre-norm attention block and MLP, a final norm and an output layer, over 6 tokens of the
-    2x6x6 test input (its first channel's rows, quantised into 11 tokens); the last position's output classifies."""
+    2x6x6 test input (its first channel's rows, quantised into 11 tokens); the last position's output classifies.
+    ``tied``: the output layer is the embedding's weight (11 logits, the labels the first 5)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tied: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(11, 8)
@@ -61,7 +63,9 @@ class TinyLanguageModel(nn.Module):
         self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
         self.norm2 = nn.LayerNorm(8)
         self.mlp = nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 8))
-        self.head = nn.Linear(8, 5)
+        self.head = nn.Linear(8, 11, bias=False) if tied else nn.Linear(8, 5)
+        if tied:
+            self.head.weight = self.embed.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = (x[:, 0, :, 0] * 3).round().long().clamp(-5, 5) + 5
@@ -73,11 +77,17 @@ class TinyLanguageModel(nn.Module):
 
 
 def shard(model: nn.Module) -> None:
-    """``fully_shard`` every child with parameters, then the root (FSDP2's usage)."""
+    """``fully_shard`` every child with parameters of its own, then the root (FSDP2's usage: tied parameters, in
+    children of their own, go with the root)."""
     from torch.distributed.fsdp import fully_shard
 
+    seen: dict[int, int] = {}
     for child in model.children():
-        if any(True for _ in child.parameters()):
+        for p in child.parameters():
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    for child in model.children():
+        params = list(child.parameters())
+        if params and all(seen[id(p)] == 1 for p in params):
             fully_shard(child)
     fully_shard(model)
 
@@ -108,7 +118,7 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
         def build(
             kind: str = kind, sharded: bool = sharded, adamw: Any = adamw, cfg: dict = cfg
         ) -> tuple[nn.Module, SPDKFACOptimizer, Any]:
-            model = TinyLanguageModel() if kind == "language" else small_net()
+            model = TinyLanguageModel(tied=kind == "tied") if kind in ("language", "tied") else small_net()
             if sharded:
                 shard(model)
                 assert all(is_sharded(p) for p in model.parameters())
