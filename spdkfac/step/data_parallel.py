@@ -22,8 +22,8 @@ runs (up to the model's first training pass) and adopted: from then on DDP
 averages the gradients, as if the optimizer had been given the wrapper.
 
 A model sharded by FSDP2 (``fully_shard`` on its root module and any of its
-parts, one data-parallel mesh over the optimizer's workers) is taken as
-well: FSDP averages the gradients (its reduce-scatter leaves each worker its
+parts, on a mesh over the optimizer's workers: 1-D, or 2-D for hybrid
+sharding) is taken as well: FSDP averages the gradients (its reduce-scatter leaves each worker its
 rows of the average) and the layers read theirs whole
 (:mod:`spdkfac.kfac.sharded_grads`).
 
@@ -114,13 +114,18 @@ def _refuse_other_wrappers(model: nn.Module) -> None:
             continue
         sharded: Any = param
         placements = tuple(type(p).__name__ + str(getattr(p, "dim", "")) for p in sharded.placements)
-        if not _is_fsdp2(model) or placements != ("Shard0",):
+        if not _is_fsdp2(model) or placements not in _FSDP_PLACEMENTS:
             raise ValueError(
                 f"the model's parameter {name!r} is a DTensor placed {list(sharded.placements)} on a device mesh of "
-                f"shape {tuple(sharded.device_mesh.shape)}: K-FAC takes FSDP2's sharding (fully_shard on a 1-D mesh, "
-                "its rows on each worker) but not tensor or sequence parallelism, nor hybrid sharding (HSDP); "
-                f"{_FIX}"
+                f"shape {tuple(sharded.device_mesh.shape)}: K-FAC takes FSDP2's sharding (fully_shard: rows on each "
+                f"worker of a 1-D mesh, or of each replica group of a 2-D one, HSDP) but not tensor or sequence "
+                f"parallelism; {_FIX}"
             )
+
+
+#: How FSDP2 places a parameter: rows over a 1-D mesh; replicated over a 2-D mesh's first dimension and rows over
+#: its second (hybrid sharding, HSDP).
+_FSDP_PLACEMENTS = (("Shard0",), ("Replicate", "Shard0"))
 
 
 def _is_fsdp2(module: nn.Module) -> bool:

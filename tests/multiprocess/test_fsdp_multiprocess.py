@@ -18,7 +18,8 @@ model's embedding, attention (q, k, v rows of one sharded parameter), norm
 layers and MLP, the same with its output layer tied to the embedding, and a
 checkpoint (the model's and the optimizer's
 ``state_dict()``, sharded base state and whole K-FAC state) resumed halfway
-into a new sharded model and optimizer.
+into a new sharded model and optimizer. Hybrid sharding (HSDP) on 4
+workers, a 2 x 2 mesh.
 """
 
 from __future__ import annotations
@@ -59,6 +60,28 @@ CONFIGS = {f"{kind}-{name}": dict(options, fsdp=kind == "fsdp") for name, option
 #: Bitwise the bare run's with 2 workers; the others add their averages in another order (FSDP averages each
 #: micro-batch's gradient) or differ in the last bits (the language model).
 BITWISE = {"plain", "eigen-distributed", "accum-no-sync", "adamw", "grad-scaler", "preconditioner", "resumed"}
+
+
+def test_hybrid_sharding_equals_bare_and_one_process(tmp_path):
+    """HSDP: 4 workers, a 2 x 2 mesh (rows over each replica group of 2, replicated across the groups); FSDP then
+    adds 4 workers' gradients in another order than the optimizer's all-reduce: equal to rounding."""
+    configs = {
+        f"{kind}-{name}": dict(VARIANTS[name], fsdp=kind == "fsdp", hybrid=True)
+        for name in ("plain", "language", "eigen-distributed")
+        for kind in ("bare", "fsdp")
+    }
+    args = ["--configs", json.dumps(configs), "--global-batch", "16", "--steps", "6"]
+    run_workers("torch", 4, [WORKER, *args, "--out", str(tmp_path / "dist.pt")])
+    run_single(WORKER, [*args, "--out", str(tmp_path / "single.pt")])
+    ranks = [torch.load(tmp_path / f"dist.pt.rank{r}", weights_only=False) for r in range(4)]
+    single = torch.load(tmp_path / "single.pt.rank0", weights_only=False)
+    for name in configs:
+        for r in range(1, 4):
+            factors = [{k: (v["A"], v["G"]) for k, v in ranks[q][name]["kfac_state"]["layers"].items()} for q in (0, r)]
+            assert_bitwise_equal(factors[0], factors[1], f"{name}: K-FAC factors of rank {r}")
+    for name in ("plain", "language", "eigen-distributed"):
+        assert_params_match({name: ranks[0][f"bare-{name}"]}, {name: ranks[0][f"fsdp-{name}"]}, [name], rtol=1e-12, atol=1e-14)
+    assert_params_match(single, ranks[0], list(configs))
 
 
 @pytest.mark.parametrize("nproc", [2, 3])

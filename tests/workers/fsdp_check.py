@@ -17,7 +17,8 @@ embedding), ``preconditioner``: a :class:`KFACPreconditioner` attached to
 optimizer's own update, ``no_sync``: accumulate the micro-batches but the
 last with ``set_requires_gradient_sync(False)`` (FSDP's ``no_sync()``), ``amp``: the
 GradScaler loop (scale 1024; FSDP's ``ShardedGradScaler`` on a sharded
-model), and ``resume``: halfway, save the model's and the
+model), ``hybrid``: HSDP, replica groups of 2 workers (on an even number of
+workers above 2; plain sharding otherwise), and ``resume``: halfway, save the model's and the
 optimizer's ``state_dict()`` (through ``torch.save``'s bytes) and load them
 into a new model and optimizer, which train on.
 
@@ -76,10 +77,14 @@ class TinyLanguageModel(nn.Module):
         return self.head(h[:, -1])
 
 
-def shard(model: nn.Module) -> None:
+def shard(model: nn.Module, hybrid: bool = False) -> None:
     """``fully_shard`` every child with parameters of its own, then the root (FSDP2's usage: tied parameters, in
-    children of their own, go with the root)."""
+    children of their own, go with the root). ``hybrid``: HSDP, on a mesh of replica groups of 2 workers."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    world = torch.distributed.get_world_size()
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard")) if hybrid else None
 
     seen: dict[int, int] = {}
     for child in model.children():
@@ -88,8 +93,8 @@ def shard(model: nn.Module) -> None:
     for child in model.children():
         params = list(child.parameters())
         if params and all(seen[id(p)] == 1 for p in params):
-            fully_shard(child)
-    fully_shard(model)
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def gathered(value: Any) -> Any:
@@ -109,6 +114,7 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
     for name, cfg in configs.items():
         cfg = dict(cfg)
         sharded, adamw = cfg.pop("fsdp", False) and backend.size > 1, cfg.pop("preconditioner", None)
+        hybrid = cfg.pop("hybrid", False) and backend.size % 2 == 0 and backend.size > 2
         kind, resume, no_sync = cfg.pop("model", "small"), cfg.pop("resume", False), cfg.pop("no_sync", False)
         scaler = None
         if cfg.pop("amp", False):  # FSDP's scaler agrees on an overflow over the workers' shards
@@ -116,11 +122,11 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
             cfg["grad_scaler"] = scaler
 
         def build(
-            kind: str = kind, sharded: bool = sharded, adamw: Any = adamw, cfg: dict = cfg
+            kind: str = kind, sharded: bool = sharded, hybrid: bool = hybrid, adamw: Any = adamw, cfg: dict = cfg
         ) -> tuple[nn.Module, SPDKFACOptimizer, Any]:
             model = TinyLanguageModel(tied=kind == "tied") if kind in ("language", "tied") else small_net()
             if sharded:
-                shard(model)
+                shard(model, hybrid)
                 assert all(is_sharded(p) for p in model.parameters())
             if adamw is None:
                 opt = SPDKFACOptimizer(model, backend=backend, **cfg)
