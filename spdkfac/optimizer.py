@@ -47,7 +47,7 @@ from .kfac.layers import (
     used_outside_forward,
 )
 from .kfac.methods import get_method
-from .kfac.sharded_grads import slot_of
+from .kfac.sharded_grads import parameter_slots
 from .kfac.state import check_kfac_state, keep_held_decompositions, load_kfac_state, memory_usage, save_kfac_state, saved_uses
 from .kfac.summary import kfac_summary
 from .perfmodels import PerfModel, load_perf_model
@@ -278,8 +278,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             else []
         )
         if wrapping.sharded_over is not None:  # FSDP2 swaps each weight for its whole copy in its passes
+            slots = parameter_slots(model)
             for layer in self.layers:
-                layer.weight_slot = slot_of(model, layer.helper.weight)
+                layer.weight_slot = slots.get(id(layer.helper.weight))
         #: Parameters whose preconditioned gradient is the step's direction (EKFAC's Adam update): the base steps along it.
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         self.backend = get_backend(backend)

@@ -27,7 +27,7 @@ import torch.nn as nn
 #: ``DTensor`` exists only where its module was loaded, and loading it here would double ``import spdkfac``'s time.
 _DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
 
-__all__ = ["is_sharded", "slot_of", "whole", "whole_gradients"]
+__all__ = ["is_sharded", "parameter_slots", "whole", "whole_gradients"]
 
 
 def is_sharded(tensor: Any) -> bool:
@@ -98,11 +98,7 @@ def _replicated(whole_grad: torch.Tensor, param: Any) -> torch.Tensor:
     return replicated
 
 
-def slot_of(model: nn.Module, param: torch.Tensor) -> tuple[nn.Module, str] | None:
-    """The module of ``model`` and the name under which it registers ``param`` (None where none does): FSDP2
-    registers the whole copy there during its passes, the shard between them."""
-    for module in model.modules():
-        for name, held in module._parameters.items():
-            if held is param:
-                return module, name
-    return None
+def parameter_slots(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
+    """Per parameter (by ``id``): the module of ``model`` and the name under which it registers it. FSDP2 registers
+    a parameter's whole copy there during its passes, its shard between them."""
+    return {id(held): (module, name) for module in model.modules() for name, held in module._parameters.items() if held is not None}
