@@ -15,7 +15,9 @@ with each layer preconditioned on one worker and broadcast), accumulation
 loop (FSDP's ``ShardedGradScaler``), a
 ``KFACPreconditioner`` attached to ``torch.optim.AdamW``, a language
 model's embedding, attention (q, k, v rows of one sharded parameter), norm
-layers and MLP, the same with its output layer tied to the embedding, and a
+layers and MLP, the same with its output layer tied to the embedding,
+blocks of several layers sharded whole with an adversarial example's input
+gradient taken before each training pass (left out of the factors), and a
 checkpoint (the model's and the optimizer's
 ``state_dict()``, sharded base state and whole K-FAC state) resumed halfway
 into a new sharded model and optimizer. Hybrid sharding (HSDP) on 4
@@ -54,12 +56,13 @@ VARIANTS = {
     "preconditioner": ATTACHED,
     "language": dict(SGD, model="language", norm_layers="kfac"),
     "tied": dict(SGD, model="tied"),
+    "blocks-attacked": dict(SGD, model="blocks", attack=True),
     "resumed": dict(SGD, compute_method="eigen", resume=True),
 }
 CONFIGS = {f"{kind}-{name}": dict(options, fsdp=kind == "fsdp") for name, options in VARIANTS.items() for kind in ("bare", "fsdp")}
 #: Bitwise the bare run's with 2 workers; the others add their averages in another order (FSDP averages each
 #: micro-batch's gradient) or differ in the last bits (the language model).
-BITWISE = {"plain", "eigen-distributed", "accum-no-sync", "adamw", "grad-scaler", "preconditioner", "resumed"}
+BITWISE = {"plain", "eigen-distributed", "accum-no-sync", "adamw", "grad-scaler", "preconditioner", "resumed", "blocks-attacked"}
 
 
 def test_hybrid_sharding_equals_bare_and_one_process(tmp_path):

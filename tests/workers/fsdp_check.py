@@ -11,8 +11,10 @@ A configuration is optimizer options plus ``fsdp``: shard the model (each
 layer with parameters, then the root, as FSDP2's examples do) or not,
 ``model``: ``'small'`` (convolutions and linear layers), ``'language'``
 (embedding, layer norms, attention, MLP: ``norm_layers='kfac'`` in its
-options) or ``'tied'`` (that model with its output layer tied to the
-embedding), ``preconditioner``: a :class:`KFACPreconditioner` attached to
+options), ``'tied'`` (that model with its output layer tied to the
+embedding) or ``'blocks'`` (the small net as two blocks, each sharded
+whole), ``attack``: each micro-batch is first perturbed along its input
+gradient (``torch.autograd.grad``, an adversarial example's), ``preconditioner``: a :class:`KFACPreconditioner` attached to
 ``torch.optim.AdamW`` (that name's keyword arguments) instead of the
 optimizer's own update, ``no_sync``: accumulate the micro-batches but the
 last with ``set_requires_gradient_sync(False)`` (FSDP's ``no_sync()``), ``amp``: the
@@ -116,6 +118,7 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
         sharded, adamw = cfg.pop("fsdp", False) and backend.size > 1, cfg.pop("preconditioner", None)
         hybrid = cfg.pop("hybrid", False) and backend.size % 2 == 0 and backend.size > 2
         kind, resume, no_sync = cfg.pop("model", "small"), cfg.pop("resume", False), cfg.pop("no_sync", False)
+        attack = cfg.pop("attack", False)
         scaler = None
         if cfg.pop("amp", False):  # FSDP's scaler agrees on an overflow over the workers' shards
             scaler = ShardedGradScaler("cpu", init_scale=1024.0) if sharded else torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -124,7 +127,12 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
         def build(
             kind: str = kind, sharded: bool = sharded, hybrid: bool = hybrid, adamw: Any = adamw, cfg: dict = cfg
         ) -> tuple[nn.Module, SPDKFACOptimizer, Any]:
-            model = TinyLanguageModel(tied=kind == "tied") if kind in ("language", "tied") else small_net()
+            if kind in ("language", "tied"):
+                model: nn.Module = TinyLanguageModel(tied=kind == "tied")
+            else:
+                model = small_net()
+                if kind == "blocks":  # two blocks of layers: FSDP's hooks on a block's output run after its last layer's
+                    model = nn.Sequential(nn.Sequential(*list(model)[:3]), nn.Sequential(*list(model)[3:]))
             if sharded:
                 shard(model, hybrid)
                 assert all(is_sharded(p) for p in model.parameters())
@@ -149,6 +157,10 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
             for i, (xm, ym) in enumerate(zip((x + 0.1 * s).chunk(accumulate), y.chunk(accumulate))):
                 if no_sync and sharded:  # FSDP's no_sync(): reduce-scatter the last micro-batch's sum only
                     model.set_requires_gradient_sync(i == accumulate - 1)  # type: ignore[operator]
+                if attack:  # an adversarial example's input gradient first: no weight gradient, no factors
+                    xa = xm.clone().requires_grad_(True)
+                    (g,) = torch.autograd.grad(nn.functional.cross_entropy(model(xa), ym), xa)
+                    xm = (xm + 0.05 * g.sign()).detach()
                 loss = nn.functional.cross_entropy(model(xm), ym) / accumulate
                 (loss if scaler is None else scaler.scale(loss)).backward()
             if scaler is None:
