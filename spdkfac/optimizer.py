@@ -67,7 +67,7 @@ from .step.module_hooks import HookHandle, claim, register
 from .step.nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
 from .step.timeline import Timeline
 from .update.added_groups import average_gradients_now, check_outside_model, not_in_model
-from .update.base_update import apply_base_update, base_defaults
+from .update.base_update import apply_base_update, base_defaults, zero_base_state
 from .update.forward_renorm import refuse_forward_renorm
 from .update.replaced import ParameterSlots, check_materialised
 from .update.unfrozen import outside_groups, regroup
@@ -306,6 +306,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         #: Where the layers' learning rates for the KL clip are read (None: these groups; a preconditioner attached
         #: to your optimizer: its groups).
         self._lr_groups: Callable[[], list[dict[str, Any]]] | None = None
+        #: A K-FAC state given by load_kfac_state_dict(), for the next load_state_dict() without one.
+        self._pending_kfac: dict[str, Any] | None = None
         #: The parameters of added groups that are not the model's (a loss's weights): averaged at step() under DDP.
         self._beside_model: list[torch.Tensor] = []
         #: Embeddings not yet checked for a use outside their forward (at the first factor step).
@@ -885,9 +887,34 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         sd["kfac"]["grad_workers"] = grad_worker_record(self.work_plan, self.grad_worker_choice)
         return sd
 
+    def kfac_state_dict(self) -> dict[str, Any]:
+        """The K-FAC part of :meth:`state_dict` alone (its ``'kfac'`` entry: factors, decompositions, step counter).
+
+        For checkpointing that keeps only ``state`` and ``param_groups`` of an
+        optimizer: ``torch.distributed.checkpoint``'s ``get_state_dict``, FSDP's
+        usual way. Save rank 0's beside that checkpoint and give it back to
+        every worker with :meth:`load_kfac_state_dict` (with
+        ``grad_worker_fraction`` below 1 it holds rank 0's decompositions only,
+        and every worker recomputes them at the next step, as from any
+        checkpoint: docs/gradient-workers.md).
+        """
+        kfac: dict[str, Any] = self.state_dict()["kfac"]
+        return kfac
+
+    def load_kfac_state_dict(self, kfac: dict[str, Any]) -> None:
+        """Hold a :meth:`kfac_state_dict` for the next :meth:`load_state_dict` whose state lacks it (the one
+        ``torch.distributed.checkpoint``'s ``set_state_dict`` calls). ValueError where it does not fit this
+        optimizer's layers and method."""
+        check_kfac_state({"kfac": kfac}, self.layers, self.method)
+        self._pending_kfac = kfac
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a checkpoint made by :meth:`state_dict` for the same model and compute method."""
+        """Restore a checkpoint made by :meth:`state_dict` for the same model and compute method (or its
+        ``state`` and ``param_groups``, after :meth:`load_kfac_state_dict` gave its K-FAC part)."""
+        if "kfac" not in state_dict and self._pending_kfac is not None:
+            state_dict = {**state_dict, "kfac": self._pending_kfac}
         kfac = check_kfac_state(state_dict, self.layers, self.method)
+        self._pending_kfac = None
         self.flush()
         ours = self.config.as_dict()
         # The options the saved state depends on (the value a checkpoint from before the option means).
@@ -962,13 +989,21 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         Horovod's ``broadcast_optimizer_state`` does this to a new optimizer
         (every worker alike) so that a ``torch.optim`` optimizer creates its
         state: here the state stays empty, and Horovod has nothing to
-        broadcast (a new optimizer is the same on every worker). Anything else
-        (a pass run, a gradient, a step taken) goes on to the step and its checks.
+        broadcast (a new optimizer is the same on every worker).
+        ``torch.distributed.checkpoint``'s ``get_state_dict`` does it at
+        learning rate 0, for a state to load a checkpoint into: there the base
+        state is created as zeros (what no state means, :func:`zero_base_state`).
+        Anything else (a pass run, a gradient, a step taken) goes on to the
+        step and its checks.
         """
         if self.steps or self.state or self._kind is not None or self.kfac_step.backward_seen:
             return False
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        return bool(grads) and not any(bool(g.any()) for g in grads)  # (no gradient at all: the usual error, no backward)
+        if not grads or any(bool(g.any()) for g in grads):  # (no gradient at all: the usual error, no backward)
+            return False
+        if all(float(group["lr"]) == 0.0 for group in self.param_groups):
+            zero_base_state(self.config.base, self.param_groups, self.state, self._direct)
+        return True
 
     def _hand_over(self) -> None:
         """A newer optimizer was built on this one's model: detach (held updates applied first); step() refuses from now on."""

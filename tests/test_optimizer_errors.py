@@ -225,3 +225,35 @@ def test_timeline_export_and_summary():
     assert summary["factor_compute"] > 0
     assert summary["inverse_stage"] > 0
     assert summary["precondition_comm_nonoverlap"] == 0.0  # one worker: no preconditioned gradient is broadcast
+
+
+@pytest.mark.parametrize("base", ["sgd", "adamw", "lamb"])
+def test_a_fresh_optimizer_stepped_at_learning_rate_zero_gets_a_zero_state_that_changes_nothing(base):
+    """What torch.distributed.checkpoint's get_state_dict does to a new optimizer, for a state to load a checkpoint
+    into (tests/multiprocess/test_fsdp_multiprocess.py resumes through it): zero gradients, every learning rate 0,
+    one step(). The base state is created as zeros, and training from it is bitwise training from no state."""
+    x, y = torch.randn(4, 2, 6, 6), torch.randint(0, 5, (4,))
+    options = dict(lr=0.1, weight_decay=0.1, base=base, backend="single", factor_update_freq=2, inv_update_freq=2)
+    if base == "sgd":
+        options["momentum"] = 0.9
+    runs = []
+    for template in (False, True):
+        model = small_net()
+        opt = SPDKFACOptimizer(model, **options)
+        if template:
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            opt.param_groups[0]["lr"] = 0.0
+            opt.step()
+            opt.param_groups[0]["lr"] = 0.1
+            opt.zero_grad()
+            assert opt.steps == 0
+            keys = {"sgd": {"momentum_buffer"}}.get(base, {"step", "exp_avg", "exp_avg_sq"})
+            assert [set(opt.state[p]) for p in model.parameters()] == [keys] * len(list(model.parameters()))
+            assert all(not t.any() for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+        for s in range(4):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x + 0.1 * s), y).backward()
+            opt.step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -81,7 +81,11 @@ def saved_uses(kfac: dict[str, Any]) -> dict[tuple[str, str], int]:
 def check_kfac_state(state_dict: Any, layers: Sequence[KFACLayer], method: DecompositionMethod) -> dict[str, Any]:
     """The ``'kfac'`` entry of ``state_dict`` if it fits these layers and method; a ValueError saying why not."""
     if not isinstance(state_dict, dict) or "kfac" not in state_dict:
-        raise ValueError("not an SPDKFACOptimizer checkpoint: the 'kfac' entry is missing")
+        raise ValueError(
+            "not an SPDKFACOptimizer checkpoint: the 'kfac' entry is missing (torch.distributed.checkpoint's "
+            "get_state_dict keeps only 'state' and 'param_groups': save optimizer.kfac_state_dict() beside it, and "
+            "call optimizer.load_kfac_state_dict(saved) before set_state_dict)"
+        )
     kfac: dict[str, Any] = state_dict["kfac"]
     saved_method = kfac.get("compute_method", "inverse")  # checkpoints from before the eigen method hold inverses
     if saved_method != method.name:

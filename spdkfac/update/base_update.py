@@ -22,7 +22,7 @@ import torch
 from ..options import Option
 from .rules import adamw_deltas, lamb_delta, momentum_direction, momentum_directions
 
-__all__ = ["BaseOptimizer", "apply_base_update", "base_defaults", "sgd_param_update"]
+__all__ = ["BaseOptimizer", "apply_base_update", "base_defaults", "sgd_param_update", "zero_base_state"]
 
 
 class BaseOptimizer(Option):
@@ -64,6 +64,31 @@ def base_defaults(base: BaseOptimizer | str, momentum: float | None, betas: Any,
 def sgd_param_update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], lr: float, momentum: float, weight_decay: float) -> None:
     """One parameter's momentum-SGD step, in place: the same operations wherever and whenever it runs (update fusion relies on it)."""
     p.add_(momentum_direction(grad, p, state, momentum, weight_decay), alpha=-lr)
+
+
+def zero_base_state(
+    base: BaseOptimizer,
+    param_groups: list[dict[str, Any]],
+    state: dict[torch.Tensor, dict[str, Any]],
+    direct: frozenset[torch.Tensor] = frozenset(),
+) -> None:
+    """The base optimizer's state of every trainable parameter, as zeros: what no state means.
+
+    Momentum SGD's first buffer is its first direction, and ``0·momentum + d``
+    is ``d`` exactly; Adam's moments start at zero, at step 0. A checkpoint
+    loader that fills the state a new optimizer has (``torch.distributed.checkpoint``)
+    needs it there to load into.
+    """
+    for group in param_groups:
+        for p in group["params"]:
+            if not p.requires_grad or p in direct:
+                continue
+            st = state[p]
+            if base == BaseOptimizer.SGD:
+                if group["momentum"] != 0 and "momentum_buffer" not in st:
+                    st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format).detach()
+            elif "exp_avg" not in st:
+                st.update(step=0, exp_avg=torch.zeros_like(p).detach(), exp_avg_sq=torch.zeros_like(p).detach())
 
 
 def apply_base_update(

@@ -20,7 +20,9 @@ blocks of several layers sharded whole with an adversarial example's input
 gradient taken before each training pass (left out of the factors), and a
 checkpoint (the model's and the optimizer's
 ``state_dict()``, sharded base state and whole K-FAC state) resumed halfway
-into a new sharded model and optimizer. Hybrid sharding (HSDP) on 4
+into a new sharded model and optimizer, also through
+``torch.distributed.checkpoint`` with rank 0's ``kfac_state_dict()`` beside
+it (momentum SGD and AdamW). Hybrid sharding (HSDP) on 4
 workers, a 2 x 2 mesh.
 """
 
@@ -58,11 +60,14 @@ VARIANTS = {
     "tied": dict(SGD, model="tied"),
     "blocks-attacked": dict(SGD, model="blocks", attack=True),
     "resumed": dict(SGD, compute_method="eigen", resume=True),
+    "resumed-dcp": dict(SGD, resume="dcp"),
+    "resumed-dcp-adamw": dict(ADAMW, resume="dcp"),
 }
 CONFIGS = {f"{kind}-{name}": dict(options, fsdp=kind == "fsdp") for name, options in VARIANTS.items() for kind in ("bare", "fsdp")}
 #: Bitwise the bare run's with 2 workers; the others add their averages in another order (FSDP averages each
 #: micro-batch's gradient) or differ in the last bits (the language model).
-BITWISE = {"plain", "eigen-distributed", "accum-no-sync", "adamw", "grad-scaler", "preconditioner", "resumed", "blocks-attacked"}
+BITWISE = {"plain", "eigen-distributed", "accum-no-sync", "adamw", "grad-scaler", "preconditioner"}
+BITWISE |= {"resumed", "resumed-dcp", "resumed-dcp-adamw", "blocks-attacked"}
 
 
 def test_hybrid_sharding_equals_bare_and_one_process(tmp_path):

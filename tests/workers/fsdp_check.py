@@ -20,9 +20,12 @@ optimizer's own update, ``no_sync``: accumulate the micro-batches but the
 last with ``set_requires_gradient_sync(False)`` (FSDP's ``no_sync()``), ``amp``: the
 GradScaler loop (scale 1024; FSDP's ``ShardedGradScaler`` on a sharded
 model), ``hybrid``: HSDP, replica groups of 2 workers (on an even number of
-workers above 2; plain sharding otherwise), and ``resume``: halfway, save the model's and the
-optimizer's ``state_dict()`` (through ``torch.save``'s bytes) and load them
-into a new model and optimizer, which train on.
+workers above 2; plain sharding otherwise), and ``resume``:
+halfway, save the model's and the optimizer's ``state_dict()`` (through
+``torch.save``'s bytes) and load them into a new model and optimizer, which
+train on (``'dcp'``, on a sharded model: save and load with
+``torch.distributed.checkpoint``, which keeps the optimizer's ``state`` and
+``param_groups`` only, and rank 0's ``kfac_state_dict()`` beside it).
 
     torchrun --nproc_per_node 2 tests/workers/fsdp_check.py --configs '<json>' --out result.pt
 """
@@ -31,8 +34,11 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import sys
+import tempfile
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -110,6 +116,32 @@ def gathered(value: Any) -> Any:
     return value
 
 
+def resumed_through_dcp(model: nn.Module, opt: SPDKFACOptimizer, build: Any, tag: str) -> tuple[nn.Module, SPDKFACOptimizer, Any]:
+    """Save with ``torch.distributed.checkpoint`` (which keeps the optimizer's ``state`` and ``param_groups`` only)
+    and rank 0's ``kfac_state_dict()`` beside it; load into a new model and optimizer as docs/fsdp.md says."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    folder = Path(tempfile.gettempdir()) / f"spdkfac-dcp-{tag}"
+    model_state, optimizer_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
+    rank = torch.distributed.get_rank()
+    if rank == 0:  # (the same on every worker)
+        torch.save(opt.kfac_state_dict(), folder / "kfac.pt")
+    torch.distributed.barrier()
+    opt.remove_hooks()
+    model, opt, _ = build()
+    model_state, optimizer_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(folder))
+    opt.load_kfac_state_dict(torch.load(folder / "kfac.pt", weights_only=False))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(folder)
+    return model, opt, opt
+
+
 def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch.Tensor, steps: int) -> dict[str, Any]:
     """Every configuration trained for ``steps`` steps on this rank's shard: parameters, states and layers, gathered."""
     results = {}
@@ -145,7 +177,9 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
         model, opt, state_of = build()
         accumulate = opt.config.accumulation_steps
         for s in range(steps):
-            if resume and s == steps // 2:  # through a file's bytes, into a new model and optimizer
+            if resume and s == steps // 2 and resume == "dcp" and sharded:  # FSDP's way: torch.distributed.checkpoint
+                model, opt, state_of = resumed_through_dcp(model, opt, build, f"{name}-{os.environ['MASTER_PORT']}")
+            elif resume and s == steps // 2:  # through a file's bytes, into a new model and optimizer
                 saved = io.BytesIO()
                 torch.save({"model": model.state_dict(), "optimizer": state_of.state_dict()}, saved)
                 opt.remove_hooks()
