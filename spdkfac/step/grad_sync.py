@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import CommBackend, Handle
+from ..kfac.sharded_grads import parameter_slots
 from .collective_order import CollectiveOrder, DeferredHandle, Slot
 from .data_parallel import ModelWrapping
 from .module_hooks import HookHandle, register
@@ -148,25 +149,22 @@ class GradientSync:
         copies in place) hooks its parameters' copies the first time it sees
         them (FSDP keeps them from its first pass on).
         """
-        wanted = {id(p) for p in params}
-        handles: list[HookHandle] = []
-        for module in model.modules():
-            found: list[tuple[str, torch.Tensor]] = [
-                (name, p) for name, p in module._parameters.items() if p is not None and id(p) in wanted
-            ]
-            if not found:
-                continue
+        slots = parameter_slots(model)
+        by_module: dict[nn.Module, list[tuple[str, torch.Tensor]]] = {}
+        for p in params:
+            if id(p) in slots:
+                module, name = slots[id(p)]
+                by_module.setdefault(module, []).append((name, p))
 
-            def see(module: nn.Module, args: Any, slots: list[tuple[str, torch.Tensor]] = found) -> None:
-                for name, sharded in slots:
-                    whole = module._parameters[name]
-                    if whole is not None and whole is not sharded and sharded not in self._whole:
-                        self._whole[sharded] = whole
-                        hook = functools.partial(self._whole_grad_hook, sharded)
-                        self._hook_handles.append(register(whole.register_post_accumulate_grad_hook, hook))
+        def see(module: nn.Module, args: Any) -> None:
+            for name, sharded in by_module[module]:
+                whole = module._parameters[name]
+                if whole is not None and whole is not sharded and sharded not in self._whole:
+                    self._whole[sharded] = whole
+                    hook = functools.partial(self._whole_grad_hook, sharded)
+                    self._hook_handles.append(register(whole.register_post_accumulate_grad_hook, hook))
 
-            handles.append(register(module.register_forward_pre_hook, see))
-        return handles
+        return [register(module.register_forward_pre_hook, see) for module in by_module]
 
     def _whole_grad_hook(self, sharded: torch.Tensor, whole: torch.Tensor) -> None:
         self._grad_hook(sharded)

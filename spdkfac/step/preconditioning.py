@@ -147,44 +147,31 @@ class Preconditioner:
         # Gradients sharded by FSDP are read whole, all-gathered in one order on every rank before any rank reads its
         # own layers' (with the layers split across ranks, each would reach them at another point), and written back.
         with whole_gradients([layer.helper for layer in layers]):
-            self._run(layers, damping, lr, kl_clip, wait_for_grads, record, layer_lrs)
+            stacked: list[_Stacked] = []
+            if self.plan.groups is not None:
+                grads, updates = self._distributed(layers, damping, wait_for_grads, record)
+            else:
+                grads, updates = self._local(layers, damping, wait_for_grads, stacked)
+            in_stacks = {i for group in stacked for i in group.positions}
+            alone = [i for i in range(len(layers)) if i not in in_stacks]
+            rates = lr if layer_lrs is None else [layer_lrs.get(layer.name, lr) for layer in layers]
+            scale = kl_clip_scale(grads, updates, rates, kl_clip, [(group.positions, group.grad, group.update) for group in stacked])
+            if scale is not None:
+                scale_updates_([group.update for group in stacked] + [updates[i] for i in alone], scale)
+            writes = GradientWrites()
+            viewed: set[int] = set()  # the layers of stacks read by their views: written from the stack
+            for group in stacked:
+                if group.views is not None:
+                    writes.add_stack(group.views, group.update)
+                    viewed.update(group.positions)
+            for i, (layer, update) in enumerate(zip(layers, updates)):
+                if i not in viewed:
+                    writes.add(layer, update)
+            writes.write()
         if record is not None:
             t1 = Timeline.now()
             record.precondition += t1 - t0 - (record.grad_wait - waited0)
             record.span("precondition", t0, t1)
-
-    def _run(
-        self,
-        layers: list[KFACLayer],
-        damping: float,
-        lr: float,
-        kl_clip: float | None,
-        wait_for_grads: bool,
-        record: IterationRecord | None,
-        layer_lrs: Mapping[str, float] | None,
-    ) -> None:
-        """:meth:`run` on ``layers``, those with a gradient."""
-        stacked: list[_Stacked] = []
-        if self.plan.groups is not None:
-            grads, updates = self._distributed(layers, damping, wait_for_grads, record)
-        else:
-            grads, updates = self._local(layers, damping, wait_for_grads, stacked)
-        in_stacks = {i for group in stacked for i in group.positions}
-        alone = [i for i in range(len(layers)) if i not in in_stacks]
-        rates = lr if layer_lrs is None else [layer_lrs.get(layer.name, lr) for layer in layers]
-        scale = kl_clip_scale(grads, updates, rates, kl_clip, [(group.positions, group.grad, group.update) for group in stacked])
-        if scale is not None:
-            scale_updates_([group.update for group in stacked] + [updates[i] for i in alone], scale)
-        writes = GradientWrites()
-        viewed: set[int] = set()  # the layers of stacks read by their views: written from the stack
-        for group in stacked:
-            if group.views is not None:
-                writes.add_stack(group.views, group.update)
-                viewed.update(group.positions)
-        for i, (layer, update) in enumerate(zip(layers, updates)):
-            if i not in viewed:
-                writes.add(layer, update)
-        writes.write()
 
     def _local(
         self, layers: list[KFACLayer], damping: float, wait_for_grads: bool, stacked: list[_Stacked]

@@ -48,7 +48,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nets import small_net
+from nets import fully_sharded, small_net
 from rank_results import save_config_results
 
 from spdkfac import KFACPreconditioner, SPDKFACOptimizer
@@ -83,26 +83,6 @@ class TinyLanguageModel(nn.Module):
         h = h + self.attention(q, q, q, need_weights=False)[0]
         h = h + self.mlp(self.norm2(h))
         return self.head(h[:, -1])
-
-
-def shard(model: nn.Module, hybrid: bool = False) -> None:
-    """``fully_shard`` every child with parameters of its own, then the root (FSDP2's usage: tied parameters, in
-    children of their own, go with the root). ``hybrid``: HSDP, on a mesh of replica groups of 2 workers."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    world = torch.distributed.get_world_size()
-    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard")) if hybrid else None
-
-    seen: dict[int, int] = {}
-    for child in model.children():
-        for p in child.parameters():
-            seen[id(p)] = seen.get(id(p), 0) + 1
-    for child in model.children():
-        params = list(child.parameters())
-        if params and all(seen[id(p)] == 1 for p in params):
-            fully_shard(child, mesh=mesh)
-    fully_shard(model, mesh=mesh)
 
 
 def gathered(value: Any) -> Any:
@@ -166,7 +146,7 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
                 if kind == "blocks":  # two blocks of layers: FSDP's hooks on a block's output run after its last layer's
                     model = nn.Sequential(nn.Sequential(*list(model)[:3]), nn.Sequential(*list(model)[3:]))
             if sharded:
-                shard(model, hybrid)
+                fully_sharded(model, hybrid)
                 assert all(is_sharded(p) for p in model.parameters())
             if adamw is None:
                 opt = SPDKFACOptimizer(model, backend=backend, **cfg)

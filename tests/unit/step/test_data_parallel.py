@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from nets import batch, small_net
+from nets import batch, fully_sharded, small_net
 from torch.nn.parallel import DistributedDataParallel
 
 from spdkfac import SPDKFACOptimizer
@@ -153,13 +153,9 @@ def _fully_shard() -> Any:
 
 
 def _sharded(model: nn.Module) -> nn.Module:
-    """``model`` with each child that has parameters, then the root, sharded by ``fully_shard`` (FSDP2's usage)."""
-    fully_shard = _fully_shard()
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child)
-    fully_shard(model)
-    return model
+    """``model`` sharded by ``fully_shard`` as FSDP2's examples do (:func:`nets.fully_sharded`); skipped without it."""
+    _fully_shard()
+    return fully_sharded(model)
 
 
 @pytest.mark.parametrize("options", [{}, {"compute_method": "eigen"}, {"base": "adamw", "momentum": None}])
