@@ -59,6 +59,7 @@ from .plan.memory_check import memory_warnings
 from .plan.work_plan import LayerShape, WorkPlan
 from .schedules import Scheduled, StepSchedule
 from .step.adaptive_damping import AdaptiveDamping, DampingStep, damping_rule
+from .step.checkpoint_gather import gather_decompositions
 from .step.data_parallel import ModelWrapping, refuse_wrapped_optimizer
 from .step.factor_hooks import warn_if_float16_autocast
 from .step.grad_sync import collective_names
@@ -308,6 +309,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._lr_groups: Callable[[], list[dict[str, Any]]] | None = None
         #: A K-FAC state given by load_kfac_state_dict(), for the next load_state_dict() without one.
         self._pending_kfac: dict[str, Any] | None = None
+        self._gathered: dict[str, dict[str, Any]] | None = None  # consolidate_state_dict's, until the next step
         #: The parameters of added groups that are not the model's (a loss's weights): averaged at step() under DDP.
         self._beside_model: list[torch.Tensor] = []
         #: Embeddings not yet checked for a use outside their forward (at the first factor step).
@@ -437,6 +439,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 "group cannot change size in place: restart the job under torchrun (spdkfac.train --resume auto) instead"
             )
         self._begin_iteration(abandon=True)  # under backward fusion: rolls back what an unfinished step wrote
+        self._gathered = None  # (gathered for the old plan's ranks)
         self._wire_anew()
 
     # ------------------------------------------------------------- added groups
@@ -756,6 +759,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 if base_update:
                     self._base_update()
             self.steps += 1
+            self._gathered = None  # (the decompositions may have changed)
             self.kfac_step.nonfinite.good_step()
             if self.timeline is not None and self._record is not None:
                 self.timeline.end()
@@ -885,7 +889,25 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.kfac_step.factors.expected,
         )
         sd["kfac"]["grad_workers"] = grad_worker_record(self.work_plan, self.grad_worker_choice)
+        if self._gathered is not None:
+            for name, entries in self._gathered.items():
+                sd["kfac"]["layers"][name].update(entries)
         return sd
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collective: give rank ``to`` every worker's decompositions for its next :meth:`state_dict`, so that a
+        resume from that checkpoint recomputes none (the uninterrupted run, bit for bit).
+
+        Needed only with ``grad_worker_fraction`` below 1 (or
+        ``distribute_preconditioning``), where each worker keeps its own
+        layers' decompositions; elsewhere it sends nothing. Call it on every
+        worker, between steps, before rank ``to`` saves (as
+        ``ZeroRedundancyOptimizer.consolidate_state_dict``). They are kept in
+        host memory until the next step; without this, a resume recomputes
+        every decomposition at its first step (docs/gradient-workers.md).
+        """
+        self.flush()
+        self._gathered = gather_decompositions(self.layers, self.work_plan.holders, to, self.backend)
 
     def kfac_state_dict(self) -> dict[str, Any]:
         """The K-FAC part of :meth:`state_dict` alone (its ``'kfac'`` entry: factors, decompositions, step counter).
@@ -894,9 +916,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         optimizer: ``torch.distributed.checkpoint``'s ``get_state_dict``, FSDP's
         usual way. Save rank 0's beside that checkpoint and give it back to
         every worker with :meth:`load_kfac_state_dict` (with
-        ``grad_worker_fraction`` below 1 it holds rank 0's decompositions only,
-        and every worker recomputes them at the next step, as from any
-        checkpoint: docs/gradient-workers.md).
+        ``grad_worker_fraction`` below 1, after :meth:`consolidate_state_dict`
+        on every worker, for every worker's decompositions).
         """
         kfac: dict[str, Any] = self.state_dict()["kfac"]
         return kfac
@@ -915,6 +936,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             state_dict = {**state_dict, "kfac": self._pending_kfac}
         kfac = check_kfac_state(state_dict, self.layers, self.method)
         self._pending_kfac = None
+        self._gathered = None
         self.flush()
         ours = self.config.as_dict()
         # The options the saved state depends on (the value a checkpoint from before the option means).

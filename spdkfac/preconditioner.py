@@ -431,6 +431,12 @@ class KFACPreconditioner:
         """Restore :meth:`state_dict` (for the same model and compute method)."""
         self.kfac.load_state_dict(state_dict)
 
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collective: every worker's decompositions for rank ``to``'s next :meth:`state_dict` (and your optimizer's,
+        when attached), so that a resume recomputes none: :meth:`SPDKFACOptimizer.consolidate_state_dict
+        <spdkfac.SPDKFACOptimizer.consolidate_state_dict>`."""
+        self.kfac.consolidate_state_dict(to)
+
     # ------------------------------------------------------------ reporting
     def memory_usage(self) -> dict[str, int]:
         """Bytes this worker holds in factors and decompositions, per kind."""

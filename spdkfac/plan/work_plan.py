@@ -251,9 +251,13 @@ class WorkPlan:
             return tuple(range(self.workers))
         return self.groups.members(self.layer_groups[layer])
 
+    def holders(self, layer: str) -> tuple[int, ...]:
+        """The ranks that keep ``layer``'s decompositions: its gradient workers, or every rank."""
+        return tuple(range(self.workers)) if self.held_everywhere else self.gradient_workers(layer)
+
     def holds(self, rank: int, layer: str) -> bool:
         """Whether ``rank`` keeps ``layer``'s decompositions (it may precondition it only if a gradient worker of it)."""
-        return self.held_everywhere or rank in self.gradient_workers(layer)
+        return rank in self.holders(layer)
 
     @property
     def preconditioners(self) -> dict[str, int]:

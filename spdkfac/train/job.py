@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from ..comm import CommBackend, get_backend, leaving_on_error, worker_device
 from ..models import get_model
+from ..optimizer import SPDKFACOptimizer
 from ..runtime.affinity import bind_cores_if_asked
 from ..runtime.host_memory import retain_freed_memory
 from ..schedules import KFACParamScheduler
@@ -226,8 +227,11 @@ def _train(argv: list[str] | None, held: contextlib.ExitStack) -> dict[str, floa
         start_log(log_path, fields, keep_before=position.epoch if resume is not None else 0)
 
     def checkpoint(metrics: list[float]) -> None:
-        """Save on rank 0; the partial-epoch metrics are averaged over every worker first (a collective)."""
+        """Save on rank 0; the partial-epoch metrics are averaged over every worker first, and the decompositions
+        split over the workers gathered on rank 0 (collectives: a resume recomputes nothing)."""
         totals = average_over_workers(backend, metrics, "train.checkpoint", device)
+        if isinstance(optimizer, SPDKFACOptimizer):
+            optimizer.consolidate_state_dict()
         if not is_root:
             return
         try:

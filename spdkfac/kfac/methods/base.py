@@ -106,6 +106,18 @@ class DecompositionMethod(abc.ABC):
     def received(self, payload: torch.Tensor, shape: FactorShape) -> Any:
         """The kept value rebuilt from a received payload."""
 
+    def payload(self, kept: Any, shape: FactorShape) -> torch.Tensor:
+        """The flat payload that :meth:`received` rebuilds ``kept`` from, bitwise: what a holder sends a rank that
+        holds no copy (a checkpoint gathered on one rank). This default joins :meth:`tensors`, right for a method
+        that keeps what it sends, as views into the payload; one that keeps another form overrides it."""
+        flat = torch.cat([t.reshape(-1) for t in self.tensors(kept)])
+        if flat.numel() != self.payload_size(shape):
+            raise NotImplementedError(
+                f"{type(self).__name__} keeps {flat.numel()} elements of a {shape.describe()} factor but sends "
+                f"{self.payload_size(shape)}: it must define payload()"
+            )
+        return flat
+
     @abc.abstractmethod
     def failure(self, what: str, shape: FactorShape, factor: torch.Tensor, damping: float, step: int, exc: Exception) -> str:
         """The message of a failed decomposition of ``what`` ("factor A of layer 'x'")."""

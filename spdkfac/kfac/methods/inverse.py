@@ -70,6 +70,9 @@ class InverseMethod(DecompositionMethod):
     def received(self, payload: torch.Tensor, shape: FactorShape) -> torch.Tensor:
         return shape.unpack(payload)
 
+    def payload(self, kept: Any, shape: FactorShape) -> torch.Tensor:
+        return shape.pack(kept)  # (kept exactly symmetric: nothing lost)
+
     def failure(self, what: str, shape: FactorShape, factor: torch.Tensor, damping: float, step: int, exc: Exception) -> str:
         # The factors were checked finite, so the damping lost to rounding: a factor of lower rank than its
         # dimension (fewer rows, samples x positions, than that) has only the damping on its null space, and
