@@ -22,8 +22,9 @@ checkpoint (the model's and the optimizer's
 ``state_dict()``, sharded base state and whole K-FAC state) resumed halfway
 into a new sharded model and optimizer, also through
 ``torch.distributed.checkpoint`` with rank 0's ``kfac_state_dict()`` beside
-it (momentum SGD and AdamW). Hybrid sharding (HSDP) on 4
-workers, a 2 x 2 mesh.
+it (momentum SGD and AdamW), and ``torch.compile`` (each layer compiled
+before the sharding, or the sharded model compiled). Hybrid sharding (HSDP)
+on 4 workers, a 2 x 2 mesh.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ VARIANTS = {
     "resumed": dict(SGD, compute_method="eigen", resume=True),
     "resumed-dcp": dict(SGD, resume="dcp"),
     "resumed-dcp-adamw": dict(ADAMW, resume="dcp"),
+    "compiled-layers": dict(SGD, compile="layers"),
+    "compiled-root": dict(SGD, compute_method="eigen", compile="root"),
 }
 CONFIGS = {f"{kind}-{name}": dict(options, fsdp=kind == "fsdp") for name, options in VARIANTS.items() for kind in ("bare", "fsdp")}
 #: Bitwise the bare run's with 2 workers; the others add their averages in another order (FSDP averages each

@@ -25,7 +25,10 @@ halfway, save the model's and the optimizer's ``state_dict()`` (through
 ``torch.save``'s bytes) and load them into a new model and optimizer, which
 train on (``'dcp'``, on a sharded model: save and load with
 ``torch.distributed.checkpoint``, which keeps the optimizer's ``state`` and
-``param_groups`` only, and rank 0's ``kfac_state_dict()`` beside it).
+``param_groups`` only, and rank 0's ``kfac_state_dict()`` beside it), and
+``compile``: ``'layers'``, each child compiled before the sharding
+(torchtitan's order), or ``'root'``, the sharded model compiled, the
+optimizer given the compiled one.
 
     torchrun --nproc_per_node 2 tests/workers/fsdp_check.py --configs '<json>' --out result.pt
 """
@@ -130,14 +133,19 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
         sharded, adamw = cfg.pop("fsdp", False) and backend.size > 1, cfg.pop("preconditioner", None)
         hybrid = cfg.pop("hybrid", False) and backend.size % 2 == 0 and backend.size > 2
         kind, resume, no_sync = cfg.pop("model", "small"), cfg.pop("resume", False), cfg.pop("no_sync", False)
-        attack = cfg.pop("attack", False)
+        attack, compiled = cfg.pop("attack", False), cfg.pop("compile", None)
         scaler = None
         if cfg.pop("amp", False):  # FSDP's scaler agrees on an overflow over the workers' shards
             scaler = ShardedGradScaler("cpu", init_scale=1024.0) if sharded else torch.amp.GradScaler("cpu", init_scale=1024.0)
             cfg["grad_scaler"] = scaler
 
         def build(
-            kind: str = kind, sharded: bool = sharded, hybrid: bool = hybrid, adamw: Any = adamw, cfg: dict = cfg
+            kind: str = kind,
+            sharded: bool = sharded,
+            hybrid: bool = hybrid,
+            adamw: Any = adamw,
+            cfg: dict = cfg,
+            compiled: str | None = compiled,
         ) -> tuple[nn.Module, SPDKFACOptimizer, Any]:
             if kind in ("language", "tied"):
                 model: nn.Module = TinyLanguageModel(tied=kind == "tied")
@@ -145,9 +153,16 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
                 model = small_net()
                 if kind == "blocks":  # two blocks of layers: FSDP's hooks on a block's output run after its last layer's
                     model = nn.Sequential(nn.Sequential(*list(model)[:3]), nn.Sequential(*list(model)[3:]))
+            if compiled:
+                torch._dynamo.reset()  # (earlier configurations compiled other instances of these classes)
+            if compiled == "layers":  # torchtitan's order: each layer compiled, then sharded
+                for child in model.children():
+                    child.compile()
             if sharded:
                 fully_sharded(model, hybrid)
                 assert all(is_sharded(p) for p in model.parameters())
+            if compiled == "root":
+                model = torch.compile(model)  # type: ignore[assignment]
             if adamw is None:
                 opt = SPDKFACOptimizer(model, backend=backend, **cfg)
                 return model, opt, opt
