@@ -310,6 +310,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         #: A K-FAC state given by load_kfac_state_dict(), for the next load_state_dict() without one.
         self._pending_kfac: dict[str, Any] | None = None
         self._gathered: dict[str, dict[str, Any]] | None = None  # consolidate_state_dict's, until the next step
+        self._partial_noted = False  # whether a state_dict() without every worker's decompositions was warned about
         #: The parameters of added groups that are not the model's (a loss's weights): averaged at step() under DDP.
         self._beside_model: list[torch.Tensor] = []
         #: Embeddings not yet checked for a use outside their forward (at the first factor step).
@@ -892,6 +893,15 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if self._gathered is not None:
             for name, entries in self._gathered.items():
                 sd["kfac"]["layers"][name].update(entries)
+        elif self.steps and not self._partial_noted and len(self._held_layers()) < len(self._preconditioning_layers):
+            self._partial_noted = True
+            warnings.warn(
+                "this state_dict() holds this worker's decompositions only (grad_worker_fraction below 1): a resume "
+                "from it recomputes every decomposition at its first step, one early refresh. For a checkpoint that "
+                "resumes bit for bit, call optimizer.consolidate_state_dict() on every worker before rank 0's "
+                "state_dict() (docs/gradient-workers.md#checkpoints). This is said once",
+                stacklevel=2,
+            )
         return sd
 
     def consolidate_state_dict(self, to: int = 0) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -25,7 +26,10 @@ from spdkfac.kfac.methods import METHODS, DecompositionMethod, EigenMethod, Inve
 from spdkfac.step.checkpoint_gather import gather_decompositions
 from spdkfac.train.checkpoint import content_digest
 
-pytestmark = pytest.mark.filterwarnings("ignore:no perf_model given")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:no perf_model given"),
+    pytest.mark.filterwarnings("ignore:this state_dict\\(\\) holds this worker's decompositions only"),  # (the last test's)
+]
 
 OPTIONS = dict(lr=0.05, momentum=0.9, damping=0.01, factor_update_freq=1, inv_update_freq=3, grad_worker_fraction=0.5)
 GLOBAL, STEPS, RESUME_AT = 12, 6, 4  # refreshes at steps 0 and 3: the resumed steps 4, 5 use step 3's
@@ -201,3 +205,25 @@ def test_a_method_keeping_another_form_than_it_sends_must_say_how():
     method, shape = Halved(), FactorShape(4)
     with pytest.raises(NotImplementedError, match=r"Halved keeps 16 elements .* sends 8: it must define payload"):
         DecompositionMethod.payload(method, torch.eye(4), shape)
+
+
+def test_a_checkpoint_without_the_gather_is_warned_about_once_per_worker(float64):
+    models = [small_net(), small_net()]
+
+    def worker(backend):
+        model = models[backend.rank]
+        optimizer = SPDKFACOptimizer(model, backend=backend, **OPTIONS)
+        optimizer.state_dict()  # before the first step: nothing decomposed, nothing to say
+        _step(model, optimizer, 0, backend.rank, 2)
+        optimizer.consolidate_state_dict()
+        optimizer.state_dict()  # gathered (on rank 1 too, which was not gathered to): nothing to say
+        _step(model, optimizer, 1, backend.rank, 2)
+        optimizer.state_dict()
+        optimizer.state_dict()  # said once
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_ranks(2, worker)
+    said = [w for w in caught if "holds this worker's decompositions only" in str(w.message)]
+    assert len(said) == 2  # once on each worker
+    assert "consolidate_state_dict() on every worker" in str(said[0].message)

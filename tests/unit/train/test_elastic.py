@@ -6,6 +6,7 @@ The real ``horovodrun --min-np/--max-np`` run is tests/multiprocess/test_elastic
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -149,6 +150,55 @@ def test_replan_at_another_size_continues_the_one_process_computation(float64, o
         _step(ref_model, ref, s)
     for name, value in ref_model.state_dict().items():
         torch.testing.assert_close(after[0][1][name], value, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("consolidated", [True, False])
+def test_a_consolidated_commit_replans_between_two_refreshes_without_recomputing(float64, consolidated):
+    """Decompositions split over 2 workers (fraction 1/2), committed after step 5 (refreshes every 2: step 5 is not
+    one), re-planned for 3: with ``consolidate_state_dict()`` before the commit, rank 0's holds every decomposition
+    and the 3 workers continue the one-process computation; without, they recompute them all at step 5 and leave it."""
+    config = {**OPTIONS, "distribute_preconditioning": True, "profile_steps": 1}
+    models = [small_net(), small_net(), small_net(seed=1)]  # built here: torch.manual_seed in threads would race
+
+    def first(backend):
+        model = models[backend.rank]
+        optimizer = SPDKFACOptimizer(model, backend=backend, **config)
+        for s in range(5):
+            _step(model, optimizer, s, backend.rank, 2)
+        if consolidated:
+            optimizer.consolidate_state_dict()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the unconsolidated commit's notice)
+            commit = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        return model, optimizer, commit
+
+    before = run_ranks(2, first)
+    commit = before[0][2]
+
+    def second(backend):
+        if backend.rank < 2:
+            model, optimizer, _ = before[backend.rank]
+            optimizer.backend = backend
+            optimizer.replan()
+        else:
+            model = models[2]
+            optimizer = SPDKFACOptimizer(model, backend=backend, **config)
+        model.load_state_dict(copy.deepcopy(commit["model"]))
+        optimizer.load_state_dict(copy.deepcopy(commit["optimizer"]))
+        for s in range(5, 8):
+            _step(model, optimizer, s, backend.rank, 3)
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    after = run_ranks(3, second)
+    ref_model = small_net()
+    ref = SPDKFACOptimizer(ref_model, backend="single", **config)
+    for s in range(8):
+        _step(ref_model, ref, s)
+    gap = max((after[0][name] - value).abs().max().item() for name, value in ref_model.state_dict().items())
+    if consolidated:
+        assert gap < 1e-11
+    else:
+        assert gap > 1e-6
 
 
 def test_replan_refuses_a_ddp_model():
