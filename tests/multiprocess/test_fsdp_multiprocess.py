@@ -23,7 +23,8 @@ checkpoint (the model's and the optimizer's
 into a new sharded model and optimizer, also through
 ``torch.distributed.checkpoint`` with rank 0's ``kfac_state_dict()`` beside
 it (momentum SGD and AdamW), and ``torch.compile`` (each layer compiled
-before the sharding, or the sharded model compiled). Hybrid sharding (HSDP)
+before the sharding, or the sharded model compiled), and a layer frozen
+until halfway, then unfrozen. Hybrid sharding (HSDP)
 on 4 workers, a 2 x 2 mesh.
 """
 
@@ -65,12 +66,13 @@ VARIANTS = {
     "resumed-dcp-adamw": dict(ADAMW, resume="dcp"),
     "compiled-layers": dict(SGD, compile="layers"),
     "compiled-root": dict(SGD, compute_method="eigen", compile="root"),
+    "unfrozen-halfway": dict(SGD, unfreeze=True),
 }
 CONFIGS = {f"{kind}-{name}": dict(options, fsdp=kind == "fsdp") for name, options in VARIANTS.items() for kind in ("bare", "fsdp")}
 #: Bitwise the bare run's with 2 workers; the others add their averages in another order (FSDP averages each
 #: micro-batch's gradient) or differ in the last bits (the language model).
 BITWISE = {"plain", "eigen-distributed", "accum-no-sync", "adamw", "grad-scaler", "preconditioner"}
-BITWISE |= {"resumed", "resumed-dcp", "resumed-dcp-adamw", "blocks-attacked"}
+BITWISE |= {"resumed", "resumed-dcp", "resumed-dcp-adamw", "blocks-attacked", "unfrozen-halfway"}
 
 
 def test_hybrid_sharding_equals_bare_and_one_process(tmp_path):

@@ -28,7 +28,8 @@ train on (``'dcp'``, on a sharded model: save and load with
 ``param_groups`` only, and rank 0's ``kfac_state_dict()`` beside it), and
 ``compile``: ``'layers'``, each child compiled before the sharding
 (torchtitan's order), or ``'root'``, the sharded model compiled, the
-optimizer given the compiled one.
+optimizer given the compiled one; ``unfreeze``: the first layer frozen
+until halfway.
 
     torchrun --nproc_per_node 2 tests/workers/fsdp_check.py --configs '<json>' --out result.pt
 """
@@ -133,7 +134,7 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
         sharded, adamw = cfg.pop("fsdp", False) and backend.size > 1, cfg.pop("preconditioner", None)
         hybrid = cfg.pop("hybrid", False) and backend.size % 2 == 0 and backend.size > 2
         kind, resume, no_sync = cfg.pop("model", "small"), cfg.pop("resume", False), cfg.pop("no_sync", False)
-        attack, compiled = cfg.pop("attack", False), cfg.pop("compile", None)
+        attack, compiled, unfreeze = cfg.pop("attack", False), cfg.pop("compile", None), cfg.pop("unfreeze", False)
         scaler = None
         if cfg.pop("amp", False):  # FSDP's scaler agrees on an overflow over the workers' shards
             scaler = ShardedGradScaler("cpu", init_scale=1024.0) if sharded else torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -146,6 +147,7 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
             adamw: Any = adamw,
             cfg: dict = cfg,
             compiled: str | None = compiled,
+            unfreeze: bool = unfreeze,
         ) -> tuple[nn.Module, SPDKFACOptimizer, Any]:
             if kind in ("language", "tied"):
                 model: nn.Module = TinyLanguageModel(tied=kind == "tied")
@@ -153,6 +155,8 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
                 model = small_net()
                 if kind == "blocks":  # two blocks of layers: FSDP's hooks on a block's output run after its last layer's
                     model = nn.Sequential(nn.Sequential(*list(model)[:3]), nn.Sequential(*list(model)[3:]))
+            if unfreeze:  # the first layer frozen until halfway
+                model[0].requires_grad_(False)
             if compiled:
                 torch._dynamo.reset()  # (earlier configurations compiled other instances of these classes)
             if compiled == "layers":  # torchtitan's order: each layer compiled, then sharded
@@ -182,6 +186,8 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
                 checkpoint = torch.load(io.BytesIO(saved.getvalue()), weights_only=False)
                 model.load_state_dict(checkpoint["model"])
                 state_of.load_state_dict(checkpoint["optimizer"])
+            if unfreeze and s == steps // 2:
+                model[0].requires_grad_(True)  # type: ignore[index]
             state_of.zero_grad()
             for i, (xm, ym) in enumerate(zip((x + 0.1 * s).chunk(accumulate), y.chunk(accumulate))):
                 if no_sync and sharded:  # FSDP's no_sync(): reduce-scatter the last micro-batch's sum only
