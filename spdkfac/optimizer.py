@@ -916,6 +916,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         host memory until the next step; without this, a resume recomputes
         every decomposition at its first step (docs/gradient-workers.md).
         """
+        if self.kfac_step.backward_seen:
+            raise RuntimeError(
+                "consolidate_state_dict() between backward() and step(): this step's factors are on their way and "
+                "its decompositions not made yet; call it after step(), on every worker"
+            )
         self.flush()
         self._gathered = gather_decompositions(self.layers, self.work_plan.holders, to, self.backend)
 

@@ -227,3 +227,14 @@ def test_a_checkpoint_without_the_gather_is_warned_about_once_per_worker(float64
     said = [w for w in caught if "holds this worker's decompositions only" in str(w.message)]
     assert len(said) == 2  # once on each worker
     assert "consolidate_state_dict() on every worker" in str(said[0].message)
+
+
+def test_the_gather_between_backward_and_step_is_refused(float64):
+    model = small_net()
+    optimizer = SPDKFACOptimizer(model, backend="single", **OPTIONS)
+    x, y = batch(4, seed=0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"consolidate_state_dict\(\) between backward\(\) and step\(\)"):
+        optimizer.consolidate_state_dict()
+    optimizer.step()
+    optimizer.consolidate_state_dict()  # (one worker: nothing to send)
