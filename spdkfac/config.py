@@ -341,11 +341,6 @@ class KFACConfig:
         object.__setattr__(self, "ekfac_decay", check_number("ekfac_decay", self.ekfac_decay, 0.0, 1.0))
         if self.eigen_refresh is EigenRefresh.WARM and self.compute_method == ComputeMethod.INVERSE:
             raise ValueError("eigen_refresh='warm' refreshes an eigenbasis: it needs compute_method='eigen' or 'ekfac'")
-        if self.compute_method == ComputeMethod.EKFAC and self.distribute_preconditioning:
-            raise ValueError(
-                "compute_method='ekfac' updates each layer's scaling whenever the layer is preconditioned, so every "
-                "worker must precondition every layer: distribute_preconditioning=True is not supported with it"
-            )
         # Integers stored as plain ints (numpy integers are taken): the options are saved in state_dict.
         for name in ("accumulation_steps", "profile_steps", "fusion_threshold_bytes"):
             object.__setattr__(self, name, check_positive_int(name, getattr(self, name)))
@@ -354,13 +349,6 @@ class KFACConfig:
                 object.__setattr__(self, name, check_positive_int(name, getattr(self, name)))
         object.__setattr__(self, "skip_nonfinite", check_non_negative_int("skip_nonfinite", self.skip_nonfinite))
         self._check_grad_workers()
-        fraction = self.grad_worker_fraction
-        if fraction is not None and fraction != 1 and self.compute_method == ComputeMethod.EKFAC:
-            raise ValueError(
-                "compute_method='ekfac' updates each layer's scaling on every worker; "
-                f"grad_worker_fraction={fraction!r} preconditions a layer on its gradient workers only: "
-                "use grad_worker_fraction=None (1) with it"
-            )
         object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
         object.__setattr__(self, "no_weight_decay", check_no_weight_decay(self.no_weight_decay))
 

@@ -59,7 +59,7 @@ from .plan.memory_check import memory_warnings
 from .plan.work_plan import LayerShape, WorkPlan
 from .schedules import Scheduled, StepSchedule
 from .step.adaptive_damping import AdaptiveDamping, DampingStep, damping_rule
-from .step.checkpoint_gather import gather_decompositions
+from .step.checkpoint_gather import gather_decompositions, gather_method_states
 from .step.data_parallel import ModelWrapping, refuse_wrapped_optimizer
 from .step.factor_hooks import warn_if_float16_autocast
 from .step.grad_sync import collective_names
@@ -890,16 +890,24 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.kfac_step.factors.expected,
         )
         sd["kfac"]["grad_workers"] = grad_worker_record(self.work_plan, self.grad_worker_choice)
+        if self.method.stateful:  # a state kept elsewhere is not this worker's to save (its own is a fresh one)
+            for layer in self._preconditioning_layers:
+                if self.backend.rank not in self.work_plan.preconditioning_ranks(layer.name):
+                    sd["kfac"]["layers"][layer.name]["method_state"] = None
         if self._gathered is not None:
             for name, entries in self._gathered.items():
                 sd["kfac"]["layers"][name].update(entries)
         elif self.steps and not self._partial_noted and len(self._held_layers()) < len(self._preconditioning_layers):
             self._partial_noted = True
+            then = (
+                f"is refused ({self.method.name}'s per-layer state cannot be recomputed)"
+                if self.method.stateful
+                else "recomputes every decomposition at its first step, one early refresh"
+            )
             warnings.warn(
-                "this state_dict() holds this worker's decompositions only (grad_worker_fraction below 1): a resume "
-                "from it recomputes every decomposition at its first step, one early refresh. For a checkpoint that "
-                "resumes bit for bit, call optimizer.consolidate_state_dict() on every worker before rank 0's "
-                "state_dict() (docs/gradient-workers.md#checkpoints). This is said once",
+                f"this state_dict() holds this worker's decompositions only (grad_worker_fraction below 1): a resume "
+                f"from it {then}. For a checkpoint that resumes bit for bit, call optimizer.consolidate_state_dict() "
+                "on every worker before rank 0's state_dict() (docs/gradient-workers.md#checkpoints). This is said once",
                 stacklevel=2,
             )
         return sd
@@ -922,7 +930,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 "its decompositions not made yet; call it after step(), on every worker"
             )
         self.flush()
-        self._gathered = gather_decompositions(self.layers, self.work_plan.holders, to, self.backend)
+        gathered = gather_decompositions(self.layers, self.work_plan.holders, to, self.backend)
+        for name, entries in gather_method_states(self.layers, self.work_plan.preconditioning_ranks, to, self.backend).items():
+            gathered.setdefault(name, {}).update(entries)
+        self._gathered = gathered
 
     def kfac_state_dict(self) -> dict[str, Any]:
         """The K-FAC part of :meth:`state_dict` alone (its ``'kfac'`` entry: factors, decompositions, step counter).
@@ -950,6 +961,13 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if "kfac" not in state_dict and self._pending_kfac is not None:
             state_dict = {**state_dict, "kfac": self._pending_kfac}
         kfac = check_kfac_state(state_dict, self.layers, self.method)
+        lacking = [layer.name for layer in self._preconditioning_layers if kfac["layers"][layer.name].get("method_state", {}) is None]
+        if lacking:
+            raise ValueError(
+                f"checkpoint lacks compute_method={self.method.name!r}'s per-layer state of layers {lacking}: it was saved by "
+                "a worker that does not precondition them (grad_worker_fraction below 1), and that state cannot be "
+                "recomputed. Save after optimizer.consolidate_state_dict() on every worker (docs/gradient-workers.md#checkpoints)"
+            )
         self._pending_kfac = None
         self._gathered = None
         self.flush()
@@ -971,6 +989,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.kfac_step.factors.expected.clear()  # the checkpoint's (none in older ones: learned again)
         self.kfac_step.factors.expected.update(saved_uses(kfac))
         keep_held_decompositions(kfac, self.layers, {layer.name for layer in self._held_layers()}, self.method)
+        for layer in self._preconditioning_layers:  # a state kept elsewhere: a fresh one here, as before any step
+            if self.method.stateful and self.backend.rank not in self.work_plan.preconditioning_ranks(layer.name):
+                layer.method_state = self.method.new_state()
         note = rechosen_note(kfac.get("grad_workers"), self.work_plan, self.grad_worker_choice)
         if note is not None and self.backend.rank == 0:
             print(note, flush=True)

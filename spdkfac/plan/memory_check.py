@@ -43,18 +43,24 @@ class LayerMemory:
 
 def layer_memory(plan: WorkPlan, method: DecompositionMethod, rank: int, element_sizes: Mapping[str, int]) -> list[LayerMemory]:
     """Per layer: its running factors, and its decompositions where ``rank`` holds them (as ``memory_usage()`` counts
-    them once allocated), EKFAC's per-coordinate scaling included; ``element_sizes``: each layer's factor bytes."""
-    return [_memory(shape, plan.holds(rank, shape.name), method, element_sizes[shape.name]) for shape in plan.layers]
+    them once allocated), EKFAC's per-coordinate scaling where ``rank`` preconditions them; ``element_sizes``: each
+    layer's factor bytes."""
+    return [
+        _memory(shape, plan.holds(rank, shape.name), method, element_sizes[shape.name], rank in plan.preconditioning_ranks(shape.name))
+        for shape in plan.layers
+    ]
 
 
-def _memory(shape: LayerShape, held: bool, method: DecompositionMethod, element_size: int) -> LayerMemory:
+def _memory(shape: LayerShape, held: bool, method: DecompositionMethod, element_size: int, keeps_state: bool | None = None) -> LayerMemory:
+    """``keeps_state``: whether the method's per-layer state is kept here (where the layer is preconditioned; by
+    default where its decompositions are held)."""
     elements = 0
     for kind in FACTOR_KINDS:
         factor = shape.factor_shape(kind)
         elements += factor.packed_size
         if held:
             elements += method.kept_size(factor)
-    if method.stateful and held:
+    if method.stateful and (held if keeps_state is None else keeps_state):
         elements += shape.a_dim * shape.g_dim * shape.blocks
     kind, dim = _widest(shape)
     blocks = f"{shape.blocks} blocks of " if shape.blocks > 1 else ""

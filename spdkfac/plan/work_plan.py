@@ -296,6 +296,12 @@ class WorkPlan:
                     out.append(ResultBroadcast(root, receivers, layers))
         return out
 
+    def preconditioning_ranks(self, layer: str) -> tuple[int, ...]:
+        """The ranks that compute ``layer``'s preconditioned gradient (and keep a method's per-layer state of it): every
+        rank, its gradient workers, or without sub-group broadcasts its group's first rank alone."""
+        broadcasts = self.result_broadcasts([layer])
+        return tuple(range(self.workers)) if not broadcasts else tuple(sorted({b.root for b in broadcasts}))
+
     def preconditioned_here(self, rank: int, names: Sequence[str]) -> list[str]:
         """The layers of ``names`` that ``rank`` preconditions itself (the rest it receives)."""
         broadcasts = self.result_broadcasts(names)

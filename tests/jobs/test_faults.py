@@ -199,21 +199,25 @@ def test_a_two_worker_checkpoint_resumes_on_another_worker_count(tmp_path, worke
     assert torch.load(out / LATEST, weights_only=False)["world_size"] == workers
 
 
-@pytest.mark.parametrize("engine", ["torch", "horovod"])
-def test_a_checkpoint_of_split_decompositions_resumes_the_uninterrupted_run(tmp_path, engine):
-    """Each worker holds its own layers' decompositions; the checkpoint at the end of epoch 0 (step 22, refreshes
-    every 5) holds every one, gathered on rank 0, so the resumed epoch 1 uses step 20's, as the uninterrupted run."""
+@pytest.mark.parametrize(("engine", "method"), [("torch", "inverse"), ("horovod", "inverse"), ("torch", "ekfac")])
+def test_a_checkpoint_of_split_decompositions_resumes_the_uninterrupted_run(tmp_path, engine, method):
+    """Each worker holds its own layers' decompositions (and EKFAC's scaling); the checkpoint at the end of epoch 0
+    (step 22, refreshes every 5) holds every one, gathered on rank 0, so the resumed epoch 1 uses step 20's, as the
+    uninterrupted run."""
     if engine == "horovod":
         require_horovod()
     args = [*TRAIN, "--epochs", "2", "--distribute-preconditioning", "--inv-update-freq", "5", "--checkpoint-every", "100"]
     args[args.index("torch")] = engine
+    args += ["--compute-method", method]
     run_workers(engine, 2, [*args, "--out-dir", str(tmp_path / "uninterrupted")])
     out = tmp_path / "resumed"
     run_workers(engine, 2, [*args, "--out-dir", str(out), "--stop-after", "1"])
     saved = torch.load(out / LATEST, weights_only=False)
     assert saved["position"]["step"] % 5 != 0  # (between two refreshes)
     layers = saved["optimizer"]["kfac"]["layers"]
-    assert all(entry["A_inv"] is not None and entry["G_inv"] is not None for entry in layers.values())
+    suffix = "_inv" if method == "inverse" else "_eigen"
+    assert all(entry[f"A{suffix}"] is not None and entry[f"G{suffix}"] is not None for entry in layers.values())
+    assert method == "inverse" or all(entry["method_state"]["scale"] is not None for entry in layers.values())
     output = run_workers(engine, 2, [*args, "--out-dir", str(out)])
     assert "resumed from" in output
     got, want = _model(out), _model(tmp_path / "uninterrupted")

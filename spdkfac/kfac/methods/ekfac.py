@@ -25,10 +25,11 @@ by the factor hooks times the workers (and accumulation steps).
 
 The scaling is kept across a basis refresh (as SOAP keeps its second
 moment): in a basis that moved little it is still nearly right, and the
-running average corrects it. It is updated on every step by whoever
-preconditions the layer, so every rank must precondition every layer
-(``distribute_preconditioning=True`` is refused), and a skipped step leaves
-it unchanged (staged, then committed).
+running average corrects it. It is updated on every step where the layer
+is preconditioned, and kept there only (with ``grad_worker_fraction`` below
+1: the layer's gradient workers; a checkpoint gathers it with
+``consolidate_state_dict()``), and a skipped step leaves it unchanged
+(staged, then committed).
 
 ``ekfac_update='adam'`` runs Adam in the same eigenbasis instead (SOAP's
 update, Vyas et al. 2024, with K-FAC's basis in place of Shampoo's): the

@@ -118,9 +118,34 @@ def test_ekfac_differs_from_the_eigen_method_and_a_skipped_step_keeps_its_scalin
         assert torch.equal(layer.method_state.scale, scales[layer.name]), layer.name
 
 
-def test_ekfac_refuses_distributed_preconditioning():
-    with pytest.raises(ValueError, match="distribute_preconditioning=True is not supported"):
-        SPDKFACOptimizer(mixed_net(), lr=0.1, compute_method="ekfac", distribute_preconditioning=True, backend="single")
+SPLIT = {
+    "ekfac-one-per-layer": dict(distribute_preconditioning=True),
+    "ekfac-warm-half": dict(grad_worker_fraction=0.5, eigen_refresh="warm", eigen_full_every=3, inv_update_freq=2),
+    "ekfac-adam-one-per-layer": dict(distribute_preconditioning=True, lr=0.01, eps=1e-4, ekfac_update="adam", base="adamw", momentum=None),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT))
+def test_ekfac_with_layers_split_over_the_workers_equals_one_process(name, float64):
+    """Each layer preconditioned (and its scaling kept) on some of the 2 workers only: the parameters of one process
+    on the global batch, bitwise the same on both ranks; the scaling of a layer bitwise the same wherever kept, and
+    none where it is not."""
+    config = {**CONFIGS["ekfac-lbp"], **SPLIT[name]}
+    config = {k: v for k, v in config.items() if v is not None}
+    rtol, atol = TOLERANCE.get("ekfac-adam-lbp" if "adam" in name else name, (1e-9, 1e-11))
+    ref = _train("single", config, GLOBAL_BATCH, mixed_net())
+    models = [mixed_net() for _ in range(2)]
+    ranks = run_ranks(2, lambda b: _train(b, config, GLOBAL_BATCH, models[b.rank]))
+    for key, value in ref["params"].items():
+        torch.testing.assert_close(ranks[0]["params"][key], value, rtol=rtol, atol=atol)
+        assert torch.equal(ranks[0]["params"][key], ranks[1]["params"][key]), key
+    kept = [{k for k, v in r["scales"].items() if v is not None} for r in ranks]
+    assert kept[0]
+    assert kept[1]
+    assert kept[0] != kept[1]
+    assert kept[0] | kept[1] == set(ref["scales"])
+    for key in kept[0] & kept[1]:
+        assert torch.equal(ranks[0]["scales"][key], ranks[1]["scales"][key]), key
 
 
 @pytest.mark.parametrize("update", ["natural", "adam"])
@@ -202,7 +227,7 @@ def _train(backend, config: dict, global_batch: int, model: nn.Module) -> dict:
         f"{layer.name}/{kind}": (layer.decomposition(kind).Q, layer.decomposition(kind).age)
         for layer in opt.layers
         for kind in "AG"
-        if layer.decomposition(kind).Q is not None
+        if layer.decomposition(kind) is not None and layer.decomposition(kind).Q is not None  # (held here)
     }
     scales = {layer.name: getattr(layer.method_state, "scale", getattr(layer.method_state, "exp_avg_sq", None)) for layer in opt.layers}
     owners = {"/".join(a.key): a.owner for a in opt.work_plan.inversion.assignments}

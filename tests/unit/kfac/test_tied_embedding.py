@@ -142,8 +142,6 @@ def _train(model: nn.Module, backend, rows: slice, method: str, **options) -> li
 @pytest.mark.parametrize("method", ["inverse", "eigen", "ekfac"])
 @pytest.mark.parametrize("fraction", [None, 0.5])
 def test_two_workers_equal_one_and_stay_replicas(method, fraction):
-    if method == "ekfac" and fraction is not None:
-        pytest.skip("EKFAC refuses a grad_worker_fraction below 1")
     one = _train(_net(True), "single", slice(None), method)
     models = [_net(True), _net(True)]
     options = {} if fraction is None else {"grad_worker_fraction": fraction}

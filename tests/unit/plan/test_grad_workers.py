@@ -18,10 +18,12 @@ from nets import batch, small_net, train
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm import CommBackend
 from spdkfac.comm.inprocess import InProcessBackend, RankError, run_ranks
-from spdkfac.kfac.methods import get_method
+from spdkfac.kfac.factor_shape import FactorShape
+from spdkfac.kfac.methods import EKFACMethod, get_method
 from spdkfac.perfmodels import PerfModel
 from spdkfac.plan.grad_worker_choice import GradWorkerProblem, plan_memory, result_broadcast_seconds
 from spdkfac.plan.grad_workers import GradWorkerGroups, grad_worker_count, valid_fractions
+from spdkfac.plan.memory_check import layer_memory
 from spdkfac.plan.placement import ALL
 from spdkfac.plan.work_plan import LayerShape, WorkPlan, layer_seconds, preconditioning_seconds
 
@@ -415,13 +417,17 @@ def test_state_dict_round_trip_resumes_bit_for_bit():
             assert torch.equal(params_r[name], value), name
 
 
-def test_a_fraction_below_one_is_refused_with_per_layer_eigenbasis_state():
-    from spdkfac.config import KFACConfig
-
-    options = dict(compute_method="ekfac")
-    with pytest.raises(ValueError, match=r"use grad_worker_fraction=None \(1\) with it"):
-        KFACConfig(grad_worker_fraction=0.5, **options)
-    KFACConfig(grad_worker_fraction=1.0, **options)  # COMM-OPT: every worker holds every basis
-    # A warm eigenbasis is held by every worker whatever the fraction (which then splits only the preconditioning).
-    KFACConfig(compute_method="eigen", eigen_refresh="warm", grad_worker_fraction=0.5)
-    KFACConfig(compute_method="eigen", eigen_refresh="warm", distribute_preconditioning=True)
+def test_ekfac_state_is_counted_where_its_layer_is_preconditioned():
+    """EKFAC's per-layer scaling lives on the layer's gradient workers (with a warm basis held by every worker too)."""
+    shapes = [LayerShape(f"l{i}", 8, 8) for i in range(4)]
+    for refresh in ("exact", "warm"):
+        method = get_method(EKFACMethod(refresh))
+        plan = WorkPlan.make(shapes, 2, PerfModel.default().scaled_to(2), "lbp", method, grad_workers=1)
+        for rank in range(2):
+            mine = sum(plan.holds(rank, s.name) for s in shapes)
+            preconditioned = sum(rank in plan.preconditioning_ranks(s.name) for s in shapes)
+            memory = sum(m.bytes for m in layer_memory(plan, method, rank, dict.fromkeys([s.name for s in shapes], 4)))
+            factors, kept = 4 * 2 * 36 * 4, method.kept_size(FactorShape(8)) * 4  # (packed 8x8 triangles)
+            assert memory == factors + mine * 2 * kept + preconditioned * 64 * 4, (refresh, rank)
+            assert 0 < preconditioned < 4
+            assert mine == (4 if refresh == "warm" else preconditioned)

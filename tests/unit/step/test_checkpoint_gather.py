@@ -21,6 +21,7 @@ from nets import batch, small_net
 
 from spdkfac import KFACPreconditioner, SPDKFACOptimizer
 from spdkfac.comm import run_ranks
+from spdkfac.comm.inprocess import RankError
 from spdkfac.kfac.factor_shape import FactorShape
 from spdkfac.kfac.methods import METHODS, DecompositionMethod, EigenMethod, InverseMethod, get_method
 from spdkfac.step.checkpoint_gather import gather_decompositions
@@ -84,9 +85,22 @@ def _held(kfac, suffix):
     return {name for name, entry in kfac["layers"].items() if entry[f"A{suffix}"] is not None}
 
 
-@pytest.mark.parametrize("method", ["inverse", "eigen"])
+#: EKFAC keeps each layer's scaling (Adam's moments) where the layer is preconditioned: gathered too.
+METHOD_OPTIONS = {
+    "inverse": {},
+    "eigen": {"compute_method": "eigen"},
+    "ekfac": {"compute_method": "ekfac"},
+    "ekfac-adam": {"compute_method": "ekfac", "ekfac_update": "adam", "base": "adamw", "lr": 0.01, "momentum": None},
+}
+
+
+def _options(method: str) -> dict:
+    return {k: v for k, v in {**OPTIONS, **METHOD_OPTIONS[method]}.items() if v is not None}
+
+
+@pytest.mark.parametrize("method", list(METHOD_OPTIONS))
 def test_a_gathered_checkpoint_resumes_the_uninterrupted_run_bitwise(float64, method):
-    options = {**OPTIONS, "compute_method": method}
+    options = _options(method)
     suffix = "_inv" if method == "inverse" else "_eigen"
     uninterrupted, _ = _run(options, None)
     resumed, saved = _run(options, True)
@@ -103,6 +117,11 @@ def test_a_gathered_checkpoint_resumes_the_uninterrupted_run_bitwise(float64, me
             mine, theirs = gathered["layers"][name][f"{kind}{suffix}"], saved["own1"]["kfac"]["layers"][name][f"{kind}{suffix}"]
             assert content_digest(mine) == content_digest(theirs)
             assert all(t.device.type == "cpu" for t in (mine.values() if isinstance(mine, dict) else [mine]) if isinstance(t, torch.Tensor))
+        if method.startswith("ekfac"):  # the scaling too, kept where the layer is preconditioned only
+            assert content_digest(gathered["layers"][name]["method_state"]) == content_digest(
+                saved["own1"]["kfac"]["layers"][name]["method_state"]
+            )
+            assert saved["own0"]["kfac"]["layers"][name]["method_state"] is None
 
 
 def test_without_the_gather_the_resume_refreshes_early(float64):
@@ -113,6 +132,13 @@ def test_without_the_gather_the_resume_refreshes_early(float64):
     assert content_digest(resumed[0]) == content_digest(resumed[1])
     assert content_digest(resumed[0]) != content_digest(uninterrupted[0])
     assert _held(saved["checkpoint"]["optimizer"]["kfac"], "_inv") != set(saved["checkpoint"]["optimizer"]["kfac"]["layers"])
+
+
+def test_an_ekfac_checkpoint_without_every_layers_scaling_is_refused(float64):
+    """Unlike a decomposition, EKFAC's scaling cannot be recomputed: rank 0's own checkpoint lacks rank 1's layers'
+    and every worker refuses it alike, naming the layers and the fix."""
+    with pytest.raises(RankError, match=r"lacks compute_method='ekfac''s per-layer state of layers \[.*consolidate_state_dict"):
+        _run(_options("ekfac"), False)
 
 
 def test_the_gather_is_dropped_by_the_next_step_and_sends_nothing_before_the_first(float64):
