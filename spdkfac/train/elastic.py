@@ -43,6 +43,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch.nn as nn
 
+from ..optimizer import SPDKFACOptimizer
+from ..preconditioner import KFACPreconditioner
+
 __all__ = ["ElasticState", "Replannable", "Stateful"]
 
 
@@ -97,6 +100,15 @@ class ElasticState:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, Stateful):
             raise TypeError(f"optimizer must have state_dict() and load_state_dict(), got {type(optimizer).__name__}")
+        kfac = optimizer.kfac if isinstance(optimizer, KFACPreconditioner) else optimizer
+        if isinstance(kfac, SPDKFACOptimizer) and kfac.method.stateful and kfac.config.splits_preconditioning:
+            raise ValueError(
+                f"compute_method={kfac.method.name!r} keeps each layer's per-layer state where the layer is "
+                "preconditioned, and with grad_worker_fraction below 1 a worker restored from its own commit, or "
+                "re-planned for another size, would need state that other workers kept: not supported in Horovod's "
+                "elastic mode; use grad_worker_fraction=1 (or compute_method='eigen'), or restart from checkpoints "
+                "(spdkfac.train --resume auto)"
+            )
         if bcast_object is None or get_rank is None:
             from horovod.torch import broadcast_object, rank
 

@@ -201,6 +201,18 @@ def test_a_consolidated_commit_replans_between_two_refreshes_without_recomputing
         assert gap > 1e-6
 
 
+@pytest.mark.parametrize("attached", [False, True])
+def test_ekfac_with_split_preconditioning_is_refused(attached):
+    """Its per-layer scaling lives where each layer is preconditioned: a restored or re-planned worker would lack it."""
+    model = small_net()
+    options = dict(compute_method="ekfac", grad_worker_fraction=0.5, backend="single")
+    optimizer = KFACPreconditioner(model, **options) if attached else SPDKFACOptimizer(model, lr=0.1, **options)
+    with pytest.raises(ValueError, match="not supported in Horovod's elastic mode; use grad_worker_fraction=1"):
+        _state(model, optimizer)
+    optimizer.remove_hooks()
+    _state(model, SPDKFACOptimizer(model, lr=0.1, compute_method="ekfac", backend="single"))  # every worker keeps all
+
+
 def test_replan_refuses_a_ddp_model():
     model = small_net()
     optimizer = SPDKFACOptimizer(model, backend="single", **OPTIONS)
