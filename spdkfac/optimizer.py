@@ -897,19 +897,22 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if self._gathered is not None:
             for name, entries in self._gathered.items():
                 sd["kfac"]["layers"][name].update(entries)
-        elif self.steps and not self._partial_noted and len(self._held_layers()) < len(self._preconditioning_layers):
-            self._partial_noted = True
-            then = (
-                f"is refused ({self.method.name}'s per-layer state cannot be recomputed)"
-                if self.method.stateful
-                else "recomputes every decomposition at its first step, one early refresh"
-            )
-            warnings.warn(
-                f"this state_dict() holds this worker's decompositions only (grad_worker_fraction below 1): a resume "
-                f"from it {then}. For a checkpoint that resumes bit for bit, call optimizer.consolidate_state_dict() "
-                "on every worker before rank 0's state_dict() (docs/gradient-workers.md#checkpoints). This is said once",
-                stacklevel=2,
-            )
+        elif self.steps and not self._partial_noted:
+            states = self.method.stateful and any(e is None for e in (v.get("method_state", {}) for v in sd["kfac"]["layers"].values()))
+            if states or len(self._held_layers()) < len(self._preconditioning_layers):
+                self._partial_noted = True
+                then = (
+                    f"is refused ({self.method.name}'s per-layer state cannot be recomputed)"
+                    if states
+                    else "recomputes every decomposition at its first step, one early refresh"
+                )
+                warnings.warn(
+                    f"this state_dict() holds this worker's share of the K-FAC state only (grad_worker_fraction below 1): "
+                    f"a resume from it {then}. For a checkpoint that resumes bit for bit, call "
+                    "optimizer.consolidate_state_dict() on every worker before rank 0's state_dict() "
+                    "(docs/gradient-workers.md#checkpoints). This is said once",
+                    stacklevel=2,
+                )
         return sd
 
     def consolidate_state_dict(self, to: int = 0) -> None:

@@ -9,8 +9,9 @@ saving rank what it lacks, one factor at a time (each as its method's
 payload, the form the decomposition stage broadcasts, rebuilt bitwise), and
 keeps them in host memory: the device holds one factor's payload more, never
 every layer's. :func:`gather_method_states` does the same for a method's
-per-layer state (EKFAC's scaling), kept by the layer's gradient workers only:
-that one cannot be recomputed, so a checkpoint without it is refused.
+per-layer state (EKFAC's scaling), kept only where the layer is
+preconditioned: that one cannot be recomputed, so a checkpoint without it is
+refused.
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def test_a_two_worker_checkpoint_resumes_on_another_worker_count(tmp_path, worke
     assert torch.load(out / LATEST, weights_only=False)["world_size"] == workers
 
 
-@pytest.mark.parametrize(("engine", "method"), [("torch", "inverse"), ("horovod", "inverse"), ("torch", "ekfac")])
+@pytest.mark.parametrize(("engine", "method"), [("torch", "inverse"), ("horovod", "inverse"), ("torch", "ekfac"), ("horovod", "ekfac")])
 def test_a_checkpoint_of_split_decompositions_resumes_the_uninterrupted_run(tmp_path, engine, method):
     """Each worker holds its own layers' decompositions (and EKFAC's scaling); the checkpoint at the end of epoch 0
     (step 22, refreshes every 5) holds every one, gathered on rank 0, so the resumed epoch 1 uses step 20's, as the

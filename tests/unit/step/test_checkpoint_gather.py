@@ -29,7 +29,7 @@ from spdkfac.train.checkpoint import content_digest
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:no perf_model given"),
-    pytest.mark.filterwarnings("ignore:this state_dict\\(\\) holds this worker's decompositions only"),  # (the last test's)
+    pytest.mark.filterwarnings("ignore:this state_dict\\(\\) holds this worker's share"),  # (saved without the gather on purpose)
 ]
 
 OPTIONS = dict(lr=0.05, momentum=0.9, damping=0.01, factor_update_freq=1, inv_update_freq=3, grad_worker_fraction=0.5)
@@ -250,7 +250,7 @@ def test_a_checkpoint_without_the_gather_is_warned_about_once_per_worker(float64
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run_ranks(2, worker)
-    said = [w for w in caught if "holds this worker's decompositions only" in str(w.message)]
+    said = [w for w in caught if "holds this worker's share of the K-FAC state only" in str(w.message)]
     assert len(said) == 2  # once on each worker
     assert "consolidate_state_dict() on every worker" in str(said[0].message)
 
@@ -264,3 +264,22 @@ def test_the_gather_between_backward_and_step_is_refused(float64):
         optimizer.consolidate_state_dict()
     optimizer.step()
     optimizer.consolidate_state_dict()  # (one worker: nothing to send)
+
+
+def test_a_warm_ekfac_checkpoint_without_the_gather_is_warned_about(float64):
+    """A warm basis is held by every worker, but EKFAC's scaling only where its layer is preconditioned."""
+    models = [small_net(), small_net()]
+    options = _options("ekfac") | {"eigen_refresh": "warm"}
+
+    def worker(backend):
+        model = models[backend.rank]
+        optimizer = SPDKFACOptimizer(model, backend=backend, **options)
+        _step(model, optimizer, 0, backend.rank, 2)
+        optimizer.state_dict()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_ranks(2, worker)
+    said = [str(w.message) for w in caught if "holds this worker's share of the K-FAC state only" in str(w.message)]
+    assert len(said) == 2
+    assert "is refused (ekfac's per-layer state cannot be recomputed)" in said[0]
