@@ -104,13 +104,23 @@ def test_values_that_are_names_of_the_state_are_refused():
         _state(model, object())
 
 
-@pytest.mark.parametrize("options", [{}, {"distribute_preconditioning": True}], ids=["lbp", "decompositions-split"])
-def test_replan_at_another_size_continues_the_one_process_computation(float64, options):
-    """2 workers for 4 steps, then 3 (two re-planned in place, one new): as one process on the same global batches.
+SPLIT = {"distribute_preconditioning": True}
 
-    The commit falls before a step that refreshes the decompositions anyway: with them split over the workers
-    (fraction 1/P), rank 0's commit holds only its own, so every worker recomputes them all at the next step
-    (``load_state_dict``), one early refresh otherwise, as after a torchrun restart.
+
+@pytest.mark.parametrize(
+    ("options", "committed_at", "consolidate", "continues"),
+    [({}, 4, False, True), (SPLIT, 4, False, True), (SPLIT, 5, True, True), (SPLIT, 5, False, False)],
+    ids=["lbp", "decompositions-split", "split-gathered-between-refreshes", "split-between-refreshes"],
+)
+def test_replan_at_another_size_continues_the_one_process_computation(float64, options, committed_at, consolidate, continues):
+    """2 workers, committed after ``committed_at`` steps, then 3 (two re-planned in place, one new): as one process on
+    the same global batches.
+
+    With the decompositions split over the workers (fraction 1/P) rank 0's commit holds only its own, so every
+    worker recomputes them all at the next step (``load_state_dict``): the same run where that step refreshes them
+    anyway (after step 4; every 2), one early refresh otherwise (after step 5), as after a torchrun restart, which
+    leaves the one-process computation; unless ``consolidate_state_dict()`` gave rank 0 every worker's before the
+    commit.
     """
     config = {**OPTIONS, **options, "profile_steps": 1}
     models = [small_net(), small_net(), small_net(seed=1)]  # built here: torch.manual_seed in threads would race
@@ -118,9 +128,14 @@ def test_replan_at_another_size_continues_the_one_process_computation(float64, o
     def first(backend):
         model = models[backend.rank]
         optimizer = SPDKFACOptimizer(model, backend=backend, **config)
-        for s in range(4):
+        for s in range(committed_at):
             _step(model, optimizer, s, backend.rank, 2)
-        return model, optimizer, copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        if consolidate:
+            optimizer.consolidate_state_dict()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the notice of a commit that holds this worker's decompositions only)
+            commit = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        return model, optimizer, commit
 
     before = run_ranks(2, first)
     commit = before[0][2]  # rank 0's, as ElasticState.sync sends it
@@ -137,7 +152,7 @@ def test_replan_at_another_size_continues_the_one_process_computation(float64, o
         assert optimizer.work_plan.workers == 3
         model.load_state_dict(copy.deepcopy(commit["model"]))
         optimizer.load_state_dict(copy.deepcopy(commit["optimizer"]))
-        for s in range(4, 7):
+        for s in range(committed_at, committed_at + 3):
             _step(model, optimizer, s, backend.rank, 3)
         return content_digest(model.state_dict()), {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -146,57 +161,12 @@ def test_replan_at_another_size_continues_the_one_process_computation(float64, o
 
     ref_model = small_net()
     ref = SPDKFACOptimizer(ref_model, backend="single", **config)
-    for s in range(7):
+    for s in range(committed_at + 3):
         _step(ref_model, ref, s)
-    for name, value in ref_model.state_dict().items():
-        torch.testing.assert_close(after[0][1][name], value, rtol=1e-9, atol=1e-11)
-
-
-@pytest.mark.parametrize("consolidated", [True, False])
-def test_a_consolidated_commit_replans_between_two_refreshes_without_recomputing(float64, consolidated):
-    """Decompositions split over 2 workers (fraction 1/2), committed after step 5 (refreshes every 2: step 5 is not
-    one), re-planned for 3: with ``consolidate_state_dict()`` before the commit, rank 0's holds every decomposition
-    and the 3 workers continue the one-process computation; without, they recompute them all at step 5 and leave it."""
-    config = {**OPTIONS, "distribute_preconditioning": True, "profile_steps": 1}
-    models = [small_net(), small_net(), small_net(seed=1)]  # built here: torch.manual_seed in threads would race
-
-    def first(backend):
-        model = models[backend.rank]
-        optimizer = SPDKFACOptimizer(model, backend=backend, **config)
-        for s in range(5):
-            _step(model, optimizer, s, backend.rank, 2)
-        if consolidated:
-            optimizer.consolidate_state_dict()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # (the unconsolidated commit's notice)
-            commit = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
-        return model, optimizer, commit
-
-    before = run_ranks(2, first)
-    commit = before[0][2]
-
-    def second(backend):
-        if backend.rank < 2:
-            model, optimizer, _ = before[backend.rank]
-            optimizer.backend = backend
-            optimizer.replan()
-        else:
-            model = models[2]
-            optimizer = SPDKFACOptimizer(model, backend=backend, **config)
-        model.load_state_dict(copy.deepcopy(commit["model"]))
-        optimizer.load_state_dict(copy.deepcopy(commit["optimizer"]))
-        for s in range(5, 8):
-            _step(model, optimizer, s, backend.rank, 3)
-        return {k: v.clone() for k, v in model.state_dict().items()}
-
-    after = run_ranks(3, second)
-    ref_model = small_net()
-    ref = SPDKFACOptimizer(ref_model, backend="single", **config)
-    for s in range(8):
-        _step(ref_model, ref, s)
-    gap = max((after[0][name] - value).abs().max().item() for name, value in ref_model.state_dict().items())
-    if consolidated:
-        assert gap < 1e-11
+    gap = max((after[0][1][name] - value).abs().max().item() for name, value in ref_model.state_dict().items())
+    if continues:
+        for name, value in ref_model.state_dict().items():
+            torch.testing.assert_close(after[0][1][name], value, rtol=1e-9, atol=1e-11)
     else:
         assert gap > 1e-6
 
