@@ -647,6 +647,14 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if self._backward_fusion is not None:
             self._backward_fusion.grad_ready(p)
 
+    def _states_kept_elsewhere(self) -> list[str]:
+        """The layers whose per-layer method state (EKFAC's scaling) other workers keep: those this one does not
+        precondition (none for a method without such state)."""
+        if not self.method.stateful:
+            return []
+        rank, plan = self.backend.rank, self.work_plan
+        return [layer.name for layer in self._preconditioning_layers if rank not in plan.preconditioning_ranks(layer.name)]
+
     def _held_layers(self) -> list[KFACLayer]:
         """The layers whose decompositions this worker holds (all but with ``grad_worker_fraction`` < 1)."""
         return [layer for layer in self._preconditioning_layers if self.work_plan.holds(self.backend.rank, layer.name)]
@@ -890,29 +898,26 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.kfac_step.factors.expected,
         )
         sd["kfac"]["grad_workers"] = grad_worker_record(self.work_plan, self.grad_worker_choice)
-        if self.method.stateful:  # a state kept elsewhere is not this worker's to save (its own is a fresh one)
-            for layer in self._preconditioning_layers:
-                if self.backend.rank not in self.work_plan.preconditioning_ranks(layer.name):
-                    sd["kfac"]["layers"][layer.name]["method_state"] = None
+        elsewhere = self._states_kept_elsewhere()
+        for name in elsewhere:  # not this worker's to save (its own is a fresh one)
+            sd["kfac"]["layers"][name]["method_state"] = None
         if self._gathered is not None:
             for name, entries in self._gathered.items():
                 sd["kfac"]["layers"][name].update(entries)
-        elif self.steps and not self._partial_noted:
-            states = self.method.stateful and any(e is None for e in (v.get("method_state", {}) for v in sd["kfac"]["layers"].values()))
-            if states or len(self._held_layers()) < len(self._preconditioning_layers):
-                self._partial_noted = True
-                then = (
-                    f"is refused ({self.method.name}'s per-layer state cannot be recomputed)"
-                    if states
-                    else "recomputes every decomposition at its first step, one early refresh"
-                )
-                warnings.warn(
-                    f"this state_dict() holds this worker's share of the K-FAC state only (grad_worker_fraction below 1): "
-                    f"a resume from it {then}. For a checkpoint that resumes bit for bit, call "
-                    "optimizer.consolidate_state_dict() on every worker before rank 0's state_dict() "
-                    "(docs/gradient-workers.md#checkpoints). This is said once",
-                    stacklevel=2,
-                )
+        elif self.steps and not self._partial_noted and (elsewhere or len(self._held_layers()) < len(self._preconditioning_layers)):
+            self._partial_noted = True
+            then = (
+                f"is refused ({self.method.name}'s per-layer state cannot be recomputed)"
+                if elsewhere
+                else "recomputes every decomposition at its first step, one early refresh"
+            )
+            warnings.warn(
+                f"this state_dict() holds this worker's share of the K-FAC state only (grad_worker_fraction below 1): "
+                f"a resume from it {then}. For a checkpoint that resumes bit for bit, call "
+                "optimizer.consolidate_state_dict() on every worker before rank 0's state_dict() "
+                "(docs/gradient-workers.md#checkpoints). This is said once",
+                stacklevel=2,
+            )
         return sd
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -992,8 +997,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.kfac_step.factors.expected.clear()  # the checkpoint's (none in older ones: learned again)
         self.kfac_step.factors.expected.update(saved_uses(kfac))
         keep_held_decompositions(kfac, self.layers, {layer.name for layer in self._held_layers()}, self.method)
-        for layer in self._preconditioning_layers:  # a state kept elsewhere: a fresh one here, as before any step
-            if self.method.stateful and self.backend.rank not in self.work_plan.preconditioning_ranks(layer.name):
+        elsewhere = set(self._states_kept_elsewhere())
+        for layer in self.layers:  # a state kept elsewhere: a fresh one here, as before any step
+            if layer.name in elsewhere:
                 layer.method_state = self.method.new_state()
         note = rechosen_note(kfac.get("grad_workers"), self.work_plan, self.grad_worker_choice)
         if note is not None and self.backend.rank == 0:
