@@ -21,6 +21,7 @@ from .preconditioner import KFACPreconditioner  # noqa: E402
 from .runtime.host_memory import retain_freed_memory  # noqa: E402
 from .schedules import KFACParamScheduler  # noqa: E402
 from .step.adaptive_damping import AdaptiveDamping  # noqa: E402
+from .update.trainer_callback import hugging_face_callback  # noqa: E402
 from .variants import VARIANTS, make_optimizer  # noqa: E402
 
 __version__ = "0.1.0"
@@ -35,6 +36,7 @@ __all__ = [
     "NonFiniteFactorError",
     "SPDKFACOptimizer",
     "__version__",
+    "hugging_face_callback",
     "make_optimizer",
     "register_layer_type",
     "retain_freed_memory",

@@ -914,8 +914,9 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             warnings.warn(
                 f"this state_dict() holds this worker's share of the K-FAC state only (grad_worker_fraction below 1): "
                 f"a resume from it {then}. For a checkpoint that resumes bit for bit, call "
-                "optimizer.consolidate_state_dict() on every worker before rank 0's state_dict() "
-                "(docs/gradient-workers.md#checkpoints). This is said once",
+                "optimizer.consolidate_state_dict() on every worker before rank 0's state_dict() (Lightning does; "
+                "Hugging Face's Trainer with callbacks=[spdkfac.hugging_face_callback()]; "
+                "docs/gradient-workers.md#checkpoints). This is said once",
                 stacklevel=2,
             )
         return sd
@@ -969,8 +970,10 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         if "kfac" not in state_dict and self._pending_kfac is not None:
             state_dict = {**state_dict, "kfac": self._pending_kfac}
         kfac = check_kfac_state(state_dict, self.layers, self.method)
+        # Per-layer state the saving worker left to others cannot be recomputed, except before the first step, when
+        # every one is fresh (accelerate's prepare() loads each worker's own state_dict() back then).
         lacking = [layer.name for layer in self._preconditioning_layers if kfac["layers"][layer.name].get("method_state", {}) is None]
-        if lacking:
+        if lacking and int(kfac["steps"]) > 0:
             raise ValueError(
                 f"checkpoint lacks compute_method={self.method.name!r}'s per-layer state of layers {lacking}: it was saved by "
                 "a worker that does not precondition them (grad_worker_fraction below 1), and that state cannot be "

@@ -21,6 +21,7 @@ TOP_LEVEL = {"__init__.py", "config.py", "optimizer.py", "options.py", "precondi
 #: Imports a function may make: optional dependencies, loaded only where used.
 OPTIONAL = ("horovod", "torch.distributed", "torch._C._distributed_c10d", "torch.utils.dlpack", "cupy", "cupyx", "mpi4py")
 OPTIONAL += ("matplotlib", "PIL", "sklearn", "mlxtend", "torchvision", "spdkfac.comm.horovod_backend", "spdkfac.comm.torch_backend")
+OPTIONAL += ("transformers",)
 
 #: folder -> the parts of spdkfac it must not import (the arrows of the design run the other way).
 FORBIDDEN = {

@@ -11,6 +11,13 @@ Hooks on the optimizer make those two calls carry the preconditioner:
 - ``opt.state_dict()`` holds the K-FAC state under :data:`STATE_KEY`, and
   ``opt.load_state_dict()`` restores it; a checkpoint without it (made before
   K-FAC was added) loads with a warning, K-FAC starting afresh.
+- ``opt.consolidate_state_dict(to=0)`` is added (or, where the optimizer has
+  one, ``ZeroRedundancyOptimizer``'s, runs after the preconditioner's): a
+  collective that gives rank ``to`` every worker's K-FAC state for its next
+  ``state_dict()`` (with ``grad_worker_fraction`` below 1 each worker keeps
+  its own layers'). Lightning calls it on every worker before each
+  checkpoint of an optimizer that has it; Hugging Face's ``Trainer`` through
+  :func:`spdkfac.update.trainer_callback.hugging_face_callback`.
 - A ``GradScaler`` that skips an overflowing step never calls ``opt.step()``:
   that batch's factors are dropped when the next forward pass begins, which
   knows the skip by the scale the scaler lowered (or by the gradients
@@ -40,11 +47,15 @@ __all__ = ["STATE_KEY", "OptimizerAttachment", "check_attachable", "refuse_avera
 #: The key of the K-FAC state in the attached optimizer's ``state_dict()``.
 STATE_KEY = "kfac_preconditioner"
 
+#: The method added to the attached optimizer, by the name ``ZeroRedundancyOptimizer`` gives it (Lightning looks for it).
+CONSOLIDATE = "consolidate_state_dict"
+
 
 class _Preconditioner(Protocol):
     def _step_from_optimizer(self) -> None: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    def consolidate_state_dict(self, to: int = 0) -> None: ...
 
 
 class _Unattached(Protocol):
@@ -114,6 +125,10 @@ class OptimizerAttachment:
             optimizer.register_state_dict_post_hook(_saving(preconditioner)),
             optimizer.register_load_state_dict_pre_hook(_loading(preconditioner)),
         ]
+        # The optimizer's own method on its instance, where one was set there (None: its class's, or none).
+        self._replaced = optimizer.__dict__.get(CONSOLIDATE)
+        self._consolidate = _consolidating(preconditioner, getattr(optimizer, CONSOLIDATE, None))
+        setattr(optimizer, CONSOLIDATE, self._consolidate)
 
     def _before_step(self, preconditioner: _Preconditioner) -> Callable[..., Any]:
         def precondition() -> None:
@@ -145,6 +160,22 @@ class OptimizerAttachment:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self.optimizer.__dict__.get(CONSOLIDATE) is self._consolidate:
+            if self._replaced is None:
+                delattr(self.optimizer, CONSOLIDATE)
+            else:
+                setattr(self.optimizer, CONSOLIDATE, self._replaced)
+
+
+def _consolidating(preconditioner: _Preconditioner, own: Callable[..., Any] | None) -> Callable[[int], None]:
+    def consolidate_state_dict(to: int = 0) -> None:
+        """Collective: give rank ``to`` every worker's K-FAC state (and this optimizer's own, where it shards it)
+        for its next ``state_dict()``; call it on every worker, between steps, before rank ``to`` saves."""
+        preconditioner.consolidate_state_dict(to)
+        if own is not None:
+            own(to)
+
+    return consolidate_state_dict
 
 
 def _saving(preconditioner: _Preconditioner) -> Callable[[torch.optim.Optimizer, dict[str, Any]], dict[str, Any]]:

@@ -44,7 +44,20 @@ def _step(model, optimizer, s, rank, size):
     optimizer.step()
 
 
-def _run(options, consolidate: bool | None):
+def _build(model, backend, options, attached: bool):
+    """The optimizer to step and save, and what detaches it: ours, or SGD with the preconditioner attached (KAISA's
+    option names), saved through SGD's own state_dict()."""
+    if not attached:
+        optimizer = SPDKFACOptimizer(model, backend=backend, **options)
+        return optimizer, optimizer.remove_hooks
+    sgd = torch.optim.SGD(model.parameters(), lr=options["lr"], momentum=options["momentum"])
+    kaisa = {"factor_update_steps": options["factor_update_freq"], "inv_update_steps": options["inv_update_freq"]}
+    rest = {"compute_method": "inverse", **{k: v for k, v in options.items() if k in ("damping", "grad_worker_fraction", "compute_method")}}
+    preconditioner = KFACPreconditioner(model, optimizer=sgd, backend=backend, **kaisa, **rest)
+    return sgd, preconditioner.remove_hooks
+
+
+def _run(options, consolidate: bool | None, attached: bool = False):
     """Every rank's parameters after STEPS steps: uninterrupted (``consolidate`` None), or resumed at RESUME_AT
     from rank 0's checkpoint (gathered first or not), loaded by every worker into a new model and optimizer."""
     models = [small_net() for _ in range(4)]  # built here: torch.manual_seed in threads would race
@@ -52,17 +65,17 @@ def _run(options, consolidate: bool | None):
 
     def first(backend):
         model = models[backend.rank]
-        optimizer = SPDKFACOptimizer(model, backend=backend, **options)
+        optimizer, detach = _build(model, backend, options, attached)
         for s in range(RESUME_AT if consolidate is not None else STEPS):
             _step(model, optimizer, s, backend.rank, 2)
         if consolidate is None:
             return model.state_dict()
         saved[f"own{backend.rank}"] = optimizer.state_dict()
         if consolidate:
-            optimizer.consolidate_state_dict()
+            optimizer.consolidate_state_dict()  # (attached: the method the preconditioner adds to SGD, Lightning's call)
         if backend.rank == 0:
             saved["checkpoint"] = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
-        optimizer.remove_hooks()
+        detach()
         return None
 
     out = run_ranks(2, first)
@@ -71,7 +84,7 @@ def _run(options, consolidate: bool | None):
 
     def second(backend):
         model = models[2 + backend.rank]
-        optimizer = SPDKFACOptimizer(model, backend=backend, **options)
+        optimizer, _ = _build(model, backend, options, attached)
         model.load_state_dict(copy.deepcopy(saved["checkpoint"]["model"]))
         optimizer.load_state_dict(copy.deepcopy(saved["checkpoint"]["optimizer"]))
         for s in range(RESUME_AT, STEPS):
@@ -141,6 +154,27 @@ def test_an_ekfac_checkpoint_without_every_layers_scaling_is_refused(float64):
         _run(_options("ekfac"), False)
 
 
+@pytest.mark.parametrize("attached", [False, True])
+def test_each_workers_own_ekfac_state_loads_back_before_the_first_step(float64, attached):
+    """accelerate's prepare() (Hugging Face's Trainer) loads each worker's own state_dict() back before training:
+    every scaling is fresh then, so the layers others keep are no loss, and the run is the untouched one bit for
+    bit."""
+    options = _options("ekfac")
+    untouched, _ = _run(options, None, attached=attached)
+    models = [small_net() for _ in range(2)]
+
+    def worker(backend):
+        model = models[backend.rank]
+        optimizer, _ = _build(model, backend, options, attached)
+        optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        for s in range(STEPS):
+            _step(model, optimizer, s, backend.rank, 2)
+        return model.state_dict()
+
+    reloaded = run_ranks(2, worker)
+    assert content_digest(reloaded[0]) == content_digest(untouched[0])
+
+
 def test_the_gather_is_dropped_by_the_next_step_and_sends_nothing_before_the_first(float64):
     models = [small_net(), small_net()]
 
@@ -165,7 +199,25 @@ def test_the_gather_is_dropped_by_the_next_step_and_sends_nothing_before_the_fir
     assert gathered1 == after1  # rank 1 was not the one gathered to
 
 
-def test_the_preconditioner_gathers_for_the_attached_optimizer(float64):
+@pytest.mark.parametrize("method", ["inverse", "ekfac"])
+def test_the_attached_optimizers_gather_resumes_bitwise(float64, method):
+    """SGD with the preconditioner attached gains ``consolidate_state_dict()`` (what Lightning calls on every worker
+    before each checkpoint of an optimizer that has it): rank 0's SGD.state_dict() then holds every worker's K-FAC
+    state, and the resume is the uninterrupted run bit for bit; without it, EKFAC's checkpoint is refused."""
+    options = _options(method)
+    uninterrupted, _ = _run(options, None, attached=True)
+    resumed, saved = _run(options, True, attached=True)
+    assert content_digest(resumed[0]) == content_digest(resumed[1])
+    assert content_digest(resumed[0]) == content_digest(uninterrupted[0])
+    suffix = "_inv" if method == "inverse" else "_eigen"
+    gathered = saved["checkpoint"]["optimizer"]["kfac_preconditioner"]["kfac"]
+    assert _held(gathered, suffix) == set(gathered["layers"]) != _held(saved["own0"]["kfac_preconditioner"]["kfac"], suffix)
+    if method == "ekfac":
+        with pytest.raises(RankError, match="lacks compute_method='ekfac''s per-layer state"):
+            _run(options, False, attached=True)
+
+
+def test_the_preconditioner_gathers_to_any_rank(float64):
     models = [small_net(), small_net()]
 
     def worker(backend):

@@ -173,10 +173,34 @@ def test_remove_hooks_detaches_from_the_optimizer():
     optimizer = _sgd(model)
     preconditioner = KFACPreconditioner(model, optimizer=optimizer, **KFAC)
     _attached(model, range(1), optimizer)
+    assert hasattr(optimizer, "consolidate_state_dict")
     preconditioner.remove_hooks()
     _attached(model, range(1, 2), optimizer)
     assert preconditioner.steps == 1
     assert STATE_KEY not in optimizer.state_dict()
+    assert not hasattr(optimizer, "consolidate_state_dict")  # (Lightning would take it for a sharded optimizer)
+
+
+class _ShardedSGD(torch.optim.SGD):
+    """An optimizer with a consolidate_state_dict() of its own, as ZeroRedundancyOptimizer."""
+
+    calls: list[tuple[str, int]]
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        self.calls.append(("optimizer", to))
+
+
+def test_an_optimizers_own_consolidate_state_dict_runs_after_the_preconditioners():
+    model = small_net()
+    optimizer = _ShardedSGD(model.parameters(), lr=0.05)
+    optimizer.calls = []
+    preconditioner = KFACPreconditioner(model, optimizer=optimizer, **KFAC)
+    preconditioner.kfac.consolidate_state_dict = lambda to: optimizer.calls.append(("kfac", to))  # (a spy)
+    optimizer.consolidate_state_dict(to=1)
+    assert optimizer.calls == [("kfac", 1), ("optimizer", 1)]
+    preconditioner.remove_hooks()
+    optimizer.consolidate_state_dict()
+    assert optimizer.calls[2:] == [("optimizer", 0)]  # its own again, alone
 
 
 @pytest.mark.parametrize("overflow_steps", [(), (2,), (2, 3)])
