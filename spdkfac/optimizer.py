@@ -48,7 +48,7 @@ from .kfac.layers import (
 )
 from .kfac.methods import get_method
 from .kfac.sharded_grads import parameter_slots
-from .kfac.state import check_kfac_state, keep_held_decompositions, load_kfac_state, memory_usage, save_kfac_state, saved_uses
+from .kfac.state import check_kfac_state, is_base_state, keep_held_decompositions, load_kfac_state, memory_usage, save_kfac_state, saved_uses
 from .kfac.summary import kfac_summary
 from .perfmodels import PerfModel, load_perf_model
 from .perfmodels.models import UNCALIBRATED_WARNING
@@ -309,6 +309,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._lr_groups: Callable[[], list[dict[str, Any]]] | None = None
         #: A K-FAC state given by load_kfac_state_dict(), for the next load_state_dict() without one.
         self._pending_kfac: dict[str, Any] | None = None
+        #: A load_state_dict() without the K-FAC state and none pending: loaded once load_kfac_state_dict() gives it.
+        self._awaiting_kfac: dict[str, Any] | None = None
         self._gathered: dict[str, dict[str, Any]] | None = None  # consolidate_state_dict's, until the next step
         self._partial_noted = False  # whether a state_dict() without every worker's decompositions was warned about
         #: The parameters of added groups that are not the model's (a loss's weights): averaged at step() under DDP.
@@ -732,6 +734,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 "a newer SPDKFACOptimizer (or KFACPreconditioner) was built on this one's model and took its layers over "
                 "(K-FAC's hooks serve one optimizer per module): step the newer one"
             )
+        self._refuse_awaiting_kfac("step()")
         if self.kfac_step.factors.must_be_cleared is not None:  # (a pass let through provisionally: no backward came)
             self._drop_batch()
             raise RuntimeError(
@@ -887,6 +890,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 "state_dict() between backward() and step() under update_fusion='backward': the parameters hold an "
                 "update that step() has not accepted yet; save after step()"
             )
+        self._refuse_awaiting_kfac("state_dict()")
         self.flush()
         sd = super().state_dict()
         sd["kfac"] = save_kfac_state(
@@ -957,19 +961,36 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         kfac: dict[str, Any] = self.state_dict()["kfac"]
         return kfac
 
+    def _refuse_awaiting_kfac(self, call: str) -> None:
+        if self._awaiting_kfac is not None:
+            raise RuntimeError(
+                f"{call} after a load_state_dict() of 'state' and 'param_groups' alone (torch.distributed.checkpoint's "
+                "form, which drops the K-FAC state): give the K-FAC state saved beside it with "
+                "optimizer.load_kfac_state_dict(saved) first, on every worker (docs/fsdp.md)"
+            )
+
     def load_kfac_state_dict(self, kfac: dict[str, Any]) -> None:
-        """Hold a :meth:`kfac_state_dict` for the next :meth:`load_state_dict` whose state lacks it (the one
-        ``torch.distributed.checkpoint``'s ``set_state_dict`` calls). ValueError where it does not fit this
-        optimizer's layers and method."""
+        """Give the :meth:`kfac_state_dict` of a checkpoint whose optimizer state lacks it (``torch.distributed.checkpoint``'s),
+        before or after the :meth:`load_state_dict` of that state (``set_state_dict`` calls it): before, it is held
+        for that call; after, the load completes now (Lightning's ``on_load_checkpoint`` comes after the strategy
+        loaded the optimizer). ValueError where it does not fit this optimizer's layers and method."""
         check_kfac_state({"kfac": kfac}, self.layers, self.method)
-        self._pending_kfac = kfac
+        if self._awaiting_kfac is None:
+            self._pending_kfac = kfac
+            return
+        base, self._awaiting_kfac = self._awaiting_kfac, None
+        self.load_state_dict({**base, "kfac": kfac})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a checkpoint made by :meth:`state_dict` for the same model and compute method (or its
         ``state`` and ``param_groups``, after :meth:`load_kfac_state_dict` gave its K-FAC part)."""
         if "kfac" not in state_dict and self._pending_kfac is not None:
             state_dict = {**state_dict, "kfac": self._pending_kfac}
+        if "kfac" not in state_dict and is_base_state(state_dict):  # its K-FAC part may follow: load_kfac_state_dict()
+            self._awaiting_kfac = state_dict
+            return
         kfac = check_kfac_state(state_dict, self.layers, self.method)
+        self._awaiting_kfac = None
         # Per-layer state the saving worker left to others cannot be recomputed, except before the first step, when
         # every one is fresh (accelerate's prepare() loads each worker's own state_dict() back then).
         lacking = [layer.name for layer in self._preconditioning_layers if kfac["layers"][layer.name].get("method_state", {}) is None]

@@ -14,7 +14,7 @@ from typing import Any
 from .layers import FACTOR_KINDS, KFACLayer
 from .methods import DecompositionMethod, get_method
 
-__all__ = ["check_kfac_state", "keep_held_decompositions", "load_kfac_state", "memory_usage", "save_kfac_state", "saved_uses"]
+__all__ = ["check_kfac_state", "is_base_state", "keep_held_decompositions", "load_kfac_state", "memory_usage", "save_kfac_state", "saved_uses"]
 
 
 def save_kfac_state(
@@ -76,6 +76,17 @@ def _uses(layer: KFACLayer, uses: dict[tuple[str, str], int]) -> dict[str, Any]:
 def saved_uses(kfac: dict[str, Any]) -> dict[tuple[str, str], int]:
     """The calls per step of each factor a checked ``'kfac'`` entry holds (none from checkpoints made before)."""
     return {(kind, name): int(calls) for name, entry in kfac["layers"].items() for kind, calls in entry.get("uses", {}).items()}
+
+
+def is_base_state(state_dict: Any) -> bool:
+    """Whether ``state_dict`` is an SPDKFACOptimizer checkpoint's ``state`` and ``param_groups`` alone (the form
+    ``torch.distributed.checkpoint`` keeps): its groups carry K-FAC's hyperparameters, a plain optimizer's do not."""
+    return (
+        isinstance(state_dict, dict)
+        and set(state_dict) == {"state", "param_groups"}
+        and bool(state_dict["param_groups"])
+        and all(isinstance(group, dict) and {"damping", "kl_clip"} <= set(group) for group in state_dict["param_groups"])
+    )
 
 
 def check_kfac_state(state_dict: Any, layers: Sequence[KFACLayer], method: DecompositionMethod) -> dict[str, Any]:
