@@ -48,7 +48,15 @@ from .kfac.layers import (
 )
 from .kfac.methods import get_method
 from .kfac.sharded_grads import parameter_slots
-from .kfac.state import check_kfac_state, is_base_state, keep_held_decompositions, load_kfac_state, memory_usage, save_kfac_state, saved_uses
+from .kfac.state import (
+    check_kfac_state,
+    is_base_state,
+    keep_held_decompositions,
+    load_kfac_state,
+    memory_usage,
+    save_kfac_state,
+    saved_uses,
+)
 from .kfac.summary import kfac_summary
 from .perfmodels import PerfModel, load_perf_model
 from .perfmodels.models import UNCALIBRATED_WARNING

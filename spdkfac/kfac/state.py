@@ -14,7 +14,15 @@ from typing import Any
 from .layers import FACTOR_KINDS, KFACLayer
 from .methods import DecompositionMethod, get_method
 
-__all__ = ["check_kfac_state", "is_base_state", "keep_held_decompositions", "load_kfac_state", "memory_usage", "save_kfac_state", "saved_uses"]
+__all__ = [
+    "check_kfac_state",
+    "is_base_state",
+    "keep_held_decompositions",
+    "load_kfac_state",
+    "memory_usage",
+    "save_kfac_state",
+    "saved_uses",
+]
 
 
 def save_kfac_state(
