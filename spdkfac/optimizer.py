@@ -74,6 +74,7 @@ from .step.grad_sync import collective_names
 from .step.kfac_step import KFACStep, StepHyper
 from .step.module_hooks import HookHandle, claim, register
 from .step.nonfinite import NonFiniteError, NonFiniteFactorError, SkipStep
+from .step.thread_count import agree_on_thread_count
 from .step.timeline import Timeline
 from .update.added_groups import average_gradients_now, check_outside_model, not_in_model
 from .update.base_update import apply_base_update, base_defaults, zero_base_state
@@ -336,6 +337,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         """
         workers = self.backend.size
         self.wrapping.check(workers, self.config.update_fusion)
+        self._threads_agreed = False  # (at the next step: construction is collective-free, the simulator plans with it)
         refuse_forward_renorm(self.model, workers)
         if self.wrapping.leaves_parameters_unused:  # a layer may run on some workers only: DDP's buckets and the
             self.backend.apart_from_default_group()  # factors, held back there, must not pair with each other
@@ -743,6 +745,11 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 "(K-FAC's hooks serve one optimizer per module): step the newer one"
             )
         self._refuse_awaiting_kfac("step()")
+        if not self._threads_agreed:  # before any of the step's matrix arithmetic
+            self._threads_agreed = True
+            notice = agree_on_thread_count(self.backend, any(layer.helper.weight.device.type == "cpu" for layer in self.layers))
+            if notice is not None:
+                warnings.warn(notice, stacklevel=_callers_level())
         if self.kfac_step.factors.must_be_cleared is not None:  # (a pass let through provisionally: no backward came)
             self._drop_batch()
             raise RuntimeError(
