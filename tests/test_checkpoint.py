@@ -64,9 +64,12 @@ def test_resume_without_kfac_state_would_differ():
     assert any(not torch.equal(first.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
-def test_the_kfac_part_given_beside_a_checkpoint_that_lacks_it_resumes_bitwise():
-    """torch.distributed.checkpoint keeps an optimizer's ``state`` and ``param_groups`` only: without the K-FAC part
-    the load raises (naming the fix); with it given by load_kfac_state_dict() first, the run resumes bit for bit."""
+@pytest.mark.parametrize("order", ["before", "after", "after, a step first", "after, a save first"])
+def test_the_kfac_part_given_beside_a_checkpoint_that_lacks_it_resumes_bitwise(order):
+    """torch.distributed.checkpoint keeps an optimizer's ``state`` and ``param_groups`` only: the K-FAC part given by
+    load_kfac_state_dict() before that load, or after it (Lightning's FSDP2 strategy loads the optimizer before its
+    ``on_load_checkpoint`` hook), resumes bit for bit; a step or a save before it arrives is refused (it would go on
+    from fresh factors), naming the fix."""
     model, _, first, opt1, x, y = _uninterrupted_and_first_half()
     saved = opt1.state_dict()
     base_only = {"state": saved["state"], "param_groups": saved["param_groups"]}
@@ -76,31 +79,16 @@ def test_the_kfac_part_given_beside_a_checkpoint_that_lacks_it_resumes_bitwise()
     opt2 = SPDKFACOptimizer(resumed, **KW)
     with pytest.raises(ValueError, match="compute_method"):
         SPDKFACOptimizer(small_net(), **KW, compute_method="eigen").load_kfac_state_dict(kfac)
-    opt2.load_kfac_state_dict(kfac)
+    if order == "before":
+        opt2.load_kfac_state_dict(kfac)
     opt2.load_state_dict(base_only)
-    _steps(resumed, opt2, x, y, 5, 9)
-    for a, b in zip(model.parameters(), resumed.parameters()):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("call", ["step", "state_dict"])
-def test_the_kfac_part_given_after_the_base_state_resumes_bitwise_and_stepping_without_it_is_refused(call):
-    """Lightning's FSDP2 strategy loads the optimizer's state (torch.distributed.checkpoint's form) before its
-    ``on_load_checkpoint`` hook can give the K-FAC part: that order resumes bit for bit too; a step or a save
-    before the K-FAC part arrives is refused (it would go on from fresh factors), naming the fix."""
-    model, _, first, opt1, x, y = _uninterrupted_and_first_half()
-    saved = opt1.state_dict()
-    base_only = {"state": saved["state"], "param_groups": saved["param_groups"]}
-    kfac = opt1.kfac_state_dict()
-    resumed = small_net(seed=123)
-    resumed.load_state_dict(first.state_dict())
-    opt2 = SPDKFACOptimizer(resumed, **KW)
-    opt2.load_state_dict(base_only)
-    refused = (lambda: _steps(resumed, opt2, x, y, 5, 6)) if call == "step" else opt2.state_dict
-    with pytest.raises(RuntimeError, match=r"'state' and 'param_groups' alone .*load_kfac_state_dict\(saved\)"):
-        refused()
-    opt2.zero_grad()
-    opt2.load_kfac_state_dict(kfac)
+    if order.startswith("after, "):
+        refused = (lambda: _steps(resumed, opt2, x, y, 5, 6)) if "step" in order else opt2.state_dict
+        with pytest.raises(RuntimeError, match=r"'state' and 'param_groups' alone .*load_kfac_state_dict\(saved\)"):
+            refused()
+        opt2.zero_grad()
+    if order != "before":
+        opt2.load_kfac_state_dict(kfac)
     _steps(resumed, opt2, x, y, 5, 9)
     for a, b in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
