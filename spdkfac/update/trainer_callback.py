@@ -49,6 +49,8 @@ def _gather_if_best_may_save(callback: Any, args: Any, state: Any, control: Any,
 
 
 def _consolidate(optimizer: Any) -> None:
+    if optimizer is None:  # (an evaluate() before train(): no optimizer yet, nothing to gather)
+        return
     found = innermost = optimizer
     while found is not None and not hasattr(found, CONSOLIDATE):
         innermost, found = found, getattr(found, "optimizer", None)  # accelerate's AcceleratedOptimizer wraps yours

@@ -46,6 +46,8 @@ def test_under_save_strategy_best_every_evaluation_gathers(strategy, gathers):
     optimizer = _Recording()
     _gather_if_best_may_save(None, SimpleNamespace(save_strategy=strategy), None, SimpleNamespace(should_save=False), optimizer=optimizer)
     assert optimizer.calls == gathers
+    # An evaluate() before train(): the Trainer has no optimizer yet, and there is nothing to gather.
+    _gather_if_best_may_save(None, SimpleNamespace(save_strategy=strategy), None, SimpleNamespace(should_save=False), optimizer=None)
 
 
 def test_an_optimizer_without_kfac_is_refused_naming_the_fix():
