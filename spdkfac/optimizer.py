@@ -65,7 +65,7 @@ from .plan.grad_worker_choice import GradWorkerProblem, grad_worker_record, rech
 from .plan.grad_workers import GradWorkerFraction
 from .plan.memory_check import memory_warnings
 from .plan.work_plan import LayerShape, WorkPlan
-from .schedules import Scheduled, StepSchedule
+from .schedules import LAYER_WIDE_OPTIONS, Scheduled, StepSchedule
 from .step.adaptive_damping import AdaptiveDamping, DampingStep, damping_rule
 from .step.checkpoint_gather import gather_decompositions, gather_method_states
 from .step.data_parallel import ModelWrapping, refuse_wrapped_optimizer
@@ -275,6 +275,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             groups, {**base_options, **hyper, "damping": initial["damping"], "kl_clip": initial["kl_clip"]}
         )  # checked floats win
         self.model, self.grad_scaler, self.steps = model, grad_scaler, 0
+        self.schedule.hold_layer_wide(self.param_groups)  # (a group written by itself from here on is refused)
         self.factor_update_freq: int = initial["factor_update_freq"]  # in force (see _step_kind)
         self.inv_update_freq: int = initial["inv_update_freq"]
         self.compute_method, self.precondition = self.config.compute_method, precondition
@@ -461,7 +462,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         temperature) get the base update with the group's hyperparameters, and their gradients are averaged over
         the workers as the model's are (under DDP, which averages its module's only, at ``step()``); the model's frozen
         parameters join when unfrozen, their layers preconditioned (:meth:`_take_unfrozen`). ValueError for
-        parameters outside the model that update fusion would not update; RuntimeError in the middle of a step."""
+        parameters outside the model that update fusion would not update, or for a group's own damping, kl_clip or
+        factor_decay (one value for every layer); RuntimeError in the middle of a step."""
         if "kfac_step" not in self.__dict__:  # (torch.optim's construction adds the first groups)
             super().add_param_group(param_group)
             return
@@ -470,7 +472,15 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 "add_param_group() in the middle of a step (after its first forward pass): add the group between "
                 "step() and the next forward pass"
             )
+        first = self.param_groups[0]
+        for name in LAYER_WIDE_OPTIONS:
+            if name in param_group and param_group[name] != first[name]:
+                raise ValueError(
+                    f"add_param_group() with {name}={param_group[name]!r}, and param_groups[0]'s is {first[name]!r}: "
+                    f"K-FAC's {name} is one value for every layer; leave it out of the group"
+                )
         super().add_param_group(param_group)
+        self.param_groups[-1].update({name: first[name] for name in LAYER_WIDE_OPTIONS})  # (not the defaults: in force now)
         beside = not_in_model(self.model, self.param_groups)
         try:
             check_outside_model(beside, self.config.update_fusion)

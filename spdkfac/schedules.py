@@ -33,10 +33,13 @@ from .config import SCHEDULE_CHECKS, check_non_negative_int, check_positive_int
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import SPDKFACOptimizer
 
-__all__ = ["SCHEDULED_OPTIONS", "KFACParamScheduler", "Scheduled", "StepSchedule"]
+__all__ = ["LAYER_WIDE_OPTIONS", "SCHEDULED_OPTIONS", "KFACParamScheduler", "Scheduled", "StepSchedule"]
 
 #: The optimizer options that may be given as ``f(step) -> value``.
 SCHEDULED_OPTIONS = ("damping", "kl_clip", "factor_update_freq", "inv_update_freq")
+#: The param-group entries K-FAC reads from ``param_groups[0]`` for every layer at once (the base update's, such as
+#: ``lr`` and ``weight_decay``, are each group's own): every group holds the same value.
+LAYER_WIDE_OPTIONS = ("damping", "kl_clip", "factor_decay")
 
 T = TypeVar("T")
 #: A hyperparameter given as a value or as a function of the step counter.
@@ -62,6 +65,9 @@ class StepSchedule:
             raise ValueError(f"options {unknown} cannot be scheduled; only {SCHEDULED_OPTIONS}")
         self._validators = dict(validators)
         self.callables: dict[str, Callable[[int], Any]] = {name: v for name, v in options.items() if callable(v)}
+        #: The layer-wide values last written to every group (:meth:`hold_layer_wide`): a group that differs from them
+        #: and from ``param_groups[0]`` was written by itself.
+        self._held: dict[str, Any] = {}
 
     def is_scheduled(self, name: str) -> bool:
         """Whether ``name`` was given as a callable of the step."""
@@ -92,15 +98,40 @@ class StepSchedule:
             )
         return values
 
+    def hold_layer_wide(self, param_groups: list[dict[str, Any]]) -> None:
+        """Write ``param_groups[0]``'s layer-wide values (:data:`LAYER_WIDE_OPTIONS`) to every group and remember them.
+
+        Raises:
+            ValueError: another group's value was changed by itself since they
+                were last held (``param_groups[1]['damping'] = ...``): K-FAC
+                would not use it, so it is refused rather than overwritten.
+        """
+        first = param_groups[0]
+        for index, group in enumerate(param_groups[1:], start=1):
+            for name in LAYER_WIDE_OPTIONS:
+                value = group.get(name, first[name])
+                if value != first[name] and (name not in self._held or value != self._held[name]):
+                    raise ValueError(
+                        f"param_groups[{index}]['{name}'] is {value!r} and param_groups[0]'s {first[name]!r}: K-FAC's "
+                        f"{name} is one value for every layer, read from param_groups[0]; set it there (or in every "
+                        "group alike)"
+                    )
+        for group in param_groups:
+            for name in LAYER_WIDE_OPTIONS:
+                group[name] = first[name]
+        self._held = {name: first[name] for name in LAYER_WIDE_OPTIONS}
+
     def fix_step(self, step: int, param_groups: list[dict[str, Any]], freqs: tuple[int, int]) -> tuple[int, int]:
-        """Resolve the values in force at ``step``: damping and kl_clip written to every param group, the
-        (factor, inverse) update frequencies returned."""
+        """Resolve the values in force at ``step``: damping and kl_clip written to every param group (with
+        factor_decay, all ``param_groups[0]``'s: :meth:`hold_layer_wide`), the (factor, inverse) update frequencies
+        returned."""
+        self.hold_layer_wide(param_groups)
         group = param_groups[0]
         values = self.resolve(
             step, dict(damping=group["damping"], kl_clip=group["kl_clip"], factor_update_freq=freqs[0], inv_update_freq=freqs[1])
         )
-        for g in param_groups:
-            g["damping"], g["kl_clip"] = values["damping"], values["kl_clip"]
+        group["damping"], group["kl_clip"] = values["damping"], values["kl_clip"]
+        self.hold_layer_wide(param_groups)
         return values["factor_update_freq"], values["inv_update_freq"]
 
 

@@ -243,3 +243,52 @@ def test_scheduler_resume_is_bitwise_identical():
     for k, v in _params(full).items():
         assert torch.equal(_params(resumed)[k], v), k
     assert sched2.state_dict() == sched.state_dict()
+
+
+def _two_group_optimizer() -> tuple[nn.Module, SPDKFACOptimizer]:
+    model = small_net()
+    return model, SPDKFACOptimizer(model, **dict(KW, no_weight_decay=["kind:bias"]))
+
+
+@pytest.mark.parametrize("name", ["damping", "kl_clip", "factor_decay"])
+def test_a_layer_wide_option_written_to_one_other_group_is_refused_by_name(name):
+    """K-FAC reads damping, kl_clip and factor_decay for every layer from param_groups[0]: a value set on another
+    group alone would be silently overwritten, so the step refuses it, naming the group."""
+    x, y = batch(8)
+    model, opt = _two_group_optimizer()
+    assert len(opt.param_groups) == 2
+    _run(model, opt, x, y, 0, 1)
+    opt.param_groups[1][name] = 0.3
+    with pytest.raises(ValueError, match=rf"param_groups\[1\]\['{name}'\] is 0.3 .*one value for every layer"):
+        _run(model, opt, x, y, 1, 2)
+
+
+def test_layer_wide_options_written_to_the_first_or_every_group_are_used_by_every_group():
+    x, y = batch(8)
+    model, opt = _two_group_optimizer()
+    spy = Spy(opt)
+    opt.param_groups[0]["damping"] = 0.02  # before the first step, the first group alone
+    _run(model, opt, x, y, 0, 1)
+    for group in opt.param_groups:  # every group alike, as learning rates are often set
+        group["damping"], group["factor_decay"] = 0.04, 0.9
+    _run(model, opt, x, y, 1, 2)
+    opt.param_groups[0]["factor_decay"] = 0.8
+    _run(model, opt, x, y, 2, 3)
+    assert spy.dampings == [0.02, 0.04, 0.04]
+    assert [g["factor_decay"] for g in opt.param_groups] == [0.8, 0.8]
+    assert [g["damping"] for g in opt.param_groups] == [0.04, 0.04]
+
+
+def test_an_added_group_takes_the_layer_wide_values_in_force_and_refuses_its_own():
+    x, y = batch(8)
+    model, opt = _two_group_optimizer()
+    _run(model, opt, x, y, 0, 1)
+    opt.param_groups[0]["damping"] = 0.05
+    _run(model, opt, x, y, 1, 2)
+    temperature = nn.Parameter(torch.ones(()))
+    with pytest.raises(ValueError, match=r"damping=0.5.*one value for every layer"):
+        opt.add_param_group({"params": [temperature], "damping": 0.5})
+    assert len(opt.param_groups) == 2
+    opt.add_param_group({"params": [temperature], "lr": 0.01})
+    assert opt.param_groups[2]["damping"] == 0.05  # the value in force, not the constructor's default
+    _run(model, opt, x, y, 2, 3)  # (not mistaken for a group's own value)
