@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -111,6 +113,56 @@ def elastic_horovod_command(hosts: Path, min_np: int, max_np: int, script: Seque
     ]
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid``, from /proc (none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # (a process that ended meanwhile)
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def run_launcher(cmd: Sequence[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run`` of a launcher (output captured), except for a hang: then every Python worker first prints
+    each of its threads' stacks (SIGABRT, with ``PYTHONFAULTHANDLER`` set) into the output of the
+    ``TimeoutExpired`` raised, so that an intermittent hang in CI says where it was, and nothing the launcher started
+    outlives it."""
+    proc = subprocess.Popen(
+        list(cmd),
+        cwd=ROOT,
+        env=dict(env, PYTHONFAULTHANDLER="1"),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        below = _descendants(proc.pid)
+        for pid in below:  # (the workers before the launcher, which would stop them without a word)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=20)  # (the launcher sees its workers end, reports and exits)
+        except subprocess.TimeoutExpired:
+            for pid in [proc.pid, *below]:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            out, err = proc.communicate()  # (what was read before the timeouts is kept)
+        raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 TRANSIENT = ("Address already in use", "EADDRINUSE", "address already in use", "Connection refused", "rendezvous")
 
 
@@ -128,12 +180,10 @@ def run_workers(engine: str, nproc: int, script: Sequence[str], timeout: int = T
     for attempt in (1, 2):
         cmd = launcher_command(engine, nproc, script)
         try:
-            proc = subprocess.run(
-                cmd, cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
-            )
+            proc = run_launcher(cmd, env, timeout)
         except subprocess.TimeoutExpired as exc:
-            out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            pytest.fail(f"{engine} run with {nproc} workers hung for {timeout}s: {' '.join(cmd)}\n{out[-4000:]}")
+            out = f"{exc.stdout or ''}{exc.stderr or ''}"  # (the workers' stacks at the hang are in stderr)
+            pytest.fail(f"{engine} run with {nproc} workers hung for {timeout}s: {' '.join(cmd)}\n{out[-12000:]}")
         output = proc.stdout + proc.stderr
         if proc.returncode == 0:
             return output
