@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from .base import CommBackend, CompletedHandle, Handle, check_gather_counts
 from .device import worker_device
@@ -132,8 +133,18 @@ def _free_unreachable_groups() -> None:
     reference to a Python tensor is killed taking the GIL: the finished worker
     aborts ("terminate called without an active exception"). Collected here,
     before shutdown, the group is destroyed and its threads joined.
+
+    Not by the collector itself, though: there the last reference to a DDP
+    model's group is its reducer's, whose destructor keeps the GIL while the
+    group's destructor joins gloo's threads, and a thread still finishing a
+    collective needs the GIL to let go of its Python tensor: a deadlock (seen
+    as a worker that never exits, one run in about a hundred). So the groups'
+    own Python objects are held through the collection and let go after it;
+    their destructor releases the GIL while it waits for the threads.
     """
+    held = [getattr(o, "process_group", None) for o in gc.get_objects() if issubclass(type(o), DistributedDataParallel)]
     gc.collect()
+    del held  # (here the groups are destroyed, the GIL released while their threads finish)
 
 
 # Registered when the engine's module is first imported, before any group's shutdown handler: atexit runs it after them.
