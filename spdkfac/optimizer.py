@@ -1042,6 +1042,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                     f"{why}; construct the optimizer with {option}={saved!r} to resume it"
                 )
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kfac"})
+        self.schedule.hold_layer_wide(self.param_groups, loaded=True)  # (an older version left factor_decay in group 0)
         load_kfac_state(kfac, self.layers)
         self.kfac_step.factors.expected.clear()  # the checkpoint's (none in older ones: learned again)
         self.kfac_step.factors.expected.update(saved_uses(kfac))

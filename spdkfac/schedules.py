@@ -98,8 +98,11 @@ class StepSchedule:
             )
         return values
 
-    def hold_layer_wide(self, param_groups: list[dict[str, Any]]) -> None:
+    def hold_layer_wide(self, param_groups: list[dict[str, Any]], loaded: bool = False) -> None:
         """Write ``param_groups[0]``'s layer-wide values (:data:`LAYER_WIDE_OPTIONS`) to every group and remember them.
+
+        ``loaded``: the groups were just loaded from a checkpoint, whose steps
+        used ``param_groups[0]``'s values (the others are taken as they are).
 
         Raises:
             ValueError: another group's value was changed by itself since they
@@ -107,7 +110,7 @@ class StepSchedule:
                 would not use it, so it is refused rather than overwritten.
         """
         first = param_groups[0]
-        for index, group in enumerate(param_groups[1:], start=1):
+        for index, group in enumerate([] if loaded else param_groups[1:], start=1):
             for name in LAYER_WIDE_OPTIONS:
                 value = group.get(name, first[name])
                 if value != first[name] and (name not in self._held or value != self._held[name]):

@@ -245,9 +245,9 @@ def test_scheduler_resume_is_bitwise_identical():
     assert sched2.state_dict() == sched.state_dict()
 
 
-def _two_group_optimizer() -> tuple[nn.Module, SPDKFACOptimizer]:
+def _two_group_optimizer(**options) -> tuple[nn.Module, SPDKFACOptimizer]:
     model = small_net()
-    return model, SPDKFACOptimizer(model, **dict(KW, no_weight_decay=["kind:bias"]))
+    return model, SPDKFACOptimizer(model, **dict(KW, no_weight_decay=["kind:bias"], **options))
 
 
 @pytest.mark.parametrize("name", ["damping", "kl_clip", "factor_decay"])
@@ -292,3 +292,19 @@ def test_an_added_group_takes_the_layer_wide_values_in_force_and_refuses_its_own
     opt.add_param_group({"params": [temperature], "lr": 0.01})
     assert opt.param_groups[2]["damping"] == 0.05  # the value in force, not the constructor's default
     _run(model, opt, x, y, 2, 3)  # (not mistaken for a group's own value)
+
+
+def test_a_checkpoint_whose_other_groups_lag_behind_loads_with_the_first_group_s_values():
+    """Before the layer-wide values were held alike, a factor_decay written to param_groups[0] stayed there alone,
+    and checkpoints saved it so; they load with the first group's value in every group, not refused at the next
+    step."""
+    x, y = batch(8)
+    model, opt = _two_group_optimizer()
+    _run(model, opt, x, y, 0, 1)
+    saved = opt.state_dict()
+    saved["param_groups"][0]["factor_decay"] = 0.8  # as an older version saved it
+    assert saved["param_groups"][1]["factor_decay"] == 0.95
+    model, resumed = _two_group_optimizer(factor_decay=0.7)  # (the checkpoint's values win, as in torch.optim)
+    resumed.load_state_dict(saved)
+    _run(model, resumed, x, y, 1, 2)
+    assert [g["factor_decay"] for g in resumed.param_groups] == [0.8, 0.8]
