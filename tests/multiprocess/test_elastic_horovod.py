@@ -26,7 +26,7 @@ import sys
 
 import pytest
 import torch
-from launch import ROOT, discovery_script, elastic_horovod_command, require_horovod, worker_env
+from launch import ROOT, discovery_script, elastic_horovod_command, require_horovod, run_launcher, worker_env
 
 pytestmark = pytest.mark.multiprocess  # every test here starts worker processes
 
@@ -44,9 +44,10 @@ def test_a_lost_worker_and_added_workers_leave_bitwise_replicas_and_the_one_proc
     args += ["--die-at", "5", "--die-host", "127.0.0.1", "--grow-at", "9", "--grow-to", "localhost:3"]
     cmd = elastic_horovod_command(hosts, 1, 3, [WORKER, *args])
     try:
-        proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"elastic horovodrun hung for 240 s: {' '.join(cmd)}\n{str(exc.stdout)[-4000:]}")
+        proc = run_launcher(cmd, env, timeout=240)
+    except subprocess.TimeoutExpired as exc:  # (with every worker's thread stacks at the hang)
+        out = f"{exc.stdout or ''}{exc.stderr or ''}"
+        pytest.fail(f"elastic horovodrun hung for 240 s: {' '.join(cmd)}\n{out[-12000:]}")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     events = [json.loads(line) for path in sorted(tmp_path.glob("events-*.jsonl")) for line in path.read_text().splitlines()]
