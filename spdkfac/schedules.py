@@ -109,8 +109,15 @@ class StepSchedule:
                 were last held (``param_groups[1]['damping'] = ...``): K-FAC
                 would not use it, so it is refused rather than overwritten.
         """
+        if not loaded:
+            self._refuse_own_values(param_groups)
+        self._spread(param_groups)
+
+    def _refuse_own_values(self, param_groups: list[dict[str, Any]]) -> None:
+        """ValueError for a group other than the first whose layer-wide value differs from the first's and from the
+        value last held (it was written to that group alone)."""
         first = param_groups[0]
-        for index, group in enumerate([] if loaded else param_groups[1:], start=1):
+        for index, group in enumerate(param_groups[1:], start=1):
             for name in LAYER_WIDE_OPTIONS:
                 value = group.get(name, first[name])
                 if value != first[name] and (name not in self._held or value != self._held[name]):
@@ -119,22 +126,24 @@ class StepSchedule:
                         f"{name} is one value for every layer, read from param_groups[0]; set it there (or in every "
                         "group alike)"
                     )
+
+    def _spread(self, param_groups: list[dict[str, Any]]) -> None:
+        """Copy the first group's layer-wide values to every group and remember them as held."""
+        self._held = {name: param_groups[0][name] for name in LAYER_WIDE_OPTIONS}
         for group in param_groups:
-            for name in LAYER_WIDE_OPTIONS:
-                group[name] = first[name]
-        self._held = {name: first[name] for name in LAYER_WIDE_OPTIONS}
+            group.update(self._held)
 
     def fix_step(self, step: int, param_groups: list[dict[str, Any]], freqs: tuple[int, int]) -> tuple[int, int]:
         """Resolve the values in force at ``step``: damping and kl_clip written to every param group (with
         factor_decay, all ``param_groups[0]``'s: :meth:`hold_layer_wide`), the (factor, inverse) update frequencies
         returned."""
-        self.hold_layer_wide(param_groups)
+        self._refuse_own_values(param_groups)
         group = param_groups[0]
         values = self.resolve(
             step, dict(damping=group["damping"], kl_clip=group["kl_clip"], factor_update_freq=freqs[0], inv_update_freq=freqs[1])
         )
         group["damping"], group["kl_clip"] = values["damping"], values["kl_clip"]
-        self.hold_layer_wide(param_groups)
+        self._spread(param_groups)
         return values["factor_update_freq"], values["inv_update_freq"]
 
 
