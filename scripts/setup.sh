@@ -33,7 +33,7 @@ TORCH_VERSION="2.13.0"
 HOROVOD_VERSION="0.28.1"
 # Horovod's runner (horovodrun) needs cloudpickle, psutil, pyyaml, packaging.
 HEAVYBALL="heavyball==3.2.1"
-PY_DEPS=(numpy scikit-learn matplotlib pillow pytest ruff mypy packaging cloudpickle psutil pyyaml mlxtend)
+PY_DEPS=(numpy scikit-learn matplotlib pillow pytest pytest-xdist ruff mypy packaging cloudpickle psutil pyyaml mlxtend)
 # Bump when the patch/build recipe below changes, to invalidate cached wheels.
 RECIPE_REV="1"
 

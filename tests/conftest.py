@@ -13,6 +13,31 @@ if ROOT not in sys.path:
 
 warnings.filterwarnings("ignore", message="no perf_model given")
 
+# The fast loop (`pytest -m "not multiprocess"`) spreads its tests over the machine's
+# cores with pytest-xdist when it is installed (scripts/setup.sh installs it); `-n 0`
+# runs it in one process. A run that starts worker processes (the whole suite, CI)
+# stays in one process: those tests start and time their own workers. Each xdist
+# worker gets its share of the cores for torch's own threads: the tests' tensors are
+# small, and two processes of two threads each on two cores run slower than serially.
+XDIST_WORKERS_ENV = "PYTEST_XDIST_WORKER_COUNT"
+if os.environ.get(XDIST_WORKERS_ENV):
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, _cores // int(os.environ[XDIST_WORKERS_ENV])))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Run `-m "not multiprocess"` on every core (as `-n auto`) unless `-n` was given."""
+    if not config.pluginmanager.hasplugin("xdist") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    markexpr = config.getoption("markexpr", "") or ""
+    leaves_them_out = "not multiprocess" in markexpr and "multiprocess" not in markexpr.replace("not multiprocess", "")
+    if not leaves_them_out or config.getoption("numprocesses", None) is not None:
+        return
+    if config.getoption("collectonly", False) or config.getoption("usepdb", False):
+        return
+    config.option.numprocesses = "auto"
+
 
 @pytest.fixture
 def float64():
