@@ -17,17 +17,109 @@ image replace the ``9C x 9C`` Gram (13 C² per pixel instead of 40.5, or 20
 computing only its upper half), plus small products over the border strips.
 Same sums, reassociated: the result equals the im2col Gram to rounding (and
 is exactly symmetric).
+
+On small maps and few channels the many small products and their Python cost
+outweigh the saving: :func:`shared_shift_work` counts both routes' work and
+says which is cheaper (``python -m benchmarks.conv_factor`` checks it).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from .linalg import mirror_upper_
 
-__all__ = ["conv_input_gram"]
+__all__ = ["SharedShiftWork", "conv_input_gram", "shared_shift_work"]
 
 Rect = tuple[int, int, int, int]  # rows [r0, r1) x cols [c0, c1) of the image
+Shift = tuple[int, int]
+
+#: The cost model of :meth:`SharedShiftWork.pays`, in multiply-adds of one large product (the im2col Gram's), fitted
+#: on 3x3 and 5x5 kernels, 2x2 to 16x16 maps, 8 to 512 channels, 1 and 2 threads (benchmarks/conv_factor.py):
+#: a shared shift's small products run at about a third of that rate,
+SMALL_PRODUCT_SLOWDOWN = 3.0
+#: each product and block costs about this much in Python and dispatch,
+PER_OPERATION = 1e5
+#: and each ``C x C`` product and block written costs this much per element (on few pixels they are memory bound).
+PER_WRITTEN_ELEMENT = 60.0
+
+
+@dataclass(frozen=True)
+class SharedShiftWork:
+    """The work of a stride-1 convolution's ``A`` by shared shifts and by the im2col rows' one product."""
+
+    multiply_adds: int  # of the shifts' products over the whole image and the border strips' products
+    products: int
+    blocks: int  # the upper ``C x C`` blocks assembled
+    channels: int
+    im2col_multiply_adds: int  # rows x (their width)²
+
+    def cost(self) -> float:
+        """The shared shifts' cost in multiply-adds of one large product."""
+        operations = self.products + self.blocks
+        written = self.channels**2 * (self.products + 2 * self.blocks)
+        return SMALL_PRODUCT_SLOWDOWN * self.multiply_adds + PER_OPERATION * operations + PER_WRITTEN_ELEMENT * written
+
+    def pays(self) -> bool:
+        """Whether the shared shifts are expected to be faster than the im2col rows' one product (on a CPU)."""
+        return self.cost() < self.im2col_multiply_adds
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Where each kernel offset reads, the shift between each pair of offsets, and the strips each offset misses."""
+
+    offsets: list[Shift]
+    pairs: list[tuple[int, int]]
+    shift_of: dict[tuple[int, int], Shift]
+    shifts: list[Shift]
+    strips: list[list[Rect]]  # per offset
+    out_h: int
+    out_w: int
+
+
+def _geometry(h: int, w: int, kernel_size: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int]) -> _Geometry:
+    (kh, kw), (ph, pw), (dh, dw) = kernel_size, padding, dilation
+    out_h, out_w = h + 2 * ph - dh * (kh - 1), w + 2 * pw - dw * (kw - 1)
+    k = kh * kw
+    # Offset a = (i, j) reads image pixel (p_r + i*dh - ph, p_c + j*dw - pw) for output position p.
+    offsets = [(i * dh - ph, j * dw - pw) for i in range(kh) for j in range(kw)]
+    pairs = [(a, b) for a in range(k) for b in range(a, k)]
+    shift_of = {(a, b): (offsets[b][0] - offsets[a][0], offsets[b][1] - offsets[a][1]) for a, b in pairs}
+    strips = [_missed_strips(orow, orow + out_h, ocol, ocol + out_w, h, w) for orow, ocol in offsets]
+    return _Geometry(offsets, pairs, shift_of, sorted(set(shift_of.values())), strips, out_h, out_w)
+
+
+def shared_shift_work(
+    shape: tuple[int, ...],
+    kernel_size: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+    with_bias: bool = False,
+) -> SharedShiftWork | None:
+    """Both routes' work for an ``(n, C, H, W)`` input (None where :func:`conv_input_gram` would return None)."""
+    n, c, h, w = shape
+    k = kernel_size[0] * kernel_size[1]
+    g = _geometry(h, w, kernel_size, padding, dilation)
+    if k == 1 or g.out_h <= 0 or g.out_w <= 0:
+        return None
+    gh, gw = dilation[0] * (kernel_size[0] - 1), dilation[1] * (kernel_size[1] - 1)
+    hb, wb = h + gh, w + gw
+    span = (n - 1) * hb * wb + (h - 1) * wb + w  # the columns each shift's product reads (as conv_input_gram lays them)
+    multiply_adds, products = len(g.shifts) * c * c * span, len(g.shifts)
+    strip_products: set[tuple[Rect, Shift]] = set()
+    for a in range(k):
+        for rect in g.strips[a]:
+            for b in range(a, k):
+                key = (rect, g.shift_of[(a, b)])
+                if key not in strip_products:
+                    strip_products.add(key)
+                    multiply_adds += c * c * n * (rect[1] - rect[0]) * (rect[3] - rect[2])
+                    products += 1
+    width = c * k + int(with_bias)
+    return SharedShiftWork(multiply_adds, products, len(g.pairs), c, n * g.out_h * g.out_w * width * width)
 
 
 def _missed_strips(r0: int, r1: int, c0: int, c1: int, h: int, w: int) -> list[Rect]:
@@ -51,17 +143,14 @@ def conv_input_gram(
     Returns None when the kernel is 1x1 (the rows are the input itself: no
     shifts to share) or the output would be empty.
     """
-    (kh, kw), (ph, pw), (dh, dw) = kernel_size, padding, dilation
+    (kh, kw), (dh, dw) = kernel_size, dilation
     n, c, h, w = x.shape
-    out_h, out_w = h + 2 * ph - dh * (kh - 1), w + 2 * pw - dw * (kw - 1)
+    geometry = _geometry(h, w, kernel_size, padding, dilation)
+    out_h, out_w = geometry.out_h, geometry.out_w
     k = kh * kw
     if k == 1 or out_h <= 0 or out_w <= 0:
         return None
-    # Offset a = (i, j) reads image pixel (p_r + i*dh - ph, p_c + j*dw - pw) for output position p.
-    offsets = [(i * dh - ph, j * dw - pw) for i in range(kh) for j in range(kw)]
-    pairs = [(a, b) for a in range(k) for b in range(a, k)]
-    shift_of = {(a, b): (offsets[b][0] - offsets[a][0], offsets[b][1] - offsets[a][1]) for a, b in pairs}
-    shifts = sorted(set(shift_of.values()))
+    pairs, shift_of, shifts = geometry.pairs, geometry.shift_of, geometry.shifts
 
     # Channel-major images in one flat buffer, each followed by zero gap rows and every row by zero gap
     # columns wide enough for every shift, with zero margins before and after. A shift by (dr, dc) is then
@@ -90,8 +179,8 @@ def conv_input_gram(
     strip_pixels: dict[Rect, torch.Tensor] = {}
     col_sums = x.sum(dim=(0, 2, 3)) if with_bias else None
     offset_sums: list[torch.Tensor] = []
-    for a, (orow, ocol) in enumerate(offsets):
-        strips = _missed_strips(orow, orow + out_h, ocol, ocol + out_w, h, w)
+    for a in range(k):
+        strips = geometry.strips[a]
         for rect in strips:
             if rect not in strip_pixels:
                 strip_pixels[rect] = region(rect)

@@ -558,6 +558,20 @@ def test_compile_cost_compiles_each_arm_once(tmp_path):
 
 
 @pytest.mark.slow
+def test_conv_factor_times_both_routes_and_says_which_the_rule_takes(tmp_path):
+    """benchmarks/conv_factor.py for real (small inputs): both routes timed per layer, the rule's route, equal to rounding."""
+    out = tmp_path / "cf.json"
+    run_benchmark("conv_factor", "--quick", "--iters", "2", "--threads", "1", "--out", str(out))
+    layers = json.loads(out.read_text())["layers"]
+    assert len(layers) == 11
+    for row in layers.values():
+        assert row["shared"]["n"] == row["im2col"]["n"] == 2
+        assert row["shared_over_im2col"] == pytest.approx(row["shared"]["median"] / row["im2col"]["median"])
+        assert row["rule_takes"] == ("shared" if row["shared_cost"] < row["im2col_multiply_adds"] else "im2col")
+        assert row["max_relative_difference"] < 1e-5
+
+
+@pytest.mark.slow
 def test_transposed_conv_factor_times_both_grams_and_they_agree(tmp_path):
     """benchmarks/transposed_conv_factor.py for real (small inputs): both Grams timed per layer, equal to rounding."""
     out = tmp_path / "tcf.json"

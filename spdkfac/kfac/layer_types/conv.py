@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..conv_gram import conv_input_gram
+from ..conv_gram import SharedShiftWork, conv_input_gram, shared_shift_work
 from ..factor_shape import FactorShape
 from ..linalg import channel_gram, mirrored_upper, symmetric_gram
 from .base import LayerHelper, bias_grad_view, split_bias_column, with_bias_column
@@ -240,8 +240,9 @@ class ConvHelper(GroupedConvolution):
         """The rows' Gram and row count without im2col rows where there is a cheaper way.
 
         A 1x1 kernel without padding: the rows are the (strided) input's
-        channel vectors (:func:`~spdkfac.kfac.linalg.channel_gram`). Stride 1 and a
-        larger kernel: shared shifts (:mod:`spdkfac.kfac.conv_gram`).
+        channel vectors (:func:`~spdkfac.kfac.linalg.channel_gram`). Stride 1, a
+        larger kernel, on a CPU, where they pay (:meth:`SharedShiftWork.pays`):
+        shared shifts (:mod:`spdkfac.kfac.conv_gram`).
         """
         if self.kernel_size == (1, 1) and self.padding == (0, 0):
             sh, sw = self.stride
@@ -251,7 +252,14 @@ class ConvHelper(GroupedConvolution):
             # (On a GPU the im2col rows and one product beat the shared shifts' many small products: ResNet-50's
             # 3x3 factors 2.7 ms against 30-87 ms each at 224x224, batch 64, on an H200.)
             return None
+        work = self.shared_shift_work(x)
+        if work is None or not work.pays():
+            return None  # small maps or few channels: the im2col rows' one product is cheaper
         return conv_input_gram(x, self.kernel_size, self.padding, self.dilation, self.has_bias)
+
+    def shared_shift_work(self, x: torch.Tensor) -> SharedShiftWork | None:
+        """Both routes' work for the (padded, 4-D) input of a stride-1 convolution (:mod:`~spdkfac.kfac.conv_gram`)."""
+        return shared_shift_work(tuple(x.shape), self.kernel_size, self.padding, self.dilation, self.has_bias)
 
 
 def conv_output_gram(g: torch.Tensor, groups: int) -> tuple[torch.Tensor, int]:

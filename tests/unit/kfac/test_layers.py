@@ -5,8 +5,10 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from spdkfac import SPDKFACOptimizer
+from spdkfac.kfac.conv_gram import SharedShiftWork, conv_input_gram
 
 
 def _patches(x: torch.Tensor, k: int, pad: int, stride: int) -> torch.Tensor:
@@ -161,10 +163,13 @@ def test_conv_input_rows_match_explicit_im2col(kernel, stride, padding, dilation
 )
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_stride1_conv_factor_from_shared_shifts_equals_explicit_im2col_gram(kernel, padding, dilation, size, bias, channels_last):
+def test_stride1_conv_factor_from_shared_shifts_equals_explicit_im2col_gram(
+    kernel, padding, dilation, size, bias, channels_last, monkeypatch
+):
     """The A factor of a stride-1 conv (built from shifted sums, never from im2col rows) is the rows' mean Gram."""
     from spdkfac.kfac.layers import KFACLayer, make_helper
 
+    monkeypatch.setattr(SharedShiftWork, "pays", lambda self: True)  # these inputs are small: im2col otherwise
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 4, kernel, padding=padding, dilation=dilation, bias=bias).double()
     x = torch.randn(2, 3, *size, dtype=torch.float64)
@@ -180,6 +185,34 @@ def test_stride1_conv_factor_from_shared_shifts_equals_explicit_im2col_gram(kern
     a = layer.shape("A").unpack(layer.compute_a(x))
     s = rows.shape[0] // x.shape[0]  # output positions per sample
     torch.testing.assert_close(a, (rows / s).T @ (rows / s) / x.shape[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "channels", "size", "batch", "shared"),
+    [(3, 4, 6, 8, False), (5, 3, 28, 16, False), (3, 128, 4, 16, False), (3, 32, 16, 16, True), (5, 16, 24, 8, True)],
+)
+def test_a_stride1_conv_takes_the_shared_shifts_where_they_pay_and_counts_their_work(kernel, channels, size, batch, shared):
+    """The route follows SharedShiftWork.pays; its multiply-adds are those conv_input_gram's products do, the im2col
+    ones the rows' Gram; both routes give the rows' Gram."""
+    from spdkfac.kfac.layers import make_helper
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(channels, 8, kernel, padding=kernel // 2).double()
+    helper = make_helper(conv)
+    x = torch.randn(batch, channels, size, size, dtype=torch.float64)
+    rows = _patches_general(x, (kernel, kernel), (1, 1), (kernel // 2, kernel // 2), (1, 1))
+    rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], dim=1)
+    work = helper.shared_shift_work(x)
+    assert work is not None
+    assert work.im2col_multiply_adds == rows.shape[0] * rows.shape[1] ** 2
+    with FlopCounterMode(display=False) as flops:
+        conv_input_gram(x, (kernel, kernel), (kernel // 2, kernel // 2), (1, 1), with_bias=True)
+    assert 2 * work.multiply_adds == flops.get_total_flops()
+    assert work.pays() == shared
+    assert (helper.shared_gram(x) is not None) == shared
+    gram, count = helper.input_gram(x, torch.float64)
+    assert count == rows.shape[0]
+    torch.testing.assert_close(gram, rows.T @ rows, rtol=1e-12, atol=1e-10)
 
 
 @pytest.mark.parametrize(("stride", "size"), [((1, 1), (12, 12)), ((2, 2), (24, 23)), ((1, 2), (5, 6))])

@@ -1,0 +1,38 @@
+"""A stride-1 convolution's ``A`` on the CPU: shared shifts against the im2col rows (``conv_factor.json``, benchmarks/conv_factor.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report.common import command_block, need, renders, table
+
+
+@renders("conv_factor.json", "Stride-1 convolutions on the CPU: the A factor by shared shifts or by im2col rows", order=98, optional=True)
+def conv_factor(path: Path, d: dict[str, Any]) -> list[str]:
+    """Per convolution: both routes' medians, their ratio, the route the cost model takes and whether it is the faster."""
+    need(d, path, "layers")
+    layers = d["layers"]
+    faster = sum(bool(r["rule_takes_the_faster"]) for r in layers.values())
+    lines = [
+        "A stride-1 k×k convolution's `A` factor on the CPU by shared shifts ([docs/design.md](../docs/design.md#computing-the-factors)) "
+        "and by the im2col rows' one product, timed alternately; medians, float32. The shipped rule takes the shared "
+        "shifts where its cost model (`SharedShiftWork.pays`) expects them to be faster: on small maps and few "
+        f"channels the one product wins. The rule takes the faster route on {faster} of {len(layers)} layers; the "
+        "two factors differ by rounding only.",
+        "",
+    ]
+    rows = [
+        [
+            name,
+            str(r["a_dim"]),
+            f"{r['im2col']['median'] * 1e3:.2f} ms",
+            f"{r['shared']['median'] * 1e3:.2f} ms",
+            f"{r['shared_over_im2col']:.2f}",
+            str(r["rule_takes"]) + ("" if r["rule_takes_the_faster"] else " (slower)"),
+            f"{r['max_relative_difference']:.0e}",
+        ]
+        for name, r in layers.items()
+    ]
+    lines += table(["layer", "A dim", "im2col rows", "shared shifts", "shared / im2col", "the rule takes", "largest difference"], rows)
+    return lines + command_block(d, "benchmarks.conv_factor", ".venv/bin/python -m benchmarks.conv_factor")
