@@ -81,8 +81,8 @@ def local_factors(calls: list[tuple[torch.Tensor, torch.Tensor]], accumulate: in
     return torch.stack(a_terms).mean(0), torch.stack(g_terms).mean(0)
 
 
-def run(backend: CommBackend, models: dict[str, nn.Module] | None = None) -> dict[str, Any]:
-    """Every configuration trained for ``len(RUNS)`` steps on this rank's shard; what each step left.
+def run(backend: CommBackend, models: dict[str, nn.Module] | None = None, names: list[str] | None = None) -> dict[str, Any]:
+    """Every configuration (or those ``names``) trained for ``len(RUNS)`` steps on this rank's shard; what each step left.
 
     ``models`` (one per configuration) are built by the caller for in-process ranks (seeding is process-wide)."""
     torch.set_default_dtype(torch.float64)
@@ -90,7 +90,8 @@ def run(backend: CommBackend, models: dict[str, nn.Module] | None = None) -> dic
     local = GLOBAL_BATCH // backend.size
     x, y = x[backend.rank * local : (backend.rank + 1) * local], y[backend.rank * local : (backend.rank + 1) * local]
     results: dict[str, Any] = {}
-    for name, options in CONFIGS.items():
+    for name in CONFIGS if names is None else names:
+        options = CONFIGS[name]
         model = shared_net() if models is None else models[name]
         calls = _aux_factors(model)
         wrap = name.startswith("ddp") and backend.name == "torch" and backend.size > 1

@@ -54,30 +54,29 @@ def _train(backend, config: dict, global_batch: int, model: torch.nn.Module) -> 
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "owners": owners}
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("workers", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_mixed_layer_types_n_workers_equal_one_in_process(workers, float64):
+def test_mixed_layer_types_n_workers_equal_one_in_process(workers, name, float64):
     init = mixed_net().state_dict()
-    for name, config in CONFIGS.items():
-        ref = _train("single", config, 6 * workers, mixed_net())["params"]
-        models = [mixed_net() for _ in range(workers)]
-        ranks = run_ranks(workers, lambda b, config=config, models=models: _train(b, config, 6 * workers, models[b.rank]))
-        for r, result in enumerate(ranks):
-            for key, value in ref.items():
-                torch.testing.assert_close(
-                    result["params"][key], value, rtol=1e-9, atol=1e-11, msg=lambda m, k=key, n=name: f"{n}/{k}: {m}"
-                )
-                if r:
-                    assert torch.equal(result["params"][key], ranks[0]["params"][key]), f"{name}/{key} differs between ranks"
-        assert any(not torch.equal(ref[k], init[k]) for k in init), name
-        owners = ranks[0]["owners"]
-        if name.endswith("-dp"):  # MEM-OPT: each layer's one gradient worker decomposes its factors, nothing is sent
-            assert set(owners.values()) == {-1}, (name, owners)
-            continue
-        if name.startswith(("inverse-lbp", "eigen-lbp")):
-            assert any(o >= 0 for o in owners.values()), (name, owners)
-            assert any(o == -1 for o in owners.values()), (name, owners)
-        if "-seq" in name:
-            assert set(owners.values()) == set(range(workers)), (name, owners)
+    config = CONFIGS[name]
+    ref = _train("single", config, 6 * workers, mixed_net())["params"]
+    models = [mixed_net() for _ in range(workers)]
+    ranks = run_ranks(workers, lambda b: _train(b, config, 6 * workers, models[b.rank]))
+    for r, result in enumerate(ranks):
+        for key, value in ref.items():
+            torch.testing.assert_close(result["params"][key], value, rtol=1e-9, atol=1e-11, msg=lambda m, k=key: f"{name}/{k}: {m}")
+            if r:
+                assert torch.equal(result["params"][key], ranks[0]["params"][key]), f"{name}/{key} differs between ranks"
+    assert any(not torch.equal(ref[k], init[k]) for k in init), name
+    owners = ranks[0]["owners"]
+    if name.endswith("-dp"):  # MEM-OPT: each layer's one gradient worker decomposes its factors, nothing is sent
+        assert set(owners.values()) == {-1}, (name, owners)
+        return
+    if name.startswith(("inverse-lbp", "eigen-lbp")):
+        assert any(o >= 0 for o in owners.values()), (name, owners)
+        assert any(o == -1 for o in owners.values()), (name, owners)
+    if "-seq" in name:
+        assert set(owners.values()) == set(range(workers)), (name, owners)
 
 
 WORKER = str(ROOT / "tests" / "workers" / "train_configs.py")
