@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import re
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -44,8 +45,11 @@ def _name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> list[tuple[str, bool]]:
-    """(absolute module, inside a function) of every import of ``path``; ``from X import y`` gives both X and X.y."""
+@cache
+def _imports(path: Path) -> tuple[tuple[str, bool], ...]:
+    """(absolute module, inside a function) of every import of ``path``; ``from X import y`` gives both X and X.y.
+
+    Cached: several tests read every module's imports."""
     tree = ast.parse(path.read_text())
     package = _name(path) if path.name == "__init__.py" else _name(path).rpartition(".")[0]
     out: list[tuple[str, bool]] = []
@@ -66,7 +70,7 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
             visit(child, inside)
 
     visit(tree, False)
-    return out
+    return tuple(out)
 
 
 def _part(module: str) -> str:

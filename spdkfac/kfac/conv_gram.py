@@ -26,6 +26,7 @@ says which is cheaper (``python -m benchmarks.conv_factor`` checks it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -92,6 +93,7 @@ def _geometry(h: int, w: int, kernel_size: tuple[int, int], padding: tuple[int, 
     return _Geometry(offsets, pairs, shift_of, sorted(set(shift_of.values())), strips, out_h, out_w)
 
 
+@lru_cache(maxsize=1024)
 def shared_shift_work(
     shape: tuple[int, ...],
     kernel_size: tuple[int, int],
@@ -99,7 +101,9 @@ def shared_shift_work(
     dilation: tuple[int, int],
     with_bias: bool = False,
 ) -> SharedShiftWork | None:
-    """Both routes' work for an ``(n, C, H, W)`` input (None where :func:`conv_input_gram` would return None)."""
+    """Both routes' work for an ``(n, C, H, W)`` input (None where :func:`conv_input_gram` would return None).
+
+    Cached: a layer sees the same shapes step after step, and counting the strips' products costs ~0.2 ms."""
     n, c, h, w = shape
     k = kernel_size[0] * kernel_size[1]
     g = _geometry(h, w, kernel_size, padding, dilation)

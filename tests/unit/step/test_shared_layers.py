@@ -215,19 +215,24 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize(
-    "checkpoint_mode", [None, pytest.param("non-reentrant", marks=pytest.mark.slow), pytest.param("reentrant", marks=pytest.mark.slow)]
-)
-def test_two_workers_equal_one_with_shared_checkpointed_and_skipped_layers(checkpoint_mode, float64):
-    for name, config in CONFIGS.items():
-        if checkpoint_mode is not None and name not in ("optimal", "threshold-no-pipelining"):
-            continue  # (the other configurations do not meet the recomputation; one model is enough for them)
-        ref = _train_shared("single", shared_net(checkpoint_mode=checkpoint_mode), 12, 6, config)
-        models = [shared_net(checkpoint_mode=checkpoint_mode) for _ in range(2)]
-        ranks = run_ranks(2, lambda b, config=config, models=models: _train_shared(b, models[b.rank], 12, 6, config))
-        for key, value in ref.items():
-            torch.testing.assert_close(ranks[0][key], value, rtol=1e-9, atol=1e-11, msg=lambda m, k=key, n=name: f"{n}/{k}: {m}")
-        assert_bitwise_equal(ranks[1], ranks[0], f"{name}: rank 1 vs rank 0")
+#: (checkpoint mode, configuration): every configuration without checkpointing; with it, the two that meet the
+#: recomputation (the others do not, and one model is enough for them).
+SHARED_CASES = [(None, name) for name in CONFIGS] + [
+    pytest.param(mode, name, marks=pytest.mark.slow)
+    for mode in ("non-reentrant", "reentrant")
+    for name in ("optimal", "threshold-no-pipelining")
+]
+
+
+@pytest.mark.parametrize(("checkpoint_mode", "name"), SHARED_CASES)
+def test_two_workers_equal_one_with_shared_checkpointed_and_skipped_layers(checkpoint_mode, name, float64):
+    config = CONFIGS[name]
+    ref = _train_shared("single", shared_net(checkpoint_mode=checkpoint_mode), 12, 6, config)
+    models = [shared_net(checkpoint_mode=checkpoint_mode) for _ in range(2)]
+    ranks = run_ranks(2, lambda b: _train_shared(b, models[b.rank], 12, 6, config))
+    for key, value in ref.items():
+        torch.testing.assert_close(ranks[0][key], value, rtol=1e-9, atol=1e-11, msg=lambda m, k=key: f"{name}/{k}: {m}")
+    assert_bitwise_equal(ranks[1], ranks[0], f"{name}: rank 1 vs rank 0")
 
 
 def _saved(obj: object) -> object:
