@@ -28,13 +28,26 @@ from ..factor_shape import FactorShape
 from ..linalg import channel_gram, mirrored_upper, symmetric_gram
 from .base import LayerHelper, bias_grad_view, split_bias_column, with_bias_column
 
-__all__ = ["ConvHelper", "GroupedConvolution", "block_gram", "conv_output_gram", "spatial_pair", "symmetric_zero_padding", "with_bias_row"]
+__all__ = [
+    "ConvHelper",
+    "GroupedConvolution",
+    "block_gram",
+    "conv_output_gram",
+    "sample_chunks",
+    "spatial_pair",
+    "symmetric_zero_padding",
+    "with_bias_row",
+]
 
 #: Any convolution module (the transposed ones' helper reuses this one's geometry).
 Conv = nn.modules.conv._ConvNd
 
 #: Bytes of kernel-offset rows a depthwise Gram copies at a time (a few channels; at least one).
 DEPTHWISE_ROWS_BYTES = 8 << 20
+
+#: Bytes of im2col rows built at a time (whole samples; at least one): the Gram is summed over such chunks, so a
+#: factor's rows never take more memory than this (ResNet-50's 7x7 stem, batch 64 at 224x224: 472 MB in one piece).
+IM2COL_ROWS_BYTES = 64 << 20
 
 
 def symmetric_zero_padding(m: Conv) -> tuple[int, ...] | None:
@@ -164,10 +177,24 @@ class ConvHelper(GroupedConvolution):
         shared = self.shared_gram(x)
         if shared is not None:
             return shared
-        rows = self.input_rows(x)
-        if self.has_bias:
-            rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
-        return symmetric_gram(rows), rows.shape[0]
+        (kh, kw), (ph, pw), (sh, sw), (dh, dw) = self.kernel_size, self.padding, self.stride, self.dilation
+        out_h = (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+        out_w = (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        gram: torch.Tensor | None = None
+        count = 0
+        for part in self._sample_chunks(x, out_h * out_w):
+            rows = self.input_rows(part)
+            if self.has_bias:
+                rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+            part_gram = symmetric_gram(rows)
+            gram = part_gram if gram is None else gram.add_(part_gram)
+            count += rows.shape[0]
+        assert gram is not None
+        return gram, count
+
+    def _sample_chunks(self, x: torch.Tensor, positions: int) -> list[torch.Tensor]:
+        width = x.shape[1] * math.prod(self.kernel_size) + self.groups * int(self.has_bias)
+        return sample_chunks(x, positions * width * x.element_size())
 
     def _windows(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         """The zero-padded 4-D input and the output height and width."""
@@ -194,16 +221,22 @@ class ConvHelper(GroupedConvolution):
         if c == self.groups:
             return self._depthwise_gram(x, out_h, out_w), count
         cg = c // self.groups
-        s_n, s_c, s_h, s_w = x.stride()
-        windows = x.as_strided(
-            (self.groups, n, out_h, out_w, cg, kh, kw),
-            (cg * s_c, s_n, s_h * sh, s_w * sw, s_c, s_h * dh, s_w * dw),
-            x.storage_offset(),
-        )
-        rows = windows.reshape(self.groups, count, cg * kh * kw)  # one copy, each group's rows contiguous
-        if bias:
-            rows = torch.cat([rows, rows.new_ones(self.groups, count, 1)], dim=2)
-        return block_gram(rows), count
+        gram: torch.Tensor | None = None
+        for part in self._sample_chunks(x, out_h * out_w):
+            s_n, s_c, s_h, s_w = part.stride()
+            windows = part.as_strided(
+                (self.groups, part.shape[0], out_h, out_w, cg, kh, kw),
+                (cg * s_c, s_n, s_h * sh, s_w * sw, s_c, s_h * dh, s_w * dw),
+                part.storage_offset(),
+            )
+            part_count = part.shape[0] * out_h * out_w
+            rows = windows.reshape(self.groups, part_count, cg * kh * kw)  # one copy, each group's rows contiguous
+            if bias:
+                rows = torch.cat([rows, rows.new_ones(self.groups, part_count, 1)], dim=2)
+            part_gram = block_gram(rows)
+            gram = part_gram if gram is None else gram.add_(part_gram)
+        assert gram is not None
+        return gram, count
 
     def _depthwise_gram(self, x: torch.Tensor, out_h: int, out_w: int) -> torch.Tensor:
         """Per-channel Gram of the kernel-offset rows, a few channels at a time: ``(C, k+b, k+b)``.
@@ -275,6 +308,13 @@ def conv_output_gram(g: torch.Tensor, groups: int) -> tuple[torch.Tensor, int]:
     # Each group's rows contiguous ((groups, rows, og), one copy), then one batched product.
     grouped = g.reshape(g.shape[0], groups, og, -1).permute(1, 0, 3, 2).reshape(groups, rows, og)
     return block_gram(grouped), rows
+
+
+def sample_chunks(x: torch.Tensor, row_bytes_per_sample: int) -> list[torch.Tensor]:
+    """``x`` split by samples so that each part's im2col rows take at most :data:`IM2COL_ROWS_BYTES` (one part,
+    ``x`` itself, when they fit; one sample at least): a convolution's ``A`` is then the sum of the parts' Grams."""
+    samples = max(1, IM2COL_ROWS_BYTES // max(1, row_bytes_per_sample))
+    return [x] if samples >= x.shape[0] else [x[i : i + samples] for i in range(0, x.shape[0], samples)]
 
 
 def block_gram(rows: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..factor_shape import FactorShape
 from ..linalg import channel_gram, symmetric_gram
-from .conv import GroupedConvolution, block_gram, symmetric_zero_padding, with_bias_row
+from .conv import GroupedConvolution, block_gram, sample_chunks, symmetric_zero_padding, with_bias_row
 
 __all__ = ["Conv3dHelper"]
 
@@ -65,10 +65,20 @@ class Conv3dHelper(GroupedConvolution):
         if self.groups == 1 and math.prod(self.kernel_size) == 1 and not any(self.pad):
             strided = x[:, :, :: self.stride[0], :: self.stride[1], :: self.stride[2]]  # a 1x1x1 kernel: the voxels
             return with_bias_row(channel_gram(strided), strided, self.has_bias)
-        rows = self.input_rows(x)
-        count = rows.shape[1]
-        if self.has_bias:
-            rows = torch.cat([rows, rows.new_ones(self.groups, count, 1)], dim=2)
-        if self.groups == 1:
-            return symmetric_gram(rows[0]), count
-        return block_gram(rows), count
+        spatial = [size + self.pad[2 * i] + self.pad[2 * i + 1] for i, size in enumerate(reversed(x.shape[2:]))][::-1]
+        voxels = math.prod(
+            (size - d * (k - 1) - 1) // s + 1 for size, k, s, d in zip(spatial, self.kernel_size, self.stride, self.dilation)
+        )
+        width = self.a_shape.dim * self.groups
+        gram: torch.Tensor | None = None
+        count = 0
+        for part in sample_chunks(x, voxels * width * x.element_size()):  # the rows a few samples at a time
+            rows = self.input_rows(part)
+            part_count = rows.shape[1]
+            if self.has_bias:
+                rows = torch.cat([rows, rows.new_ones(self.groups, part_count, 1)], dim=2)
+            part_gram = symmetric_gram(rows[0]) if self.groups == 1 else block_gram(rows)
+            gram = part_gram if gram is None else gram.add_(part_gram)
+            count += part_count
+        assert gram is not None
+        return gram, count

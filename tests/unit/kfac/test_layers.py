@@ -1,6 +1,7 @@
 """The preconditioned update equals an explicit dense Kronecker computation built here independently."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from spdkfac import SPDKFACOptimizer
 from spdkfac.kfac.conv_gram import SharedShiftWork, conv_input_gram
+from spdkfac.kfac.layer_types import conv as conv_types
 
 
 def _patches(x: torch.Tensor, k: int, pad: int, stride: int) -> torch.Tensor:
@@ -213,6 +215,58 @@ def test_a_stride1_conv_takes_the_shared_shifts_where_they_pay_and_counts_their_
     gram, count = helper.input_gram(x, torch.float64)
     assert count == rows.shape[0]
     torch.testing.assert_close(gram, rows.T @ rows, rtol=1e-12, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    ("module", "size"),
+    [
+        (nn.Conv2d(3, 4, 3, stride=2, padding=1), (9, 8)),
+        (nn.Conv2d(4, 6, 3, stride=(2, 1), padding=(0, 2), bias=False), (7, 9)),
+        (nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2), (9, 9)),
+        (nn.Conv1d(3, 5, 4, stride=3, padding=2), (11,)),
+        (nn.Conv3d(2, 3, 3, stride=2, padding=1), (5, 4, 5)),
+        (nn.Conv3d(4, 4, (2, 3, 3), padding=(0, 1, 2), groups=2, padding_mode="reflect"), (3, 4, 5)),
+    ],
+    ids=["strided", "no-bias", "grouped", "1d", "3d", "3d-grouped-reflect"],
+)
+def test_im2col_rows_are_built_a_few_samples_at_a_time_and_give_the_whole_gram(module, size, monkeypatch):
+    """With a rows budget of two samples the Gram is summed over parts of at most two samples: the rows' Gram."""
+    from spdkfac.kfac.layers import KFACLayer, make_helper
+
+    torch.manual_seed(0)
+    module = copy.deepcopy(module).double()
+    x = torch.randn(5, module.in_channels, *size, dtype=torch.float64)
+    layer = KFACLayer("conv", make_helper(module))
+    whole = layer.compute_a(x)
+    built: list[int] = []
+    helper = layer.helper
+    original = type(helper).input_rows
+
+    def spy(self, part):
+        built.append(part.shape[0])
+        return original(self, part)
+
+    blocks: list[int] = []
+    original_block_gram = conv_types.block_gram
+
+    def block_spy(rows):
+        blocks.append(rows.shape[1])
+        return original_block_gram(rows)
+
+    monkeypatch.setattr(type(helper), "input_rows", spy)
+    monkeypatch.setattr(conv_types, "block_gram", block_spy)
+    _, rows = helper.input_gram(x, torch.float64)
+    positions = rows // x.shape[0]
+    width = math.prod(helper.kernel_size) * module.in_channels + helper.groups * int(helper.has_bias)
+    built.clear()
+    blocks.clear()
+    monkeypatch.setattr(conv_types, "IM2COL_ROWS_BYTES", 2 * positions * width * 8)
+    chunked = layer.compute_a(x)
+    if helper.groups == 1 or not isinstance(helper, conv_types.ConvHelper):
+        assert built == [2, 2, 1], built  # parts of two samples, never the whole batch
+    else:
+        assert blocks == [2 * positions, 2 * positions, positions], blocks
+    torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(("stride", "size"), [((1, 1), (12, 12)), ((2, 2), (24, 23)), ((1, 2), (5, 6))])
