@@ -10,6 +10,11 @@ convolutions of the zoo's models and of common ones, says which route the
 rule takes and whether it is the faster one, and records how far the two
 factors are apart (rounding only: the same sums, reassociated). Medians of
 ``--iters`` rounds, float32, ``--threads`` threads.
+
+Then, for convolutions whose im2col rows exceed ``IM2COL_ROWS_BYTES`` (a
+strided stem and downsampling layer, a 3-D convolution), it times the
+shipped Gram (rows built a few samples at a time, the parts' Grams summed)
+against the rows built at once, with the rows each holds at a time.
 """
 
 from __future__ import annotations
@@ -17,15 +22,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from spdkfac.kfac.conv_gram import conv_input_gram
-from spdkfac.kfac.layer_types import ConvHelper, make_helper
+from spdkfac.kfac.layer_types import ConvHelper, LayerHelper, make_helper
+from spdkfac.kfac.layer_types import conv as conv_types
+from spdkfac.kfac.layer_types.conv import sample_chunks
 from spdkfac.kfac.linalg import symmetric_gram
 
-from .common import one_process_parser, save_result, stats
+from .common import machine, one_process_parser, save_json, stats
 
 #: name -> (the convolution, its input's shape): the zoo's small models, CIFAR ResNets, ResNet-50's 3x3 layers.
 LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
@@ -54,6 +62,64 @@ def _shared(helper: ConvHelper, x: torch.Tensor) -> torch.Tensor:
     result = conv_input_gram(x, helper.kernel_size, helper.padding, helper.dilation, helper.has_bias)
     assert result is not None
     return result[0]
+
+
+#: name -> (the convolution, its input's shape): layers whose im2col rows exceed IM2COL_ROWS_BYTES (64 MB).
+IN_PARTS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "ResNet-50 stem 7x7 s2, 3->64 at 224x224 (batch 32)": (lambda: nn.Conv2d(3, 64, 7, 2, 3, bias=False), (32, 3, 224, 224)),
+    "ResNet-50 3x3 s2, 128->128 at 56x56 (batch 32)": (lambda: nn.Conv2d(128, 128, 3, 2, 1, bias=False), (32, 128, 56, 56)),
+    "3-D 3x3x3 s2, 32->64 at 32^3 (batch 8)": (lambda: nn.Conv3d(32, 64, 3, 2, 1), (8, 32, 32, 32, 32)),
+}
+
+
+def _at_once(helper: LayerHelper, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The Gram with every sample's rows built at once (no budget)."""
+    budget = conv_types.IM2COL_ROWS_BYTES
+    conv_types.IM2COL_ROWS_BYTES = 1 << 62
+    try:
+        return helper.input_gram(x, torch.float32)
+    finally:
+        conv_types.IM2COL_ROWS_BYTES = budget
+
+
+def measure_parts(iters: int, quick: bool = False) -> dict[str, dict[str, object]]:
+    """Per layer: seconds of the Gram from rows in parts and at once (interleaved), the rows held, the difference."""
+    out: dict[str, dict[str, object]] = {}
+    budget = conv_types.IM2COL_ROWS_BYTES
+    for name, (build, shape) in IN_PARTS.items():
+        if quick:
+            shape = (4, *shape[1:2], *(max(4, s // 8) for s in shape[2:]))
+        torch.manual_seed(0)
+        helper = make_helper(build())
+        x = torch.randn(shape)
+        whole, rows = _at_once(helper, x)
+        width = helper.a_shape.dim * helper.a_shape.blocks
+        row_bytes = rows * width * x.element_size()
+        if quick:  # (small inputs: a budget of a third of their rows, so that they still come in parts)
+            conv_types.IM2COL_ROWS_BYTES = max(1, row_bytes // 3)
+        try:
+            parts = len(sample_chunks(x, row_bytes // x.shape[0]))
+            in_parts, _ = helper.input_gram(x, torch.float32)
+            difference = float((in_parts - whole).abs().max() / whole.abs().max())
+            parts_s, once_s = [], []
+            for _ in range(iters):
+                parts_s.append(_seconds(partial(helper.input_gram, x, torch.float32)))
+                once_s.append(_seconds(partial(_at_once, helper, x)))
+        finally:
+            conv_types.IM2COL_ROWS_BYTES = budget
+        out[name] = {
+            "input": list(shape),
+            "a_dim": helper.a_shape.dim,
+            "parts": parts,
+            "rows_bytes_at_once": row_bytes,
+            "rows_bytes_per_part": -(-row_bytes // parts),
+            "in_parts": stats(parts_s),
+            "at_once": stats(once_s),
+            "parts_over_at_once": stats(parts_s)["median"] / stats(once_s)["median"],
+            "max_relative_difference": difference,
+        }
+        print(f"{name}: {parts} parts, in parts / at once {out[name]['parts_over_at_once']:.2f}, apart by {difference:.1e}", flush=True)
+    return out
 
 
 def _seconds(fn: Callable[[], object]) -> float:
@@ -107,7 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    save_result(args, "layers", measure(args.iters, args.quick))
+    layers = measure(args.iters, args.quick)
+    in_parts = measure_parts(args.iters, args.quick)
+    out = Path(args.out)
+    print(f"wrote {save_json({'args': vars(args), 'machine': machine(), 'layers': layers, 'in_parts': in_parts}, out.name, out.parent)}")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,15 @@ from typing import Any
 from benchmarks.report.common import command_block, need, renders, table
 
 
-@renders("conv_factor.json", "Stride-1 convolutions on the CPU: the A factor by shared shifts or by im2col rows", order=98, optional=True)
+@renders(
+    "conv_factor.json",
+    "Convolutions on the CPU: the A factor by shared shifts or im2col rows, and the rows in parts",
+    order=98,
+    optional=True,
+)
 def conv_factor(path: Path, d: dict[str, Any]) -> list[str]:
-    """Per convolution: both routes' medians, their ratio, the route the cost model takes and whether it is the faster."""
+    """Per convolution: both routes' medians, their ratio, the route the cost model takes and whether it is the faster;
+    then the rows in parts against the rows at once."""
     need(d, path, "layers")
     layers = d["layers"]
     faster = sum(bool(r["rule_takes_the_faster"]) for r in layers.values())
@@ -35,4 +41,28 @@ def conv_factor(path: Path, d: dict[str, Any]) -> list[str]:
         for name, r in layers.items()
     ]
     lines += table(["layer", "A dim", "im2col rows", "shared shifts", "shared / im2col", "the rule takes", "largest difference"], rows)
+    if d.get("in_parts"):
+        lines += [
+            "",
+            "Convolutions whose im2col rows exceed 64 MB (`IM2COL_ROWS_BYTES`): the shipped Gram, from rows built a few "
+            "samples at a time with the parts' Grams summed, against the rows built at once; medians of interleaved "
+            "rounds, float32.",
+            "",
+        ]
+        parts = [
+            [
+                name,
+                str(r["a_dim"]),
+                f"{r['rows_bytes_at_once'] / 2**20:.0f} MB",
+                f"{r['parts']} × {r['rows_bytes_per_part'] / 2**20:.0f} MB",
+                f"{r['at_once']['median'] * 1e3:.0f} ms",
+                f"{r['in_parts']['median'] * 1e3:.0f} ms",
+                f"{r['parts_over_at_once']:.2f}",
+                f"{r['max_relative_difference']:.0e}",
+            ]
+            for name, r in d["in_parts"].items()
+        ]
+        lines += table(
+            ["layer", "A dim", "rows at once", "rows in parts", "at once", "in parts", "in parts / at once", "largest difference"], parts
+        )
     return lines + command_block(d, "benchmarks.conv_factor", ".venv/bin/python -m benchmarks.conv_factor")

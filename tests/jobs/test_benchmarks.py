@@ -559,7 +559,8 @@ def test_compile_cost_compiles_each_arm_once(tmp_path):
 
 @pytest.mark.slow
 def test_conv_factor_times_both_routes_and_says_which_the_rule_takes(tmp_path):
-    """benchmarks/conv_factor.py for real (small inputs): both routes timed per layer, the rule's route, equal to rounding."""
+    """benchmarks/conv_factor.py for real (small inputs): both routes timed per layer, the rule's route, the rows in
+    parts against at once, equal to rounding."""
     out = tmp_path / "cf.json"
     run_benchmark("conv_factor", "--quick", "--iters", "2", "--threads", "1", "--out", str(out))
     layers = json.loads(out.read_text())["layers"]
@@ -568,6 +569,13 @@ def test_conv_factor_times_both_routes_and_says_which_the_rule_takes(tmp_path):
         assert row["shared"]["n"] == row["im2col"]["n"] == 2
         assert row["shared_over_im2col"] == pytest.approx(row["shared"]["median"] / row["im2col"]["median"])
         assert row["rule_takes"] == ("shared" if row["shared_cost"] < row["im2col_multiply_adds"] else "im2col")
+        assert row["max_relative_difference"] < 1e-5
+    in_parts = json.loads(out.read_text())["in_parts"]
+    assert len(in_parts) == 3
+    for row in in_parts.values():
+        assert row["parts"] > 1
+        assert row["rows_bytes_per_part"] < row["rows_bytes_at_once"]
+        assert row["in_parts"]["n"] == row["at_once"]["n"] == 2
         assert row["max_relative_difference"] < 1e-5
 
 
