@@ -7,6 +7,7 @@ import json
 import platform
 import statistics
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -114,6 +115,13 @@ def machine() -> dict[str, Any]:
         # How busy the machine was (1, 5 and 15 minutes) as the result is written, i.e. over the measurement.
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+def seconds(fn: Callable[[], object]) -> float:
+    """Wall seconds of one call of ``fn``."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def stats(samples: Sequence[float]) -> dict[str, float]:

@@ -19,7 +19,6 @@ against the rows built at once, with the rows each holds at a time.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -33,7 +32,7 @@ from spdkfac.kfac.layer_types import conv as conv_types
 from spdkfac.kfac.layer_types.conv import sample_chunks
 from spdkfac.kfac.linalg import symmetric_gram
 
-from .common import machine, one_process_parser, save_json, stats
+from .common import machine, one_process_parser, save_json, seconds, stats
 
 #: name -> (the convolution, its input's shape): the zoo's small models, CIFAR ResNets, ResNet-50's 3x3 layers.
 LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
@@ -103,8 +102,8 @@ def measure_parts(iters: int, quick: bool = False) -> dict[str, dict[str, object
             difference = float((in_parts - whole).abs().max() / whole.abs().max())
             parts_s, once_s = [], []
             for _ in range(iters):
-                parts_s.append(_seconds(partial(helper.input_gram, x, torch.float32)))
-                once_s.append(_seconds(partial(_at_once, helper, x)))
+                parts_s.append(seconds(partial(helper.input_gram, x, torch.float32)))
+                once_s.append(seconds(partial(_at_once, helper, x)))
         finally:
             conv_types.IM2COL_ROWS_BYTES = budget
         out[name] = {
@@ -122,12 +121,6 @@ def measure_parts(iters: int, quick: bool = False) -> dict[str, dict[str, object
     return out
 
 
-def _seconds(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def measure(iters: int, quick: bool = False) -> dict[str, dict[str, object]]:
     """Per layer: seconds of both routes (interleaved rounds), the route the rule takes, and the factors' difference."""
     rows: dict[str, dict[str, object]] = {}
@@ -142,8 +135,8 @@ def measure(iters: int, quick: bool = False) -> dict[str, dict[str, object]]:
         difference = float((shared - im2col).abs().max() / im2col.abs().max())
         shared_s, im2col_s = [], []
         for _ in range(iters):
-            shared_s.append(_seconds(partial(_shared, helper, x)))
-            im2col_s.append(_seconds(partial(_im2col, helper, x)))
+            shared_s.append(seconds(partial(_shared, helper, x)))
+            im2col_s.append(seconds(partial(_im2col, helper, x)))
         shared_ms, im2col_ms = stats(shared_s)["median"], stats(im2col_s)["median"]
         work = helper.shared_shift_work(x)
         assert work is not None

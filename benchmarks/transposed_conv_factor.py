@@ -14,7 +14,6 @@ reassociated). Medians of ``--iters`` rounds, float32, ``--threads`` threads.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from functools import partial
 
@@ -23,7 +22,7 @@ import torch.nn as nn
 
 from spdkfac.kfac.layer_types import ConvTransposeHelper, make_helper
 
-from .common import one_process_parser, save_result, stats
+from .common import one_process_parser, save_result, seconds, stats
 
 #: name -> (the layer, its input's shape): the up-sampling steps of a DCGAN generator, U-Nets and a conv decoder.
 LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
@@ -45,12 +44,6 @@ def _zero_filled(helper: ConvTransposeHelper, x: torch.Tensor) -> tuple[torch.Te
     return helper.equivalent.input_gram(helper.prepared(x), torch.float32)
 
 
-def _seconds(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def measure(iters: int, quick: bool = False) -> dict[str, dict[str, object]]:
     """Per layer: seconds of both Grams (interleaved rounds), their ratio and the factors' largest relative difference."""
     rows: dict[str, dict[str, object]] = {}
@@ -66,8 +59,8 @@ def measure(iters: int, quick: bool = False) -> dict[str, dict[str, object]]:
         difference = float((by_class - whole).abs().max() / whole.abs().max())
         classes, zero_filled = [], []
         for _ in range(iters):
-            classes.append(_seconds(partial(helper.input_gram, x, torch.float32)))
-            zero_filled.append(_seconds(partial(_zero_filled, helper, x)))
+            classes.append(seconds(partial(helper.input_gram, x, torch.float32)))
+            zero_filled.append(seconds(partial(_zero_filled, helper, x)))
             helper.forget()
         rows[name] = {
             "input": list(shape),
