@@ -15,10 +15,17 @@ Then, for convolutions whose im2col rows exceed ``IM2COL_ROWS_BYTES`` (a
 strided stem and downsampling layer, a 3-D convolution), it times the
 shipped Gram (rows built a few samples at a time, the parts' Grams summed)
 against the rows built at once, with the rows each holds at a time.
+
+Last, the grid the cost model was fitted on (3x3 and 5x5 kernels, 2x2 to
+16x16 maps, 8 to 512 channels, batch 8 and 64): how often the rule takes the
+faster route, and the time it loses against always taking the faster one,
+next to always taking either.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -121,6 +128,32 @@ def measure_parts(iters: int, quick: bool = False) -> dict[str, dict[str, object
     return out
 
 
+def _time_routes(helper: ConvHelper, x: torch.Tensor, iters: int) -> dict[str, object]:
+    """Both routes timed in alternation on ``x``, the route the rule takes, and the factors' difference."""
+    shared, im2col = _shared(helper, x), _im2col(helper, x)
+    difference = float((shared - im2col).abs().max() / im2col.abs().max())
+    shared_s, im2col_s = [], []
+    for _ in range(iters):
+        shared_s.append(seconds(partial(_shared, helper, x)))
+        im2col_s.append(seconds(partial(_im2col, helper, x)))
+    shared_ms, im2col_ms = stats(shared_s)["median"], stats(im2col_s)["median"]
+    work = helper.shared_shift_work(x)
+    assert work is not None
+    takes = "shared" if helper.shared_gram(x) is not None else "im2col"
+    return {
+        "input": list(x.shape),
+        "a_dim": helper.a_shape.dim,
+        "im2col_multiply_adds": work.im2col_multiply_adds,
+        "shared_cost": work.cost(),
+        "shared": stats(shared_s),
+        "im2col": stats(im2col_s),
+        "shared_over_im2col": shared_ms / im2col_ms,
+        "rule_takes": takes,
+        "rule_takes_the_faster": (takes == "shared") == (shared_ms <= im2col_ms),
+        "max_relative_difference": difference,
+    }
+
+
 def measure(iters: int, quick: bool = False) -> dict[str, dict[str, object]]:
     """Per layer: seconds of both routes (interleaved rounds), the route the rule takes, and the factors' difference."""
     rows: dict[str, dict[str, object]] = {}
@@ -130,31 +163,42 @@ def measure(iters: int, quick: bool = False) -> dict[str, dict[str, object]]:
         torch.manual_seed(0)
         helper = make_helper(build())
         assert isinstance(helper, ConvHelper)
-        x = torch.randn(shape)
-        shared, im2col = _shared(helper, x), _im2col(helper, x)
-        difference = float((shared - im2col).abs().max() / im2col.abs().max())
-        shared_s, im2col_s = [], []
-        for _ in range(iters):
-            shared_s.append(seconds(partial(_shared, helper, x)))
-            im2col_s.append(seconds(partial(_im2col, helper, x)))
-        shared_ms, im2col_ms = stats(shared_s)["median"], stats(im2col_s)["median"]
-        work = helper.shared_shift_work(x)
-        assert work is not None
-        takes = "shared" if helper.shared_gram(x) is not None else "im2col"
-        rows[name] = {
-            "input": list(shape),
-            "a_dim": helper.a_shape.dim,
-            "im2col_multiply_adds": work.im2col_multiply_adds,
-            "shared_cost": work.cost(),
-            "shared": stats(shared_s),
-            "im2col": stats(im2col_s),
-            "shared_over_im2col": shared_ms / im2col_ms,
-            "rule_takes": takes,
-            "rule_takes_the_faster": (takes == "shared") == (shared_ms <= im2col_ms),
-            "max_relative_difference": difference,
-        }
-        print(f"{name}: shared/im2col {shared_ms / im2col_ms:.2f}, the rule takes {takes}, factors apart by {difference:.1e}", flush=True)
+        rows[name] = row = _time_routes(helper, torch.randn(shape), iters)
+        print(f"{name}: shared/im2col {row['shared_over_im2col']:.2f}, the rule takes {row['rule_takes']}", flush=True)
     return rows
+
+
+def _grid(quick: bool) -> list[tuple[int, int, int, int]]:
+    """(kernel, map side, channels, batch) of the grid the cost model was fitted on, its im2col work 1e6-3e10."""
+    if quick:
+        return [(3, 2, 8, 8), (3, 8, 32, 8), (5, 4, 8, 8)]
+    cases = itertools.product((3, 5), (2, 4, 8, 16), (8, 32, 128, 512), (8, 64))
+    return [(k, h, c, n) for k, h, c, n in cases if 1e6 <= n * h * h * (c * k * k) ** 2 <= 3e10]
+
+
+def measure_grid(iters: int, quick: bool = False) -> dict[str, object]:
+    """The rule on the fitting grid: each case timed both ways, and the time lost against always taking the faster
+    route (the sum over the cases of log(route's median / faster median)) for the rule and for either route alone."""
+    cases: dict[str, dict[str, object]] = {}
+    for k, h, c, n in _grid(quick):
+        torch.manual_seed(0)
+        helper = make_helper(nn.Conv2d(c, c, k, padding=k // 2, bias=False))
+        assert isinstance(helper, ConvHelper)
+        row = _time_routes(helper, torch.randn(n, c, h, h), max(3, iters // 2))
+        cases[f"{k}x{k}, {c} channels at {h}x{h} (batch {n})"] = row
+    lost = {"rule": 0.0, "always_shared": 0.0, "always_im2col": 0.0}
+    worst = 1.0
+    for row in cases.values():
+        ratio = float(row["shared_over_im2col"])  # (a float: _time_routes)
+        shared_loss, im2col_loss = max(0.0, math.log(ratio)), max(0.0, -math.log(ratio))
+        rule_loss = shared_loss if row["rule_takes"] == "shared" else im2col_loss
+        lost["rule"] += rule_loss
+        lost["always_shared"] += shared_loss
+        lost["always_im2col"] += im2col_loss
+        worst = max(worst, math.exp(rule_loss))
+    faster = sum(bool(row["rule_takes_the_faster"]) for row in cases.values())
+    print(f"grid: the rule takes the faster route in {faster} of {len(cases)} cases; log time lost {lost}", flush=True)
+    return {"cases": cases, "rule_takes_the_faster": faster, "log_time_lost": lost, "rule_worst": worst}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,10 +210,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    layers = measure(args.iters, args.quick)
-    in_parts = measure_parts(args.iters, args.quick)
+    result = {"args": vars(args), "machine": machine(), "layers": measure(args.iters, args.quick)}
+    result["in_parts"] = measure_parts(args.iters, args.quick)
+    result["grid"] = measure_grid(args.iters, args.quick)
     out = Path(args.out)
-    print(f"wrote {save_json({'args': vars(args), 'machine': machine(), 'layers': layers, 'in_parts': in_parts}, out.name, out.parent)}")
+    print(f"wrote {save_json(result, out.name, out.parent)}")
 
 
 if __name__ == "__main__":

@@ -577,6 +577,10 @@ def test_conv_factor_times_both_routes_and_says_which_the_rule_takes(tmp_path):
         assert row["rows_bytes_per_part"] < row["rows_bytes_at_once"]
         assert row["in_parts"]["n"] == row["at_once"]["n"] == 2
         assert row["max_relative_difference"] < 1e-5
+    grid = json.loads(out.read_text())["grid"]
+    assert len(grid["cases"]) == 3
+    assert grid["rule_takes_the_faster"] == sum(row["rule_takes_the_faster"] for row in grid["cases"].values())
+    assert grid["log_time_lost"]["rule"] <= grid["log_time_lost"]["always_shared"] + grid["log_time_lost"]["always_im2col"]
 
 
 @pytest.mark.slow
