@@ -72,25 +72,26 @@ class SharedShiftWork:
 class _Geometry:
     """Where each kernel offset reads, the shift between each pair of offsets, and the strips each offset misses."""
 
-    offsets: list[Shift]
-    pairs: list[tuple[int, int]]
-    shift_of: dict[tuple[int, int], Shift]
-    shifts: list[Shift]
-    strips: list[list[Rect]]  # per offset
+    offsets: tuple[Shift, ...]
+    pairs: tuple[tuple[int, int], ...]
+    shift_of: dict[tuple[int, int], Shift]  # (read only: cached)
+    shifts: tuple[Shift, ...]
+    strips: tuple[tuple[Rect, ...], ...]  # per offset
     out_h: int
     out_w: int
 
 
+@lru_cache(maxsize=1024)
 def _geometry(h: int, w: int, kernel_size: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int]) -> _Geometry:
     (kh, kw), (ph, pw), (dh, dw) = kernel_size, padding, dilation
     out_h, out_w = h + 2 * ph - dh * (kh - 1), w + 2 * pw - dw * (kw - 1)
     k = kh * kw
     # Offset a = (i, j) reads image pixel (p_r + i*dh - ph, p_c + j*dw - pw) for output position p.
-    offsets = [(i * dh - ph, j * dw - pw) for i in range(kh) for j in range(kw)]
-    pairs = [(a, b) for a in range(k) for b in range(a, k)]
+    offsets = tuple((i * dh - ph, j * dw - pw) for i in range(kh) for j in range(kw))
+    pairs = tuple((a, b) for a in range(k) for b in range(a, k))
     shift_of = {(a, b): (offsets[b][0] - offsets[a][0], offsets[b][1] - offsets[a][1]) for a, b in pairs}
-    strips = [_missed_strips(orow, orow + out_h, ocol, ocol + out_w, h, w) for orow, ocol in offsets]
-    return _Geometry(offsets, pairs, shift_of, sorted(set(shift_of.values())), strips, out_h, out_w)
+    strips = tuple(tuple(_missed_strips(orow, orow + out_h, ocol, ocol + out_w, h, w)) for orow, ocol in offsets)
+    return _Geometry(offsets, pairs, shift_of, tuple(sorted(set(shift_of.values()))), strips, out_h, out_w)
 
 
 @lru_cache(maxsize=1024)

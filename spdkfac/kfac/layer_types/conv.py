@@ -18,6 +18,7 @@ convolution has ``k x k`` (+1 with a bias) ``A`` blocks and
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
@@ -35,6 +36,7 @@ __all__ = [
     "conv_output_gram",
     "sample_chunks",
     "spatial_pair",
+    "summed",
     "symmetric_zero_padding",
     "with_bias_row",
 ]
@@ -177,33 +179,30 @@ class ConvHelper(GroupedConvolution):
         shared = self.shared_gram(x)
         if shared is not None:
             return shared
-        (kh, kw), (ph, pw), (sh, sw), (dh, dw) = self.kernel_size, self.padding, self.stride, self.dilation
-        out_h = (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
-        out_w = (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-        gram: torch.Tensor | None = None
-        count = 0
-        for part in self._sample_chunks(x, out_h * out_w):
-            rows = self.input_rows(part)
-            if self.has_bias:
-                rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
-            part_gram = symmetric_gram(rows)
-            gram = part_gram if gram is None else gram.add_(part_gram)
-            count += rows.shape[0]
-        assert gram is not None
-        return gram, count
+        out_h, out_w = self._output_size(x)
+        return summed(self._rows_gram(part) for part in self._sample_chunks(x, out_h * out_w)), x.shape[0] * out_h * out_w
+
+    def _rows_gram(self, x: torch.Tensor) -> torch.Tensor:
+        """The Gram of ``x``'s im2col rows (with the ones column of a bias)."""
+        rows = self.input_rows(x)
+        if self.has_bias:
+            rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+        return symmetric_gram(rows)
 
     def _sample_chunks(self, x: torch.Tensor, positions: int) -> list[torch.Tensor]:
-        width = x.shape[1] * math.prod(self.kernel_size) + self.groups * int(self.has_bias)
-        return sample_chunks(x, positions * width * x.element_size())
+        return sample_chunks(x, positions * self.a_shape.dim * self.a_shape.blocks * x.element_size())
+
+    def _output_size(self, x: torch.Tensor) -> tuple[int, int]:
+        """The output height and width for the (4-D, before the zero padding) input."""
+        (kh, kw), (ph, pw), (sh, sw), (dh, dw) = self.kernel_size, self.padding, self.stride, self.dilation
+        return (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
 
     def _windows(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         """The zero-padded 4-D input and the output height and width."""
+        out_h, out_w = self._output_size(x)
         ph, pw = self.padding
         if ph or pw:
             x = F.pad(x, (pw, pw, ph, ph))
-        (kh, kw), (sh, sw), (dh, dw) = self.kernel_size, self.stride, self.dilation
-        out_h = (x.shape[2] - dh * (kh - 1) - 1) // sh + 1
-        out_w = (x.shape[3] - dw * (kw - 1) - 1) // sw + 1
         return x, out_h, out_w
 
     def _grouped_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -221,8 +220,8 @@ class ConvHelper(GroupedConvolution):
         if c == self.groups:
             return self._depthwise_gram(x, out_h, out_w), count
         cg = c // self.groups
-        gram: torch.Tensor | None = None
-        for part in self._sample_chunks(x, out_h * out_w):
+
+        def part_gram(part: torch.Tensor) -> torch.Tensor:
             s_n, s_c, s_h, s_w = part.stride()
             windows = part.as_strided(
                 (self.groups, part.shape[0], out_h, out_w, cg, kh, kw),
@@ -233,10 +232,9 @@ class ConvHelper(GroupedConvolution):
             rows = windows.reshape(self.groups, part_count, cg * kh * kw)  # one copy, each group's rows contiguous
             if bias:
                 rows = torch.cat([rows, rows.new_ones(self.groups, part_count, 1)], dim=2)
-            part_gram = block_gram(rows)
-            gram = part_gram if gram is None else gram.add_(part_gram)
-        assert gram is not None
-        return gram, count
+            return block_gram(rows)
+
+        return summed(part_gram(part) for part in self._sample_chunks(x, out_h * out_w)), count
 
     def _depthwise_gram(self, x: torch.Tensor, out_h: int, out_w: int) -> torch.Tensor:
         """Per-channel Gram of the kernel-offset rows, a few channels at a time: ``(C, k+b, k+b)``.
@@ -315,6 +313,15 @@ def sample_chunks(x: torch.Tensor, row_bytes_per_sample: int) -> list[torch.Tens
     ``x`` itself, when they fit; one sample at least): a convolution's ``A`` is then the sum of the parts' Grams."""
     samples = max(1, IM2COL_ROWS_BYTES // max(1, row_bytes_per_sample))
     return [x] if samples >= x.shape[0] else [x[i : i + samples] for i in range(0, x.shape[0], samples)]
+
+
+def summed(grams: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The sum of the parts' Grams (:func:`sample_chunks`), into the first (one part: that Gram itself)."""
+    total: torch.Tensor | None = None
+    for gram in grams:
+        total = gram if total is None else total.add_(gram)
+    assert total is not None, "no part"
+    return total
 
 
 def block_gram(rows: torch.Tensor) -> torch.Tensor:

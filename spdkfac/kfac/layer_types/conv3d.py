@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..factor_shape import FactorShape
 from ..linalg import channel_gram, symmetric_gram
-from .conv import GroupedConvolution, block_gram, sample_chunks, symmetric_zero_padding, with_bias_row
+from .conv import GroupedConvolution, block_gram, sample_chunks, summed, symmetric_zero_padding, with_bias_row
 
 __all__ = ["Conv3dHelper"]
 
@@ -45,12 +45,17 @@ class Conv3dHelper(GroupedConvolution):
         per_group = (self.module.in_channels // self.groups) * math.prod(self.kernel_size)
         return FactorShape(per_group + (1 if self.has_bias else 0), blocks=self.groups)
 
+    def _output_size(self, x: torch.Tensor) -> list[int]:
+        """The output's depth, height and width for the (unpadded) input."""
+        padded = [size + self.pad[2 * i] + self.pad[2 * i + 1] for i, size in enumerate(reversed(x.shape[2:]))][::-1]
+        return [(size - d * (k - 1) - 1) // s + 1 for size, k, s, d in zip(padded, self.kernel_size, self.stride, self.dilation)]
+
     def input_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The patches ``(groups, n * voxels, C/groups * kd * kh * kw)`` of the padded input, one copy."""
+        out = self._output_size(x)
         if any(self.pad):
             x = F.pad(x, self.pad, mode=self.pad_mode)
         n, c = x.shape[:2]
-        out = [(size - d * (k - 1) - 1) // s + 1 for size, k, s, d in zip(x.shape[2:], self.kernel_size, self.stride, self.dilation)]
         cg = c // self.groups
         s_n, s_c, *s_space = x.stride()
         windows = x.as_strided(
@@ -65,20 +70,13 @@ class Conv3dHelper(GroupedConvolution):
         if self.groups == 1 and math.prod(self.kernel_size) == 1 and not any(self.pad):
             strided = x[:, :, :: self.stride[0], :: self.stride[1], :: self.stride[2]]  # a 1x1x1 kernel: the voxels
             return with_bias_row(channel_gram(strided), strided, self.has_bias)
-        spatial = [size + self.pad[2 * i] + self.pad[2 * i + 1] for i, size in enumerate(reversed(x.shape[2:]))][::-1]
-        voxels = math.prod(
-            (size - d * (k - 1) - 1) // s + 1 for size, k, s, d in zip(spatial, self.kernel_size, self.stride, self.dilation)
-        )
-        width = self.a_shape.dim * self.groups
-        gram: torch.Tensor | None = None
-        count = 0
-        for part in sample_chunks(x, voxels * width * x.element_size()):  # the rows a few samples at a time
-            rows = self.input_rows(part)
-            part_count = rows.shape[1]
-            if self.has_bias:
-                rows = torch.cat([rows, rows.new_ones(self.groups, part_count, 1)], dim=2)
-            part_gram = symmetric_gram(rows[0]) if self.groups == 1 else block_gram(rows)
-            gram = part_gram if gram is None else gram.add_(part_gram)
-            count += part_count
-        assert gram is not None
-        return gram, count
+        voxels = math.prod(self._output_size(x))
+        parts = sample_chunks(x, voxels * self.a_shape.dim * self.groups * x.element_size())  # a few samples at a time
+        return summed(self._rows_gram(part) for part in parts), x.shape[0] * voxels
+
+    def _rows_gram(self, x: torch.Tensor) -> torch.Tensor:
+        """The Gram of ``x``'s patches (with the ones column of a bias), per group."""
+        rows = self.input_rows(x)
+        if self.has_bias:
+            rows = torch.cat([rows, rows.new_ones(self.groups, rows.shape[1], 1)], dim=2)
+        return symmetric_gram(rows[0]) if self.groups == 1 else block_gram(rows)
