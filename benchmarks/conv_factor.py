@@ -144,7 +144,7 @@ def _time_routes(helper: ConvHelper, x: torch.Tensor, iters: int) -> dict[str, o
         "input": list(x.shape),
         "a_dim": helper.a_shape.dim,
         "im2col_multiply_adds": work.im2col_multiply_adds,
-        "shared_cost": work.cost(),
+        "shared_cost": work.cost(torch.get_num_threads()),
         "shared": stats(shared_s),
         "im2col": stats(im2col_s),
         "shared_over_im2col": shared_ms / im2col_ms,

@@ -21,11 +21,13 @@ def conv_factor(path: Path, d: dict[str, Any]) -> list[str]:
     need(d, path, "layers")
     layers = d["layers"]
     faster = sum(bool(r["rule_takes_the_faster"]) for r in layers.values())
+    threads = d.get("args", {}).get("threads")
+    on = f" on {threads} thread{'s' if threads != 1 else ''}" if threads else ""
     lines = [
         "A stride-1 k×k convolution's `A` factor on the CPU by shared shifts ([docs/design.md](../docs/design.md#computing-the-factors)) "
-        "and by the im2col rows' one product, timed alternately; medians, float32. The shipped rule takes the shared "
-        "shifts where its cost model (`SharedShiftWork.pays`) expects them to be faster: on small maps and few "
-        f"channels the one product wins. The rule takes the faster route on {faster} of {len(layers)} layers; the "
+        f"and by the im2col rows' one product, timed alternately{on}; medians, float32. The shipped rule takes the "
+        "shared shifts where its cost model (`SharedShiftWork.pays`, which counts torch's threads) expects them to "
+        f"be faster: on small maps, few channels or many threads the one product wins. The rule takes the faster route on {faster} of {len(layers)} layers; the "
         "two factors differ by rounding only.",
         "",
     ]

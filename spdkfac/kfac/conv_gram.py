@@ -38,13 +38,17 @@ Rect = tuple[int, int, int, int]  # rows [r0, r1) x cols [c0, c1) of the image
 Shift = tuple[int, int]
 
 #: The cost model of :meth:`SharedShiftWork.pays`, in multiply-adds of one large product (the im2col Gram's), fitted
-#: on 3x3 and 5x5 kernels, 2x2 to 16x16 maps, 8 to 512 channels, 1 and 2 threads (benchmarks/conv_factor.py):
-#: a shared shift's small products run at about a third of that rate,
-SMALL_PRODUCT_SLOWDOWN = 3.0
-#: each product and block costs about this much in Python and dispatch,
-PER_OPERATION = 1e5
-#: and each ``C x C`` product and block written costs this much per element (on few pixels they are memory bound).
-PER_WRITTEN_ELEMENT = 60.0
+#: on 3x3 and 5x5 kernels, 2x2 to 16x16 maps, 8 to 512 channels, batch 8 and 64, and 11 real layers, on 1 and 2
+#: threads (benchmarks/conv_factor.py): a shared shift's small products run at this fraction of that rate,
+SMALL_PRODUCT_SLOWDOWN = 2.5
+#: each product and block costs about this much in Python and dispatch on one thread,
+PER_OPERATION = 3e5
+#: each ``C x C`` product and block written costs this much per element (on few pixels they are memory bound),
+PER_WRITTEN_ELEMENT = 40.0
+#: and these fixed costs grow by this much of themselves with each further thread: the large product runs on all the
+#: threads, while each small operation pays for starting them and gains little (measured: the im2col Gram 1.5-1.8x
+#: faster on 2 threads, the shared shifts on few channels not at all).
+PER_THREAD_GROWTH = 5.0
 
 
 @dataclass(frozen=True)
@@ -57,15 +61,17 @@ class SharedShiftWork:
     channels: int
     im2col_multiply_adds: int  # rows x (their width)²
 
-    def cost(self) -> float:
-        """The shared shifts' cost in multiply-adds of one large product."""
+    def cost(self, threads: int = 1) -> float:
+        """The shared shifts' cost in multiply-adds of one large product, on ``threads`` threads."""
         operations = self.products + self.blocks
         written = self.channels**2 * (self.products + 2 * self.blocks)
-        return SMALL_PRODUCT_SLOWDOWN * self.multiply_adds + PER_OPERATION * operations + PER_WRITTEN_ELEMENT * written
+        fixed = PER_OPERATION * operations + PER_WRITTEN_ELEMENT * written
+        return SMALL_PRODUCT_SLOWDOWN * self.multiply_adds + (1.0 + PER_THREAD_GROWTH * (max(1, threads) - 1)) * fixed
 
-    def pays(self) -> bool:
-        """Whether the shared shifts are expected to be faster than the im2col rows' one product (on a CPU)."""
-        return self.cost() < self.im2col_multiply_adds
+    def pays(self, threads: int = 1) -> bool:
+        """Whether the shared shifts are expected to be faster than the im2col rows' one product (on a CPU, with
+        ``threads`` threads for torch's operations)."""
+        return self.cost(threads) < self.im2col_multiply_adds
 
 
 @dataclass(frozen=True)

@@ -284,8 +284,8 @@ class ConvHelper(GroupedConvolution):
             # 3x3 factors 2.7 ms against 30-87 ms each at 224x224, batch 64, on an H200.)
             return None
         work = self.shared_shift_work(x)
-        if work is None or not work.pays():
-            return None  # small maps or few channels: the im2col rows' one product is cheaper
+        if work is None or not work.pays(torch.get_num_threads()):
+            return None  # small maps, few channels or many threads: the im2col rows' one product is cheaper
         return conv_input_gram(x, self.kernel_size, self.padding, self.dilation, self.has_bias)
 
     def shared_shift_work(self, x: torch.Tensor) -> SharedShiftWork | None:

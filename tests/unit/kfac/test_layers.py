@@ -171,7 +171,7 @@ def test_stride1_conv_factor_from_shared_shifts_equals_explicit_im2col_gram(
     """The A factor of a stride-1 conv (built from shifted sums, never from im2col rows) is the rows' mean Gram."""
     from spdkfac.kfac.layers import KFACLayer, make_helper
 
-    monkeypatch.setattr(SharedShiftWork, "pays", lambda self: True)  # these inputs are small: im2col otherwise
+    monkeypatch.setattr(SharedShiftWork, "pays", lambda self, threads=1: True)  # these inputs are small: im2col otherwise
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 4, kernel, padding=padding, dilation=dilation, bias=bias).double()
     x = torch.randn(2, 3, *size, dtype=torch.float64)
@@ -191,11 +191,19 @@ def test_stride1_conv_factor_from_shared_shifts_equals_explicit_im2col_gram(
 
 @pytest.mark.parametrize(
     ("kernel", "channels", "size", "batch", "shared"),
-    [(3, 4, 6, 8, False), (5, 3, 28, 16, False), (3, 128, 4, 16, False), (3, 32, 16, 16, True), (5, 16, 24, 8, True)],
+    [
+        (3, 4, 6, 8, (False, False)),
+        (5, 3, 28, 16, (False, False)),
+        (3, 128, 4, 16, (False, False)),
+        (3, 32, 16, 16, (True, False)),
+        (5, 16, 24, 8, (True, False)),
+        (3, 64, 32, 2, (True, True)),
+    ],
 )
 def test_a_stride1_conv_takes_the_shared_shifts_where_they_pay_and_counts_their_work(kernel, channels, size, batch, shared):
-    """The route follows SharedShiftWork.pays; its multiply-adds are those conv_input_gram's products do, the im2col
-    ones the rows' Gram; both routes give the rows' Gram."""
+    """The route follows SharedShiftWork.pays at torch's thread count (``shared``: on 1 and on 2 threads); its
+    multiply-adds are those conv_input_gram's products do, the im2col ones the rows' Gram; both routes give the rows'
+    Gram."""
     from spdkfac.kfac.layers import make_helper
 
     torch.manual_seed(0)
@@ -210,8 +218,15 @@ def test_a_stride1_conv_takes_the_shared_shifts_where_they_pay_and_counts_their_
     with FlopCounterMode(display=False) as flops:
         conv_input_gram(x, (kernel, kernel), (kernel // 2, kernel // 2), (1, 1), with_bias=True)
     assert 2 * work.multiply_adds == flops.get_total_flops()
-    assert work.pays() == shared
-    assert (helper.shared_gram(x) is not None) == shared
+    assert (work.pays(1), work.pays(2)) == shared
+    assert work.cost(1) < work.cost(2) < work.cost(4)  # the fixed costs grow with the threads, the products' do not
+    before = torch.get_num_threads()
+    try:
+        for threads, expected in zip((1, 2), shared):
+            torch.set_num_threads(threads)
+            assert (helper.shared_gram(x) is not None) == expected
+    finally:
+        torch.set_num_threads(before)
     gram, count = helper.input_gram(x, torch.float64)
     assert count == rows.shape[0]
     torch.testing.assert_close(gram, rows.T @ rows, rtol=1e-12, atol=1e-10)
