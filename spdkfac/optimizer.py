@@ -308,7 +308,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self._forward_fusion: ForwardFusion | None = None
         self._backward_fusion: BackwardFusion | None = None
         self._plan_for_workers()
-        wrapping.attach(self._adopt_ddp)
+        wrapping.attach(self._adopt_ddp, self._adopt_sharding)
         self._begin_iteration()
         self._own_groups = len(self.param_groups)
         self._unfreeze_hook: HookHandle | None = None
@@ -419,6 +419,42 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         group is not the backend's, or under ``update_fusion='backward'``)."""
         self.wrapping.check(self.backend.size, self.config.update_fusion)  # (before anything is unhooked)
         self._wire_anew()
+
+    def _adopt_sharding(self) -> None:
+        """The model was sharded by ``fully_shard()`` after construction (accelerate's ``prepare()`` with its FSDP2
+        plugin, which also swaps the parameter groups' parameters for their shards), found at its first forward
+        pass: take it in as construction on the sharded model would, so that FSDP averages the gradients and the
+        layers read theirs whole. Before the first step only (nothing is held yet for the replaced parameters);
+        the groups keep their hyperparameters. RuntimeError after a step; ValueError as construction refuses."""
+        if self.steps > 0 or self.state:
+            raise RuntimeError(
+                f"the model was sharded by fully_shard() after this optimizer took or loaded {self.steps} step(s): its "
+                "state belongs to the parameters FSDP replaced. Build the optimizer on the sharded model (after "
+                "fully_shard(), or after accelerator.prepare(model)) and load the checkpoint into it, or shard "
+                "before the first step"
+            )
+        self.wrapping.check(self.backend.size, self.config.update_fusion)
+        self.wrapping.check_scaler(self.grad_scaler, self.backend.size)
+        current = dict(self.model.named_parameters())
+        named = {id(p): name for p, name in self.param_names.items()} | {id(p): name for name, p in current.items()}
+        for group in self.param_groups[self._own_groups :]:  # added groups: the model's parameters by name
+            group["params"] = [current[named[id(p)]] if named.get(id(p)) in current else p for p in group["params"]]
+        previous = self.kfac_step
+        self._unhook_step()
+        regroup(self.model, self.param_groups, self._own_groups, self.config.no_weight_decay)
+        if self.precondition:
+            self.layers = preconditioned_layers(
+                self.model, self.method, self.config.skip_layers, self.config.norm_layers is NormLayers.KFAC, self.config.max_factor_dim
+            )
+            slots = parameter_slots(self.model)
+            for layer in self.layers:
+                layer.weight_slot = slots.get(id(layer.helper.weight))
+        self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
+        if self.adaptive_damping is not None:
+            self._damping_step = DampingStep(self.adaptive_damping, self.model, self.layers, self.backend)
+        self._diagonal_unchecked = [layer for layer in self._preconditioning_layers if layer.shape("A").diagonal]
+        self._replan_keeping_state(previous)
+        self._outside = outside_groups(self.model, self.param_groups)
 
     def _unhook_step(self) -> None:
         """Detach the step's hooks and forward fusion's (its held updates applied first), to wire them anew."""

@@ -25,7 +25,10 @@ A model sharded by FSDP2 (``fully_shard`` on its root module and any of its
 parts, on a mesh over the optimizer's workers: 1-D, or 2-D for hybrid
 sharding) is taken as well: FSDP averages the gradients (its reduce-scatter leaves each worker its
 rows of the average) and the layers read theirs whole
-(:mod:`spdkfac.kfac.sharded_grads`).
+(:mod:`spdkfac.kfac.sharded_grads`). A model sharded after the optimizer was
+built (accelerate's ``prepare()`` with its FSDP2 plugin, which also swaps the
+optimizer's parameters for the shards) is found at its first forward pass,
+before any step, and taken as if the optimizer had been built on it.
 
 Wrappers that average or shard the gradients some other way (``nn.DataParallel``,
 the first FSDP (``FullyShardedDataParallel``), a DDP inside the model or around a larger one, tensor
@@ -169,16 +172,22 @@ class ModelWrapping:
         self._hook: HookHandle | None = None
         self._stale: HookHandle | None = None  # the bare model's hook once a DDP is adopted, until the next step()
         self._adopt: Callable[[], None] = lambda: None
+        self._adopt_sharding: Callable[[], None] = lambda: None
 
-    def attach(self, adopt: Callable[[], None]) -> None:
+    def attach(self, adopt: Callable[[], None], adopt_sharding: Callable[[], None] = lambda: None) -> None:
         """Hook the forward pass (called last in the optimizer's construction, so a refused one leaves no hook).
 
         On a DDP model: note whether each pass runs inside ``no_sync()``. On a
         bare model: at each forward pass up to its first training pass, look
         for a DDP around it; one found becomes :attr:`ddp`, and ``adopt()`` is
         called (the optimizer then re-plans so that DDP averages the gradients).
+        A bare model that ``fully_shard()`` has sharded since sets
+        :attr:`sharded_over`, and ``adopt_sharding()`` is called with the
+        model's parameters its shards (the optimizer then takes them as its
+        construction on the sharded model would).
         """
         self._adopt = adopt
+        self._adopt_sharding = adopt_sharding
         self._hook = (
             register(self.ddp.register_forward_pre_hook, self._ddp_forward)
             if self.ddp is not None
@@ -252,6 +261,9 @@ class ModelWrapping:
     def _bare_forward(self, module: nn.Module, args: Any) -> None:
         if self.ddp is not None:  # adopted in this pass
             return
+        if self.sharded_over is None and _is_fsdp2(module):
+            run_eagerly(self._take_sharding)(module)
+            return
         active = DistributedDataParallel._active_ddp_module
         if active is not None:
             run_eagerly(self._take_ddp)(active)  # (compiled: a graph break, once; the graph is traced again after it)
@@ -272,6 +284,18 @@ class ModelWrapping:
         self._last_pass_synced = bool(getattr(ddp, "require_backward_grad_sync", True))
         self._hook = register(ddp.register_forward_pre_hook, self._ddp_forward)
         self._adopt()
+
+    def _take_sharding(self, module: Any) -> None:
+        """Adopt the FSDP2 sharding applied to the bare model since construction. FSDP's own pre-forward hook (run
+        before this one) has put the whole parameters of the root's group in place: they go back to their shards
+        while the optimizer takes the model in, and are gathered again for the pass (one all-gather more, once)."""
+        module.reshard()
+        try:
+            _refuse_other_wrappers(self.module)
+            self.sharded_over = _mesh_size(self.module)
+            self._adopt_sharding()
+        finally:
+            module.unshard()
 
     def check_synchronized(self, caller: str) -> None:
         """Raise RuntimeError when the last backward pass ran inside ``no_sync()``: its gradients were not averaged."""

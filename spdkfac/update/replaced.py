@@ -59,6 +59,13 @@ class ParameterSlots:
         warn about trainable parameters added to the model since that are not ``held`` (the optimizer's)."""
         for qualified, parameters, name, p in self._slots:
             if parameters.get(name) is not p:
+                if hasattr(parameters.get(name), "device_mesh"):  # a DTensor: FSDP2's shard
+                    raise RuntimeError(
+                        f"the model's parameter {qualified!r} was sharded by fully_shard() after this optimizer took "
+                        "its first step, and its state belongs to the tensors FSDP replaced: build the optimizer on "
+                        "the sharded model (after fully_shard(), or after accelerator.prepare(model)), or shard before "
+                        "the first step (the optimizer then takes the sharding in at the next forward pass)"
+                    )
                 raise RuntimeError(
                     f"the model's parameter {qualified!r} is not the tensor this optimizer was built with: it was "
                     "replaced (model.to_empty(), load_state_dict(..., assign=True), a conversion under "

@@ -18,6 +18,8 @@ model's embedding, attention (q, k, v rows of one sharded parameter), norm
 layers and MLP, the same with its output layer tied to the embedding,
 blocks of several layers sharded whole with an adversarial example's input
 gradient taken before each training pass (left out of the factors), and a
+model sharded after the optimizer was built (accelerate's order: its
+parameters swapped for the shards, or left), and a
 checkpoint (the model's and the optimizer's
 ``state_dict()``, sharded base state and whole K-FAC state) resumed halfway
 into a new sharded model and optimizer, also through
@@ -67,12 +69,17 @@ VARIANTS = {
     "compiled-layers": dict(SGD, compile="layers"),
     "compiled-root": dict(SGD, compute_method="eigen", compile="root"),
     "unfrozen-halfway": dict(SGD, unfreeze=True),
+    "sharded-later": dict(SGD, shard_later="swapped"),
+    "sharded-later-left": dict(SGD, compute_method="eigen", shard_later="left"),
+    "sharded-later-language": dict(SGD, model="language", norm_layers="kfac", shard_later="swapped"),
+    "sharded-later-preconditioner": dict(ATTACHED, shard_later="swapped"),
 }
 CONFIGS = {f"{kind}-{name}": dict(options, fsdp=kind == "fsdp") for name, options in VARIANTS.items() for kind in ("bare", "fsdp")}
 #: Bitwise the bare run's with 2 workers; the others add their averages in another order (FSDP averages each
 #: micro-batch's gradient) or differ in the last bits (the language model).
 BITWISE = {"plain", "eigen-distributed", "accum-no-sync", "adamw", "grad-scaler", "preconditioner"}
 BITWISE |= {"resumed", "resumed-dcp", "resumed-dcp-adamw", "blocks-attacked", "unfrozen-halfway"}
+BITWISE |= {"sharded-later", "sharded-later-left", "sharded-later-preconditioner"}
 
 
 def test_hybrid_sharding_equals_bare_and_one_process(tmp_path):
@@ -95,6 +102,26 @@ def test_hybrid_sharding_equals_bare_and_one_process(tmp_path):
     for name in ("plain", "language", "eigen-distributed"):
         assert_params_match({name: ranks[0][f"bare-{name}"]}, {name: ranks[0][f"fsdp-{name}"]}, [name], rtol=1e-12, atol=1e-14)
     assert_params_match(single, ranks[0], list(configs))
+
+
+def test_a_model_sharded_after_the_first_step_or_a_load_is_refused_with_the_remedy(tmp_path):
+    """The base state then belongs to the parameters FSDP replaced: the next step raises, naming the sharding and
+    saying to build the optimizer on the sharded model (the forward passes after the first training pass no longer
+    look for a wrapper); after a load, the first forward pass raises."""
+    configs = {
+        "fsdp-late": dict(SGD, fsdp=True, shard_later="after-a-step"),
+        "fsdp-loaded": dict(SGD, fsdp=True, shard_later="after-a-load"),
+    }
+    args = ["--configs", json.dumps(configs), "--global-batch", "8", "--steps", "3"]
+    run_workers("torch", 2, [WORKER, *args, "--out", str(tmp_path / "dist.pt")])
+    for r in range(2):
+        results = torch.load(tmp_path / f"dist.pt.rank{r}", weights_only=False)
+        refused = results["fsdp-late"]["refused"]
+        assert "'0.weight' was sharded by fully_shard() after this optimizer took its first step" in refused
+        assert "build the optimizer on the sharded model" in refused
+        refused = results["fsdp-loaded"]["refused"]  # (found at the forward pass: no training pass before it)
+        assert "sharded by fully_shard() after this optimizer took or loaded 1 step(s)" in refused
+        assert "load the checkpoint into it" in refused
 
 
 @pytest.mark.parametrize("nproc", [2, 3])

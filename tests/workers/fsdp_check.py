@@ -29,7 +29,12 @@ train on (``'dcp'``, on a sharded model: save and load with
 ``compile``: ``'layers'``, each child compiled before the sharding
 (torchtitan's order), or ``'root'``, the sharded model compiled, the
 optimizer given the compiled one; ``unfreeze``: the first layer frozen
-until halfway.
+until halfway; ``shard_later``: the optimizer built on the bare model and the
+model sharded after, with the optimizer's parameters swapped for the shards by
+name as accelerate's ``prepare()`` does (``'swapped'``), or left (``'left'``),
+or sharded after the first step (``'after-a-step'``), or after a new
+optimizer loaded the first step's state (``'after-a-load'``): the next
+step's error is recorded as ``refused``.
 
     torchrun --nproc_per_node 2 tests/workers/fsdp_check.py --configs '<json>' --out result.pt
 """
@@ -135,6 +140,7 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
         hybrid = cfg.pop("hybrid", False) and backend.size % 2 == 0 and backend.size > 2
         kind, resume, no_sync = cfg.pop("model", "small"), cfg.pop("resume", False), cfg.pop("no_sync", False)
         attack, compiled, unfreeze = cfg.pop("attack", False), cfg.pop("compile", None), cfg.pop("unfreeze", False)
+        shard_later = cfg.pop("shard_later", None)
         scaler = None
         if cfg.pop("amp", False):  # FSDP's scaler agrees on an overflow over the workers' shards
             scaler = ShardedGradScaler("cpu", init_scale=1024.0) if sharded else torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -148,6 +154,7 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
             cfg: dict = cfg,
             compiled: str | None = compiled,
             unfreeze: bool = unfreeze,
+            shard_later: str | None = shard_later,
         ) -> tuple[nn.Module, SPDKFACOptimizer, Any]:
             if kind in ("language", "tied"):
                 model: nn.Module = TinyLanguageModel(tied=kind == "tied")
@@ -162,16 +169,24 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
             if compiled == "layers":  # torchtitan's order: each layer compiled, then sharded
                 for child in model.children():
                     child.compile()
-            if sharded:
+            if sharded and not shard_later:
                 fully_sharded(model, hybrid)
                 assert all(is_sharded(p) for p in model.parameters())
             if compiled == "root":
                 model = torch.compile(model)  # type: ignore[assignment]
             if adamw is None:
                 opt = SPDKFACOptimizer(model, backend=backend, **cfg)
-                return model, opt, opt
-            base = torch.optim.AdamW(model.parameters(), **adamw)
-            return model, KFACPreconditioner(model, optimizer=base, backend=backend, **cfg).kfac, base
+                base: Any = opt
+            else:
+                base = torch.optim.AdamW(model.parameters(), **adamw)
+                opt = KFACPreconditioner(model, optimizer=base, backend=backend, **cfg).kfac
+            if sharded and shard_later in ("swapped", "left"):  # accelerate's prepare(model, optimizer), FSDP2 plugin
+                names = {p: n for n, p in model.named_parameters()}
+                fully_sharded(model, hybrid)
+                shards = dict(model.named_parameters())
+                for group in base.param_groups if shard_later == "swapped" else []:
+                    group["params"] = [shards[names[p]] for p in group["params"]]
+            return model, opt, base
 
         model, opt, state_of = build()
         accumulate = opt.config.accumulation_steps
@@ -188,6 +203,20 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
                 state_of.load_state_dict(checkpoint["optimizer"])
             if unfreeze and s == steps // 2:
                 model[0].requires_grad_(True)  # type: ignore[index]
+            if sharded and shard_later in ("after-a-step", "after-a-load") and s == 1:
+                if shard_later == "after-a-load":  # a new optimizer loads the first step's state, then the sharding
+                    saved = state_of.state_dict()
+                    opt.remove_hooks()
+                    model, opt, state_of = build()
+                    state_of.load_state_dict(saved)
+                fully_sharded(model, hybrid)
+                try:  # (a whole step: the forward pass after the first training pass no longer looks)
+                    state_of.zero_grad()
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    state_of.step()
+                except RuntimeError as exc:
+                    results[name] = {"refused": str(exc)}
+                break
             state_of.zero_grad()
             for i, (xm, ym) in enumerate(zip((x + 0.1 * s).chunk(accumulate), y.chunk(accumulate))):
                 if no_sync and sharded:  # FSDP's no_sync(): reduce-scatter the last micro-batch's sum only
@@ -203,6 +232,9 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
             else:
                 scaler.step(state_of)
                 scaler.update()
+        if name in results:
+            opt.remove_hooks()
+            continue
         results[name] = {
             "params": gathered(model.state_dict()),
             "base_state": gathered(state_of.state_dict()["state"]),
