@@ -439,22 +439,8 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         named = {id(p): name for p, name in self.param_names.items()} | {id(p): name for name, p in current.items()}
         for group in self.param_groups[self._own_groups :]:  # added groups: the model's parameters by name
             group["params"] = [current[named[id(p)]] if named.get(id(p)) in current else p for p in group["params"]]
-        previous = self.kfac_step
-        self._unhook_step()
-        regroup(self.model, self.param_groups, self._own_groups, self.config.no_weight_decay)
-        if self.precondition:
-            self.layers = preconditioned_layers(
-                self.model, self.method, self.config.skip_layers, self.config.norm_layers is NormLayers.KFAC, self.config.max_factor_dim
-            )
-            slots = parameter_slots(self.model)
-            for layer in self.layers:
-                layer.weight_slot = slots.get(id(layer.helper.weight))
-        self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
-        if self.adaptive_damping is not None:
-            self._damping_step = DampingStep(self.adaptive_damping, self.model, self.layers, self.backend)
+        self._take_model_anew(keep_layers=False)
         self._diagonal_unchecked = [layer for layer in self._preconditioning_layers if layer.shape("A").diagonal]
-        self._replan_keeping_state(previous)
-        self._outside = outside_groups(self.model, self.param_groups)
 
     def _unhook_step(self) -> None:
         """Detach the step's hooks and forward fusion's (its held updates applied first), to wire them anew."""
@@ -573,6 +559,12 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         for p in self._outside:
             if p.requires_grad:
                 p.grad = None  # (a gradient from before it was frozen: zero_grad() never reached it, torch.optim's would have)
+        self._take_model_anew(keep_layers=True)
+
+    def _take_model_anew(self, keep_layers: bool) -> None:
+        """Groups, layers, names, plan and hooks made anew for the model as it is now, as construction would make
+        them, keeping every state held across steps (``keep_layers``: a layer found again, with the same factor
+        shapes, keeps its factors and decompositions; else every layer is new)."""
         previous = self.kfac_step
         self._unhook_step()
         regroup(self.model, self.param_groups, self._own_groups, self.config.no_weight_decay)
@@ -580,10 +572,14 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             found = kfac_layers(
                 self.model, self.method, self.config.skip_layers, self.config.norm_layers is NormLayers.KFAC, self.config.max_factor_dim
             )
-            kept = {layer.name: layer for layer in self.layers}
+            kept = {layer.name: layer for layer in self.layers} if keep_layers else {}
             # (a layer whose bias was unfrozen has a ones column more in A: its factors start anew, as a new layer's)
             self.layers = [kept[new.name] if new.name in kept and kept[new.name].shapes == new.shapes else new for new in found]
             link_tied_pairs(self.layers)
+            if self.wrapping.sharded_over is not None:  # (as construction: FSDP2 swaps each weight in its passes)
+                slots = parameter_slots(self.model)
+                for layer in self.layers:
+                    layer.weight_slot = slots.get(id(layer.helper.weight))
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         if self.adaptive_damping is not None:
             self._damping_step = DampingStep(self.adaptive_damping, self.model, self.layers, self.backend)
