@@ -635,3 +635,50 @@ def test_wide_factors_times_both_arms_and_the_diagonal_holds_less(tmp_path):
     assert not any("wider than max_factor_dim" in line for line in dense["summary"])
     assert row["memory_ratio"] > 1.0
     assert set(row["speedup"]) == {"plain", "factors", "decompositions", "amortised_10_100"}
+
+
+def test_lora_finetune_summary_picks_each_arms_best_rate_and_the_epochs_to_adamws_best():
+    """benchmarks/lora_finetune.summarise on made-up curves (no peft needed): the best rate by mean best accuracy
+    (flagged at its grid's edge), the per-seed difference against AdamW with its standard error, and per seed the
+    first epoch (and its seconds) reaching AdamW's best mean accuracy, None where never."""
+    from benchmarks.lora_finetune import summarise
+
+    def run(*acc: float) -> dict[str, list[float]]:
+        return {"test_acc": list(acc), "seconds": [0.5 * (e + 1) for e in range(len(acc))]}
+
+    runs = {
+        "adamw": {"0.01": {"0": run(0.5, 0.8), "1": run(0.6, 0.7)}, "0.03": {"0": run(0.1, 0.2), "1": run(0.1, 0.2)}},
+        "kfac-sgd": {
+            "0.1": {"0": run(0.9, 0.95), "1": run(0.5, 0.6)},
+            "0.3": {"0": run(0.7, 0.9), "1": run(0.76, 0.74)},
+            "1.0": {"0": run(0.2, 0.3), "1": run(0.2, 0.3)},
+        },
+    }
+    summary = summarise(runs, [0, 1])
+    assert summary["target"] == pytest.approx(0.75)
+    adamw, kfac = summary["adamw"], summary["kfac-sgd"]
+    assert adamw["lr"] == 0.01
+    assert adamw["lr_at_grid_edge"]
+    assert kfac["lr"] == 0.3
+    assert not kfac["lr_at_grid_edge"]
+    assert kfac["best_acc"] == [0.9, 0.76]
+    assert kfac["vs_adamw_mean"] == pytest.approx(((0.9 - 0.8) + (0.76 - 0.7)) / 2)
+    assert kfac["vs_adamw_se"] == pytest.approx(abs(0.1 - 0.06) / 2)  # stdev of two values / sqrt(2)
+    assert kfac["to_target"] == [{"epochs": 2, "seconds": 1.0}, {"epochs": 1, "seconds": 0.5}]
+    assert adamw["to_target"] == [{"epochs": 2, "seconds": 1.0}, {"epochs": None, "seconds": None}]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft (an optional dependency) is not installed")
+def test_lora_finetune_runs_every_arm_and_renders(tmp_path):
+    """benchmarks/lora_finetune.py --quick for real: every arm fine-tunes PEFT adapters, and RESULTS.md renders it."""
+    out = tmp_path / "results" / "lora_finetune.json"
+    run_benchmark("lora_finetune", "--quick", "--out", str(out))
+    d = json.loads(out.read_text())
+    assert set(d["summary"]) == {"target", "adamw", "kfac-adamw", "sgd", "kfac-sgd"}
+    for arm in ("adamw", "kfac-adamw", "sgd", "kfac-sgd"):
+        (run,) = next(iter(d["runs"][arm].values())).values()
+        assert len(run["test_acc"]) == 2
+        assert 0.0 <= min(run["test_acc"]) <= max(run["test_acc"]) <= 1.0
+        assert 0.0 < run["seconds"][0] <= run["seconds"][1]
+    assert "LoRA fine-tuning (PEFT)" in build(tmp_path / "results", tmp_path / "RESULTS.md")
