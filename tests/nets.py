@@ -245,17 +245,19 @@ def dho2_batch(n: int = 24, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
 
 
-def fully_sharded(model: nn.Module, hybrid: bool = False) -> nn.Module:
+def fully_sharded(model: nn.Module, hybrid: bool = False, offload: bool = False) -> nn.Module:
     """``fully_shard`` every child with parameters of its own, then the root (FSDP2's usage: tied parameters, in
-    children of their own, go with the root). ``hybrid``: HSDP, on a mesh of replica groups of 2 workers."""
+    children of their own, go with the root). ``hybrid``: HSDP, on a mesh of replica groups of 2 workers;
+    ``offload``: FSDP's CPU offloading (``CPUOffloadPolicy``, unpinned: no CUDA here)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     mesh = None
     if hybrid:
         world = torch.distributed.get_world_size()
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
 
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
     seen: dict[int, int] = {}
     for child in model.children():
         for p in child.parameters():
@@ -263,8 +265,8 @@ def fully_sharded(model: nn.Module, hybrid: bool = False) -> nn.Module:
     for child in model.children():
         params = list(child.parameters())
         if params and all(seen[id(p)] == 1 for p in params):
-            fully_shard(child, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(child, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
     return model
 
 

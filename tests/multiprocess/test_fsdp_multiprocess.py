@@ -19,7 +19,8 @@ layers and MLP, the same with its output layer tied to the embedding,
 blocks of several layers sharded whole with an adversarial example's input
 gradient taken before each training pass (left out of the factors), and a
 model sharded after the optimizer was built (accelerate's order: its
-parameters swapped for the shards, or left), and a
+parameters swapped for the shards, or left), FSDP's CPU offloading
+(its policy's code paths only: the shards are on the CPU already), and a
 checkpoint (the model's and the optimizer's
 ``state_dict()``, sharded base state and whole K-FAC state) resumed halfway
 into a new sharded model and optimizer, also through
@@ -73,13 +74,14 @@ VARIANTS = {
     "sharded-later-left": dict(SGD, compute_method="eigen", shard_later="left"),
     "sharded-later-language": dict(SGD, model="language", norm_layers="kfac", shard_later="swapped"),
     "sharded-later-preconditioner": dict(ATTACHED, shard_later="swapped"),
+    "cpu-offload": dict(SGD, offload=True),
 }
 CONFIGS = {f"{kind}-{name}": dict(options, fsdp=kind == "fsdp") for name, options in VARIANTS.items() for kind in ("bare", "fsdp")}
 #: Bitwise the bare run's with 2 workers; the others add their averages in another order (FSDP averages each
 #: micro-batch's gradient) or differ in the last bits (the language model).
 BITWISE = {"plain", "eigen-distributed", "accum-no-sync", "adamw", "grad-scaler", "preconditioner"}
 BITWISE |= {"resumed", "resumed-dcp", "resumed-dcp-adamw", "blocks-attacked", "unfrozen-halfway"}
-BITWISE |= {"sharded-later", "sharded-later-left", "sharded-later-preconditioner"}
+BITWISE |= {"sharded-later", "sharded-later-left", "sharded-later-preconditioner", "cpu-offload"}
 
 
 def test_hybrid_sharding_equals_bare_and_one_process(tmp_path):

@@ -34,7 +34,8 @@ model sharded after, with the optimizer's parameters swapped for the shards by
 name as accelerate's ``prepare()`` does (``'swapped'``), or left (``'left'``),
 or sharded after the first step (``'after-a-step'``), or after a new
 optimizer loaded the first step's state (``'after-a-load'``): the next
-step's error is recorded as ``refused``.
+step's error is recorded as ``refused``; ``offload``: FSDP's CPU offloading
+(on this CPU-only machine the shards stay where they are; its code paths run).
 
     torchrun --nproc_per_node 2 tests/workers/fsdp_check.py --configs '<json>' --out result.pt
 """
@@ -140,7 +141,7 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
         hybrid = cfg.pop("hybrid", False) and backend.size % 2 == 0 and backend.size > 2
         kind, resume, no_sync = cfg.pop("model", "small"), cfg.pop("resume", False), cfg.pop("no_sync", False)
         attack, compiled, unfreeze = cfg.pop("attack", False), cfg.pop("compile", None), cfg.pop("unfreeze", False)
-        shard_later = cfg.pop("shard_later", None)
+        shard_later, offload = cfg.pop("shard_later", None), cfg.pop("offload", False)
         scaler = None
         if cfg.pop("amp", False):  # FSDP's scaler agrees on an overflow over the workers' shards
             scaler = ShardedGradScaler("cpu", init_scale=1024.0) if sharded else torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -155,6 +156,7 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
             compiled: str | None = compiled,
             unfreeze: bool = unfreeze,
             shard_later: str | None = shard_later,
+            offload: bool = offload,
         ) -> tuple[nn.Module, SPDKFACOptimizer, Any]:
             if kind in ("language", "tied"):
                 model: nn.Module = TinyLanguageModel(tied=kind == "tied")
@@ -170,7 +172,7 @@ def run(backend: CommBackend, configs: dict[str, Any], x: torch.Tensor, y: torch
                 for child in model.children():
                     child.compile()
             if sharded and not shard_later:
-                fully_sharded(model, hybrid)
+                fully_sharded(model, hybrid, offload)
                 assert all(is_sharded(p) for p in model.parameters())
             if compiled == "root":
                 model = torch.compile(model)  # type: ignore[assignment]
