@@ -480,3 +480,36 @@ def test_embedding_used_outside_its_forward_is_said_on_device(device: torch.devi
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*never looked up.*")
         lm_steps(lookups_only, opt, lm_tokens(1).to(device))
+
+
+def test_fsdp_cpu_offloading_trains_as_without(device: torch.device, tmp_path) -> None:
+    """FSDP2 with CPU offloading (``CPUOffloadPolicy``) keeps the shards and their gradients in host memory while the
+    passes run on the device: K-FAC's factors (from the device's activations) and the host's gradients meet in the
+    preconditioning. One process (a 1-worker mesh; NCCL on a GPU): the offloaded run equals the one without, to
+    float32 rounding (the base update runs on the host there). On the CPU the policy's code paths run, nothing moves."""
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(fsdp, "CPUOffloadPolicy"):
+        pytest.skip("no FSDP2 CPU offloading in this torch")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        results = []
+        for offload in (False, True):
+            model = small_net()
+            policy = {"offload_policy": fsdp.CPUOffloadPolicy(pin_memory=device.type == "cuda")} if offload else {}
+            if not offload:
+                model = model.to(device)
+            for child in model.children():
+                if any(True for _ in child.parameters()):
+                    fsdp.fully_shard(child, **policy)
+            fsdp.fully_shard(model, **policy)
+            opt = SPDKFACOptimizer(model, **HYPER)
+            x, y = batch(16)
+            train(model, opt, x.to(device), y.to(device), 4)
+            results.append({name: p.full_tensor().detach().to("cpu", torch.float64) for name, p in model.named_parameters()})
+        for name, want in results[0].items():
+            torch.testing.assert_close(results[1][name], want, rtol=1e-5, atol=1e-6, msg=f"{name}: offloaded against not")
+    finally:
+        dist.destroy_process_group()
