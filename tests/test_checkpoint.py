@@ -92,3 +92,47 @@ def test_the_kfac_part_given_beside_a_checkpoint_that_lacks_it_resumes_bitwise(o
     _steps(resumed, opt2, x, y, 5, 9)
     for a, b in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+
+
+def _checkpointed(model: nn.Module) -> nn.Module:
+    """``model`` with every child that has parameters wrapped by torch's activation-checkpoint wrapper (what
+    accelerate's and Lightning's FSDP activation checkpointing apply): its layers' module names gain
+    ``_checkpoint_wrapped_module``, its ``state_dict()`` keys do not."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    children = {id(m) for m in model.children() if any(True for _ in m.parameters())}
+    apply_activation_checkpointing(model, check_fn=lambda m: id(m) in children)
+    return model
+
+
+@pytest.mark.parametrize("saved_with", ["checkpointing", "plain"])
+def test_a_checkpoint_resumes_with_activation_checkpointing_turned_on_or_off(saved_with):
+    """Turned on or off between runs, the wrappers change the layers' module names (``0.weight``'s layer is
+    ``0._checkpoint_wrapped_module``): the K-FAC state is matched through them, and the run resumes bitwise the
+    uninterrupted one (the wrapper recomputes the same forward)."""
+    model, _, _, _, x, y = _uninterrupted_and_first_half()
+    first = _checkpointed(small_net()) if saved_with == "checkpointing" else small_net()
+    opt1 = SPDKFACOptimizer(first, **KW)
+    _steps(first, opt1, x, y, 0, 5)
+    checkpoint = {"model": first.state_dict(), "opt": opt1.state_dict()}
+    second = small_net() if saved_with == "checkpointing" else _checkpointed(small_net())
+    opt2 = SPDKFACOptimizer(second, **KW)
+    assert sorted(layer.name for layer in opt1.layers) != sorted(layer.name for layer in opt2.layers)
+    second.load_state_dict(checkpoint["model"])  # (the wrapper's keys are the plain model's)
+    opt2.load_state_dict(checkpoint["opt"])
+    _steps(second, opt2, x, y, 5, 9)
+    for got, want in zip(second.parameters(), model.parameters()):
+        assert torch.equal(got, want)
+
+
+def test_a_checkpoint_of_other_layers_is_still_refused_through_wrappers():
+    """The matching through wrappers renames nothing else: a checkpoint of a model with another layer is refused."""
+    first = _checkpointed(small_net())
+    opt1 = SPDKFACOptimizer(first, **KW)
+    x, y = batch(8)
+    _steps(first, opt1, x, y, 0, 2)
+    other = small_net()
+    other.add_module("extra", nn.Linear(3, 3))
+    opt2 = SPDKFACOptimizer(other, **KW)
+    with pytest.raises(ValueError, match="different model"):
+        opt2.load_state_dict(opt1.state_dict())

@@ -3,7 +3,10 @@
 Kept apart from ``torch.optim.Optimizer``'s own state (momentum buffers,
 ``param_groups``), under the ``'kfac'`` entry of the optimizer's
 ``state_dict``. Loading checks that the checkpoint fits (same compute method,
-same layers with the same factor dimensions) before anything is changed.
+same layers with the same factor dimensions) before anything is changed; the
+layers are matched through the wrappers activation checkpointing and
+``torch.compile`` add to module names, so a run resumes with either turned
+on or off.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ __all__ = [
     "memory_usage",
     "save_kfac_state",
     "saved_uses",
+    "unwrapped_name",
 ]
 
 
@@ -120,6 +124,10 @@ def check_kfac_state(state_dict: Any, layers: Sequence[KFACLayer], method: Decom
     saved = kfac.get("layers", {})
     mine = {layer.name: [layer.a_dim, layer.g_dim] for layer in layers}
     theirs = {name: list(entry.get("dims", [])) for name, entry in saved.items()}
+    renamed = _renamed_through_wrappers(mine, theirs)
+    if renamed is not None:  # the same layers, under wrappers added or removed since
+        kfac = {**kfac, "layers": {name: saved[renamed[name]] for name in mine}}
+        theirs = mine
     if mine != theirs:
         only_mine = sorted(set(mine) - set(theirs))
         only_theirs = sorted(set(theirs) - set(mine))
@@ -137,6 +145,31 @@ def check_kfac_state(state_dict: Any, layers: Sequence[KFACLayer], method: Decom
             f"layers with different factor dimensions {differ}{hint}"
         )
     return kfac
+
+
+#: Module attributes a wrapper puts into its module's name that the model's ``state_dict()`` keys need not show:
+#: torch's activation-checkpoint wrapper (``checkpoint_wrapper``, which accelerate's and Lightning's FSDP
+#: activation checkpointing apply, strips it from them) and a compiled submodule (``torch.compile(block)``).
+WRAPPER_ATTRIBUTES = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
+def unwrapped_name(name: str) -> str:
+    """A module name without the wrappers' attributes (``blocks.0._checkpoint_wrapped_module.fc`` -> ``blocks.0.fc``)."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_ATTRIBUTES)
+
+
+def _renamed_through_wrappers(mine: dict[str, list[int]], theirs: dict[str, list[int]]) -> dict[str, str] | None:
+    """For a checkpoint whose layers are these under wrappers added or removed since (activation checkpointing
+    turned on or off between runs): each layer's name -> its saved name. None where the names differ otherwise."""
+    if mine == theirs:
+        return None
+    ours = {unwrapped_name(name): name for name in mine}
+    saved = {unwrapped_name(name): name for name in theirs}
+    if len(ours) != len(mine) or len(saved) != len(theirs) or ours.keys() != saved.keys():
+        return None
+    if any(mine[ours[key]] != theirs[saved[key]] for key in ours):
+        return None
+    return {ours[key]: saved[key] for key in ours}
 
 
 def load_kfac_state(kfac: dict[str, Any], layers: Sequence[KFACLayer]) -> None:
