@@ -22,6 +22,7 @@ accuracy (per seed; seconds are the optimizer's and the passes' alone, the arms 
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import statistics
 import time
@@ -35,6 +36,7 @@ from spdkfac import KFACPreconditioner, SPDKFACOptimizer
 from spdkfac.train.data import Dataset, load_mnist5k
 
 from .common import RESULTS, machine, save_json
+from .convergence import paired_difference
 
 ARMS = ("adamw", "kfac-adamw", "sgd", "kfac-sgd")
 #: Each arm's learning rates, wide enough that every arm's best lies inside (the summary says where one does not).
@@ -63,6 +65,11 @@ def _digits(data: Dataset, low: bool) -> Dataset:
     return Dataset(data.x[keep], data.y[keep], data.num_classes)
 
 
+def _cosine(step: int, steps: int) -> float:
+    """The learning rate's factor at ``step`` of ``steps``: cosine decay from 1 to 0, no warm-up."""
+    return 0.5 * (1 + math.cos(math.pi * step / steps))
+
+
 def _batches(data: Dataset, batch: int, seed: int, epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(1000 * seed + epoch))
     return [(data.x[i], data.y[i]) for i in order.split(batch) if len(i) == batch]
@@ -74,7 +81,7 @@ def pretrained(train: Dataset, seed: int, epochs: int, batch: int) -> MLP:
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     steps = epochs * (len(train) // batch)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _cosine(s, steps))
     for epoch in range(epochs):
         for x, y in _batches(train, batch, seed, epoch):
             opt.zero_grad()
@@ -92,7 +99,6 @@ def accuracy(model: nn.Module, test: Dataset) -> float:
 def _optimizer(arm: str, model: nn.Module, lr: float, freq: int) -> tuple[Any, torch.optim.Optimizer]:
     """(what steps, the optimizer whose groups the schedule scales)."""
     adapters = [p for p in model.parameters() if p.requires_grad]
-    kfac = dict(damping=0.003, factor_update_freq=freq, inv_update_freq=freq, backend="single")
     if arm == "adamw":
         opt = torch.optim.AdamW(adapters, lr=lr, weight_decay=0.0)
         return opt, opt
@@ -105,7 +111,7 @@ def _optimizer(arm: str, model: nn.Module, lr: float, freq: int) -> tuple[Any, t
         opt = torch.optim.SGD(adapters, lr=lr, momentum=0.9)
         return opt, opt
     if arm == "kfac-sgd":
-        kopt = SPDKFACOptimizer(model, lr=lr, momentum=0.9, **kfac)
+        kopt = SPDKFACOptimizer(model, lr=lr, momentum=0.9, damping=0.003, factor_update_freq=freq, inv_update_freq=freq, backend="single")
         return kopt, kopt
     raise ValueError(f"unknown arm {arm!r}")
 
@@ -115,7 +121,9 @@ def finetune(base: MLP, arm: str, lr: float, train: Dataset, test: Dataset, args
     import peft  # optional dependency: checked in main()
 
     torch.manual_seed(seed)
-    model = peft.get_peft_model(_copy(base), peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=["fc1", "fc2", "head"]))
+    model = peft.get_peft_model(
+        copy.deepcopy(base), peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=["fc1", "fc2", "head"])
+    )
     stepper, scheduled = _optimizer(arm, model, lr, args.kfac_freq)
     steps = args.epochs * (len(train) // args.batch_size)
     rates = [g["lr"] for g in scheduled.param_groups]
@@ -123,7 +131,7 @@ def finetune(base: MLP, arm: str, lr: float, train: Dataset, test: Dataset, args
     for epoch in range(args.epochs):
         for x, y in _batches(train, args.batch_size, seed, epoch):
             for group, rate in zip(scheduled.param_groups, rates):
-                group["lr"] = rate * 0.5 * (1 + math.cos(math.pi * step / steps))
+                group["lr"] = rate * _cosine(step, steps)
             started = time.perf_counter()
             stepper.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
@@ -133,12 +141,6 @@ def finetune(base: MLP, arm: str, lr: float, train: Dataset, test: Dataset, args
         acc.append(accuracy(model, test))
         secs.append(elapsed)
     return {"test_acc": acc, "seconds": secs}
-
-
-def _copy(base: MLP) -> MLP:
-    model = MLP()
-    model.load_state_dict(base.state_dict())
-    return model
 
 
 def _reached(curve: list[float], target: float) -> int | None:
@@ -157,7 +159,8 @@ def summarise(runs: dict[str, dict[str, dict[str, dict[str, list[float]]]]], see
     target = statistics.fmean(best["adamw"])
     out: dict[str, Any] = {"target": target}
     for arm, by_rate in runs.items():
-        diffs = [b - a for b, a in zip(best[arm], best["adamw"])]
+        pair = paired_difference({"seeds": seeds, "best": best[arm]}, {"seeds": seeds, "best": best["adamw"]}, "best")
+        assert pair is not None
         reach = []
         for s in seeds:
             run = by_rate[best_rate[arm]][str(s)]
@@ -169,8 +172,8 @@ def summarise(runs: dict[str, dict[str, dict[str, dict[str, list[float]]]]], see
             "lr_at_grid_edge": len(grid) > 1 and float(best_rate[arm]) in (grid[0], grid[-1]),
             "best_acc": best[arm],
             "best_acc_mean": statistics.fmean(best[arm]),
-            "vs_adamw_mean": statistics.fmean(diffs),
-            "vs_adamw_se": statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0,
+            "vs_adamw_mean": pair["mean"],
+            "vs_adamw_se": pair["standard_error"] or 0.0,  # (None with one seed)
             "to_target": reach,
         }
     return out

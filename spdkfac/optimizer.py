@@ -47,7 +47,7 @@ from .kfac.layers import (
     used_outside_forward,
 )
 from .kfac.methods import get_method
-from .kfac.sharded_grads import parameter_slots
+from .kfac.sharded_grads import assign_weight_slots
 from .kfac.state import (
     check_kfac_state,
     is_base_state,
@@ -289,9 +289,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             else []
         )
         if wrapping.sharded_over is not None:  # FSDP2 swaps each weight for its whole copy in its passes
-            slots = parameter_slots(model)
-            for layer in self.layers:
-                layer.weight_slot = slots.get(id(layer.helper.weight))
+            assign_weight_slots(self.layers, model)
         #: Parameters whose preconditioned gradient is the step's direction (EKFAC's Adam update): the base steps along it.
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         self.backend = get_backend(backend)
@@ -577,9 +575,7 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
             self.layers = [kept[new.name] if new.name in kept and kept[new.name].shapes == new.shapes else new for new in found]
             link_tied_pairs(self.layers)
             if self.wrapping.sharded_over is not None:  # (as construction: FSDP2 swaps each weight in its passes)
-                slots = parameter_slots(self.model)
-                for layer in self.layers:
-                    layer.weight_slot = slots.get(id(layer.helper.weight))
+                assign_weight_slots(self.layers, self.model)
         self._direct = frozenset(p for layer in self.layers for p in layer.params()) if self.method.gives_direction else frozenset()
         if self.adaptive_damping is not None:
             self._damping_step = DampingStep(self.adaptive_damping, self.model, self.layers, self.backend)

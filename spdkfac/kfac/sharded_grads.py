@@ -27,7 +27,7 @@ import torch.nn as nn
 #: ``DTensor`` exists only where its module was loaded, and loading it here would double ``import spdkfac``'s time.
 _DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
 
-__all__ = ["is_sharded", "parameter_slots", "whole", "whole_gradients"]
+__all__ = ["assign_weight_slots", "is_sharded", "parameter_slots", "whole", "whole_gradients"]
 
 
 def is_sharded(tensor: Any) -> bool:
@@ -96,6 +96,14 @@ def _replicated(whole_grad: torch.Tensor, param: Any) -> torch.Tensor:
     mesh = param.device_mesh
     replicated: torch.Tensor = DTensor.from_local(whole_grad, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return replicated
+
+
+def assign_weight_slots(layers: Sequence[Any], model: nn.Module) -> None:
+    """Give each layer the slot of ``model`` its weight is registered in (its ``weight_slot``), where FSDP2 puts the
+    whole copy during its passes."""
+    slots = parameter_slots(model)
+    for layer in layers:
+        layer.weight_slot = slots.get(id(layer.helper.weight))
 
 
 def parameter_slots(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:

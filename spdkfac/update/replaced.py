@@ -25,6 +25,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
+from ..kfac.sharded_grads import is_sharded
+
 __all__ = ["ParameterSlots", "check_materialised"]
 
 
@@ -59,7 +61,7 @@ class ParameterSlots:
         warn about trainable parameters added to the model since that are not ``held`` (the optimizer's)."""
         for qualified, parameters, name, p in self._slots:
             if parameters.get(name) is not p:
-                if hasattr(parameters.get(name), "device_mesh"):  # a DTensor: FSDP2's shard
+                if is_sharded(parameters.get(name)):  # FSDP2's shard
                     raise RuntimeError(
                         f"the model's parameter {qualified!r} was sharded by fully_shard() after this optimizer took "
                         "its first step, and its state belongs to the tensors FSDP replaced: build the optimizer on "
