@@ -783,11 +783,6 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
                 "(K-FAC's hooks serve one optimizer per module): step the newer one"
             )
         self._refuse_awaiting_kfac("step()")
-        if not self._threads_agreed:  # before any of the step's matrix arithmetic
-            self._threads_agreed = True
-            notice = agree_on_thread_count(self.backend, any(layer.helper.weight.device.type == "cpu" for layer in self.layers))
-            if notice is not None:
-                warnings.warn(notice, stacklevel=_callers_level())
         if self.kfac_step.factors.must_be_cleared is not None:  # (a pass let through provisionally: no backward came)
             self._drop_batch()
             raise RuntimeError(
@@ -806,6 +801,14 @@ class SPDKFACOptimizer(torch.optim.Optimizer):
         self.kfac_step.grads.check_accumulated("step()", short_ok=True)
         self.kfac_step.grads.learn_edits()
         try:
+            # Every rank's all-reduces of the step issued alike first (a layer that ran on some workers only holds
+            # back those after it there): a collective issued directly before would pair with another one
+            self.kfac_step.order.settle()
+            if not self._threads_agreed:  # before any of the step's matrix arithmetic
+                self._threads_agreed = True
+                notice = agree_on_thread_count(self.backend, any(layer.helper.weight.device.type == "cpu" for layer in self.layers))
+                if notice is not None:
+                    warnings.warn(notice, stacklevel=_callers_level())
             if self.wrapping.averages_gradients:  # DDP (FSDP) averaged its module's gradients only
                 trained = [p for p in self._beside_model if p.requires_grad]  # (a frozen one has no gradient anywhere)
                 average_gradients_now(self.backend, trained, "spdkfac.beside_model_grad")

@@ -71,8 +71,11 @@ __all__ = ["FactorCollector", "computes_grad_of", "recomputing", "warn_if_float1
 _REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
 #: Suffix of the name under which a layer's calls beyond those expected travel (no module name holds '#').
 _MORE = "#more"
-#: Entries per layer in :meth:`FactorCollector.report`: four per factor, then the samples and their square.
-_REPORT_ROW = 4 * len(FACTOR_KINDS) + 2
+#: Suffix of the name under which the sample-count correction of a layer with uneven samples travels.
+_UNEVEN = "#uneven"
+#: Entries per layer in :meth:`FactorCollector.report`: four per factor, then the samples and their square (the last
+#: call's, and summed over the step's calls).
+_REPORT_ROW = 4 * len(FACTOR_KINDS) + 4
 #: What to do about one backward pass too many before step().
 _ACCUMULATION_ADVICE = (
     "To accumulate k micro-batches, each backward()ed before one step() (gradient accumulation, a trainer's "
@@ -153,6 +156,7 @@ class _Tally:
     calls: int = 0
     total: torch.Tensor | None = None
     sent: int = 0  # calls in the factor sent under the layer's key (0: not sent yet)
+    samples: int = 0  # G: the samples of its calls, summed
     extra: torch.Tensor | None = None  # the sum of the calls after it, sent at step() and folded in
 
 
@@ -240,6 +244,13 @@ class FactorCollector:
         self._repeat_noted = False  # whether a second backward pass through one forward pass was warned about
         self._unused_noted = False  # whether a forward use whose output got no gradient was warned about
         self._uneven_noted = False  # whether layers that took different numbers of samples on the workers were warned about
+        #: Layers that took different numbers of samples on the workers in some factor step (a routed expert), and
+        #: those that ran in some factor step: agreed, alike on every rank. A layer in the first, or not in the second,
+        #: keeps its local factors until step() (:meth:`_keep_local`), so that uneven samples can be weighed exactly.
+        self.uneven_layers: set[str] = set()
+        self._agreed_layers: set[str] = set()
+        self._local: dict[FactorKey, torch.Tensor] = {}  # this step's local factors kept for the correction
+        self._corrected: set[FactorKey] = set()  # factors whose sample-count correction was sent (folded in at take())
         self._reached: dict[str, int] = {}  # per layer: the uses whose output a backward pass reached this step (here)
         self._lookups = BroadcastLookups()  # position embeddings looked up once for the batch: said once
         #: Called once, with the input of the first factor computed (then set to None): the optimizer's first look
@@ -251,6 +262,13 @@ class FactorCollector:
             for module in layer.modules:
                 self._hook_handles.append(register_factor_pre_hook(module, self._a_hook(layer)))
                 self._hook_handles.append(register_output_grad_hook(module, *self._g_hook(layer), self._repeated_backward))
+
+    def carry_over(self, previous: FactorCollector) -> None:
+        """Continue what a replaced collector learned across steps: the layers' use counts, which layers took
+        uneven samples and which ran."""
+        self.expected.update(previous.expected)
+        self.uneven_layers |= previous.uneven_layers
+        self._agreed_layers |= previous._agreed_layers
 
     def reset(self, record: IterationRecord | None) -> None:
         """Start a new step: nothing computed, nothing kept back."""
@@ -269,6 +287,8 @@ class FactorCollector:
         self._names = {}
         self._agreed = {}
         self._more = set()
+        self._local = {}
+        self._corrected = set()
         self._lookups.reset()
         for layer in self.layers:
             layer.helper.forget()  # inputs a forward pass kept for a backward pass that never came
@@ -335,6 +355,7 @@ class FactorCollector:
             # Each micro-batch loss carries 1/accumulation_steps: dividing it out like a loss scale gives its true G.
             scale = self.loss_scale() / self.accumulation_steps
             self._submit(layer, "G", lambda: layer.compute_g(grad_output, scale))
+            self._tally[("G", layer.name)].samples += layer.local_samples
             return True
 
         return (lambda: layer.name in self._a_taken), g_ready
@@ -387,17 +408,23 @@ class FactorCollector:
         )
 
     def _uneven_samples(self, layers: list[str]) -> None:
-        """Layers took different numbers of samples on different workers: say once that their factors then differ
-        from one worker's on the whole batch."""
+        """Layers took different numbers of samples on different workers where their factors could not be weighed
+        exactly (:meth:`_correct_uneven`): say once that their factors then differ from one worker's on the whole batch."""
         if self._uneven_noted:
             return
         self._uneven_noted = True
+        why = (
+            f"with accumulation_steps={self.accumulation_steps}"
+            if self.accumulation_steps != 1
+            else "with several calls of the layer in the step, or for the first time after steps with even samples"
+        )
         warnings.warn(
             f"layer(s) {', '.join(layers[:6])}{' ...' if len(layers) > 6 else ''} took different numbers of samples on "
             "different workers in this step (a data-dependent selection: tokens routed to an expert, masked positions; "
-            "or local batches of different sizes). Their factors are then the mean of the workers' own, each "
+            f"or local batches of different sizes), {why}. Their factors are then the mean of the workers' own, each "
             "normalised by its own samples, where one worker on the whole batch weighs every sample alike: N workers "
-            "differ from one there (docs/layers.md). This is said once",
+            "differ from one there (docs/layers.md). With one call per step and no accumulation the factors are "
+            "weighed by the samples exactly, from the layer's next uneven step on. This is said once",
             stacklevel=2,
         )
 
@@ -514,7 +541,15 @@ class FactorCollector:
         if self.record is not None:  # the hook's own cost: all but the factor's computation (a cost model charges it apart)
             self.record.hooks += Timeline.now() - t_enter - (t_end - t_start)
 
+    def _keep_local(self, key: FactorKey, factor: torch.Tensor) -> None:
+        """Keep a reference to this worker's factor of a layer that took (or may take) uneven samples: the
+        correction :meth:`agreed` sends is made of it. One call per step only (the factor is that call's)."""
+        name = key[1]
+        if self.workers > 1 and self.accumulation_steps == 1 and (name in self.uneven_layers or name not in self._agreed_layers):
+            self._local[key] = factor
+
     def _send(self, key: FactorKey, factor: torch.Tensor) -> None:
+        self._keep_local(key, factor)
         if self.pipelining:
             self.arrived[key[0]].append(key)
             self.controller.submit(key, factor)
@@ -581,6 +616,7 @@ class FactorCollector:
                     divisor = self._divisor(kind, tally.calls)
                     factor = tally.total.div_(divisor) if divisor != 1 else tally.total
                     tally.total, tally.sent = None, tally.calls
+                    self._keep_local((kind, layer.name), factor)
                     self.controller.submit((kind, layer.name), factor)
         for key in self.controller.incomplete():
             self.controller.submit(key, self._zeros(key))
@@ -593,7 +629,7 @@ class FactorCollector:
 
     def report(self) -> list[float]:
         """Per layer and factor: computed here (0/1), its calls and their square, extra calls sent apart (0/1);
-        then the samples its G saw and their square."""
+        then the samples its G's last call saw and their square, and those of all its calls and their square."""
         values: list[float] = []
         for layer in self.layers:
             for kind in FACTOR_KINDS:
@@ -601,8 +637,9 @@ class FactorCollector:
                 calls = 0 if tally is None else tally.calls
                 extra = tally is not None and tally.extra is not None
                 values += [float(calls > 0), float(calls), float(calls * calls), float(extra)]
-            samples = layer.local_samples if ("G", layer.name) in self._tally else 0
-            values += [float(samples), float(samples * samples)]
+            g = self._tally.get(("G", layer.name))
+            samples, total = (0, 0) if g is None else (layer.local_samples, g.samples)
+            values += [float(samples), float(samples * samples), float(total), float(total * total)]
         return values
 
     def agreed(self, present: dict[str, int], summed: list[int], workers: int) -> None:
@@ -637,10 +674,48 @@ class FactorCollector:
                     self.controller.submit((kind, f"{layer.name}{_MORE}"), local, alone=True)
                     self._more.add(key)
             self.samples[layer.name] = row[8]
-            if g_ran and g_ran * row[9] != row[8] * row[8]:
-                uneven.append(f"{layer.name!r} ({row[8]} samples over {g_ran} workers)")
+            if g_ran and g_ran * row[11] != row[10] * row[10] and not self._correct_uneven(layer, g_ran, row[10]):
+                uneven.append(f"{layer.name!r} ({row[10]} samples over {g_ran} workers)")
+            if g_ran:
+                self._agreed_layers.add(layer.name)
         if uneven:
             self._uneven_samples(uneven)
+
+    def _correct_uneven(self, layer: KFACLayer, ran: int, samples: int) -> bool:
+        """Send the correction that weighs each worker's factors of a layer with uneven samples by its samples, as
+        one worker on the whole batch does (folded in at :meth:`take`); False where that cannot be done exactly.
+
+        The all-reduce averaged ``F_i`` over the ``P`` workers; one worker on
+        the whole batch has ``A = Σ n_i A_i / N`` (each sample weighed alike)
+        and ``G = (N / P²) Σ G_i / n_i`` (its ``G = n g gᵀ`` counts all ``N``
+        rows, while its loss, the mean over the whole batch, makes each
+        output gradient ``1/P`` of a worker's). With ``n̄ = N / k`` over the
+        ``k`` workers that ran it, both are the average plus the average of
+        ``(w_i - 1) F_i`` (``w_i = n_i / n̄`` for A, ``n̄ / n_i`` for G), then
+        scaled by ``P / k`` (A) or ``k / P`` (G) as for any layer that ran on
+        some workers only. Exact for one call per step without accumulation,
+        with this worker's factors kept (:meth:`_keep_local`); the layer is
+        watched from now on either way.
+        """
+        name = layer.name
+        watched = name in self.uneven_layers or name not in self._agreed_layers
+        self.uneven_layers.add(name)
+        keys = [(kind, name) for kind in FACTOR_KINDS]
+        if not watched or self.accumulation_steps != 1 or any(self.ranks_ran.get(key) != ran or self._agreed[key][0] != 1 for key in keys):
+            return False
+        mean = samples / ran
+        g = self._tally.get(("G", name))
+        here = 0 if g is None else g.samples
+        for key in keys:
+            local = self._local.get(key)
+            if local is None or here == 0:
+                correction = self._zeros(key)
+            else:
+                weight = here / mean if key[0] == "A" else mean / here
+                correction = local.mul(weight - 1.0)
+            self.controller.submit((key[0], f"{name}{_UNEVEN}"), correction, alone=True)
+            self._corrected.add(key)
+        return True
 
     def take(self, nonfinite: NonFiniteGuard, step: int) -> dict[FactorKey, torch.Tensor]:
         """Wait for this step's averaged factors (packed) of the layers that ran; raise if one is non-finite.
@@ -671,10 +746,12 @@ class FactorCollector:
             extra = factors.pop((key[0], f"{key[1]}{_MORE}"))
             total = factors[key].mul(self._divisor(key[0], sent)).add_(extra)
             factors[key] = total.div_(self._divisor(key[0], calls))
+        for key in self._corrected:  # uneven samples weighed as one worker on the whole batch (_correct_uneven)
+            factors[key] = factors[key].add(factors.pop((key[0], f"{key[1]}{_UNEVEN}")))
         partial = {key: n for key, n in self.ranks_ran.items() if 0 < n < self.workers}
-        for key, n in partial.items():  # the mean over the workers that ran it (the all-reduce averaged over all)
+        for key, n in partial.items():  # ran on k of P workers (the all-reduce averaged over all): A times P/k, G k/P
             if key in factors:
-                factors[key] = factors[key].mul(self.workers / n)
+                factors[key] = factors[key].mul(self.workers / n if key[0] == "A" else n / self.workers)
         if 0 < self._passes < self.accumulation_steps:  # a short last window: G the mean over the passes it ran
             for key in factors:
                 if key[0] == "G":

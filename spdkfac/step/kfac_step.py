@@ -247,9 +247,9 @@ class KFACStep:
         )
 
     def carry_over(self, previous: KFACStep) -> None:
-        """Continue the state a replaced step kept across steps: the layers' use counts, the non-finite
+        """Continue the state a replaced step kept across steps: the layers' use counts and samples, the non-finite
         counter, the eigenbasis refresh statistics and the overlap counts (the plan's parts start anew)."""
-        self.factors.expected.update(previous.factors.expected)
+        self.factors.carry_over(previous.factors)
         self.nonfinite = previous.nonfinite
         self.decompositions.refreshes = previous.decompositions.refreshes
         self.overlapped_steps, self.overlapped_factor_steps = previous.overlapped_steps, previous.overlapped_factor_steps

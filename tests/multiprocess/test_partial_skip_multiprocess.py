@@ -1,5 +1,5 @@
 """A layer skipped on one real worker only (torchrun/gloo, horovodrun): the ranks stay bitwise replicas after every step,
-the aux head gets the mean of the factors of the ranks that ran it, and the result is the in-process engine's."""
+the aux head gets the factors of the rule (docs/shared-layers.md), and the result is the in-process engine's."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A layer that runs on some workers only in a step (in-process ranks): the workers agree through the step's
 all-reduce order, stay bitwise replicas after every step, and the layer gets the mean of the factors of the
-workers that ran it (docs/shared-layers.md)."""
+workers that ran it, as one worker on the whole batch has them (docs/shared-layers.md)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ WORKER = ROOT / "tests" / "workers" / "partial_skip_check.py"
 
 def check_partial_skip(ranks: list[Any], module: Any, names: list[str] | None = None) -> None:
     """Bitwise replicas after every step, and the aux head's running factors the rule's: the decayed average
-    updated with the mean of the batch factors of the ranks that ran it (kept where none did)."""
+    updated with the mean of the batch factors of the ranks that ran it, G scaled by (k/P)² (kept where none did)."""
     decay = module.BASE["factor_decay"]
     for name in module.CONFIGS if names is None else names:
         previous = None
@@ -42,7 +42,9 @@ def check_partial_skip(ranks: list[Any], module: Any, names: list[str] | None = 
                 assert all(item is not None for item in local)
                 assert all(step[r]["local"] is None for r in range(len(ranks)) if r not in ran)
                 batch_a = torch.stack([item[0] for item in local]).mean(0)
-                batch_g = torch.stack([item[1] for item in local]).mean(0)
+                # G as one worker on the whole batch has it: its loss averages over every worker's samples, so each
+                # output gradient is k/P of a worker's where k of the P workers ran the head
+                batch_g = torch.stack([item[1] for item in local]).mean(0) * (len(ran) / len(ranks)) ** 2
                 before = previous if previous is not None else (torch.eye(a.shape[0], dtype=a.dtype), torch.eye(g.shape[0], dtype=a.dtype))
                 expected = (decay * before[0] + (1 - decay) * batch_a, decay * before[1] + (1 - decay) * batch_g)
             torch.testing.assert_close(a, expected[0], rtol=1e-10, atol=1e-12, msg=lambda m, n=name, s=s: f"{n}, step {s}, A: {m}")

@@ -1,15 +1,20 @@
-"""A layer that takes a data-dependent number of samples (tokens routed to an expert) differs between workers: said.
+"""A layer that takes a data-dependent number of samples (tokens routed to an expert) on each worker.
 
-Each worker normalises its factors by its own samples and the workers'
-factors are averaged, where one worker on the whole batch weighs every
-sample alike, so 2 workers differ from one for that layer (measured here,
-so the warning is about a real difference). The workers' sample counts and
-their squares travel in the step's agreement; only the uneven layer is named.
+Each worker normalises its factors by its own samples. One worker on the
+whole batch weighs every sample alike (``A = Σ n_i A_i / N``), and its
+``G`` counts all ``N`` rows while its mean loss makes each output gradient
+``1/P`` of a worker's. The workers' sample counts travel in the step's
+agreement, and a correction all-reduce after it makes N workers equal one
+worker (docs/layers.md). Where that cannot be done exactly (gradient
+accumulation; a layer uneven for the first time after even steps) the
+layer is named by a warning, and the difference is measured here, so the
+warning is about a real difference.
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -20,37 +25,69 @@ from spdkfac.comm.inprocess import run_ranks
 
 X = torch.randn(8, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
 Y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(4))
+#: The sign of column 0 routes a sample to the expert: 3 of worker 0's 4 samples and 1 of worker 1's.
+UNEVEN = torch.tensor([1.0, 0.8, 0.7, -0.9, 0.6, -0.5, -0.8, -1.0], dtype=torch.float64)
+#: 3 and 2 routed, one at least in each half (a micro-batch under accumulation_steps=2).
+ACCUMULATED = torch.tensor([1.0, 0.8, 0.7, -0.9, 0.6, -0.5, 0.8, -1.0], dtype=torch.float64)
+#: None of worker 1's samples reaches the expert: it runs on worker 0 only.
+ONE_WORKER = torch.tensor([1.0, 0.8, 0.7, -0.9, -0.6, -0.5, -0.8, -1.0], dtype=torch.float64)
 
 
 class Routed(nn.Module):
-    """A body, an 'expert' that only the samples routed to it (a data-dependent subset) pass through, a head."""
+    """A body, an 'expert' that only the samples routed to it (by the sign of their first input) pass through, a head."""
 
-    def __init__(self, route: bool) -> None:
+    def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.route = route
+        self.route = True
         self.body = nn.Linear(5, 8)
         self.expert = nn.Linear(8, 8)
         self.head = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.body(x))
-        chosen = h[:, 0] > 0 if self.route else torch.ones(len(h), dtype=torch.bool)
+        chosen = x[:, 0] > 0 if self.route else torch.ones(len(h), dtype=torch.bool)
         out = h.clone()
         out[chosen] = out[chosen] + self.expert(h[chosen])
         return self.head(out)
 
 
-def _train(model: Routed, backend, rows: slice = slice(None)) -> list[torch.Tensor]:
-    opt = SPDKFACOptimizer(model, lr=0.1, damping=0.01, kl_clip=None, backend=backend)
-    for s in range(3):
+def _data(route: torch.Tensor) -> torch.Tensor:
+    x = X.clone()
+    x[:, 0] = route
+    return x
+
+
+def _train(
+    model: Routed,
+    backend: Any,
+    x: torch.Tensor,
+    rows: slice = slice(None),
+    steps: int = 3,
+    optimized: nn.Module | None = None,
+    **options: Any,
+) -> list[torch.Tensor]:
+    """``steps`` steps on ``x[rows]`` (``model.route`` toggled by ``options['route_from']``: routed from that step
+    on); ``optimized``: what the optimizer takes and the batch goes through (the model in DDP), else the model."""
+    route_from = options.pop("route_from", 0)
+    temperature = nn.Parameter(torch.tensor(1.5)) if options.pop("beside", False) else None  # (a loss's own weight)
+    accumulation = options.get("accumulation_steps", 1)
+    net = model if optimized is None else optimized
+    opt = SPDKFACOptimizer(net, lr=0.1, damping=0.01, kl_clip=None, backend=backend, **options)
+    if temperature is not None:
+        opt.add_param_group({"params": [temperature], "lr": 0.05})
+    xs, ys = x[rows].to(torch.get_default_dtype()), Y[rows]
+    for s in range(steps):
+        model.route = s >= route_from
         opt.zero_grad()
-        F.cross_entropy(model(X[rows].to(torch.get_default_dtype()) + 0.1 * s), Y[rows]).backward()
+        for xm, ym in zip(xs.chunk(accumulation), ys.chunk(accumulation)):
+            out = net(xm + 0.01 * s) if temperature is None else net(xm + 0.01 * s) * temperature
+            (F.cross_entropy(out, ym) / accumulation).backward()
         opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()] + ([] if temperature is None else [temperature.detach().clone()])
 
 
-def _said(run) -> tuple[object, list[str]]:
+def _said(run: Any) -> tuple[Any, list[str]]:
     """``run()`` and what it said about uneven samples (recorded here: the warnings of the rank threads too)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -58,29 +95,79 @@ def _said(run) -> tuple[object, list[str]]:
     return out, [str(w.message) for w in caught if "different numbers of samples" in str(w.message)]
 
 
-def _two_workers(route: bool) -> tuple[list[list[torch.Tensor]], list[str]]:
-    models = [Routed(route), Routed(route)]
-    return _said(lambda: run_ranks(2, lambda b: _train(models[b.rank], b, slice(4 * b.rank, 4 * b.rank + 4))))
+def _two_workers(x: torch.Tensor, **options: Any) -> tuple[list[list[torch.Tensor]], list[str]]:
+    models = [Routed(), Routed()]
+    return _said(lambda: run_ranks(2, lambda b: _train(models[b.rank], b, x, slice(4 * b.rank, 4 * b.rank + 4), **dict(options))))
 
 
-def test_a_routed_layer_is_named_once_and_differs_from_one_worker(float64):
-    with torch.no_grad():  # (the split routes 1 and 2 of its 4 samples at the start)
-        routed = [int((torch.tanh(Routed(True).body(X[r]))[:, 0] > 0).sum()) for r in (slice(0, 4), slice(4, 8))]
-    assert routed[0] != routed[1]
-    single, said_single = _said(lambda: _train(Routed(True), "single"))
-    ranks, said = _two_workers(True)
-    assert said_single == []
+def _replicas_equal_one_worker(ranks: list[list[torch.Tensor]], single: list[torch.Tensor]) -> None:
+    for a, b in zip(ranks[0], ranks[1]):
+        assert torch.equal(a, b)
+    for a, s in zip(ranks[0], single):
+        torch.testing.assert_close(a, s, rtol=1e-10, atol=1e-12)
+
+
+def _routed_counts(route: torch.Tensor) -> list[int]:
+    return [int((route[r] > 0).sum()) for r in (slice(0, 4), slice(4, 8))]
+
+
+def test_a_routed_layer_equals_one_worker_on_the_whole_batch_and_is_not_said(float64):
+    assert _routed_counts(UNEVEN) == [3, 1]
+    x = _data(UNEVEN)
+    single, said_single = _said(lambda: _train(Routed(), "single", x))
+    ranks, said = _two_workers(x)
+    assert said_single == said == []
+    _replicas_equal_one_worker(ranks, single)
+
+
+def test_a_routed_layer_no_sample_of_one_worker_reaches_equals_one_worker(float64):
+    assert _routed_counts(ONE_WORKER) == [3, 0]
+    x = _data(ONE_WORKER)
+    single = _train(Routed(), "single", x)
+    ranks, said = _two_workers(x)
+    assert said == []
+    _replicas_equal_one_worker(ranks, single)
+
+
+def test_the_eigen_method_and_no_pipelining_weigh_alike(float64):
+    x = _data(UNEVEN)
+    for options in ({"compute_method": "eigen"}, {"pipelining": False}):
+        single = _train(Routed(), "single", x, **options)
+        ranks, said = _two_workers(x, **options)
+        assert said == [], options
+        _replicas_equal_one_worker(ranks, single)
+
+
+def test_with_accumulation_the_routed_layer_is_named_once_and_differs_from_one_worker(float64):
+    x = _data(ACCUMULATED)
+    single = _train(Routed(), "single", x, accumulation_steps=2)
+    ranks, said = _two_workers(x, accumulation_steps=2)
     assert len(said) == 2, said  # three steps: once on each worker
     for message in said:
         assert "'expert' (" in message
+        assert "accumulation_steps=2" in message
         assert "'body'" not in message
         assert "'head'" not in message
     assert max(float((a - s).abs().max()) for a, s in zip(ranks[0], single)) > 1e-6
 
 
+def test_a_layer_uneven_after_even_steps_is_named_then_weighed_exactly(float64):
+    """Its first uneven step finds no local factors kept (an even layer keeps none): said, and it differs; kept from
+    then on, so a run uneven from its second step on differs from one worker by that step only."""
+    x = _data(UNEVEN)
+    single = _train(Routed(), "single", x, route_from=1)
+    ranks, said = _two_workers(x, route_from=1)
+    assert len(said) == 2, said
+    assert all("for the first time after steps with even samples" in m for m in said), said
+    assert max(float((a - s).abs().max()) for a, s in zip(ranks[0], single)) > 1e-6
+    for a, b in zip(ranks[0], ranks[1]):
+        assert torch.equal(a, b)
+
+
 def test_every_sample_through_every_layer_is_not_said_and_equals_one_worker(float64):
-    single = _train(Routed(False), "single")
-    ranks, said = _two_workers(False)
+    x = _data(UNEVEN)
+    single = _train(Routed(), "single", x, route_from=99)
+    ranks, said = _two_workers(x, route_from=99)
     assert said == []
     for params in ranks:
         for a, s in zip(params, single):
