@@ -1,4 +1,4 @@
-"""Model zoo (no torchvision needed): small CPU models, ImageNet-size CNNs, ConvNeXt-T, ViT-S/16 and three small language models.
+"""Model zoo (no torchvision needed): small CPU models, ImageNet-size CNNs, ConvNeXt-T, ViT-S/16 and four small language models.
 
 ``get_model(name, num_classes)`` builds any registered model; names prefixed
 ``torchvision:`` use torchvision's constructors when torchvision imports.
@@ -11,7 +11,7 @@ from typing import Callable
 import torch.nn as nn
 
 from .imagenet import densenet201, inception_v4, resnet50, resnet152
-from .llama import char_llama, tied_llama
+from .llama import char_llama, char_moe_llama, tied_llama
 from .mobile import efficientnet_b0, mobilenet_v2, resnext50_32x4d
 from .modern import char_gpt, convnext_t, mnist_vit, vit_s16
 from .small import DigitsCNN, MnistCNN, MnistMobileNet, cifar_resnet20
@@ -25,6 +25,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mnist_vit": mnist_vit,
     "char_gpt": char_gpt,
     "char_llama": char_llama,
+    "char_moe_llama": char_moe_llama,
     "tied_llama": tied_llama,
     "cifar_resnet20": cifar_resnet20,
     "resnet50": resnet50,

@@ -22,7 +22,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["CharLlama", "LlamaBlock", "char_llama", "rotate", "tied_llama"]
+from .moe import MixtureOfExperts
+
+__all__ = ["CharLlama", "LlamaBlock", "char_llama", "char_moe_llama", "rotate", "tied_llama"]
 
 
 def rotate(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -38,9 +40,10 @@ def rotate(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
 
 
 class LlamaBlock(nn.Module):
-    """x + o_proj(attention(RoPE(q), RoPE(k), v)) of RMSNorm(x), then x + SwiGLU(RMSNorm(x)); causal, no biases."""
+    """x + o_proj(attention(RoPE(q), RoPE(k), v)) of RMSNorm(x), then x + SwiGLU(RMSNorm(x)); causal, no biases.
+    With ``experts``, the SwiGLU is a mixture of that many experts of width ``mlp_dim``, ``top_k`` per token."""
 
-    def __init__(self, dim: int, heads: int, mlp_dim: int) -> None:
+    def __init__(self, dim: int, heads: int, mlp_dim: int, experts: int = 0, top_k: int = 2) -> None:
         super().__init__()
         if dim % heads or (dim // heads) % 2:
             raise ValueError(f"width {dim} must split into {heads} heads of an even size (RoPE turns pairs)")
@@ -51,9 +54,11 @@ class LlamaBlock(nn.Module):
         self.v_proj = nn.Linear(dim, dim, bias=False)
         self.o_proj = nn.Linear(dim, dim, bias=False)
         self.mlp_norm = nn.RMSNorm(dim, eps=1e-6)
-        self.gate_proj = nn.Linear(dim, mlp_dim, bias=False)
-        self.up_proj = nn.Linear(dim, mlp_dim, bias=False)
-        self.down_proj = nn.Linear(mlp_dim, dim, bias=False)
+        self.moe = MixtureOfExperts(dim, mlp_dim, experts, top_k) if experts else None
+        if self.moe is None:
+            self.gate_proj = nn.Linear(dim, mlp_dim, bias=False)
+            self.up_proj = nn.Linear(dim, mlp_dim, bias=False)
+            self.down_proj = nn.Linear(mlp_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, t, dim = x.shape
@@ -62,8 +67,8 @@ class LlamaBlock(nn.Module):
         attended = F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True)
         x = x + self.o_proj(attended.transpose(1, 2).reshape(n, t, dim))
         h = self.mlp_norm(x)
-        out: torch.Tensor = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-        return out
+        mlp: torch.Tensor = self.moe(h) if self.moe is not None else self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x + mlp
 
 
 class CharLlama(nn.Module):
@@ -80,11 +85,13 @@ class CharLlama(nn.Module):
         heads: int = 4,
         mlp_dim: int = 344,
         tie_embeddings: bool = False,
+        experts: int = 0,
+        top_k: int = 2,
     ) -> None:
         super().__init__()
         self.context = context
         self.tokens = nn.Embedding(vocab, dim)
-        self.blocks = nn.Sequential(*(LlamaBlock(dim, heads, mlp_dim) for _ in range(depth)))
+        self.blocks = nn.Sequential(*(LlamaBlock(dim, heads, mlp_dim, experts, top_k) for _ in range(depth)))
         self.norm = nn.RMSNorm(dim, eps=1e-6)
         self.head = nn.Linear(dim, vocab, bias=False)
         for module in self.modules():
@@ -104,6 +111,12 @@ def char_llama(num_classes: int = 97) -> nn.Module:
     """A small Llama-style character-level model (``--data pycode``): width 128, 2 blocks of 4 heads, SwiGLU MLP of
     344 (about 8/3 of the width, as Llama sizes it)."""
     return CharLlama(num_classes)
+
+
+def char_moe_llama(num_classes: int = 97) -> nn.Module:
+    """:func:`char_llama` with each MLP a mixture of 4 SwiGLU experts of width 172, 2 per token (Mixtral's
+    routing): the dense model's 344 per token, twice its MLP parameters."""
+    return CharLlama(num_classes, mlp_dim=172, experts=4, top_k=2)
 
 
 def tied_llama(num_classes: int = 2048) -> nn.Module:
