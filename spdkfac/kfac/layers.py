@@ -66,6 +66,7 @@ __all__ = [
     "preconditioned_layers",
     "split_layers",
     "unhooked_submodules",
+    "unwrapped_name",
     "wider",
 ]
 
@@ -73,6 +74,15 @@ __all__ = [
 FACTOR_KINDS: tuple[str, ...] = FactorKind.choices()
 #: A factor by (kind 'A' | 'G', layer name), the same on every rank.
 FactorKey = tuple[str, str]
+#: Module attributes a wrapper puts into its module's name that the model's ``state_dict()`` keys need not show:
+#: torch's activation-checkpoint wrapper (``checkpoint_wrapper``, which accelerate's and Lightning's FSDP
+#: activation checkpointing apply, strips it from them) and a compiled submodule (``torch.compile(block)``).
+WRAPPER_ATTRIBUTES = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
+def unwrapped_name(name: str) -> str:
+    """A module name without the wrappers' attributes (``blocks.0._checkpoint_wrapped_module.fc`` -> ``blocks.0.fc``)."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_ATTRIBUTES)
 
 
 class KFACLayer:
@@ -450,12 +460,21 @@ def _kind_matches(entry: str, module: nn.Module) -> bool:
 
 
 def skipped(name: str, module: nn.Module, skip: Sequence[LayerFilter]) -> bool:
-    """Whether ``skip`` names the module: by name (shell-style wildcards allowed), class name, class or ``'kind:...'``."""
+    """Whether ``skip`` names the module: by name (shell-style wildcards allowed), class name, class or ``'kind:...'``.
+
+    A name matches with or without the wrappers' attributes on either side
+    (:func:`unwrapped_name`): the same ``skip_layers`` serves a script with
+    activation checkpointing turned on or off.
+    """
     for entry in skip:
         if isinstance(entry, str) and entry.startswith("kind:"):
             if _kind_matches(entry, module):
                 return True
-        elif isinstance(entry, str) and (fnmatch.fnmatchcase(name, entry) or entry == type(module).__name__):
+        elif isinstance(entry, str) and (
+            fnmatch.fnmatchcase(name, entry)
+            or fnmatch.fnmatchcase(unwrapped_name(name), unwrapped_name(entry))
+            or entry == type(module).__name__
+        ):
             return True
         if isinstance(entry, type) and isinstance(module, entry):
             return True

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from .layers import FACTOR_KINDS, KFACLayer
+from .layers import FACTOR_KINDS, KFACLayer, unwrapped_name
 from .methods import DecompositionMethod, get_method
 
 __all__ = [
@@ -145,17 +145,6 @@ def check_kfac_state(state_dict: Any, layers: Sequence[KFACLayer], method: Decom
             f"layers with different factor dimensions {differ}{hint}"
         )
     return kfac
-
-
-#: Module attributes a wrapper puts into its module's name that the model's ``state_dict()`` keys need not show:
-#: torch's activation-checkpoint wrapper (``checkpoint_wrapper``, which accelerate's and Lightning's FSDP
-#: activation checkpointing apply, strips it from them) and a compiled submodule (``torch.compile(block)``).
-WRAPPER_ATTRIBUTES = ("_checkpoint_wrapped_module", "_orig_mod")
-
-
-def unwrapped_name(name: str) -> str:
-    """A module name without the wrappers' attributes (``blocks.0._checkpoint_wrapped_module.fc`` -> ``blocks.0.fc``)."""
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_ATTRIBUTES)
 
 
 def _renamed_through_wrappers(mine: dict[str, list[int]], theirs: dict[str, list[int]]) -> dict[str, str] | None:

@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from ..kfac.layers import unwrapped_name
+
 __all__ = ["NO_DECAY_KINDS", "check_no_weight_decay", "split_decayed"]
 
 #: The normalisation modules whose parameters ``'kind:norm'`` names.
@@ -75,7 +77,8 @@ def check_no_weight_decay(entries: Sequence[str] | str) -> tuple[str, ...]:
 def _matches(entry: str, name: str, param: torch.Tensor, module: nn.Module) -> bool:
     if entry.startswith("kind:"):
         return NO_DECAY_KINDS[entry.removeprefix("kind:")](name, param, module)
-    return fnmatch.fnmatchcase(name, entry)
+    # (with or without activation checkpointing's wrapper in the names, as skip_layers)
+    return fnmatch.fnmatchcase(name, entry) or fnmatch.fnmatchcase(unwrapped_name(name), unwrapped_name(entry))
 
 
 def split_decayed(model: nn.Module, entries: Sequence[str]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
