@@ -25,7 +25,6 @@ __all__ = [
     "memory_usage",
     "save_kfac_state",
     "saved_uses",
-    "unwrapped_name",
 ]
 
 

@@ -73,9 +73,9 @@ _REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
 _MORE = "#more"
 #: Suffix of the name under which the sample-count correction of a layer with uneven samples travels.
 _UNEVEN = "#uneven"
-#: Entries per layer in :meth:`FactorCollector.report`: four per factor, then the samples and their square (the last
-#: call's, and summed over the step's calls).
-_REPORT_ROW = 4 * len(FACTOR_KINDS) + 4
+#: Entries per layer in :meth:`FactorCollector.report`: four per factor, then G's samples in its last call, and summed
+#: over the step's calls with their square.
+_REPORT_ROW = 4 * len(FACTOR_KINDS) + 3
 #: What to do about one backward pass too many before step().
 _ACCUMULATION_ADVICE = (
     "To accumulate k micro-batches, each backward()ed before one step() (gradient accumulation, a trainer's "
@@ -629,7 +629,7 @@ class FactorCollector:
 
     def report(self) -> list[float]:
         """Per layer and factor: computed here (0/1), its calls and their square, extra calls sent apart (0/1);
-        then the samples its G's last call saw and their square, and those of all its calls and their square."""
+        then the samples its G's last call saw, and those of all its calls and their square."""
         values: list[float] = []
         for layer in self.layers:
             for kind in FACTOR_KINDS:
@@ -639,7 +639,7 @@ class FactorCollector:
                 values += [float(calls > 0), float(calls), float(calls * calls), float(extra)]
             g = self._tally.get(("G", layer.name))
             samples, total = (0, 0) if g is None else (layer.local_samples, g.samples)
-            values += [float(samples), float(samples * samples), float(total), float(total * total)]
+            values += [float(samples), float(total), float(total * total)]
         return values
 
     def agreed(self, present: dict[str, int], summed: list[int], workers: int) -> None:
@@ -674,8 +674,8 @@ class FactorCollector:
                     self.controller.submit((kind, f"{layer.name}{_MORE}"), local, alone=True)
                     self._more.add(key)
             self.samples[layer.name] = row[8]
-            if g_ran and g_ran * row[11] != row[10] * row[10] and not self._correct_uneven(layer, g_ran, row[10]):
-                uneven.append(f"{layer.name!r} ({row[10]} samples over {g_ran} workers)")
+            if g_ran and g_ran * row[10] != row[9] * row[9] and not self._correct_uneven(layer, g_ran, row[9]):
+                uneven.append(f"{layer.name!r} ({row[9]} samples over {g_ran} workers)")
             if g_ran:
                 self._agreed_layers.add(layer.name)
         if uneven:

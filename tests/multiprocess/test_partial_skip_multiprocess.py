@@ -16,17 +16,12 @@ WORKER = ROOT / "tests" / "workers" / "partial_skip_check.py"
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("engine", ["torch", "horovod"])
-def test_a_layer_skipped_on_one_real_worker_trains_alike_on_both(tmp_path, engine):
+def test_a_layer_skipped_on_one_real_worker_trains_alike_on_both(tmp_path, engine, float64):
     ranks = run_rank_workers(engine, WORKER, tmp_path)
     module = worker_module(WORKER)
     check_partial_skip(ranks, module)
-    old = torch.get_default_dtype()
-    try:
-        torch.set_default_dtype(torch.float64)
-        models = [{name: shared_net() for name in module.CONFIGS} for _ in range(2)]
-        inprocess = run_ranks(2, lambda b: module.run(b, models[b.rank]), timeout=120)
-    finally:
-        torch.set_default_dtype(old)
+    models = [{name: shared_net() for name in module.CONFIGS} for _ in range(2)]
+    inprocess = run_ranks(2, lambda b: module.run(b, models[b.rank]), timeout=120)
     for name in module.CONFIGS:
         for s in range(len(module.RUNS)):
             for key, value in inprocess[0][name][s]["params"].items():

@@ -14,14 +14,10 @@ WORKER = ROOT / "tests" / "workers" / "uneven_samples_check.py"
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("engine", ["torch", "horovod"])
-def test_a_routed_layer_on_real_workers_equals_one_process(tmp_path, engine):
+def test_a_routed_layer_on_real_workers_equals_one_process(tmp_path, engine, float64):
     ranks = run_rank_workers(engine, WORKER, tmp_path)
     module = worker_module(WORKER)
-    old = torch.get_default_dtype()
-    try:
-        single = module.run(get_backend("single"))
-    finally:
-        torch.set_default_dtype(old)
+    single = module.run(get_backend("single"))
     expected = [n for n in module.CONFIGS if engine == "torch" or "ddp" not in n]
     assert sorted(ranks[0]) == sorted(expected)
     for name in expected:

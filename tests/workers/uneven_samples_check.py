@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rank_results import save_rank_results
-from unit.step.test_uneven_samples import ONE_WORKER, UNEVEN, Routed, _data, _train
+from unit.step.test_uneven_samples import ONE_WORKER, UNEVEN, Routed, routed_data, train_routed
 
 from spdkfac.comm import CommBackend
 
@@ -50,7 +50,7 @@ def run(backend: CommBackend) -> dict[str, list[torch.Tensor]]:
         trained: Any = model
         if "ddp" in name and backend.size > 1:
             trained = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-        results[name] = _train(model, backend, _data(route), rows, optimized=trained, **options)
+        results[name] = train_routed(model, backend, routed_data(route), rows, optimized=trained, **options)
     return results
 
 

@@ -52,13 +52,14 @@ class Routed(nn.Module):
         return self.head(out)
 
 
-def _data(route: torch.Tensor) -> torch.Tensor:
+def routed_data(route: torch.Tensor) -> torch.Tensor:
+    """The fixed batch with ``route`` as its first column (its sign routes each sample)."""
     x = X.clone()
     x[:, 0] = route
     return x
 
 
-def _train(
+def train_routed(
     model: Routed,
     backend: Any,
     x: torch.Tensor,
@@ -97,7 +98,7 @@ def _said(run: Any) -> tuple[Any, list[str]]:
 
 def _two_workers(x: torch.Tensor, **options: Any) -> tuple[list[list[torch.Tensor]], list[str]]:
     models = [Routed(), Routed()]
-    return _said(lambda: run_ranks(2, lambda b: _train(models[b.rank], b, x, slice(4 * b.rank, 4 * b.rank + 4), **dict(options))))
+    return _said(lambda: run_ranks(2, lambda b: train_routed(models[b.rank], b, x, slice(4 * b.rank, 4 * b.rank + 4), **dict(options))))
 
 
 def _replicas_equal_one_worker(ranks: list[list[torch.Tensor]], single: list[torch.Tensor]) -> None:
@@ -113,8 +114,8 @@ def _routed_counts(route: torch.Tensor) -> list[int]:
 
 def test_a_routed_layer_equals_one_worker_on_the_whole_batch_and_is_not_said(float64):
     assert _routed_counts(UNEVEN) == [3, 1]
-    x = _data(UNEVEN)
-    single, said_single = _said(lambda: _train(Routed(), "single", x))
+    x = routed_data(UNEVEN)
+    single, said_single = _said(lambda: train_routed(Routed(), "single", x))
     ranks, said = _two_workers(x)
     assert said_single == said == []
     _replicas_equal_one_worker(ranks, single)
@@ -122,25 +123,25 @@ def test_a_routed_layer_equals_one_worker_on_the_whole_batch_and_is_not_said(flo
 
 def test_a_routed_layer_no_sample_of_one_worker_reaches_equals_one_worker(float64):
     assert _routed_counts(ONE_WORKER) == [3, 0]
-    x = _data(ONE_WORKER)
-    single = _train(Routed(), "single", x)
+    x = routed_data(ONE_WORKER)
+    single = train_routed(Routed(), "single", x)
     ranks, said = _two_workers(x)
     assert said == []
     _replicas_equal_one_worker(ranks, single)
 
 
 def test_the_eigen_method_and_no_pipelining_weigh_alike(float64):
-    x = _data(UNEVEN)
+    x = routed_data(UNEVEN)
     for options in ({"compute_method": "eigen"}, {"pipelining": False}):
-        single = _train(Routed(), "single", x, **options)
+        single = train_routed(Routed(), "single", x, **options)
         ranks, said = _two_workers(x, **options)
         assert said == [], options
         _replicas_equal_one_worker(ranks, single)
 
 
 def test_with_accumulation_the_routed_layer_is_named_once_and_differs_from_one_worker(float64):
-    x = _data(ACCUMULATED)
-    single = _train(Routed(), "single", x, accumulation_steps=2)
+    x = routed_data(ACCUMULATED)
+    single = train_routed(Routed(), "single", x, accumulation_steps=2)
     ranks, said = _two_workers(x, accumulation_steps=2)
     assert len(said) == 2, said  # three steps: once on each worker
     for message in said:
@@ -154,8 +155,8 @@ def test_with_accumulation_the_routed_layer_is_named_once_and_differs_from_one_w
 def test_a_layer_uneven_after_even_steps_is_named_then_weighed_exactly(float64):
     """Its first uneven step finds no local factors kept (an even layer keeps none): said, and it differs; kept from
     then on, so a run uneven from its second step on differs from one worker by that step only."""
-    x = _data(UNEVEN)
-    single = _train(Routed(), "single", x, route_from=1)
+    x = routed_data(UNEVEN)
+    single = train_routed(Routed(), "single", x, route_from=1)
     ranks, said = _two_workers(x, route_from=1)
     assert len(said) == 2, said
     assert all("for the first time after steps with even samples" in m for m in said), said
@@ -165,8 +166,8 @@ def test_a_layer_uneven_after_even_steps_is_named_then_weighed_exactly(float64):
 
 
 def test_every_sample_through_every_layer_is_not_said_and_equals_one_worker(float64):
-    x = _data(UNEVEN)
-    single = _train(Routed(), "single", x, route_from=99)
+    x = routed_data(UNEVEN)
+    single = train_routed(Routed(), "single", x, route_from=99)
     ranks, said = _two_workers(x, route_from=99)
     assert said == []
     for params in ranks:
