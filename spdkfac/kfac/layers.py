@@ -135,6 +135,8 @@ class KFACLayer:
         self.first_unseen: torch.Tensor | None = None
         #: Samples per worker in the last batch the factor hooks saw (EKFAC scales its statistic by the global batch).
         self.local_samples = 1
+        #: Samples in the input of the last call of :meth:`compute_a` (this worker's).
+        self.input_samples = 1
         #: An embedding's: the output layer its weight is tied to. Its factors join that layer's (:mod:`.tied_factors`),
         #: which preconditions the weight; this layer preconditions nothing.
         self.tied_output: KFACLayer | None = None
@@ -197,6 +199,7 @@ class KFACLayer:
     def compute_a(self, x: torch.Tensor) -> torch.Tensor:
         """Batch factor ``A = Σ (a/S)(a/S)^T / n`` from the layer input, in flat form."""
         x, batch = self._samples(x)
+        self.input_samples = batch
         diagonal = "A" in self.diagonal_by_width
         half = not diagonal and self.helper.half_rows and keeps_half_rows(x, self.factor_dtype)  # (exact float32 Grams of half rows)
         gram_of = self.helper.input_diagonal if diagonal else self.helper.input_gram

@@ -5,7 +5,8 @@ hook on the layer's output computes ``G`` as soon as the backward pass reaches
 it. Each goes straight to the :class:`~spdkfac.step.factor_allreduce.TensorFusionController`
 (pipelining), or is kept until ``step()`` (D-KFAC's all-at-once). With
 gradient accumulation the early micro-batches' factors are summed locally and
-only the k-th is sent, as their mean. While a fusion plan is being made, or a
+only the k-th is sent, as their mean (weighed by their samples where those
+differ between the micro-batches: a routed layer's, :meth:`FactorCollector._complete`). While a fusion plan is being made, or a
 timeline recorded, each factor's computation is timed, and the hook's own
 work beyond it (bookkeeping, packing into a fusion buffer, launching the
 all-reduce).
@@ -74,8 +75,8 @@ _MORE = "#more"
 #: Suffix of the name under which the sample-count correction of a layer with uneven samples travels.
 _UNEVEN = "#uneven"
 #: Entries per layer in :meth:`FactorCollector.report`: four per factor, then G's samples in its last call, and summed
-#: over the step's calls with their square.
-_REPORT_ROW = 4 * len(FACTOR_KINDS) + 3
+#: over the step's calls with their square, then whether it was called more than once in a pass.
+_REPORT_ROW = 4 * len(FACTOR_KINDS) + 4
 #: What to do about one backward pass too many before step().
 _ACCUMULATION_ADVICE = (
     "To accumulate k micro-batches, each backward()ed before one step() (gradient accumulation, a trainer's "
@@ -156,8 +157,24 @@ class _Tally:
     calls: int = 0
     total: torch.Tensor | None = None
     sent: int = 0  # calls in the factor sent under the layer's key (0: not sent yet)
-    samples: int = 0  # G: the samples of its calls, summed
+    samples: int = 0  # the samples of its calls, summed
+    count: int = 0  # the samples of its first call
+    #: Once a call's samples differ from the first call's (a routed layer's micro-batches): the calls' factors weighed
+    #: by their samples, ``Σ n F`` (A) or ``Σ F / n`` (G), beside the plain sum ``total``.
+    weighted: torch.Tensor | None = None
     extra: torch.Tensor | None = None  # the sum of the calls after it, sent at step() and folded in
+
+    def add(self, kind: str, factor: torch.Tensor, samples: int) -> None:
+        """Add a call's factor to the sums (not to ``extra``)."""
+        if self.total is None:
+            self.total, self.count = factor, samples
+        else:
+            if self.weighted is None and samples != self.count:  # (the calls before all had the first's samples)
+                self.weighted = self.total.mul(self.count) if kind == "A" else self.total.div(self.count)
+            self.total.add_(factor)
+            if self.weighted is not None:
+                self.weighted.add_(factor, alpha=samples if kind == "A" else 1.0 / samples)
+        self.samples += samples
 
 
 class FactorCollector:
@@ -193,7 +210,9 @@ class FactorCollector:
         self.workers = controller.backend.size
         #: Per factor: how many workers computed it in the last factor step (agreed through the order).
         self.ranks_ran: dict[FactorKey, int] = {}
-        #: Per layer: the samples its G saw in the last factor step, summed over the workers that ran it.
+        #: Per layer: the global batch its G saw in the last factor step (EKFAC's ``B``), over the workers and the
+        #: accumulation_steps micro-batches, where each pass gives it its last call's samples unless it takes at most
+        #: one per pass (then all its samples: a routed layer's differ between passes).
         self.samples: dict[str, int] = {}
         self.controller = controller
         self.profiler = profiler
@@ -355,7 +374,6 @@ class FactorCollector:
             # Each micro-batch loss carries 1/accumulation_steps: dividing it out like a loss scale gives its true G.
             scale = self.loss_scale() / self.accumulation_steps
             self._submit(layer, "G", lambda: layer.compute_g(grad_output, scale))
-            self._tally[("G", layer.name)].samples += layer.local_samples
             return True
 
         return (lambda: layer.name in self._a_taken), g_ready
@@ -413,17 +431,13 @@ class FactorCollector:
         if self._uneven_noted:
             return
         self._uneven_noted = True
-        why = (
-            f"with accumulation_steps={self.accumulation_steps}"
-            if self.accumulation_steps != 1
-            else "with several calls of the layer in the step, or for the first time after steps with even samples"
-        )
+        why = "with several calls of the layer in a pass, or for the first time after steps with even samples"
         warnings.warn(
             f"layer(s) {', '.join(layers[:6])}{' ...' if len(layers) > 6 else ''} took different numbers of samples on "
             "different workers in this step (a data-dependent selection: tokens routed to an expert, masked positions; "
             f"or local batches of different sizes), {why}. Their factors are then the mean of the workers' own, each "
             "normalised by its own samples, where one worker on the whole batch weighs every sample alike: N workers "
-            "differ from one there (docs/layers.md). With one call per step and no accumulation the factors are "
+            "differ from one there (docs/layers.md). With at most one call per forward pass the factors are "
             "weighed by the samples exactly, from the layer's next uneven step on. This is said once",
             stacklevel=2,
         )
@@ -508,11 +522,11 @@ class FactorCollector:
         expected = self.expected.get(key, self.accumulation_steps)
         if tally.sent:  # a call beyond those expected: summed apart, sent at step() and folded in
             factor = compute()
+            tally.samples += layer.input_samples if kind == "A" else layer.local_samples
             tally.extra = factor if tally.extra is None else tally.extra.add_(factor)
             return
-        if tally.calls < expected:  # an early call: sum locally, communicate nothing
-            factor = compute()
-            tally.total = factor if tally.total is None else tally.total.add_(factor)
+        if tally.calls < expected or self._more_passes(tally):  # an early call: sum locally, communicate nothing
+            tally.add(kind, compute(), layer.input_samples if kind == "A" else layer.local_samples)
             return
         # The call that completes the factor (the only one in the common case): timed and pipelined as usual.
         profiling = self.profiler.active
@@ -522,13 +536,8 @@ class FactorCollector:
             if profiling and torch.cuda.is_available():
                 torch.cuda.synchronize()
             t_start = Timeline.now()
-        factor = compute()
-        if tally.total is not None:  # the mean over the calls (G: their sum per pass)
-            factor = tally.total.add_(factor).div_(self._divisor(kind, tally.calls))
-            tally.total = None
-        elif self._divisor(kind, 1) != 1:  # one call of a G expected once in several passes: its sum per pass too
-            factor = factor.div(self._divisor(kind, 1))
-        tally.sent = tally.calls
+        tally.add(kind, compute(), layer.input_samples if kind == "A" else layer.local_samples)
+        factor = self._complete(kind, tally)
         if timed:
             if profiling and factor.is_cuda:
                 torch.cuda.synchronize()
@@ -541,11 +550,43 @@ class FactorCollector:
         if self.record is not None:  # the hook's own cost: all but the factor's computation (a cost model charges it apart)
             self.record.hooks += Timeline.now() - t_enter - (t_end - t_start)
 
+    def _more_passes(self, tally: _Tally) -> bool:
+        """Whether a factor that took its expected calls waits for the micro-batches still to come: one called at
+        most once per pass, in fewer passes than accumulation_steps so far (a routed expert, a micro-batch no
+        sample of which reached it), is weighed by its samples at step(), where the passes are known."""
+        return tally.calls < self.accumulation_steps and tally.calls <= self._passes
+
+    def _complete(self, kind: str, tally: _Tally) -> torch.Tensor:
+        """This worker's factor from a tally's calls (all that came), marked sent.
+
+        A factor the same layer computed several times in one pass is the
+        mean of the calls' ``A`` and the sum of their ``G`` per pass. Under
+        gradient accumulation, a layer called at most once per pass is the
+        one of all the step's samples at once: ``A = Σ n_m A_m / N`` and
+        ``G = (N / p²) Σ G_m / n_m`` over the ``p`` passes (as one worker on
+        the whole batch has it: :meth:`_correct_uneven`), which is the plain
+        mean where every pass gave it the same ``n`` samples. Here ``G`` leaves
+        out the ``k / p`` of a short last window (``p`` of ``accumulation_steps``
+        ``k`` passes), applied to every layer at :meth:`take`.
+        """
+        calls, passes, total, weighted = tally.calls, self._passes, tally.total, tally.weighted
+        assert total is not None  # a call was made
+        tally.total, tally.weighted, tally.sent = None, None, calls
+        if self.accumulation_steps > 1 and calls <= passes and (weighted is not None or calls < passes):
+            if kind == "A":  # (samples alike in every call, missing passes aside: the plain mean)
+                return total.div_(calls) if weighted is None else weighted.div_(tally.samples)
+            weighted = total.div_(tally.count) if weighted is None else weighted
+            return weighted.mul_(tally.samples / (passes * self.accumulation_steps))
+        divisor = self._divisor(kind, calls)
+        if calls > 1:  # the mean over the calls (G: their sum per pass)
+            return total.div_(divisor)
+        return total.div(divisor) if divisor != 1 else total  # (one call of a G expected once in several passes: per pass too)
+
     def _keep_local(self, key: FactorKey, factor: torch.Tensor) -> None:
         """Keep a reference to this worker's factor of a layer that took (or may take) uneven samples: the
-        correction :meth:`agreed` sends is made of it. One call per step only (the factor is that call's)."""
+        correction :meth:`agreed` sends is made of it."""
         name = key[1]
-        if self.workers > 1 and self.accumulation_steps == 1 and (name in self.uneven_layers or name not in self._agreed_layers):
+        if self.workers > 1 and (name in self.uneven_layers or name not in self._agreed_layers):
             self._local[key] = factor
 
     def _send(self, key: FactorKey, factor: torch.Tensor) -> None:
@@ -612,10 +653,7 @@ class FactorCollector:
             for kind in FACTOR_KINDS:
                 tally = self._tally.get((kind, layer.name))
                 if tally is not None and not tally.sent:
-                    assert tally.total is not None  # a call was made
-                    divisor = self._divisor(kind, tally.calls)
-                    factor = tally.total.div_(divisor) if divisor != 1 else tally.total
-                    tally.total, tally.sent = None, tally.calls
+                    factor = self._complete(kind, tally)
                     self._keep_local((kind, layer.name), factor)
                     self.controller.submit((kind, layer.name), factor)
         for key in self.controller.incomplete():
@@ -629,17 +667,20 @@ class FactorCollector:
 
     def report(self) -> list[float]:
         """Per layer and factor: computed here (0/1), its calls and their square, extra calls sent apart (0/1);
-        then the samples its G's last call saw, and those of all its calls and their square."""
+        then the samples its G's last call saw, those of all its calls and their square, and whether a factor of it
+        took more calls than there were passes here (0/1: a layer used several times in a pass)."""
         values: list[float] = []
         for layer in self.layers:
+            several = False
             for kind in FACTOR_KINDS:
                 tally = self._tally.get((kind, layer.name))
                 calls = 0 if tally is None else tally.calls
                 extra = tally is not None and tally.extra is not None
+                several = several or calls > self._passes
                 values += [float(calls > 0), float(calls), float(calls * calls), float(extra)]
             g = self._tally.get(("G", layer.name))
             samples, total = (0, 0) if g is None else (layer.local_samples, g.samples)
-            values += [float(samples), float(total), float(total * total)]
+            values += [float(samples), float(total), float(total * total), float(several)]
         return values
 
     def agreed(self, present: dict[str, int], summed: list[int], workers: int) -> None:
@@ -657,7 +698,7 @@ class FactorCollector:
                 self.ranks_ran[key] = ran
                 if ran == 0:
                     continue
-                if ran * squares != calls * calls:
+                if ran * squares != calls * calls and row[11]:  # (at most once per pass: micro-batches it took no sample of)
                     raise RuntimeError(
                         f"layer {layer.name!r} ran a different number of times on different workers in this step "
                         f"(factor {kind}: {calls} calls over {ran} workers): a layer used several times must be used "
@@ -673,15 +714,19 @@ class FactorCollector:
                     local = tally.extra if tally is not None and tally.extra is not None else self._zeros(key)
                     self.controller.submit((kind, f"{layer.name}{_MORE}"), local, alone=True)
                     self._more.add(key)
-            self.samples[layer.name] = row[8]
-            if g_ran and g_ran * row[10] != row[9] * row[9] and not self._correct_uneven(layer, g_ran, row[9]):
+            several = row[11] > 0
+            if several or not self._passes:  # its last call's samples, in every pass
+                self.samples[layer.name] = row[8] * self.accumulation_steps
+            else:  # all its samples (a routed layer's differ between passes), in a window of accumulation_steps passes
+                self.samples[layer.name] = round(row[9] * self.accumulation_steps / self._passes)
+            if g_ran and g_ran * row[10] != row[9] * row[9] and not self._correct_uneven(layer, g_ran, row[9], several):
                 uneven.append(f"{layer.name!r} ({row[9]} samples over {g_ran} workers)")
             if g_ran:
                 self._agreed_layers.add(layer.name)
         if uneven:
             self._uneven_samples(uneven)
 
-    def _correct_uneven(self, layer: KFACLayer, ran: int, samples: int) -> bool:
+    def _correct_uneven(self, layer: KFACLayer, ran: int, samples: int, several: bool) -> bool:
         """Send the correction that weighs each worker's factors of a layer with uneven samples by its samples, as
         one worker on the whole batch does (folded in at :meth:`take`); False where that cannot be done exactly.
 
@@ -693,15 +738,17 @@ class FactorCollector:
         ``k`` workers that ran it, both are the average plus the average of
         ``(w_i - 1) F_i`` (``w_i = n_i / n̄`` for A, ``n̄ / n_i`` for G), then
         scaled by ``P / k`` (A) or ``k / P`` (G) as for any layer that ran on
-        some workers only. Exact for one call per step without accumulation,
-        with this worker's factors kept (:meth:`_keep_local`); the layer is
-        watched from now on either way.
+        some workers only. Under gradient accumulation ``F_i`` and ``n_i`` are
+        those of all the worker's micro-batches (:meth:`_complete`). Exact for
+        a layer called at most once per pass (not ``several`` times on some
+        worker), with this worker's factors kept (:meth:`_keep_local`); the
+        layer is watched from now on either way.
         """
         name = layer.name
         watched = name in self.uneven_layers or name not in self._agreed_layers
         self.uneven_layers.add(name)
         keys = [(kind, name) for kind in FACTOR_KINDS]
-        if not watched or self.accumulation_steps != 1 or any(self.ranks_ran.get(key) != ran or self._agreed[key][0] != 1 for key in keys):
+        if not watched or several or any(self.ranks_ran.get(key) != ran for key in keys):
             return False
         mean = samples / ran
         g = self._tally.get(("G", name))

@@ -155,7 +155,7 @@ class KFACStep:
         group = self.param_groups[0]
         self.order.settle()  # every all-reduce in flight, alike on every rank (which layers ran where agreed)
         for layer in self.layers:  # before either order preconditions: the global batch the hooks just saw, the base's hyper
-            samples = self.factors.samples.get(layer.name, 0) * self.config.accumulation_steps if factor_step else None
+            samples = self.factors.samples.get(layer.name, 0) if factor_step else None
             layer.method.begin_step(layer.method_state, samples, group)
         if self._overlapping(inverse_step):
             self._precondition(hyper, wait_for_grads=True)

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rank_results import save_rank_results
-from unit.step.test_uneven_samples import ONE_WORKER, UNEVEN, Routed, routed_data, train_routed
+from unit.step.test_uneven_samples import ONE_WORKER, SKIPS_A_MICRO_BATCH, UNEVEN, Routed, routed_data, train_routed
 
 from spdkfac.comm import CommBackend
 
@@ -36,6 +36,9 @@ CONFIGS: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {
     "one-worker-ddp": (ONE_WORKER, {}),
     # with a loss's own weight beside the model, which the optimizer averages at step() under DDP
     "one-worker-ddp-beside": (ONE_WORKER, {"beside": True}),
+    # 2 micro-batches per step: the expert takes no sample of one of rank 0's, so it runs once there and twice on rank 1
+    "skips-a-micro-batch-accumulated": (SKIPS_A_MICRO_BATCH, {"accumulation_steps": 2}),
+    "uneven-accumulated-ddp": (UNEVEN, {"accumulation_steps": 2}),
 }
 
 

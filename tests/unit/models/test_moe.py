@@ -47,12 +47,12 @@ def test_the_router_and_every_experts_layers_are_preconditioned():
                 assert f"blocks.{block}.moe.experts.{e}.{proj}" in names
 
 
-def _train(model: CharLlama, backend: Any, ids: torch.Tensor, steps: int = 3) -> list[torch.Tensor]:
-    opt = SPDKFACOptimizer(model, lr=0.05, damping=0.01, kl_clip=None, backend=backend)
+def _train(model: CharLlama, backend: Any, ids: torch.Tensor, steps: int = 3, accumulation: int = 1) -> list[torch.Tensor]:
+    opt = SPDKFACOptimizer(model, lr=0.05, damping=0.01, kl_clip=None, backend=backend, accumulation_steps=accumulation)
     for s in range(steps):
         opt.zero_grad()
-        batch = (ids + s) % 11
-        F.cross_entropy(model(batch[:, :-1]), batch[:, 1:]).backward()
+        for batch in ((ids + s) % 11).chunk(accumulation):
+            (F.cross_entropy(model(batch[:, :-1]), batch[:, 1:]) / accumulation).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
 
@@ -62,7 +62,10 @@ def _tiny() -> CharLlama:
     return CharLlama(11, context=8, dim=8, depth=1, heads=2, mlp_dim=6, experts=4, top_k=2)
 
 
-def test_two_workers_equal_one_process_with_experts_taking_uneven_tokens(float64):
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_two_workers_equal_one_process_with_experts_taking_uneven_tokens(accumulation, float64):
+    """Also with 2 micro-batches of one sequence per worker: the workers' micro-batches send different numbers of
+    tokens to the experts, and one process takes the whole batch in one pass."""
     ids = torch.randint(0, 11, (4, 9), generator=torch.Generator().manual_seed(1))
     model = _tiny()
     with torch.no_grad():  # each half of the batch sends a different number of tokens to some expert
@@ -74,7 +77,7 @@ def test_two_workers_equal_one_process_with_experts_taking_uneven_tokens(float64
     models = [_tiny(), _tiny()]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ranks = run_ranks(2, lambda b: _train(models[b.rank], b, ids[2 * b.rank : 2 * b.rank + 2]))
+        ranks = run_ranks(2, lambda b: _train(models[b.rank], b, ids[2 * b.rank : 2 * b.rank + 2], accumulation=accumulation))
     assert not [w for w in caught if "different numbers of samples" in str(w.message)]
     for a, b, s in zip(ranks[0], ranks[1], single):
         assert torch.equal(a, b)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ Y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(4))
 UNEVEN = torch.tensor([1.0, 0.8, 0.7, -0.9, 0.6, -0.5, -0.8, -1.0], dtype=torch.float64)
 #: 3 and 2 routed, one at least in each half (a micro-batch under accumulation_steps=2).
 ACCUMULATED = torch.tensor([1.0, 0.8, 0.7, -0.9, 0.6, -0.5, 0.8, -1.0], dtype=torch.float64)
+#: Under accumulation_steps=2 on 2 workers (micro-batches of 2 samples): 2 and 0 routed on worker 0, 1 and 1 on
+#: worker 1, so the expert runs in one of worker 0's micro-batches and both of worker 1's.
+SKIPS_A_MICRO_BATCH = torch.tensor([1.0, 0.8, -0.7, -0.9, 0.6, -0.5, 0.8, -1.0], dtype=torch.float64)
 #: None of worker 1's samples reaches the expert: it runs on worker 0 only.
 ONE_WORKER = torch.tensor([1.0, 0.8, 0.7, -0.9, -0.6, -0.5, -0.8, -1.0], dtype=torch.float64)
 
@@ -36,10 +40,11 @@ ONE_WORKER = torch.tensor([1.0, 0.8, 0.7, -0.9, -0.6, -0.5, -0.8, -1.0], dtype=t
 class Routed(nn.Module):
     """A body, an 'expert' that only the samples routed to it (by the sign of their first input) pass through, a head."""
 
-    def __init__(self) -> None:
+    def __init__(self, twice: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.route = True
+        self.twice = twice  # the expert applied twice to its samples (two calls in a pass)
         self.body = nn.Linear(5, 8)
         self.expert = nn.Linear(8, 8)
         self.head = nn.Linear(8, 3)
@@ -48,7 +53,8 @@ class Routed(nn.Module):
         h = torch.tanh(self.body(x))
         chosen = x[:, 0] > 0 if self.route else torch.ones(len(h), dtype=torch.bool)
         out = h.clone()
-        out[chosen] = out[chosen] + self.expert(h[chosen])
+        routed = self.expert(h[chosen])
+        out[chosen] = out[chosen] + (self.expert(torch.tanh(routed)) if self.twice else routed)
         return self.head(out)
 
 
@@ -73,6 +79,7 @@ def train_routed(
     route_from = options.pop("route_from", 0)
     temperature = nn.Parameter(torch.tensor(1.5)) if options.pop("beside", False) else None  # (a loss's own weight)
     accumulation = options.get("accumulation_steps", 1)
+    passes = options.pop("passes", accumulation)  # micro-batches per step: fewer than accumulation_steps, a short window
     net = model if optimized is None else optimized
     opt = SPDKFACOptimizer(net, lr=0.1, damping=0.01, kl_clip=None, backend=backend, **options)
     if temperature is not None:
@@ -81,9 +88,9 @@ def train_routed(
     for s in range(steps):
         model.route = s >= route_from
         opt.zero_grad()
-        for xm, ym in zip(xs.chunk(accumulation), ys.chunk(accumulation)):
+        for xm, ym in zip(xs.chunk(passes), ys.chunk(passes)):
             out = net(xm + 0.01 * s) if temperature is None else net(xm + 0.01 * s) * temperature
-            (F.cross_entropy(out, ym) / accumulation).backward()
+            (F.cross_entropy(out, ym) / passes).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()] + ([] if temperature is None else [temperature.detach().clone()])
 
@@ -96,8 +103,8 @@ def _said(run: Any) -> tuple[Any, list[str]]:
     return out, [str(w.message) for w in caught if "different numbers of samples" in str(w.message)]
 
 
-def _two_workers(x: torch.Tensor, **options: Any) -> tuple[list[list[torch.Tensor]], list[str]]:
-    models = [Routed(), Routed()]
+def _two_workers(x: torch.Tensor, twice: bool = False, **options: Any) -> tuple[list[list[torch.Tensor]], list[str]]:
+    models = [Routed(twice), Routed(twice)]
     return _said(lambda: run_ranks(2, lambda b: train_routed(models[b.rank], b, x, slice(4 * b.rank, 4 * b.rank + 4), **dict(options))))
 
 
@@ -139,17 +146,68 @@ def test_the_eigen_method_and_no_pipelining_weigh_alike(float64):
         _replicas_equal_one_worker(ranks, single)
 
 
-def test_with_accumulation_the_routed_layer_is_named_once_and_differs_from_one_worker(float64):
+def _routed_per_micro_batch(route: torch.Tensor, size: int) -> list[int]:
+    return [int((part > 0).sum()) for part in route.split(size)]
+
+
+@pytest.mark.parametrize("method", ["inverse", "eigen", "ekfac"])
+def test_accumulating_micro_batches_is_the_whole_batch_at_once(method, float64):
+    """One process, accumulation_steps=2: the expert's micro-batches take 3 and 2 of 4 samples (and 3 and none), and
+    its factors are those of all the step's samples at once, so the step is the whole batch's without accumulation.
+    (Before, A was the mean of the micro-batches' own, each normalised by its own samples.)"""
+    assert _routed_per_micro_batch(ACCUMULATED, 4) == [3, 2]
+    assert _routed_per_micro_batch(ONE_WORKER, 4) == [3, 0]
+    for x in (routed_data(ACCUMULATED), routed_data(ONE_WORKER)):
+        whole = train_routed(Routed(), "single", x, compute_method=method)
+        accumulated, said = _said(lambda x=x: train_routed(Routed(), "single", x, accumulation_steps=2, compute_method=method))
+        assert said == []
+        for a, w in zip(accumulated, whole):
+            torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("options", [{}, {"compute_method": "eigen"}, {"compute_method": "ekfac"}, {"pipelining": False}], ids=str)
+def test_two_workers_accumulating_equal_one_worker_on_the_whole_batch(options, float64):
+    """2 workers, accumulation_steps=2, micro-batches of 2: the expert takes uneven samples between the workers and
+    between the micro-batches, and none of a micro-batch on one worker (it then runs once there, twice on the other:
+    before, a use count that differed between the workers was refused, and uneven samples were averaged plainly)."""
+    cases = {"uneven": UNEVEN, "accumulated": ACCUMULATED, "skips": SKIPS_A_MICRO_BATCH}
+    assert [_routed_per_micro_batch(route, 2) for route in cases.values()] == [[2, 1, 1, 0], [2, 1, 1, 1], [2, 0, 1, 1]]
+    for name, route in cases.items():
+        x = routed_data(route)
+        whole = train_routed(Routed(), "single", x, **options)
+        ranks, said = _two_workers(x, accumulation_steps=2, **options)
+        assert said == [], name
+        _replicas_equal_one_worker(ranks, whole)
+
+
+def test_a_short_window_of_uneven_micro_batches_equals_one_worker(float64):
+    """accumulation_steps=3 with 2 micro-batches in a step (an epoch's short last window, each loss divided by 2, a
+    first step that takes factors and decompositions): 2 workers equal one worker whose micro-batches are the two
+    workers' together."""
     x = routed_data(ACCUMULATED)
-    single = train_routed(Routed(), "single", x, accumulation_steps=2)
-    ranks, said = _two_workers(x, accumulation_steps=2)
+    together = torch.tensor([0, 1, 4, 5, 2, 3, 6, 7])  # (worker 0's first micro-batch and worker 1's, then their second)
+    single = train_routed(Routed(), "single", x, rows=together, steps=1, accumulation_steps=3, passes=2)  # type: ignore[arg-type]
+    ranks, said = _two_workers(x, steps=1, accumulation_steps=3, passes=2)
+    assert said == []
+    _replicas_equal_one_worker(ranks, single)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_routed_layer_called_twice_in_a_pass_is_named_once_and_differs_from_one_worker(accumulation, float64):
+    """Two calls of the expert in a pass: its A is the mean of the calls', not weighed by samples; said once per worker.
+    (Every micro-batch routes a sample to it: a layer used several times must run as often on every worker.)"""
+    x = routed_data(UNEVEN if accumulation == 1 else ACCUMULATED)
+    single = train_routed(Routed(twice=True), "single", x, accumulation_steps=accumulation)
+    ranks, said = _two_workers(x, twice=True, accumulation_steps=accumulation)
     assert len(said) == 2, said  # three steps: once on each worker
     for message in said:
         assert "'expert' (" in message
-        assert "accumulation_steps=2" in message
+        assert "several calls of the layer in a pass" in message
         assert "'body'" not in message
         assert "'head'" not in message
     assert max(float((a - s).abs().max()) for a, s in zip(ranks[0], single)) > 1e-6
+    for a, b in zip(ranks[0], ranks[1]):
+        assert torch.equal(a, b)
 
 
 def test_a_layer_uneven_after_even_steps_is_named_then_weighed_exactly(float64):
