@@ -227,8 +227,9 @@ class FactorCollector:
         self.expected: dict[FactorKey, int] = {}
         #: Layers whose factors the last factor step did not fold in (they did not run).
         self.skipped: list[str] = []
-        #: Whether every factor of the last factor step took its expected calls (sent from its hook, in the usual order).
-        self.regular = True
+        #: The factors of the last factor step that did not take their expected calls on every worker, or ran on some
+        #: workers only: sent at step() somewhere, or not at their usual call.
+        self.irregular: set[FactorKey] = set()
         self._by_name = {layer.name: layer for layer in layers}
         self._names: dict[str, list[FactorKey]] = {}  # this step's factor all-reduces (the order's universe)
         #: (calls, calls sent under the key, calls expected), every rank alike.
@@ -542,7 +543,7 @@ class FactorCollector:
             if profiling and factor.is_cuda:
                 torch.cuda.synchronize()
             t_end = Timeline.now()
-            self.profiler.factor_timed(kind, t_start, t_end)
+            self.profiler.factor_timed(key, t_start, t_end)
             if self.record is not None:
                 self.record.factor_computed(key, t_start, t_end)
                 self.controller.poll()
@@ -806,7 +807,7 @@ class FactorCollector:
         kept = set(ran)
         self.skipped = [layer.name for layer in self.layers if layer.name not in kept]
         factors = {key: mat for key, mat in factors.items() if key[1] in kept}
-        self.regular = not partial and all(calls == expected for calls, _, expected in self._agreed.values())
+        self.irregular = set(partial) | {key for key, (calls, _, expected) in self._agreed.items() if calls != expected}
         keys = list(factors)
         bad = [keys[i] for i in non_finite_indices([factors[key] for key in keys])]
         if bad:

@@ -7,6 +7,13 @@ every rank (plans must be identical, and measured times are not), and hands
 the groups of :func:`spdkfac.plan.work_plan.fusion_groups` to the controller. With
 ``replan_interval`` it samples again every so many factor steps, keeping the
 current plan meanwhile, and every rank switches at the same step.
+
+Only the factors sent from their hooks at their expected call in every sampled
+step on every worker are planned (fused); the others go alone. A layer that
+runs on some workers or micro-batches only (a routed expert, a skipped head)
+is sent at ``step()`` in some steps, and its time would not be where it
+arrives; the steps it is irregular in still count, so that a plan is made
+after ``profile_steps`` factor steps whatever the layers do.
 """
 
 from __future__ import annotations
@@ -46,8 +53,8 @@ class FusionProfiler:
         self.plans_made = 0  # plans made so far (the first, then one per re-profile)
         self.plan_changes = 0  # re-profiles that changed the plan
         self._planned = config.fusion == FusionPolicy.LAYERWISE or not config.precondition
-        self._samples: dict[str, list[list[float]]] = {"A": [], "G": []}
-        self._ready: dict[str, list[float]] = {"A": [], "G": []}
+        self._samples: dict[str, list[dict[FactorKey, float]]] = {"A": [], "G": []}
+        self._ready: dict[str, dict[FactorKey, float]] = {"A": {}, "G": {}}
         self._pass_t0: dict[str, float | None] = {"A": None, "G": None}
         self._factor_steps = 0
         self._sample_after = 1  # factor steps up to this one are not sampled (the first is a warm-up)
@@ -58,29 +65,31 @@ class FusionProfiler:
         return not self._planned
 
     def begin_iteration(self) -> None:
-        self._ready = {"A": [], "G": []}
+        self._ready = {"A": {}, "G": {}}
         self._pass_t0 = {"A": None, "G": None}
 
-    def factor_timed(self, kind: str, t_start: float, t_end: float) -> None:
-        """A factor of ``kind`` was computed from ``t_start`` to ``t_end`` (its pass starts with the first)."""
+    def factor_timed(self, key: FactorKey, t_start: float, t_end: float) -> None:
+        """Factor ``key`` was computed from ``t_start`` to ``t_end`` (its pass starts with the first of its kind)."""
+        kind = key[0]
         t0 = self._pass_t0[kind]
         if t0 is None:
             t0 = self._pass_t0[kind] = t_start
-        self._ready[kind].append(t_end - t0)
+        self._ready[kind][key] = t_end - t0
 
-    def factor_step_done(self, arrived: dict[str, list[FactorKey]]) -> None:
-        """Count a completed factor step (factors in ``arrived`` order); sample, plan or schedule a re-profile."""
+    def factor_step_done(self, irregular: set[FactorKey]) -> None:
+        """Count a completed factor step; sample (leaving out the ``irregular`` factors: not sent at their expected
+        call from their hooks on every worker), plan or schedule a re-profile."""
         self._factor_steps += 1
         if self.active:
-            self._sample_and_plan(arrived)
+            self._sample_and_plan(irregular)
         elif self.config.replans and self._factor_steps % (self.config.replan_interval or 1) == 0:
             self._planned = False  # sample the next profile_steps factor steps, keeping the current plan meanwhile
             self._sample_after = self._factor_steps
 
-    def _sample_and_plan(self, arrived: dict[str, list[FactorKey]]) -> None:
+    def _sample_and_plan(self, irregular: set[FactorKey]) -> None:
         if self._factor_steps > self._sample_after:
             for kind in FACTOR_KINDS:
-                self._samples[kind].append(list(self._ready[kind]))
+                self._samples[kind].append({key: t for key, t in self._ready[kind].items() if key not in irregular})
         needed = self.config.profile_steps if self.config.fusion == FusionPolicy.OPTIMAL else 0
         if self._factor_steps < self._sample_after + needed:
             return
@@ -88,10 +97,8 @@ class FusionProfiler:
         element_size = torch.finfo(self.layers[0].factor_dtype).bits // 8
         plans: dict[str, list[list[FactorKey]]] = {}
         for kind in FACTOR_KINDS:
-            order = arrived[kind]
-            samples = [s for s in self._samples[kind] if len(s) == len(order)]
-            ready = [statistics.median(col) for col in zip(*samples)] if samples else [0.0] * len(order)
-            ready = self._agree_on_profile(kind, order, ready)
+            # (a policy that needs no times plans at the warm-up step, from the factors every worker sent from its hooks)
+            order, ready = self._agree_on_profile(kind, self._samples[kind] or [self._ready[kind]])
             sizes = [dims[name].shape(k).packed_size for k, name in order]
             groups = fusion_groups(
                 self.config.fusion,
@@ -112,20 +119,29 @@ class FusionProfiler:
         self._planned = True
         self._samples = {"A": [], "G": []}
 
-    def _agree_on_profile(self, kind: str, order: list[FactorKey], ready: list[float]) -> list[float]:
-        """Every rank adopts rank 0's ready times; the factor order must match everywhere."""
-        if self.backend.size == 1:
-            return ready
-        index = {layer.name: i for i, layer in enumerate(self.layers)}
-        payload = torch.tensor(
-            [float(index[name]) for _, name in order] + ready, dtype=torch.float64, device=self.layers[0].helper.weight.device
-        )  # NCCL broadcasts device tensors only
-        self.backend.broadcast_async(payload, 0, f"spdkfac.profile.{kind}").wait()
-        n = len(order)
-        root_order = [int(v) for v in payload[:n].tolist()]
-        if root_order != [index[name] for _, name in order]:
-            raise RuntimeError(
-                f"the {kind} factors were computed in a different order on rank {self.backend.rank} than on "
-                "rank 0; all workers must run the same model graph"
-            )
-        return [float(v) for v in payload[n:].tolist()]
+    def _agree_on_profile(self, kind: str, samples: list[dict[FactorKey, float]]) -> tuple[list[FactorKey], list[float]]:
+        """The factors to plan, in the order they become ready, and their ready times, alike on every rank.
+
+        A factor is planned when every sampled step timed it on every rank;
+        its time is rank 0's median, and the order is by that time (then by
+        rank 0's last arrival order, which the times follow where the
+        arrivals keep one order).
+        """
+        latest = list(samples[-1]) if samples else []
+        median, position, steady = [], [], []
+        for layer in self.layers:
+            key = (kind, layer.name)
+            times = [step[key] for step in samples if key in step]
+            steady.append(float(bool(samples) and len(times) == len(samples)))
+            median.append(statistics.median(times) if times else 0.0)
+            position.append(float(latest.index(key)) if key in latest else float(len(latest)))
+        if self.backend.size > 1:
+            device = self.layers[0].helper.weight.device  # (NCCL reduces device tensors only)
+            profile = torch.tensor(median + position, dtype=torch.float64, device=device)
+            everywhere = torch.tensor(steady, dtype=torch.float64, device=device)
+            self.backend.broadcast_async(profile, 0, f"spdkfac.profile.{kind}").wait()
+            self.backend.allreduce_async(everywhere, f"spdkfac.profile.steady.{kind}").wait()  # (the mean: 1 where all)
+            n = len(self.layers)
+            median, position, steady = profile[:n].tolist(), profile[n:].tolist(), everywhere.tolist()
+        planned = sorted((i for i in range(len(self.layers)) if steady[i] == 1.0), key=lambda i: (median[i], position[i], i))
+        return [(kind, self.layers[i].name) for i in planned], [median[i] for i in planned]

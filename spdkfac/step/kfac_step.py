@@ -215,8 +215,7 @@ class KFACStep:
             for kind in FACTOR_KINDS:
                 if layer.packed_factor(kind) is None:
                     layer.set_factor(kind, layer.shape(kind).identity(layer.factor_dtype, layer.helper.weight.device))
-        if self.factors.regular:  # (a step that sent factors at step() has arrival times that would mislead the plan)
-            self.profiler.factor_step_done(self.factors.arrived)
+        self.profiler.factor_step_done(self.factors.irregular)
 
     def update_decompositions(self, hyper: StepHyper, step: int) -> None:
         """Recompute the inverses (or eigendecompositions) where the work plan says; every rank gets all."""

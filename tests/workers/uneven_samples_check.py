@@ -37,7 +37,8 @@ CONFIGS: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {
     # with a loss's own weight beside the model, which the optimizer averages at step() under DDP
     "one-worker-ddp-beside": (ONE_WORKER, {"beside": True}),
     # 2 micro-batches per step: the expert takes no sample of one of rank 0's, so it runs once there and twice on rank 1
-    "skips-a-micro-batch-accumulated": (SKIPS_A_MICRO_BATCH, {"accumulation_steps": 2}),
+    # (6 steps: the fusion plan is made at the fourth, its factors sent at step() on rank 0)
+    "skips-a-micro-batch-accumulated": (SKIPS_A_MICRO_BATCH, {"accumulation_steps": 2, "steps": 6, "profile_steps": 2}),
     "uneven-accumulated-ddp": (UNEVEN, {"accumulation_steps": 2}),
 }
 

@@ -96,7 +96,7 @@ def test_factors_of_layers_used_k_times_are_the_expand_factors(accumulate, float
             a_ref, g_ref = (torch.stack([pair[i] for pair in pairs]).mean(0) for i in (0, 1))
             torch.testing.assert_close(layer.A, a_ref, rtol=1e-12, atol=1e-13, msg=lambda m, n=name, s=step: f"A of {n}, step {s}: {m}")
             torch.testing.assert_close(layer.G, g_ref, rtol=1e-12, atol=1e-13, msg=lambda m, n=name, s=step: f"G of {n}, step {s}: {m}")
-        assert opt.kfac_step.factors.regular == (step > 0), step  # step 0 learns the uses
+        assert (opt.kfac_step.factors.irregular == set()) == (step > 0), step  # step 0 learns the uses
 
 
 def test_a_module_called_twice_and_tied_modules_train_alike(float64):

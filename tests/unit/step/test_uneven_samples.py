@@ -174,8 +174,8 @@ def test_two_workers_accumulating_equal_one_worker_on_the_whole_batch(options, f
     assert [_routed_per_micro_batch(route, 2) for route in cases.values()] == [[2, 1, 1, 0], [2, 1, 1, 1], [2, 0, 1, 1]]
     for name, route in cases.items():
         x = routed_data(route)
-        whole = train_routed(Routed(), "single", x, **options)
-        ranks, said = _two_workers(x, accumulation_steps=2, **options)
+        whole = train_routed(Routed(), "single", x, steps=6, **options)
+        ranks, said = _two_workers(x, accumulation_steps=2, steps=6, profile_steps=2, **options)  # (a fusion plan from step 4)
         assert said == [], name
         _replicas_equal_one_worker(ranks, whole)
 
@@ -231,3 +231,44 @@ def test_every_sample_through_every_layer_is_not_said_and_equals_one_worker(floa
     for params in ranks:
         for a, s in zip(params, single):
             torch.testing.assert_close(a, s, rtol=1e-9, atol=1e-11)
+
+
+def _plans(route: torch.Tensor, accumulation: int, steps: int = 6) -> list[tuple[int, dict[str, Any]]]:
+    """2 workers, ``steps`` steps with the 'optimal' fusion profiled over 2 factor steps: the plans made, and the plan."""
+    x = routed_data(route)
+
+    def run(backend: Any) -> tuple[int, dict[str, Any]]:
+        model = Routed()
+        opt = SPDKFACOptimizer(model, lr=0.1, damping=0.01, backend=backend, accumulation_steps=accumulation, profile_steps=2)
+        xs, ys = x[4 * backend.rank : 4 * backend.rank + 4], Y[4 * backend.rank : 4 * backend.rank + 4]
+        for _ in range(steps):
+            opt.zero_grad()
+            for xm, ym in zip(xs.chunk(accumulation), ys.chunk(accumulation)):
+                (F.cross_entropy(model(xm), ym) / accumulation).backward()
+            opt.step()
+        return opt.kfac_step.profiler.plans_made, opt.fusion_plan()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_ranks(2, run)
+
+
+@pytest.mark.parametrize(("route", "accumulation"), [(ONE_WORKER, 1), (SKIPS_A_MICRO_BATCH, 2)], ids=["one-worker", "skips-a-micro-batch"])
+def test_the_fusion_plan_is_made_with_a_routed_layer_sent_at_step_on_some_worker(route, accumulation, float64):
+    """The expert's factors go at step() on one worker in every step (it ran on the other only, or in one of its
+    micro-batches): the plan is still made after the profiled steps, alike on both, with the expert's factors alone.
+    (Before, such steps were not sampled, so no plan was ever made and every factor step stayed timed; with
+    accumulation the workers then sampled different factors and their profile broadcasts did not match.)"""
+    ranks = _plans(route, accumulation)
+    assert ranks[0] == ranks[1]
+    made, plan = ranks[0]
+    assert made == 1
+    planned = {key for kind in ("A", "G") for group in plan[kind] for key in group}
+    assert planned == {(kind, name) for kind in ("A", "G") for name in ("body", "head")}
+
+
+def test_the_fusion_plan_of_even_layers_takes_every_factor_in_its_pass_order(float64):
+    made, plan = _plans(torch.ones(8), 1)[0]
+    assert made == 1
+    assert [key for group in plan["A"] for key in group] == [("A", "body"), ("A", "expert"), ("A", "head")]
+    assert [key for group in plan["G"] for key in group] == [("G", "head"), ("G", "expert"), ("G", "body")]
