@@ -19,7 +19,7 @@ from .kfac.layer_types import register_layer_type  # noqa: E402
 from .optimizer import NonFiniteError, NonFiniteFactorError, SPDKFACOptimizer  # noqa: E402
 from .preconditioner import KFACPreconditioner  # noqa: E402
 from .runtime.host_memory import retain_freed_memory  # noqa: E402
-from .schedules import KFACParamScheduler  # noqa: E402
+from .schedules import KFACParamScheduler, LambdaParamScheduler  # noqa: E402
 from .step.adaptive_damping import AdaptiveDamping  # noqa: E402
 from .update.trainer_callback import hugging_face_callback  # noqa: E402
 from .variants import VARIANTS, make_optimizer  # noqa: E402
@@ -32,6 +32,7 @@ __all__ = [
     "AdaptiveDamping",
     "KFACParamScheduler",
     "KFACPreconditioner",
+    "LambdaParamScheduler",
     "NonFiniteError",
     "NonFiniteFactorError",
     "SPDKFACOptimizer",

@@ -14,7 +14,9 @@ learning rate the KL clip needs. See ``docs/preconditioner.md``.
 from __future__ import annotations
 
 import enum
+import logging
 import re
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -53,27 +55,17 @@ _YOUR_OPTIMIZER = (
 
 #: Options (KAISA's, or the optimizer's own) this class refuses, with what to use instead.
 _REFUSED: dict[str, str] = {
-    "allreduce_bucket_cap_mb": (
-        "the factor all-reduces are fused by `fusion`: the default 'optimal' sizes the buckets from measured layer "
-        "times; for KAISA's fixed buckets use fusion='threshold', fusion_threshold_bytes=int(MB * 2**20), and for "
-        "none fusion='layerwise'"
-    ),
-    "assignment_strategy": (
-        "the decompositions are placed by `placement`: 'lbp' (the default) balances the performance model's measured "
-        "costs (`perf_model`), which replaces KAISA's n**3 ('compute') and n**2 ('memory') estimates"
-    ),
-    "colocate_factors": "`placement` places each factor's decomposition ('lbp', 'seq' or 'local'); there is no colocation switch",
-    "compute_eigenvalue_outer_product": (
-        "compute_method='eigen' always preconditions with the damped eigenvalue products (A ⊗ G + γI)^-1; remove the option"
-    ),
-    "factor_dtype": "the factors are kept in the weights' dtype (at least float32); remove the option",
-    "inv_dtype": "the decompositions are kept in the factors' dtype; remove the option",
-    "loglevel": "nothing is logged per layer; kfac_summary() lists the preconditioned layers",
     "distribute_preconditioning": "KAISA's MEM-OPT is grad_worker_fraction='mem_opt' (or 0): one gradient worker per layer",
     "precondition": "precondition=False is plain gradient averaging: use SPDKFACOptimizer(model, precondition=False) or DDP",
     **dict.fromkeys(("momentum", "weight_decay", "betas", "eps", "base"), _YOUR_OPTIMIZER),
     "update_fusion": "the parameter update is your optimizer's; update fusion needs SPDKFACOptimizer(model, update_fusion=...)",
 }
+
+
+#: KAISA's ``AssignmentStrategy`` names: how its placement estimated a decomposition's cost (here: ``placement``).
+KAISA_ASSIGNMENT_STRATEGIES = ("compute", "memory")
+#: The loggers' name (KAISA's ``loglevel`` is the level of the summary logged at construction).
+LOGGER = logging.getLogger("spdkfac")
 
 
 def _choice_name(value: Any) -> Any:
@@ -98,6 +90,43 @@ def kaisa_grad_workers(value: Any) -> tuple[float | str | None, bool]:
     if check_number("grad_worker_fraction", value, 0.0, 1.0, high_open=False) == 0:  # KAISA: 0 means 1/P
         return None, True
     return value, False
+
+
+def kaisa_fusion(bucket_cap_mb: Any, fusion: FusionPolicy | str, threshold_bytes: int) -> tuple[FusionPolicy | str, int]:
+    """KAISA's ``allreduce_bucket_cap_mb`` (fixed buckets of the factor all-reduces; 0: none) as this project's
+    ``(fusion, fusion_threshold_bytes)``; None (not given) keeps ``fusion``. With a ``fusion`` other than the
+    default it is refused: the two say how to fuse in two ways."""
+    if bucket_cap_mb is None:
+        return fusion, threshold_bytes
+    mb = check_number("allreduce_bucket_cap_mb", bucket_cap_mb, 0.0)
+    if fusion not in (FusionPolicy.OPTIMAL, FusionPolicy.OPTIMAL.value):
+        raise ValueError(f"give allreduce_bucket_cap_mb (KAISA's fixed buckets) or fusion={fusion!r}, not both")
+    if mb == 0:
+        return FusionPolicy.LAYERWISE, threshold_bytes
+    warnings.warn(
+        f"allreduce_bucket_cap_mb={bucket_cap_mb}: the factor all-reduces go in KAISA's fixed {bucket_cap_mb} MB buckets "
+        "(fusion='threshold'); leave it out for the default 'optimal' plan, made from the layers' measured times "
+        "(docs/fusion.md)",
+        stacklevel=3,
+    )
+    return FusionPolicy.THRESHOLD, max(1, int(mb * 2**20))
+
+
+def kaisa_placement_hints(colocate_factors: Any, assignment_strategy: Any, compute_eigenvalue_outer_product: Any) -> list[str]:
+    """Check KAISA's options for what ``placement`` and the eigen method decide here; the lines that say so."""
+    if not isinstance(colocate_factors, bool) or not isinstance(compute_eigenvalue_outer_product, bool):
+        raise TypeError("colocate_factors and compute_eigenvalue_outer_product must be bools")
+    strategy = _choice_name(assignment_strategy)
+    if strategy not in KAISA_ASSIGNMENT_STRATEGIES:
+        raise ValueError(
+            f"assignment_strategy must be one of {KAISA_ASSIGNMENT_STRATEGIES} (or KAISA's member), got {assignment_strategy!r}"
+        )
+    return [
+        f"colocate_factors={colocate_factors} and assignment_strategy={strategy!r} are taken for KAISA scripts: placement "
+        "decides which worker decomposes each factor, from the performance model's measured costs (docs/placement.md)",
+        f"compute_eigenvalue_outer_product={compute_eigenvalue_outer_product} is taken for KAISA scripts: the eigen method "
+        "damps the eigenvalue products with the damping of the step it preconditions",
+    ]
 
 
 def kaisa_skip_layers(model: nn.Module, patterns: Sequence[LayerFilter] | None) -> tuple[LayerFilter, ...]:
@@ -175,6 +204,17 @@ class KFACPreconditioner:
             its hook (True) or all after the backward pass.
         symmetry_aware: taken for KAISA scripts; symmetric factors always
             travel as upper triangles here.
+        allreduce_bucket_cap_mb: KAISA's fixed buckets for the factor
+            all-reduces (MB; 0: none): ``fusion='threshold'`` with that size
+            (``'layerwise'`` for 0), with a warning that the default
+            ``'optimal'`` plan is left; None (the default here): ``fusion``.
+        colocate_factors, assignment_strategy, compute_eigenvalue_outer_product:
+            taken for KAISA scripts, checked, without effect: ``placement``
+            and the eigen method decide (logged at ``loglevel``).
+        factor_dtype, inv_dtype: None (KAISA's default); a dtype is refused
+            (factors in the weights' dtype, at least float32).
+        loglevel: the ``logging`` level at which the construction logs
+            :meth:`kfac_summary` to the ``'spdkfac'`` logger (KAISA's: DEBUG).
         grad_scaler: the ``torch.amp.GradScaler`` of a float16 loop; call
             ``scaler.unscale_(optimizer)`` before :meth:`step`, and allow
             overflowing steps with ``skip_nonfinite`` (``docs/preconditioner.md``).
@@ -224,8 +264,23 @@ class KFACPreconditioner:
         skip_nonfinite: int = 0,
         max_factor_dim: int | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        allreduce_bucket_cap_mb: float | None = None,
+        colocate_factors: bool = True,
+        assignment_strategy: Any = "compute",
+        compute_eigenvalue_outer_product: bool = True,
+        factor_dtype: torch.dtype | None = None,
+        inv_dtype: torch.dtype | None = None,
+        loglevel: int = logging.DEBUG,
         **unsupported: Any,
     ) -> None:
+        for name, dtype in (("factor_dtype", factor_dtype), ("inv_dtype", inv_dtype)):
+            if dtype is not None:
+                raise ValueError(
+                    f"KFACPreconditioner has no option {name!r} other than None: the factors are kept in the weights' dtype "
+                    "(at least float32) and the decompositions in the factors'; remove the option"
+                )
+        hints = kaisa_placement_hints(colocate_factors, assignment_strategy, compute_eigenvalue_outer_product)
+        fusion, fusion_threshold_bytes = kaisa_fusion(allreduce_bucket_cap_mb, fusion, fusion_threshold_bytes)
         for name in unsupported:
             if name in _RENAMED:
                 raise ValueError(f"KFACPreconditioner takes {name} under KAISA's name: {_RENAMED[name]}=...")
@@ -306,6 +361,9 @@ class KFACPreconditioner:
         outside = self._outside_model()
         if outside:
             self.kfac.add_param_group({"params": outside})  # (averaged from the first step)
+        if LOGGER.isEnabledFor(loglevel):
+            for line in [repr(self), self.kfac_summary(), *hints]:
+                LOGGER.log(loglevel, line)
 
     def _attached_groups(self) -> list[dict[str, Any]]:
         assert self._optimizer is not None  # (read only when attached)
@@ -417,6 +475,92 @@ class KFACPreconditioner:
     def layers(self) -> list[KFACLayer]:
         """The preconditioned layers."""
         return self.kfac.layers
+
+    # ------------------------------------------- hyperparameters (KAISA's properties)
+    def _in_force(self) -> dict[str, Any]:
+        """Damping, KL clip and update frequencies for the next step (schedules evaluated at :attr:`steps`; the step
+        checks them)."""
+        kfac, group = self.kfac, self.kfac.param_groups[0]
+        current = dict(damping=group["damping"], kl_clip=group["kl_clip"], factor_update_freq=kfac.factor_update_freq)
+        current["inv_update_freq"] = kfac.inv_update_freq
+        return {name: fn(self.steps) for name, fn in kfac.schedule.callables.items()} | {
+            name: value for name, value in current.items() if not kfac.schedule.is_scheduled(name)
+        }
+
+    def is_scheduled(self, name: str) -> bool:
+        """Whether the hyperparameter ``name`` (KAISA's: ``damping``, ``kl_clip``, ``lr``, ``factor_update_steps``,
+        ``inv_update_steps``, ``factor_decay``) was given as a function of the step."""
+        if name == "lr":
+            return callable(self._lr)
+        option = {"factor_update_steps": "factor_update_freq", "inv_update_steps": "inv_update_freq"}.get(name, name)
+        return self.kfac.schedule.is_scheduled(option)
+
+    def _set(self, name: str, option: str, value: Any) -> None:
+        """Write a hyperparameter given as a number (every parameter group alike); refused where it is scheduled."""
+        if self.is_scheduled(name):
+            raise ValueError(f"{name} was given as a function of the step: it cannot also be set")
+        if name == "lr":
+            self._lr = check_number("lr", value, 0.0)
+        elif option in ("factor_update_freq", "inv_update_freq"):
+            setattr(self.kfac, option, int(value))
+        else:
+            for group in self.kfac.param_groups:
+                group[option] = value
+
+    @property
+    def damping(self) -> float:
+        """The damping of the next step; settable where it was given as a number."""
+        return float(self._in_force()["damping"])
+
+    @damping.setter
+    def damping(self, value: float) -> None:
+        self._set("damping", "damping", value)
+
+    @property
+    def kl_clip(self) -> float | None:
+        """The KL-clip bound of the next step (None: no clip); settable where it was given as a number."""
+        value = self._in_force()["kl_clip"]
+        return None if value is None else float(value)
+
+    @kl_clip.setter
+    def kl_clip(self, value: float | None) -> None:
+        self._set("kl_clip", "kl_clip", value)
+
+    @property
+    def factor_decay(self) -> float:
+        """The running-average weight of the old factor; settable."""
+        return float(self.kfac.param_groups[0]["factor_decay"])
+
+    @factor_decay.setter
+    def factor_decay(self, value: float) -> None:
+        self._set("factor_decay", "factor_decay", check_number("factor_decay", value, 0.0, 1.0, high_open=False))
+
+    @property
+    def factor_update_steps(self) -> int:
+        """Steps between factor updates, for the next step; settable where it was given as a number."""
+        return int(self._in_force()["factor_update_freq"])
+
+    @factor_update_steps.setter
+    def factor_update_steps(self, value: int) -> None:
+        self._set("factor_update_steps", "factor_update_freq", value)
+
+    @property
+    def inv_update_steps(self) -> int:
+        """Steps between decomposition updates, for the next step; settable where it was given as a number."""
+        return int(self._in_force()["inv_update_freq"])
+
+    @inv_update_steps.setter
+    def inv_update_steps(self, value: int) -> None:
+        self._set("inv_update_steps", "inv_update_freq", value)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the KL clip assumes at the next step; settable where it was given as a number (or not given)."""
+        return self._lr_at(self.steps)
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._set("lr", "lr", value)
 
     # --------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -8,6 +8,8 @@ Two ways to schedule K-FAC's damping, KL clip and update frequencies:
   completed ``step()`` calls (0 for the first). The value is a pure function of
   the step counter, so every worker takes the same value at the same step with
   no communication; :class:`StepSchedule` evaluates and validates it.
+* :class:`LambdaParamScheduler`, KAISA's: at each ``step()``, multiplies the
+  :class:`~spdkfac.KFACPreconditioner`'s values by functions of the step;
 * :class:`KFACParamScheduler`, stepped once per epoch like a
   ``torch.optim.lr_scheduler``: the recipe of Pauloski et al. (Sec. V-C of
   "Convolutional neural network training with distributed K-FAC"): the damping
@@ -32,8 +34,9 @@ from .config import SCHEDULE_CHECKS, check_non_negative_int, check_positive_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import SPDKFACOptimizer
+    from .preconditioner import KFACPreconditioner
 
-__all__ = ["LAYER_WIDE_OPTIONS", "SCHEDULED_OPTIONS", "KFACParamScheduler", "Scheduled", "StepSchedule"]
+__all__ = ["LAYER_WIDE_OPTIONS", "SCHEDULED_OPTIONS", "KFACParamScheduler", "LambdaParamScheduler", "Scheduled", "StepSchedule"]
 
 #: The optimizer options that may be given as ``f(step) -> value``.
 SCHEDULED_OPTIONS = ("damping", "kl_clip", "factor_update_freq", "inv_update_freq")
@@ -297,3 +300,81 @@ class KFACParamScheduler:
             f"{self.damping_schedule}), update_freqs={self.update_freqs_at(self.epoch)} (x{self.update_freq_alpha:g} at "
             f"{self.update_freq_schedule}))"
         )
+
+
+#: LambdaParamScheduler's arguments -> the preconditioner's properties they scale.
+_LAMBDA_TARGETS = {
+    "factor_update_steps_lambda": "factor_update_steps",
+    "inv_update_steps_lambda": "inv_update_steps",
+    "damping_lambda": "damping",
+    "factor_decay_lambda": "factor_decay",
+    "kl_clip_lambda": "kl_clip",
+    "lr_lambda": "lr",
+}
+
+
+class LambdaParamScheduler:
+    """KAISA's ``LambdaParamScheduler``: each :meth:`step` multiplies the preconditioner's values by functions of the step.
+
+    ``f(step)`` gives the factor the value in force is multiplied by (the
+    update frequencies then cast to int, as KAISA does); ``step`` is the
+    preconditioner's completed steps unless given to :meth:`step`. A value the
+    preconditioner was given as a function of the step cannot be scaled too
+    (ValueError, as KAISA's), nor a KL clip that is off. The values in force
+    are saved in the preconditioner's ``state_dict()`` (``lr``: not, as a
+    number given to it is not), so a resumed run continues from them, as with
+    KAISA's. Usage, as in KAISA's examples::
+
+        scheduler = LambdaParamScheduler(preconditioner, damping_lambda=lambda epoch: 0.5 if epoch in (40, 80) else 1.0)
+        for epoch in range(epochs):
+            train_one_epoch(...)
+            scheduler.step(epoch + 1)
+    """
+
+    def __init__(
+        self,
+        preconditioner: KFACPreconditioner,
+        *,
+        factor_update_steps_lambda: Callable[[int], float] | None = None,
+        inv_update_steps_lambda: Callable[[int], float] | None = None,
+        damping_lambda: Callable[[int], float] | None = None,
+        factor_decay_lambda: Callable[[int], float] | None = None,
+        kl_clip_lambda: Callable[[int], float] | None = None,
+        lr_lambda: Callable[[int], float] | None = None,
+    ) -> None:
+        if not callable(getattr(preconditioner, "is_scheduled", None)):
+            raise TypeError(
+                f"preconditioner must be a KFACPreconditioner, got {type(preconditioner).__name__} (for SPDKFACOptimizer: "
+                "functions of the step for its options, or KFACParamScheduler)"
+            )
+        given = dict(
+            factor_update_steps_lambda=factor_update_steps_lambda,
+            inv_update_steps_lambda=inv_update_steps_lambda,
+            damping_lambda=damping_lambda,
+            factor_decay_lambda=factor_decay_lambda,
+            kl_clip_lambda=kl_clip_lambda,
+            lr_lambda=lr_lambda,
+        )
+        self.preconditioner = preconditioner
+        self.lambdas: dict[str, Callable[[int], float]] = {}
+        for argument, fn in given.items():
+            if fn is None:
+                continue
+            target = _LAMBDA_TARGETS[argument]
+            if not callable(fn):
+                raise TypeError(f"{argument} must be a function of the step, got {type(fn).__name__}")
+            if preconditioner.is_scheduled(target):
+                raise ValueError(f"the preconditioner's {target} is already a function of the step: it cannot be scaled by {argument}")
+            if target == "kl_clip" and preconditioner.kl_clip is None:
+                raise ValueError("kl_clip_lambda scales the KL clip, which is off (kl_clip=None)")
+            self.lambdas[target] = fn
+
+    def step(self, step: int | None = None) -> None:
+        """Multiply each scheduled value by its function's value at ``step`` (the preconditioner's steps if None)."""
+        at = self.preconditioner.steps if step is None else step
+        for target, fn in self.lambdas.items():
+            factor: Any = fn(at)
+            if isinstance(factor, bool) or not isinstance(factor, Real):
+                raise TypeError(f"the {target} lambda returned {factor!r} at step {at}, not a number")
+            value = getattr(self.preconditioner, target) * float(factor)
+            setattr(self.preconditioner, target, int(value) if target.endswith("_steps") else value)

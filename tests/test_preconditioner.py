@@ -259,13 +259,8 @@ def test_kaisa_defaults():
 @pytest.mark.parametrize(
     ("name", "value", "names"),
     [
-        ("allreduce_bucket_cap_mb", 25.0, "fusion='threshold'"),
-        ("assignment_strategy", "compute", "placement"),
-        ("colocate_factors", True, "placement"),
-        ("compute_eigenvalue_outer_product", True, "compute_method='eigen'"),
         ("factor_dtype", torch.float32, "dtype"),
         ("inv_dtype", torch.float32, "dtype"),
-        ("loglevel", 10, "kfac_summary"),
         ("momentum", 0.9, "your own optimizer"),
         ("weight_decay", 1e-4, "your own optimizer"),
         ("base", "adamw", "SPDKFACOptimizer"),

@@ -39,5 +39,7 @@ def test_two_workers_equal_one_and_replicas_are_bitwise_identical(tmp_path):
         assert_bitwise_equal(ranks[0][name]["optimizer"], ranks[1][name]["optimizer"], f"{name}/optimizer")
         assert_bitwise_equal(_held_everywhere(ranks[0][name]["kfac"]), _held_everywhere(ranks[1][name]["kfac"]), f"{name}/kfac")
         assert ranks[0][name]["kfac"]["steps"] == module.STEPS
+        if name == "kaisa-vision-example":  # (the LambdaParamScheduler's intervals, doubled at step 3, in force)
+            assert [int(f) for f in ranks[0][name]["kfac"]["update_freqs"]] == [2, 2]
         if name.startswith("attached"):  # (ZeroRedundancyOptimizer's consolidated state_dict too)
             assert ranks[0][name]["optimizer"]["kfac_preconditioner"]["kfac"]["steps"] == module.STEPS

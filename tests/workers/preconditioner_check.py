@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nets import small_net
 from rank_results import rank_shard, save_rank_results
 
-from spdkfac import KFACPreconditioner
+from spdkfac import KFACPreconditioner, LambdaParamScheduler
 from spdkfac.comm import CommBackend
 
 warnings.filterwarnings("ignore", message="no perf_model given")
@@ -69,6 +69,31 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         dict(lr=0.01, weight_decay=1e-2),
         dict(compute_method="inverse", factor_update_steps=1, inv_update_steps=2, damping=0.01, kl_clip=0.01),
     ),
+    # KAISA's vision example's options as it passes them (the model in DDP), and its LambdaParamScheduler stepped after
+    # each step ("lambdas": its arguments): the damping halved at step 2, the intervals doubled at 3.
+    "kaisa-vision-example": (
+        "sgd",
+        dict(lr=0.05, momentum=0.9, weight_decay=1e-3),
+        dict(
+            factor_update_steps=1,
+            inv_update_steps=1,
+            damping=0.01,
+            factor_decay=0.95,
+            kl_clip=0.01,
+            accumulation_steps=1,
+            allreduce_bucket_cap_mb=25,
+            colocate_factors=True,
+            compute_method="INVERSE",
+            grad_worker_fraction="HYBRID_OPT",
+            grad_scaler=None,
+            skip_layers=[],
+            lambdas=dict(
+                damping_lambda=lambda s: 0.5 if s == 2 else 1.0,
+                factor_update_steps_lambda=lambda s: 2.0 if s == 3 else 1.0,
+                inv_update_steps_lambda=lambda s: 2.0 if s == 3 else 1.0,
+            ),
+        ),
+    ),
 }
 
 
@@ -96,9 +121,11 @@ def run(backend: CommBackend) -> dict[str, Any]:
     """Every configuration trained for ``STEPS`` steps on this rank's shard: parameters and states."""
     x, y = rank_shard(backend, GLOBAL_BATCH)
     results: dict[str, Any] = {}
-    for name, (kind, options, kfac_options) in CONFIGS.items():
+    for name, (kind, options, given) in CONFIGS.items():
+        kfac_options = dict(given)
+        lambdas = kfac_options.pop("lambdas", None)
         net = small_net()
-        wrap = "ddp" in name and backend.size > 1
+        wrap = ("ddp" in name or "kaisa" in name) and backend.size > 1
         attached = name.startswith("attached")
         model: nn.Module = nn.parallel.DistributedDataParallel(net) if wrap and not attached else net
         optimizer = _optimizer(kind, model, options, backend.size)
@@ -106,7 +133,12 @@ def run(backend: CommBackend) -> dict[str, Any]:
             preconditioner = KFACPreconditioner(model, optimizer=optimizer, backend=backend, **kfac_options)
             model = nn.parallel.DistributedDataParallel(net) if wrap else net
         else:
-            preconditioner = KFACPreconditioner(model, lr=lambda _s, o=optimizer: o.param_groups[0]["lr"], backend=backend, **kfac_options)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="allreduce_bucket_cap_mb")
+                preconditioner = KFACPreconditioner(
+                    model, lr=lambda _s, o=optimizer: o.param_groups[0]["lr"], backend=backend, **kfac_options
+                )
+        scheduler = None if lambdas is None else LambdaParamScheduler(preconditioner, **lambdas)
         accumulate = preconditioner.kfac.config.accumulation_steps
         for s in range(STEPS):
             optimizer.zero_grad()
@@ -115,6 +147,8 @@ def run(backend: CommBackend) -> dict[str, Any]:
             if not attached:
                 preconditioner.step()
             optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
         results[name] = {
             "params": {k: v.detach().clone() for k, v in net.state_dict().items()},
             "optimizer": _state_dict(optimizer, backend),

@@ -1,0 +1,174 @@
+"""A KAISA script's options run unchanged: the options for what this project decides itself are taken (bucket sizes
+mapped to threshold fusion, placement hints without effect, the log level used), KAISA's hyperparameter properties
+read and set, and its ``LambdaParamScheduler`` scales them as KAISA's does."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from nets import batch, small_net
+
+from spdkfac import KFACPreconditioner, LambdaParamScheduler
+
+pytestmark = pytest.mark.filterwarnings("ignore:no perf_model given")
+
+KFAC = dict(damping=0.01, factor_decay=0.9, kl_clip=0.01, backend="single")
+
+
+def _train(options: dict[str, Any], steps: int = 6, scheduler: dict[str, Any] | None = None) -> list[torch.Tensor]:
+    """``steps`` steps of torch's SGD on the preconditioned gradients (a ``LambdaParamScheduler`` stepped after each
+    preconditioner step, as KAISA's examples do, where ``scheduler`` gives its lambdas)."""
+    torch.manual_seed(0)
+    model = small_net().double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        preconditioner = KFACPreconditioner(model, lr=0.05, **options)
+    sched = None if scheduler is None else LambdaParamScheduler(preconditioner, **scheduler)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = batch(8)
+    for s in range(steps):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x.double() + 0.1 * s), y).backward()
+        preconditioner.step()
+        optimizer.step()
+        if sched is not None:
+            sched.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_kaisas_vision_example_options_are_taken():
+    """KAISA's examples pass allreduce_bucket_cap_mb=25 and colocate_factors: fixed 25 MB buckets, said once."""
+    with pytest.warns(UserWarning, match=r"fixed 25 MB buckets \(fusion='threshold'\)") as caught:
+        p = KFACPreconditioner(small_net(), allreduce_bucket_cap_mb=25, colocate_factors=True, **KFAC)
+    assert len([w for w in caught if "buckets" in str(w.message)]) == 1
+    assert (p.kfac.config.fusion, p.kfac.config.fusion_threshold_bytes) == ("threshold", 25 * 2**20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (0: no buckets, nothing to say)
+        none = KFACPreconditioner(small_net(), allreduce_bucket_cap_mb=0, **KFAC)
+    assert none.kfac.config.fusion == "layerwise"
+    assert KFACPreconditioner(small_net(), **KFAC).kfac.config.fusion == "optimal"
+    with pytest.raises(ValueError, match=r"allreduce_bucket_cap_mb .* or fusion='naive', not both"):
+        KFACPreconditioner(small_net(), allreduce_bucket_cap_mb=25, fusion="naive", **KFAC)
+    with pytest.raises(ValueError, match="allreduce_bucket_cap_mb"):
+        KFACPreconditioner(small_net(), allreduce_bucket_cap_mb=-1, **KFAC)
+
+
+class AssignmentStrategy(enum.Enum):
+    """KAISA's enum, as a script passes it."""
+
+    COMPUTE = 1
+    MEMORY = 2
+
+
+def test_placement_hints_are_taken_and_change_nothing():
+    hints = dict(colocate_factors=False, assignment_strategy=AssignmentStrategy.MEMORY, compute_eigenvalue_outer_product=False)
+    plain = _train(dict(KFAC, compute_method="eigen", factor_update_steps=1, inv_update_steps=2))
+    hinted = _train(
+        dict(KFAC, compute_method="eigen", factor_update_steps=1, inv_update_steps=2, factor_dtype=None, inv_dtype=None, **hints)
+    )
+    for a, b in zip(plain, hinted):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("option", "error", "says"),
+    [
+        (dict(colocate_factors="yes"), TypeError, "must be bools"),
+        (dict(compute_eigenvalue_outer_product=1), TypeError, "must be bools"),
+        (dict(assignment_strategy="fastest"), ValueError, "assignment_strategy must be one of"),
+        (dict(factor_dtype=torch.float16), ValueError, "'factor_dtype' other than None"),
+        (dict(inv_dtype=torch.float32), ValueError, "'inv_dtype' other than None"),
+    ],
+)
+def test_bad_values_of_kaisas_options_are_refused(option, error, says):
+    with pytest.raises(error, match=says):
+        KFACPreconditioner(small_net(), **option, **KFAC)
+
+
+def test_loglevel_logs_the_summary_and_the_hints_at_that_level(caplog):
+    with caplog.at_level(logging.INFO, logger="spdkfac"):
+        KFACPreconditioner(small_net(), **KFAC)  # (KAISA's default level, DEBUG: not shown at INFO)
+        assert not caplog.records
+        KFACPreconditioner(small_net(), loglevel=logging.INFO, colocate_factors=False, **KFAC)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert {r.levelno for r in caplog.records} == {logging.INFO}
+    assert "KFACPreconditioner(layers=" in text
+    assert "Linear" in text  # (the summary's table of preconditioned modules)
+    assert "colocate_factors=False" in text
+
+
+def test_kaisas_properties_read_the_values_in_force_and_set_the_numbers():
+    p = KFACPreconditioner(
+        small_net(),
+        lr=0.05,
+        damping=lambda s: 0.02 if s < 3 else 0.01,
+        factor_update_steps=2,
+        inv_update_steps=4,
+        **{k: v for k, v in KFAC.items() if k != "damping"},
+    )
+    assert (p.damping, p.kl_clip, p.factor_decay, p.lr, p.factor_update_steps, p.inv_update_steps) == (0.02, 0.01, 0.9, 0.05, 2, 4)
+    p.kl_clip, p.factor_decay, p.lr, p.factor_update_steps, p.inv_update_steps = 0.02, 0.8, 0.1, 1, 3
+    assert (p.kl_clip, p.factor_decay, p.lr, p.factor_update_steps, p.inv_update_steps) == (0.02, 0.8, 0.1, 1, 3)
+    assert p.kfac.param_groups[0]["kl_clip"] == 0.02
+    assert (p.kfac.factor_update_freq, p.kfac.inv_update_freq) == (1, 3)
+    with pytest.raises(ValueError, match="damping was given as a function of the step"):
+        p.damping = 0.1
+    with pytest.raises(ValueError, match=r"factor_decay must be in"):
+        p.factor_decay = 1.5
+    p.kl_clip = None
+    assert p.kl_clip is None
+
+
+def test_the_lambda_scheduler_scales_as_kaisas_and_trains_as_the_same_values_given_as_schedules():
+    """Stepped after each preconditioner step (KAISA's order), with lambdas of the steps done: each value is multiplied
+    by the lambda's value every time (KAISA's rule), so the damping halves at steps 2 and 4 and the inverse interval
+    doubles at 3 (cast to int) -- the run of those values given as functions of the step, bitwise."""
+    lambdas = dict(
+        damping_lambda=lambda s: 0.5 if s in (2, 4) else 1.0,
+        inv_update_steps_lambda=lambda s: 2.0 if s == 3 else 1.0,
+        kl_clip_lambda=lambda s: 0.9 if s == 1 else 1.0,
+    )
+    scheduled = _train(KFAC, scheduler=lambdas)
+    by_hand = _train(
+        dict(
+            KFAC,
+            damping=lambda s: 0.01 * 0.5 ** ((s >= 2) + (s >= 4)),
+            inv_update_steps=lambda s: 2 if s >= 3 else 1,
+            kl_clip=lambda s: 0.01 * 0.9 if s >= 1 else 0.01,
+        )
+    )
+    for a, b in zip(scheduled, by_hand):
+        assert torch.equal(a, b)
+    assert max(float((a - b).abs().max()) for a, b in zip(scheduled, _train(KFAC))) > 1e-6  # (the schedule did something)
+
+
+def test_the_lambda_scheduler_takes_the_step_given_and_casts_the_intervals():
+    p = KFACPreconditioner(small_net(), lr=0.05, factor_update_steps=3, inv_update_steps=9, **KFAC)
+    scheduler = LambdaParamScheduler(
+        p, factor_update_steps_lambda=lambda s: s / 2, inv_update_steps_lambda=lambda s: 1.4, lr_lambda=lambda s: 0.1
+    )
+    scheduler.step(2)
+    assert (p.factor_update_steps, p.inv_update_steps) == (3, 12)  # int(3 * 1.0), int(9 * 1.4)
+    assert p.lr == pytest.approx(0.005)
+
+
+def test_the_lambda_scheduler_refuses_what_it_cannot_scale():
+    scheduled = KFACPreconditioner(
+        small_net(), lr=lambda s: 0.1, damping=lambda s: 0.01, **{k: v for k, v in KFAC.items() if k != "damping"}
+    )
+    for argument in ("damping_lambda", "lr_lambda"):
+        with pytest.raises(ValueError, match="already a function of the step"):
+            LambdaParamScheduler(scheduled, **{argument: lambda s: 1.0})
+    with pytest.raises(ValueError, match="the KL clip, which is off"):
+        LambdaParamScheduler(KFACPreconditioner(small_net(), **dict(KFAC, kl_clip=None)), kl_clip_lambda=lambda s: 1.0)
+    with pytest.raises(TypeError, match="must be a KFACPreconditioner"):
+        LambdaParamScheduler(torch.optim.SGD(small_net().parameters(), lr=0.1), damping_lambda=lambda s: 1.0)  # type: ignore[arg-type]
+    p = KFACPreconditioner(small_net(), **KFAC)
+    with pytest.raises(TypeError, match="returned 'x' at step 0, not a number"):
+        LambdaParamScheduler(p, damping_lambda=lambda s: "x").step()  # type: ignore[arg-type,return-value]
