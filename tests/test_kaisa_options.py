@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from nets import batch, small_net
 
+import spdkfac.kaisa as kfac
 from spdkfac import KFACPreconditioner, LambdaParamScheduler
 
 pytestmark = pytest.mark.filterwarnings("ignore:no perf_model given")
@@ -172,3 +173,62 @@ def test_the_lambda_scheduler_refuses_what_it_cannot_scale():
     p = KFACPreconditioner(small_net(), **KFAC)
     with pytest.raises(TypeError, match="returned 'x' at step 0, not a number"):
         LambdaParamScheduler(p, damping_lambda=lambda s: "x").step()  # type: ignore[arg-type,return-value]
+
+
+def _kaisa_script(import_line: Any, enums: bool, steps: int = 6) -> list[torch.Tensor]:
+    """A training loop written for KAISA's ``kfac`` package, its options as KAISA's examples pass them, with
+    ``import_line`` the module that ``import kfac`` gave (``enums``: KAISA's enum members, else their names)."""
+    torch.manual_seed(0)
+    model = small_net().double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        preconditioner = import_line.preconditioner.KFACPreconditioner(
+            model,
+            factor_update_steps=1,
+            inv_update_steps=2,
+            damping=0.01,
+            factor_decay=0.95,
+            kl_clip=0.01,
+            lr=lambda x: optimizer.param_groups[0]["lr"],
+            accumulation_steps=1,
+            allreduce_bucket_cap_mb=25,
+            colocate_factors=True,
+            compute_method=kfac.enums.ComputeMethod.INVERSE if enums else "inverse",
+            grad_worker_fraction=kfac.enums.DistributedStrategy.COMM_OPT if enums else 1.0,
+            assignment_strategy=kfac.enums.AssignmentStrategy.COMPUTE if enums else "compute",
+            grad_scaler=None,
+            skip_layers=[],
+            loglevel=logging.INFO,
+            backend="single",
+        )
+    scheduler = import_line.scheduler.LambdaParamScheduler(preconditioner, damping_lambda=lambda s: 0.5 if s == 3 else 1.0)
+    x, y = batch(8)
+    for s in range(steps):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x.double() + 0.1 * s), y).backward()
+        preconditioner.step()
+        optimizer.step()
+        scheduler.step()
+    assert preconditioner.kfac.config.compute_method == "inverse"
+    return [p.detach().clone() for p in model.parameters()]
+
+
+class _Spdkfac:
+    """The same script with this project's own names (``spdkfac.KFACPreconditioner``, ``spdkfac.LambdaParamScheduler``)."""
+
+    class preconditioner:  # noqa: N801  (a module's name, as the script reads it)
+        KFACPreconditioner = KFACPreconditioner
+
+    class scheduler:  # noqa: N801
+        LambdaParamScheduler = LambdaParamScheduler
+
+
+def test_a_kaisa_script_runs_with_its_import_changed():
+    """``import spdkfac.kaisa as kfac`` for ``import kfac``: KAISA's paths, enums and scheduler, bitwise the run with
+    this project's names and the enums' names."""
+    assert kfac.preconditioner.KFACPreconditioner is KFACPreconditioner
+    kaisa = _kaisa_script(kfac, enums=True)
+    ours = _kaisa_script(_Spdkfac, enums=False)
+    for a, b in zip(kaisa, ours):
+        assert torch.equal(a, b)
