@@ -130,6 +130,27 @@ class TensorFusionController:
         if len(group.arrived) == len(group.members):
             self._launch(group)
 
+    def submit_together(self, items: Sequence[tuple[FactorKey, torch.Tensor]]) -> None:
+        """Hand over factors outside the plan to be all-reduced at once, fused: one all-reduce per dtype and device
+        (in their first member's order; every rank hands over the same keys)."""
+        parts: dict[tuple[torch.dtype, torch.device], list[tuple[FactorKey, torch.Tensor]]] = {}
+        for key, factor in items:
+            parts.setdefault((factor.dtype, factor.device), []).append((key, factor))
+        for part in parts.values():
+            for key, factor in part:
+                if key in self._submitted:
+                    raise RuntimeError(f"factor {key[0]} of layer {key[1]!r} was sent twice in one step")
+                self._submitted.add(key)
+                if self.backend.size == 1:
+                    self._local[key] = factor
+            if self.backend.size == 1:
+                continue
+            group = _Group(members=[key for key, _ in part], gid=self._next_gid)
+            self._next_gid += 1
+            self._groups.append(group)
+            group.arrived.update(part)
+            self._launch(group)
+
     def incomplete(self) -> list[FactorKey]:
         """The factors missing from fused groups that others have joined, in launch order (the same on every rank)."""
         return [k for g in self._groups if g.arrived for k in g.members if k not in g.arrived]

@@ -271,6 +271,7 @@ class FactorCollector:
         self._agreed_layers: set[str] = set()
         self._local: dict[FactorKey, torch.Tensor] = {}  # this step's local factors kept for the correction
         self._corrected: set[FactorKey] = set()  # factors whose sample-count correction was sent (folded in at take())
+        self._corrections: list[tuple[FactorKey, torch.Tensor]] = []  # those corrections, sent together after the agreement
         self._reached: dict[str, int] = {}  # per layer: the uses whose output a backward pass reached this step (here)
         self._lookups = BroadcastLookups()  # position embeddings looked up once for the batch: said once
         #: Called once, with the input of the first factor computed (then set to None): the optimizer's first look
@@ -309,6 +310,7 @@ class FactorCollector:
         self._more = set()
         self._local = {}
         self._corrected = set()
+        self._corrections = []
         self._lookups.reset()
         for layer in self.layers:
             layer.helper.forget()  # inputs a forward pass kept for a backward pass that never came
@@ -724,6 +726,9 @@ class FactorCollector:
                 uneven.append(f"{layer.name!r} ({row[9]} samples over {g_ran} workers)")
             if g_ran:
                 self._agreed_layers.add(layer.name)
+        if self._corrections:  # (all in one all-reduce: a mixture of experts has many)
+            self.controller.submit_together(self._corrections)
+            self._corrections = []
         if uneven:
             self._uneven_samples(uneven)
 
@@ -761,7 +766,7 @@ class FactorCollector:
             else:
                 weight = here / mean if key[0] == "A" else mean / here
                 correction = local.mul(weight - 1.0)
-            self.controller.submit((key[0], f"{name}{_UNEVEN}"), correction, alone=True)
+            self._corrections.append(((key[0], f"{name}{_UNEVEN}"), correction))
             self._corrected.add(key)
         return True
 

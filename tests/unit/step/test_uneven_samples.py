@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from spdkfac import SPDKFACOptimizer
 from spdkfac.comm.inprocess import run_ranks
+from spdkfac.step.factor_allreduce import TensorFusionController
 
 X = torch.randn(8, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
 Y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(4))
@@ -272,3 +273,18 @@ def test_the_fusion_plan_of_even_layers_takes_every_factor_in_its_pass_order(flo
     assert made == 1
     assert [key for group in plan["A"] for key in group] == [("A", "body"), ("A", "expert"), ("A", "head")]
     assert [key for group in plan["G"] for key in group] == [("G", "head"), ("G", "expert"), ("G", "body")]
+
+
+def test_the_corrections_of_a_step_travel_in_one_all_reduce(float64, monkeypatch):
+    """Each uneven layer's A and G corrections (a mixture of experts has many) go in one fused all-reduce per step."""
+    launched: list[list[tuple[str, str]]] = []
+    real = TensorFusionController._launch
+
+    def spy(self: TensorFusionController, group: Any) -> None:
+        if any(name.endswith("#uneven") for _, name in group.members):
+            launched.append(list(group.members))
+        real(self, group)
+
+    monkeypatch.setattr(TensorFusionController, "_launch", spy)
+    _two_workers(routed_data(UNEVEN))
+    assert launched == [[("A", "expert#uneven"), ("G", "expert#uneven")]] * 6  # (3 steps, 2 workers)
