@@ -13,6 +13,7 @@ warning is about a real difference.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -81,6 +82,7 @@ def train_routed(
     temperature = nn.Parameter(torch.tensor(1.5)) if options.pop("beside", False) else None  # (a loss's own weight)
     accumulation = options.get("accumulation_steps", 1)
     passes = options.pop("passes", accumulation)  # micro-batches per step: fewer than accumulation_steps, a short window
+    no_sync = options.pop("no_sync", False)  # (DDP: every micro-batch but the last inside optimized.no_sync())
     net = model if optimized is None else optimized
     opt = SPDKFACOptimizer(net, lr=0.1, damping=0.01, kl_clip=None, backend=backend, **options)
     if temperature is not None:
@@ -89,9 +91,10 @@ def train_routed(
     for s in range(steps):
         model.route = s >= route_from
         opt.zero_grad()
-        for xm, ym in zip(xs.chunk(passes), ys.chunk(passes)):
-            out = net(xm + 0.01 * s) if temperature is None else net(xm + 0.01 * s) * temperature
-            (F.cross_entropy(out, ym) / passes).backward()
+        for m, (xm, ym) in enumerate(zip(xs.chunk(passes), ys.chunk(passes))):
+            with net.no_sync() if no_sync and m < passes - 1 and hasattr(net, "no_sync") else contextlib.nullcontext():
+                out = net(xm + 0.01 * s) if temperature is None else net(xm + 0.01 * s) * temperature
+                (F.cross_entropy(out, ym) / passes).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()] + ([] if temperature is None else [temperature.detach().clone()])
 
