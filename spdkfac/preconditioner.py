@@ -313,6 +313,7 @@ class KFACPreconditioner:
         fraction, distribute = kaisa_grad_workers(grad_worker_fraction)
         self._lr = lr
         self._optimizer = optimizer
+        self._factors_note_said = False  # state_dict(include_factors=False) said once that the factors are kept
         self.kfac = SPDKFACOptimizer(
             model,
             lr=self._lr_at(0),
@@ -563,16 +564,29 @@ class KFACPreconditioner:
         self._set("lr", "lr", value)
 
     # --------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
         """The K-FAC state (step counter, factors, decompositions, update frequencies), as ``SPDKFACOptimizer``'s.
 
         Your optimizer's state is its own ``state_dict()``'s; callables (``lr``
         and schedules) are not saved: pass the same ones on resume.
+        ``include_factors`` is KAISA's: False (its smaller checkpoint, whose
+        resume starts the factors afresh) still includes them here, with a
+        warning once, so that a resume continues the run exactly.
         """
+        if not include_factors and not self._factors_note_said:
+            self._factors_note_said = True
+            warnings.warn(
+                "state_dict(include_factors=False): the factors are kept in the checkpoint all the same, so that a resume "
+                "continues the run bit for bit (docs/preconditioner.md)",
+                stacklevel=2,
+            )
         return self.kfac.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (for the same model and compute method)."""
+    def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
+        """Restore :meth:`state_dict` (for the same model and compute method). ``compute_inverses`` is KAISA's and
+        changes nothing: the decompositions saved are restored, and those missing recomputed at the first step."""
+        if not isinstance(compute_inverses, bool):
+            raise TypeError("compute_inverses must be a bool")
         self.kfac.load_state_dict(state_dict)
 
     def consolidate_state_dict(self, to: int = 0) -> None:

@@ -4,6 +4,7 @@ read and set, and its ``LambdaParamScheduler`` scales them as KAISA's does."""
 
 from __future__ import annotations
 
+import copy
 import enum
 import logging
 import warnings
@@ -231,4 +232,40 @@ def test_a_kaisa_script_runs_with_its_import_changed():
     kaisa = _kaisa_script(kfac, enums=True)
     ours = _kaisa_script(_Spdkfac, enums=False)
     for a, b in zip(kaisa, ours):
+        assert torch.equal(a, b)
+
+
+def test_kaisas_checkpoint_arguments_are_taken_and_resume_bitwise():
+    """``state_dict(include_factors=False)`` (said once: the factors are kept) and ``load_state_dict(...,
+    compute_inverses=False)``, as KAISA scripts call them: the resumed run is the uninterrupted one, bitwise."""
+
+    def build(model: nn.Module) -> tuple[KFACPreconditioner, torch.optim.Optimizer]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return KFACPreconditioner(model, lr=0.05, factor_update_steps=1, inv_update_steps=3, **KFAC), optimizer
+
+    def run(model: nn.Module, preconditioner: KFACPreconditioner, optimizer: torch.optim.Optimizer, steps: range) -> None:
+        x, y = batch(8)
+        for s in steps:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x.double() + 0.1 * s), y).backward()
+            preconditioner.step()
+            optimizer.step()
+
+    torch.manual_seed(0)
+    model = small_net().double()
+    preconditioner, optimizer = build(model)
+    run(model, preconditioner, optimizer, range(4))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        saved = copy.deepcopy((preconditioner.state_dict(include_factors=False), optimizer.state_dict(), model.state_dict()))
+        preconditioner.state_dict(include_factors=False)
+    assert len([w for w in said if "the factors are kept" in str(w.message)]) == 1  # (said once)
+    run(model, preconditioner, optimizer, range(4, 8))
+    resumed_model = small_net().double()
+    resumed_model.load_state_dict(saved[2])
+    resumed, resumed_optimizer = build(resumed_model)
+    resumed.load_state_dict(saved[0], compute_inverses=False)
+    resumed_optimizer.load_state_dict(saved[1])
+    run(resumed_model, resumed, resumed_optimizer, range(4, 8))
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
         assert torch.equal(a, b)
