@@ -33,15 +33,20 @@ def _train(options: dict[str, Any], steps: int = 6, scheduler: dict[str, Any] | 
         preconditioner = KFACPreconditioner(model, lr=0.05, **options)
     sched = None if scheduler is None else LambdaParamScheduler(preconditioner, **scheduler)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    _loop(model, preconditioner, optimizer, range(steps), sched)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _loop(model: nn.Module, preconditioner: Any, optimizer: torch.optim.Optimizer, steps: range, scheduler: Any = None) -> None:
+    """KAISA's loop: backward, ``preconditioner.step()``, ``optimizer.step()``, then the scheduler's step if any."""
     x, y = batch(8)
-    for s in range(steps):
+    for s in steps:
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x.double() + 0.1 * s), y).backward()
         preconditioner.step()
         optimizer.step()
-        if sched is not None:
-            sched.step()
-    return [p.detach().clone() for p in model.parameters()]
+        if scheduler is not None:
+            scheduler.step()
 
 
 def test_kaisas_vision_example_options_are_taken():
@@ -204,13 +209,7 @@ def _kaisa_script(import_line: Any, enums: bool, steps: int = 6) -> list[torch.T
             backend="single",
         )
     scheduler = import_line.scheduler.LambdaParamScheduler(preconditioner, damping_lambda=lambda s: 0.5 if s == 3 else 1.0)
-    x, y = batch(8)
-    for s in range(steps):
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x.double() + 0.1 * s), y).backward()
-        preconditioner.step()
-        optimizer.step()
-        scheduler.step()
+    _loop(model, preconditioner, optimizer, range(steps), scheduler)
     assert preconditioner.kfac.config.compute_method == "inverse"
     return [p.detach().clone() for p in model.parameters()]
 
@@ -243,29 +242,21 @@ def test_kaisas_checkpoint_arguments_are_taken_and_resume_bitwise():
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         return KFACPreconditioner(model, lr=0.05, factor_update_steps=1, inv_update_steps=3, **KFAC), optimizer
 
-    def run(model: nn.Module, preconditioner: KFACPreconditioner, optimizer: torch.optim.Optimizer, steps: range) -> None:
-        x, y = batch(8)
-        for s in steps:
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(x.double() + 0.1 * s), y).backward()
-            preconditioner.step()
-            optimizer.step()
-
     torch.manual_seed(0)
     model = small_net().double()
     preconditioner, optimizer = build(model)
-    run(model, preconditioner, optimizer, range(4))
+    _loop(model, preconditioner, optimizer, range(4))
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         saved = copy.deepcopy((preconditioner.state_dict(include_factors=False), optimizer.state_dict(), model.state_dict()))
         preconditioner.state_dict(include_factors=False)
     assert len([w for w in said if "the factors are kept" in str(w.message)]) == 1  # (said once)
-    run(model, preconditioner, optimizer, range(4, 8))
+    _loop(model, preconditioner, optimizer, range(4, 8))
     resumed_model = small_net().double()
     resumed_model.load_state_dict(saved[2])
     resumed, resumed_optimizer = build(resumed_model)
     resumed.load_state_dict(saved[0], compute_inverses=False)
     resumed_optimizer.load_state_dict(saved[1])
-    run(resumed_model, resumed, resumed_optimizer, range(4, 8))
+    _loop(resumed_model, resumed, resumed_optimizer, range(4, 8))
     for a, b in zip(model.parameters(), resumed_model.parameters()):
         assert torch.equal(a, b)
