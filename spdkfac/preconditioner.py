@@ -500,8 +500,9 @@ class KFACPreconditioner:
         """Write a hyperparameter given as a number (every parameter group alike); refused where it is scheduled."""
         if self.is_scheduled(name):
             raise ValueError(f"{name} was given as a function of the step: it cannot also be set")
-        if name == "lr":
+        if name == "lr":  # (the one rate of every layer, as an lr given: not the attached optimizer's groups')
             self._lr = check_number("lr", value, 0.0)
+            self.kfac._lr_groups = None
         elif option in ("factor_update_freq", "inv_update_freq"):
             setattr(self.kfac, option, int(value))
         else:

@@ -127,14 +127,14 @@ class FusionProfiler:
         rank 0's last arrival order, which the times follow where the
         arrivals keep one order).
         """
-        latest = list(samples[-1]) if samples else []
+        latest = {key: i for i, key in enumerate(samples[-1])} if samples else {}
         median, position, steady = [], [], []
         for layer in self.layers:
             key = (kind, layer.name)
             times = [step[key] for step in samples if key in step]
             steady.append(float(bool(samples) and len(times) == len(samples)))
             median.append(statistics.median(times) if times else 0.0)
-            position.append(float(latest.index(key)) if key in latest else float(len(latest)))
+            position.append(float(latest.get(key, len(latest))))
         if self.backend.size > 1:
             device = self.layers[0].helper.weight.device  # (NCCL reduces device tensors only)
             profile = torch.tensor(median + position, dtype=torch.float64, device=device)
