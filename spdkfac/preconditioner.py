@@ -490,19 +490,24 @@ class KFACPreconditioner:
 
     def is_scheduled(self, name: str) -> bool:
         """Whether the hyperparameter ``name`` (KAISA's: ``damping``, ``kl_clip``, ``lr``, ``factor_update_steps``,
-        ``inv_update_steps``, ``factor_decay``) was given as a function of the step."""
+        ``inv_update_steps``, ``factor_decay``) was given as a function of the step (``lr``: or follows the attached
+        optimizer's learning rates, none being given)."""
         if name == "lr":
-            return callable(self._lr)
+            return callable(self._lr) or (self._lr is None and self._optimizer is not None)
         option = {"factor_update_steps": "factor_update_freq", "inv_update_steps": "inv_update_freq"}.get(name, name)
         return self.kfac.schedule.is_scheduled(option)
 
     def _set(self, name: str, option: str, value: Any) -> None:
         """Write a hyperparameter given as a number (every parameter group alike); refused where it is scheduled."""
         if self.is_scheduled(name):
-            raise ValueError(f"{name} was given as a function of the step: it cannot also be set")
-        if name == "lr":  # (the one rate of every layer, as an lr given: not the attached optimizer's groups')
+            how = (
+                "follows the attached optimizer's learning rates"
+                if name == "lr" and self._lr is None
+                else "was given as a function of the step"
+            )
+            raise ValueError(f"{name} {how}: it cannot also be set")
+        if name == "lr":
             self._lr = check_number("lr", value, 0.0)
-            self.kfac._lr_groups = None
         elif option in ("factor_update_freq", "inv_update_freq"):
             setattr(self.kfac, option, int(value))
         else:

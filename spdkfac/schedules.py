@@ -364,7 +364,10 @@ class LambdaParamScheduler:
             if not callable(fn):
                 raise TypeError(f"{argument} must be a function of the step, got {type(fn).__name__}")
             if preconditioner.is_scheduled(target):
-                raise ValueError(f"the preconditioner's {target} is already a function of the step: it cannot be scaled by {argument}")
+                raise ValueError(
+                    f"the preconditioner's {target} is already a function of the step (or follows the attached optimizer's "
+                    f"learning rates): it cannot be scaled by {argument}"
+                )
             if target == "kl_clip" and preconditioner.kl_clip is None:
                 raise ValueError("kl_clip_lambda scales the KL clip, which is off (kl_clip=None)")
             self.lambdas[target] = fn

@@ -172,6 +172,13 @@ def test_the_lambda_scheduler_refuses_what_it_cannot_scale():
     for argument in ("damping_lambda", "lr_lambda"):
         with pytest.raises(ValueError, match="already a function of the step"):
             LambdaParamScheduler(scheduled, **{argument: lambda s: 1.0})
+    model = small_net()
+    attached = KFACPreconditioner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **KFAC)  # (its rates)
+    with pytest.raises(ValueError, match="follows the attached optimizer's learning rates"):
+        LambdaParamScheduler(attached, lr_lambda=lambda s: 0.5)
+    with pytest.raises(ValueError, match="lr follows the attached optimizer's learning rates"):
+        attached.lr = 0.05
+    assert attached.lr == 0.1
     with pytest.raises(ValueError, match="the KL clip, which is off"):
         LambdaParamScheduler(KFACPreconditioner(small_net(), **dict(KFAC, kl_clip=None)), kl_clip_lambda=lambda s: 1.0)
     with pytest.raises(TypeError, match="must be a KFACPreconditioner"):
