@@ -14,6 +14,8 @@ warning is about a real difference.
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 import warnings
 from typing import Any
 
@@ -291,3 +293,36 @@ def test_the_corrections_of_a_step_travel_in_one_all_reduce(float64, monkeypatch
     monkeypatch.setattr(TensorFusionController, "_launch", spy)
     _two_workers(routed_data(UNEVEN))
     assert launched == [[("A", "expert#uneven"), ("G", "expert#uneven")]] * 6  # (3 steps, 2 workers)
+
+
+@pytest.mark.parametrize("seed", [5, 9, 14, 21, 24, 38])
+def test_random_routings_over_workers_and_micro_batches_equal_one_worker(seed, float64, monkeypatch):
+    """2 or 3 workers, 1 to 3 micro-batches of 1 or 2 samples, a random share of the samples routed (micro-batches,
+    and whole global micro-batches, the expert takes nothing of), a method drawn: over 6 steps (a fusion plan made at
+    the fourth) the workers equal one worker whose micro-batches are theirs together, and stay bitwise replicas."""
+    rng = random.Random(seed)
+    workers, micro, size = rng.choice([2, 3]), rng.choice([1, 2, 3]), rng.choice([1, 2])
+    options = rng.choice([{}, {"compute_method": "eigen"}, {"compute_method": "ekfac"}, {"pipelining": False}])
+    per = micro * size
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(workers * per, 5, generator=g)
+    routed = torch.rand(workers * per, generator=g) < rng.choice([0.2, 0.5, 0.8])
+    x[:, 0] = torch.where(routed, 1.0, -1.0) * (0.5 + torch.rand(workers * per, generator=g))
+    monkeypatch.setattr(sys.modules[__name__], "Y", torch.randint(0, 3, (workers * per,), generator=g))
+    together = torch.tensor([w * per + m * size + j for m in range(micro) for w in range(workers) for j in range(size)])
+    single = train_routed(Routed(), "single", x, rows=together, steps=6, accumulation_steps=micro, **options)  # type: ignore[arg-type]
+    models = [Routed() for _ in range(workers)]
+    ranks, said = _said(
+        lambda: run_ranks(
+            workers,
+            lambda b: train_routed(
+                models[b.rank], b, x, slice(per * b.rank, per * (b.rank + 1)), steps=6, accumulation_steps=micro, profile_steps=2, **options
+            ),
+        )
+    )
+    assert said == []
+    for params in ranks[1:]:
+        for a, b in zip(ranks[0], params):
+            assert torch.equal(a, b)
+    for a, s in zip(ranks[0], single):
+        torch.testing.assert_close(a, s, rtol=1e-10, atol=1e-12)
