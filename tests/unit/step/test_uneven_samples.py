@@ -326,3 +326,25 @@ def test_random_routings_over_workers_and_micro_batches_equal_one_worker(seed, f
             assert torch.equal(a, b)
     for a, s in zip(ranks[0], single):
         torch.testing.assert_close(a, s, rtol=1e-10, atol=1e-12)
+
+
+def test_micro_batches_of_different_sizes_give_the_pooled_a_and_the_steps_g(float64):
+    """A Linear layer under accumulation_steps=2 with micro-batches of 3 and 1 samples (a smaller last one): its A is
+    the mean over the 4 inputs, and its G the step loss's n Σ g gᵀ over the 4 output gradients (each micro-batch's
+    loss its mean divided by 2), where both were the means of the micro-batches' own."""
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 3)
+    opt = SPDKFACOptimizer(layer, lr=0.1, damping=0.01, kl_clip=None, factor_decay=0.0, backend="single", accumulation_steps=2)
+    x, y = X[:4], Y[:4]
+    outputs: list[torch.Tensor] = []
+    for xm, ym in ((x[:3], y[:3]), (x[3:], y[3:])):
+        out = layer(xm)
+        out.retain_grad()
+        outputs.append(out)
+        (F.cross_entropy(out, ym) / 2).backward()
+    opt.step()
+    rows = torch.cat([x, torch.ones(4, 1)], dim=1)  # (the bias column)
+    grads = torch.cat([o.grad for o in outputs])  # the step loss's per-sample output gradients
+    kfac_layer = opt.layers[0]
+    torch.testing.assert_close(kfac_layer.A, rows.T @ rows / 4, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(kfac_layer.G, 4 * grads.T @ grads, rtol=1e-12, atol=1e-14)
