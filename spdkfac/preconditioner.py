@@ -99,7 +99,7 @@ def kaisa_fusion(bucket_cap_mb: Any, fusion: FusionPolicy | str, threshold_bytes
     if bucket_cap_mb is None:
         return fusion, threshold_bytes
     mb = check_number("allreduce_bucket_cap_mb", bucket_cap_mb, 0.0)
-    if fusion not in (FusionPolicy.OPTIMAL, FusionPolicy.OPTIMAL.value):
+    if fusion != FusionPolicy.OPTIMAL:  # (a str enum: the string 'optimal' too)
         raise ValueError(f"give allreduce_bucket_cap_mb (KAISA's fixed buckets) or fusion={fusion!r}, not both")
     if mb == 0:
         return FusionPolicy.LAYERWISE, threshold_bytes
@@ -483,10 +483,7 @@ class KFACPreconditioner:
         checks them)."""
         kfac, group = self.kfac, self.kfac.param_groups[0]
         current = dict(damping=group["damping"], kl_clip=group["kl_clip"], factor_update_freq=kfac.factor_update_freq)
-        current["inv_update_freq"] = kfac.inv_update_freq
-        return {name: fn(self.steps) for name, fn in kfac.schedule.callables.items()} | {
-            name: value for name, value in current.items() if not kfac.schedule.is_scheduled(name)
-        }
+        return kfac.schedule.values_at(self.steps, dict(current, inv_update_freq=kfac.inv_update_freq))
 
     def is_scheduled(self, name: str) -> bool:
         """Whether the hyperparameter ``name`` (KAISA's: ``damping``, ``kl_clip``, ``lr``, ``factor_update_steps``,

@@ -76,6 +76,10 @@ class StepSchedule:
         """Whether ``name`` was given as a callable of the step."""
         return name in self.callables
 
+    def values_at(self, step: int, current: Mapping[str, Any]) -> dict[str, Any]:
+        """The values at ``step`` as given, unchecked: callables evaluated at it, the rest taken from ``current``."""
+        return {name: fn(step) if (fn := self.callables.get(name)) is not None else current[name] for name in self._validators}
+
     def resolve(self, step: int, current: Mapping[str, Any]) -> dict[str, Any]:
         """The validated values in force at ``step``: callables evaluated at it, the rest taken from ``current``.
 
@@ -85,13 +89,11 @@ class StepSchedule:
                 ``factor_update_freq`` at this step.
         """
         values: dict[str, Any] = {}
-        for name, check in self._validators.items():
-            fn = self.callables.get(name)
-            value = fn(step) if fn is not None else current[name]
+        for name, value in self.values_at(step, current).items():
             try:
-                values[name] = check(name, value)  # the plain value (a numpy scalar becomes a float or int)
+                values[name] = self._validators[name](name, value)  # the plain value (a numpy scalar becomes a float or int)
             except (TypeError, ValueError) as exc:
-                source = f"the {name} schedule's value" if fn is not None else f"the {name} in force"
+                source = f"the {name} schedule's value" if name in self.callables else f"the {name} in force"
                 raise type(exc)(f"{exc} ({source} at step {step})") from None
         factor_freq, inv_freq = values["factor_update_freq"], values["inv_update_freq"]
         if inv_freq % factor_freq:

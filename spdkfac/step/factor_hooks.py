@@ -164,17 +164,23 @@ class _Tally:
     weighted: torch.Tensor | None = None
     extra: torch.Tensor | None = None  # the sum of the calls after it, sent at step() and folded in
 
-    def add(self, kind: str, factor: torch.Tensor, samples: int) -> None:
-        """Add a call's factor to the sums (not to ``extra``)."""
+    def add(self, kind: str, factor: torch.Tensor, samples: int, passes: bool) -> None:
+        """Add a call's factor to the sums (not to ``extra``); ``passes``: the step has several (accumulation), the
+        only case that weighs them (:meth:`FactorCollector._complete`)."""
         if self.total is None:
             self.total, self.count = factor, samples
         else:
-            if self.weighted is None and samples != self.count:  # (the calls before all had the first's samples)
+            if self.weighted is None and passes and samples != self.count:  # (the calls before had the first's samples)
                 self.weighted = self.total.mul(self.count) if kind == "A" else self.total.div(self.count)
             self.total.add_(factor)
             if self.weighted is not None:
                 self.weighted.add_(factor, alpha=samples if kind == "A" else 1.0 / samples)
         self.samples += samples
+
+
+def _call_samples(layer: KFACLayer, kind: str) -> int:
+    """The samples of the factor call ``layer`` just computed (its input's for A, its output gradient's for G)."""
+    return layer.input_samples if kind == "A" else layer.local_samples
 
 
 class FactorCollector:
@@ -525,11 +531,11 @@ class FactorCollector:
         expected = self.expected.get(key, self.accumulation_steps)
         if tally.sent:  # a call beyond those expected: summed apart, sent at step() and folded in
             factor = compute()
-            tally.samples += layer.input_samples if kind == "A" else layer.local_samples
+            tally.samples += _call_samples(layer, kind)
             tally.extra = factor if tally.extra is None else tally.extra.add_(factor)
             return
         if tally.calls < expected or self._more_passes(tally):  # an early call: sum locally, communicate nothing
-            tally.add(kind, compute(), layer.input_samples if kind == "A" else layer.local_samples)
+            tally.add(kind, compute(), _call_samples(layer, kind), self.accumulation_steps > 1)
             return
         # The call that completes the factor (the only one in the common case): timed and pipelined as usual.
         profiling = self.profiler.active
@@ -539,7 +545,7 @@ class FactorCollector:
             if profiling and torch.cuda.is_available():
                 torch.cuda.synchronize()
             t_start = Timeline.now()
-        tally.add(kind, compute(), layer.input_samples if kind == "A" else layer.local_samples)
+        tally.add(kind, compute(), _call_samples(layer, kind), self.accumulation_steps > 1)
         factor = self._complete(kind, tally)
         if timed:
             if profiling and factor.is_cuda:
@@ -695,13 +701,14 @@ class FactorCollector:
             uses, reached = (0 if a_here is None else a_here.calls), self._reached.get(layer.name, 0)
             if g_ran and uses > reached:  # (where no worker took its G, the layer counts as not run: nothing to say)
                 self._unused_forward(layer.name, uses, reached)
+            several = row[11] > 0  # some worker called it more than once in a pass
             for j, kind in enumerate(FACTOR_KINDS):
                 key = (kind, layer.name)
                 ran, calls, squares, extra = row[4 * j : 4 * j + 4]
                 self.ranks_ran[key] = ran
                 if ran == 0:
                     continue
-                if ran * squares != calls * calls and row[11]:  # (at most once per pass: micro-batches it took no sample of)
+                if ran * squares != calls * calls and several:  # (at most once per pass: micro-batches it took no sample of)
                     raise RuntimeError(
                         f"layer {layer.name!r} ran a different number of times on different workers in this step "
                         f"(factor {kind}: {calls} calls over {ran} workers): a layer used several times must be used "
@@ -717,7 +724,6 @@ class FactorCollector:
                     local = tally.extra if tally is not None and tally.extra is not None else self._zeros(key)
                     self.controller.submit((kind, f"{layer.name}{_MORE}"), local, alone=True)
                     self._more.add(key)
-            several = row[11] > 0
             if several or not self._passes:  # its last call's samples, in every pass
                 self.samples[layer.name] = row[8] * self.accumulation_steps
             else:  # all its samples (a routed layer's differ between passes), in a window of accumulation_steps passes
